@@ -1,0 +1,197 @@
+/* usmipc: zero-copy sharing of accelerator memory between processes.
+ *
+ * The only public C header. Conventions (libuv's):
+ *  - every call that can fail returns 0 or a negative code from
+ *    usmipc/errno.h; usmipc_last_error() then says, in a sentence, what was
+ *    wrong and what to do;
+ *  - objects are opaque; devices live as long as the process, queues and
+ *    handles are created and destroyed explicitly;
+ *  - every call is thread-safe.
+ *
+ * The data path of an IPC round trip:
+ *   exporter: usmipc_malloc -> usmipc_ipc_get_handle -> usmipc_ipc_handle_data
+ *             (send the bytes by any channel) -> usmipc_ipc_free_handle
+ *   importer: usmipc_ipc_open(bytes) -> use the pointer -> usmipc_ipc_close
+ */
+#ifndef USMIPC_H
+#define USMIPC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "usmipc/errno.h"
+#include "usmipc/version.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define USMIPC_API __attribute__((visibility("default")))
+#else
+#define USMIPC_API
+#endif
+
+typedef struct usmipc_device usmipc_device_t;
+typedef struct usmipc_queue usmipc_queue_t;
+typedef struct usmipc_ipc_handle usmipc_ipc_handle_t;
+
+typedef enum usmipc_backend {
+  USMIPC_BACKEND_HOST = 1,       /* the CPU; device memory is memfd-backed */
+  USMIPC_BACKEND_CUDA = 2,       /* NVIDIA driver API, loaded with dlopen */
+  USMIPC_BACKEND_LEVEL_ZERO = 3, /* oneAPI Level Zero, loaded with dlopen */
+} usmipc_backend_t;
+
+typedef enum usmipc_device_type {
+  USMIPC_DEVICE_CPU = 1,
+  USMIPC_DEVICE_GPU = 2,
+} usmipc_device_type_t;
+
+/* The USM kinds of the seed: device memory (exportable), host memory
+ * (pinned, host-resident), shared memory (migrating). */
+typedef enum usmipc_mem_kind {
+  USMIPC_MEM_UNKNOWN = 0,
+  USMIPC_MEM_DEVICE = 1,
+  USMIPC_MEM_HOST = 2,
+  USMIPC_MEM_SHARED = 3,
+} usmipc_mem_kind_t;
+
+/* ---- version and errors -------------------------------------------------- */
+
+/* The version of the library actually loaded (USMIPC_VERSION_HEX is the one
+ * compiled against). */
+USMIPC_API unsigned usmipc_version(void);
+USMIPC_API const char *usmipc_version_string(void);
+
+/* "invalid argument" for USMIPC_EINVAL; never NULL. */
+USMIPC_API const char *usmipc_strerror(int err);
+/* "USMIPC_EINVAL" for USMIPC_EINVAL; never NULL. */
+USMIPC_API const char *usmipc_err_name(int err);
+/* The message of the last failed call on this thread: what was wrong and what
+ * to do. Valid until the next usmipc call on the same thread. */
+USMIPC_API const char *usmipc_last_error(void);
+/* For USMIPC_EBACKEND: the driver's own error code of the last failure on
+ * this thread (CUresult, ze_result_t, errno), 0 otherwise. */
+USMIPC_API long usmipc_last_native_error(void);
+
+/* ---- backends and devices ------------------------------------------------ */
+
+USMIPC_API const char *usmipc_backend_name(usmipc_backend_t backend);
+/* 0 when the backend loaded and has devices; otherwise USMIPC_EUNAVAILABLE and
+ * *reason (if not NULL) says why ("libcuda.so.1 not found: ..."). */
+USMIPC_API int usmipc_backend_status(usmipc_backend_t backend,
+                                     const char **reason);
+
+/* Fills devices[0..capacity) and sets *count to the number of devices of
+ * every available backend (which may exceed capacity). */
+USMIPC_API int usmipc_get_devices(usmipc_device_t **devices, size_t capacity,
+                                  size_t *count);
+
+/* Selects a device by filter string "backend[:type[:index]]", for example
+ * "host:cpu", "host:cpu:0", "cuda:gpu:1", "level_zero:gpu", "cuda" or "gpu".
+ * NULL or "" selects the default device: the first GPU, else the host. */
+USMIPC_API int usmipc_device_select(const char *filter,
+                                    usmipc_device_t **device);
+
+USMIPC_API const char *usmipc_device_name(const usmipc_device_t *device);
+USMIPC_API usmipc_backend_t usmipc_device_backend(const usmipc_device_t *device);
+USMIPC_API usmipc_device_type_t usmipc_device_type(const usmipc_device_t *device);
+/* Index among the devices of the same backend and type. */
+USMIPC_API int usmipc_device_index(const usmipc_device_t *device);
+/* The canonical filter string, "host:cpu:0". */
+USMIPC_API const char *usmipc_device_filter_string(const usmipc_device_t *device);
+USMIPC_API void usmipc_device_uuid(const usmipc_device_t *device,
+                                   uint8_t uuid[16]);
+/* The aspect "supports IPC memory": 1 or 0. */
+USMIPC_API int usmipc_device_has_ipc(const usmipc_device_t *device);
+
+/* ---- queues -------------------------------------------------------------- */
+
+/* A queue orders copies and fills on one device (a CUDA stream, a Level Zero
+ * command list; on the host backend copies complete before returning). */
+USMIPC_API int usmipc_queue_create(usmipc_device_t *device,
+                                   usmipc_queue_t **queue);
+USMIPC_API int usmipc_queue_destroy(usmipc_queue_t *queue);
+USMIPC_API usmipc_device_t *usmipc_queue_device(const usmipc_queue_t *queue);
+USMIPC_API int usmipc_queue_synchronize(usmipc_queue_t *queue);
+/* Enqueue a copy or a byte fill; call usmipc_queue_synchronize before
+ * reading the result on the host. */
+USMIPC_API int usmipc_memcpy(usmipc_queue_t *queue, void *dst, const void *src,
+                             size_t nbytes);
+USMIPC_API int usmipc_memset(usmipc_queue_t *queue, void *dst, int value,
+                             size_t nbytes);
+
+/* ---- memory -------------------------------------------------------------- */
+
+USMIPC_API int usmipc_malloc(usmipc_device_t *device, usmipc_mem_kind_t kind,
+                             size_t nbytes, void **ptr);
+/* Frees an allocation from usmipc_malloc. If the allocation is also open as a
+ * same-process IPC alias, the memory is released when the last alias closes;
+ * importers in other processes keep their mappings. */
+USMIPC_API int usmipc_free(void *ptr);
+
+typedef struct usmipc_pointer_info {
+  usmipc_device_t *device;
+  usmipc_mem_kind_t kind;
+  void *base;          /* start of the allocation holding the pointer */
+  size_t size;         /* size of that allocation */
+  uint64_t buffer_id;  /* unique per allocation; differs after address reuse */
+  int is_ipc_mapping;  /* 1 when the memory was opened from an IPC handle */
+  int is_foreign;      /* 1 when another library allocated it */
+} usmipc_pointer_info_t;
+
+/* Which device and kind, base and size of the allocation containing ptr.
+ * Knows usmipc's allocations and mappings, and pointers that a backend's
+ * driver can describe (any CUDA allocation). */
+USMIPC_API int usmipc_pointer_query(const void *ptr, usmipc_pointer_info_t *info);
+
+/* ---- IPC: the four calls of the seed -------------------------------------- */
+
+/* Exports nbytes of device memory starting at ptr (an interior pointer is
+ * fine: the handle carries the offset). nbytes == 0 exports up to the end of
+ * the allocation. The handle's bytes are a documented wire format
+ * (docs/handle-format.md) that any channel can carry. */
+USMIPC_API int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
+                                     usmipc_ipc_handle_t **handle);
+/* The serialized handle; valid until usmipc_ipc_free_handle. */
+USMIPC_API int usmipc_ipc_handle_data(const usmipc_ipc_handle_t *handle,
+                                      const void **data, size_t *len);
+/* Releases the handle data (and any driver-side handle). Mappings already
+ * opened elsewhere stay valid. NULL is accepted. */
+USMIPC_API int usmipc_ipc_free_handle(usmipc_ipc_handle_t *handle);
+
+/* Maps handle bytes on device (NULL: the device named by the handle) and
+ * returns the address of the exported range in *ptr and its size in
+ * *mapped_nbytes. nbytes == 0 maps the whole exported size; more than it is
+ * refused. Opening in the exporting process returns the original pointer.
+ * Re-opening an allocation that is already open in this process is cheap:
+ * mappings are shared and reference-counted. */
+USMIPC_API int usmipc_ipc_open(const void *data, size_t len,
+                               usmipc_device_t *device, size_t nbytes,
+                               void **ptr, size_t *mapped_nbytes);
+/* Drops one reference taken by usmipc_ipc_open on ptr. */
+USMIPC_API int usmipc_ipc_close(void *ptr);
+
+typedef struct usmipc_ipc_handle_info {
+  usmipc_backend_t backend;
+  uint8_t device_uuid[16];
+  uint32_t exporter_pid;
+  uint64_t buffer_id;
+  uint64_t allocation_size;
+  uint64_t offset;
+  uint64_t nbytes;
+  unsigned handle_kind; /* backend-specific: see docs/handle-format.md */
+} usmipc_ipc_handle_info_t;
+
+/* Validates handle bytes (as untrusted input) without opening them. */
+USMIPC_API int usmipc_ipc_handle_inspect(const void *data, size_t len,
+                                         usmipc_ipc_handle_info_t *info);
+
+/* Importers keep up to this many closed mappings so that a re-open is cheap
+ * (default 64, or USMIPC_IPC_CACHE_SIZE); 0 unmaps on the last close. */
+USMIPC_API int usmipc_ipc_set_cache_size(size_t entries);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* USMIPC_H */

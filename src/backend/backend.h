@@ -1,0 +1,92 @@
+/* The backend interface: one ops table per backend, one file per backend.
+ *
+ * The core (device.c, memory.c, ipc.c) calls backends only through this
+ * table, and backends know nothing of the core's registries, caches or
+ * transports. A backend reports itself unavailable from probe() (with a
+ * reason) instead of failing; the table starts with its own size so that it
+ * can grow (libfabric's habit); the IPC group is all-or-none (UMF's).
+ */
+#ifndef USMIPC_BACKEND_H
+#define USMIPC_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "usmipc.h"
+
+/* What a backend says about one of its devices at probe time. */
+typedef struct usmipc__device_desc {
+  usmipc_device_type_t type;
+  char name[128];
+  uint8_t uuid[16];
+  int supports_ipc;
+  void *native; /* backend's per-device state (a CUcontext, ...) */
+} usmipc__device_desc_t;
+
+/* One allocation or mapping as a backend sees it. The core keeps one of these
+ * in each registry record and hands it back to the backend unchanged. */
+typedef struct usmipc__allocation {
+  void *base;
+  size_t size;
+  usmipc_mem_kind_t kind;
+  int fd;           /* a shareable file descriptor owned by this record, or -1 */
+  uint64_t native;  /* backend's own handle (CUmemGenericAllocationHandle, ...) */
+  void *native_ptr; /* backend's own pointer-sized state */
+} usmipc__allocation_t;
+
+/* The backend-specific part of a wire handle (docs/handle-format.md). */
+#define USMIPC__PAYLOAD_MAX 128
+typedef struct usmipc__payload {
+  uint8_t handle_kind; /* backend-specific sub-kind */
+  uint16_t len;
+  uint8_t bytes[USMIPC__PAYLOAD_MAX];
+} usmipc__payload_t;
+
+typedef struct usmipc__backend_ops {
+  size_t struct_size; /* sizeof(usmipc__backend_ops_t) when compiled */
+  usmipc_backend_t backend;
+  const char *name; /* "host", "cuda", "level_zero" */
+
+  /* Load the driver and describe up to max devices. Returns the number of
+   * devices (>= 0), or a negative code with reason filled in. Called once. */
+  int (*probe)(usmipc__device_desc_t *devices, int max, char *reason,
+               size_t reason_len);
+
+  /* Memory. dev is the device's native state from probe. */
+  int (*mem_alloc)(void *dev, usmipc_mem_kind_t kind, size_t nbytes,
+                   usmipc__allocation_t *out);
+  int (*mem_free)(void *dev, usmipc__allocation_t *alloc);
+  /* Describe a pointer usmipc did not allocate: 0 and *out filled (kind,
+   * base, size, native) plus *buffer_id and *device_index, or
+   * USMIPC_EUNKNOWNPTR. Optional (NULL: the backend knows only its own). */
+  int (*pointer_query)(const void *ptr, usmipc__allocation_t *out,
+                       uint64_t *buffer_id, int *device_index);
+
+  /* Queues: native queue state in *queue. */
+  int (*queue_create)(void *dev, void **queue);
+  int (*queue_destroy)(void *dev, void *queue);
+  int (*queue_synchronize)(void *dev, void *queue);
+  int (*memcpy)(void *dev, void *queue, void *dst, const void *src, size_t n);
+  int (*memset)(void *dev, void *queue, void *dst, int value, size_t n);
+
+  /* IPC, all or none. ipc_export fills the payload for the allocation and
+   * returns in *fd_to_share a descriptor the core's transport must make
+   * available to importers (borrowed: still owned by the allocation), or -1.
+   * ipc_import maps an exported range: fd is a descriptor received from the
+   * exporter (or -1), owned by the caller; on success the backend keeps what
+   * it needs in *out (dup'ing fd if it must keep one). */
+  int (*ipc_export)(void *dev, usmipc__allocation_t *alloc,
+                    usmipc__payload_t *payload, int *fd_to_share);
+  int (*ipc_import)(void *dev, const usmipc__payload_t *payload, int fd,
+                    uint64_t allocation_size, usmipc__allocation_t *out);
+  int (*ipc_unmap)(void *dev, usmipc__allocation_t *mapping);
+} usmipc__backend_ops_t;
+
+/* The backends the core knows, in probe order; a new backend adds itself to
+ * the table in backend/registry.c and nothing else in the core changes. */
+extern const usmipc__backend_ops_t *const usmipc__backends[];
+extern const size_t usmipc__backend_count;
+
+extern const usmipc__backend_ops_t usmipc__host_backend;
+
+#endif /* USMIPC_BACKEND_H */

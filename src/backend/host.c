@@ -1,0 +1,232 @@
+/* The host backend: the CPU as a device. Device memory is a memfd-backed
+ * shared mapping, so it can be shared by handing its file descriptor to
+ * another process, which maps the same pages: no copy, and the pages live as
+ * long as any process maps them or holds the descriptor. Host and shared
+ * memory are private anonymous mappings (page-aligned, like device memory). */
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "../common.h"
+
+#define HOST_HANDLE_MEMFD 1 /* payload-less handle: the memory is the fd */
+
+static size_t page_size(void) {
+  static size_t ps;
+  if (ps == 0)
+    ps = (size_t)sysconf(_SC_PAGESIZE);
+  return ps;
+}
+
+static int sys_fail(const char *what) {
+  int e = errno;
+  return usmipc__fail_native(e == ENOMEM ? USMIPC_ENOMEM : -e, e, "%s: %s",
+                             what, strerror(e));
+}
+
+/* The host "device" is the machine: its UUID is /etc/machine-id when there is
+ * one (stable across reboots), else the boot id. */
+static void host_uuid(uint8_t out[16]) {
+  char text[64] = {0};
+  memcpy(out, usmipc__self()->boot_id, 16);
+  int fd = open("/etc/machine-id", O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return;
+  ssize_t n = read(fd, text, sizeof(text) - 1);
+  close(fd);
+  if (n < 32)
+    return;
+  for (int i = 0; i < 16; i++) {
+    unsigned v;
+    if (sscanf(text + 2 * i, "%2x", &v) != 1)
+      return;
+    out[i] = (uint8_t)v;
+  }
+}
+
+static void cpu_name(char *out, size_t len) {
+  snprintf(out, len, "host CPU");
+  FILE *f = fopen("/proc/cpuinfo", "re");
+  if (f == NULL)
+    return;
+  char line[256];
+  while (fgets(line, sizeof(line), f)) {
+    if (strncmp(line, "model name", 10) == 0) {
+      char *colon = strchr(line, ':');
+      if (colon) {
+        colon += 1 + (colon[1] == ' ');
+        colon[strcspn(colon, "\n")] = '\0';
+        snprintf(out, len, "%s", colon);
+      }
+      break;
+    }
+  }
+  fclose(f);
+}
+
+static int host_probe(usmipc__device_desc_t *devices, int max, char *reason,
+                      size_t reason_len) {
+  (void)reason;
+  (void)reason_len;
+  if (max < 1)
+    return 0;
+  devices[0].type = USMIPC_DEVICE_CPU;
+  cpu_name(devices[0].name, sizeof(devices[0].name));
+  host_uuid(devices[0].uuid);
+  /* memfd_create(2) appeared in Linux 3.17; probe it rather than assume. */
+  int fd = memfd_create("usmipc-probe", MFD_CLOEXEC);
+  devices[0].supports_ipc = fd >= 0;
+  if (fd >= 0)
+    close(fd);
+  devices[0].native = NULL;
+  return 1;
+}
+
+static int host_mem_alloc(void *dev, usmipc_mem_kind_t kind, size_t nbytes,
+                          usmipc__allocation_t *out) {
+  (void)dev;
+  size_t size = (nbytes + page_size() - 1) & ~(page_size() - 1);
+  if (size < nbytes)
+    return usmipc__fail(USMIPC_ENOMEM, "size %zu is too large", nbytes);
+  if (kind != USMIPC_MEM_DEVICE) {
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+      return sys_fail("mmap");
+    out->base = p;
+    out->size = nbytes;
+    out->fd = -1;
+    out->native = size;
+    return 0;
+  }
+  int fd = memfd_create("usmipc", MFD_CLOEXEC);
+  if (fd < 0)
+    return sys_fail("memfd_create");
+  if (ftruncate(fd, (off_t)size) != 0) {
+    int rc = sys_fail("ftruncate of the memfd");
+    close(fd);
+    return rc;
+  }
+  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    int rc = sys_fail("mmap of the memfd");
+    close(fd);
+    return rc;
+  }
+  out->base = p;
+  out->size = nbytes;
+  out->fd = fd;
+  out->native = size;
+  return 0;
+}
+
+static int host_mem_free(void *dev, usmipc__allocation_t *a) {
+  (void)dev;
+  munmap(a->base, (size_t)a->native);
+  if (a->fd >= 0)
+    close(a->fd);
+  a->fd = -1;
+  return 0;
+}
+
+static int host_queue_create(void *dev, void **queue) {
+  (void)dev;
+  *queue = NULL; /* host copies complete before returning: nothing to order */
+  return 0;
+}
+static int host_queue_destroy(void *dev, void *queue) {
+  (void)dev;
+  (void)queue;
+  return 0;
+}
+static int host_queue_synchronize(void *dev, void *queue) {
+  (void)dev;
+  (void)queue;
+  return 0;
+}
+static int host_memcpy(void *dev, void *queue, void *dst, const void *src,
+                       size_t n) {
+  (void)dev;
+  (void)queue;
+  memmove(dst, src, n);
+  return 0;
+}
+static int host_memset(void *dev, void *queue, void *dst, int value, size_t n) {
+  (void)dev;
+  (void)queue;
+  memset(dst, value, n);
+  return 0;
+}
+
+static int host_ipc_export(void *dev, usmipc__allocation_t *a,
+                           usmipc__payload_t *payload, int *fd_to_share) {
+  (void)dev;
+  if (a->fd < 0)
+    return usmipc__fail(USMIPC_EMEMKIND,
+                        "only device memory can be exported; this allocation "
+                        "is not memfd-backed");
+  payload->handle_kind = HOST_HANDLE_MEMFD;
+  payload->len = 0;
+  *fd_to_share = a->fd;
+  return 0;
+}
+
+static int host_ipc_import(void *dev, const usmipc__payload_t *payload, int fd,
+                           uint64_t allocation_size, usmipc__allocation_t *out) {
+  (void)dev;
+  if (payload->handle_kind != HOST_HANDLE_MEMFD || payload->len != 0)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "host handle of unknown kind %u (payload %u bytes)",
+                        payload->handle_kind, payload->len);
+  if (fd < 0)
+    return usmipc__fail(USMIPC_EBADHANDLE, "host handle carries no descriptor");
+  /* Never map past the end of the file: a forged size would turn into
+   * SIGBUS on first touch instead of an error here. */
+  struct stat st;
+  if (fstat(fd, &st) != 0)
+    return sys_fail("fstat of the received descriptor");
+  size_t size = (allocation_size + page_size() - 1) & ~(page_size() - 1);
+  if (allocation_size > (uint64_t)SIZE_MAX - page_size() ||
+      (uint64_t)st.st_size < size)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "the handle claims a %llu-byte allocation but the "
+                        "exporter's memory is %lld bytes",
+                        (unsigned long long)allocation_size,
+                        (long long)st.st_size);
+  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED)
+    return sys_fail("mmap of the exporter's memory");
+  out->base = p;
+  out->size = (size_t)allocation_size;
+  out->kind = USMIPC_MEM_DEVICE;
+  out->fd = -1; /* the mapping keeps the pages alive; no need to hold fd */
+  out->native = size;
+  return 0;
+}
+
+static int host_ipc_unmap(void *dev, usmipc__allocation_t *m) {
+  (void)dev;
+  munmap(m->base, (size_t)m->native);
+  return 0;
+}
+
+const usmipc__backend_ops_t usmipc__host_backend = {
+    .struct_size = sizeof(usmipc__backend_ops_t),
+    .backend = USMIPC_BACKEND_HOST,
+    .name = "host",
+    .probe = host_probe,
+    .mem_alloc = host_mem_alloc,
+    .mem_free = host_mem_free,
+    .pointer_query = NULL,
+    .queue_create = host_queue_create,
+    .queue_destroy = host_queue_destroy,
+    .queue_synchronize = host_queue_synchronize,
+    .memcpy = host_memcpy,
+    .memset = host_memset,
+    .ipc_export = host_ipc_export,
+    .ipc_import = host_ipc_import,
+    .ipc_unmap = host_ipc_unmap,
+};

@@ -1,0 +1,9 @@
+/* The backends usmipc knows, in probe order. Adding a backend means adding
+ * its ops table here; nothing else in the core changes. */
+#include "backend.h"
+
+const usmipc__backend_ops_t *const usmipc__backends[] = {
+    &usmipc__host_backend,
+};
+const size_t usmipc__backend_count =
+    sizeof(usmipc__backends) / sizeof(usmipc__backends[0]);

@@ -1,0 +1,176 @@
+/* Private helpers shared by every .c file of the core (usmipc__ prefix). */
+#ifndef USMIPC_COMMON_H
+#define USMIPC_COMMON_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend/backend.h"
+#include "usmipc.h"
+
+#define USMIPC__ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+
+#if defined(__GNUC__)
+#define USMIPC__PRINTF(f, a) __attribute__((format(printf, f, a)))
+#define USMIPC__LIKELY(x) __builtin_expect(!!(x), 1)
+#define USMIPC__UNLIKELY(x) __builtin_expect(!!(x), 0)
+#else
+#define USMIPC__PRINTF(f, a)
+#define USMIPC__LIKELY(x) (x)
+#define USMIPC__UNLIKELY(x) (x)
+#endif
+
+/* ---- error.c ------------------------------------------------------------- */
+
+/* Records a message for usmipc_last_error() on this thread and returns code,
+ * so that failures read `return usmipc__fail(USMIPC_EINVAL, "...");`. */
+int usmipc__fail(int code, const char *fmt, ...) USMIPC__PRINTF(2, 3);
+/* The same, keeping the driver's own error code (usmipc_last_native_error). */
+int usmipc__fail_native(int code, long native, const char *fmt, ...)
+    USMIPC__PRINTF(3, 4);
+/* Prefixes the current thread's message with context ("opening handle: "). */
+void usmipc__error_prefix(const char *fmt, ...) USMIPC__PRINTF(1, 2);
+
+/* ---- process identity (process.c) ----------------------------------------
+ * Who this process is, as recorded in exported handles. The nonce is random
+ * per process instance (redrawn in a fork child), so (pid, nonce) never names
+ * two processes even when pids are reused. */
+typedef struct usmipc__process {
+  uint32_t pid;
+  uint32_t uid;
+  uint64_t nonce;
+  uint8_t boot_id[16]; /* /proc/sys/kernel/random/boot_id; zero if unreadable */
+} usmipc__process_t;
+
+const usmipc__process_t *usmipc__self(void);
+int usmipc__random(void *buf, size_t len);
+
+/* ---- devices (device.c) -------------------------------------------------- */
+
+struct usmipc_device {
+  const usmipc__backend_ops_t *ops;
+  void *native;              /* from the backend's probe */
+  usmipc_device_type_t type;
+  int index;                 /* among devices of the same backend and type */
+  int ordinal;               /* probe order within the backend */
+  int has_ipc;
+  uint8_t uuid[16];
+  char name[128];
+  char filter[48];           /* "host:cpu:0" */
+};
+
+struct usmipc_queue {
+  usmipc_device_t *device;
+  void *native;
+};
+
+int usmipc__devices_init(void);
+usmipc_device_t *usmipc__device_by_ordinal(usmipc_backend_t backend, int ordinal);
+usmipc_device_t *usmipc__device_by_uuid(usmipc_backend_t backend,
+                                        const uint8_t uuid[16]);
+void usmipc__uuid_format(const uint8_t uuid[16], char out[37]);
+
+/* ---- the region registry (memory.c) ---------------------------------------
+ * Every allocation usmipc made and every IPC mapping it opened is a region:
+ * an address range with its device, kind and identity. One mutex guards the
+ * registry and the import cache; it is never held across a driver call that
+ * can block on another process. */
+typedef enum usmipc__origin {
+  USMIPC__LOCAL = 1,    /* usmipc_malloc in this process */
+  USMIPC__IMPORTED = 2, /* usmipc_ipc_open of another process's handle */
+} usmipc__origin_t;
+
+typedef struct usmipc__import_key {
+  uint64_t nonce;
+  uint64_t buffer_id;
+  uint32_t pid;
+} usmipc__import_key_t;
+
+typedef struct usmipc__region {
+  usmipc__allocation_t alloc;
+  usmipc_device_t *device;
+  usmipc__origin_t origin;
+  uint64_t buffer_id; /* LOCAL: drawn at allocation; IMPORTED: the exporter's */
+
+  /* LOCAL */
+  unsigned alias_refs;  /* same-process opens not yet closed */
+  bool user_freed;      /* usmipc_free called while aliases were open */
+  bool exported;        /* payload and fd grant below are valid */
+  usmipc__payload_t payload;
+  uint8_t token[16];    /* capability that importers present to the broker */
+  uint32_t fd_number;   /* the published descriptor, for pidfd_getfd */
+  uint64_t fd_dev, fd_ino;
+
+  /* IMPORTED */
+  usmipc__import_key_t key;
+  unsigned open_refs;   /* usmipc_ipc_open calls not yet closed */
+  struct usmipc__region *idle_prev, *idle_next; /* LRU of closed mappings */
+} usmipc__region_t;
+
+extern pthread_mutex_t usmipc__registry_lock;
+
+/* All below: call with usmipc__registry_lock held. */
+int usmipc__region_insert(usmipc__region_t *r);
+void usmipc__region_remove(usmipc__region_t *r);
+usmipc__region_t *usmipc__region_find(const void *ptr);
+/* Visits every region (used after fork). */
+void usmipc__region_foreach(void (*fn)(usmipc__region_t *r));
+uint64_t usmipc__new_buffer_id(void);
+/* Drops a LOCAL region from the registry and releases it; lock NOT held. */
+void usmipc__region_release_local(usmipc__region_t *r);
+
+/* ---- the wire format (handle.c) ------------------------------------------ */
+
+#define USMIPC__WIRE_VERSION 1
+#define USMIPC__WIRE_FIXED_LEN 140 /* bytes before the payload */
+#define USMIPC__WIRE_FLAG_FD 0x1u  /* an fd must be fetched from the exporter */
+
+typedef struct usmipc__wire {
+  usmipc_backend_t backend;
+  uint16_t flags;
+  uint8_t device_uuid[16];
+  uint8_t boot_id[16];
+  uint32_t pid;
+  uint32_t fd_number;
+  uint64_t nonce;
+  uint64_t buffer_id;
+  uint64_t exporter_base;
+  uint64_t allocation_size;
+  uint64_t offset;
+  uint64_t nbytes;
+  uint64_t fd_dev;
+  uint64_t fd_ino;
+  uint8_t token[16];
+  usmipc__payload_t payload;
+} usmipc__wire_t;
+
+/* Encoded length for a payload of payload_len bytes. */
+size_t usmipc__wire_size(size_t payload_len);
+/* Writes exactly usmipc__wire_size(w->payload.len) bytes to out. */
+void usmipc__wire_encode(const usmipc__wire_t *w, uint8_t *out);
+/* Decodes untrusted bytes; every failure is EBADHANDLE or EHANDLEVERSION
+ * with a message naming the defect. */
+int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w);
+uint32_t usmipc__crc32c(uint32_t crc, const void *data, size_t len);
+
+/* ---- file descriptor transport (linux/fdxfer.c) --------------------------- */
+
+typedef struct usmipc__fd_grant {
+  uint8_t token[16];
+  uint32_t fd_number;
+  uint64_t dev, ino;
+} usmipc__fd_grant_t;
+
+/* Makes fd (borrowed; the transport keeps its own duplicate) fetchable by
+ * importers that present the returned token; starts the broker lazily. */
+int usmipc__fdxfer_publish(int fd, uint64_t buffer_id, usmipc__fd_grant_t *grant);
+/* Stops serving buffer_id; importers that already hold the fd keep it. */
+void usmipc__fdxfer_withdraw(uint64_t buffer_id);
+/* Obtains the exporter's descriptor for a decoded handle: pidfd_getfd(2)
+ * where permitted (checked against the recorded file identity), else the
+ * exporter's broker over a Unix socket. USMIPC_FD_TRANSPORT forces one. */
+int usmipc__fdxfer_fetch(const usmipc__wire_t *w, int *fd);
+
+#endif /* USMIPC_COMMON_H */

@@ -1,0 +1,455 @@
+/* IPC: the four calls of the seed (get a handle, open it, close the mapping,
+ * free the handle data) and the per-process import cache.
+ *
+ * Export:  find the region -> check kind, device, range -> (first time) ask
+ *          the backend for its payload and publish its fd -> encode.
+ * Open:    decode -> check host, device, size -> same process? alias ->
+ *          cache hit? take a reference -> else fetch the fd and let the
+ *          backend map the whole allocation; cache it by exporter identity.
+ * Close:   drop a reference; a mapping nobody uses waits in a bounded LRU so
+ *          that opening it again is cheap, then is unmapped.
+ *
+ * The cache key is (exporter pid, exporter nonce, buffer id). Buffer ids are
+ * never reused within an exporter, so a stale entry (the exporter freed and
+ * reallocated at the same address) can never match a new handle. */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common.h"
+
+struct usmipc_ipc_handle {
+  size_t len;
+  uint8_t data[];
+};
+
+/* Import cache: regions of origin IMPORTED sorted by key, plus the LRU list
+ * of those with no open reference (most recently closed at the head). All
+ * guarded by usmipc__registry_lock. */
+static usmipc__region_t **imports;
+static size_t import_count, import_capacity;
+static usmipc__region_t *idle_head, *idle_tail;
+static size_t idle_count;
+static size_t idle_limit = 64;
+static pthread_once_t cache_once = PTHREAD_ONCE_INIT;
+
+static void cache_init(void) {
+  const char *env = getenv("USMIPC_IPC_CACHE_SIZE");
+  if (env != NULL && *env != '\0') {
+    char *end;
+    unsigned long v = strtoul(env, &end, 10);
+    if (*end == '\0')
+      idle_limit = v;
+  }
+}
+
+static int key_cmp(const usmipc__import_key_t *a, const usmipc__import_key_t *b) {
+  if (a->buffer_id != b->buffer_id)
+    return a->buffer_id < b->buffer_id ? -1 : 1;
+  if (a->nonce != b->nonce)
+    return a->nonce < b->nonce ? -1 : 1;
+  if (a->pid != b->pid)
+    return a->pid < b->pid ? -1 : 1;
+  return 0;
+}
+
+/* Index of the first import whose key is >= key. */
+static size_t import_lower_bound(const usmipc__import_key_t *key) {
+  size_t lo = 0, hi = import_count;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (key_cmp(&imports[mid]->key, key) < 0)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+static usmipc__region_t *import_find(const usmipc__import_key_t *key) {
+  size_t at = import_lower_bound(key);
+  if (at < import_count && key_cmp(&imports[at]->key, key) == 0)
+    return imports[at];
+  return NULL;
+}
+
+static int import_insert(usmipc__region_t *r) {
+  if (import_count == import_capacity) {
+    size_t cap = import_capacity ? import_capacity * 2 : 64;
+    void *grown = realloc(imports, cap * sizeof(*imports));
+    if (grown == NULL)
+      return usmipc__fail(USMIPC_ENOMEM, "out of memory growing the cache");
+    imports = grown;
+    import_capacity = cap;
+  }
+  size_t at = import_lower_bound(&r->key);
+  memmove(&imports[at + 1], &imports[at],
+          (import_count - at) * sizeof(*imports));
+  imports[at] = r;
+  import_count++;
+  return 0;
+}
+
+static void import_remove(usmipc__region_t *r) {
+  size_t at = import_lower_bound(&r->key);
+  if (at < import_count && imports[at] == r) {
+    memmove(&imports[at], &imports[at + 1],
+            (import_count - at - 1) * sizeof(*imports));
+    import_count--;
+  }
+}
+
+static void idle_unlink(usmipc__region_t *r) {
+  if (r->idle_prev)
+    r->idle_prev->idle_next = r->idle_next;
+  else
+    idle_head = r->idle_next;
+  if (r->idle_next)
+    r->idle_next->idle_prev = r->idle_prev;
+  else
+    idle_tail = r->idle_prev;
+  r->idle_prev = r->idle_next = NULL;
+  idle_count--;
+}
+
+static void idle_push(usmipc__region_t *r) {
+  r->idle_prev = NULL;
+  r->idle_next = idle_head;
+  if (idle_head)
+    idle_head->idle_prev = r;
+  idle_head = r;
+  if (idle_tail == NULL)
+    idle_tail = r;
+  idle_count++;
+}
+
+/* Detaches idle mappings beyond the limit; returns them as a list (linked by
+ * idle_next) to unmap once the lock is dropped. */
+static usmipc__region_t *idle_evict_over_limit(void) {
+  usmipc__region_t *evicted = NULL;
+  while (idle_count > idle_limit) {
+    usmipc__region_t *r = idle_tail;
+    idle_unlink(r);
+    import_remove(r);
+    usmipc__region_remove(r);
+    r->idle_next = evicted;
+    evicted = r;
+  }
+  return evicted;
+}
+
+static void unmap_list(usmipc__region_t *list) {
+  while (list) {
+    usmipc__region_t *next = list->idle_next;
+    list->device->ops->ipc_unmap(list->device->native, &list->alloc);
+    free(list);
+    list = next;
+  }
+}
+
+int usmipc_ipc_set_cache_size(size_t entries) {
+  pthread_once(&cache_once, cache_init);
+  pthread_mutex_lock(&usmipc__registry_lock);
+  idle_limit = entries;
+  usmipc__region_t *evicted = idle_evict_over_limit();
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  unmap_list(evicted);
+  return 0;
+}
+
+/* ---- export --------------------------------------------------------------- */
+
+/* First export of a region: the backend's payload and, for fd-backed memory,
+ * a grant from the transport. Later exports reuse both, so an export after
+ * the first is only an encode. Called with the registry lock held. */
+static int export_region(usmipc__region_t *r) {
+  int fd = -1;
+  int rc = r->device->ops->ipc_export(r->device->native, &r->alloc, &r->payload,
+                                      &fd);
+  if (rc != 0)
+    return rc;
+  if (fd >= 0) {
+    usmipc__fd_grant_t grant;
+    rc = usmipc__fdxfer_publish(fd, r->buffer_id, &grant);
+    if (rc != 0)
+      return rc;
+    memcpy(r->token, grant.token, 16);
+    r->fd_number = grant.fd_number;
+    r->fd_dev = grant.dev;
+    r->fd_ino = grant.ino;
+  }
+  r->exported = true;
+  return 0;
+}
+
+int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
+                          usmipc_ipc_handle_t **handle) {
+  if (handle == NULL)
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_get_handle: handle is NULL");
+  *handle = NULL;
+  const usmipc__process_t *self = usmipc__self();
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__region_t *r = usmipc__region_find(ptr);
+  int rc = 0;
+  if (r == NULL)
+    rc = usmipc__fail(USMIPC_EUNKNOWNPTR,
+                      "cannot export %p: it is not inside memory allocated "
+                      "with usmipc_malloc",
+                      ptr);
+  else if (r->origin == USMIPC__IMPORTED)
+    rc = usmipc__fail(USMIPC_ENOTSUP,
+                      "cannot export %p: it is an IPC mapping of another "
+                      "process's memory; forward the original handle bytes",
+                      ptr);
+  else if (r->user_freed)
+    rc = usmipc__fail(USMIPC_EUNKNOWNPTR, "cannot export %p: it was freed",
+                      ptr);
+  else if (r->alloc.kind != USMIPC_MEM_DEVICE)
+    rc = usmipc__fail(USMIPC_EMEMKIND,
+                      "cannot export %p: only device memory can be shared "
+                      "between processes, and this is %s memory",
+                      ptr, r->alloc.kind == USMIPC_MEM_HOST ? "host" : "shared");
+  else if (!r->device->has_ipc)
+    rc = usmipc__fail(USMIPC_ENOTSUP,
+                      "cannot export %p: device %s does not support IPC "
+                      "memory (check usmipc_device_has_ipc first)",
+                      ptr, r->device->filter);
+  if (rc != 0) {
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    return rc;
+  }
+  size_t offset = (size_t)((uintptr_t)ptr - (uintptr_t)r->alloc.base);
+  if (nbytes == 0)
+    nbytes = r->alloc.size - offset;
+  if (nbytes > r->alloc.size - offset) {
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    return usmipc__fail(USMIPC_ERANGE,
+                        "cannot export %zu bytes at offset %zu: the "
+                        "allocation has only %zu bytes",
+                        nbytes, offset, r->alloc.size);
+  }
+  if (!r->exported && (rc = export_region(r)) != 0) {
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    usmipc__error_prefix("exporting %p: ", ptr);
+    return rc;
+  }
+
+  usmipc__wire_t w;
+  memset(&w, 0, sizeof(w));
+  w.backend = r->device->ops->backend;
+  w.flags = r->alloc.fd >= 0 ? USMIPC__WIRE_FLAG_FD : 0;
+  memcpy(w.device_uuid, r->device->uuid, 16);
+  memcpy(w.boot_id, self->boot_id, 16);
+  w.pid = self->pid;
+  w.nonce = self->nonce;
+  w.fd_number = r->alloc.fd >= 0 ? r->fd_number : UINT32_MAX;
+  w.buffer_id = r->buffer_id;
+  w.exporter_base = (uint64_t)(uintptr_t)r->alloc.base;
+  w.allocation_size = r->alloc.size;
+  w.offset = offset;
+  w.nbytes = nbytes;
+  w.fd_dev = r->fd_dev;
+  w.fd_ino = r->fd_ino;
+  memcpy(w.token, r->token, 16);
+  w.payload = r->payload;
+  pthread_mutex_unlock(&usmipc__registry_lock);
+
+  size_t len = usmipc__wire_size(w.payload.len);
+  usmipc_ipc_handle_t *h = malloc(sizeof(*h) + len);
+  if (h == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  h->len = len;
+  usmipc__wire_encode(&w, h->data);
+  *handle = h;
+  return 0;
+}
+
+int usmipc_ipc_handle_data(const usmipc_ipc_handle_t *handle, const void **data,
+                           size_t *len) {
+  if (handle == NULL || data == NULL || len == NULL)
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_handle_data: NULL argument");
+  *data = handle->data;
+  *len = handle->len;
+  return 0;
+}
+
+int usmipc_ipc_free_handle(usmipc_ipc_handle_t *handle) {
+  /* The transport's grant belongs to the allocation, not to the handle:
+   * handle bytes already sent stay openable until the allocation is freed. */
+  free(handle);
+  return 0;
+}
+
+/* ---- open and close ------------------------------------------------------- */
+
+static int open_same_process(const usmipc__wire_t *w, void **ptr) {
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__region_t *r =
+      usmipc__region_find((const void *)(uintptr_t)w->exporter_base);
+  if (r == NULL || r->origin != USMIPC__LOCAL || r->buffer_id != w->buffer_id ||
+      r->user_freed || (uintptr_t)r->alloc.base != w->exporter_base) {
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "the handle was exported by this process, but the "
+                        "allocation it names has been freed");
+  }
+  r->alias_refs++;
+  *ptr = (uint8_t *)r->alloc.base + w->offset;
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  return 0;
+}
+
+/* Takes a reference on a cached mapping; registry lock held. */
+static void *cache_take(usmipc__region_t *r, const usmipc__wire_t *w) {
+  if (r->open_refs++ == 0)
+    idle_unlink(r);
+  return (uint8_t *)r->alloc.base + w->offset;
+}
+
+int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
+                    size_t nbytes, void **ptr, size_t *mapped_nbytes) {
+  if (ptr == NULL)
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_open: ptr is NULL");
+  *ptr = NULL;
+  pthread_once(&cache_once, cache_init);
+  usmipc__wire_t w;
+  int rc = usmipc__wire_decode(data, len, &w);
+  if (rc != 0)
+    return rc;
+
+  const usmipc__process_t *self = usmipc__self();
+  if (memcmp(w.boot_id, self->boot_id, 16) != 0)
+    return usmipc__fail(USMIPC_EOTHERHOST,
+                        "the handle was exported on another machine or before "
+                        "this machine rebooted (boot id differs); IPC handles "
+                        "only work between processes of one running host");
+  if (device == NULL) {
+    device = usmipc__device_by_uuid(w.backend, w.device_uuid);
+    if (device == NULL) {
+      char uuid[37];
+      usmipc__uuid_format(w.device_uuid, uuid);
+      return usmipc__fail(USMIPC_ENODEV,
+                          "the handle was exported on %s device %s, which "
+                          "this process cannot see",
+                          usmipc_backend_name(w.backend), uuid);
+    }
+  } else if (device->ops->backend != w.backend) {
+    return usmipc__fail(USMIPC_EWRONGDEVICE,
+                        "the handle holds %s memory but the target device %s "
+                        "is a %s device; open it on a %s device",
+                        usmipc_backend_name(w.backend), device->filter,
+                        device->ops->name, usmipc_backend_name(w.backend));
+  } else if (memcmp(device->uuid, w.device_uuid, 16) != 0) {
+    char uuid[37];
+    usmipc__uuid_format(w.device_uuid, uuid);
+    return usmipc__fail(USMIPC_EWRONGDEVICE,
+                        "the handle was exported on device %s, not on %s; "
+                        "open it on the exporting device",
+                        uuid, device->filter);
+  }
+  if (nbytes == 0)
+    nbytes = w.nbytes;
+  else if (nbytes > w.nbytes)
+    return usmipc__fail(USMIPC_ERANGE,
+                        "cannot open %zu bytes: the handle exports only %llu",
+                        nbytes, (unsigned long long)w.nbytes);
+  if (mapped_nbytes != NULL)
+    *mapped_nbytes = nbytes;
+
+  if (w.nonce == self->nonce && w.pid == self->pid)
+    return open_same_process(&w, ptr);
+
+  usmipc__import_key_t key = {.nonce = w.nonce, .buffer_id = w.buffer_id,
+                              .pid = w.pid};
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__region_t *hit = import_find(&key);
+  if (hit != NULL) {
+    *ptr = cache_take(hit, &w);
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    return 0;
+  }
+  pthread_mutex_unlock(&usmipc__registry_lock);
+
+  /* Miss: fetch and map without the lock, since both can wait on the
+   * exporter; another thread may map the same allocation meanwhile, and the
+   * loser unmaps its copy below. */
+  int fd = -1;
+  if (w.flags & USMIPC__WIRE_FLAG_FD) {
+    rc = usmipc__fdxfer_fetch(&w, &fd);
+    if (rc != 0)
+      return rc;
+  }
+  usmipc__region_t *r = calloc(1, sizeof(*r));
+  if (r == NULL) {
+    if (fd >= 0)
+      close(fd);
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  }
+  r->alloc.fd = -1;
+  rc = device->ops->ipc_import(device->native, &w.payload, fd,
+                               w.allocation_size, &r->alloc);
+  if (fd >= 0)
+    close(fd);
+  if (rc != 0) {
+    free(r);
+    usmipc__error_prefix("opening the handle of process %u: ", w.pid);
+    return rc;
+  }
+  r->device = device;
+  r->origin = USMIPC__IMPORTED;
+  r->buffer_id = w.buffer_id;
+  r->key = key;
+  r->open_refs = 1;
+
+  pthread_mutex_lock(&usmipc__registry_lock);
+  hit = import_find(&key);
+  if (hit != NULL) {
+    *ptr = cache_take(hit, &w);
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    device->ops->ipc_unmap(device->native, &r->alloc);
+    free(r);
+    return 0;
+  }
+  rc = usmipc__region_insert(r);
+  if (rc == 0 && (rc = import_insert(r)) != 0)
+    usmipc__region_remove(r);
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  if (rc != 0) {
+    device->ops->ipc_unmap(device->native, &r->alloc);
+    free(r);
+    return rc;
+  }
+  *ptr = (uint8_t *)r->alloc.base + w.offset;
+  return 0;
+}
+
+int usmipc_ipc_close(void *ptr) {
+  pthread_once(&cache_once, cache_init);
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__region_t *r = usmipc__region_find(ptr);
+  usmipc__region_t *evicted = NULL, *release = NULL;
+  int rc = 0;
+  if (r != NULL && r->origin == USMIPC__LOCAL && r->alias_refs > 0) {
+    /* A same-process alias: the allocation is released here if the user
+     * freed it while the alias was open. */
+    if (--r->alias_refs == 0 && r->user_freed) {
+      usmipc__region_remove(r);
+      release = r;
+    }
+  } else if (r != NULL && r->origin == USMIPC__IMPORTED && r->open_refs > 0) {
+    if (--r->open_refs == 0) {
+      idle_push(r);
+      evicted = idle_evict_over_limit();
+    }
+  } else {
+    rc = usmipc__fail(USMIPC_ENOTMAPPED,
+                      "usmipc_ipc_close: %p is not an open IPC mapping (never "
+                      "opened, or already closed as often as it was opened)",
+                      ptr);
+  }
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  unmap_list(evicted);
+  if (release)
+    usmipc__region_release_local(release);
+  return rc;
+}

@@ -1,0 +1,507 @@
+/* Moving file descriptors between unrelated processes.
+ *
+ * Memory shared through a file descriptor (host memfd, CUDA VMM POSIX fds,
+ * Level Zero IPC fds) needs that descriptor in the importer. Two ways:
+ *
+ *  - pidfd_getfd(2) (Linux 5.6): the importer copies the descriptor straight
+ *    out of the exporter. Fast (two system calls), but it needs ptrace access
+ *    to the exporter, which Yama's ptrace_scope=1 (the Ubuntu default)
+ *    denies unless the importer is an ancestor of the exporter. The handle
+ *    records the file's (st_dev, st_ino), and the copied descriptor must
+ *    match it: a descriptor number reused after a free names another file.
+ *
+ *  - a per-process broker: a thread, started on the first export, listening
+ *    on an abstract Unix socket named after the exporter's pid and nonce. An
+ *    importer connects, presents the buffer id and the 16-byte capability
+ *    token from the handle, and receives the descriptor with SCM_RIGHTS
+ *    (unix(7)). The broker checks the token (a handle is a capability for one
+ *    allocation) and the peer's uid from SO_PEERCRED (another user is
+ *    refused even with the token). No ptrace rights are needed.
+ *
+ * USMIPC_FD_TRANSPORT picks: "auto" (default: pidfd, then the broker),
+ * "socket" or "pidfd".
+ *
+ * Abstract socket names live in the network namespace: exporter and importer
+ * must share it (containers started with --network=host do).
+ */
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "../common.h"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+
+#define REQUEST_MAGIC 0x51524655u /* "UFRQ" */
+#define REPLY_MAGIC 0x50524655u   /* "UFRP" */
+#define PROTOCOL_VERSION 1u
+/* How long either side waits for the other before giving up: long enough for
+ * a loaded machine, short enough that a wedged peer is reported. */
+#define PEER_TIMEOUT_MS 5000
+
+enum reply_status {
+  REPLY_OK = 0,
+  REPLY_UNKNOWN_BUFFER = 1, /* never published, or withdrawn (freed) */
+  REPLY_BAD_TOKEN = 2,
+  REPLY_OTHER_USER = 3,
+  REPLY_BAD_REQUEST = 4,
+};
+
+/* On the wire both messages are little-endian fixed-size structs of
+ * naturally aligned fields; peers are the same host, but spell it out. */
+typedef struct request {
+  uint32_t magic;
+  uint32_t version;
+  uint64_t buffer_id;
+  uint8_t token[16];
+} request_t;
+
+typedef struct reply {
+  uint32_t magic;
+  uint32_t status;
+} reply_t;
+
+typedef struct grant_entry {
+  uint64_t buffer_id;
+  int fd; /* the broker's own duplicate */
+  uint8_t token[16];
+} grant_entry_t;
+
+static pthread_mutex_t fdx_lock = PTHREAD_MUTEX_INITIALIZER;
+static grant_entry_t *grants; /* sorted by buffer_id */
+static size_t grant_count, grant_capacity;
+static int listen_fd = -1;
+static pthread_once_t fdx_once = PTHREAD_ONCE_INIT;
+
+static void fork_prepare(void) { pthread_mutex_lock(&fdx_lock); }
+static void fork_parent(void) { pthread_mutex_unlock(&fdx_lock); }
+/* The broker thread does not exist in a fork child, and the parent's grants
+ * are the parent's to serve: the child closes its copies and starts its own
+ * broker on its next export. */
+static void fork_child(void) {
+  pthread_mutex_init(&fdx_lock, NULL);
+  for (size_t i = 0; i < grant_count; i++)
+    close(grants[i].fd);
+  grant_count = 0;
+  if (listen_fd >= 0)
+    close(listen_fd);
+  listen_fd = -1;
+}
+
+static void fdx_init(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
+
+static socklen_t broker_address(uint32_t pid, uint64_t nonce,
+                                struct sockaddr_un *addr) {
+  memset(addr, 0, sizeof(*addr));
+  addr->sun_family = AF_UNIX;
+  /* sun_path[0] == '\0' makes the name abstract: no file to clean up, gone
+   * when the process exits. */
+  int n = snprintf(addr->sun_path + 1, sizeof(addr->sun_path) - 1,
+                   "usmipc.%u.%016llx", pid, (unsigned long long)nonce);
+  return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+static size_t grant_lower_bound(uint64_t buffer_id) {
+  size_t lo = 0, hi = grant_count;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (grants[mid].buffer_id < buffer_id)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+static grant_entry_t *grant_find(uint64_t buffer_id) {
+  size_t at = grant_lower_bound(buffer_id);
+  return at < grant_count && grants[at].buffer_id == buffer_id ? &grants[at]
+                                                               : NULL;
+}
+
+static int tokens_equal(const uint8_t *a, const uint8_t *b) {
+  uint8_t diff = 0; /* constant time: no early exit to time */
+  for (int i = 0; i < 16; i++)
+    diff |= a[i] ^ b[i];
+  return diff == 0;
+}
+
+static void set_timeouts(int fd) {
+  struct timeval tv = {.tv_sec = PEER_TIMEOUT_MS / 1000,
+                       .tv_usec = (PEER_TIMEOUT_MS % 1000) * 1000};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+static void send_reply(int conn, uint32_t status, int fd) {
+  reply_t rep = {.magic = REPLY_MAGIC, .status = status};
+  struct iovec iov = {.iov_base = &rep, .iov_len = sizeof(rep)};
+  union {
+    struct cmsghdr align;
+    char buf[CMSG_SPACE(sizeof(int))];
+  } control;
+  struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+  if (fd >= 0) {
+    memset(&control, 0, sizeof(control));
+    msg.msg_control = control.buf;
+    msg.msg_controllen = sizeof(control.buf);
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+  }
+  while (sendmsg(conn, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR) {
+  }
+}
+
+static void serve_one(int conn) {
+  struct ucred cred;
+  socklen_t cred_len = sizeof(cred);
+  request_t req;
+  set_timeouts(conn);
+  if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0)
+    return;
+  ssize_t n;
+  do
+    n = recv(conn, &req, sizeof(req), MSG_WAITALL);
+  while (n < 0 && errno == EINTR);
+  if (n != (ssize_t)sizeof(req) || req.magic != REQUEST_MAGIC ||
+      req.version != PROTOCOL_VERSION) {
+    send_reply(conn, REPLY_BAD_REQUEST, -1);
+    return;
+  }
+  if (cred.uid != usmipc__self()->uid) {
+    send_reply(conn, REPLY_OTHER_USER, -1);
+    return;
+  }
+  /* The descriptor is sent while the lock is held so that a concurrent
+   * withdraw cannot close it under us; sendmsg on a local socket does not
+   * wait for the peer. */
+  pthread_mutex_lock(&fdx_lock);
+  grant_entry_t *g = grant_find(req.buffer_id);
+  if (g == NULL)
+    send_reply(conn, REPLY_UNKNOWN_BUFFER, -1);
+  else if (!tokens_equal(g->token, req.token))
+    send_reply(conn, REPLY_BAD_TOKEN, -1);
+  else
+    send_reply(conn, REPLY_OK, g->fd);
+  pthread_mutex_unlock(&fdx_lock);
+}
+
+static void *broker_main(void *arg) {
+  int fd = (int)(intptr_t)arg;
+  for (;;) {
+    int conn = accept4(fd, NULL, NULL, SOCK_CLOEXEC);
+    if (conn < 0) {
+      if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE ||
+          errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        if (errno != EINTR && errno != ECONNABORTED)
+          poll(NULL, 0, 10); /* out of descriptors: back off, then retry */
+        continue;
+      }
+      return NULL; /* the socket is gone */
+    }
+    serve_one(conn);
+    close(conn);
+  }
+}
+
+/* Called with fdx_lock held. */
+static int start_broker(void) {
+  if (listen_fd >= 0)
+    return 0;
+  const usmipc__process_t *self = usmipc__self();
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return usmipc__fail_native(USMIPC_ETRANSPORT, errno,
+                               "cannot create the fd broker's socket: %s",
+                               strerror(errno));
+  struct sockaddr_un addr;
+  socklen_t len = broker_address(self->pid, self->nonce, &addr);
+  if (bind(fd, (struct sockaddr *)&addr, len) != 0 || listen(fd, 128) != 0) {
+    int e = errno;
+    close(fd);
+    return usmipc__fail_native(USMIPC_ETRANSPORT, e,
+                               "cannot start the fd broker on @%s: %s",
+                               addr.sun_path + 1, strerror(e));
+  }
+  /* The broker must never run the application's signal handlers. */
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  pthread_attr_setstacksize(&attr, 64 * 1024);
+  pthread_t thread;
+  int err = pthread_create(&thread, &attr, broker_main, (void *)(intptr_t)fd);
+  pthread_attr_destroy(&attr);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (err != 0) {
+    close(fd);
+    return usmipc__fail_native(USMIPC_ETRANSPORT, err,
+                               "cannot start the fd broker thread: %s",
+                               strerror(err));
+  }
+  listen_fd = fd;
+  return 0;
+}
+
+int usmipc__fdxfer_publish(int fd, uint64_t buffer_id,
+                           usmipc__fd_grant_t *grant) {
+  pthread_once(&fdx_once, fdx_init);
+  uint8_t token[16];
+  int rc = usmipc__random(token, sizeof(token));
+  if (rc != 0)
+    return rc;
+  pthread_mutex_lock(&fdx_lock);
+  if ((rc = start_broker()) != 0)
+    goto out;
+  if (grant_find(buffer_id) != NULL) {
+    rc = usmipc__fail(USMIPC_EBUSY, "buffer %llu is already published",
+                      (unsigned long long)buffer_id);
+    goto out;
+  }
+  if (grant_count == grant_capacity) {
+    size_t cap = grant_capacity ? grant_capacity * 2 : 32;
+    void *grown = realloc(grants, cap * sizeof(*grants));
+    if (grown == NULL) {
+      rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+      goto out;
+    }
+    grants = grown;
+    grant_capacity = cap;
+  }
+  /* The broker serves its own duplicate, so the allocation may close its
+   * descriptor independently, and the number recorded for pidfd_getfd stays
+   * valid exactly as long as the grant. */
+  int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  struct stat st;
+  if (own < 0 || fstat(own, &st) != 0) {
+    int e = errno;
+    if (own >= 0)
+      close(own);
+    rc = usmipc__fail_native(-e, e, "cannot duplicate the descriptor to "
+                             "share: %s", strerror(e));
+    goto out;
+  }
+  size_t at = grant_lower_bound(buffer_id);
+  memmove(&grants[at + 1], &grants[at], (grant_count - at) * sizeof(*grants));
+  grants[at].buffer_id = buffer_id;
+  grants[at].fd = own;
+  memcpy(grants[at].token, token, 16);
+  grant_count++;
+  memcpy(grant->token, token, 16);
+  grant->fd_number = (uint32_t)own;
+  grant->dev = (uint64_t)st.st_dev;
+  grant->ino = (uint64_t)st.st_ino;
+out:
+  pthread_mutex_unlock(&fdx_lock);
+  return rc;
+}
+
+void usmipc__fdxfer_withdraw(uint64_t buffer_id) {
+  pthread_mutex_lock(&fdx_lock);
+  size_t at = grant_lower_bound(buffer_id);
+  if (at < grant_count && grants[at].buffer_id == buffer_id) {
+    close(grants[at].fd);
+    memmove(&grants[at], &grants[at + 1],
+            (grant_count - at - 1) * sizeof(*grants));
+    grant_count--;
+  }
+  pthread_mutex_unlock(&fdx_lock);
+}
+
+/* ---- the importer's side -------------------------------------------------- */
+
+static int check_identity(int fd, const usmipc__wire_t *w) {
+  struct stat st;
+  if (fstat(fd, &st) != 0 || (uint64_t)st.st_dev != w->fd_dev ||
+      (uint64_t)st.st_ino != w->fd_ino)
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "process %u no longer holds the memory this handle "
+                        "names (the allocation was freed)",
+                        w->pid);
+  return 0;
+}
+
+static int fetch_pidfd(const usmipc__wire_t *w, int *out) {
+  int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)w->pid, 0);
+  if (pidfd < 0) {
+    int e = errno;
+    if (e == ESRCH)
+      return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
+                                 "the exporting process %u has exited; "
+                                 "mappings opened before it exited stay "
+                                 "valid, new opens are impossible",
+                                 w->pid);
+    return usmipc__fail_native(USMIPC_ETRANSPORT, e,
+                               "pidfd_open(2) failed: %s (needs Linux 5.3; "
+                               "set USMIPC_FD_TRANSPORT=socket)",
+                               strerror(e));
+  }
+  int fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)w->fd_number, 0);
+  int e = errno;
+  close(pidfd);
+  if (fd < 0) {
+    if (e == EPERM || e == EACCES)
+      return usmipc__fail_native(USMIPC_EACCES, e,
+                                 "pidfd_getfd(2) may not take descriptors "
+                                 "from process %u: it needs ptrace access "
+                                 "(Yama ptrace_scope, containers); use "
+                                 "USMIPC_FD_TRANSPORT=socket or auto",
+                                 w->pid);
+    if (e == EBADF)
+      return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
+                                 "process %u no longer holds the memory this "
+                                 "handle names (the allocation was freed)",
+                                 w->pid);
+    return usmipc__fail_native(USMIPC_ETRANSPORT, e,
+                               "pidfd_getfd(2) failed: %s (needs Linux 5.6; "
+                               "set USMIPC_FD_TRANSPORT=socket)",
+                               strerror(e));
+  }
+  /* Only after the identity check is the descriptor known to be the one the
+   * handle names: the number may have been reused, or the pid recycled. */
+  int rc = check_identity(fd, w);
+  if (rc != 0) {
+    close(fd);
+    return rc;
+  }
+  *out = fd;
+  return 0;
+}
+
+static int fetch_socket(const usmipc__wire_t *w, int *out) {
+  struct sockaddr_un addr;
+  socklen_t len = broker_address(w->pid, w->nonce, &addr);
+  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0)
+    return usmipc__fail_native(USMIPC_ETRANSPORT, errno,
+                               "cannot create a socket: %s", strerror(errno));
+  set_timeouts(s);
+  int rc;
+  if (connect(s, (struct sockaddr *)&addr, len) != 0) {
+    int e = errno;
+    close(s);
+    if (e == ECONNREFUSED || e == ENOENT)
+      return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
+                                 "the exporting process %u is gone (its fd "
+                                 "broker @%s does not answer); mappings "
+                                 "opened before it exited stay valid",
+                                 w->pid, addr.sun_path + 1);
+    return usmipc__fail_native(USMIPC_ETRANSPORT, e,
+                               "cannot reach the fd broker of process %u: %s",
+                               w->pid, strerror(e));
+  }
+  request_t req = {.magic = REQUEST_MAGIC, .version = PROTOCOL_VERSION,
+                   .buffer_id = w->buffer_id};
+  memcpy(req.token, w->token, 16);
+  if (send(s, &req, sizeof(req), MSG_NOSIGNAL) != (ssize_t)sizeof(req)) {
+    int e = errno;
+    close(s);
+    return usmipc__fail_native(USMIPC_ETRANSPORT, e,
+                               "sending the request to process %u failed: %s",
+                               w->pid, strerror(e));
+  }
+  reply_t rep;
+  struct iovec iov = {.iov_base = &rep, .iov_len = sizeof(rep)};
+  union {
+    struct cmsghdr align;
+    char buf[CMSG_SPACE(sizeof(int) * 4)];
+  } control;
+  struct msghdr msg = {.msg_iov = &iov,
+                       .msg_iovlen = 1,
+                       .msg_control = control.buf,
+                       .msg_controllen = sizeof(control.buf)};
+  ssize_t n;
+  do
+    n = recvmsg(s, &msg, MSG_CMSG_CLOEXEC | MSG_WAITALL);
+  while (n < 0 && errno == EINTR);
+  int e = errno;
+  close(s);
+
+  /* Collect whatever descriptors arrived, so none leaks on any path. */
+  int fds[4], nfds = 0;
+  for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); n > 0 && cm;
+       cm = CMSG_NXTHDR(&msg, cm)) {
+    if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
+      continue;
+    size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count && nfds < 4; i++)
+      memcpy(&fds[nfds++], CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
+  }
+  int fd = -1;
+  if (n < 0)
+    rc = usmipc__fail_native(USMIPC_ETRANSPORT, e,
+                             "no answer from the fd broker of process %u: %s",
+                             w->pid, strerror(e));
+  else if (n != (ssize_t)sizeof(rep) || rep.magic != REPLY_MAGIC)
+    rc = usmipc__fail(USMIPC_ETRANSPORT,
+                      "malformed answer from the fd broker of process %u",
+                      w->pid);
+  else if (rep.status == REPLY_UNKNOWN_BUFFER)
+    rc = usmipc__fail(USMIPC_EEXPORTERGONE,
+                      "process %u no longer exports the memory this handle "
+                      "names (the allocation was freed)",
+                      w->pid);
+  else if (rep.status == REPLY_BAD_TOKEN)
+    rc = usmipc__fail(USMIPC_EACCES,
+                      "process %u refused the handle: its capability token is "
+                      "wrong (forged or corrupted handle)",
+                      w->pid);
+  else if (rep.status == REPLY_OTHER_USER)
+    rc = usmipc__fail(USMIPC_EACCES,
+                      "process %u refused to share memory with this process: "
+                      "IPC is allowed only between processes of the same user "
+                      "(uid %u here)",
+                      w->pid, (unsigned)getuid());
+  else if (rep.status != REPLY_OK || nfds != 1 ||
+           (msg.msg_flags & MSG_CTRUNC))
+    rc = usmipc__fail(USMIPC_ETRANSPORT,
+                      "the fd broker of process %u answered status %u with "
+                      "%d descriptors",
+                      w->pid, rep.status, nfds);
+  else if ((rc = check_identity(fds[0], w)) == 0)
+    fd = fds[0];
+  for (int i = 0; i < nfds; i++)
+    if (fds[i] != fd)
+      close(fds[i]);
+  if (rc == 0)
+    *out = fd;
+  return rc;
+}
+
+int usmipc__fdxfer_fetch(const usmipc__wire_t *w, int *fd) {
+  const char *mode = getenv("USMIPC_FD_TRANSPORT");
+  if (mode == NULL || *mode == '\0' || !strcmp(mode, "auto")) {
+    /* pidfd first: when permitted it is the cheaper path; any refusal falls
+     * back to the broker, which decides with the token and the uid. */
+    if (fetch_pidfd(w, fd) == 0)
+      return 0;
+    return fetch_socket(w, fd);
+  }
+  if (!strcmp(mode, "socket"))
+    return fetch_socket(w, fd);
+  if (!strcmp(mode, "pidfd"))
+    return fetch_pidfd(w, fd);
+  return usmipc__fail(USMIPC_EINVAL,
+                      "USMIPC_FD_TRANSPORT='%s' is not one of auto, socket, "
+                      "pidfd",
+                      mode);
+}

@@ -1,0 +1,308 @@
+/* Memory: allocation, copies and fills, pointer queries, and the region
+ * registry that remembers every allocation and IPC mapping of this process.
+ *
+ * The registry is an array of regions sorted by base address, searched by
+ * bisection: regions never overlap (they are live address ranges of one
+ * process), so "which region holds ptr" has one answer. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+pthread_mutex_t usmipc__registry_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static usmipc__region_t **regions;
+static size_t region_count, region_capacity;
+static uint64_t next_buffer_id;
+static pthread_once_t registry_once = PTHREAD_ONCE_INIT;
+
+/* A fork() while another thread holds the registry lock would leave the
+ * child's copy locked forever, so the lock is taken around fork. */
+static void fork_prepare(void) { pthread_mutex_lock(&usmipc__registry_lock); }
+static void fork_parent(void) { pthread_mutex_unlock(&usmipc__registry_lock); }
+static void forget_export(usmipc__region_t *r) { r->exported = false; }
+static void fork_child(void) {
+  pthread_mutex_init(&usmipc__registry_lock, NULL);
+  /* The parent's grants name the parent's broker; the child publishes its
+   * allocations again, under its own pid, on its next export. */
+  usmipc__region_foreach(forget_export);
+}
+
+static void registry_init(void) {
+  usmipc__self();
+  /* Buffer ids start at a random point so that ids of one process are not
+   * guessable by another; they are unique within the process, and the
+   * (pid, nonce) pair in the handle makes them unique on the host. */
+  usmipc__random(&next_buffer_id, sizeof(next_buffer_id));
+  next_buffer_id |= 1;
+  pthread_atfork(fork_prepare, fork_parent, fork_child);
+}
+
+static void registry_ensure(void) { pthread_once(&registry_once, registry_init); }
+
+uint64_t usmipc__new_buffer_id(void) {
+  registry_ensure();
+  return __atomic_fetch_add(&next_buffer_id, 1, __ATOMIC_RELAXED);
+}
+
+/* Index of the first region whose base is > ptr. */
+static size_t upper_bound(const void *ptr) {
+  size_t lo = 0, hi = region_count;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if ((uintptr_t)regions[mid]->alloc.base <= (uintptr_t)ptr)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+int usmipc__region_insert(usmipc__region_t *r) {
+  if (region_count == region_capacity) {
+    size_t cap = region_capacity ? region_capacity * 2 : 64;
+    void *grown = realloc(regions, cap * sizeof(*regions));
+    if (grown == NULL)
+      return usmipc__fail(USMIPC_ENOMEM, "out of memory growing the registry");
+    regions = grown;
+    region_capacity = cap;
+  }
+  size_t at = upper_bound(r->alloc.base);
+  memmove(&regions[at + 1], &regions[at],
+          (region_count - at) * sizeof(*regions));
+  regions[at] = r;
+  region_count++;
+  return 0;
+}
+
+void usmipc__region_remove(usmipc__region_t *r) {
+  size_t at = upper_bound(r->alloc.base);
+  if (at == 0 || regions[at - 1] != r)
+    return;
+  at--;
+  memmove(&regions[at], &regions[at + 1],
+          (region_count - at - 1) * sizeof(*regions));
+  region_count--;
+}
+
+usmipc__region_t *usmipc__region_find(const void *ptr) {
+  size_t at = upper_bound(ptr);
+  if (at == 0)
+    return NULL;
+  usmipc__region_t *r = regions[at - 1];
+  if ((uintptr_t)ptr - (uintptr_t)r->alloc.base < r->alloc.size)
+    return r;
+  return NULL;
+}
+
+void usmipc__region_foreach(void (*fn)(usmipc__region_t *r)) {
+  for (size_t i = 0; i < region_count; i++)
+    fn(regions[i]);
+}
+
+static const char *kind_name(usmipc_mem_kind_t kind) {
+  switch (kind) {
+  case USMIPC_MEM_DEVICE:
+    return "device";
+  case USMIPC_MEM_HOST:
+    return "host";
+  case USMIPC_MEM_SHARED:
+    return "shared";
+  default:
+    return "unknown";
+  }
+}
+
+int usmipc_malloc(usmipc_device_t *device, usmipc_mem_kind_t kind,
+                  size_t nbytes, void **ptr) {
+  registry_ensure();
+  if (device == NULL || ptr == NULL)
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_malloc: device and ptr must "
+                                       "not be NULL");
+  *ptr = NULL;
+  if (kind != USMIPC_MEM_DEVICE && kind != USMIPC_MEM_HOST &&
+      kind != USMIPC_MEM_SHARED)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_malloc: kind %d is not device, host or shared",
+                        (int)kind);
+  if (nbytes == 0)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_malloc: cannot allocate 0 bytes; ask for at "
+                        "least one");
+  usmipc__region_t *r = calloc(1, sizeof(*r));
+  if (r == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  r->alloc.fd = -1;
+  int rc = device->ops->mem_alloc(device->native, kind, nbytes, &r->alloc);
+  if (rc != 0) {
+    free(r);
+    usmipc__error_prefix("allocating %zu bytes of %s memory on %s: ", nbytes,
+                         kind_name(kind), device->filter);
+    return rc;
+  }
+  r->device = device;
+  r->origin = USMIPC__LOCAL;
+  r->alloc.kind = kind;
+  r->buffer_id = usmipc__new_buffer_id();
+  pthread_mutex_lock(&usmipc__registry_lock);
+  rc = usmipc__region_insert(r);
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  if (rc != 0) {
+    device->ops->mem_free(device->native, &r->alloc);
+    free(r);
+    return rc;
+  }
+  *ptr = r->alloc.base;
+  return 0;
+}
+
+void usmipc__region_release_local(usmipc__region_t *r) {
+  r->device->ops->mem_free(r->device->native, &r->alloc);
+  free(r);
+}
+
+int usmipc_free(void *ptr) {
+  registry_ensure();
+  if (ptr == NULL)
+    return 0;
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__region_t *r = usmipc__region_find(ptr);
+  int rc = 0;
+  if (r == NULL)
+    rc = usmipc__fail(USMIPC_EUNKNOWNPTR,
+                      "usmipc_free: %p was not allocated by usmipc_malloc "
+                      "(or was already freed)",
+                      ptr);
+  else if (r->origin == USMIPC__IMPORTED)
+    rc = usmipc__fail(USMIPC_EINVAL,
+                      "usmipc_free: %p is an IPC mapping; close it with "
+                      "usmipc_ipc_close instead",
+                      ptr);
+  else if (r->alloc.base != ptr)
+    rc = usmipc__fail(USMIPC_EINVAL,
+                      "usmipc_free: %p points inside the allocation at %p; "
+                      "free the base pointer",
+                      ptr, r->alloc.base);
+  else if (r->user_freed)
+    rc = usmipc__fail(USMIPC_EINVAL, "usmipc_free: %p was already freed", ptr);
+  if (rc != 0) {
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    return rc;
+  }
+  r->user_freed = true;
+  bool release_now = r->alias_refs == 0;
+  if (release_now)
+    usmipc__region_remove(r);
+  /* Release outside the lock, since a driver free can wait for the device. */
+  bool withdraw = r->exported && r->alloc.fd >= 0;
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  /* From now on no new importer can fetch the allocation's descriptor;
+   * importers that hold it keep the memory alive on their side. */
+  if (withdraw)
+    usmipc__fdxfer_withdraw(r->buffer_id);
+  if (release_now)
+    usmipc__region_release_local(r);
+  return 0;
+}
+
+int usmipc_pointer_query(const void *ptr, usmipc_pointer_info_t *info) {
+  registry_ensure();
+  if (info == NULL)
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_pointer_query: info is NULL");
+  memset(info, 0, sizeof(*info));
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__region_t *r = usmipc__region_find(ptr);
+  if (r != NULL && !(r->origin == USMIPC__IMPORTED && r->open_refs == 0)) {
+    info->device = r->device;
+    info->kind = r->alloc.kind;
+    info->base = r->alloc.base;
+    info->size = r->alloc.size;
+    info->buffer_id = r->buffer_id;
+    info->is_ipc_mapping = r->origin == USMIPC__IMPORTED;
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    return 0;
+  }
+  pthread_mutex_unlock(&usmipc__registry_lock);
+
+  /* Not ours: ask the drivers (a CUDA pointer from another library). */
+  usmipc__devices_init();
+  for (size_t b = 0; b < usmipc__backend_count; b++) {
+    const usmipc__backend_ops_t *ops = usmipc__backends[b];
+    usmipc__allocation_t a = {.fd = -1};
+    uint64_t id = 0;
+    int ordinal = 0;
+    if (ops->pointer_query == NULL ||
+        ops->pointer_query(ptr, &a, &id, &ordinal) != 0)
+      continue;
+    info->device = usmipc__device_by_ordinal(ops->backend, ordinal);
+    if (info->device == NULL)
+      continue;
+    info->kind = a.kind;
+    info->base = a.base;
+    info->size = a.size;
+    info->buffer_id = id;
+    info->is_foreign = 1;
+    return 0;
+  }
+  return usmipc__fail(USMIPC_EUNKNOWNPTR,
+                      "pointer %p belongs to no usmipc allocation or mapping, "
+                      "and no driver recognises it",
+                      ptr);
+}
+
+/* ---- queues, copies, fills ----------------------------------------------- */
+
+int usmipc_queue_create(usmipc_device_t *device, usmipc_queue_t **queue) {
+  if (device == NULL || queue == NULL)
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_queue_create: NULL argument");
+  usmipc_queue_t *q = calloc(1, sizeof(*q));
+  if (q == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  q->device = device;
+  int rc = device->ops->queue_create(device->native, &q->native);
+  if (rc != 0) {
+    free(q);
+    return rc;
+  }
+  *queue = q;
+  return 0;
+}
+
+int usmipc_queue_destroy(usmipc_queue_t *queue) {
+  if (queue == NULL)
+    return 0;
+  int rc = queue->device->ops->queue_destroy(queue->device->native,
+                                             queue->native);
+  free(queue);
+  return rc;
+}
+
+usmipc_device_t *usmipc_queue_device(const usmipc_queue_t *queue) {
+  return queue ? queue->device : NULL;
+}
+
+int usmipc_queue_synchronize(usmipc_queue_t *queue) {
+  if (queue == NULL)
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_queue_synchronize: NULL queue");
+  return queue->device->ops->queue_synchronize(queue->device->native,
+                                               queue->native);
+}
+
+int usmipc_memcpy(usmipc_queue_t *queue, void *dst, const void *src,
+                  size_t nbytes) {
+  if (queue == NULL || ((dst == NULL || src == NULL) && nbytes > 0))
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_memcpy: NULL argument");
+  if (nbytes == 0)
+    return 0;
+  return queue->device->ops->memcpy(queue->device->native, queue->native, dst,
+                                    src, nbytes);
+}
+
+int usmipc_memset(usmipc_queue_t *queue, void *dst, int value, size_t nbytes) {
+  if (queue == NULL || (dst == NULL && nbytes > 0))
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_memset: NULL argument");
+  if (nbytes == 0)
+    return 0;
+  return queue->device->ops->memset(queue->device->native, queue->native, dst,
+                                    value, nbytes);
+}
