@@ -125,6 +125,19 @@ USMIPC_API int usmipc_memset(usmipc_queue_t *queue, void *dst, int value,
 
 USMIPC_API int usmipc_malloc(usmipc_device_t *device, usmipc_mem_kind_t kind,
                              size_t nbytes, void **ptr);
+
+/* How device memory will be shared, for backends that offer a choice (CUDA):
+ * through a file descriptor (cuMemCreate with POSIX fds: the memory outlives
+ * the exporter, and only processes the exporter's broker admits can open
+ * it), or through the driver's own handle (cuMemAlloc + cuIpcGetMemHandle:
+ * what PyTorch and CuPy allocate; a bearer token for the whole allocation).
+ * 0 picks the backend's default (docs/cuda.md); USMIPC_CUDA_IPC=fd|native
+ * changes it for the process. Backends with a single way ignore the flags. */
+#define USMIPC_ALLOC_IPC_FD 0x1u
+#define USMIPC_ALLOC_IPC_NATIVE 0x2u
+USMIPC_API int usmipc_malloc_flags(usmipc_device_t *device,
+                                   usmipc_mem_kind_t kind, size_t nbytes,
+                                   unsigned flags, void **ptr);
 /* Frees an allocation from usmipc_malloc. If the allocation is also open as a
  * same-process IPC alias, the memory is released when the last alias closes;
  * importers in other processes keep their mappings. */
@@ -160,7 +173,9 @@ USMIPC_API int usmipc_ipc_handle_data(const usmipc_ipc_handle_t *handle,
  * opened elsewhere stay valid. NULL is accepted. */
 USMIPC_API int usmipc_ipc_free_handle(usmipc_ipc_handle_t *handle);
 
-/* Maps handle bytes on device (NULL: the device named by the handle) and
+/* Maps handle bytes on device (NULL: the device named by the handle; another
+ * device of the same backend maps through peer access where the hardware
+ * allows it) and
  * returns the address of the exported range in *ptr and its size in
  * *mapped_nbytes. nbytes == 0 maps the whole exported size; more than it is
  * refused. Opening in the exporting process returns the original pointer.

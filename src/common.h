@@ -80,12 +80,15 @@ void usmipc__uuid_format(const uint8_t uuid[16], char out[37]);
 typedef enum usmipc__origin {
   USMIPC__LOCAL = 1,    /* usmipc_malloc in this process */
   USMIPC__IMPORTED = 2, /* usmipc_ipc_open of another process's handle */
+  USMIPC__FOREIGN_ALIAS = 3, /* this process's own export of memory another
+                                library allocated, opened here as an alias */
 } usmipc__origin_t;
 
 typedef struct usmipc__import_key {
   uint64_t nonce;
   uint64_t buffer_id;
   uint32_t pid;
+  usmipc_device_t *device; /* where it is mapped: one mapping per device */
 } usmipc__import_key_t;
 
 typedef struct usmipc__region {
@@ -94,7 +97,7 @@ typedef struct usmipc__region {
   usmipc__origin_t origin;
   uint64_t buffer_id; /* LOCAL: drawn at allocation; IMPORTED: the exporter's */
 
-  /* LOCAL */
+  /* LOCAL and FOREIGN_ALIAS */
   unsigned alias_refs;  /* same-process opens not yet closed */
   bool user_freed;      /* usmipc_free called while aliases were open */
   bool exported;        /* payload and fd grant below are valid */
@@ -120,6 +123,9 @@ void usmipc__region_foreach(void (*fn)(usmipc__region_t *r));
 uint64_t usmipc__new_buffer_id(void);
 /* Drops a LOCAL region from the registry and releases it; lock NOT held. */
 void usmipc__region_release_local(usmipc__region_t *r);
+/* Asks each backend about a pointer usmipc did not allocate. */
+int usmipc__foreign_query(const void *ptr, usmipc__allocation_t *alloc,
+                          uint64_t *buffer_id, usmipc_device_t **device);
 
 /* ---- the wire format (handle.c) ------------------------------------------ */
 

@@ -50,6 +50,8 @@ static int key_cmp(const usmipc__import_key_t *a, const usmipc__import_key_t *b)
     return a->nonce < b->nonce ? -1 : 1;
   if (a->pid != b->pid)
     return a->pid < b->pid ? -1 : 1;
+  if (a->device != b->device)
+    return (uintptr_t)a->device < (uintptr_t)b->device ? -1 : 1;
   return 0;
 }
 
@@ -182,21 +184,106 @@ static int export_region(usmipc__region_t *r) {
   return 0;
 }
 
+/* Checks an export request against the allocation and resolves nbytes == 0;
+ * shared by usmipc's own and foreign allocations. */
+static int check_export(const void *ptr, usmipc_device_t *device,
+                        const usmipc__allocation_t *a, size_t *offset,
+                        size_t *nbytes) {
+  if (a->kind != USMIPC_MEM_DEVICE)
+    return usmipc__fail(USMIPC_EMEMKIND,
+                        "cannot export %p: only device memory can be shared "
+                        "between processes, and this is %s memory",
+                        ptr, a->kind == USMIPC_MEM_HOST ? "host" : "shared");
+  if (!device->has_ipc)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "cannot export %p: device %s does not support IPC "
+                        "memory (check usmipc_device_has_ipc first)",
+                        ptr, device->filter);
+  *offset = (size_t)((uintptr_t)ptr - (uintptr_t)a->base);
+  if (*nbytes == 0)
+    *nbytes = a->size - *offset;
+  if (*nbytes > a->size - *offset)
+    return usmipc__fail(USMIPC_ERANGE,
+                        "cannot export %zu bytes at offset %zu: the "
+                        "allocation has only %zu bytes",
+                        *nbytes, *offset, a->size);
+  return 0;
+}
+
+/* Fills the fields every handle has, from this process and the allocation. */
+static void wire_fill(usmipc__wire_t *w, usmipc_device_t *device,
+                      const usmipc__allocation_t *a, uint64_t buffer_id,
+                      size_t offset, size_t nbytes) {
+  const usmipc__process_t *self = usmipc__self();
+  memset(w, 0, sizeof(*w));
+  w->backend = device->ops->backend;
+  memcpy(w->device_uuid, device->uuid, 16);
+  memcpy(w->boot_id, self->boot_id, 16);
+  w->pid = self->pid;
+  w->nonce = self->nonce;
+  w->fd_number = UINT32_MAX;
+  w->buffer_id = buffer_id;
+  w->exporter_base = (uint64_t)(uintptr_t)a->base;
+  w->allocation_size = a->size;
+  w->offset = offset;
+  w->nbytes = nbytes;
+}
+
+static int handle_new(const usmipc__wire_t *w, usmipc_ipc_handle_t **handle) {
+  size_t len = usmipc__wire_size(w->payload.len);
+  usmipc_ipc_handle_t *h = malloc(sizeof(*h) + len);
+  if (h == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  h->len = len;
+  usmipc__wire_encode(w, h->data);
+  *handle = h;
+  return 0;
+}
+
+/* Memory another library allocated (a torch tensor, a CuPy array): the
+ * driver names its allocation and buffer id; nothing is cached, since the
+ * owner may free it at any time without telling us. */
+static int export_foreign(const void *ptr, size_t nbytes,
+                          usmipc_ipc_handle_t **handle) {
+  usmipc__allocation_t a;
+  uint64_t buffer_id;
+  usmipc_device_t *device;
+  size_t offset;
+  if (usmipc__foreign_query(ptr, &a, &buffer_id, &device) != 0)
+    return usmipc__fail(USMIPC_EUNKNOWNPTR,
+                        "cannot export %p: it is not inside memory allocated "
+                        "by usmipc or by a driver usmipc knows",
+                        ptr);
+  int rc = check_export(ptr, device, &a, &offset, &nbytes);
+  if (rc != 0)
+    return rc;
+  usmipc__wire_t w;
+  wire_fill(&w, device, &a, buffer_id, offset, nbytes);
+  int fd = -1;
+  rc = device->ops->ipc_export(device->native, &a, &w.payload, &fd);
+  if (rc == 0 && fd >= 0)
+    rc = usmipc__fail(USMIPC_ENOTSUP, "cannot export %p: memory of another "
+                      "library shared through a descriptor is not supported",
+                      ptr);
+  if (rc != 0)
+    return rc;
+  return handle_new(&w, handle);
+}
+
 int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
                           usmipc_ipc_handle_t **handle) {
   if (handle == NULL)
     return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_get_handle: handle is NULL");
   *handle = NULL;
-  const usmipc__process_t *self = usmipc__self();
   pthread_mutex_lock(&usmipc__registry_lock);
   usmipc__region_t *r = usmipc__region_find(ptr);
+  if (r == NULL || r->origin == USMIPC__FOREIGN_ALIAS) {
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    return export_foreign(ptr, nbytes, handle);
+  }
+  size_t offset;
   int rc = 0;
-  if (r == NULL)
-    rc = usmipc__fail(USMIPC_EUNKNOWNPTR,
-                      "cannot export %p: it is not inside memory allocated "
-                      "with usmipc_malloc",
-                      ptr);
-  else if (r->origin == USMIPC__IMPORTED)
+  if (r->origin == USMIPC__IMPORTED)
     rc = usmipc__fail(USMIPC_ENOTSUP,
                       "cannot export %p: it is an IPC mapping of another "
                       "process's memory; forward the original handle bytes",
@@ -204,64 +291,26 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
   else if (r->user_freed)
     rc = usmipc__fail(USMIPC_EUNKNOWNPTR, "cannot export %p: it was freed",
                       ptr);
-  else if (r->alloc.kind != USMIPC_MEM_DEVICE)
-    rc = usmipc__fail(USMIPC_EMEMKIND,
-                      "cannot export %p: only device memory can be shared "
-                      "between processes, and this is %s memory",
-                      ptr, r->alloc.kind == USMIPC_MEM_HOST ? "host" : "shared");
-  else if (!r->device->has_ipc)
-    rc = usmipc__fail(USMIPC_ENOTSUP,
-                      "cannot export %p: device %s does not support IPC "
-                      "memory (check usmipc_device_has_ipc first)",
-                      ptr, r->device->filter);
+  else if ((rc = check_export(ptr, r->device, &r->alloc, &offset, &nbytes)) ==
+               0 &&
+           !r->exported && (rc = export_region(r)) != 0)
+    usmipc__error_prefix("exporting %p: ", ptr);
   if (rc != 0) {
     pthread_mutex_unlock(&usmipc__registry_lock);
     return rc;
   }
-  size_t offset = (size_t)((uintptr_t)ptr - (uintptr_t)r->alloc.base);
-  if (nbytes == 0)
-    nbytes = r->alloc.size - offset;
-  if (nbytes > r->alloc.size - offset) {
-    pthread_mutex_unlock(&usmipc__registry_lock);
-    return usmipc__fail(USMIPC_ERANGE,
-                        "cannot export %zu bytes at offset %zu: the "
-                        "allocation has only %zu bytes",
-                        nbytes, offset, r->alloc.size);
-  }
-  if (!r->exported && (rc = export_region(r)) != 0) {
-    pthread_mutex_unlock(&usmipc__registry_lock);
-    usmipc__error_prefix("exporting %p: ", ptr);
-    return rc;
-  }
-
   usmipc__wire_t w;
-  memset(&w, 0, sizeof(w));
-  w.backend = r->device->ops->backend;
-  w.flags = r->alloc.fd >= 0 ? USMIPC__WIRE_FLAG_FD : 0;
-  memcpy(w.device_uuid, r->device->uuid, 16);
-  memcpy(w.boot_id, self->boot_id, 16);
-  w.pid = self->pid;
-  w.nonce = self->nonce;
-  w.fd_number = r->alloc.fd >= 0 ? r->fd_number : UINT32_MAX;
-  w.buffer_id = r->buffer_id;
-  w.exporter_base = (uint64_t)(uintptr_t)r->alloc.base;
-  w.allocation_size = r->alloc.size;
-  w.offset = offset;
-  w.nbytes = nbytes;
-  w.fd_dev = r->fd_dev;
-  w.fd_ino = r->fd_ino;
-  memcpy(w.token, r->token, 16);
+  wire_fill(&w, r->device, &r->alloc, r->buffer_id, offset, nbytes);
+  if (r->alloc.fd >= 0) {
+    w.flags = USMIPC__WIRE_FLAG_FD;
+    w.fd_number = r->fd_number;
+    w.fd_dev = r->fd_dev;
+    w.fd_ino = r->fd_ino;
+    memcpy(w.token, r->token, 16);
+  }
   w.payload = r->payload;
   pthread_mutex_unlock(&usmipc__registry_lock);
-
-  size_t len = usmipc__wire_size(w.payload.len);
-  usmipc_ipc_handle_t *h = malloc(sizeof(*h) + len);
-  if (h == NULL)
-    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
-  h->len = len;
-  usmipc__wire_encode(&w, h->data);
-  *handle = h;
-  return 0;
+  return handle_new(&w, handle);
 }
 
 int usmipc_ipc_handle_data(const usmipc_ipc_handle_t *handle, const void **data,
@@ -282,12 +331,33 @@ int usmipc_ipc_free_handle(usmipc_ipc_handle_t *handle) {
 
 /* ---- open and close ------------------------------------------------------- */
 
+/* A handle opened by the process that exported it: the memory is already
+ * here, so the open is an alias of the original pointer, counted so that
+ * usmipc_free can wait for the last alias. */
 static int open_same_process(const usmipc__wire_t *w, void **ptr) {
+  const void *base = (const void *)(uintptr_t)w->exporter_base;
   pthread_mutex_lock(&usmipc__registry_lock);
-  usmipc__region_t *r =
-      usmipc__region_find((const void *)(uintptr_t)w->exporter_base);
-  if (r == NULL || r->origin != USMIPC__LOCAL || r->buffer_id != w->buffer_id ||
-      r->user_freed || (uintptr_t)r->alloc.base != w->exporter_base) {
+  usmipc__region_t *r = usmipc__region_find(base);
+  if (r == NULL) {
+    /* Perhaps memory of another library that this process exported. */
+    usmipc__allocation_t a;
+    uint64_t id;
+    usmipc_device_t *device;
+    if (usmipc__foreign_query(base, &a, &id, &device) == 0 &&
+        id == w->buffer_id && a.base == base &&
+        (r = calloc(1, sizeof(*r))) != NULL) {
+      r->alloc = a;
+      r->device = device;
+      r->origin = USMIPC__FOREIGN_ALIAS;
+      r->buffer_id = id;
+      if (usmipc__region_insert(r) != 0) {
+        free(r);
+        r = NULL;
+      }
+    }
+  }
+  if (r == NULL || r->origin == USMIPC__IMPORTED ||
+      r->buffer_id != w->buffer_id || r->user_freed || r->alloc.base != base) {
     pthread_mutex_unlock(&usmipc__registry_lock);
     return usmipc__fail(USMIPC_EEXPORTERGONE,
                         "the handle was exported by this process, but the "
@@ -323,30 +393,25 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
                         "the handle was exported on another machine or before "
                         "this machine rebooted (boot id differs); IPC handles "
                         "only work between processes of one running host");
-  if (device == NULL) {
-    device = usmipc__device_by_uuid(w.backend, w.device_uuid);
-    if (device == NULL) {
-      char uuid[37];
-      usmipc__uuid_format(w.device_uuid, uuid);
-      return usmipc__fail(USMIPC_ENODEV,
-                          "the handle was exported on %s device %s, which "
-                          "this process cannot see",
-                          usmipc_backend_name(w.backend), uuid);
-    }
-  } else if (device->ops->backend != w.backend) {
+  /* The device that exported the memory, as this process sees it. */
+  usmipc_device_t *owner = usmipc__device_by_uuid(w.backend, w.device_uuid);
+  if (device != NULL && device->ops->backend != w.backend)
     return usmipc__fail(USMIPC_EWRONGDEVICE,
                         "the handle holds %s memory but the target device %s "
                         "is a %s device; open it on a %s device",
                         usmipc_backend_name(w.backend), device->filter,
                         device->ops->name, usmipc_backend_name(w.backend));
-  } else if (memcmp(device->uuid, w.device_uuid, 16) != 0) {
+  if (owner == NULL) {
     char uuid[37];
     usmipc__uuid_format(w.device_uuid, uuid);
     return usmipc__fail(USMIPC_EWRONGDEVICE,
-                        "the handle was exported on device %s, not on %s; "
-                        "open it on the exporting device",
-                        uuid, device->filter);
+                        "the handle was exported on %s device %s, which this "
+                        "process cannot see (check CUDA_VISIBLE_DEVICES / "
+                        "ZE_AFFINITY_MASK)",
+                        usmipc_backend_name(w.backend), uuid);
   }
+  if (device == NULL)
+    device = owner;
   if (nbytes == 0)
     nbytes = w.nbytes;
   else if (nbytes > w.nbytes)
@@ -360,7 +425,7 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
     return open_same_process(&w, ptr);
 
   usmipc__import_key_t key = {.nonce = w.nonce, .buffer_id = w.buffer_id,
-                              .pid = w.pid};
+                              .pid = w.pid, .device = device};
   pthread_mutex_lock(&usmipc__registry_lock);
   usmipc__region_t *hit = import_find(&key);
   if (hit != NULL) {
@@ -386,7 +451,7 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
   }
   r->alloc.fd = -1;
-  rc = device->ops->ipc_import(device->native, &w.payload, fd,
+  rc = device->ops->ipc_import(device->native, owner->native, &w.payload, fd,
                                w.allocation_size, &r->alloc);
   if (fd >= 0)
     close(fd);
@@ -435,6 +500,11 @@ int usmipc_ipc_close(void *ptr) {
     if (--r->alias_refs == 0 && r->user_freed) {
       usmipc__region_remove(r);
       release = r;
+    }
+  } else if (r != NULL && r->origin == USMIPC__FOREIGN_ALIAS) {
+    if (--r->alias_refs == 0) {
+      usmipc__region_remove(r);
+      free(r); /* the memory belongs to another library */
     }
   } else if (r != NULL && r->origin == USMIPC__IMPORTED && r->open_refs > 0) {
     if (--r->open_refs == 0) {

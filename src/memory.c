@@ -115,6 +115,11 @@ static const char *kind_name(usmipc_mem_kind_t kind) {
 
 int usmipc_malloc(usmipc_device_t *device, usmipc_mem_kind_t kind,
                   size_t nbytes, void **ptr) {
+  return usmipc_malloc_flags(device, kind, nbytes, 0, ptr);
+}
+
+int usmipc_malloc_flags(usmipc_device_t *device, usmipc_mem_kind_t kind,
+                        size_t nbytes, unsigned flags, void **ptr) {
   registry_ensure();
   if (device == NULL || ptr == NULL)
     return usmipc__fail(USMIPC_EINVAL, "usmipc_malloc: device and ptr must "
@@ -129,11 +134,19 @@ int usmipc_malloc(usmipc_device_t *device, usmipc_mem_kind_t kind,
     return usmipc__fail(USMIPC_EINVAL,
                         "usmipc_malloc: cannot allocate 0 bytes; ask for at "
                         "least one");
+  if ((flags & ~(USMIPC_ALLOC_IPC_FD | USMIPC_ALLOC_IPC_NATIVE)) != 0 ||
+      flags == (USMIPC_ALLOC_IPC_FD | USMIPC_ALLOC_IPC_NATIVE))
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_malloc_flags: flags 0x%x are unknown or "
+                        "contradict each other; pass USMIPC_ALLOC_IPC_FD or "
+                        "USMIPC_ALLOC_IPC_NATIVE or 0",
+                        flags);
   usmipc__region_t *r = calloc(1, sizeof(*r));
   if (r == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
   r->alloc.fd = -1;
-  int rc = device->ops->mem_alloc(device->native, kind, nbytes, &r->alloc);
+  int rc = device->ops->mem_alloc(device->native, kind, nbytes, flags,
+                                  &r->alloc);
   if (rc != 0) {
     free(r);
     usmipc__error_prefix("allocating %zu bytes of %s memory on %s: ", nbytes,
@@ -173,7 +186,7 @@ int usmipc_free(void *ptr) {
                       "usmipc_free: %p was not allocated by usmipc_malloc "
                       "(or was already freed)",
                       ptr);
-  else if (r->origin == USMIPC__IMPORTED)
+  else if (r->origin != USMIPC__LOCAL)
     rc = usmipc__fail(USMIPC_EINVAL,
                       "usmipc_free: %p is an IPC mapping; close it with "
                       "usmipc_ipc_close instead",
@@ -219,35 +232,42 @@ int usmipc_pointer_query(const void *ptr, usmipc_pointer_info_t *info) {
     info->size = r->alloc.size;
     info->buffer_id = r->buffer_id;
     info->is_ipc_mapping = r->origin == USMIPC__IMPORTED;
+    info->is_foreign = r->origin == USMIPC__FOREIGN_ALIAS;
     pthread_mutex_unlock(&usmipc__registry_lock);
     return 0;
   }
   pthread_mutex_unlock(&usmipc__registry_lock);
 
   /* Not ours: ask the drivers (a CUDA pointer from another library). */
+  usmipc__allocation_t a;
+  if (usmipc__foreign_query(ptr, &a, &info->buffer_id, &info->device) != 0)
+    return usmipc__fail(USMIPC_EUNKNOWNPTR,
+                        "pointer %p belongs to no usmipc allocation or "
+                        "mapping, and no driver recognises it",
+                        ptr);
+  info->kind = a.kind;
+  info->base = a.base;
+  info->size = a.size;
+  info->is_foreign = 1;
+  return 0;
+}
+
+int usmipc__foreign_query(const void *ptr, usmipc__allocation_t *alloc,
+                          uint64_t *buffer_id, usmipc_device_t **device) {
   usmipc__devices_init();
   for (size_t b = 0; b < usmipc__backend_count; b++) {
     const usmipc__backend_ops_t *ops = usmipc__backends[b];
-    usmipc__allocation_t a = {.fd = -1};
-    uint64_t id = 0;
     int ordinal = 0;
+    memset(alloc, 0, sizeof(*alloc));
+    alloc->fd = -1;
     if (ops->pointer_query == NULL ||
-        ops->pointer_query(ptr, &a, &id, &ordinal) != 0)
+        ops->pointer_query(ptr, alloc, buffer_id, &ordinal) != 0)
       continue;
-    info->device = usmipc__device_by_ordinal(ops->backend, ordinal);
-    if (info->device == NULL)
-      continue;
-    info->kind = a.kind;
-    info->base = a.base;
-    info->size = a.size;
-    info->buffer_id = id;
-    info->is_foreign = 1;
-    return 0;
+    *device = usmipc__device_by_ordinal(ops->backend, ordinal);
+    if (*device != NULL)
+      return 0;
   }
-  return usmipc__fail(USMIPC_EUNKNOWNPTR,
-                      "pointer %p belongs to no usmipc allocation or mapping, "
-                      "and no driver recognises it",
-                      ptr);
+  return USMIPC_EUNKNOWNPTR;
 }
 
 /* ---- queues, copies, fills ----------------------------------------------- */

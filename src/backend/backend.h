@@ -29,9 +29,10 @@ typedef struct usmipc__allocation {
   void *base;
   size_t size;
   usmipc_mem_kind_t kind;
+  size_t reserved;  /* bytes really mapped (page or granularity rounding) */
   int fd;           /* a shareable file descriptor owned by this record, or -1 */
+  unsigned how;     /* backend-specific: how the memory was made or mapped */
   uint64_t native;  /* backend's own handle (CUmemGenericAllocationHandle, ...) */
-  void *native_ptr; /* backend's own pointer-sized state */
 } usmipc__allocation_t;
 
 /* The backend-specific part of a wire handle (docs/handle-format.md). */
@@ -54,7 +55,7 @@ typedef struct usmipc__backend_ops {
 
   /* Memory. dev is the device's native state from probe. */
   int (*mem_alloc)(void *dev, usmipc_mem_kind_t kind, size_t nbytes,
-                   usmipc__allocation_t *out);
+                   unsigned flags, usmipc__allocation_t *out);
   int (*mem_free)(void *dev, usmipc__allocation_t *alloc);
   /* Describe a pointer usmipc did not allocate: 0 and *out filled (kind,
    * base, size, native) plus *buffer_id and *device_index, or
@@ -72,13 +73,15 @@ typedef struct usmipc__backend_ops {
   /* IPC, all or none. ipc_export fills the payload for the allocation and
    * returns in *fd_to_share a descriptor the core's transport must make
    * available to importers (borrowed: still owned by the allocation), or -1.
-   * ipc_import maps an exported range: fd is a descriptor received from the
-   * exporter (or -1), owned by the caller; on success the backend keeps what
-   * it needs in *out (dup'ing fd if it must keep one). */
+   * ipc_import maps an exported allocation for use on device dev; owner is
+   * the device (as seen in this process) that exported it, equal to dev
+   * unless the open crosses devices (peer access). fd is a descriptor
+   * received from the exporter (or -1), owned by the caller; on success the
+   * backend keeps what it needs in *out (dup'ing fd if it must keep one). */
   int (*ipc_export)(void *dev, usmipc__allocation_t *alloc,
                     usmipc__payload_t *payload, int *fd_to_share);
-  int (*ipc_import)(void *dev, const usmipc__payload_t *payload, int fd,
-                    uint64_t allocation_size, usmipc__allocation_t *out);
+  int (*ipc_import)(void *dev, void *owner, const usmipc__payload_t *payload,
+                    int fd, uint64_t allocation_size, usmipc__allocation_t *out);
   int (*ipc_unmap)(void *dev, usmipc__allocation_t *mapping);
 } usmipc__backend_ops_t;
 
@@ -88,5 +91,6 @@ extern const usmipc__backend_ops_t *const usmipc__backends[];
 extern const size_t usmipc__backend_count;
 
 extern const usmipc__backend_ops_t usmipc__host_backend;
+extern const usmipc__backend_ops_t usmipc__cuda_backend;
 
 #endif /* USMIPC_BACKEND_H */

@@ -86,8 +86,9 @@ static int host_probe(usmipc__device_desc_t *devices, int max, char *reason,
 }
 
 static int host_mem_alloc(void *dev, usmipc_mem_kind_t kind, size_t nbytes,
-                          usmipc__allocation_t *out) {
+                          unsigned flags, usmipc__allocation_t *out) {
   (void)dev;
+  (void)flags; /* host device memory is always shared through its memfd */
   size_t size = (nbytes + page_size() - 1) & ~(page_size() - 1);
   if (size < nbytes)
     return usmipc__fail(USMIPC_ENOMEM, "size %zu is too large", nbytes);
@@ -99,7 +100,7 @@ static int host_mem_alloc(void *dev, usmipc_mem_kind_t kind, size_t nbytes,
     out->base = p;
     out->size = nbytes;
     out->fd = -1;
-    out->native = size;
+    out->reserved = size;
     return 0;
   }
   int fd = memfd_create("usmipc", MFD_CLOEXEC);
@@ -119,13 +120,13 @@ static int host_mem_alloc(void *dev, usmipc_mem_kind_t kind, size_t nbytes,
   out->base = p;
   out->size = nbytes;
   out->fd = fd;
-  out->native = size;
+  out->reserved = size;
   return 0;
 }
 
 static int host_mem_free(void *dev, usmipc__allocation_t *a) {
   (void)dev;
-  munmap(a->base, (size_t)a->native);
+  munmap(a->base, a->reserved);
   if (a->fd >= 0)
     close(a->fd);
   a->fd = -1;
@@ -174,9 +175,11 @@ static int host_ipc_export(void *dev, usmipc__allocation_t *a,
   return 0;
 }
 
-static int host_ipc_import(void *dev, const usmipc__payload_t *payload, int fd,
+static int host_ipc_import(void *dev, void *owner,
+                           const usmipc__payload_t *payload, int fd,
                            uint64_t allocation_size, usmipc__allocation_t *out) {
   (void)dev;
+  (void)owner;
   if (payload->handle_kind != HOST_HANDLE_MEMFD || payload->len != 0)
     return usmipc__fail(USMIPC_EBADHANDLE,
                         "host handle of unknown kind %u (payload %u bytes)",
@@ -203,13 +206,13 @@ static int host_ipc_import(void *dev, const usmipc__payload_t *payload, int fd,
   out->size = (size_t)allocation_size;
   out->kind = USMIPC_MEM_DEVICE;
   out->fd = -1; /* the mapping keeps the pages alive; no need to hold fd */
-  out->native = size;
+  out->reserved = size;
   return 0;
 }
 
 static int host_ipc_unmap(void *dev, usmipc__allocation_t *m) {
   (void)dev;
-  munmap(m->base, (size_t)m->native);
+  munmap(m->base, m->reserved);
   return 0;
 }
 

@@ -1,0 +1,73 @@
+# Developer entry points. The README's two commands are `make demo` and
+# `make test`; CI (.ci/run) installs the system packages and runs `make test`
+# and `make test-asan`.
+#
+# Python work happens in a virtual environment (.venv) unless PY names an
+# interpreter to use as it is (PY=python3 on a machine without network, where
+# scikit-build-core and pytest are already installed).
+
+PYTHON ?= python3
+BUILD ?= build
+VENV ?= .venv
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+DEVICE ?=
+CMAKE_FLAGS ?=
+
+ifdef PY
+PY_SETUP :=
+else
+PY := $(VENV)/bin/python
+PY_SETUP := $(VENV)/bin/python
+endif
+
+.PHONY: all build demo test test-c test-python test-asan fuzz bench python clean
+
+all: build
+
+build:
+	cmake -S . -B $(BUILD) -DUSMIPC_WERROR=ON $(CMAKE_FLAGS)
+	cmake --build $(BUILD) -j $(JOBS)
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q scikit-build-core pytest numpy
+
+# Builds the wheel's extension and installs the package into $(PY).
+python: $(PY_SETUP)
+	$(PY) -m pip install -q --no-build-isolation --no-index --no-deps .
+
+# The main job: the seed's example across two processes on DEVICE (default:
+# the first GPU, else the host).
+demo: python
+	$(PY) -m usmipc demo $(if $(DEVICE),--device $(DEVICE))
+
+test: test-c test-python
+
+test-c: build
+	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
+
+test-python: python
+	$(PY) -m pytest -q tests/python
+
+# The C tests and the fuzz corpus replay under AddressSanitizer and UBSan.
+test-asan:
+	cmake -S . -B $(BUILD)-asan -DUSMIPC_SANITIZE=ON -DUSMIPC_WERROR=ON $(CMAKE_FLAGS)
+	cmake --build $(BUILD)-asan -j $(JOBS)
+	ctest --test-dir $(BUILD)-asan --output-on-failure -j $(JOBS)
+
+# libFuzzer on the handle decoder for FUZZ_SECONDS (needs clang).
+FUZZ_SECONDS ?= 60
+fuzz:
+	CC=clang cmake -S . -B $(BUILD)-fuzz -DUSMIPC_FUZZ=ON $(CMAKE_FLAGS)
+	cmake --build $(BUILD)-fuzz -j $(JOBS) --target fuzz_handle
+	mkdir -p $(BUILD)-fuzz/corpus
+	$(BUILD)-fuzz/tests/fuzz/fuzz_handle -max_total_time=$(FUZZ_SECONDS) \
+	    $(BUILD)-fuzz/corpus tests/fuzz/corpus
+
+bench: build python
+	$(BUILD)/bench/usmipc_bench $(if $(DEVICE),--device $(DEVICE))
+	$(PY) bench/bench_python.py $(if $(DEVICE),--device $(DEVICE))
+
+clean:
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-fuzz

@@ -1,0 +1,685 @@
+/* The CUDA backend, over the driver API loaded with dlopen("libcuda.so.1") at
+ * first use: no link-time dependency, no CUDA toolkit needed to build. The
+ * few driver types used are declared here with their documented layouts.
+ * Without a driver, probe() reports the backend unavailable with the reason.
+ *
+ * Device memory is shared in one of two forms (docs/cuda.md):
+ *  - CUDA_HANDLE_NATIVE: cuMemAlloc + cuIpcGetMemHandle. The 64-byte driver
+ *    handle travels in the payload; it names the whole allocation, so the
+ *    offset travels in the handle's own fields. Also used for memory that
+ *    other libraries allocated (torch, CuPy), resolved through pointer
+ *    attributes.
+ *  - CUDA_HANDLE_FD: cuMemCreate with POSIX_FILE_DESCRIPTOR handles,
+ *    exported with cuMemExportToShareableHandle and moved by the core's fd
+ *    transport. The importer's mapping keeps the memory alive after the
+ *    exporter frees it or exits.
+ */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../common.h"
+
+/* ---- driver types (cuda.h, CUDA 12/13 driver API) ------------------------- */
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct {
+  char reserved[64];
+} CUipcMemHandle;
+typedef struct {
+  char bytes[16];
+} CUuuid;
+typedef struct {
+  int type; /* CUmemLocationType */
+  int id;
+} CUmemLocation;
+typedef struct {
+  int type;                 /* CUmemAllocationType */
+  int requestedHandleTypes; /* CUmemAllocationHandleType */
+  CUmemLocation location;
+  void *win32HandleMetaData;
+  struct {
+    unsigned char compressionType;
+    unsigned char gpuDirectRDMACapable;
+    unsigned short usage;
+    unsigned char reserved[4];
+  } allocFlags;
+} CUmemAllocationProp;
+typedef struct {
+  CUmemLocation location;
+  int flags; /* CUmemAccess_flags */
+} CUmemAccessDesc;
+
+enum {
+  CUDA_SUCCESS = 0,
+  CUDA_ERROR_OUT_OF_MEMORY = 2,
+  CUDA_ERROR_NO_DEVICE = 100,
+  CUDA_ERROR_INVALID_HANDLE = 400,
+  CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704,
+  CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING = 41,
+  CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY = 83,
+  CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102,
+  CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103,
+  CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
+  CU_POINTER_ATTRIBUTE_BUFFER_ID = 7,
+  CU_POINTER_ATTRIBUTE_IS_MANAGED = 8,
+  CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9,
+  CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10,
+  CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11,
+  CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12,
+  CU_MEMORYTYPE_HOST = 1,
+  CU_MEMORYTYPE_DEVICE = 2,
+  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
+  CU_MEM_ALLOCATION_TYPE_PINNED = 1,
+  CU_MEM_LOCATION_TYPE_DEVICE = 1,
+  CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
+  CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+  CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1,
+  CU_MEM_ATTACH_GLOBAL = 1,
+  CU_MEMHOSTALLOC_PORTABLE = 1,
+  CU_STREAM_NON_BLOCKING = 1,
+};
+
+/* One list of driver entry points drives the typedefs, the function
+ * pointers and the dlsym loop (libfabric's habit). Versioned names are
+ * spelled out: cuda.h maps cuMemAlloc to cuMemAlloc_v2 by macro, and dlsym
+ * sees no macros. */
+#define CUDA_SYMBOLS(X)                                                        \
+  X(cuInit, "cuInit", (unsigned))                                              \
+  X(cuGetErrorString, "cuGetErrorString", (CUresult, const char **))          \
+  X(cuGetErrorName, "cuGetErrorName", (CUresult, const char **))              \
+  X(cuDriverGetVersion, "cuDriverGetVersion", (int *))                        \
+  X(cuDeviceGetCount, "cuDeviceGetCount", (int *))                            \
+  X(cuDeviceGet, "cuDeviceGet", (CUdevice *, int))                            \
+  X(cuDeviceGetName, "cuDeviceGetName", (char *, int, CUdevice))              \
+  X(cuDeviceGetUuid, "cuDeviceGetUuid_v2", (CUuuid *, CUdevice))              \
+  X(cuDeviceGetAttribute, "cuDeviceGetAttribute", (int *, int, CUdevice))     \
+  X(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", (int *, CUdevice, CUdevice)) \
+  X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", (CUcontext *, CUdevice)) \
+  X(cuCtxPushCurrent, "cuCtxPushCurrent_v2", (CUcontext))                     \
+  X(cuCtxPopCurrent, "cuCtxPopCurrent_v2", (CUcontext *))                     \
+  X(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", (CUcontext, unsigned))    \
+  X(cuMemAlloc, "cuMemAlloc_v2", (CUdeviceptr *, size_t))                     \
+  X(cuMemFree, "cuMemFree_v2", (CUdeviceptr))                                 \
+  X(cuMemHostAlloc, "cuMemHostAlloc", (void **, size_t, unsigned))            \
+  X(cuMemFreeHost, "cuMemFreeHost", (void *))                                 \
+  X(cuMemAllocManaged, "cuMemAllocManaged", (CUdeviceptr *, size_t, unsigned)) \
+  X(cuPointerGetAttributes, "cuPointerGetAttributes",                         \
+    (unsigned, int *, void **, CUdeviceptr))                                   \
+  X(cuStreamCreate, "cuStreamCreate", (CUstream *, unsigned))                 \
+  X(cuStreamDestroy, "cuStreamDestroy_v2", (CUstream))                        \
+  X(cuStreamSynchronize, "cuStreamSynchronize", (CUstream))                   \
+  X(cuMemcpyAsync, "cuMemcpyAsync", (CUdeviceptr, CUdeviceptr, size_t, CUstream)) \
+  X(cuMemsetD8Async, "cuMemsetD8Async",                                       \
+    (CUdeviceptr, unsigned char, size_t, CUstream))                            \
+  X(cuIpcGetMemHandle, "cuIpcGetMemHandle", (CUipcMemHandle *, CUdeviceptr))  \
+  X(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2",                              \
+    (CUdeviceptr *, CUipcMemHandle, unsigned))                                 \
+  X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle", (CUdeviceptr))                \
+  X(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity",           \
+    (size_t *, const CUmemAllocationProp *, int))                              \
+  X(cuMemCreate, "cuMemCreate",                                               \
+    (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,     \
+     unsigned long long))                                                      \
+  X(cuMemRelease, "cuMemRelease", (CUmemGenericAllocationHandle))             \
+  X(cuMemAddressReserve, "cuMemAddressReserve",                               \
+    (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))         \
+  X(cuMemAddressFree, "cuMemAddressFree", (CUdeviceptr, size_t))              \
+  X(cuMemMap, "cuMemMap",                                                     \
+    (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,               \
+     unsigned long long))                                                      \
+  X(cuMemUnmap, "cuMemUnmap", (CUdeviceptr, size_t))                          \
+  X(cuMemSetAccess, "cuMemSetAccess",                                         \
+    (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))                   \
+  X(cuMemExportToShareableHandle, "cuMemExportToShareableHandle",             \
+    (void *, CUmemGenericAllocationHandle, int, unsigned long long))          \
+  X(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle",         \
+    (CUmemGenericAllocationHandle *, void *, int))
+
+static struct {
+#define X(field, symbol, args) CUresult (*field) args;
+  CUDA_SYMBOLS(X)
+#undef X
+} cu;
+
+/* How an allocation or mapping was made (usmipc__allocation_t.how). */
+enum {
+  HOW_MEM_ALLOC = 1,    /* cuMemAlloc */
+  HOW_VMM = 2,          /* cuMemCreate + map; native is the handle */
+  HOW_HOST = 3,         /* cuMemHostAlloc */
+  HOW_MANAGED = 4,      /* cuMemAllocManaged */
+  HOW_IPC_NATIVE = 5,   /* cuIpcOpenMemHandle mapping */
+  HOW_IPC_FD = 6,       /* imported VMM mapping */
+};
+
+/* Handle kinds in the wire payload (docs/handle-format.md). */
+enum {
+  CUDA_HANDLE_NATIVE = 1, /* 64 bytes: CUipcMemHandle */
+  CUDA_HANDLE_FD = 2,     /* 8 bytes: u64 size of the physical allocation */
+};
+
+typedef struct cuda_device {
+  CUdevice dev;
+  int ordinal;
+  int fd_ipc;          /* cuMemCreate with POSIX fds works here */
+  size_t granularity;  /* cuMemCreate's minimum granularity */
+  pthread_mutex_t lock;
+  CUcontext ctx;       /* primary context, retained on first use */
+  int ctx_error;
+} cuda_device_t;
+
+#define MAX_CUDA_DEVICES 16
+static cuda_device_t cuda_devices[MAX_CUDA_DEVICES];
+static int cuda_device_count;
+static int default_ipc_fd = 1; /* see docs/cuda.md for why fd is the default */
+
+static int cu_fail(CUresult res, const char *what) {
+  const char *name = "?", *text = "unknown error";
+  if (cu.cuGetErrorName)
+    cu.cuGetErrorName(res, &name);
+  if (cu.cuGetErrorString)
+    cu.cuGetErrorString(res, &text);
+  int code = res == CUDA_ERROR_OUT_OF_MEMORY ? USMIPC_ENOMEM : USMIPC_EBACKEND;
+  return usmipc__fail_native(code, res, "%s failed: %s (%s, CUDA error %d)",
+                             what, text, name, res);
+}
+
+/* Makes the device's primary context current for the calling thread until
+ * ctx_leave(); the primary context is the one PyTorch, CuPy and the runtime
+ * API use, so pointers are shared with them. */
+static int ctx_enter(cuda_device_t *d) {
+  if (d->ctx == NULL) {
+    pthread_mutex_lock(&d->lock);
+    if (d->ctx == NULL && d->ctx_error == 0) {
+      CUcontext ctx;
+      CUresult res = cu.cuDevicePrimaryCtxRetain(&ctx, d->dev);
+      if (res == CUDA_SUCCESS)
+        __atomic_store_n(&d->ctx, ctx, __ATOMIC_RELEASE);
+      else
+        d->ctx_error = res;
+    }
+    pthread_mutex_unlock(&d->lock);
+    if (d->ctx == NULL)
+      return cu_fail(d->ctx_error, "cuDevicePrimaryCtxRetain");
+  }
+  CUresult res = cu.cuCtxPushCurrent(d->ctx);
+  return res == CUDA_SUCCESS ? 0 : cu_fail(res, "cuCtxPushCurrent");
+}
+
+static void ctx_leave(void) {
+  CUcontext ignored;
+  cu.cuCtxPopCurrent(&ignored);
+}
+
+static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+/* ---- probe ---------------------------------------------------------------- */
+
+static int cuda_probe(usmipc__device_desc_t *devices, int max, char *reason,
+                      size_t reason_len) {
+  const char *env = getenv("USMIPC_CUDA_IPC");
+  if (env && !strcmp(env, "native"))
+    default_ipc_fd = 0;
+  void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == NULL) {
+    snprintf(reason, reason_len, "libcuda.so.1 not found (%s)", dlerror());
+    return USMIPC_EUNAVAILABLE;
+  }
+#define X(field, symbol, args)                                                 \
+  *(void **)&cu.field = dlsym(lib, symbol);                                    \
+  if (cu.field == NULL) {                                                      \
+    snprintf(reason, reason_len,                                               \
+             "the CUDA driver lacks %s (driver too old for CUDA 11.2+)",      \
+             symbol);                                                          \
+    return USMIPC_EUNAVAILABLE;                                                \
+  }
+  CUDA_SYMBOLS(X)
+#undef X
+  CUresult res = cu.cuInit(0);
+  if (res != CUDA_SUCCESS) {
+    const char *text = "unknown error";
+    cu.cuGetErrorString(res, &text);
+    snprintf(reason, reason_len, "cuInit failed: %s (CUDA error %d)", text,
+             res);
+    return res == CUDA_ERROR_NO_DEVICE ? 0 : USMIPC_EUNAVAILABLE;
+  }
+  int count = 0;
+  cu.cuDeviceGetCount(&count);
+  if (count > MAX_CUDA_DEVICES)
+    count = MAX_CUDA_DEVICES;
+  if (count > max)
+    count = max;
+  for (int i = 0; i < count; i++) {
+    cuda_device_t *d = &cuda_devices[i];
+    usmipc__device_desc_t *desc = &devices[i];
+    int uva = 0, vmm = 0, posix_fd = 0;
+    cu.cuDeviceGet(&d->dev, i);
+    d->ordinal = i;
+    pthread_mutex_init(&d->lock, NULL);
+    cu.cuDeviceGetName(desc->name, (int)sizeof(desc->name), d->dev);
+    CUuuid uuid;
+    cu.cuDeviceGetUuid(&uuid, d->dev);
+    memcpy(desc->uuid, uuid.bytes, 16);
+    cu.cuDeviceGetAttribute(&uva, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, d->dev);
+    cu.cuDeviceGetAttribute(&vmm,
+                            CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                            d->dev);
+    cu.cuDeviceGetAttribute(
+        &posix_fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+        d->dev);
+    d->fd_ipc = vmm && posix_fd;
+    if (d->fd_ipc) {
+      CUmemAllocationProp prop = {
+          .type = CU_MEM_ALLOCATION_TYPE_PINNED,
+          .requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+          .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = d->dev}};
+      if (cu.cuMemGetAllocationGranularity(&d->granularity, &prop,
+                                           CU_MEM_ALLOC_GRANULARITY_MINIMUM) !=
+              CUDA_SUCCESS ||
+          d->granularity == 0)
+        d->fd_ipc = 0;
+    }
+    /* Legacy IPC needs unified addressing (Linux, 64-bit); fd IPC needs VMM
+     * with POSIX fd handles. Either makes the device IPC-capable. */
+    desc->type = USMIPC_DEVICE_GPU;
+    desc->supports_ipc = uva || d->fd_ipc;
+    desc->native = d;
+  }
+  cuda_device_count = count;
+  if (count == 0)
+    snprintf(reason, reason_len, "the CUDA driver reports no devices");
+  return count;
+}
+
+/* ---- memory --------------------------------------------------------------- */
+
+static int vmm_alloc(cuda_device_t *d, size_t nbytes, usmipc__allocation_t *out) {
+  CUmemAllocationProp prop = {
+      .type = CU_MEM_ALLOCATION_TYPE_PINNED,
+      .requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+      .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = d->dev}};
+  size_t size = round_up(nbytes, d->granularity);
+  CUmemGenericAllocationHandle handle;
+  CUdeviceptr p = 0;
+  CUresult res = cu.cuMemCreate(&handle, size, &prop, 0);
+  if (res != CUDA_SUCCESS)
+    return cu_fail(res, "cuMemCreate");
+  const char *what = "cuMemAddressReserve";
+  res = cu.cuMemAddressReserve(&p, size, d->granularity, 0, 0);
+  if (res == CUDA_SUCCESS) {
+    what = "cuMemMap";
+    res = cu.cuMemMap(p, size, 0, handle, 0);
+    if (res == CUDA_SUCCESS) {
+      CUmemAccessDesc access = {
+          .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = d->dev},
+          .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+      what = "cuMemSetAccess";
+      res = cu.cuMemSetAccess(p, size, &access, 1);
+      if (res != CUDA_SUCCESS)
+        cu.cuMemUnmap(p, size);
+    }
+    if (res != CUDA_SUCCESS)
+      cu.cuMemAddressFree(p, size);
+  }
+  if (res != CUDA_SUCCESS) {
+    cu.cuMemRelease(handle);
+    return cu_fail(res, what);
+  }
+  out->base = (void *)(uintptr_t)p;
+  out->size = nbytes;
+  out->reserved = size;
+  out->how = HOW_VMM;
+  out->native = handle;
+  return 0;
+}
+
+static int cuda_mem_alloc(void *dev, usmipc_mem_kind_t kind, size_t nbytes,
+                          unsigned flags, usmipc__allocation_t *out) {
+  cuda_device_t *d = dev;
+  int rc = ctx_enter(d);
+  if (rc != 0)
+    return rc;
+  CUresult res = CUDA_SUCCESS;
+  const char *what = "";
+  if (kind == USMIPC_MEM_DEVICE) {
+    int fd = (flags & USMIPC_ALLOC_IPC_FD) ||
+             (!(flags & USMIPC_ALLOC_IPC_NATIVE) && default_ipc_fd);
+    if (fd && !d->fd_ipc && (flags & USMIPC_ALLOC_IPC_FD)) {
+      ctx_leave();
+      return usmipc__fail(USMIPC_ENOTSUP,
+                          "this GPU or driver cannot export memory as POSIX "
+                          "file descriptors; allocate with "
+                          "USMIPC_ALLOC_IPC_NATIVE");
+    }
+    if (fd && d->fd_ipc) {
+      rc = vmm_alloc(d, nbytes, out);
+      ctx_leave();
+      return rc;
+    }
+    CUdeviceptr p;
+    what = "cuMemAlloc";
+    res = cu.cuMemAlloc(&p, nbytes);
+    out->base = (void *)(uintptr_t)p;
+    out->how = HOW_MEM_ALLOC;
+  } else if (kind == USMIPC_MEM_HOST) {
+    what = "cuMemHostAlloc";
+    res = cu.cuMemHostAlloc(&out->base, nbytes, CU_MEMHOSTALLOC_PORTABLE);
+    out->how = HOW_HOST;
+  } else {
+    CUdeviceptr p;
+    what = "cuMemAllocManaged";
+    res = cu.cuMemAllocManaged(&p, nbytes, CU_MEM_ATTACH_GLOBAL);
+    out->base = (void *)(uintptr_t)p;
+    out->how = HOW_MANAGED;
+  }
+  ctx_leave();
+  if (res != CUDA_SUCCESS)
+    return cu_fail(res, what);
+  out->size = nbytes;
+  out->reserved = nbytes;
+  return 0;
+}
+
+static int cuda_mem_free(void *dev, usmipc__allocation_t *a) {
+  cuda_device_t *d = dev;
+  int rc = ctx_enter(d);
+  if (rc != 0)
+    return rc;
+  CUresult res = CUDA_SUCCESS;
+  CUdeviceptr p = (CUdeviceptr)(uintptr_t)a->base;
+  switch (a->how) {
+  case HOW_VMM:
+    cu.cuMemUnmap(p, a->reserved);
+    cu.cuMemAddressFree(p, a->reserved);
+    res = cu.cuMemRelease((CUmemGenericAllocationHandle)a->native);
+    break;
+  case HOW_HOST:
+    res = cu.cuMemFreeHost(a->base);
+    break;
+  default:
+    res = cu.cuMemFree(p);
+  }
+  ctx_leave();
+  if (a->fd >= 0)
+    close(a->fd);
+  a->fd = -1;
+  return res == CUDA_SUCCESS ? 0 : cu_fail(res, "freeing CUDA memory");
+}
+
+/* Pointers from other libraries: the driver knows the allocation around any
+ * device pointer, and its buffer id, which changes when an address is
+ * reused. */
+static int cuda_pointer_query(const void *ptr, usmipc__allocation_t *out,
+                              uint64_t *buffer_id, int *device_index) {
+  if (cuda_device_count == 0)
+    return USMIPC_EUNKNOWNPTR;
+  unsigned memtype = 0, managed = 0;
+  int ordinal = -1;
+  unsigned long long id = 0;
+  CUdeviceptr start = 0;
+  size_t size = 0;
+  int attrs[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                 CU_POINTER_ATTRIBUTE_IS_MANAGED,
+                 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                 CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                 CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                 CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+  void *data[] = {&memtype, &managed, &ordinal, &id, &start, &size};
+  if (cu.cuPointerGetAttributes(6, attrs, data, (CUdeviceptr)(uintptr_t)ptr) !=
+          CUDA_SUCCESS ||
+      memtype == 0 || ordinal < 0 || size == 0)
+    return USMIPC_EUNKNOWNPTR;
+  out->base = (void *)(uintptr_t)start;
+  out->size = size;
+  out->reserved = size;
+  out->fd = -1;
+  out->how = managed ? HOW_MANAGED
+                     : memtype == CU_MEMORYTYPE_HOST ? HOW_HOST : HOW_MEM_ALLOC;
+  out->kind = managed                         ? USMIPC_MEM_SHARED
+              : memtype == CU_MEMORYTYPE_HOST ? USMIPC_MEM_HOST
+                                              : USMIPC_MEM_DEVICE;
+  *buffer_id = id;
+  *device_index = ordinal;
+  return 0;
+}
+
+/* ---- queues --------------------------------------------------------------- */
+
+static int cuda_queue_create(void *dev, void **queue) {
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  CUstream s;
+  CUresult res = cu.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
+  ctx_leave();
+  if (res != CUDA_SUCCESS)
+    return cu_fail(res, "cuStreamCreate");
+  *queue = s;
+  return 0;
+}
+
+static int cuda_queue_destroy(void *dev, void *queue) {
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  CUresult res = cu.cuStreamDestroy(queue);
+  ctx_leave();
+  return res == CUDA_SUCCESS ? 0 : cu_fail(res, "cuStreamDestroy");
+}
+
+static int cuda_queue_synchronize(void *dev, void *queue) {
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  CUresult res = cu.cuStreamSynchronize(queue);
+  ctx_leave();
+  return res == CUDA_SUCCESS ? 0 : cu_fail(res, "cuStreamSynchronize");
+}
+
+static int cuda_memcpy(void *dev, void *queue, void *dst, const void *src,
+                       size_t n) {
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  /* With unified addressing the driver infers the direction. */
+  CUresult res = cu.cuMemcpyAsync((CUdeviceptr)(uintptr_t)dst,
+                                  (CUdeviceptr)(uintptr_t)src, n, queue);
+  ctx_leave();
+  return res == CUDA_SUCCESS ? 0 : cu_fail(res, "cuMemcpyAsync");
+}
+
+static int cuda_memset(void *dev, void *queue, void *dst, int value, size_t n) {
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  CUresult res = cu.cuMemsetD8Async((CUdeviceptr)(uintptr_t)dst,
+                                    (unsigned char)value, n, queue);
+  ctx_leave();
+  return res == CUDA_SUCCESS ? 0 : cu_fail(res, "cuMemsetD8Async");
+}
+
+/* ---- IPC ------------------------------------------------------------------ */
+
+static void put_u64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint64_t get_u64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--)
+    v = v << 8 | p[i];
+  return v;
+}
+
+static int cuda_ipc_export(void *dev, usmipc__allocation_t *a,
+                           usmipc__payload_t *payload, int *fd_to_share) {
+  cuda_device_t *d = dev;
+  *fd_to_share = -1;
+  if (a->how == HOW_VMM) {
+    if (a->fd < 0) {
+      int fd = -1;
+      CUresult res = cu.cuMemExportToShareableHandle(
+          &fd, (CUmemGenericAllocationHandle)a->native,
+          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+      if (res != CUDA_SUCCESS)
+        return cu_fail(res, "cuMemExportToShareableHandle");
+      a->fd = fd;
+    }
+    payload->handle_kind = CUDA_HANDLE_FD;
+    payload->len = 8;
+    put_u64(payload->bytes, a->reserved);
+    *fd_to_share = a->fd;
+    return 0;
+  }
+  if (a->how != HOW_MEM_ALLOC)
+    return usmipc__fail(USMIPC_EMEMKIND,
+                        "only device memory can be exported, not pinned host "
+                        "or managed memory");
+  int rc = ctx_enter(d);
+  if (rc != 0)
+    return rc;
+  CUipcMemHandle h;
+  CUresult res = cu.cuIpcGetMemHandle(&h, (CUdeviceptr)(uintptr_t)a->base);
+  ctx_leave();
+  if (res != CUDA_SUCCESS)
+    return cu_fail(res, "cuIpcGetMemHandle (memory from a stream-ordered pool "
+                        "such as cudaMallocAsync cannot be exported this way)");
+  payload->handle_kind = CUDA_HANDLE_NATIVE;
+  payload->len = sizeof(h);
+  memcpy(payload->bytes, &h, sizeof(h));
+  return 0;
+}
+
+static int check_peer(cuda_device_t *d, cuda_device_t *owner) {
+  if (d == owner)
+    return 0;
+  int can = 0;
+  cu.cuDeviceCanAccessPeer(&can, d->dev, owner->dev);
+  if (!can)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "GPU %d cannot access the memory of GPU %d (no peer "
+                        "access between them); open the handle on GPU %d",
+                        d->ordinal, owner->ordinal, owner->ordinal);
+  return 0;
+}
+
+static int cuda_ipc_import(void *dev, void *owner_dev,
+                           const usmipc__payload_t *payload, int fd,
+                           uint64_t allocation_size, usmipc__allocation_t *out) {
+  cuda_device_t *d = dev, *owner = owner_dev;
+  int rc = check_peer(d, owner);
+  if (rc != 0)
+    return rc;
+  if (payload->handle_kind == CUDA_HANDLE_NATIVE) {
+    if (payload->len != sizeof(CUipcMemHandle))
+      return usmipc__fail(USMIPC_EBADHANDLE, "CUDA handle payload of %u bytes",
+                          payload->len);
+    CUipcMemHandle h;
+    memcpy(&h, payload->bytes, sizeof(h));
+    if ((rc = ctx_enter(d)) != 0)
+      return rc;
+    CUdeviceptr p = 0;
+    CUresult res = cu.cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    ctx_leave();
+    if (res == CUDA_ERROR_INVALID_HANDLE)
+      return usmipc__fail_native(USMIPC_EEXPORTERGONE, res,
+                                 "cuIpcOpenMemHandle refused the handle "
+                                 "(CUDA error 400): the exporter has exited or "
+                                 "freed the allocation");
+    if (res != CUDA_SUCCESS)
+      return cu_fail(res, "cuIpcOpenMemHandle");
+    out->base = (void *)(uintptr_t)p;
+    out->size = (size_t)allocation_size;
+    out->reserved = (size_t)allocation_size;
+    out->how = HOW_IPC_NATIVE;
+    out->kind = USMIPC_MEM_DEVICE;
+    return 0;
+  }
+  if (payload->handle_kind != CUDA_HANDLE_FD || payload->len != 8 || fd < 0)
+    return usmipc__fail(USMIPC_EBADHANDLE, "CUDA handle of unknown kind %u",
+                        payload->handle_kind);
+  size_t size = (size_t)get_u64(payload->bytes);
+  if (size < allocation_size || size % owner->granularity != 0)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "CUDA fd handle maps %zu bytes, not a granule multiple "
+                        "covering %llu",
+                        size, (unsigned long long)allocation_size);
+  if ((rc = ctx_enter(d)) != 0)
+    return rc;
+  CUmemGenericAllocationHandle handle;
+  CUdeviceptr p = 0;
+  const char *what = "cuMemImportFromShareableHandle";
+  CUresult res = cu.cuMemImportFromShareableHandle(
+      &handle, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  if (res == CUDA_SUCCESS) {
+    what = "cuMemAddressReserve";
+    res = cu.cuMemAddressReserve(&p, size, owner->granularity, 0, 0);
+    if (res == CUDA_SUCCESS) {
+      what = "cuMemMap";
+      res = cu.cuMemMap(p, size, 0, handle, 0);
+      if (res == CUDA_SUCCESS) {
+        CUmemAccessDesc access = {
+            .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = d->dev},
+            .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+        what = "cuMemSetAccess";
+        res = cu.cuMemSetAccess(p, size, &access, 1);
+        if (res != CUDA_SUCCESS)
+          cu.cuMemUnmap(p, size);
+      }
+      if (res != CUDA_SUCCESS)
+        cu.cuMemAddressFree(p, size);
+    }
+    /* The mapping holds its own reference to the physical memory. */
+    cu.cuMemRelease(handle);
+  }
+  ctx_leave();
+  if (res != CUDA_SUCCESS)
+    return cu_fail(res, what);
+  out->base = (void *)(uintptr_t)p;
+  out->size = (size_t)allocation_size;
+  out->reserved = size;
+  out->how = HOW_IPC_FD;
+  out->kind = USMIPC_MEM_DEVICE;
+  return 0;
+}
+
+static int cuda_ipc_unmap(void *dev, usmipc__allocation_t *m) {
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  CUdeviceptr p = (CUdeviceptr)(uintptr_t)m->base;
+  CUresult res;
+  if (m->how == HOW_IPC_NATIVE) {
+    res = cu.cuIpcCloseMemHandle(p);
+  } else {
+    cu.cuMemUnmap(p, m->reserved);
+    res = cu.cuMemAddressFree(p, m->reserved);
+  }
+  ctx_leave();
+  return res == CUDA_SUCCESS ? 0 : cu_fail(res, "unmapping CUDA IPC memory");
+}
+
+const usmipc__backend_ops_t usmipc__cuda_backend = {
+    .struct_size = sizeof(usmipc__backend_ops_t),
+    .backend = USMIPC_BACKEND_CUDA,
+    .name = "cuda",
+    .probe = cuda_probe,
+    .mem_alloc = cuda_mem_alloc,
+    .mem_free = cuda_mem_free,
+    .pointer_query = cuda_pointer_query,
+    .queue_create = cuda_queue_create,
+    .queue_destroy = cuda_queue_destroy,
+    .queue_synchronize = cuda_queue_synchronize,
+    .memcpy = cuda_memcpy,
+    .memset = cuda_memset,
+    .ipc_export = cuda_ipc_export,
+    .ipc_import = cuda_ipc_import,
+    .ipc_unmap = cuda_ipc_unmap,
+};
