@@ -102,7 +102,9 @@ typedef struct usmipc__region {
   bool user_freed;      /* usmipc_free called while aliases were open */
   bool exported;        /* payload and fd grant below are valid */
   usmipc__payload_t payload;
-  uint8_t token[16];    /* capability that importers present to the broker */
+  uint8_t token[16];    /* LOCAL: capability importers present to the broker;
+                           IMPORTED: the token of the handle first opened,
+                           which later opens of the same allocation match */
   uint32_t fd_number;   /* the published descriptor, for pidfd_getfd */
   uint64_t fd_dev, fd_ino;
 

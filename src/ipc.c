@@ -344,7 +344,7 @@ static int open_same_process(const usmipc__wire_t *w, void **ptr) {
     uint64_t id;
     usmipc_device_t *device;
     if (usmipc__foreign_query(base, &a, &id, &device) == 0 &&
-        id == w->buffer_id && a.base == base &&
+        id == w->buffer_id && a.base == base && a.size == w->allocation_size &&
         (r = calloc(1, sizeof(*r))) != NULL) {
       r->alloc = a;
       r->device = device;
@@ -363,17 +363,38 @@ static int open_same_process(const usmipc__wire_t *w, void **ptr) {
                         "the handle was exported by this process, but the "
                         "allocation it names has been freed");
   }
+  if (r->alloc.size != w->allocation_size) {
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "not a valid usmipc IPC handle: it claims a %llu-byte "
+                        "allocation, but the allocation it names has %zu bytes",
+                        (unsigned long long)w->allocation_size, r->alloc.size);
+  }
   r->alias_refs++;
   *ptr = (uint8_t *)r->alloc.base + w->offset;
   pthread_mutex_unlock(&usmipc__registry_lock);
   return 0;
 }
 
-/* Takes a reference on a cached mapping; registry lock held. */
-static void *cache_take(usmipc__region_t *r, const usmipc__wire_t *w) {
+/* Takes a reference on a cached mapping; registry lock held. The handle
+ * must agree with what was mapped: a forged size or token that names a
+ * known allocation gets no further than one that names an unknown one. */
+static int cache_take(usmipc__region_t *r, const usmipc__wire_t *w,
+                      void **ptr) {
+  if (r->alloc.size != w->allocation_size)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "not a valid usmipc IPC handle: it claims a %llu-byte "
+                        "allocation, but the allocation it names has %zu bytes",
+                        (unsigned long long)w->allocation_size, r->alloc.size);
+  if (memcmp(r->token, w->token, 16) != 0)
+    return usmipc__fail(USMIPC_EACCES,
+                        "process %u's handle carries the wrong capability "
+                        "token for this allocation (forged or corrupted)",
+                        w->pid);
   if (r->open_refs++ == 0)
     idle_unlink(r);
-  return (uint8_t *)r->alloc.base + w->offset;
+  *ptr = (uint8_t *)r->alloc.base + w->offset;
+  return 0;
 }
 
 int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
@@ -429,9 +450,9 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
   pthread_mutex_lock(&usmipc__registry_lock);
   usmipc__region_t *hit = import_find(&key);
   if (hit != NULL) {
-    *ptr = cache_take(hit, &w);
+    rc = cache_take(hit, &w, ptr);
     pthread_mutex_unlock(&usmipc__registry_lock);
-    return 0;
+    return rc;
   }
   pthread_mutex_unlock(&usmipc__registry_lock);
 
@@ -465,15 +486,16 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
   r->buffer_id = w.buffer_id;
   r->key = key;
   r->open_refs = 1;
+  memcpy(r->token, w.token, 16);
 
   pthread_mutex_lock(&usmipc__registry_lock);
   hit = import_find(&key);
   if (hit != NULL) {
-    *ptr = cache_take(hit, &w);
+    rc = cache_take(hit, &w, ptr);
     pthread_mutex_unlock(&usmipc__registry_lock);
     device->ops->ipc_unmap(device->native, &r->alloc);
     free(r);
-    return 0;
+    return rc;
   }
   rc = usmipc__region_insert(r);
   if (rc == 0 && (rc = import_insert(r)) != 0)

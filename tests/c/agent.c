@@ -1,0 +1,277 @@
+/* The agent helper: an unrelated process that runs usmipc calls on command
+ * (one line in, one line out; the protocol is in task.h). Tests start two
+ * agents to play exporter and importer, or one to face the test process. */
+#include <errno.h>
+#include <grp.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include "task.h"
+
+#define AGENT_SLOTS 64
+#define AGENT_HANDLES 8
+
+typedef struct slot {
+  void *ptr;
+  size_t size;
+  uint64_t origin; /* allocation offset of ptr[0] (exported offset if mapped) */
+  usmipc_ipc_handle_t *handles[AGENT_HANDLES]; /* exports kept alive */
+} slot_t;
+
+static slot_t slots[AGENT_SLOTS];
+static usmipc_queue_t *queue;
+
+static void reply_ok(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void reply_ok(const char *fmt, ...) {
+  va_list ap;
+  fputs("ok", stdout);
+  if (fmt && fmt[0]) {
+    fputc(' ', stdout);
+    va_start(ap, fmt);
+    vprintf(fmt, ap);
+    va_end(ap);
+  }
+  fputc('\n', stdout);
+  fflush(stdout);
+}
+
+static void reply_err(int code, const char *msg) {
+  char clean[2048];
+  snprintf(clean, sizeof(clean), "%s", msg && msg[0] ? msg : "");
+  for (char *c = clean; *c; c++)
+    if (*c == '\n' || *c == '\r')
+      *c = ' ';
+  printf("err %d %s %s\n", code, usmipc_err_name(code), clean);
+  fflush(stdout);
+}
+
+static void reply_usmipc_err(int code) { reply_err(code, usmipc_last_error()); }
+
+static slot_t *slot_arg(const char *s) {
+  long i = s ? strtol(s, NULL, 10) : -1;
+  if (i < 0 || i >= AGENT_SLOTS)
+    return NULL;
+  return &slots[i];
+}
+
+static usmipc_mem_kind_t kind_arg(const char *s) {
+  if (s && strcmp(s, "host") == 0)
+    return USMIPC_MEM_HOST;
+  if (s && strcmp(s, "shared") == 0)
+    return USMIPC_MEM_SHARED;
+  return USMIPC_MEM_DEVICE;
+}
+
+/* Fills or checks [off, off+len) of a slot. Host memory is touched
+ * directly, which is the strongest evidence of sharing; other devices go
+ * through a staging buffer and the queue. */
+static int pattern_op(slot_t *s, int check, uint64_t seed, size_t off,
+                      size_t len, size_t *bad) {
+  *bad = SIZE_MAX;
+  uint8_t *p = (uint8_t *)s->ptr + off;
+  if (test_device_is_host()) {
+    if (check)
+      *bad = pattern_check(p, len, seed, s->origin + off);
+    else
+      pattern_fill(p, len, seed, s->origin + off);
+    return 0;
+  }
+  int r;
+  if (queue == NULL && (r = usmipc_queue_create(test_device(), &queue)) != 0)
+    return r;
+  uint8_t *stage = malloc(len ? len : 1);
+  if (stage == NULL)
+    return USMIPC_ENOMEM;
+  if (check) {
+    r = usmipc_memcpy(queue, stage, p, len);
+    if (r == 0)
+      r = usmipc_queue_synchronize(queue);
+    if (r == 0)
+      *bad = pattern_check(stage, len, seed, s->origin + off);
+  } else {
+    pattern_fill(stage, len, seed, s->origin + off);
+    r = usmipc_memcpy(queue, p, stage, len);
+    if (r == 0)
+      r = usmipc_queue_synchronize(queue);
+  }
+  free(stage);
+  return r;
+}
+
+static void drop_handles(slot_t *s) {
+  for (int i = 0; i < AGENT_HANDLES; i++) {
+    usmipc_ipc_free_handle(s->handles[i]);
+    s->handles[i] = NULL;
+  }
+}
+
+static void slot_reset(slot_t *s) {
+  drop_handles(s);
+  memset(s, 0, sizeof(*s));
+}
+
+static void do_command(char *line) {
+  char *save = NULL;
+  char *cmd = strtok_r(line, " \n", &save);
+  char *a1 = strtok_r(NULL, " \n", &save);
+  char *a2 = strtok_r(NULL, " \n", &save);
+  char *a3 = strtok_r(NULL, " \n", &save);
+  char *a4 = strtok_r(NULL, " \n", &save);
+  int r;
+
+  if (cmd == NULL) {
+    reply_err(USMIPC_EINVAL, "empty command");
+  } else if (strcmp(cmd, "exit") == 0) {
+    fflush(stdout);
+    exit(0);
+  } else if (strcmp(cmd, "pid") == 0) {
+    reply_ok("%d", (int)getpid());
+  } else if (strcmp(cmd, "setuid") == 0) {
+    uid_t uid = (uid_t)strtoul(a1 ? a1 : "65534", NULL, 10);
+    if (setgroups(0, NULL) != 0 || setgid(uid) != 0 || setuid(uid) != 0) {
+      reply_err(-errno, strerror(errno));
+      return;
+    }
+    /* Changing credentials clears the parent-death signal: set it again. */
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    reply_ok("%d", (int)getuid());
+  } else if (strcmp(cmd, "cache") == 0) {
+    r = usmipc_ipc_set_cache_size((size_t)strtoull(a1 ? a1 : "0", NULL, 10));
+    if (r)
+      reply_usmipc_err(r);
+    else
+      reply_ok(NULL);
+  } else if (strcmp(cmd, "closeptr") == 0) {
+    void *p = (void *)(uintptr_t)strtoull(a1 ? a1 : "0", NULL, 16);
+    r = usmipc_ipc_close(p);
+    if (r)
+      reply_usmipc_err(r);
+    else
+      reply_ok(NULL);
+  } else {
+    slot_t *s = slot_arg(a1);
+    if (s == NULL) {
+      reply_err(USMIPC_EINVAL, "bad slot");
+      return;
+    }
+    if (strcmp(cmd, "alloc") == 0) {
+      size_t size = (size_t)strtoull(a3 ? a3 : "0", NULL, 10);
+      void *p = NULL;
+      r = usmipc_malloc(test_device(), kind_arg(a2), size, &p);
+      if (r) {
+        reply_usmipc_err(r);
+        return;
+      }
+      slot_reset(s);
+      s->ptr = p;
+      s->size = size;
+      reply_ok("%p", p);
+    } else if (strcmp(cmd, "fill") == 0 || strcmp(cmd, "check") == 0) {
+      uint64_t seed = strtoull(a2 ? a2 : "0", NULL, 10);
+      size_t off = a3 ? (size_t)strtoull(a3, NULL, 10) : 0;
+      size_t len = a4 ? (size_t)strtoull(a4, NULL, 10) : s->size - off;
+      size_t bad;
+      if (s->ptr == NULL || off > s->size || len > s->size - off) {
+        reply_err(USMIPC_EINVAL, "range outside the slot");
+        return;
+      }
+      r = pattern_op(s, cmd[0] == 'c', seed, off, len, &bad);
+      if (r) {
+        reply_usmipc_err(r);
+      } else if (bad != SIZE_MAX) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "byte %zu of %zu (slot offset %zu) differs",
+                 bad, len, off + bad);
+        reply_err(USMIPC_EIO, msg);
+      } else {
+        reply_ok(NULL);
+      }
+    } else if (strcmp(cmd, "export") == 0) {
+      size_t off = (size_t)strtoull(a2 ? a2 : "0", NULL, 10);
+      size_t nbytes = (size_t)strtoull(a3 ? a3 : "0", NULL, 10);
+      usmipc_ipc_handle_t *h = NULL;
+      const void *data;
+      size_t len;
+      r = usmipc_ipc_get_handle((uint8_t *)s->ptr + off, nbytes, &h);
+      if (r == 0)
+        r = usmipc_ipc_handle_data(h, &data, &len);
+      if (r) {
+        reply_usmipc_err(r);
+        usmipc_ipc_free_handle(h);
+        return;
+      }
+      int k = 0;
+      while (k < AGENT_HANDLES - 1 && s->handles[k])
+        k++;
+      usmipc_ipc_free_handle(s->handles[k]); /* only when all are taken */
+      s->handles[k] = h;
+      char *hex = malloc(2 * len + 1);
+      hex_encode(data, len, hex);
+      reply_ok("%s", hex);
+      free(hex);
+    } else if (strcmp(cmd, "freehandle") == 0) {
+      drop_handles(s);
+      reply_ok(NULL);
+    } else if (strcmp(cmd, "open") == 0) {
+      uint8_t data[4096];
+      ssize_t len = a2 ? hex_decode(a2, data, sizeof(data)) : -1;
+      size_t nbytes = (size_t)strtoull(a3 ? a3 : "0", NULL, 10);
+      if (len < 0) {
+        reply_err(USMIPC_EINVAL, "bad hex");
+        return;
+      }
+      usmipc_ipc_handle_info_t info;
+      uint64_t origin = 0;
+      if (usmipc_ipc_handle_inspect(data, (size_t)len, &info) == 0)
+        origin = info.offset;
+      void *p = NULL;
+      size_t mapped = 0;
+      r = usmipc_ipc_open(data, (size_t)len, NULL, nbytes, &p, &mapped);
+      if (r) {
+        reply_usmipc_err(r);
+        return;
+      }
+      slot_reset(s);
+      s->ptr = p;
+      s->size = mapped;
+      s->origin = origin;
+      reply_ok("%p %zu", p, mapped);
+    } else if (strcmp(cmd, "close") == 0) {
+      r = usmipc_ipc_close(s->ptr);
+      if (r)
+        reply_usmipc_err(r);
+      else
+        reply_ok(NULL);
+    } else if (strcmp(cmd, "free") == 0) {
+      drop_handles(s);
+      r = usmipc_free(s->ptr);
+      if (r)
+        reply_usmipc_err(r);
+      else
+        reply_ok(NULL);
+    } else if (strcmp(cmd, "query") == 0) {
+      usmipc_pointer_info_t info;
+      r = usmipc_pointer_query(s->ptr, &info);
+      if (r)
+        reply_usmipc_err(r);
+      else
+        reply_ok("%p %zu %" PRIu64 " %d", info.base, info.size, info.buffer_id,
+                 info.is_ipc_mapping);
+    } else {
+      reply_err(USMIPC_EINVAL, "unknown command");
+    }
+  }
+}
+
+HELPER_IMPL(agent) {
+  (void)argc;
+  (void)argv;
+  static char line[16384];
+  while (fgets(line, sizeof(line), stdin) != NULL)
+    do_command(line);
+  return 0; /* EOF: the test closed our stdin */
+}

@@ -1,0 +1,583 @@
+/* Bad handles: every class of defect gets its own code and a message, and
+ * nothing crashes. Forged handles are made the way an attacker would: decode
+ * with usmipc__wire_decode, change fields, re-encode with
+ * usmipc__wire_encode (which computes a valid CRC). Defects that only the
+ * exporter can detect (token, buffer id, descriptor identity) are opened by
+ * an agent, since a same-process open never asks the exporter. */
+#include <unistd.h>
+
+#include "common.h" /* usmipc__wire_t, usmipc__wire_encode/decode, crc32c */
+#include "task.h"
+
+/* Byte offsets of the wire format version 1 (docs/handle-format.md) that
+ * the tests edit raw; the CRC32C of all preceding bytes ends the handle. */
+#define WIRE_OFF_VERSION 8
+#define WIRE_OFF_LENGTH 10
+#define WIRE_OFF_BACKEND 12
+#define WIRE_OFF_RESERVED 138
+#define WIRE_OFF_PAYLOAD_LEN 136
+
+typedef struct exported {
+  uint8_t *ptr;
+  size_t size;
+  usmipc_ipc_handle_t *handle;
+  uint8_t *data;
+  size_t len;
+} exported_t;
+
+static void export_new(exported_t *e, size_t size, uint64_t seed) {
+  e->size = size;
+  ASSERT_OK(usmipc_malloc(test_device(), USMIPC_MEM_DEVICE, size,
+                          (void **)&e->ptr));
+  dev_fill(e->ptr, size, seed, 0);
+  e->handle = export_copy(e->ptr, 0, &e->data, &e->len);
+}
+
+static void export_drop(exported_t *e) {
+  free(e->data);
+  ASSERT_OK(usmipc_ipc_free_handle(e->handle));
+  ASSERT_OK(usmipc_free(e->ptr));
+}
+
+static void put16le(uint8_t *p, uint16_t v) {
+  p[0] = (uint8_t)v;
+  p[1] = (uint8_t)(v >> 8);
+}
+
+/* Recomputes the trailing CRC after a raw edit. */
+static void fix_crc(uint8_t *b, size_t len) {
+  uint32_t c = usmipc__crc32c(0, b, len - 4);
+  for (int i = 0; i < 4; i++)
+    b[len - 4 + (size_t)i] = (uint8_t)(c >> (8 * i));
+}
+
+static size_t encode(const usmipc__wire_t *w, uint8_t *out) {
+  size_t len = usmipc__wire_size(w->payload.len);
+  ASSERT_LE(len, 1024);
+  usmipc__wire_encode(w, out);
+  return len;
+}
+
+static void decode_ok(const exported_t *e, usmipc__wire_t *w) {
+  ASSERT_OK(usmipc__wire_decode(e->data, e->len, w));
+}
+
+/* Opens in this process, expecting one of the codes; a success would be a
+ * bug, but its reference is dropped so the failure report stays clean. */
+static int open_here(const uint8_t *b, size_t len, usmipc_device_t *dev) {
+  void *p = NULL;
+  size_t m = 0;
+  int r = usmipc_ipc_open(b, len, dev, 0, &p, &m);
+  if (r == 0)
+    usmipc_ipc_close(p);
+  return r;
+}
+
+/* The same bytes must fail the same way in open, inspect and decode. */
+#define ASSERT_ALL_REFUSE(b, len, code)                                        \
+  do {                                                                         \
+    usmipc_ipc_handle_info_t info_;                                            \
+    usmipc__wire_t w_;                                                         \
+    ASSERT_ERR(open_here((b), (len), NULL), (code));                           \
+    ASSERT_ERR(usmipc_ipc_handle_inspect((b), (len), &info_), (code));         \
+    ASSERT_ERR(usmipc__wire_decode((b), (len), &w_), (code));                  \
+  } while (0)
+
+TEST_IMPL(handle_truncated) {
+  exported_t e;
+  export_new(&e, 64 * 1024, 1);
+  ASSERT_EQ(e.len, usmipc__wire_size(0));
+  for (size_t len = 0; len < e.len; len++) {
+    /* An exact-size copy, so ASan catches any read past the end. */
+    uint8_t *b = malloc(len ? len : 1);
+    memcpy(b, e.data, len);
+    void *p = NULL;
+    int r = usmipc_ipc_open(b, len, NULL, 0, &p, NULL);
+    ASSERT_MSG(r == USMIPC_EBADHANDLE || (len == 0 && r == USMIPC_EINVAL),
+               "truncated to %zu bytes: %d %s", len, r, usmipc_err_name(r));
+    ASSERT_GT(strlen(usmipc_last_error()), 0);
+    usmipc_ipc_handle_info_t info;
+    r = usmipc_ipc_handle_inspect(b, len, &info);
+    ASSERT_MSG(r == USMIPC_EBADHANDLE || (len == 0 && r == USMIPC_EINVAL),
+               "inspect of %zu bytes: %d", len, r);
+    free(b);
+  }
+  /* The untruncated handle still opens (as an alias, in this process). */
+  void *p = NULL;
+  ASSERT_OK(usmipc_ipc_open(e.data, e.len, NULL, 0, &p, NULL));
+  ASSERT_PTR_EQ(p, e.ptr);
+  ASSERT_OK(usmipc_ipc_close(p));
+  export_drop(&e);
+  return 0;
+}
+
+TEST_IMPL(handle_oversized) {
+  exported_t e;
+  export_new(&e, 64 * 1024, 2);
+  uint8_t b[2048];
+  /* Trailing zeros, trailing noise, the handle twice. */
+  memcpy(b, e.data, e.len);
+  memset(b + e.len, 0, 64);
+  ASSERT_ALL_REFUSE(b, e.len + 1, USMIPC_EBADHANDLE);
+  ASSERT_ALL_REFUSE(b, e.len + 64, USMIPC_EBADHANDLE);
+  for (int i = 0; i < 64; i++)
+    b[e.len + (size_t)i] = (uint8_t)(i * 37 + 11);
+  ASSERT_ALL_REFUSE(b, e.len + 16, USMIPC_EBADHANDLE);
+  memcpy(b + e.len, e.data, e.len);
+  ASSERT_ALL_REFUSE(b, 2 * e.len, USMIPC_EBADHANDLE);
+
+  /* Longer, with the length field and the CRC made to agree: the payload
+   * length no longer matches, which decoding must notice after the CRC. */
+  memcpy(b, e.data, e.len);
+  size_t len = e.len + 4;
+  put16le(b + WIRE_OFF_LENGTH, (uint16_t)len);
+  fix_crc(b, len);
+  ASSERT_ALL_REFUSE(b, len, USMIPC_EBADHANDLE);
+  export_drop(&e);
+  return 0;
+}
+
+TEST_IMPL(handle_bit_flips) {
+  exported_t e;
+  export_new(&e, 64 * 1024, 3);
+  uint8_t *b = malloc(e.len);
+  size_t flips = 0;
+  for (size_t byte = 0; byte < e.len; byte++) {
+    for (int bit = 0; bit < 8; bit++) {
+      memcpy(b, e.data, e.len);
+      b[byte] ^= (uint8_t)(1u << bit);
+      /* A flipped version is reported as a version mismatch (it is checked
+       * before the CRC, so that a newer writer gets a useful message);
+       * every other flip is caught, at the latest, by the CRC. */
+      int expect = (byte == WIRE_OFF_VERSION || byte == WIRE_OFF_VERSION + 1)
+                       ? USMIPC_EHANDLEVERSION
+                       : USMIPC_EBADHANDLE;
+      void *p = NULL;
+      int r = usmipc_ipc_open(b, e.len, NULL, 0, &p, NULL);
+      ASSERT_MSG(r == expect, "bit %d of byte %zu flipped: open gave %d (%s)",
+                 bit, byte, r, usmipc_err_name(r));
+      ASSERT_GT(strlen(usmipc_last_error()), 0);
+      usmipc_ipc_handle_info_t info;
+      r = usmipc_ipc_handle_inspect(b, e.len, &info);
+      ASSERT_MSG(r == expect, "bit %d of byte %zu flipped: inspect gave %d",
+                 bit, byte, r);
+      flips++;
+    }
+  }
+  ASSERT_EQ(flips, e.len * 8);
+  free(b);
+  export_drop(&e);
+  return 0;
+}
+
+TEST_IMPL(handle_version_bumped) {
+  exported_t e;
+  export_new(&e, 64 * 1024, 4);
+  uint8_t b[1024];
+  /* First prove the layout assumption: version 1 with a recomputed CRC
+   * gives back the exact bytes. */
+  memcpy(b, e.data, e.len);
+  put16le(b + WIRE_OFF_VERSION, 1);
+  fix_crc(b, e.len);
+  ASSERT_EQ(memcmp(b, e.data, e.len), 0);
+
+  static const uint16_t versions[] = {0, 2, 3, 0x100, 0xffff};
+  for (size_t i = 0; i < sizeof(versions) / sizeof(versions[0]); i++) {
+    memcpy(b, e.data, e.len);
+    put16le(b + WIRE_OFF_VERSION, versions[i]);
+    fix_crc(b, e.len);
+    ASSERT_ALL_REFUSE(b, e.len, USMIPC_EHANDLEVERSION);
+  }
+  /* A version-2 handle may be longer; it is still reported as a version. */
+  memcpy(b, e.data, e.len);
+  memset(b + e.len, 0, 32);
+  put16le(b + WIRE_OFF_VERSION, 2);
+  put16le(b + WIRE_OFF_LENGTH, (uint16_t)(e.len + 32));
+  fix_crc(b, e.len + 32);
+  ASSERT_ALL_REFUSE(b, e.len + 32, USMIPC_EHANDLEVERSION);
+  export_drop(&e);
+  return 0;
+}
+
+TEST_IMPL(handle_wrong_backend) {
+  exported_t e;
+  export_new(&e, 64 * 1024, 5);
+  usmipc_device_t *host = test_device();
+  usmipc__wire_t w;
+  uint8_t b[1024];
+  size_t len;
+
+  static const usmipc_backend_t others[] = {USMIPC_BACKEND_CUDA,
+                                            USMIPC_BACKEND_LEVEL_ZERO};
+  for (int i = 0; i < 2; i++) {
+    decode_ok(&e, &w);
+    w.backend = others[i];
+    len = encode(&w, b);
+    usmipc_ipc_handle_info_t info;
+    ASSERT_OK(usmipc_ipc_handle_inspect(b, len, &info)); /* well formed */
+    ASSERT_EQ(info.backend, others[i]);
+    /* On the host device: the handle is for another backend. */
+    ASSERT_ERR2(open_here(b, len, host), USMIPC_EWRONGDEVICE,
+                USMIPC_EBADHANDLE);
+    /* On the device the handle names: no such device here. */
+    ASSERT_ERR3(open_here(b, len, NULL), USMIPC_EWRONGDEVICE,
+                USMIPC_EBADHANDLE, USMIPC_EUNAVAILABLE);
+  }
+  /* Backend numbers that do not exist are malformed. */
+  static const uint8_t bogus[] = {0, 4, 99, 255};
+  for (size_t i = 0; i < sizeof(bogus); i++) {
+    memcpy(b, e.data, e.len);
+    b[WIRE_OFF_BACKEND] = bogus[i];
+    fix_crc(b, e.len);
+    ASSERT_ALL_REFUSE(b, e.len, USMIPC_EBADHANDLE);
+  }
+  /* A device uuid this process does not have. */
+  decode_ok(&e, &w);
+  w.device_uuid[0] ^= 0x5a;
+  len = encode(&w, b);
+  ASSERT_ERR(open_here(b, len, NULL), USMIPC_EWRONGDEVICE);
+  export_drop(&e);
+  return 0;
+}
+
+TEST_IMPL(handle_other_boot) {
+  exported_t e;
+  export_new(&e, 64 * 1024, 6);
+  usmipc__wire_t w;
+  uint8_t b[1024];
+  decode_ok(&e, &w);
+  w.boot_id[15] ^= 1;
+  size_t len = encode(&w, b);
+  ASSERT_OK(usmipc_ipc_handle_inspect(b, len, NULL)); /* well formed */
+  ASSERT_ERR(open_here(b, len, NULL), USMIPC_EOTHERHOST);
+  ASSERT_ERR(open_here(b, len, test_device()), USMIPC_EOTHERHOST);
+  memset(w.boot_id, 0, 16);
+  len = encode(&w, b);
+  ASSERT_ERR(open_here(b, len, NULL), USMIPC_EOTHERHOST);
+
+  /* The same in another process. */
+  static char hex[HEX_MAX];
+  hex_encode(b, len, hex);
+  agent_t im;
+  agent_start(&im, NULL);
+  AGENT_ERR(&im, USMIPC_EOTHERHOST, "open 0 %s 0", hex);
+  agent_stop_ok(&im);
+  export_drop(&e);
+  return 0;
+}
+
+TEST_IMPL(handle_forged_token) {
+  exported_t e;
+  export_new(&e, 256 * 1024, 7);
+  usmipc__wire_t w;
+  uint8_t b[1024];
+  static char hex[HEX_MAX];
+  agent_t im;
+  agent_start(&im, "socket");
+
+  /* Control: the genuine handle opens over the socket. */
+  hex_encode(e.data, e.len, hex);
+  AGENT_OK(&im, "open 0 %s 0", hex);
+  AGENT_OK(&im, "check 0 7");
+  AGENT_OK(&im, "close 0");
+  AGENT_OK(&im, "cache 0"); /* forget it, so the next opens ask the broker */
+
+  decode_ok(&e, &w);
+  w.token[3] ^= 0x10;
+  size_t len = encode(&w, b);
+  hex_encode(b, len, hex);
+  AGENT_ERR(&im, USMIPC_EACCES, "open 1 %s 0", hex);
+
+  memset(w.token, 0, 16);
+  len = encode(&w, b);
+  hex_encode(b, len, hex);
+  AGENT_ERR(&im, USMIPC_EACCES, "open 1 %s 0", hex);
+  agent_stop_ok(&im);
+  export_drop(&e);
+  return 0;
+}
+
+TEST_IMPL(handle_forged_buffer_id) {
+  exported_t a, c;
+  export_new(&a, 64 * 1024, 8);
+  export_new(&c, 64 * 1024, 9);
+  usmipc__wire_t wa, wc;
+  decode_ok(&a, &wa);
+  decode_ok(&c, &wc);
+  uint8_t b[1024];
+  static char hex[HEX_MAX];
+  agent_t im;
+  agent_start(&im, "socket");
+
+  /* An id this exporter never issued. */
+  usmipc__wire_t w = wa;
+  w.buffer_id = wa.buffer_id ^ 0x8000000000000000ull;
+  size_t len = encode(&w, b);
+  hex_encode(b, len, hex);
+  AGENT_ERR2(&im, USMIPC_EEXPORTERGONE, USMIPC_EACCES, "open 0 %s 0", hex);
+
+  /* Another live allocation's id with this one's token: the token is bound
+   * to its buffer. */
+  w = wa;
+  w.buffer_id = wc.buffer_id;
+  len = encode(&w, b);
+  hex_encode(b, len, hex);
+  AGENT_ERR2(&im, USMIPC_EACCES, USMIPC_EEXPORTERGONE, "open 0 %s 0", hex);
+
+  /* Neither attempt broke the genuine handles. */
+  hex_encode(c.data, c.len, hex);
+  AGENT_OK(&im, "open 1 %s 0", hex);
+  AGENT_OK(&im, "check 1 9");
+  AGENT_OK(&im, "close 1");
+  agent_stop_ok(&im);
+  export_drop(&a);
+  export_drop(&c);
+  return 0;
+}
+
+TEST_IMPL(handle_forged_fd_identity) {
+  /* Handles that point the importer at the wrong descriptor or claim more
+   * memory than the descriptor holds; the importer must notice before it
+   * maps anything. */
+  exported_t a, c;
+  export_new(&a, 64 * 1024, 10);
+  export_new(&c, 64 * 1024, 11);
+  usmipc__wire_t wa, wc, w;
+  decode_ok(&a, &wa);
+  decode_ok(&c, &wc);
+  ASSERT_NE(wa.fd_number, wc.fd_number);
+  uint8_t b[1024];
+  size_t len;
+  static char hex[HEX_MAX];
+  agent_t im;
+
+  if (pidfd_supported()) {
+    /* pidfd_getfd would copy c's memfd: the recorded identity says no. */
+    agent_start(&im, "pidfd");
+    w = wa;
+    w.fd_number = wc.fd_number;
+    len = encode(&w, b);
+    hex_encode(b, len, hex);
+    AGENT_ERR2(&im, USMIPC_EEXPORTERGONE, USMIPC_EACCES, "open 0 %s 0", hex);
+    /* A descriptor number that is not open at all. */
+    w.fd_number = 1000000;
+    len = encode(&w, b);
+    hex_encode(b, len, hex);
+    AGENT_ERR2(&im, USMIPC_EEXPORTERGONE, USMIPC_EACCES, "open 0 %s 0", hex);
+    agent_stop_ok(&im);
+  }
+
+  agent_start(&im, "socket");
+  /* The broker sends a's descriptor; the handle claims another file. */
+  w = wa;
+  w.fd_ino = wc.fd_ino;
+  len = encode(&w, b);
+  hex_encode(b, len, hex);
+  AGENT_ERR2(&im, USMIPC_EEXPORTERGONE, USMIPC_EACCES, "open 0 %s 0", hex);
+
+  /* More memory than the exporter's file holds (a SIGBUS on first touch if
+   * it were mapped). */
+  w = wa;
+  w.allocation_size = wa.allocation_size * 4;
+  w.offset = wa.allocation_size * 2;
+  w.nbytes = 4096;
+  len = encode(&w, b);
+  hex_encode(b, len, hex);
+  AGENT_ERR(&im, USMIPC_EBADHANDLE, "open 0 %s 0", hex);
+
+  /* A host handle of an unknown kind, or with a payload it never has. */
+  w = wa;
+  w.payload.handle_kind = 77;
+  len = encode(&w, b);
+  hex_encode(b, len, hex);
+  AGENT_ERR(&im, USMIPC_EBADHANDLE, "open 0 %s 0", hex);
+  w = wa;
+  w.payload.len = 8;
+  memset(w.payload.bytes, 0xab, 8);
+  len = encode(&w, b);
+  hex_encode(b, len, hex);
+  AGENT_ERR(&im, USMIPC_EBADHANDLE, "open 0 %s 0", hex);
+  /* Memory behind a descriptor, with the descriptor flag cleared. */
+  w = wa;
+  w.flags = 0;
+  len = encode(&w, b);
+  hex_encode(b, len, hex);
+  AGENT_ERR(&im, USMIPC_EBADHANDLE, "open 0 %s 0", hex);
+
+  /* And the genuine one still works. */
+  hex_encode(a.data, a.len, hex);
+  AGENT_OK(&im, "open 0 %s 0", hex);
+  AGENT_OK(&im, "check 0 10");
+  AGENT_OK(&im, "close 0");
+  agent_stop_ok(&im);
+  export_drop(&a);
+  export_drop(&c);
+  return 0;
+}
+
+TEST_IMPL(handle_forged_range_known) {
+  /* A forged range on an allocation the opener already holds: as a
+   * same-process alias, and as a cached mapping of another process's
+   * allocation. Neither path asks the exporter or the backend again, so
+   * the range must be checked against the real allocation there too:
+   * otherwise open returns a pointer past the end of the memory. Both cases
+   * are tried before the verdict, so one report names every hole. */
+  char problems[1024] = "";
+  exported_t e;
+  export_new(&e, 64 * 1024, 12);
+  usmipc__wire_t w;
+  uint8_t b[1024];
+  decode_ok(&e, &w);
+  w.allocation_size = e.size * 4;
+  w.offset = e.size * 2;
+  w.nbytes = 4096;
+  size_t len = encode(&w, b);
+  void *p = NULL;
+  int r = usmipc_ipc_open(b, len, NULL, 0, &p, NULL);
+  if (r == 0) {
+    snprintf(problems + strlen(problems), sizeof(problems) - strlen(problems),
+             "\n  same process: a handle claiming offset %zu of the %zu-byte "
+             "allocation %p opened, returning %p, %zu bytes past its end",
+             e.size * 2, e.size, (void *)e.ptr, p,
+             (size_t)((uint8_t *)p - (e.ptr + e.size)));
+    usmipc_ipc_close(p);
+  } else {
+    test_check_error(__FILE__, __LINE__, "forged open (same process)", r,
+                     USMIPC_EBADHANDLE, USMIPC_ERANGE, USMIPC_ERANGE);
+  }
+  export_drop(&e);
+
+  /* Another process's allocation, already mapped here. */
+  agent_t ex;
+  agent_start(&ex, NULL);
+  AGENT_OK(&ex, "alloc 0 device 65536");
+  AGENT_OK(&ex, "fill 0 13");
+  AGENT_OK(&ex, "export 0 0 0");
+  uint8_t good[1024];
+  ssize_t glen = hex_decode(ex.reply, good, sizeof(good));
+  ASSERT_GT(glen, 0);
+  void *m = NULL;
+  ASSERT_OK(usmipc_ipc_open(good, (size_t)glen, NULL, 0, &m, NULL));
+  ASSERT_OK(usmipc__wire_decode(good, (size_t)glen, &w));
+  w.allocation_size = 65536 * 4;
+  w.offset = 65536 * 2;
+  w.nbytes = 4096;
+  len = encode(&w, b);
+  p = NULL;
+  r = usmipc_ipc_open(b, len, NULL, 0, &p, NULL);
+  if (r == 0) {
+    snprintf(problems + strlen(problems), sizeof(problems) - strlen(problems),
+             "\n  cache hit: a handle claiming offset %d of a 65536-byte "
+             "allocation mapped at %p opened, returning %p",
+             65536 * 2, m, p);
+    usmipc_ipc_close(p);
+  } else {
+    test_check_error(__FILE__, __LINE__, "forged open (cache hit)", r,
+                     USMIPC_EBADHANDLE, USMIPC_ERANGE, USMIPC_ERANGE);
+  }
+  ASSERT_EQ(pattern_check(m, 65536, 13, 0), SIZE_MAX);
+  ASSERT_OK(usmipc_ipc_close(m));
+  agent_stop_ok(&ex);
+  ASSERT_MSG(problems[0] == '\0',
+             "forged ranges were not checked against the real allocation:%s",
+             problems);
+  return 0;
+}
+
+TEST_IMPL(handle_range_overflow) {
+  exported_t e;
+  export_new(&e, 64 * 1024, 14);
+  usmipc__wire_t w0, w;
+  uint8_t b[1024];
+  size_t len;
+  decode_ok(&e, &w0);
+  const uint64_t size = w0.allocation_size;
+
+  struct {
+    uint64_t alloc, off, nbytes;
+  } ranges[] = {
+      {size, size, 1},                   /* starts at the end */
+      {size, 0, size + 1},               /* one byte too many */
+      {size, size - 10, 11},             /* ends one past */
+      {size, UINT64_MAX - 1, 4},         /* offset + nbytes wraps */
+      {size, 8, UINT64_MAX - 4},         /* nbytes wraps */
+      {0, 0, 1},                         /* empty allocation */
+      {size, 0, 0},                      /* zero bytes */
+  };
+  for (size_t i = 0; i < sizeof(ranges) / sizeof(ranges[0]); i++) {
+    w = w0;
+    w.allocation_size = ranges[i].alloc;
+    w.offset = ranges[i].off;
+    w.nbytes = ranges[i].nbytes;
+    len = encode(&w, b);
+    ASSERT_ALL_REFUSE(b, len, USMIPC_EBADHANDLE);
+  }
+
+  /* The other fields decoding checks after the CRC. */
+  w = w0;
+  w.exporter_base = UINT64_MAX - 100; /* base + size wraps */
+  len = encode(&w, b);
+  ASSERT_ALL_REFUSE(b, len, USMIPC_EBADHANDLE);
+  w = w0;
+  w.flags |= 0x8000; /* unknown flag */
+  len = encode(&w, b);
+  ASSERT_ALL_REFUSE(b, len, USMIPC_EBADHANDLE);
+  w = w0;
+  w.pid = 0;
+  len = encode(&w, b);
+  ASSERT_ALL_REFUSE(b, len, USMIPC_EBADHANDLE);
+  w = w0;
+  w.nonce = 0;
+  len = encode(&w, b);
+  ASSERT_ALL_REFUSE(b, len, USMIPC_EBADHANDLE);
+  w = w0;
+  w.fd_number = 0x80000000u;
+  len = encode(&w, b);
+  ASSERT_ALL_REFUSE(b, len, USMIPC_EBADHANDLE);
+
+  memcpy(b, e.data, e.len);
+  b[WIRE_OFF_RESERVED] = 1;
+  fix_crc(b, e.len);
+  ASSERT_ALL_REFUSE(b, e.len, USMIPC_EBADHANDLE);
+  memcpy(b, e.data, e.len);
+  put16le(b + WIRE_OFF_PAYLOAD_LEN, 129); /* over the maximum */
+  fix_crc(b, e.len);
+  ASSERT_ALL_REFUSE(b, e.len, USMIPC_EBADHANDLE);
+  memcpy(b, e.data, e.len);
+  put16le(b + WIRE_OFF_PAYLOAD_LEN, 0xffff);
+  fix_crc(b, e.len);
+  ASSERT_ALL_REFUSE(b, e.len, USMIPC_EBADHANDLE);
+  export_drop(&e);
+  return 0;
+}
+
+TEST_IMPL(handle_null_and_empty) {
+  exported_t e;
+  export_new(&e, 64 * 1024, 15);
+  void *p = NULL;
+  usmipc_ipc_handle_info_t info;
+  usmipc__wire_t w;
+  ASSERT_ERR2(usmipc_ipc_open(NULL, 0, NULL, 0, &p, NULL), USMIPC_EINVAL,
+              USMIPC_EBADHANDLE);
+  ASSERT_ERR(usmipc_ipc_open(NULL, e.len, NULL, 0, &p, NULL), USMIPC_EINVAL);
+  ASSERT_ERR2(usmipc_ipc_open("", 0, NULL, 0, &p, NULL), USMIPC_EINVAL,
+              USMIPC_EBADHANDLE);
+  ASSERT_ERR(usmipc_ipc_open(e.data, e.len, NULL, 0, NULL, NULL), USMIPC_EINVAL);
+  ASSERT_ERR2(usmipc_ipc_handle_inspect(NULL, 0, &info), USMIPC_EINVAL,
+              USMIPC_EBADHANDLE);
+  ASSERT_ERR(usmipc_ipc_handle_inspect(NULL, 10, &info), USMIPC_EINVAL);
+  ASSERT_ERR2(usmipc__wire_decode(NULL, 0, &w), USMIPC_EINVAL,
+              USMIPC_EBADHANDLE);
+
+  /* Things people pass by mistake: text, the handle as hex, zeros. */
+  static const char text[] = "this is not a handle, it is a sentence";
+  ASSERT_ALL_REFUSE((const uint8_t *)text, sizeof(text), USMIPC_EBADHANDLE);
+  static char hex[HEX_MAX];
+  hex_encode(e.data, e.len, hex);
+  ASSERT_ALL_REFUSE((const uint8_t *)hex, strlen(hex), USMIPC_EBADHANDLE);
+  uint8_t zeros[256] = {0};
+  ASSERT_ALL_REFUSE(zeros, e.len, USMIPC_EBADHANDLE);
+  ASSERT_ALL_REFUSE(zeros, sizeof(zeros), USMIPC_EBADHANDLE);
+  export_drop(&e);
+  return 0;
+}

@@ -1,0 +1,208 @@
+/* Resource accounting of the importer: file descriptors (/proc/self/fd)
+ * and mappings (/proc/self/maps) after many open/close cycles on several
+ * threads, and the bound on idle cached mappings. The test process is the
+ * importer; an agent exports. */
+#include <pthread.h>
+
+#include "task.h"
+
+/* The host backend's memory shows in /proc/self/maps as "/memfd:usmipc". */
+#define MEMFD_TAG "memfd:usmipc"
+
+#define LEAK_BUFFERS 4
+#define LEAK_THREADS 4
+#define LEAK_CYCLES 10000
+
+static uint8_t handle_data[LEAK_BUFFERS][1024];
+static size_t handle_len[LEAK_BUFFERS];
+static int cycles_per_thread;
+
+static void export_buffers(agent_t *ex, int count, size_t size, int seed0,
+                           uint8_t (*data)[1024], size_t *len) {
+  for (int b = 0; b < count; b++) {
+    AGENT_OK(ex, "alloc %d device %zu", b, size);
+    AGENT_OK(ex, "fill %d %d", b, seed0 + b);
+    AGENT_OK(ex, "export %d 0 0", b);
+    ssize_t n = hex_decode(ex->reply, data[b], 1024);
+    ASSERT_GT(n, 0);
+    len[b] = (size_t)n;
+  }
+}
+
+static pthread_barrier_t start_line;
+
+static void *cycle_thread(void *arg) {
+  int t = (int)(intptr_t)arg;
+  /* All threads alive at once before any work: glibc gives each thread an
+   * arena at its first malloc, reusing those of exited threads, so the
+   * warm-up leaves exactly LEAK_THREADS arenas and the measured run maps no
+   * new one, however the scheduler interleaves the threads. */
+  void *volatile first = malloc(64); /* volatile: no eliding the pair */
+  free(first);
+  pthread_barrier_wait(&start_line);
+  for (int i = 0; i < cycles_per_thread; i++) {
+    /* Threads walk the buffers out of step, so the same allocation is
+     * often opened by two threads at once (the race in usmipc_ipc_open). */
+    int b = (t + i) % LEAK_BUFFERS;
+    void *p = NULL;
+    size_t mapped = 0;
+    ASSERT_OK(usmipc_ipc_open(handle_data[b], handle_len[b], NULL, 0, &p,
+                              &mapped));
+    ASSERT_EQ(pattern_check(p, 64, 70 + (uint64_t)b, 0), SIZE_MAX);
+    ASSERT_OK(usmipc_ipc_close(p));
+  }
+  return NULL;
+}
+
+static void run_cycles(int per_thread) {
+  pthread_t th[LEAK_THREADS];
+  cycles_per_thread = per_thread;
+  ASSERT_EQ(pthread_barrier_init(&start_line, NULL, LEAK_THREADS), 0);
+  for (int t = 0; t < LEAK_THREADS; t++)
+    ASSERT_EQ(pthread_create(&th[t], NULL, cycle_thread, (void *)(intptr_t)t),
+              0);
+  for (int t = 0; t < LEAK_THREADS; t++)
+    ASSERT_EQ(pthread_join(th[t], NULL), 0);
+  pthread_barrier_destroy(&start_line);
+}
+
+/* /proc/self/maps as text, to show what changed when a count differs. */
+static char *maps_snapshot(void) {
+  static char buf[1 << 20];
+  FILE *f = fopen("/proc/self/maps", "re");
+  ASSERT_NOT_NULL(f);
+  size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  return strdup(buf);
+}
+
+static void print_maps_diff(const char *before, const char *after) {
+  const char *sides[2][2] = {{before, after}, {after, before}};
+  for (int k = 0; k < 2; k++) {
+    const char *line = sides[k][0];
+    while (*line) {
+      size_t len = strcspn(line, "\n");
+      char one[512];
+      snprintf(one, sizeof(one), "%.*s\n", (int)(len < 500 ? len : 500), line);
+      if (strstr(sides[k][1], one) == NULL)
+        printf("%s %s", k == 0 ? "gone:" : "new: ", one);
+      line += len + (line[len] == '\n');
+    }
+  }
+}
+
+static int no_leak(int cached) {
+  if (!test_device_is_host())
+    RETURN_SKIP("reads mappings directly and counts memfd mappings");
+  agent_t ex;
+  agent_start(&ex, NULL);
+  export_buffers(&ex, LEAK_BUFFERS, 256 * 1024, 70, handle_data, handle_len);
+  if (!cached)
+    ASSERT_OK(usmipc_ipc_set_cache_size(0));
+
+  size_t fds0 = count_fds();
+  size_t memfd0 = count_maps_matching(MEMFD_TAG);
+  ASSERT_EQ(memfd0, 0);
+
+  /* Warm-up: thread stacks (glibc caches them), malloc arenas, and with the
+   * cache on, one idle mapping per buffer. */
+  run_cycles(50);
+  size_t fds1 = count_fds();
+  char *snap1 = maps_snapshot();
+  size_t maps1 = count_maps();
+  size_t memfd1 = count_maps_matching(MEMFD_TAG);
+  ASSERT_EQ(memfd1, cached ? LEAK_BUFFERS : 0);
+  ASSERT_EQ(fds1, fds0); /* no descriptor is kept per mapping */
+
+  double t0 = now_seconds();
+  run_cycles(LEAK_CYCLES / LEAK_THREADS);
+  double dt = now_seconds() - t0;
+  printf("%d open/close cycles on %d threads: %.3f s (%.2f us per cycle)\n",
+         LEAK_CYCLES, LEAK_THREADS, dt, dt * 1e6 / LEAK_CYCLES);
+
+  size_t fds2 = count_fds(), maps2 = count_maps();
+  size_t memfd2 = count_maps_matching(MEMFD_TAG);
+  printf("fds %zu -> %zu, maps %zu -> %zu, memfd maps %zu -> %zu\n", fds1, fds2,
+         maps1, maps2, memfd1, memfd2);
+  if (maps2 != maps1) {
+    char *snap2 = maps_snapshot();
+    print_maps_diff(snap1, snap2);
+    free(snap2);
+  }
+  free(snap1);
+  ASSERT_EQ(fds2, fds1);
+  ASSERT_EQ(memfd2, memfd1);
+  ASSERT_EQ(maps2, maps1);
+
+  if (cached) {
+    /* Dropping the cache unmaps the idle mappings: back to the baseline. */
+    ASSERT_OK(usmipc_ipc_set_cache_size(0));
+    ASSERT_EQ(count_maps_matching(MEMFD_TAG), memfd0);
+    ASSERT_EQ(count_fds(), fds0);
+    ASSERT_EQ(count_maps(), maps1 - LEAK_BUFFERS);
+  } else {
+    /* Uncached, a mapping exists exactly while it is open. */
+    void *p = NULL;
+    ASSERT_OK(usmipc_ipc_open(handle_data[0], handle_len[0], NULL, 0, &p, NULL));
+    ASSERT_EQ(count_maps_matching(MEMFD_TAG), memfd0 + 1);
+    ASSERT_OK(usmipc_ipc_close(p));
+    ASSERT_EQ(count_maps_matching(MEMFD_TAG), memfd0);
+    ASSERT_EQ(count_fds(), fds0);
+  }
+  agent_stop_ok(&ex);
+  return 0;
+}
+
+TEST_IMPL(ipc_no_leak_cached) { return no_leak(1); }
+TEST_IMPL(ipc_no_leak_uncached) { return no_leak(0); }
+
+TEST_IMPL(ipc_cache_limit) {
+  if (!test_device_is_host())
+    RETURN_SKIP("counts memfd mappings");
+  enum { N = 20, LIMIT = 4 };
+  static uint8_t data[N][1024];
+  size_t len[N];
+  void *ptr[N];
+  agent_t ex;
+  agent_start(&ex, NULL);
+  export_buffers(&ex, N, 64 * 1024, 80, data, len);
+  ASSERT_OK(usmipc_ipc_set_cache_size(LIMIT));
+  size_t base = count_maps_matching(MEMFD_TAG);
+
+  for (int i = 0; i < N; i++) {
+    ASSERT_OK(usmipc_ipc_open(data[i], len[i], NULL, 0, &ptr[i], NULL));
+    ASSERT_EQ(pattern_check(ptr[i], 64 * 1024, 80 + (uint64_t)i, 0), SIZE_MAX);
+    ASSERT_OK(usmipc_ipc_close(ptr[i]));
+    size_t idle = count_maps_matching(MEMFD_TAG) - base;
+    ASSERT_LE(idle, LIMIT);
+    ASSERT_EQ(idle, (size_t)(i + 1 < LIMIT ? i + 1 : LIMIT));
+  }
+  /* The most recently closed are the ones kept: re-opening them returns
+   * the very same mapping and maps nothing new. */
+  for (int i = N - LIMIT; i < N; i++) {
+    void *p = NULL;
+    ASSERT_OK(usmipc_ipc_open(data[i], len[i], NULL, 0, &p, NULL));
+    ASSERT_PTR_EQ(p, ptr[i]);
+    ASSERT_EQ(count_maps_matching(MEMFD_TAG) - base, LIMIT);
+    ASSERT_OK(usmipc_ipc_close(p));
+  }
+  /* An evicted one maps anew, with the right bytes. */
+  void *p0 = NULL;
+  ASSERT_OK(usmipc_ipc_open(data[0], len[0], NULL, 0, &p0, NULL));
+  ASSERT_EQ(count_maps_matching(MEMFD_TAG) - base, LIMIT + 1);
+  ASSERT_EQ(pattern_check(p0, 64 * 1024, 80, 0), SIZE_MAX);
+  ASSERT_OK(usmipc_ipc_close(p0));
+  ASSERT_EQ(count_maps_matching(MEMFD_TAG) - base, LIMIT);
+
+  /* Shrinking the cache unmaps at once; an open mapping is never evicted. */
+  void *held = NULL;
+  ASSERT_OK(usmipc_ipc_open(data[5], len[5], NULL, 0, &held, NULL));
+  ASSERT_OK(usmipc_ipc_set_cache_size(0));
+  ASSERT_EQ(count_maps_matching(MEMFD_TAG), base + 1);
+  ASSERT_EQ(pattern_check(held, 64 * 1024, 85, 0), SIZE_MAX);
+  ASSERT_OK(usmipc_ipc_close(held));
+  ASSERT_EQ(count_maps_matching(MEMFD_TAG), base);
+  agent_stop_ok(&ex);
+  return 0;
+}

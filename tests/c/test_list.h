@@ -1,0 +1,70 @@
+/* Every test and helper of usmipc_tests, once (libuv's test-list.h habit).
+ *
+ * TEST_LIST(X) expands X(name) for each test `TEST_IMPL(name)`;
+ * HELPER_LIST(X) for each helper role `HELPER_IMPL(name)`.
+ * tests/c/CMakeLists.txt reads the X(...) lines below to register each test
+ * with CTest as c.<name>, so keep one entry per line. */
+#ifndef USMIPC_TEST_LIST_H
+#define USMIPC_TEST_LIST_H
+
+#define TEST_LIST(X)                                                           \
+  X(errors_strerror_every_code)                                                \
+  X(errors_unknown_codes)                                                      \
+  X(errors_last_error_per_thread)                                              \
+  X(errors_version)                                                            \
+  X(devices_get_devices)                                                       \
+  X(devices_select_host)                                                       \
+  X(devices_select_default)                                                    \
+  X(devices_select_bad_filters)                                                \
+  X(devices_backend_status)                                                    \
+  X(devices_queue)                                                             \
+  X(memory_malloc_kinds)                                                       \
+  X(memory_memcpy_memset)                                                      \
+  X(memory_pointer_query_interior)                                             \
+  X(memory_pointer_query_unknown)                                              \
+  X(memory_buffer_id_unique)                                                   \
+  X(memory_buffer_id_after_reuse)                                              \
+  X(memory_free_bad_pointers)                                                  \
+  X(memory_malloc_bad_args)                                                    \
+  X(memory_threads)                                                            \
+  X(ipc_handle_inspect_fields)                                                 \
+  X(ipc_export_bad_args)                                                       \
+  X(ipc_same_process_alias)                                                    \
+  X(ipc_alias_refcount)                                                        \
+  X(ipc_free_while_alias_open)                                                 \
+  X(ipc_cross_process_auto)                                                    \
+  X(ipc_cross_process_socket)                                                  \
+  X(ipc_cross_process_pidfd)                                                   \
+  X(ipc_parent_exporter_child_importer)                                        \
+  X(ipc_interior_offset)                                                       \
+  X(ipc_rest_of_allocation)                                                    \
+  X(ipc_open_nbytes_range)                                                     \
+  X(ipc_importer_refcount)                                                     \
+  X(ipc_stale_cache)                                                           \
+  X(ipc_survives_exporter_free_and_exit)                                       \
+  X(ipc_survives_exporter_sigkill)                                             \
+  X(ipc_exporter_gone_auto)                                                    \
+  X(ipc_exporter_gone_socket)                                                  \
+  X(ipc_exporter_gone_pidfd)                                                   \
+  X(ipc_allocation_freed_before_open)                                          \
+  X(ipc_other_uid_refused)                                                     \
+  X(ipc_fork_child_exports)                                                    \
+  X(ipc_cache_limit)                                                           \
+  X(ipc_no_leak_cached)                                                        \
+  X(ipc_no_leak_uncached)                                                      \
+  X(handle_truncated)                                                          \
+  X(handle_oversized)                                                          \
+  X(handle_bit_flips)                                                          \
+  X(handle_version_bumped)                                                     \
+  X(handle_wrong_backend)                                                      \
+  X(handle_other_boot)                                                         \
+  X(handle_forged_token)                                                       \
+  X(handle_forged_buffer_id)                                                   \
+  X(handle_forged_fd_identity)                                                 \
+  X(handle_forged_range_known)                                                 \
+  X(handle_range_overflow)                                                     \
+  X(handle_null_and_empty)
+
+#define HELPER_LIST(X) X(agent)
+
+#endif /* USMIPC_TEST_LIST_H */
