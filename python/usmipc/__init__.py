@@ -1,0 +1,58 @@
+"""usmipc: zero-copy sharing of accelerator memory between processes.
+
+Devices, queues and errors live here; memory and IPC handles in
+:mod:`usmipc.memory` (the layout of dpctl, whose Python API usmipc mirrors)::
+
+    import usmipc
+    from usmipc.memory import MemoryUSMDevice, IPCMemoryHandle
+
+    d = usmipc.Device("host:cpu")
+    mem = MemoryUSMDevice(4096, device=d)
+    raw = IPCMemoryHandle(mem).to_bytes()      # send to another process
+    m2 = IPCMemoryHandle.open(raw, d)          # ... which maps the memory
+    IPCMemoryHandle.close_mapping(m2)
+"""
+
+from usmipc._usmipc import (
+    COMPILED_VERSION_HEX,
+    VERSION_HEX,
+    Device,
+    Error,
+    Queue,
+    __version__,
+    backends,
+    errorcode,
+    get_devices,
+    set_ipc_cache_size,
+    strerror,
+)
+
+# The C library is linked into the extension; the extension refuses to load
+# if the library's version differs from the one it was compiled against.
+# Check once more here in case an old extension sits beside new Python code.
+if VERSION_HEX != COMPILED_VERSION_HEX:  # pragma: no cover
+    raise ImportError(
+        f"usmipc C library version {VERSION_HEX:#08x} does not match the "
+        f"version the extension was built for ({COMPILED_VERSION_HEX:#08x})"
+    )
+
+from usmipc import _usmipc  # noqa: E402
+from usmipc import memory  # noqa: E402  (after the version check)
+
+# The error codes, USMIPC_EINVAL ... (errorcode maps each back to its name).
+globals().update({name: getattr(_usmipc, name)
+                  for name in _usmipc.errorcode.values()})
+
+__all__ = [
+    "Device",
+    "Error",
+    "Queue",
+    "__version__",
+    "backends",
+    "errorcode",
+    "get_devices",
+    "memory",
+    "set_ipc_cache_size",
+    "strerror",
+    *_usmipc.errorcode.values(),
+]

@@ -1,0 +1,212 @@
+/* usmipc.Device: one device of one backend ("host:cpu:0", "cuda:gpu:1").
+ *
+ * usmipc devices live as long as the process, so the module keeps one
+ * Device object per device and Device(filter) returns it: equal devices are
+ * the same object, and memory objects can reach the module state through
+ * their device (the type is final). */
+#include "ext.h"
+
+#include <string.h>
+
+#define DEV(o) (((usmipc_device_object_t *)(o))->device)
+
+PyObject *usmipc_device_from_arg(usmipc_module_state_t *st, PyObject *arg) {
+  const char *filter = NULL;
+  if (arg != NULL && arg != Py_None) {
+    if (Py_IS_TYPE(arg, st->DeviceType)) {
+      return Py_NewRef(arg);
+    }
+    if (PyObject_TypeCheck(arg, st->QueueType)) {
+      return Py_NewRef(((usmipc_queue_object_t *)arg)->device);
+    }
+    if (!PyUnicode_Check(arg)) {
+      PyErr_Format(PyExc_TypeError,
+                   "expected a usmipc.Device, a usmipc.Queue, a filter string "
+                   "such as 'host:cpu' or None, not %R",
+                   (PyObject *)Py_TYPE(arg));
+      return NULL;
+    }
+    Py_ssize_t len;
+    filter = PyUnicode_AsUTF8AndSize(arg, &len);
+    if (filter == NULL) {
+      return NULL;
+    }
+    if ((Py_ssize_t)strlen(filter) != len) {
+      PyErr_SetString(PyExc_ValueError, "filter string contains a NUL byte");
+      return NULL;
+    }
+  }
+  usmipc_device_t *device = NULL;
+  int rc = usmipc_device_select(filter, &device);
+  if (rc < 0) {
+    return usmipc_raise(st, rc);
+  }
+  return usmipc_device_object(st, device);
+}
+
+static PyObject *device_new(PyTypeObject *type, PyObject *args,
+                            PyObject *kwds) {
+  static char *kwlist[] = {"filter", NULL};
+  PyObject *arg = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:Device", kwlist, &arg)) {
+    return NULL;
+  }
+  usmipc_module_state_t *st = usmipc_state_from_type(type);
+  if (st == NULL) {
+    return NULL;
+  }
+  return usmipc_device_from_arg(st, arg);
+}
+
+static void device_dealloc(PyObject *self) {
+  PyTypeObject *tp = Py_TYPE(self);
+  freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+  tp_free(self);
+  Py_DECREF(tp);
+}
+
+static PyObject *device_get_name(PyObject *self, void *closure) {
+  (void)closure;
+  const char *name = usmipc_device_name(DEV(self));
+  return PyUnicode_DecodeUTF8(name, (Py_ssize_t)strlen(name), "replace");
+}
+
+static PyObject *device_get_backend(PyObject *self, void *closure) {
+  (void)closure;
+  return PyUnicode_FromString(
+      usmipc_backend_name(usmipc_device_backend(DEV(self))));
+}
+
+static const char *device_type_name(usmipc_device_type_t type) {
+  switch (type) {
+  case USMIPC_DEVICE_CPU:
+    return "cpu";
+  case USMIPC_DEVICE_GPU:
+    return "gpu";
+  }
+  return "unknown";
+}
+
+static PyObject *device_get_device_type(PyObject *self, void *closure) {
+  (void)closure;
+  return PyUnicode_FromString(device_type_name(usmipc_device_type(DEV(self))));
+}
+
+static PyObject *device_get_uuid(PyObject *self, void *closure) {
+  (void)closure;
+  uint8_t uuid[16];
+  usmipc_device_uuid(DEV(self), uuid);
+  return PyBytes_FromStringAndSize((const char *)uuid, 16);
+}
+
+static PyObject *device_get_filter_string(PyObject *self, void *closure) {
+  (void)closure;
+  return PyUnicode_FromString(usmipc_device_filter_string(DEV(self)));
+}
+
+static PyObject *device_get_index(PyObject *self, void *closure) {
+  (void)closure;
+  return PyLong_FromLong(usmipc_device_index(DEV(self)));
+}
+
+static PyObject *device_get_has_ipc(PyObject *self, void *closure) {
+  (void)closure;
+  return PyBool_FromLong(usmipc_device_has_ipc(DEV(self)));
+}
+
+static PyObject *device_get_filter_string_method(PyObject *self,
+                                                 PyObject *Py_UNUSED(ignored)) {
+  return device_get_filter_string(self, NULL);
+}
+
+static PyObject *device_reduce(PyObject *self, PyObject *Py_UNUSED(ignored)) {
+  return Py_BuildValue("(O(s))", (PyObject *)Py_TYPE(self),
+                       usmipc_device_filter_string(DEV(self)));
+}
+
+static PyObject *device_repr(PyObject *self) {
+  return PyUnicode_FromFormat("<usmipc.Device [%s] '%s'>",
+                              usmipc_device_filter_string(DEV(self)),
+                              usmipc_device_name(DEV(self)));
+}
+
+static PyObject *device_richcompare(PyObject *self, PyObject *other, int op) {
+  if ((op != Py_EQ && op != Py_NE) || !Py_IS_TYPE(other, Py_TYPE(self))) {
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  int equal = strcmp(usmipc_device_filter_string(DEV(self)),
+                     usmipc_device_filter_string(DEV(other))) == 0;
+  return PyBool_FromLong(op == Py_EQ ? equal : !equal);
+}
+
+static Py_hash_t device_hash(PyObject *self) {
+  PyObject *filter = device_get_filter_string(self, NULL);
+  if (filter == NULL) {
+    return -1;
+  }
+  Py_hash_t h = PyObject_Hash(filter);
+  Py_DECREF(filter);
+  return h;
+}
+
+static PyGetSetDef device_getset[] = {
+    {"name", device_get_name, NULL, "The device's name.", NULL},
+    {"backend", device_get_backend, NULL,
+     "The backend: 'host', 'cuda' or 'level_zero'.", NULL},
+    {"device_type", device_get_device_type, NULL, "'cpu' or 'gpu'.", NULL},
+    {"uuid", device_get_uuid, NULL, "The device's UUID (16 bytes).", NULL},
+    {"filter_string", device_get_filter_string, NULL,
+     "The canonical filter string, 'backend:type:index'.", NULL},
+    {"index", device_get_index, NULL,
+     "Index among the devices of the same backend and type.", NULL},
+    {"has_aspect_ipc_memory", device_get_has_ipc, NULL,
+     "True if memory of this device can be shared with IPCMemoryHandle.", NULL},
+    {"has_aspect_ext_oneapi_ipc_memory", device_get_has_ipc, NULL,
+     "Alias of has_aspect_ipc_memory (the SYCL aspect's name).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef device_methods[] = {
+    {"get_filter_string", device_get_filter_string_method, METH_NOARGS,
+     "get_filter_string() -> str: the canonical filter string."},
+    {"__reduce__", device_reduce, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(device_doc,
+             "Device(filter=None)\n--\n\n"
+             "A device selected by a filter string 'backend[:type[:index]]'\n"
+             "('host:cpu', 'cuda:gpu:1', 'level_zero', 'gpu'). None or '' "
+             "selects\n"
+             "the default device: the first GPU, else the host. Raises "
+             "ValueError\n"
+             "for a malformed filter.");
+
+static PyType_Slot device_slots[] = {
+    {Py_tp_doc, (void *)device_doc},
+    {Py_tp_new, device_new},
+    {Py_tp_dealloc, device_dealloc},
+    {Py_tp_repr, device_repr},
+    {Py_tp_richcompare, device_richcompare},
+    {Py_tp_hash, device_hash},
+    {Py_tp_getset, device_getset},
+    {Py_tp_methods, device_methods},
+    {0, NULL},
+};
+
+static PyType_Spec device_spec = {
+    .name = "usmipc.Device",
+    .basicsize = sizeof(usmipc_device_object_t),
+    .itemsize = 0,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = device_slots,
+};
+
+int usmipc_init_device_type(PyObject *module, usmipc_module_state_t *st) {
+  st->DeviceType =
+      (PyTypeObject *)PyType_FromModuleAndSpec(module, &device_spec, NULL);
+  if (st->DeviceType == NULL) {
+    return -1;
+  }
+  return PyModule_AddType(module, st->DeviceType);
+}

@@ -1,0 +1,163 @@
+/* Private declarations shared by the C files of the extension usmipc._usmipc.
+ *
+ * One C file per Python type (python-zstandard's layout): module.c (module
+ * state, errors, module functions), device.c, queue.c, memory.c,
+ * ipc_handle.c. Each type file has an init function that creates its heap
+ * type with PyType_FromModuleAndSpec and stores it in the module state.
+ *
+ * The extension is built against the limited API of CPython 3.11
+ * (Py_LIMITED_API=0x030B0000, abi3): no struct access to PyTypeObject, no
+ * PyType_GetModuleByDef (limited only from 3.13). Methods that need the
+ * module state are PyCMethods (METH_METHOD) and use their defining class;
+ * slot functions walk the type's bases (usmipc_state_from_type) or reach the
+ * state through the Device object they hold, whose type is never subclassed.
+ */
+#ifndef USMIPC_PY_EXT_H
+#define USMIPC_PY_EXT_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "usmipc.h"
+
+/* One entry per usmipc_device_t seen by this module: its Python Device
+ * object (devices live as long as the process, so one object per device)
+ * and the device's default Queue, created on first use. */
+typedef struct usmipc_device_slot {
+  usmipc_device_t *device;
+  PyObject *device_obj; /* strong: usmipc.Device */
+  PyObject *queue_obj;  /* strong or NULL: usmipc.Queue, the default queue */
+} usmipc_device_slot_t;
+
+typedef struct usmipc_module_state {
+  PyObject *Error; /* usmipc.Error, a RuntimeError */
+  PyTypeObject *DeviceType;
+  PyTypeObject *QueueType;
+  PyTypeObject *MemoryType; /* usmipc.memory._Memory, the base */
+  PyTypeObject *MemoryUSMDeviceType;
+  PyTypeObject *MemoryUSMHostType;
+  PyTypeObject *MemoryUSMSharedType;
+  PyTypeObject *MemoryIPCDeviceType;
+  PyTypeObject *IPCMemoryHandleType;
+
+  usmipc_device_slot_t *slots;
+  Py_ssize_t nslots;
+  Py_ssize_t slots_capacity;
+} usmipc_module_state_t;
+
+extern PyModuleDef usmipc_module_def;
+
+/* ---- module.c ------------------------------------------------------------ */
+
+/* The state of the module that defined type (or one of its bases); sets
+ * TypeError and returns NULL if none of them belongs to usmipc._usmipc. */
+usmipc_module_state_t *usmipc_state_from_type(PyTypeObject *type);
+
+/* Raises the Python exception for a failed usmipc call that returned code,
+ * with usmipc_last_error() as the message (so call it right after the
+ * failing call, on the same thread, before any other usmipc call). The
+ * exception carries .code (int) and .name ("USMIPC_EINVAL"). Returns NULL. */
+PyObject *usmipc_raise(usmipc_module_state_t *st, int code);
+/* The same with a message of the extension's own. */
+PyObject *usmipc_raise_msg(usmipc_module_state_t *st, int code,
+                           const char *message);
+
+/* Raises RuntimeError for use after the module state was cleared (only
+ * possible from finalizers at interpreter shutdown). Returns NULL. */
+PyObject *usmipc_state_cleared(void);
+
+/* The Device object for device (new reference). */
+PyObject *usmipc_device_object(usmipc_module_state_t *st,
+                               usmipc_device_t *device);
+/* The default Queue of a Device object, created on first use (new ref). */
+PyObject *usmipc_default_queue(usmipc_module_state_t *st, PyObject *device_obj);
+
+/* A minimal parser for METH_FASTCALL | METH_KEYWORDS arguments (the limited
+ * API has no _PyArg_Parser): fills out[0..nnames) with borrowed references
+ * (NULL for arguments not given), names[i] being the keyword of parameter i.
+ * The first npositional parameters may also come positionally. Returns 0, or
+ * -1 with TypeError set. */
+int usmipc_parse_fastcall(const char *funcname, PyObject *const *args,
+                          Py_ssize_t nargs, PyObject *kwnames,
+                          const char *const *names, Py_ssize_t nnames,
+                          Py_ssize_t npositional, PyObject **out);
+
+/* ---- device.c ------------------------------------------------------------ */
+
+typedef struct usmipc_device_object {
+  PyObject_HEAD usmipc_device_t *device;
+} usmipc_device_object_t;
+
+int usmipc_init_device_type(PyObject *module, usmipc_module_state_t *st);
+/* The module state, reached through a Device object (its type is final and
+ * was created by this module, so this never fails). */
+static inline usmipc_module_state_t *usmipc_state_from_device(PyObject *dev) {
+  return (usmipc_module_state_t *)PyType_GetModuleState(Py_TYPE(dev));
+}
+/* Converts None (the default device), a Device, a Queue (its device) or a
+ * filter string into a Device object (new reference). */
+PyObject *usmipc_device_from_arg(usmipc_module_state_t *st, PyObject *arg);
+
+/* ---- queue.c ------------------------------------------------------------- */
+
+typedef struct usmipc_queue_object {
+  PyObject_HEAD usmipc_queue_t *queue;
+  PyObject *device; /* usmipc.Device */
+} usmipc_queue_object_t;
+
+int usmipc_init_queue_type(PyObject *module, usmipc_module_state_t *st);
+/* A new Queue on a Device object. */
+PyObject *usmipc_queue_new(usmipc_module_state_t *st, PyObject *device_obj);
+
+/* ---- memory.c ------------------------------------------------------------ */
+
+typedef struct usmipc_memory_object {
+  PyObject_HEAD void *ptr;
+  Py_ssize_t nbytes;
+  usmipc_mem_kind_t kind;
+  usmipc_backend_t backend;
+  char is_mapping;      /* opened by IPCMemoryHandle.open (MemoryIPCDevice) */
+  char closed;          /* close requested: no new operation may start */
+  char released;        /* usmipc_free / usmipc_ipc_close done */
+  char host_accessible; /* may be exported through the buffer protocol */
+  /* Buffer exports plus operations in progress without the GIL. The memory
+   * is released only when this drops to zero after close. */
+  Py_ssize_t exports;
+  PyObject *device; /* usmipc.Device */
+  PyObject *queue;  /* usmipc.Queue, or NULL until first needed (mappings) */
+} usmipc_memory_object_t;
+
+int usmipc_init_memory_types(PyObject *module, usmipc_module_state_t *st);
+/* Wraps an open IPC mapping in a new MemoryIPCDevice (steals nothing; on
+ * failure the caller still owns the mapping). */
+PyObject *usmipc_mapping_new(usmipc_module_state_t *st, PyObject *device_obj,
+                             void *ptr, size_t nbytes);
+/* Closes a MemoryIPCDevice (idempotent); the unmap waits for the last
+ * buffer export. Returns 0, or -1 with an exception set. */
+int usmipc_mapping_close(usmipc_module_state_t *st,
+                         usmipc_memory_object_t *mem);
+
+/* Starts an operation that will run without the GIL: refuses closed memory
+ * (ValueError "mapping is closed") and counts the operation like a buffer
+ * export, so that a concurrent close defers the unmap. 0 or -1. */
+int usmipc_memory_begin(usmipc_memory_object_t *mem);
+/* Ends it, performing a close requested meanwhile. 0 or -1. */
+int usmipc_memory_end(usmipc_memory_object_t *mem);
+
+/* ---- interop.c ----------------------------------------------------------- */
+
+/* _Memory.__dlpack_device__(), __dlpack__(...), __cuda_array_interface__. */
+PyObject *usmipc_memory_dlpack_device(PyObject *self, PyObject *ignored);
+PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
+                               Py_ssize_t nargs, PyObject *kwnames);
+PyObject *usmipc_memory_cuda_array_interface(PyObject *self, void *closure);
+/* The byte range of an object with a C-contiguous __cuda_array_interface__:
+ * 1 with *ptr and *nbytes set, 0 if obj has no such interface, -1 with an
+ * exception set. */
+int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes);
+
+/* ---- ipc_handle.c -------------------------------------------------------- */
+
+int usmipc_init_ipc_handle_type(PyObject *module, usmipc_module_state_t *st);
+
+#endif /* USMIPC_PY_EXT_H */

@@ -1,0 +1,427 @@
+/* Zero-copy interop of the memory types with other array libraries: DLPack
+ * (__dlpack__, __dlpack_device__; torch, CuPy, NumPy, JAX) and the CUDA
+ * array interface (__cuda_array_interface__, version 3), plus reading another
+ * library's __cuda_array_interface__ so that IPCMemoryHandle can export
+ * foreign device memory (a torch tensor, a CuPy array).
+ *
+ * A DLPack capsule counts as a buffer export of the memory object (it holds a
+ * reference and the export count), so closing a mapping while a consumer
+ * still holds the tensor defers the unmap to the tensor's deleter, exactly as
+ * for a memoryview. The deleter may run on any thread without the GIL
+ * (NumPy's dlpack.c): it takes the GIL itself, and does nothing once the
+ * interpreter is finalized.
+ *
+ * The DLPack structures below are copied from dlpack.h (v1.0; its ABI is
+ * stable), so the build needs no extra header.
+ */
+#include "ext.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- dlpack.h, v1.0 ------------------------------------------------------ */
+
+enum {
+  kDLCPU = 1,
+  kDLCUDA = 2,
+  kDLCUDAHost = 3,
+  kDLCUDAManaged = 13,
+  kDLOneAPI = 14,
+};
+enum { kDLUInt = 1 };
+
+typedef struct {
+  int32_t device_type;
+  int32_t device_id;
+} DLDevice;
+
+typedef struct {
+  uint8_t code;
+  uint8_t bits;
+  uint16_t lanes;
+} DLDataType;
+
+typedef struct {
+  void *data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t *shape;
+  int64_t *strides;
+  uint64_t byte_offset;
+} DLTensor;
+
+typedef struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void *manager_ctx;
+  void (*deleter)(struct DLManagedTensor *self);
+} DLManagedTensor;
+
+typedef struct {
+  uint32_t major;
+  uint32_t minor;
+} DLPackVersion;
+
+typedef struct DLManagedTensorVersioned {
+  DLPackVersion version;
+  void *manager_ctx;
+  void (*deleter)(struct DLManagedTensorVersioned *self);
+  uint64_t flags;
+  DLTensor dl_tensor;
+} DLManagedTensorVersioned;
+
+/* ---- the device of a memory object ----------------------------------------
+ */
+
+static DLDevice dl_device_of(usmipc_memory_object_t *mem) {
+  DLDevice dev = {kDLCPU, 0};
+  int index = 0;
+  if (mem->device != NULL) {
+    index =
+        usmipc_device_index(((usmipc_device_object_t *)mem->device)->device);
+  }
+  switch (mem->backend) {
+  case USMIPC_BACKEND_HOST:
+    break;
+  case USMIPC_BACKEND_CUDA:
+    if (mem->kind == USMIPC_MEM_HOST) {
+      dev.device_type = kDLCUDAHost;
+    } else {
+      dev.device_type =
+          mem->kind == USMIPC_MEM_SHARED ? kDLCUDAManaged : kDLCUDA;
+      dev.device_id = index;
+    }
+    break;
+  case USMIPC_BACKEND_LEVEL_ZERO:
+    dev.device_type = kDLOneAPI;
+    dev.device_id = index;
+    break;
+  }
+  return dev;
+}
+
+PyObject *usmipc_memory_dlpack_device(PyObject *self,
+                                      PyObject *Py_UNUSED(ignored)) {
+  DLDevice dev = dl_device_of((usmipc_memory_object_t *)self);
+  return Py_BuildValue("(ii)", (int)dev.device_type, (int)dev.device_id);
+}
+
+/* ---- __dlpack__ -----------------------------------------------------------
+ */
+
+/* What a capsule owns, in one malloc block: the deleter may free it on any
+ * thread without the GIL (PyMem_RawFree is not in the 3.11 limited API). */
+typedef struct {
+  union {
+    DLManagedTensor unversioned;
+    DLManagedTensorVersioned versioned;
+  } managed;
+  int64_t shape[1];
+  int64_t strides[1];
+} dl_context_t;
+
+/* Ends the export the capsule held; safe on any thread. */
+static void dl_release(PyObject *mem) {
+  if (!Py_IsInitialized()) {
+    return; /* too late to touch Python objects: leak, as NumPy does */
+  }
+  PyGILState_STATE gil = PyGILState_Ensure();
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  if (usmipc_memory_end((usmipc_memory_object_t *)mem) < 0) {
+    PyErr_WriteUnraisable(mem);
+  }
+  Py_DECREF(mem);
+  PyErr_Restore(type, value, traceback);
+  PyGILState_Release(gil);
+}
+
+static void dl_deleter(DLManagedTensor *self) {
+  PyObject *mem = (PyObject *)self->manager_ctx;
+  free(self); /* the context starts with the managed tensor */
+  dl_release(mem);
+}
+
+static void dl_deleter_versioned(DLManagedTensorVersioned *self) {
+  PyObject *mem = (PyObject *)self->manager_ctx;
+  free(self);
+  dl_release(mem);
+}
+
+/* A capsule that no consumer took still owns its tensor. */
+static void dl_capsule_destructor(PyObject *capsule) {
+  if (PyCapsule_IsValid(capsule, "used_dltensor") ||
+      PyCapsule_IsValid(capsule, "used_dltensor_versioned")) {
+    return;
+  }
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  if (PyCapsule_IsValid(capsule, "dltensor")) {
+    DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
+    m->deleter(m);
+  } else if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+    DLManagedTensorVersioned *m =
+        PyCapsule_GetPointer(capsule, "dltensor_versioned");
+    m->deleter(m);
+  }
+  PyErr_Restore(type, value, traceback);
+}
+
+static int parse_int_pair(PyObject *obj, const char *what, long *a, long *b) {
+  if (!PyTuple_Check(obj) || PyTuple_Size(obj) != 2) {
+    PyErr_Format(PyExc_TypeError, "%s must be a tuple of two ints", what);
+    return -1;
+  }
+  *a = PyLong_AsLong(PyTuple_GetItem(obj, 0));
+  if (*a == -1 && PyErr_Occurred()) {
+    return -1;
+  }
+  *b = PyLong_AsLong(PyTuple_GetItem(obj, 1));
+  if (*b == -1 && PyErr_Occurred()) {
+    return -1;
+  }
+  return 0;
+}
+
+PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
+                               Py_ssize_t nargs, PyObject *kwnames) {
+  static const char *const names[] = {"stream", "max_version", "dl_device",
+                                      "copy"};
+  PyObject *a[4];
+  usmipc_memory_object_t *mem = (usmipc_memory_object_t *)self;
+  /* stream may come positionally: consumers written for DLPack 0.x do so. */
+  if (usmipc_parse_fastcall("__dlpack__", args, nargs, kwnames, names, 4, 1,
+                            a) < 0) {
+    return NULL;
+  }
+  DLDevice dev = dl_device_of(mem);
+  int versioned = 0;
+  if (a[1] != NULL && a[1] != Py_None) {
+    long major, minor;
+    if (parse_int_pair(a[1], "max_version", &major, &minor) < 0) {
+      return NULL;
+    }
+    versioned = major >= 1;
+  }
+  if (a[2] != NULL && a[2] != Py_None) {
+    long type, id;
+    if (parse_int_pair(a[2], "dl_device", &type, &id) < 0) {
+      return NULL;
+    }
+    if (type != dev.device_type || id != dev.device_id) {
+      PyErr_Format(PyExc_BufferError,
+                   "usmipc memory lives on DLPack device (%d, %d) and cannot "
+                   "be exported to (%ld, %ld) without a copy",
+                   (int)dev.device_type, (int)dev.device_id, type, id);
+      return NULL;
+    }
+  }
+  if (a[3] != NULL && a[3] != Py_None) {
+    int copy = PyObject_IsTrue(a[3]);
+    if (copy < 0) {
+      return NULL;
+    }
+    if (copy) {
+      PyErr_SetString(PyExc_BufferError,
+                      "__dlpack__(copy=True) is not supported: usmipc exports "
+                      "its memory without a copy; use copy_to_host()");
+      return NULL;
+    }
+  }
+  if (dev.device_type == kDLCPU && a[0] != NULL && a[0] != Py_None) {
+    PyErr_SetString(PyExc_BufferError,
+                    "stream must be None for memory on the CPU");
+    return NULL;
+  }
+  /* Other streams need no synchronization: every copy and fill of usmipc's
+   * memory objects has completed when the call returns. */
+
+  if (usmipc_memory_begin(mem) < 0) {
+    return NULL;
+  }
+  dl_context_t *ctx = malloc(sizeof(*ctx));
+  if (ctx == NULL) {
+    (void)usmipc_memory_end(mem);
+    return PyErr_NoMemory();
+  }
+  memset(ctx, 0, sizeof(*ctx));
+  ctx->shape[0] = (int64_t)mem->nbytes;
+  ctx->strides[0] = 1;
+  DLTensor *t = versioned ? &ctx->managed.versioned.dl_tensor
+                          : &ctx->managed.unversioned.dl_tensor;
+  t->data = mem->ptr;
+  t->device = dev;
+  t->ndim = 1;
+  t->dtype.code = kDLUInt;
+  t->dtype.bits = 8;
+  t->dtype.lanes = 1;
+  t->shape = ctx->shape;
+  t->strides = ctx->strides;
+  t->byte_offset = 0;
+
+  PyObject *capsule;
+  Py_INCREF(self); /* owned by the tensor until its deleter runs */
+  if (versioned) {
+    DLManagedTensorVersioned *m = &ctx->managed.versioned;
+    m->version.major = 1;
+    m->version.minor = 0;
+    m->manager_ctx = self;
+    m->deleter = dl_deleter_versioned;
+    m->flags = 0; /* writable, not a copy */
+    capsule = PyCapsule_New(m, "dltensor_versioned", dl_capsule_destructor);
+    if (capsule == NULL) {
+      m->deleter(m);
+    }
+  } else {
+    DLManagedTensor *m = &ctx->managed.unversioned;
+    m->manager_ctx = self;
+    m->deleter = dl_deleter;
+    capsule = PyCapsule_New(m, "dltensor", dl_capsule_destructor);
+    if (capsule == NULL) {
+      m->deleter(m);
+    }
+  }
+  return capsule;
+}
+
+/* ---- __cuda_array_interface__ ---------------------------------------------
+ */
+
+PyObject *usmipc_memory_cuda_array_interface(PyObject *self, void *closure) {
+  (void)closure;
+  usmipc_memory_object_t *mem = (usmipc_memory_object_t *)self;
+  if (mem->backend != USMIPC_BACKEND_CUDA) {
+    PyErr_Format(PyExc_AttributeError,
+                 "__cuda_array_interface__ describes CUDA memory only; this "
+                 "memory is on the %s backend (use the buffer protocol or "
+                 "__dlpack__)",
+                 usmipc_backend_name(mem->backend));
+    return NULL;
+  }
+  if (mem->closed || mem->released) {
+    PyErr_SetString(PyExc_ValueError, "mapping is closed");
+    return NULL;
+  }
+  /* stream None: no synchronization is needed (see __dlpack__). */
+  return Py_BuildValue("{s(n)sss[(ss)]s(NO)sOsisO}", "shape", mem->nbytes,
+                       "typestr", "|u1", "descr", "", "|u1", "data",
+                       PyLong_FromVoidPtr(mem->ptr), Py_False, "strides",
+                       Py_None, "version", 3, "stream", Py_None);
+}
+
+/* ---- reading another library's __cuda_array_interface__ -------------------
+ */
+
+static int dict_item(PyObject *dict, const char *key, PyObject **out) {
+  *out = PyMapping_GetItemString(dict, key); /* new reference */
+  if (*out == NULL) {
+    if (PyErr_ExceptionMatches(PyExc_KeyError)) {
+      PyErr_Clear();
+      return 0;
+    }
+    return -1;
+  }
+  return 1;
+}
+
+int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
+  PyObject *cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
+  if (cai == NULL) {
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      PyErr_Clear();
+      return 0;
+    }
+    return -1;
+  }
+  PyObject *data = NULL, *shape = NULL, *typestr = NULL, *strides = NULL;
+  int rc = -1;
+  if (!PyDict_Check(cai)) {
+    PyErr_SetString(PyExc_TypeError, "__cuda_array_interface__ is not a dict");
+    goto done;
+  }
+  if (dict_item(cai, "data", &data) <= 0 ||
+      dict_item(cai, "shape", &shape) <= 0 ||
+      dict_item(cai, "typestr", &typestr) <= 0 ||
+      dict_item(cai, "strides", &strides) < 0) {
+    if (!PyErr_Occurred()) {
+      PyErr_SetString(PyExc_ValueError,
+                      "__cuda_array_interface__ lacks data, shape or typestr");
+    }
+    goto done;
+  }
+  if (!PyTuple_Check(data) || PyTuple_Size(data) < 1 || !PyTuple_Check(shape) ||
+      !PyUnicode_Check(typestr)) {
+    PyErr_SetString(PyExc_ValueError,
+                    "__cuda_array_interface__ is malformed (data must be a "
+                    "tuple, shape a tuple, typestr a str)");
+    goto done;
+  }
+  void *address = PyLong_AsVoidPtr(PyTuple_GetItem(data, 0));
+  if (address == NULL && PyErr_Occurred()) {
+    goto done;
+  }
+  /* "<f4", "|u1", "<c16": byte order, kind, then the item size. */
+  Py_ssize_t tlen;
+  const char *ts = PyUnicode_AsUTF8AndSize(typestr, &tlen);
+  if (ts == NULL) {
+    goto done;
+  }
+  long itemsize = tlen > 2 ? strtol(ts + 2, NULL, 10) : 0;
+  if (itemsize <= 0) {
+    PyErr_Format(PyExc_ValueError,
+                 "__cuda_array_interface__ typestr %R has no item size",
+                 typestr);
+    goto done;
+  }
+  Py_ssize_t ndim = PyTuple_Size(shape);
+  Py_ssize_t count = 1;
+  for (Py_ssize_t i = 0; i < ndim; i++) {
+    Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GetItem(shape, i));
+    if (n < 0) {
+      if (!PyErr_Occurred()) {
+        PyErr_SetString(PyExc_ValueError, "negative extent in shape");
+      }
+      goto done;
+    }
+    count *= n;
+  }
+  /* Only a C-contiguous array is one byte range. */
+  if (strides != NULL && strides != Py_None) {
+    if (!PyTuple_Check(strides) || PyTuple_Size(strides) != ndim) {
+      PyErr_SetString(PyExc_ValueError,
+                      "__cuda_array_interface__ strides do not match shape");
+      goto done;
+    }
+    Py_ssize_t expect = itemsize;
+    for (Py_ssize_t i = ndim - 1; i >= 0; i--) {
+      Py_ssize_t extent = PyLong_AsSsize_t(PyTuple_GetItem(shape, i));
+      Py_ssize_t stride = PyLong_AsSsize_t(PyTuple_GetItem(strides, i));
+      if (stride == -1 && PyErr_Occurred()) {
+        goto done;
+      }
+      if (extent > 1 && stride != expect) {
+        PyErr_SetString(PyExc_ValueError,
+                        "only C-contiguous arrays can be exported: make the "
+                        "array contiguous first");
+        goto done;
+      }
+      expect *= extent;
+    }
+  }
+  if (count == 0) {
+    PyErr_SetString(PyExc_ValueError, "cannot export an empty array");
+    goto done;
+  }
+  *ptr = address;
+  *nbytes = count * itemsize;
+  rc = 1;
+
+done:
+  Py_XDECREF(data);
+  Py_XDECREF(shape);
+  Py_XDECREF(typestr);
+  Py_XDECREF(strides);
+  Py_DECREF(cai);
+  return rc;
+}

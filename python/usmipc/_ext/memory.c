@@ -1,0 +1,826 @@
+/* The memory types of usmipc.memory: the base _Memory and its subclasses
+ * MemoryUSMDevice, MemoryUSMHost, MemoryUSMShared (allocations made with
+ * usmipc_malloc, freed with usmipc_free when the object dies) and
+ * MemoryIPCDevice (a mapping opened by IPCMemoryHandle.open).
+ *
+ * Lifetime: a memory object holds its Device and Queue. Host-accessible
+ * memory exports the buffer protocol; every export holds a reference to the
+ * memory object (Py_buffer.obj) and is counted, and so is every operation
+ * that runs without the GIL. Closing a mapping only marks it closed while
+ * that count is non-zero; the last release unmaps it. So close never fails
+ * because a memoryview is alive (mmap's trap) and never leaves one dangling.
+ */
+#include "ext.h"
+
+#include <string.h>
+
+typedef usmipc_memory_object_t Mem;
+
+static const char *kind_name(usmipc_mem_kind_t kind) {
+  switch (kind) {
+  case USMIPC_MEM_DEVICE:
+    return "device";
+  case USMIPC_MEM_HOST:
+    return "host";
+  case USMIPC_MEM_SHARED:
+    return "shared";
+  case USMIPC_MEM_UNKNOWN:
+    break;
+  }
+  return "unknown";
+}
+
+static int is_host_accessible(usmipc_backend_t backend,
+                              usmipc_mem_kind_t kind) {
+  return backend == USMIPC_BACKEND_HOST || kind == USMIPC_MEM_HOST ||
+         kind == USMIPC_MEM_SHARED;
+}
+
+/* Frees the allocation or unmaps the mapping now; the GIL is held on entry
+ * and released around the call. Returns the library's code. */
+static int release_memory(Mem *self) {
+  if (self->ptr == NULL || self->released) {
+    return 0;
+  }
+  self->released = 1;
+  void *ptr = self->ptr;
+  int is_mapping = self->is_mapping;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = is_mapping ? usmipc_ipc_close(ptr) : usmipc_free(ptr);
+  Py_END_ALLOW_THREADS
+  return rc;
+}
+
+/* Raises for a failed release and returns -1; the state comes from the
+ * device, which a cleared object may lack. */
+static int raise_release_error(Mem *self, int rc) {
+  if (self->device != NULL) {
+    usmipc_raise(usmipc_state_from_device(self->device), rc);
+  } else {
+    PyErr_Format(PyExc_RuntimeError, "usmipc: %s", usmipc_last_error());
+  }
+  return -1;
+}
+
+/* Starts an operation on the memory: refuses closed memory, then counts the
+ * operation like a buffer export so that a concurrent close defers the
+ * unmap. Returns 0, or -1 with ValueError set. */
+int usmipc_memory_begin(Mem *self) {
+  if (self->closed || self->released) {
+    PyErr_SetString(PyExc_ValueError, "mapping is closed");
+    return -1;
+  }
+  if (self->ptr == NULL || self->device == NULL) {
+    PyErr_SetString(PyExc_ValueError, "memory object is not initialized");
+    return -1;
+  }
+  self->exports++;
+  return 0;
+}
+
+/* Ends an operation; performs a close that was requested meanwhile. Returns
+ * 0, or -1 with an exception set if that deferred close failed. */
+int usmipc_memory_end(Mem *self) {
+  self->exports--;
+  if (self->exports == 0 && self->closed && !self->released) {
+    int rc = release_memory(self);
+    if (rc < 0) {
+      return raise_release_error(self, rc);
+    }
+  }
+  return 0;
+}
+
+/* The queue for copies and fills: the memory's own, else (mappings) the
+ * default queue of its device, made on first use. Borrowed. */
+static usmipc_queue_t *memory_queue(Mem *self) {
+  if (self->queue == NULL) {
+    PyObject *queue = usmipc_default_queue(
+        usmipc_state_from_device(self->device), self->device);
+    if (queue == NULL) {
+      return NULL;
+    }
+    /* Making the queue may have released the GIL, and another thread may
+     * have set one meanwhile. */
+    if (self->queue == NULL) {
+      self->queue = queue;
+    } else {
+      Py_DECREF(queue);
+    }
+  }
+  return ((usmipc_queue_object_t *)self->queue)->queue;
+}
+
+/* ---- construction -------------------------------------------------------- */
+
+static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
+                              PyObject *kwds, usmipc_mem_kind_t kind,
+                              const char *format) {
+  static char *kwlist[] = {"nbytes",     "device", "queue", "sycl_device",
+                           "sycl_queue", "ipc",    NULL};
+  Py_ssize_t nbytes;
+  PyObject *device_arg = NULL, *queue_arg = NULL;
+  PyObject *sycl_device = NULL, *sycl_queue = NULL;
+  const char *ipc = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, format, kwlist, &nbytes,
+                                   &device_arg, &queue_arg, &sycl_device,
+                                   &sycl_queue, &ipc)) {
+    return NULL;
+  }
+  unsigned flags = 0;
+  if (ipc != NULL) {
+    if (strcmp(ipc, "fd") == 0) {
+      flags = USMIPC_ALLOC_IPC_FD;
+    } else if (strcmp(ipc, "native") == 0) {
+      flags = USMIPC_ALLOC_IPC_NATIVE;
+    } else {
+      PyErr_Format(PyExc_ValueError,
+                   "ipc must be None, 'fd' or 'native', not '%s'", ipc);
+      return NULL;
+    }
+  }
+  if ((device_arg && sycl_device) || (queue_arg && sycl_queue)) {
+    PyErr_SetString(
+        PyExc_TypeError,
+        "give device or sycl_device, queue or sycl_queue, not both");
+    return NULL;
+  }
+  if (device_arg == NULL) {
+    device_arg = sycl_device;
+  }
+  if (queue_arg == NULL) {
+    queue_arg = sycl_queue;
+  }
+  if (nbytes <= 0) {
+    PyErr_Format(PyExc_ValueError, "nbytes must be positive, not %zd", nbytes);
+    return NULL;
+  }
+  usmipc_module_state_t *st = usmipc_state_from_type(type);
+  if (st == NULL) {
+    return NULL;
+  }
+
+  PyObject *device_obj = NULL, *queue_obj = NULL;
+  if (queue_arg != NULL && queue_arg != Py_None) {
+    if (!PyObject_TypeCheck(queue_arg, st->QueueType)) {
+      PyErr_Format(PyExc_TypeError, "queue must be a usmipc.Queue, not %R",
+                   (PyObject *)Py_TYPE(queue_arg));
+      return NULL;
+    }
+    queue_obj = Py_NewRef(queue_arg);
+    device_obj = Py_NewRef(((usmipc_queue_object_t *)queue_arg)->device);
+    if (device_arg != NULL && device_arg != Py_None) {
+      PyObject *given = usmipc_device_from_arg(st, device_arg);
+      if (given == NULL) {
+        goto fail;
+      }
+      /* Device objects are unique per device: identity is equality. */
+      if (given != device_obj) {
+        PyErr_Format(PyExc_ValueError,
+                     "the queue is on device %R but device %R was given",
+                     device_obj, given);
+        Py_DECREF(given);
+        goto fail;
+      }
+      Py_DECREF(given);
+    }
+  } else {
+    device_obj = usmipc_device_from_arg(st, device_arg);
+    if (device_obj == NULL) {
+      goto fail;
+    }
+    queue_obj = usmipc_default_queue(st, device_obj);
+    if (queue_obj == NULL) {
+      goto fail;
+    }
+  }
+
+  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+  Mem *self = (Mem *)alloc(type, 0);
+  if (self == NULL) {
+    goto fail;
+  }
+  usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
+  self->device = device_obj; /* steals */
+  self->queue = queue_obj;   /* steals */
+  self->nbytes = nbytes;
+  self->kind = kind;
+  self->backend = usmipc_device_backend(device);
+  self->host_accessible = (char)is_host_accessible(self->backend, kind);
+
+  void *ptr = NULL;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_malloc_flags(device, kind, (size_t)nbytes, flags, &ptr);
+  Py_END_ALLOW_THREADS
+  if (rc < 0) {
+    usmipc_raise(st, rc);
+    Py_DECREF(self);
+    return NULL;
+  }
+  self->ptr = ptr;
+  return (PyObject *)self;
+
+fail:
+  Py_XDECREF(device_obj);
+  Py_XDECREF(queue_obj);
+  return NULL;
+}
+
+static PyObject *usm_device_new(PyTypeObject *type, PyObject *args,
+                                PyObject *kwds) {
+  return memory_alloc(type, args, kwds, USMIPC_MEM_DEVICE,
+                      "n|$OOOOz:MemoryUSMDevice");
+}
+
+static PyObject *usm_host_new(PyTypeObject *type, PyObject *args,
+                              PyObject *kwds) {
+  return memory_alloc(type, args, kwds, USMIPC_MEM_HOST,
+                      "n|$OOOOz:MemoryUSMHost");
+}
+
+static PyObject *usm_shared_new(PyTypeObject *type, PyObject *args,
+                                PyObject *kwds) {
+  return memory_alloc(type, args, kwds, USMIPC_MEM_SHARED,
+                      "n|$OOOOz:MemoryUSMShared");
+}
+
+PyObject *usmipc_mapping_new(usmipc_module_state_t *st, PyObject *device_obj,
+                             void *ptr, size_t nbytes) {
+  PyTypeObject *type = st->MemoryIPCDeviceType;
+  if (type == NULL) {
+    return usmipc_state_cleared();
+  }
+  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+  Mem *self = (Mem *)alloc(type, 0);
+  if (self == NULL) {
+    return NULL;
+  }
+  self->device = Py_NewRef(device_obj);
+  self->queue = NULL;
+  self->nbytes = (Py_ssize_t)nbytes;
+  self->kind = USMIPC_MEM_DEVICE;
+  self->backend =
+      usmipc_device_backend(((usmipc_device_object_t *)device_obj)->device);
+  self->host_accessible =
+      (char)is_host_accessible(self->backend, USMIPC_MEM_DEVICE);
+  self->is_mapping = 1;
+  self->ptr = ptr;
+  return (PyObject *)self;
+}
+
+int usmipc_mapping_close(usmipc_module_state_t *st, Mem *self) {
+  if (self->closed) {
+    return 0;
+  }
+  self->closed = 1;
+  if (self->exports > 0) {
+    return 0; /* the last buffer release or operation unmaps */
+  }
+  int rc = release_memory(self);
+  if (rc < 0) {
+    usmipc_raise(st, rc);
+    return -1;
+  }
+  return 0;
+}
+
+/* ---- GC and deallocation ------------------------------------------------- */
+
+static int memory_traverse(PyObject *op, visitproc visit, void *arg) {
+  Mem *self = (Mem *)op;
+  Py_VISIT(Py_TYPE(op));
+  Py_VISIT(self->device);
+  Py_VISIT(self->queue);
+  return 0;
+}
+
+static int memory_clear(PyObject *op) {
+  Mem *self = (Mem *)op;
+  Py_CLEAR(self->queue);
+  Py_CLEAR(self->device);
+  return 0;
+}
+
+static void memory_dealloc(PyObject *op) {
+  Mem *self = (Mem *)op;
+  PyTypeObject *tp = Py_TYPE(op);
+  PyObject_GC_UnTrack(op);
+  /* No export can be alive: each holds a reference to this object. Errors
+   * cannot be reported from here; a failed free leaks, nothing worse. */
+  (void)release_memory(self);
+  memory_clear(op);
+  freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+  tp_free(op);
+  Py_DECREF(tp);
+}
+
+/* ---- the buffer protocol ------------------------------------------------- */
+
+static int memory_getbuffer(PyObject *op, Py_buffer *view, int flags) {
+  Mem *self = (Mem *)op;
+  if (self->closed || self->released) {
+    view->obj = NULL;
+    PyErr_SetString(PyExc_ValueError, "mapping is closed");
+    return -1;
+  }
+  if (!self->host_accessible) {
+    view->obj = NULL;
+    PyErr_Format(PyExc_BufferError,
+                 "%s memory on a %s device is not accessible from the host; "
+                 "use copy_to_host() and copy_from_host()",
+                 kind_name(self->kind), usmipc_backend_name(self->backend));
+    return -1;
+  }
+  if (self->ptr == NULL) {
+    view->obj = NULL;
+    PyErr_SetString(PyExc_BufferError, "memory object is not initialized");
+    return -1;
+  }
+  if (PyBuffer_FillInfo(view, op, self->ptr, self->nbytes, 0, flags) < 0) {
+    return -1;
+  }
+  self->exports++;
+  return 0;
+}
+
+static void memory_releasebuffer(PyObject *op, Py_buffer *view) {
+  (void)view;
+  Mem *self = (Mem *)op;
+  if (usmipc_memory_end(self) < 0) {
+    PyErr_WriteUnraisable(op);
+  }
+}
+
+static Py_ssize_t memory_length(PyObject *op) { return ((Mem *)op)->nbytes; }
+
+/* ---- methods ------------------------------------------------------------- */
+
+static PyObject *memory_copy_from_host(PyObject *op, PyObject *obj) {
+  Mem *self = (Mem *)op;
+  Py_buffer src;
+  if (PyObject_GetBuffer(obj, &src, PyBUF_SIMPLE) < 0) {
+    return NULL;
+  }
+  if (src.len > self->nbytes) {
+    PyErr_Format(PyExc_ValueError,
+                 "source of %zd bytes does not fit in %zd bytes of memory",
+                 src.len, self->nbytes);
+    PyBuffer_Release(&src);
+    return NULL;
+  }
+  if (usmipc_memory_begin(self) < 0) {
+    PyBuffer_Release(&src);
+    return NULL;
+  }
+  usmipc_queue_t *queue = memory_queue(self);
+  int rc = 0;
+  if (queue != NULL && src.len > 0) {
+    void *dst = self->ptr;
+    Py_BEGIN_ALLOW_THREADS
+    rc = usmipc_memcpy(queue, dst, src.buf, (size_t)src.len);
+    if (rc == 0) {
+      rc = usmipc_queue_synchronize(queue);
+    }
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+      usmipc_raise(usmipc_state_from_device(self->device), rc);
+    }
+  }
+  PyBuffer_Release(&src);
+  int failed = queue == NULL || rc < 0;
+  if (usmipc_memory_end(self) < 0 || failed) {
+    return NULL;
+  }
+  Py_RETURN_NONE;
+}
+
+/* Copies all nbytes of the memory to dst. Returns 0 or -1 (exception set). */
+static int copy_out(Mem *self, void *dst) {
+  if (usmipc_memory_begin(self) < 0) {
+    return -1;
+  }
+  usmipc_queue_t *queue = memory_queue(self);
+  int rc = 0;
+  if (queue != NULL) {
+    void *src = self->ptr;
+    size_t n = (size_t)self->nbytes;
+    Py_BEGIN_ALLOW_THREADS
+    rc = usmipc_memcpy(queue, dst, src, n);
+    if (rc == 0) {
+      rc = usmipc_queue_synchronize(queue);
+    }
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+      usmipc_raise(usmipc_state_from_device(self->device), rc);
+    }
+  }
+  int failed = queue == NULL || rc < 0;
+  if (usmipc_memory_end(self) < 0 || failed) {
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *copy_to_bytes(Mem *self) {
+  if (self->closed || self->released) {
+    PyErr_SetString(PyExc_ValueError, "mapping is closed");
+    return NULL;
+  }
+  PyObject *bytes = PyBytes_FromStringAndSize(NULL, self->nbytes);
+  if (bytes == NULL) {
+    return NULL;
+  }
+  /* Filling a bytes object before anyone else sees it is allowed. */
+  if (copy_out(self, PyBytes_AsString(bytes)) < 0) {
+    Py_DECREF(bytes);
+    return NULL;
+  }
+  return bytes;
+}
+
+static PyObject *memory_copy_to_host(PyObject *op, PyObject *const *args,
+                                     Py_ssize_t nargs, PyObject *kwnames) {
+  static const char *const names[] = {"obj"};
+  PyObject *obj;
+  Mem *self = (Mem *)op;
+  if (usmipc_parse_fastcall("copy_to_host", args, nargs, kwnames, names, 1, 1,
+                            &obj) < 0) {
+    return NULL;
+  }
+  if (obj == NULL || obj == Py_None) {
+    return copy_to_bytes(self);
+  }
+  Py_buffer dst;
+  if (PyObject_GetBuffer(obj, &dst, PyBUF_WRITABLE) < 0) {
+    return NULL;
+  }
+  if (dst.len < self->nbytes) {
+    PyErr_Format(PyExc_ValueError,
+                 "destination of %zd bytes is too small for %zd bytes", dst.len,
+                 self->nbytes);
+    PyBuffer_Release(&dst);
+    return NULL;
+  }
+  int rc = copy_out(self, dst.buf);
+  PyBuffer_Release(&dst);
+  if (rc < 0) {
+    return NULL;
+  }
+  return Py_NewRef(obj);
+}
+
+static PyObject *memory_tobytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  return copy_to_bytes((Mem *)op);
+}
+
+static PyObject *memory_memset(PyObject *op, PyObject *const *args,
+                               Py_ssize_t nargs, PyObject *kwnames) {
+  static const char *const names[] = {"value"};
+  PyObject *value_obj;
+  Mem *self = (Mem *)op;
+  if (usmipc_parse_fastcall("memset", args, nargs, kwnames, names, 1, 1,
+                            &value_obj) < 0) {
+    return NULL;
+  }
+  long value = 0;
+  if (value_obj != NULL) {
+    value = PyLong_AsLong(value_obj);
+    if (value == -1 && PyErr_Occurred()) {
+      return NULL;
+    }
+    if (value < 0 || value > 255) {
+      PyErr_Format(PyExc_ValueError,
+                   "memset value must be a byte (0..255), not %ld", value);
+      return NULL;
+    }
+  }
+  if (usmipc_memory_begin(self) < 0) {
+    return NULL;
+  }
+  usmipc_queue_t *queue = memory_queue(self);
+  int rc = 0;
+  if (queue != NULL) {
+    void *dst = self->ptr;
+    size_t n = (size_t)self->nbytes;
+    Py_BEGIN_ALLOW_THREADS
+    rc = usmipc_memset(queue, dst, (int)value, n);
+    if (rc == 0) {
+      rc = usmipc_queue_synchronize(queue);
+    }
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+      usmipc_raise(usmipc_state_from_device(self->device), rc);
+    }
+  }
+  int failed = queue == NULL || rc < 0;
+  if (usmipc_memory_end(self) < 0 || failed) {
+    return NULL;
+  }
+  Py_RETURN_NONE;
+}
+
+static PyObject *memory_get_usm_type(PyObject *op,
+                                     PyObject *Py_UNUSED(ignored)) {
+  return PyUnicode_FromString(kind_name(((Mem *)op)->kind));
+}
+
+static PyObject *mapping_close(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  Mem *self = (Mem *)op;
+  if (self->device == NULL) {
+    Py_RETURN_NONE; /* cleared by the GC: dealloc will unmap */
+  }
+  if (usmipc_mapping_close(usmipc_state_from_device(self->device), self) < 0) {
+    return NULL;
+  }
+  Py_RETURN_NONE;
+}
+
+static PyObject *mapping_enter(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  return Py_NewRef(op);
+}
+
+static PyObject *mapping_exit(PyObject *op, PyObject *args) {
+  (void)args;
+  PyObject *r = mapping_close(op, NULL);
+  if (r == NULL) {
+    return NULL;
+  }
+  Py_DECREF(r);
+  Py_RETURN_FALSE;
+}
+
+/* ---- getters ------------------------------------------------------------- */
+
+static PyObject *memory_get_nbytes(PyObject *op, void *closure) {
+  (void)closure;
+  return PyLong_FromSsize_t(((Mem *)op)->nbytes);
+}
+
+static PyObject *memory_get_device(PyObject *op, void *closure) {
+  (void)closure;
+  Mem *self = (Mem *)op;
+  if (self->device == NULL) {
+    Py_RETURN_NONE;
+  }
+  return Py_NewRef(self->device);
+}
+
+static PyObject *memory_get_queue(PyObject *op, void *closure) {
+  (void)closure;
+  Mem *self = (Mem *)op;
+  if (self->device == NULL) {
+    Py_RETURN_NONE;
+  }
+  if (self->queue == NULL && memory_queue(self) == NULL) {
+    return NULL;
+  }
+  return Py_NewRef(self->queue);
+}
+
+static PyObject *memory_get_kind(PyObject *op, void *closure) {
+  (void)closure;
+  return PyUnicode_FromString(kind_name(((Mem *)op)->kind));
+}
+
+static PyObject *memory_get_pointer(PyObject *op, void *closure) {
+  (void)closure;
+  return PyLong_FromVoidPtr(((Mem *)op)->ptr);
+}
+
+static PyObject *memory_get_is_closed(PyObject *op, void *closure) {
+  (void)closure;
+  Mem *self = (Mem *)op;
+  return PyBool_FromLong(self->closed || self->released);
+}
+
+static PyObject *memory_get_host_accessible(PyObject *op, void *closure) {
+  (void)closure;
+  return PyBool_FromLong(((Mem *)op)->host_accessible);
+}
+
+static PyObject *memory_repr(PyObject *op) {
+  Mem *self = (Mem *)op;
+  PyObject *type = (PyObject *)Py_TYPE(op);
+  PyObject *module = PyObject_GetAttrString(type, "__module__");
+  PyObject *name = module ? PyObject_GetAttrString(type, "__qualname__") : NULL;
+  if (name == NULL) {
+    Py_XDECREF(module);
+    return NULL;
+  }
+  const char *filter =
+      self->device ? usmipc_device_filter_string(
+                         ((usmipc_device_object_t *)self->device)->device)
+                   : "?";
+  PyObject *r = PyUnicode_FromFormat(
+      "<%S.%S of %zd bytes at %p on [%s]%s>", module, name, self->nbytes,
+      self->ptr, filter, (self->closed || self->released) ? " (closed)" : "");
+  Py_DECREF(module);
+  Py_DECREF(name);
+  return r;
+}
+
+static PyGetSetDef memory_getset[] = {
+    {"nbytes", memory_get_nbytes, NULL, "Size in bytes.", NULL},
+    {"size", memory_get_nbytes, NULL, "Alias of nbytes.", NULL},
+    {"device", memory_get_device, NULL, "The Device of the memory.", NULL},
+    {"sycl_device", memory_get_device, NULL, "Alias of device.", NULL},
+    {"queue", memory_get_queue, NULL,
+     "The Queue used for copies (a mapping uses its device's default "
+     "queue).",
+     NULL},
+    {"sycl_queue", memory_get_queue, NULL, "Alias of queue.", NULL},
+    {"kind", memory_get_kind, NULL, "'device', 'host' or 'shared'.", NULL},
+    {"_pointer", memory_get_pointer, NULL, "The address, as an int.", NULL},
+    {"is_closed", memory_get_is_closed, NULL, "True once a mapping was closed.",
+     NULL},
+    {"__cuda_array_interface__", usmipc_memory_cuda_array_interface, NULL,
+     "The CUDA array interface (v3) of CUDA memory; AttributeError "
+     "elsewhere.\nIt holds no reference: keep the memory open while a "
+     "consumer uses it\n(DLPack consumers are tracked; prefer "
+     "__dlpack__).",
+     NULL},
+    {"host_accessible", memory_get_host_accessible, NULL,
+     "True if the memory supports the buffer protocol (memoryview, numpy).",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef memory_methods[] = {
+    {"copy_from_host", memory_copy_from_host, METH_O,
+     "copy_from_host($self, obj, /)\n--\n\nCopies a bytes-like object (at most "
+     "nbytes) to "
+     "the start of the memory."},
+    {"copy_to_host", (PyCFunction)(void (*)(void))memory_copy_to_host,
+     METH_FASTCALL | METH_KEYWORDS,
+     "copy_to_host($self, /, obj=None)\n--\n\nCopies the memory to a new bytes "
+     "object, or "
+     "into the writable buffer obj (at least nbytes long) and returns obj."},
+    {"tobytes", memory_tobytes, METH_NOARGS,
+     "tobytes() -> bytes: the same as copy_to_host()."},
+    {"memset", (PyCFunction)(void (*)(void))memory_memset,
+     METH_FASTCALL | METH_KEYWORDS,
+     "memset($self, /, value=0)\n--\n\nFills the memory with the byte value."},
+    {"__dlpack__", (PyCFunction)(void (*)(void))usmipc_memory_dlpack,
+     METH_FASTCALL | METH_KEYWORDS,
+     "__dlpack__($self, /, stream=None, *, max_version=None, dl_device=None, "
+     "copy=None)\n--\n\n"
+     "A DLPack capsule of the memory as nbytes uint8 (zero-copy). The "
+     "capsule\nholds the memory like a memoryview: a mapping closed "
+     "meanwhile is unmapped\nwhen the consumer drops the tensor."},
+    {"__dlpack_device__", usmipc_memory_dlpack_device, METH_NOARGS,
+     "__dlpack_device__($self, /)\n--\n\n"
+     "The (DLPack device type, device id) of the memory."},
+    {"get_usm_type", memory_get_usm_type, METH_NOARGS,
+     "get_usm_type() -> 'device', 'host' or 'shared'."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMethodDef mapping_methods[] = {
+    {"close", mapping_close, METH_NOARGS,
+     "close()\n\nCloses the mapping (idempotent); the same as "
+     "IPCMemoryHandle.close_mapping(self)."},
+    {"__enter__", mapping_enter, METH_NOARGS, NULL},
+    {"__exit__", mapping_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+/* ---- types --------------------------------------------------------------- */
+
+static PyType_Slot memory_slots[] = {
+    {Py_tp_doc, (void *)"The base of usmipc's memory types."},
+    {Py_tp_dealloc, memory_dealloc},
+    {Py_tp_traverse, memory_traverse},
+    {Py_tp_clear, memory_clear},
+    {Py_tp_repr, memory_repr},
+    {Py_tp_getset, memory_getset},
+    {Py_tp_methods, memory_methods},
+    {Py_bf_getbuffer, memory_getbuffer},
+    {Py_bf_releasebuffer, memory_releasebuffer},
+    {Py_sq_length, memory_length},
+    {0, NULL},
+};
+
+#define MEMORY_FLAGS                                                           \
+  (Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE)
+
+static PyType_Spec memory_spec = {
+    .name = "usmipc.memory._Memory",
+    .basicsize = sizeof(Mem),
+    .flags =
+        MEMORY_FLAGS | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = memory_slots,
+};
+
+#define USM_DOC(cls, what)                                                     \
+  cls "(nbytes, *, device=None, queue=None, sycl_device=None, "                \
+      "sycl_queue=None, ipc=None)\n--\n\n"                                     \
+      "nbytes of " what " allocated with usmipc on device (a Device or a "     \
+      "filter\nstring) or on the device of queue; with neither, on the "       \
+      "default device.\nsycl_device and sycl_queue are aliases. ipc picks "    \
+      "how "                                                                   \
+      "device memory\nwill be shared where a backend offers a choice (CUDA): " \
+      "'fd' (a file\ndescriptor; outlives the exporter) or 'native' (the "     \
+      "driver's handle);\nNone is the backend's default. Freed when the "      \
+      "object dies."
+
+/* Each subtype names the GC slots again: a spec with Py_TPFLAGS_HAVE_GC
+ * must have a traverse function before inheritance is applied. */
+#define SUBTYPE_GC_SLOTS                                                       \
+  {Py_tp_traverse, memory_traverse}, {Py_tp_clear, memory_clear},
+
+static PyType_Slot usm_device_slots[] = {
+    {Py_tp_doc,
+     (void *)USM_DOC("MemoryUSMDevice", "device memory (exportable with "
+                                        "IPCMemoryHandle)")},
+    {Py_tp_new, usm_device_new},
+    SUBTYPE_GC_SLOTS{0, NULL},
+};
+static PyType_Slot usm_host_slots[] = {
+    {Py_tp_doc, (void *)USM_DOC("MemoryUSMHost", "host (pinned) memory")},
+    {Py_tp_new, usm_host_new},
+    SUBTYPE_GC_SLOTS{0, NULL},
+};
+static PyType_Slot usm_shared_slots[] = {
+    {Py_tp_doc,
+     (void *)USM_DOC("MemoryUSMShared", "shared (migrating) memory")},
+    {Py_tp_new, usm_shared_new},
+    SUBTYPE_GC_SLOTS{0, NULL},
+};
+static PyType_Slot mapping_slots[] = {
+    {Py_tp_doc,
+     (void *)"Device memory of another allocation, mapped by "
+             "IPCMemoryHandle.open().\n\n"
+             "Closed by close(), IPCMemoryHandle.close_mapping(), leaving a "
+             "with block,\nor when garbage-collected. Cannot be constructed "
+             "directly."},
+    {Py_tp_methods, mapping_methods},
+    SUBTYPE_GC_SLOTS{0, NULL},
+};
+
+static PyType_Spec usm_device_spec = {
+    .name = "usmipc.memory.MemoryUSMDevice",
+    .basicsize = sizeof(Mem),
+    .flags = MEMORY_FLAGS | Py_TPFLAGS_BASETYPE,
+    .slots = usm_device_slots,
+};
+static PyType_Spec usm_host_spec = {
+    .name = "usmipc.memory.MemoryUSMHost",
+    .basicsize = sizeof(Mem),
+    .flags = MEMORY_FLAGS | Py_TPFLAGS_BASETYPE,
+    .slots = usm_host_slots,
+};
+static PyType_Spec usm_shared_spec = {
+    .name = "usmipc.memory.MemoryUSMShared",
+    .basicsize = sizeof(Mem),
+    .flags = MEMORY_FLAGS | Py_TPFLAGS_BASETYPE,
+    .slots = usm_shared_slots,
+};
+static PyType_Spec mapping_spec = {
+    .name = "usmipc.memory.MemoryIPCDevice",
+    .basicsize = sizeof(Mem),
+    .flags = MEMORY_FLAGS | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = mapping_slots,
+};
+
+static PyTypeObject *make_subtype(PyObject *module, PyType_Spec *spec,
+                                  PyTypeObject *base) {
+  PyTypeObject *type =
+      (PyTypeObject *)PyType_FromModuleAndSpec(module, spec, (PyObject *)base);
+  if (type == NULL) {
+    return NULL;
+  }
+  if (PyModule_AddType(module, type) < 0) {
+    Py_DECREF(type);
+    return NULL;
+  }
+  return type;
+}
+
+int usmipc_init_memory_types(PyObject *module, usmipc_module_state_t *st) {
+  st->MemoryType =
+      (PyTypeObject *)PyType_FromModuleAndSpec(module, &memory_spec, NULL);
+  if (st->MemoryType == NULL || PyModule_AddType(module, st->MemoryType) < 0) {
+    return -1;
+  }
+  st->MemoryUSMDeviceType =
+      make_subtype(module, &usm_device_spec, st->MemoryType);
+  if (st->MemoryUSMDeviceType == NULL) {
+    return -1;
+  }
+  st->MemoryUSMHostType = make_subtype(module, &usm_host_spec, st->MemoryType);
+  if (st->MemoryUSMHostType == NULL) {
+    return -1;
+  }
+  st->MemoryUSMSharedType =
+      make_subtype(module, &usm_shared_spec, st->MemoryType);
+  if (st->MemoryUSMSharedType == NULL) {
+    return -1;
+  }
+  st->MemoryIPCDeviceType = make_subtype(module, &mapping_spec, st->MemoryType);
+  if (st->MemoryIPCDeviceType == NULL) {
+    return -1;
+  }
+  return 0;
+}

@@ -1,0 +1,531 @@
+/* usmipc._usmipc: module initialization (PEP 489 multi-phase), module state,
+ * the mapping of usmipc error codes to Python exceptions, and the module
+ * functions get_devices(), backends() and set_ipc_cache_size(). */
+#include "ext.h"
+
+#include <string.h>
+
+/* ---- module state lookup ------------------------------------------------- */
+
+usmipc_module_state_t *usmipc_state_from_type(PyTypeObject *type) {
+  PyTypeObject *t = type;
+  while (t != NULL) {
+    if (PyType_GetFlags(t) & Py_TPFLAGS_HEAPTYPE) {
+      PyObject *module = PyType_GetModule(t); /* borrowed */
+      if (module == NULL) {
+        PyErr_Clear(); /* a heap type without a module: a Python subclass */
+      } else if (PyModule_GetDef(module) == &usmipc_module_def) {
+        return (usmipc_module_state_t *)PyModule_GetState(module);
+      }
+    }
+    t = (PyTypeObject *)PyType_GetSlot(t, Py_tp_base);
+  }
+  PyErr_SetString(PyExc_TypeError,
+                  "usmipc: object's type does not derive from a usmipc type");
+  return NULL;
+}
+
+/* ---- errors -------------------------------------------------------------- */
+
+static PyObject *exception_type_for(usmipc_module_state_t *st, int code) {
+  switch (code) {
+  case USMIPC_EINVAL:
+  case USMIPC_EBADHANDLE:
+  case USMIPC_EHANDLEVERSION:
+  case USMIPC_ERANGE:
+  case USMIPC_EOTHERHOST:
+  case USMIPC_EWRONGDEVICE:
+    return PyExc_ValueError;
+  case USMIPC_EMEMKIND:
+    return PyExc_TypeError;
+  case USMIPC_ENOMEM:
+    return PyExc_MemoryError;
+  default:
+    return st->Error;
+  }
+}
+
+static PyObject *raise_with(usmipc_module_state_t *st, int code,
+                            const char *message, long native) {
+  PyObject *type = exception_type_for(st, code);
+  if (type == NULL) {
+    type = PyExc_RuntimeError; /* the module state was cleared (shutdown) */
+  }
+  PyObject *text =
+      PyUnicode_DecodeUTF8(message, (Py_ssize_t)strlen(message), "replace");
+  if (text == NULL) {
+    return NULL;
+  }
+  PyObject *exc = PyObject_CallFunctionObjArgs(type, text, NULL);
+  Py_DECREF(text);
+  if (exc == NULL) {
+    return NULL;
+  }
+  PyObject *code_obj = PyLong_FromLong(code);
+  PyObject *name_obj = PyUnicode_FromString(usmipc_err_name(code));
+  PyObject *native_obj = PyLong_FromLong(native);
+  if (code_obj == NULL || name_obj == NULL || native_obj == NULL ||
+      PyObject_SetAttrString(exc, "code", code_obj) < 0 ||
+      PyObject_SetAttrString(exc, "name", name_obj) < 0 ||
+      PyObject_SetAttrString(exc, "native_code", native_obj) < 0) {
+    Py_XDECREF(code_obj);
+    Py_XDECREF(name_obj);
+    Py_XDECREF(native_obj);
+    Py_DECREF(exc);
+    return NULL;
+  }
+  Py_DECREF(code_obj);
+  Py_DECREF(name_obj);
+  Py_DECREF(native_obj);
+  PyErr_SetObject(type, exc);
+  Py_DECREF(exc);
+  return NULL;
+}
+
+PyObject *usmipc_raise(usmipc_module_state_t *st, int code) {
+  /* Both are thread-local in the core and valid until the next usmipc call
+   * on this thread; nothing below calls into usmipc before they are used. */
+  const char *message = usmipc_last_error();
+  long native = usmipc_last_native_error();
+  if (message == NULL || message[0] == '\0') {
+    message = usmipc_strerror(code);
+  }
+  return raise_with(st, code, message, native);
+}
+
+PyObject *usmipc_raise_msg(usmipc_module_state_t *st, int code,
+                           const char *message) {
+  return raise_with(st, code, message, 0);
+}
+
+PyObject *usmipc_state_cleared(void) {
+  PyErr_SetString(PyExc_RuntimeError,
+                  "usmipc: the usmipc._usmipc module was already finalized");
+  return NULL;
+}
+
+/* ---- the per-device cache ------------------------------------------------ */
+
+static usmipc_device_slot_t *find_slot(usmipc_module_state_t *st,
+                                       usmipc_device_t *device) {
+  for (Py_ssize_t i = 0; i < st->nslots; i++) {
+    if (st->slots[i].device == device) {
+      return &st->slots[i];
+    }
+  }
+  return NULL;
+}
+
+PyObject *usmipc_device_object(usmipc_module_state_t *st,
+                               usmipc_device_t *device) {
+  usmipc_device_slot_t *slot = find_slot(st, device);
+  if (slot != NULL) {
+    return Py_NewRef(slot->device_obj);
+  }
+  if (st->DeviceType == NULL) {
+    return usmipc_state_cleared();
+  }
+  if (st->nslots == st->slots_capacity) {
+    Py_ssize_t capacity = st->slots_capacity ? st->slots_capacity * 2 : 8;
+    usmipc_device_slot_t *slots =
+        PyMem_Realloc(st->slots, (size_t)capacity * sizeof(*slots));
+    if (slots == NULL) {
+      return PyErr_NoMemory();
+    }
+    st->slots = slots;
+    st->slots_capacity = capacity;
+  }
+  allocfunc alloc = (allocfunc)PyType_GetSlot(st->DeviceType, Py_tp_alloc);
+  PyObject *obj = alloc(st->DeviceType, 0);
+  if (obj == NULL) {
+    return NULL;
+  }
+  ((usmipc_device_object_t *)obj)->device = device;
+  slot = &st->slots[st->nslots++];
+  slot->device = device;
+  slot->device_obj = Py_NewRef(obj);
+  slot->queue_obj = NULL;
+  return obj;
+}
+
+PyObject *usmipc_default_queue(usmipc_module_state_t *st,
+                               PyObject *device_obj) {
+  usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
+  usmipc_device_slot_t *slot = find_slot(st, device);
+  if (slot != NULL && slot->queue_obj != NULL) {
+    return Py_NewRef(slot->queue_obj);
+  }
+  PyObject *queue = usmipc_queue_new(st, device_obj);
+  if (queue == NULL) {
+    return NULL;
+  }
+  /* Creating the queue ran Python code at most through allocation, but the
+   * slot array may have grown: look the slot up again. */
+  slot = find_slot(st, device);
+  if (slot != NULL && slot->queue_obj == NULL) {
+    slot->queue_obj = Py_NewRef(queue);
+  }
+  return queue;
+}
+
+/* ---- argument parsing ---------------------------------------------------- */
+
+int usmipc_parse_fastcall(const char *funcname, PyObject *const *args,
+                          Py_ssize_t nargs, PyObject *kwnames,
+                          const char *const *names, Py_ssize_t nnames,
+                          Py_ssize_t npositional, PyObject **out) {
+  for (Py_ssize_t i = 0; i < nnames; i++) {
+    out[i] = NULL;
+  }
+  if (nargs > npositional) {
+    PyErr_Format(PyExc_TypeError,
+                 "%s() takes at most %zd positional argument%s (%zd given)",
+                 funcname, npositional, npositional == 1 ? "" : "s", nargs);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < nargs; i++) {
+    out[i] = args[i];
+  }
+  if (kwnames == NULL) {
+    return 0;
+  }
+  Py_ssize_t nkw = PyTuple_Size(kwnames);
+  for (Py_ssize_t k = 0; k < nkw; k++) {
+    PyObject *key = PyTuple_GetItem(kwnames, k); /* borrowed */
+    Py_ssize_t j = 0;
+    while (j < nnames && PyUnicode_CompareWithASCIIString(key, names[j]) != 0) {
+      j++;
+    }
+    if (j == nnames) {
+      PyErr_Format(PyExc_TypeError,
+                   "%s() got an unexpected keyword argument '%U'", funcname,
+                   key);
+      return -1;
+    }
+    if (out[j] != NULL) {
+      PyErr_Format(PyExc_TypeError,
+                   "%s() got multiple values for argument '%s'", funcname,
+                   names[j]);
+      return -1;
+    }
+    out[j] = args[nargs + k];
+  }
+  return 0;
+}
+
+/* ---- module functions ---------------------------------------------------- */
+
+static PyObject *get_devices(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+  usmipc_module_state_t *st = PyModule_GetState(module);
+  usmipc_device_t *stack[16];
+  usmipc_device_t **devices = stack;
+  size_t count = 0;
+  int rc = usmipc_get_devices(stack, 16, &count);
+  if (rc < 0) {
+    return usmipc_raise(st, rc);
+  }
+  if (count > 16) {
+    devices = PyMem_Malloc(count * sizeof(*devices));
+    if (devices == NULL) {
+      return PyErr_NoMemory();
+    }
+    size_t capacity = count;
+    rc = usmipc_get_devices(devices, capacity, &count);
+    if (rc < 0) {
+      PyMem_Free(devices);
+      return usmipc_raise(st, rc);
+    }
+    if (count > capacity) {
+      count = capacity; /* devices are probed once; cannot grow */
+    }
+  }
+  PyObject *list = PyList_New(0);
+  for (size_t i = 0; list != NULL && i < count; i++) {
+    PyObject *obj = usmipc_device_object(st, devices[i]);
+    if (obj == NULL || PyList_Append(list, obj) < 0) {
+      Py_XDECREF(obj);
+      Py_CLEAR(list);
+      break;
+    }
+    Py_DECREF(obj);
+  }
+  if (devices != stack) {
+    PyMem_Free(devices);
+  }
+  return list;
+}
+
+static PyObject *backends(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+  (void)module;
+  static const usmipc_backend_t all[] = {
+      USMIPC_BACKEND_HOST, USMIPC_BACKEND_CUDA, USMIPC_BACKEND_LEVEL_ZERO};
+  PyObject *result = PyDict_New();
+  if (result == NULL) {
+    return NULL;
+  }
+  for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
+    const char *reason = NULL;
+    int rc = usmipc_backend_status(all[i], &reason);
+    if (rc < 0 && (reason == NULL || reason[0] == '\0')) {
+      reason = usmipc_last_error();
+      if (reason == NULL || reason[0] == '\0') {
+        reason = usmipc_strerror(rc);
+      }
+    }
+    PyObject *entry;
+    if (rc == 0) {
+      entry = Py_BuildValue("(OO)", Py_True, Py_None);
+    } else {
+      entry = Py_BuildValue("(Os)", Py_False, reason);
+    }
+    if (entry == NULL ||
+        PyDict_SetItemString(result, usmipc_backend_name(all[i]), entry) < 0) {
+      Py_XDECREF(entry);
+      Py_DECREF(result);
+      return NULL;
+    }
+    Py_DECREF(entry);
+  }
+  return result;
+}
+
+static PyObject *set_ipc_cache_size(PyObject *module, PyObject *arg) {
+  usmipc_module_state_t *st = PyModule_GetState(module);
+  Py_ssize_t entries = PyLong_AsSsize_t(arg);
+  if (entries == -1 && PyErr_Occurred()) {
+    return NULL;
+  }
+  if (entries < 0) {
+    PyErr_SetString(PyExc_ValueError, "entries must be >= 0");
+    return NULL;
+  }
+  int rc = usmipc_ipc_set_cache_size((size_t)entries);
+  if (rc < 0) {
+    return usmipc_raise(st, rc);
+  }
+  Py_RETURN_NONE;
+}
+
+static PyObject *strerror_(PyObject *module, PyObject *arg) {
+  (void)module;
+  long code = PyLong_AsLong(arg);
+  if (code == -1 && PyErr_Occurred()) {
+    return NULL;
+  }
+  return PyUnicode_FromString(usmipc_strerror((int)code));
+}
+
+/* A diagnostic for tests: what the library knows of an address. */
+static PyObject *pointer_query(PyObject *module, PyObject *arg) {
+  usmipc_module_state_t *st = PyModule_GetState(module);
+  void *ptr = PyLong_AsVoidPtr(arg);
+  if (ptr == NULL && PyErr_Occurred()) {
+    return NULL;
+  }
+  usmipc_pointer_info_t info;
+  int rc = usmipc_pointer_query(ptr, &info);
+  if (rc < 0) {
+    return usmipc_raise(st, rc);
+  }
+  PyObject *device = Py_None;
+  if (info.device != NULL) {
+    device = usmipc_device_object(st, info.device);
+    if (device == NULL) {
+      return NULL;
+    }
+  } else {
+    Py_INCREF(device);
+  }
+  static const char *const kinds[] = {"unknown", "device", "host", "shared"};
+  const char *kind =
+      (unsigned)info.kind < 4 ? kinds[(unsigned)info.kind] : "unknown";
+  return Py_BuildValue("{sNsssNsnsKsOsO}", "device", device, "kind", kind,
+                       "base", PyLong_FromVoidPtr(info.base), "size",
+                       (Py_ssize_t)info.size, "buffer_id",
+                       (unsigned long long)info.buffer_id, "is_ipc_mapping",
+                       info.is_ipc_mapping ? Py_True : Py_False, "is_foreign",
+                       info.is_foreign ? Py_True : Py_False);
+}
+
+static PyMethodDef module_methods[] = {
+    {"get_devices", get_devices, METH_NOARGS,
+     "get_devices() -> list of Device\n\n"
+     "Every device of every available backend."},
+    {"backends", backends, METH_NOARGS,
+     "backends() -> dict\n\n"
+     "Maps each backend name ('host', 'cuda', 'level_zero') to a pair\n"
+     "(available, reason): reason says why a backend is unavailable."},
+    {"set_ipc_cache_size", set_ipc_cache_size, METH_O,
+     "set_ipc_cache_size(entries)\n\n"
+     "How many closed IPC mappings this process keeps for cheap re-opens\n"
+     "(default 64, or USMIPC_IPC_CACHE_SIZE); 0 unmaps on the last close."},
+    {"_pointer_query", pointer_query, METH_O,
+     "_pointer_query(address) -> dict\n\n"
+     "What usmipc knows of an address (device, kind, base, size, "
+     "buffer_id,\nis_ipc_mapping, is_foreign); usmipc.Error "
+     "USMIPC_EUNKNOWNPTR if nothing."},
+    {"strerror", strerror_, METH_O,
+     "strerror(code) -> str: the description of a usmipc error code."},
+    {NULL, NULL, 0, NULL},
+};
+
+/* ---- module lifecycle ---------------------------------------------------- */
+
+static int add_error_codes(PyObject *module) {
+  PyObject *errorcode = PyDict_New();
+  if (errorcode == NULL) {
+    return -1;
+  }
+#define XX(name, value, text)                                                  \
+  do {                                                                         \
+    PyObject *k = PyLong_FromLong(USMIPC_##name);                              \
+    PyObject *v = PyUnicode_FromString("USMIPC_" #name);                       \
+    int failed = k == NULL || v == NULL ||                                     \
+                 PyDict_SetItem(errorcode, k, v) < 0 ||                        \
+                 PyModule_AddObjectRef(module, "USMIPC_" #name, k) < 0;        \
+    Py_XDECREF(k);                                                             \
+    Py_XDECREF(v);                                                             \
+    if (failed) {                                                              \
+      Py_DECREF(errorcode);                                                    \
+      return -1;                                                               \
+    }                                                                          \
+  } while (0);
+  USMIPC_ERRNO_MAP(XX)
+#undef XX
+  int rc = PyModule_AddObjectRef(module, "errorcode", errorcode);
+  Py_DECREF(errorcode);
+  return rc;
+}
+
+static int create_error(PyObject *module, usmipc_module_state_t *st) {
+  PyObject *dict = Py_BuildValue("{sOsOsO}", "code", Py_None, "name", Py_None,
+                                 "native_code", Py_None);
+  if (dict == NULL) {
+    return -1;
+  }
+  st->Error = PyErr_NewExceptionWithDoc(
+      "usmipc.Error",
+      "A failed usmipc call.\n\n"
+      "code is the library's negative error code, name its symbol\n"
+      "('USMIPC_EEXPORTERGONE'), native_code the driver's own code (or 0).\n"
+      "Invalid arguments and handles raise ValueError, memory of the wrong\n"
+      "kind TypeError, exhaustion MemoryError; they carry the same\n"
+      "attributes.",
+      PyExc_RuntimeError, dict);
+  Py_DECREF(dict);
+  if (st->Error == NULL) {
+    return -1;
+  }
+  return PyModule_AddObjectRef(module, "Error", st->Error);
+}
+
+static int usmipc_exec(PyObject *module) {
+  usmipc_module_state_t *st = PyModule_GetState(module);
+
+  /* python-zstandard's habit: refuse a library other than the one compiled
+   * against (the library is linked statically, so this catches a broken
+   * build rather than a wrong shared object). */
+  if (usmipc_version() != USMIPC_VERSION_HEX) {
+    PyErr_Format(PyExc_ImportError,
+                 "usmipc._usmipc was compiled against usmipc %s (0x%06x) but "
+                 "loaded library version %s (0x%06x); rebuild the extension",
+                 USMIPC_VERSION_STRING, (unsigned)USMIPC_VERSION_HEX,
+                 usmipc_version_string(), usmipc_version());
+    return -1;
+  }
+
+  if (create_error(module, st) < 0 || usmipc_init_device_type(module, st) < 0 ||
+      usmipc_init_queue_type(module, st) < 0 ||
+      usmipc_init_memory_types(module, st) < 0 ||
+      usmipc_init_ipc_handle_type(module, st) < 0 ||
+      add_error_codes(module) < 0) {
+    return -1;
+  }
+  if (PyModule_AddStringConstant(module, "__version__",
+                                 usmipc_version_string()) < 0 ||
+      PyModule_AddIntConstant(module, "VERSION_HEX", (long)usmipc_version()) <
+          0 ||
+      PyModule_AddIntConstant(module, "COMPILED_VERSION_HEX",
+                              (long)USMIPC_VERSION_HEX) < 0) {
+    return -1;
+  }
+  return 0;
+}
+
+static int usmipc_traverse(PyObject *module, visitproc visit, void *arg) {
+  usmipc_module_state_t *st = PyModule_GetState(module);
+  if (st == NULL) {
+    return 0;
+  }
+  Py_VISIT(st->Error);
+  Py_VISIT(st->DeviceType);
+  Py_VISIT(st->QueueType);
+  Py_VISIT(st->MemoryType);
+  Py_VISIT(st->MemoryUSMDeviceType);
+  Py_VISIT(st->MemoryUSMHostType);
+  Py_VISIT(st->MemoryUSMSharedType);
+  Py_VISIT(st->MemoryIPCDeviceType);
+  Py_VISIT(st->IPCMemoryHandleType);
+  for (Py_ssize_t i = 0; i < st->nslots; i++) {
+    Py_VISIT(st->slots[i].device_obj);
+    Py_VISIT(st->slots[i].queue_obj);
+  }
+  return 0;
+}
+
+static int usmipc_clear(PyObject *module) {
+  usmipc_module_state_t *st = PyModule_GetState(module);
+  if (st == NULL) {
+    return 0;
+  }
+  /* Queues first: a Queue's dealloc destroys its usmipc queue. */
+  for (Py_ssize_t i = 0; i < st->nslots; i++) {
+    Py_CLEAR(st->slots[i].queue_obj);
+  }
+  for (Py_ssize_t i = 0; i < st->nslots; i++) {
+    Py_CLEAR(st->slots[i].device_obj);
+  }
+  st->nslots = 0;
+  Py_CLEAR(st->Error);
+  Py_CLEAR(st->IPCMemoryHandleType);
+  Py_CLEAR(st->MemoryIPCDeviceType);
+  Py_CLEAR(st->MemoryUSMSharedType);
+  Py_CLEAR(st->MemoryUSMHostType);
+  Py_CLEAR(st->MemoryUSMDeviceType);
+  Py_CLEAR(st->MemoryType);
+  Py_CLEAR(st->QueueType);
+  Py_CLEAR(st->DeviceType);
+  return 0;
+}
+
+static void usmipc_free_module(void *module) {
+  usmipc_clear((PyObject *)module);
+  usmipc_module_state_t *st = PyModule_GetState((PyObject *)module);
+  if (st != NULL) {
+    PyMem_Free(st->slots);
+    st->slots = NULL;
+    st->slots_capacity = 0;
+  }
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, usmipc_exec},
+    {0, NULL},
+};
+
+PyModuleDef usmipc_module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "usmipc._usmipc",
+    .m_doc = "Zero-copy sharing of accelerator memory between processes "
+             "(the C extension of the usmipc package).",
+    .m_size = sizeof(usmipc_module_state_t),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = usmipc_traverse,
+    .m_clear = usmipc_clear,
+    .m_free = usmipc_free_module,
+};
+
+PyMODINIT_FUNC PyInit__usmipc(void) {
+  return PyModuleDef_Init(&usmipc_module_def);
+}

@@ -1,0 +1,37 @@
+"""Memory allocated by usmipc, and its sharing between processes.
+
+``MemoryUSMDevice``, ``MemoryUSMHost`` and ``MemoryUSMShared`` allocate USM
+memory of the three kinds; ``IPCMemoryHandle`` exports device memory and maps
+it in another process as a ``MemoryIPCDevice``. All are C types from
+``usmipc._usmipc``; this module only gathers them (dpctl's ``dpctl.memory``
+layout).
+"""
+
+from usmipc._usmipc import (
+    Device,
+    IPCMemoryHandle,
+    MemoryIPCDevice,
+    MemoryUSMDevice,
+    MemoryUSMHost,
+    MemoryUSMShared,
+    _Memory,  # noqa: F401  (the base, for isinstance checks)
+)
+
+__all__ = [
+    "IPCMemoryHandle",
+    "MemoryIPCDevice",
+    "MemoryUSMDevice",
+    "MemoryUSMHost",
+    "MemoryUSMShared",
+    "is_ipc_available",
+]
+
+
+def is_ipc_available(device=None):
+    """True if memory of ``device`` can be shared with IPCMemoryHandle.
+
+    ``device`` is a Device, a filter string, or None for the default device.
+    """
+    if not isinstance(device, Device):
+        device = Device(device)
+    return device.has_aspect_ipc_memory

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU verification run, for the device machine (NVIDIA H200): builds
+# usmipc, runs the C suite on the CUDA device for both allocation kinds, the
+# Python suites (host and tests/gpu), the demo, and the benchmarks. Every
+# step runs even if an earlier one failed; logs and results go to $OUT.
+#
+#   OUT=/tmp/out bash tests/gpu/run.sh [quick]
+#
+# "quick" skips the benchmarks. Needs python3 with scikit-build-core, pytest,
+# numpy, torch, cupy and cuda.core (the device image has them) and no network.
+set -u
+OUT=${OUT:-/tmp/usmipc-gpu}
+mkdir -p "$OUT"
+LOGS=$(mktemp -d)   # per-step logs; $OUT gets one combined gpu.log (8 files come back)
+# Never use NVLink multicast on the shared machines (device README).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+mode=${1:-full}
+status=0
+step() { # step NAME COMMAND...: runs, logs, records pass/fail
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$(date +%s)
+  if "$@" > "$LOGS/$name.log" 2>&1; then r=pass; else r="FAIL($?)"; status=1; fi
+  { echo "=== $name: $*"; cat "$LOGS/$name.log"; echo "=== $name: $r"; } >> "$OUT/gpu.log"
+  tail -n 15 "$LOGS/$name.log"
+  echo "=== $name: $r in $(( $(date +%s) - t0 ))s"
+  echo "$name $r $(( $(date +%s) - t0 ))s" >> "$OUT/summary.txt"
+}
+
+{
+  date -u
+  nvidia-smi --query-gpu=index,name,driver_version,uuid --format=csv
+  nvidia-smi topo -m 2>/dev/null | head -5
+  uname -r
+  python3 -c 'import sys, torch, cupy; print(sys.version); print("torch", torch.__version__, "cupy", cupy.__version__)'
+} > "$OUT/gpu.log" 2>&1
+cat "$OUT/gpu.log"
+: > "$OUT/summary.txt"
+
+step build bash -c 'cmake -S . -B build-gpu -DUSMIPC_WERROR=ON && cmake --build build-gpu -j 16'
+step ctest-host ctest --test-dir build-gpu -j 8 --output-on-failure
+step c-cuda-fd env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=fd build-gpu/tests/c/usmipc_tests
+step c-cuda-native env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native build-gpu/tests/c/usmipc_tests
+step pip python3 -m pip install --no-build-isolation --no-index --no-deps .
+step py-list python3 -m usmipc
+step demo-cuda python3 -m usmipc demo --device cuda:gpu
+step demo-host python3 -m usmipc demo --device host:cpu
+step pytest-host python3 -m pytest -q -rs tests/python
+step pytest-gpu python3 -m pytest -q -rs -s tests/gpu
+
+if [ "$mode" != quick ]; then
+  step bench-c-cuda-fd env USMIPC_CUDA_IPC=fd build-gpu/bench/usmipc_bench --device cuda:gpu:0 --sizes 4096,1048576,268435456,1073741824 --json "$OUT/bench_c_cuda_fd.json"
+  step bench-c-cuda-native env USMIPC_CUDA_IPC=native build-gpu/bench/usmipc_bench --device cuda:gpu:0 --sizes 4096,1048576,268435456,1073741824 --json "$OUT/bench_c_cuda_native.json"
+  step bench-cuda python3 bench/bench_cuda.py --json "$OUT/bench_cuda.json" --plot "$OUT/bench_cuda.png"
+fi
+echo "=== summary"; cat "$OUT/summary.txt"
+exit $status

@@ -1,0 +1,320 @@
+"""The CUDA backend on a real GPU: cross-process sharing for both allocation
+kinds, foreign torch and CuPy memory, DLPack and CUDA array interface interop,
+lifetime, bad handles and cross-GPU opens.
+
+Runs only where a CUDA device is present (tests/gpu/run.sh on the device
+machine); everything skips elsewhere. Every cross-process test starts a
+separate interpreter (subprocess), never a fork of a CUDA-initialised process.
+"""
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+usmipc = pytest.importorskip("usmipc")
+from usmipc.memory import (IPCMemoryHandle, MemoryIPCDevice, MemoryUSMDevice,  # noqa: E402
+                           MemoryUSMHost, MemoryUSMShared)
+
+try:
+    GPU = usmipc.Device("cuda:gpu:0")
+except Exception as exc:  # pragma: no cover - CPU machines
+    pytestmark = pytest.mark.skip(reason=f"no CUDA device: {exc}")
+    GPU = None
+
+KINDS = ["fd", "native"]
+N = 1 << 20
+
+
+def child(code, stdin=b"", env=None, timeout=120):
+    """Runs code in a fresh interpreter; returns CompletedProcess."""
+    prelude = textwrap.dedent("""
+        import sys, os, pickle
+        import usmipc
+        from usmipc.memory import IPCMemoryHandle
+        raw = sys.stdin.buffer.read()
+    """)
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
+                          input=stdin, capture_output=True, timeout=timeout,
+                          env=dict(os.environ, **(env or {})))
+
+
+def pattern(n, seed=1):
+    return bytes((i * 7 + seed) & 0xFF for i in range(n))
+
+
+def check(proc):
+    assert proc.returncode == 0, proc.stderr.decode() + proc.stdout.decode()
+    return proc.stdout.decode()
+
+
+def device_mem(n, kind):
+    return MemoryUSMDevice(n, device=GPU, ipc=kind)
+
+
+# ---- devices ------------------------------------------------------------------
+
+def test_cuda_device_properties():
+    assert GPU.backend == "cuda"
+    assert GPU.device_type == "gpu"
+    assert len(GPU.uuid) == 16 and any(GPU.uuid)
+    assert GPU.has_aspect_ipc_memory
+    assert GPU.filter_string == "cuda:gpu:0"
+    assert usmipc.Device().backend == "cuda"  # the default device is the first GPU
+
+
+# ---- cross-process, both allocation kinds ------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("transport", ["auto", "socket", "pidfd"])
+def test_cross_process_roundtrip(kind, transport):
+    if kind == "native" and transport != "auto":
+        pytest.skip("native handles carry no file descriptor")
+    mem = device_mem(N, kind)
+    mem.copy_from_host(pattern(N))
+    h = IPCMemoryHandle(mem)
+    out = check(child("""
+        m = IPCMemoryHandle.open(raw, usmipc.Device("cuda:gpu:0"))
+        data = m.copy_to_host()
+        assert data == bytes((i * 7 + 1) & 0xFF for i in range(len(data))), "pattern"
+        m.copy_from_host(bytes((i * 7 + 2) & 0xFF for i in range(m.nbytes)))
+        IPCMemoryHandle.close_mapping(m)
+        print("child ok", m.nbytes)
+    """, h.to_bytes(), env={"USMIPC_FD_TRANSPORT": transport}))
+    assert f"child ok {N}" in out
+    assert mem.copy_to_host() == pattern(N, 2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_interior_pointer_and_size_checks(kind):
+    mem = device_mem(N, kind)
+    mem.copy_from_host(pattern(N))
+    off = 12345
+    h = IPCMemoryHandle(mem, offset=off, nbytes=4096)
+    out = check(child(f"""
+        m = IPCMemoryHandle.open(raw, None)
+        assert m.nbytes == 4096
+        assert m.copy_to_host() == bytes((i * 7 + 1) & 0xFF for i in range({off}, {off} + 4096))
+        try:
+            IPCMemoryHandle.open(raw, None, nbytes=4097)
+        except ValueError as e:
+            print("refused:", e)
+    """, h.to_bytes()))
+    assert "refused:" in out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_same_process_open_is_alias(kind):
+    mem = device_mem(4096, kind)
+    m2 = IPCMemoryHandle.open(IPCMemoryHandle(mem).to_bytes(), GPU)
+    assert m2._pointer == mem._pointer
+    IPCMemoryHandle.close_mapping(m2)
+
+
+def test_host_and_managed_memory_refused():
+    for cls in (MemoryUSMHost, MemoryUSMShared):
+        with pytest.raises(TypeError):
+            IPCMemoryHandle(cls(4096, device=GPU))
+
+
+# ---- foreign memory: torch and CuPy ------------------------------------------
+
+def test_torch_tensor_shared_and_read_back_with_torch():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(1 << 16, dtype=torch.float32, device="cuda:0")
+    view = t[100:]  # an interior pointer of the caching allocator's block
+    h = IPCMemoryHandle(view)
+    out = check(child("""
+        import torch
+        m = IPCMemoryHandle.open(raw, None)
+        x = torch.from_dlpack(m).view(torch.float32)
+        expect = torch.arange(100, 1 << 16, dtype=torch.float32, device="cuda:0")
+        assert torch.equal(x, expect), "torch data"
+        x.mul_(2)
+        torch.cuda.synchronize()
+        del x
+        IPCMemoryHandle.close_mapping(m)
+        print("torch ok")
+    """, h.to_bytes()))
+    assert "torch ok" in out
+    torch.cuda.synchronize()
+    assert torch.equal(t[100:], torch.arange(100, 1 << 16, dtype=torch.float32,
+                                             device="cuda:0") * 2)
+    assert torch.equal(t[:100], torch.arange(100, dtype=torch.float32, device="cuda:0"))
+
+
+def test_cupy_array_shared_and_read_back_with_cupy():
+    cp = pytest.importorskip("cupy")
+    a = cp.arange(1 << 16, dtype=cp.int32)
+    h = IPCMemoryHandle(a)
+    out = check(child("""
+        import cupy as cp
+        m = IPCMemoryHandle.open(raw, None)
+        x = cp.from_dlpack(m).view(cp.int32)
+        assert bool((x == cp.arange(1 << 16, dtype=cp.int32)).all()), "cupy data"
+        x += 1
+        cp.cuda.runtime.deviceSynchronize()
+        del x
+        IPCMemoryHandle.close_mapping(m)
+        print("cupy ok")
+    """, h.to_bytes()))
+    assert "cupy ok" in out
+    assert bool((a == cp.arange(1, (1 << 16) + 1, dtype=cp.int32)).all())
+
+
+def test_dlpack_and_cuda_array_interface_are_zero_copy():
+    torch = pytest.importorskip("torch")
+    cp = pytest.importorskip("cupy")
+    mem = MemoryUSMDevice(4096, device=GPU)
+    mem.memset(0)
+    cai = mem.__cuda_array_interface__
+    assert cai["data"][0] == mem._pointer and cai["version"] == 3
+    assert mem.__dlpack_device__() == (2, 0)  # kDLCUDA, device 0
+    t = torch.from_dlpack(mem)
+    assert t.data_ptr() == mem._pointer and t.numel() == 4096
+    t.fill_(7)
+    torch.cuda.synchronize()
+    assert mem.copy_to_host() == b"\x07" * 4096
+    c = cp.asarray(mem)  # via __cuda_array_interface__
+    assert c.data.ptr == mem._pointer
+    del t, c
+
+
+def test_dlpack_capsule_keeps_mapping_alive():
+    torch = pytest.importorskip("torch")
+    mem = device_mem(4096, "fd")
+    mem.copy_from_host(pattern(4096))
+    h = IPCMemoryHandle(mem)
+    out = check(child("""
+        import torch
+        m = IPCMemoryHandle.open(raw, None)
+        t = torch.from_dlpack(m)
+        IPCMemoryHandle.close_mapping(m)    # the tensor still holds the mapping
+        assert m.is_closed
+        del m
+        import gc; gc.collect()
+        assert bytes(t.cpu().numpy()) == bytes((i * 7 + 1) & 0xFF for i in range(4096))
+        print("alive ok")
+    """, h.to_bytes()))
+    assert "alive ok" in out
+
+
+# ---- lifetime -----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_exporter_killed_while_importer_reads(kind):
+    size = 64 << 20
+    exporter = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time, usmipc
+        from usmipc.memory import MemoryUSMDevice, IPCMemoryHandle
+        m = MemoryUSMDevice({size}, device=usmipc.Device("cuda:gpu:0"), ipc="{kind}")
+        m.copy_from_host(bytes(range(256)) * ({size} // 256))
+        h = IPCMemoryHandle(m)
+        sys.stdout.buffer.write(h.to_bytes().hex().encode() + b"\\n")
+        sys.stdout.flush()
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE)
+    try:
+        raw = bytes.fromhex(exporter.stdout.readline().decode())
+        m = IPCMemoryHandle.open(raw, GPU)
+        expect = bytes(range(256)) * (size // 256)
+        assert m.copy_to_host() == expect
+        exporter.send_signal(signal.SIGKILL)
+        exporter.wait(timeout=30)
+        time.sleep(0.5)
+        intact = m.copy_to_host() == expect
+        print(f"{kind}: importer data intact after exporter SIGKILL: {intact}")
+        assert intact
+        IPCMemoryHandle.close_mapping(m)
+        # a new open after the exporter's death fails clearly
+        IPCMemoryHandle.set_cache_size(0) if hasattr(IPCMemoryHandle, "set_cache_size") else None
+        with pytest.raises((usmipc.Error, ValueError)) as err:
+            m3 = IPCMemoryHandle.open(raw, GPU)
+            IPCMemoryHandle.close_mapping(m3)
+            raise usmipc.Error("reopen after death unexpectedly worked (cached)")
+        print(f"{kind}: open after exporter death: {err.value}")
+    finally:
+        if exporter.poll() is None:
+            exporter.kill()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_importer_after_exporter_frees(kind):
+    """Measured and recorded: what an importer sees after the exporter frees."""
+    script = textwrap.dedent(f"""
+        import sys, usmipc
+        from usmipc.memory import MemoryUSMDevice, IPCMemoryHandle
+        m = MemoryUSMDevice(1 << 20, device=usmipc.Device("cuda:gpu:0"), ipc="{kind}")
+        m.copy_from_host(b"\\xab" * (1 << 20))
+        h = IPCMemoryHandle(m)
+        sys.stdout.buffer.write(h.to_bytes().hex().encode() + b"\\n"); sys.stdout.flush()
+        sys.stdin.readline()          # importer has opened
+        del h, m                      # free the allocation
+        import gc; gc.collect()
+        sys.stdout.write("freed\\n"); sys.stdout.flush()
+        sys.stdin.readline()
+    """)
+    exporter = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE)
+    try:
+        raw = bytes.fromhex(exporter.stdout.readline().decode())
+        m = IPCMemoryHandle.open(raw, GPU)
+        exporter.stdin.write(b"go\n"); exporter.stdin.flush()
+        assert exporter.stdout.readline() == b"freed\n"
+        data = m.copy_to_host()
+        intact = data == b"\xab" * (1 << 20)
+        print(f"{kind}: importer data intact after exporter free: {intact}")
+        if kind == "fd":
+            assert intact, "fd-shared memory must outlive the exporter's free"
+        IPCMemoryHandle.close_mapping(m)
+    finally:
+        exporter.stdin.write(b"bye\n"); exporter.stdin.flush()
+        exporter.wait(timeout=30)
+
+
+# ---- bad handles --------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_handles(kind):
+    mem = device_mem(4096, kind)
+    raw = IPCMemoryHandle(mem).to_bytes()
+    with pytest.raises(ValueError):
+        IPCMemoryHandle.open(raw[:-1], GPU)
+    flipped = bytearray(raw)
+    flipped[70] ^= 0x10
+    with pytest.raises(ValueError):
+        IPCMemoryHandle.open(bytes(flipped), GPU)
+    with pytest.raises(ValueError):
+        IPCMemoryHandle.open(raw, GPU, nbytes=4097)
+    with pytest.raises(ValueError):  # a CUDA handle opened on the host device
+        IPCMemoryHandle.open(raw, usmipc.Device("host:cpu"))
+
+
+# ---- across GPUs --------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_open_on_another_gpu(kind):
+    try:
+        gpu1 = usmipc.Device("cuda:gpu:1")
+    except Exception:
+        pytest.skip("one GPU only")
+    mem = device_mem(N, kind)
+    mem.copy_from_host(pattern(N))
+    out = check(child("""
+        import cupy as cp
+        m = IPCMemoryHandle.open(raw, usmipc.Device("cuda:gpu:1"))
+        assert m.copy_to_host() == bytes((i * 7 + 1) & 0xFF for i in range(m.nbytes))
+        with cp.cuda.Device(1):
+            x = cp.from_dlpack(m)
+            x += 1
+            cp.cuda.runtime.deviceSynchronize()
+            del x
+        IPCMemoryHandle.close_mapping(m)
+        print("gpu1 ok")
+    """, IPCMemoryHandle(mem).to_bytes()))
+    assert "gpu1 ok" in out
+    assert mem.copy_to_host() == bytes(((i * 7 + 1) + 1) & 0xFF for i in range(N))

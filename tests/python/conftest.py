@@ -1,0 +1,159 @@
+"""Shared helpers for the usmipc Python tests.
+
+Cross-process tests start helper processes with subprocess (never fork):
+``sys.executable -c SOURCE``. Every helper has a timeout so that a hang fails
+the test instead of the suite.
+"""
+
+import os
+import select
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import usmipc
+
+HOST = "host:cpu"
+TIMEOUT = 60  # seconds for any helper process
+MAGIC = b"\x89USMIPC\n"
+
+# A period of 251 (prime) bytes, so that an offset error cannot go unseen;
+# the same function is pasted into helper processes (PATTERN_SRC).
+PATTERN_SRC = """
+def pattern(nbytes, salt):
+    block = bytes(((i * 7) + salt) & 0xFF for i in range(251))
+    return (block * (nbytes // 251 + 1))[:nbytes]
+"""
+exec(PATTERN_SRC)  # defines pattern() here too
+
+
+def child_env(**extra):
+    """The environment for a helper process, with extra variables set."""
+    env = dict(os.environ)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_python(source, *, input=None, env=None, timeout=TIMEOUT, args=()):
+    """Runs Python source in a new interpreter; returns CompletedProcess."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source), *args],
+        input=input, capture_output=True, env=env, timeout=timeout)
+
+
+def crc32c(data, crc=0):
+    """CRC32C (Castagnoli), reflected, as in docs/handle-format.md."""
+    crc ^= 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def reseal(handle_bytes):
+    """Recomputes the trailing checksum of edited handle bytes."""
+    body = bytes(handle_bytes[:-4])
+    return body + crc32c(body).to_bytes(4, "little")
+
+
+EXPORTER_SRC = PATTERN_SRC + """
+import sys
+import usmipc
+from usmipc.memory import IPCMemoryHandle, MemoryUSMDevice
+
+nbytes = int(sys.argv[1])
+mem = MemoryUSMDevice(nbytes, device="host:cpu")
+mem.copy_from_host(pattern(nbytes, 1))
+handle = IPCMemoryHandle(mem)
+print(handle.to_bytes().hex(), flush=True)
+# One command per line: "dump" prints the memory as hex; EOF ends.
+for line in sys.stdin:
+    if line.strip() == "dump":
+        print(mem.copy_to_host().hex(), flush=True)
+"""
+
+
+class Exporter:
+    """A helper process that exports nbytes of device memory (pattern salt
+    1) and keeps it until its stdin closes."""
+
+    def __init__(self, nbytes=1 << 16):
+        self.nbytes = nbytes
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", EXPORTER_SRC, str(nbytes)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self._readline()
+        if not line:
+            self.close()
+            raise RuntimeError("the exporter process died before exporting")
+        self.raw = bytes.fromhex(line.strip())
+
+    def _readline(self):
+        # a hung helper fails the test instead of hanging the suite
+        ready, _, _ = select.select([self.proc.stdout], [], [], TIMEOUT)
+        if not ready:
+            self.proc.kill()
+            raise TimeoutError("the exporter process did not answer")
+        return self.proc.stdout.readline()
+
+    def dump(self):
+        """The exported memory as the exporter reads it."""
+        self.proc.stdin.write("dump\n")
+        self.proc.stdin.flush()
+        return bytes.fromhex(self._readline().strip())
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait(timeout=TIMEOUT)
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=TIMEOUT)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def host():
+    return usmipc.Device(HOST)
+
+
+@pytest.fixture
+def exporter():
+    exp = Exporter()
+    try:
+        yield exp
+    finally:
+        exp.close()
+
+
+@pytest.fixture
+def no_ipc_cache():
+    """Closed mappings are unmapped at once (no re-open cache), so that a
+    test can observe the unmap."""
+    usmipc.set_ipc_cache_size(0)
+    try:
+        yield
+    finally:
+        usmipc.set_ipc_cache_size(64)
+
+
+def is_known(address):
+    """True while usmipc knows the address (allocation or open mapping)."""
+    try:
+        usmipc._usmipc._pointer_query(address)
+    except usmipc.Error as e:
+        assert e.name == "USMIPC_EUNKNOWNPTR", e
+        return False
+    return True
