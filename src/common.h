@@ -107,6 +107,8 @@ typedef struct usmipc__region {
                            which later opens of the same allocation match */
   uint32_t fd_number;   /* the published descriptor, for pidfd_getfd */
   uint64_t fd_dev, fd_ino;
+  uint32_t export_slot; /* this allocation's slot in the export table */
+  uint32_t table_fd_number;
 
   /* IMPORTED */
   usmipc__import_key_t key;
@@ -125,14 +127,20 @@ void usmipc__region_foreach(void (*fn)(usmipc__region_t *r));
 uint64_t usmipc__new_buffer_id(void);
 /* Drops a LOCAL region from the registry and releases it; lock NOT held. */
 void usmipc__region_release_local(usmipc__region_t *r);
-/* Asks each backend about a pointer usmipc did not allocate. */
+/* Asks each backend about a pointer usmipc did not allocate; lock held. */
 int usmipc__foreign_query(const void *ptr, usmipc__allocation_t *alloc,
                           uint64_t *buffer_id, usmipc_device_t **device);
+/* The same without the lock held, refusing the slack past the end of one of
+ * usmipc's own allocations, with a message. */
+int usmipc__foreign_query_unlocked(const void *ptr, usmipc__allocation_t *alloc,
+                                   uint64_t *buffer_id,
+                                   usmipc_device_t **device);
 
 /* ---- the wire format (handle.c) ------------------------------------------ */
 
 #define USMIPC__WIRE_VERSION 1
-#define USMIPC__WIRE_FIXED_LEN 140 /* bytes before the payload */
+#define USMIPC__WIRE_FIXED_LEN 148 /* bytes before the payload */
+#define USMIPC__NO_SLOT UINT32_MAX /* the allocation has no export-table slot */
 #define USMIPC__WIRE_FLAG_FD 0x1u  /* an fd must be fetched from the exporter */
 
 typedef struct usmipc__wire {
@@ -151,6 +159,8 @@ typedef struct usmipc__wire {
   uint64_t fd_dev;
   uint64_t fd_ino;
   uint8_t token[16];
+  uint32_t export_slot;     /* slot in the exporter's export table */
+  uint32_t table_fd_number; /* the table's descriptor in the exporter */
   usmipc__payload_t payload;
 } usmipc__wire_t;
 
@@ -177,8 +187,25 @@ int usmipc__fdxfer_publish(int fd, uint64_t buffer_id, usmipc__fd_grant_t *grant
 /* Stops serving buffer_id; importers that already hold the fd keep it. */
 void usmipc__fdxfer_withdraw(uint64_t buffer_id);
 /* Obtains the exporter's descriptor for a decoded handle: pidfd_getfd(2)
- * where permitted (checked against the recorded file identity), else the
- * exporter's broker over a Unix socket. USMIPC_FD_TRANSPORT forces one. */
+ * where permitted (checked against the export table and the recorded file
+ * identity), else the exporter's broker over a Unix socket.
+ * USMIPC_FD_TRANSPORT forces one. */
 int usmipc__fdxfer_fetch(const usmipc__wire_t *w, int *fd);
+/* Obtains the exporter's export table descriptor, the same two ways. */
+int usmipc__fdxfer_fetch_table(const usmipc__wire_t *w, int *fd);
+
+/* ---- the export table (linux/exports.c) -----------------------------------
+ * Which allocations this process still exports, shared read-only with
+ * importers so that a stale handle is refused without asking the exporter. */
+int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint32_t *slot,
+                        uint32_t *table_fd_number);
+void usmipc__exports_remove(uint32_t slot);
+int usmipc__exports_table_fd(void);
+void usmipc__exports_table_name(uint32_t pid, uint64_t nonce, char *out,
+                                size_t len);
+/* Importer: 0 if the handle's allocation is still exported, with the slot's
+ * sequence number in *seq; recheck says whether it is unchanged since. */
+int usmipc__exports_check(const usmipc__wire_t *w, uint32_t *seq);
+int usmipc__exports_recheck(const usmipc__wire_t *w, uint32_t seq);
 
 #endif /* USMIPC_COMMON_H */

@@ -31,11 +31,13 @@ enum {
   OFF_FD_DEV = 104,
   OFF_FD_INO = 112,
   OFF_TOKEN = 120,
-  OFF_PAYLOAD_LEN = 136,
-  OFF_RESERVED = 138,
+  OFF_EXPORT_SLOT = 136,
+  OFF_TABLE_FD = 140,
+  OFF_PAYLOAD_LEN = 144,
+  OFF_RESERVED = 146,
   OFF_PAYLOAD = USMIPC__WIRE_FIXED_LEN,
 };
-_Static_assert(OFF_PAYLOAD == 140, "fixed part is 140 bytes");
+_Static_assert(OFF_PAYLOAD == 148, "fixed part is 148 bytes");
 
 /* ---- CRC32C (Castagnoli), the checksum iSCSI and ext4 use ---------------- */
 
@@ -159,6 +161,8 @@ void usmipc__wire_encode(const usmipc__wire_t *w, uint8_t *out) {
   put64(out + OFF_FD_DEV, w->fd_dev);
   put64(out + OFF_FD_INO, w->fd_ino);
   memcpy(out + OFF_TOKEN, w->token, 16);
+  put32(out + OFF_EXPORT_SLOT, w->export_slot);
+  put32(out + OFF_TABLE_FD, w->table_fd_number);
   put16(out + OFF_PAYLOAD_LEN, w->payload.len);
   memcpy(out + OFF_PAYLOAD, w->payload.bytes, w->payload.len);
   put32(out + total - 4, usmipc__crc32c(0, out, total - 4));
@@ -225,6 +229,8 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
   w->fd_dev = get64(p + OFF_FD_DEV);
   w->fd_ino = get64(p + OFF_FD_INO);
   memcpy(w->token, p + OFF_TOKEN, 16);
+  w->export_slot = get32(p + OFF_EXPORT_SLOT);
+  w->table_fd_number = get32(p + OFF_TABLE_FD);
   w->payload.len = get16(p + OFF_PAYLOAD_LEN);
   if (get16(p + OFF_RESERVED) != 0)
     return bad("its reserved field is not zero");
@@ -243,6 +249,8 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
     return bad("its exporter address range wraps around");
   if ((w->flags & USMIPC__WIRE_FLAG_FD) && w->fd_number > INT32_MAX)
     return bad("its file descriptor number is out of range");
+  if (w->export_slot != USMIPC__NO_SLOT && w->table_fd_number > INT32_MAX)
+    return bad("its export table descriptor number is out of range");
   return 0;
 }
 

@@ -170,6 +170,7 @@ static int export_region(usmipc__region_t *r) {
                                       &fd);
   if (rc != 0)
     return rc;
+  r->fd_number = UINT32_MAX;
   if (fd >= 0) {
     usmipc__fd_grant_t grant;
     rc = usmipc__fdxfer_publish(fd, r->buffer_id, &grant);
@@ -179,6 +180,15 @@ static int export_region(usmipc__region_t *r) {
     r->fd_number = grant.fd_number;
     r->fd_dev = grant.dev;
     r->fd_ino = grant.ino;
+  }
+  /* The export table lets importers refuse a handle of a freed allocation
+   * without a round trip to this process. */
+  rc = usmipc__exports_add(r->buffer_id, r->fd_number, &r->export_slot,
+                           &r->table_fd_number);
+  if (rc != 0) {
+    if (fd >= 0)
+      usmipc__fdxfer_withdraw(r->buffer_id);
+    return rc;
   }
   r->exported = true;
   return 0;
@@ -222,6 +232,7 @@ static void wire_fill(usmipc__wire_t *w, usmipc_device_t *device,
   w->pid = self->pid;
   w->nonce = self->nonce;
   w->fd_number = UINT32_MAX;
+  w->export_slot = USMIPC__NO_SLOT;
   w->buffer_id = buffer_id;
   w->exporter_base = (uint64_t)(uintptr_t)a->base;
   w->allocation_size = a->size;
@@ -249,12 +260,12 @@ static int export_foreign(const void *ptr, size_t nbytes,
   uint64_t buffer_id;
   usmipc_device_t *device;
   size_t offset;
-  if (usmipc__foreign_query(ptr, &a, &buffer_id, &device) != 0)
-    return usmipc__fail(USMIPC_EUNKNOWNPTR,
-                        "cannot export %p: it is not inside memory allocated "
-                        "by usmipc or by a driver usmipc knows",
-                        ptr);
-  int rc = check_export(ptr, device, &a, &offset, &nbytes);
+  int rc = usmipc__foreign_query_unlocked(ptr, &a, &buffer_id, &device);
+  if (rc != 0) {
+    usmipc__error_prefix("cannot export: ");
+    return rc;
+  }
+  rc = check_export(ptr, device, &a, &offset, &nbytes);
   if (rc != 0)
     return rc;
   usmipc__wire_t w;
@@ -301,6 +312,8 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
   }
   usmipc__wire_t w;
   wire_fill(&w, r->device, &r->alloc, r->buffer_id, offset, nbytes);
+  w.export_slot = r->export_slot;
+  w.table_fd_number = r->table_fd_number;
   if (r->alloc.fd >= 0) {
     w.flags = USMIPC__WIRE_FLAG_FD;
     w.fd_number = r->fd_number;
@@ -362,6 +375,14 @@ static int open_same_process(const usmipc__wire_t *w, void **ptr) {
     return usmipc__fail(USMIPC_EEXPORTERGONE,
                         "the handle was exported by this process, but the "
                         "allocation it names has been freed");
+  }
+  if (r->device->ops->backend != w->backend ||
+      memcmp(r->device->uuid, w->device_uuid, 16) != 0) {
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    return usmipc__fail(USMIPC_EWRONGDEVICE,
+                        "the handle names %s memory of another device than "
+                        "the allocation it points at (%s): forged or corrupted",
+                        usmipc_backend_name(w->backend), r->device->filter);
   }
   if (r->alloc.size != w->allocation_size) {
     pthread_mutex_unlock(&usmipc__registry_lock);
@@ -462,6 +483,13 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
   int fd = -1;
   if (w.flags & USMIPC__WIRE_FLAG_FD) {
     rc = usmipc__fdxfer_fetch(&w, &fd);
+    if (rc != 0)
+      return rc;
+  } else if (w.export_slot != USMIPC__NO_SLOT) {
+    /* A driver handle (a bearer token) may still be accepted by the driver
+     * after the exporter freed the memory: ask the export table first. */
+    uint32_t seq;
+    rc = usmipc__exports_check(&w, &seq);
     if (rc != 0)
       return rc;
   }

@@ -207,12 +207,16 @@ int usmipc_free(void *ptr) {
   if (release_now)
     usmipc__region_remove(r);
   /* Release outside the lock, since a driver free can wait for the device. */
-  bool withdraw = r->exported && r->alloc.fd >= 0;
+  bool exported = r->exported;
   pthread_mutex_unlock(&usmipc__registry_lock);
-  /* From now on no new importer can fetch the allocation's descriptor;
-   * importers that hold it keep the memory alive on their side. */
-  if (withdraw)
-    usmipc__fdxfer_withdraw(r->buffer_id);
+  /* From now on no new importer can open the allocation: its export-table
+   * slot is cleared first, then its descriptor withdrawn (in that order, see
+   * linux/exports.c). Importers that hold it keep their mappings. */
+  if (exported) {
+    usmipc__exports_remove(r->export_slot);
+    if (r->alloc.fd >= 0)
+      usmipc__fdxfer_withdraw(r->buffer_id);
+  }
   if (release_now)
     usmipc__region_release_local(r);
   return 0;
@@ -225,7 +229,17 @@ int usmipc_pointer_query(const void *ptr, usmipc_pointer_info_t *info) {
   memset(info, 0, sizeof(*info));
   pthread_mutex_lock(&usmipc__registry_lock);
   usmipc__region_t *r = usmipc__region_find(ptr);
-  if (r != NULL && !(r->origin == USMIPC__IMPORTED && r->open_refs == 0)) {
+  if (r != NULL && r->origin == USMIPC__IMPORTED && r->open_refs == 0) {
+    /* A closed mapping kept only by the import cache. The driver still
+     * knows the range, so asking it would describe a pointer the user may
+     * no longer use. */
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    return usmipc__fail(USMIPC_EUNKNOWNPTR,
+                        "pointer %p is in an IPC mapping that was closed; "
+                        "open the handle again to use it",
+                        ptr);
+  }
+  if (r != NULL) {
     info->device = r->device;
     info->kind = r->alloc.kind;
     info->base = r->alloc.base;
@@ -240,15 +254,38 @@ int usmipc_pointer_query(const void *ptr, usmipc_pointer_info_t *info) {
 
   /* Not ours: ask the drivers (a CUDA pointer from another library). */
   usmipc__allocation_t a;
-  if (usmipc__foreign_query(ptr, &a, &info->buffer_id, &info->device) != 0)
-    return usmipc__fail(USMIPC_EUNKNOWNPTR,
-                        "pointer %p belongs to no usmipc allocation or "
-                        "mapping, and no driver recognises it",
-                        ptr);
+  int rc = usmipc__foreign_query_unlocked(ptr, &a, &info->buffer_id,
+                                          &info->device);
+  if (rc != 0) {
+    memset(info, 0, sizeof(*info));
+    return rc;
+  }
   info->kind = a.kind;
   info->base = a.base;
   info->size = a.size;
   info->is_foreign = 1;
+  return 0;
+}
+
+int usmipc__foreign_query_unlocked(const void *ptr, usmipc__allocation_t *alloc,
+                                   uint64_t *buffer_id,
+                                   usmipc_device_t **device) {
+  if (usmipc__foreign_query(ptr, alloc, buffer_id, device) != 0)
+    return usmipc__fail(USMIPC_EUNKNOWNPTR,
+                        "pointer %p belongs to no usmipc allocation or "
+                        "mapping, and no driver recognises it",
+                        ptr);
+  /* The driver's range can be larger than the allocation usmipc handed out
+   * (CUDA rounds fd-shareable memory up to 2 MiB): a pointer in that slack
+   * is past the end of ours, not another library's memory. */
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__region_t *r = usmipc__region_find(alloc->base);
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  if (r != NULL)
+    return usmipc__fail(USMIPC_EUNKNOWNPTR,
+                        "pointer %p lies past the end of the %zu-byte "
+                        "allocation at %p",
+                        ptr, r->alloc.size, r->alloc.base);
   return 0;
 }
 

@@ -92,5 +92,6 @@ extern const size_t usmipc__backend_count;
 
 extern const usmipc__backend_ops_t usmipc__host_backend;
 extern const usmipc__backend_ops_t usmipc__cuda_backend;
+extern const usmipc__backend_ops_t usmipc__level_zero_backend;
 
 #endif /* USMIPC_BACKEND_H */

@@ -305,6 +305,9 @@ static int vmm_alloc(cuda_device_t *d, size_t nbytes, usmipc__allocation_t *out)
       .type = CU_MEM_ALLOCATION_TYPE_PINNED,
       .requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
       .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = d->dev}};
+  if (nbytes > SIZE_MAX - d->granularity)
+    return usmipc__fail(USMIPC_ENOMEM, "%zu bytes is more than any GPU has",
+                        nbytes);
   size_t size = round_up(nbytes, d->granularity);
   CUmemGenericAllocationHandle handle;
   CUdeviceptr p = 0;
@@ -587,6 +590,23 @@ static int cuda_ipc_import(void *dev, void *owner_dev,
       return rc;
     CUdeviceptr p = 0;
     CUresult res = cu.cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    size_t mapped = 0;
+    if (res == CUDA_SUCCESS) {
+      /* The driver handle names a whole allocation, but the size comes from
+       * our own fields, which a forger controls: the mapping must cover it. */
+      int attr = CU_POINTER_ATTRIBUTE_RANGE_SIZE;
+      void *data = &mapped;
+      if (cu.cuPointerGetAttributes(1, &attr, &data, p) != CUDA_SUCCESS ||
+          mapped < allocation_size) {
+        cu.cuIpcCloseMemHandle(p);
+        ctx_leave();
+        return usmipc__fail(USMIPC_EBADHANDLE,
+                            "not a valid usmipc IPC handle: it claims a "
+                            "%llu-byte allocation but the driver mapped %zu "
+                            "bytes",
+                            (unsigned long long)allocation_size, mapped);
+      }
+    }
     ctx_leave();
     if (res == CUDA_ERROR_INVALID_HANDLE)
       return usmipc__fail_native(USMIPC_EEXPORTERGONE, res,

@@ -5,6 +5,7 @@
 const usmipc__backend_ops_t *const usmipc__backends[] = {
     &usmipc__host_backend,
     &usmipc__cuda_backend,
+    &usmipc__level_zero_backend,
 };
 const size_t usmipc__backend_count =
     sizeof(usmipc__backends) / sizeof(usmipc__backends[0]);

@@ -49,6 +49,7 @@
 #define REQUEST_MAGIC 0x51524655u /* "UFRQ" */
 #define REPLY_MAGIC 0x50524655u   /* "UFRP" */
 #define PROTOCOL_VERSION 1u
+#define TABLE_REQUEST 0 /* buffer id 0 asks for the export table */
 /* How long either side waits for the other before giving up: long enough for
  * a loaded machine, short enough that a wedged peer is reported. */
 #define PEER_TIMEOUT_MS 5000
@@ -187,6 +188,13 @@ static void serve_one(int conn) {
   }
   if (cred.uid != usmipc__self()->uid) {
     send_reply(conn, REPLY_OTHER_USER, -1);
+    return;
+  }
+  if (req.buffer_id == TABLE_REQUEST) {
+    /* The export table holds only buffer ids and descriptor numbers: any
+     * process of the same user may read it. */
+    int table = usmipc__exports_table_fd();
+    send_reply(conn, table >= 0 ? REPLY_OK : REPLY_UNKNOWN_BUFFER, table);
     return;
   }
   /* The descriptor is sent while the lock is held so that a concurrent
@@ -340,8 +348,10 @@ static int check_identity(int fd, const usmipc__wire_t *w) {
   return 0;
 }
 
-static int fetch_pidfd(const usmipc__wire_t *w, int *out) {
-  int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)w->pid, 0);
+/* pidfd_open(2) + pidfd_getfd(2): a copy of descriptor fd_number of process
+ * pid, or an error saying why not. The caller checks what it got. */
+static int pidfd_take(uint32_t pid, uint32_t fd_number, int *out) {
+  int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
   if (pidfd < 0) {
     int e = errno;
     if (e == ESRCH)
@@ -349,37 +359,51 @@ static int fetch_pidfd(const usmipc__wire_t *w, int *out) {
                                  "the exporting process %u has exited; "
                                  "mappings opened before it exited stay "
                                  "valid, new opens are impossible",
-                                 w->pid);
+                                 pid);
     return usmipc__fail_native(USMIPC_ETRANSPORT, e,
                                "pidfd_open(2) failed: %s (needs Linux 5.3; "
                                "set USMIPC_FD_TRANSPORT=socket)",
                                strerror(e));
   }
-  int fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)w->fd_number, 0);
+  int fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)fd_number, 0);
   int e = errno;
   close(pidfd);
-  if (fd < 0) {
-    if (e == EPERM || e == EACCES)
-      return usmipc__fail_native(USMIPC_EACCES, e,
-                                 "pidfd_getfd(2) may not take descriptors "
-                                 "from process %u: it needs ptrace access "
-                                 "(Yama ptrace_scope, containers); use "
-                                 "USMIPC_FD_TRANSPORT=socket or auto",
-                                 w->pid);
-    if (e == EBADF)
-      return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
-                                 "process %u no longer holds the memory this "
-                                 "handle names (the allocation was freed)",
-                                 w->pid);
-    return usmipc__fail_native(USMIPC_ETRANSPORT, e,
-                               "pidfd_getfd(2) failed: %s (needs Linux 5.6; "
-                               "set USMIPC_FD_TRANSPORT=socket)",
-                               strerror(e));
+  if (fd >= 0) {
+    *out = fd;
+    return 0;
   }
-  /* Only after the identity check is the descriptor known to be the one the
-   * handle names: the number may have been reused, or the pid recycled. */
-  int rc = check_identity(fd, w);
-  if (rc != 0) {
+  if (e == EPERM || e == EACCES)
+    return usmipc__fail_native(USMIPC_EACCES, e,
+                               "pidfd_getfd(2) may not take descriptors from "
+                               "process %u: it needs ptrace access (Yama "
+                               "ptrace_scope, containers); use "
+                               "USMIPC_FD_TRANSPORT=socket or auto",
+                               pid);
+  if (e == EBADF)
+    return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
+                               "process %u no longer holds the memory this "
+                               "handle names (the allocation was freed)",
+                               pid);
+  return usmipc__fail_native(USMIPC_ETRANSPORT, e,
+                             "pidfd_getfd(2) failed: %s (needs Linux 5.6; set "
+                             "USMIPC_FD_TRANSPORT=socket)",
+                             strerror(e));
+}
+
+static int fetch_pidfd(const usmipc__wire_t *w, int *out) {
+  /* A descriptor number names whatever the exporter has open under it now:
+   * the export table says whether it is still the allocation's, before and
+   * after the copy (the exporter clears the slot before closing). */
+  uint32_t seq = 0;
+  int rc, fd = -1;
+  if (w->export_slot != USMIPC__NO_SLOT &&
+      (rc = usmipc__exports_check(w, &seq)) != 0)
+    return rc;
+  if ((rc = pidfd_take(w->pid, w->fd_number, &fd)) != 0)
+    return rc;
+  if ((w->export_slot != USMIPC__NO_SLOT &&
+       (rc = usmipc__exports_recheck(w, seq)) != 0) ||
+      (rc = check_identity(fd, w)) != 0) {
     close(fd);
     return rc;
   }
@@ -387,7 +411,10 @@ static int fetch_pidfd(const usmipc__wire_t *w, int *out) {
   return 0;
 }
 
-static int fetch_socket(const usmipc__wire_t *w, int *out) {
+/* Asks the exporter's broker for the descriptor of buffer_id (or for the
+ * export table, TABLE_REQUEST), presenting the handle's token. */
+static int broker_request(const usmipc__wire_t *w, uint64_t buffer_id,
+                          int *out) {
   struct sockaddr_un addr;
   socklen_t len = broker_address(w->pid, w->nonce, &addr);
   int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -410,7 +437,7 @@ static int fetch_socket(const usmipc__wire_t *w, int *out) {
                                w->pid, strerror(e));
   }
   request_t req = {.magic = REQUEST_MAGIC, .version = PROTOCOL_VERSION,
-                   .buffer_id = w->buffer_id};
+                   .buffer_id = buffer_id};
   memcpy(req.token, w->token, 16);
   if (send(s, &req, sizeof(req), MSG_NOSIGNAL) != (ssize_t)sizeof(req)) {
     int e = errno;
@@ -477,8 +504,10 @@ static int fetch_socket(const usmipc__wire_t *w, int *out) {
                       "the fd broker of process %u answered status %u with "
                       "%d descriptors",
                       w->pid, rep.status, nfds);
-  else if ((rc = check_identity(fds[0], w)) == 0)
+  else {
+    rc = 0;
     fd = fds[0];
+  }
   for (int i = 0; i < nfds; i++)
     if (fds[i] != fd)
       close(fds[i]);
@@ -487,21 +516,83 @@ static int fetch_socket(const usmipc__wire_t *w, int *out) {
   return rc;
 }
 
-int usmipc__fdxfer_fetch(const usmipc__wire_t *w, int *fd) {
+static int fetch_socket(const usmipc__wire_t *w, int *out) {
+  int fd = -1;
+  int rc = broker_request(w, w->buffer_id, &fd);
+  if (rc == 0 && (rc = check_identity(fd, w)) != 0)
+    close(fd);
+  if (rc == 0)
+    *out = fd;
+  return rc;
+}
+
+typedef enum transport { AUTO, SOCKET, PIDFD, BAD } transport_t;
+
+static transport_t transport_mode(void) {
   const char *mode = getenv("USMIPC_FD_TRANSPORT");
-  if (mode == NULL || *mode == '\0' || !strcmp(mode, "auto")) {
+  if (mode == NULL || *mode == '\0' || !strcmp(mode, "auto"))
+    return AUTO;
+  if (!strcmp(mode, "socket"))
+    return SOCKET;
+  if (!strcmp(mode, "pidfd"))
+    return PIDFD;
+  usmipc__fail(USMIPC_EINVAL,
+               "USMIPC_FD_TRANSPORT='%s' is not one of auto, socket, pidfd",
+               mode);
+  return BAD;
+}
+
+int usmipc__fdxfer_fetch(const usmipc__wire_t *w, int *fd) {
+  switch (transport_mode()) {
+  case AUTO:
     /* pidfd first: when permitted it is the cheaper path; any refusal falls
      * back to the broker, which decides with the token and the uid. */
     if (fetch_pidfd(w, fd) == 0)
       return 0;
     return fetch_socket(w, fd);
-  }
-  if (!strcmp(mode, "socket"))
+  case SOCKET:
     return fetch_socket(w, fd);
-  if (!strcmp(mode, "pidfd"))
+  case PIDFD:
     return fetch_pidfd(w, fd);
-  return usmipc__fail(USMIPC_EINVAL,
-                      "USMIPC_FD_TRANSPORT='%s' is not one of auto, socket, "
-                      "pidfd",
-                      mode);
+  default:
+    return USMIPC_EINVAL;
+  }
+}
+
+/* A table copied with pidfd_getfd is verified by its memfd name, which holds
+ * the exporter's pid and nonce: a recycled pid cannot pass it. */
+static int fetch_table_pidfd(const usmipc__wire_t *w, int *out) {
+  int fd = -1;
+  int rc = pidfd_take(w->pid, w->table_fd_number, &fd);
+  if (rc != 0)
+    return rc;
+  char expect[96], name[64], link[128], path[40];
+  usmipc__exports_table_name(w->pid, w->nonce, name, sizeof(name));
+  snprintf(expect, sizeof(expect), "/memfd:%s (deleted)", name);
+  snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+  ssize_t n = readlink(path, link, sizeof(link) - 1);
+  if (n < 0 || (size_t)n != strlen(expect) || memcmp(link, expect, (size_t)n)) {
+    close(fd);
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "process %u is not the process that exported this "
+                        "handle (its export table is missing)",
+                        w->pid);
+  }
+  *out = fd;
+  return 0;
+}
+
+int usmipc__fdxfer_fetch_table(const usmipc__wire_t *w, int *fd) {
+  switch (transport_mode()) {
+  case AUTO:
+    if (fetch_table_pidfd(w, fd) == 0)
+      return 0;
+    return broker_request(w, TABLE_REQUEST, fd);
+  case SOCKET:
+    return broker_request(w, TABLE_REQUEST, fd);
+  case PIDFD:
+    return fetch_table_pidfd(w, fd);
+  default:
+    return USMIPC_EINVAL;
+  }
 }

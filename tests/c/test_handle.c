@@ -14,8 +14,8 @@
 #define WIRE_OFF_VERSION 8
 #define WIRE_OFF_LENGTH 10
 #define WIRE_OFF_BACKEND 12
-#define WIRE_OFF_RESERVED 138
-#define WIRE_OFF_PAYLOAD_LEN 136
+#define WIRE_OFF_RESERVED 146
+#define WIRE_OFF_PAYLOAD_LEN 144
 
 typedef struct exported {
   uint8_t *ptr;

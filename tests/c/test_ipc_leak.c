@@ -7,7 +7,7 @@
 #include "task.h"
 
 /* The host backend's memory shows in /proc/self/maps as "/memfd:usmipc". */
-#define MEMFD_TAG "memfd:usmipc"
+#define MEMFD_TAG "memfd:usmipc (deleted)" /* data, not export tables */
 
 #define LEAK_BUFFERS 4
 #define LEAK_THREADS 4

@@ -46,7 +46,7 @@ def test_handle_metadata(exported, host):
     assert raw.startswith(MAGIC)
     assert int.from_bytes(raw[8:10], "little") == 1  # version
     assert int.from_bytes(raw[10:12], "little") == len(raw)
-    assert len(raw) == 144  # a host handle has no payload
+    assert len(raw) == 152  # a host handle has no payload
     assert h.nbytes == 4096 and h.offset == 0 and h.allocation_size == 4096
     assert h.memory is mem and h.device is host
     assert h.backend == "host" and h.device_uuid == host.uuid
