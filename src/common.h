@@ -181,10 +181,12 @@ typedef struct usmipc__fd_grant {
   uint64_t dev, ino;
 } usmipc__fd_grant_t;
 
-/* Makes fd (borrowed; the transport keeps its own duplicate) fetchable by
- * importers that present the returned token; starts the broker lazily. */
+/* Makes fd fetchable by importers that present the returned token; starts
+ * the broker lazily. fd is borrowed: the caller keeps it open until it has
+ * called usmipc__fdxfer_withdraw. */
 int usmipc__fdxfer_publish(int fd, uint64_t buffer_id, usmipc__fd_grant_t *grant);
-/* Stops serving buffer_id; importers that already hold the fd keep it. */
+/* Stops serving buffer_id (on return the descriptor is no longer used);
+ * importers that already hold the fd keep it. */
 void usmipc__fdxfer_withdraw(uint64_t buffer_id);
 /* Obtains the exporter's descriptor for a decoded handle: pidfd_getfd(2)
  * where permitted (checked against the export table and the recorded file

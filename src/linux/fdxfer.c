@@ -78,7 +78,7 @@ typedef struct reply {
 
 typedef struct grant_entry {
   uint64_t buffer_id;
-  int fd; /* the broker's own duplicate */
+  int fd; /* the allocation's own descriptor, borrowed until withdrawn */
   uint8_t token[16];
 } grant_entry_t;
 
@@ -91,13 +91,11 @@ static pthread_once_t fdx_once = PTHREAD_ONCE_INIT;
 static void fork_prepare(void) { pthread_mutex_lock(&fdx_lock); }
 static void fork_parent(void) { pthread_mutex_unlock(&fdx_lock); }
 /* The broker thread does not exist in a fork child, and the parent's grants
- * are the parent's to serve: the child closes its copies and starts its own
- * broker on its next export. */
+ * are the parent's to serve: the child forgets them (and its copy of the
+ * listening socket) and starts its own broker on its next export. */
 static void fork_child(void) {
   pthread_mutex_init(&fdx_lock, NULL);
-  for (size_t i = 0; i < grant_count; i++)
-    close(grants[i].fd);
-  grant_count = 0;
+  grant_count = 0; /* the descriptors belong to the inherited allocations */
   if (listen_fd >= 0)
     close(listen_fd);
   listen_fd = -1;
@@ -295,27 +293,25 @@ int usmipc__fdxfer_publish(int fd, uint64_t buffer_id,
     grants = grown;
     grant_capacity = cap;
   }
-  /* The broker serves its own duplicate, so the allocation may close its
-   * descriptor independently, and the number recorded for pidfd_getfd stays
-   * valid exactly as long as the grant. */
-  int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  /* The broker borrows the allocation's descriptor: the core withdraws the
+   * grant before it frees the allocation, and a send happens under
+   * fdx_lock, so the descriptor is open for as long as it is served. No
+   * duplicate: an exported allocation costs one descriptor, not two. */
   struct stat st;
-  if (own < 0 || fstat(own, &st) != 0) {
+  if (fstat(fd, &st) != 0) {
     int e = errno;
-    if (own >= 0)
-      close(own);
-    rc = usmipc__fail_native(-e, e, "cannot duplicate the descriptor to "
-                             "share: %s", strerror(e));
+    rc = usmipc__fail_native(-e, e, "cannot fstat the descriptor to share: %s",
+                             strerror(e));
     goto out;
   }
   size_t at = grant_lower_bound(buffer_id);
   memmove(&grants[at + 1], &grants[at], (grant_count - at) * sizeof(*grants));
   grants[at].buffer_id = buffer_id;
-  grants[at].fd = own;
+  grants[at].fd = fd;
   memcpy(grants[at].token, token, 16);
   grant_count++;
   memcpy(grant->token, token, 16);
-  grant->fd_number = (uint32_t)own;
+  grant->fd_number = (uint32_t)fd;
   grant->dev = (uint64_t)st.st_dev;
   grant->ino = (uint64_t)st.st_ino;
 out:
@@ -327,7 +323,6 @@ void usmipc__fdxfer_withdraw(uint64_t buffer_id) {
   pthread_mutex_lock(&fdx_lock);
   size_t at = grant_lower_bound(buffer_id);
   if (at < grant_count && grants[at].buffer_id == buffer_id) {
-    close(grants[at].fd);
     memmove(&grants[at], &grants[at + 1],
             (grant_count - at - 1) * sizeof(*grants));
     grant_count--;
