@@ -87,6 +87,13 @@ def consumer(device_filter):
             s = shared_memory.SharedMemory(name=name)
             t1 = time.perf_counter()
             attach.append(us(t0, t1))
+            # Before Python 3.13 an attach registers the segment for removal
+            # at exit, as if this process owned it; the producer owns it.
+            try:
+                from multiprocessing import resource_tracker
+                resource_tracker.unregister(s._name, "shared_memory")
+            except Exception:
+                pass
             t0 = time.perf_counter()
             s.close()
             t1 = time.perf_counter()

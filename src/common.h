@@ -188,19 +188,20 @@ int usmipc__fdxfer_publish(int fd, uint64_t buffer_id, usmipc__fd_grant_t *grant
 /* Stops serving buffer_id (on return the descriptor is no longer used);
  * importers that already hold the fd keep it. */
 void usmipc__fdxfer_withdraw(uint64_t buffer_id);
-/* Obtains the exporter's descriptor for a decoded handle: pidfd_getfd(2)
- * where permitted (checked against the export table and the recorded file
- * identity), else the exporter's broker over a Unix socket.
+/* Obtains the exporter's descriptor for a decoded handle already checked
+ * against the export table (seq from usmipc__exports_check): pidfd_getfd(2)
+ * where permitted (then checked again against the table, and against the
+ * recorded file identity), else the exporter's broker over a Unix socket.
  * USMIPC_FD_TRANSPORT forces one. */
-int usmipc__fdxfer_fetch(const usmipc__wire_t *w, int *fd);
+int usmipc__fdxfer_fetch(const usmipc__wire_t *w, uint32_t seq, int *fd);
 /* Obtains the exporter's export table descriptor, the same two ways. */
 int usmipc__fdxfer_fetch_table(const usmipc__wire_t *w, int *fd);
 
 /* ---- the export table (linux/exports.c) -----------------------------------
  * Which allocations this process still exports, shared read-only with
  * importers so that a stale handle is refused without asking the exporter. */
-int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint32_t *slot,
-                        uint32_t *table_fd_number);
+int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint64_t size,
+                        uint32_t *slot, uint32_t *table_fd_number);
 void usmipc__exports_remove(uint32_t slot);
 int usmipc__exports_table_fd(void);
 void usmipc__exports_table_name(uint32_t pid, uint64_t nonce, char *out,

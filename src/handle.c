@@ -251,6 +251,8 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
     return bad("its file descriptor number is out of range");
   if (w->export_slot != USMIPC__NO_SLOT && w->table_fd_number > INT32_MAX)
     return bad("its export table descriptor number is out of range");
+  if ((w->flags & USMIPC__WIRE_FLAG_FD) && w->export_slot == USMIPC__NO_SLOT)
+    return bad("it shares a descriptor but names no export-table slot");
   return 0;
 }
 

@@ -183,8 +183,8 @@ static int export_region(usmipc__region_t *r) {
   }
   /* The export table lets importers refuse a handle of a freed allocation
    * without a round trip to this process. */
-  rc = usmipc__exports_add(r->buffer_id, r->fd_number, &r->export_slot,
-                           &r->table_fd_number);
+  rc = usmipc__exports_add(r->buffer_id, r->fd_number, r->alloc.size,
+                           &r->export_slot, &r->table_fd_number);
   if (rc != 0) {
     if (fd >= 0)
       usmipc__fdxfer_withdraw(r->buffer_id);
@@ -480,19 +480,18 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
   /* Miss: fetch and map without the lock, since both can wait on the
    * exporter; another thread may map the same allocation meanwhile, and the
    * loser unmaps its copy below. */
+  /* The exporter's export table says whether the allocation is still
+   * exported and how large it is: a driver handle (a bearer token) may be
+   * accepted by the driver after a free, and the sizes in the handle are
+   * only as true as whoever wrote it. */
+  uint32_t seq = 0;
+  if (w.export_slot != USMIPC__NO_SLOT &&
+      (rc = usmipc__exports_check(&w, &seq)) != 0)
+    return rc;
   int fd = -1;
-  if (w.flags & USMIPC__WIRE_FLAG_FD) {
-    rc = usmipc__fdxfer_fetch(&w, &fd);
-    if (rc != 0)
-      return rc;
-  } else if (w.export_slot != USMIPC__NO_SLOT) {
-    /* A driver handle (a bearer token) may still be accepted by the driver
-     * after the exporter freed the memory: ask the export table first. */
-    uint32_t seq;
-    rc = usmipc__exports_check(&w, &seq);
-    if (rc != 0)
-      return rc;
-  }
+  if ((w.flags & USMIPC__WIRE_FLAG_FD) &&
+      (rc = usmipc__fdxfer_fetch(&w, seq, &fd)) != 0)
+    return rc;
   usmipc__region_t *r = calloc(1, sizeof(*r));
   if (r == NULL) {
     if (fd >= 0)

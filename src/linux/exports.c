@@ -9,7 +9,7 @@
  * share one anonymous inode, so (st_dev, st_ino) cannot tell them apart. The
  * exporter alone knows what is live, and asking its broker on every first
  * open costs a socket round trip. So each exporter keeps one slot per
- * exported allocation, {buffer id, descriptor number}, guarded by a sequence
+ * exported allocation, {buffer id, descriptor number, size}, guarded by a sequence
  * counter (a seqlock), in a shared mapping. An importer fetches the table
  * once per exporter (through the fd transport, so the same uid and ptrace
  * rules apply) and from then on checks a handle with two memory reads.
@@ -35,11 +35,13 @@ typedef struct export_slot {
   uint32_t seq;
   uint32_t fd_number;
   uint64_t buffer_id; /* 0: free */
+  uint64_t size;      /* the allocation's size, which a handle must state */
+  uint64_t reserved;
 } export_slot_t;
-_Static_assert(sizeof(export_slot_t) == 16, "slots are 16 bytes on the wire");
+_Static_assert(sizeof(export_slot_t) == 32, "slots are 32 bytes on the wire");
 
-/* 1 Mi slots = 16 MiB of address space; pages are touched only as slots are
- * used, so a process exporting ten buffers costs one page. */
+/* 1 Mi slots = 32 MiB of address space; pages are touched only as slots are
+ * used, so a process exporting a hundred buffers costs one page. */
 #define TABLE_SLOTS (1u << 20)
 #define TABLE_BYTES ((size_t)TABLE_SLOTS * sizeof(export_slot_t))
 #define IMPORT_TABLES_MAX 64
@@ -118,17 +120,19 @@ static int table_create(void) {
   return 0;
 }
 
-static void slot_write(export_slot_t *s, uint64_t buffer_id, uint32_t fd_number) {
+static void slot_write(export_slot_t *s, uint64_t buffer_id, uint32_t fd_number,
+                       uint64_t size) {
   uint32_t seq = __atomic_load_n(&s->seq, __ATOMIC_RELAXED);
   __atomic_store_n(&s->seq, seq + 1, __ATOMIC_RELAXED);
   __atomic_thread_fence(__ATOMIC_RELEASE);
   __atomic_store_n(&s->fd_number, fd_number, __ATOMIC_RELAXED);
   __atomic_store_n(&s->buffer_id, buffer_id, __ATOMIC_RELAXED);
+  __atomic_store_n(&s->size, size, __ATOMIC_RELAXED);
   __atomic_store_n(&s->seq, seq + 2, __ATOMIC_RELEASE);
 }
 
-int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint32_t *slot,
-                        uint32_t *table_fd_number) {
+int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint64_t size,
+                        uint32_t *slot, uint32_t *table_fd_number) {
   pthread_once(&exports_once, exports_init);
   pthread_mutex_lock(&table_lock);
   int rc = table_create();
@@ -145,7 +149,7 @@ int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint32_t *slot,
                           "most one process can; free some first",
                           TABLE_SLOTS);
     }
-    slot_write(&table[at], buffer_id, fd_number);
+    slot_write(&table[at], buffer_id, fd_number, size);
     *slot = at;
     *table_fd_number = (uint32_t)table_fd;
   }
@@ -156,7 +160,7 @@ int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint32_t *slot,
 void usmipc__exports_remove(uint32_t slot) {
   pthread_mutex_lock(&table_lock);
   if (table != NULL && slot < next_unused) {
-    slot_write(&table[slot], 0, UINT32_MAX);
+    slot_write(&table[slot], 0, UINT32_MAX, 0);
     if (free_count == free_capacity) {
       size_t cap = free_capacity ? free_capacity * 2 : 256;
       void *grown = realloc(free_slots, cap * sizeof(*free_slots));
@@ -244,7 +248,7 @@ int usmipc__exports_check(const usmipc__wire_t *w, uint32_t *seq_out) {
   }
   const export_slot_t *s = &slots[w->export_slot];
   uint32_t s1, s2, fd_number;
-  uint64_t buffer_id;
+  uint64_t buffer_id, size;
   unsigned spins = 0;
   do {
     /* An odd count is a write in progress: microseconds at most, unless the
@@ -260,6 +264,7 @@ int usmipc__exports_check(const usmipc__wire_t *w, uint32_t *seq_out) {
     }
     fd_number = __atomic_load_n(&s->fd_number, __ATOMIC_RELAXED);
     buffer_id = __atomic_load_n(&s->buffer_id, __ATOMIC_RELAXED);
+    size = __atomic_load_n(&s->size, __ATOMIC_RELAXED);
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     s2 = __atomic_load_n(&s->seq, __ATOMIC_RELAXED);
   } while (s1 != s2);
@@ -270,6 +275,12 @@ int usmipc__exports_check(const usmipc__wire_t *w, uint32_t *seq_out) {
                         "process %u no longer exports the memory this handle "
                         "names (the allocation was freed)",
                         w->pid);
+  if (size != w->allocation_size)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "not a valid usmipc IPC handle: it claims a %llu-byte "
+                        "allocation, but process %u exported %llu bytes",
+                        (unsigned long long)w->allocation_size, w->pid,
+                        (unsigned long long)size);
   *seq_out = s1;
   return 0;
 }

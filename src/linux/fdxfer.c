@@ -385,19 +385,15 @@ static int pidfd_take(uint32_t pid, uint32_t fd_number, int *out) {
                              strerror(e));
 }
 
-static int fetch_pidfd(const usmipc__wire_t *w, int *out) {
+static int fetch_pidfd(const usmipc__wire_t *w, uint32_t seq, int *out) {
   /* A descriptor number names whatever the exporter has open under it now:
-   * the export table says whether it is still the allocation's, before and
-   * after the copy (the exporter clears the slot before closing). */
-  uint32_t seq = 0;
+   * the export table said it was the allocation's before the copy (the
+   * caller checked), and must still say so after it (the exporter clears
+   * the slot before closing). */
   int rc, fd = -1;
-  if (w->export_slot != USMIPC__NO_SLOT &&
-      (rc = usmipc__exports_check(w, &seq)) != 0)
-    return rc;
   if ((rc = pidfd_take(w->pid, w->fd_number, &fd)) != 0)
     return rc;
-  if ((w->export_slot != USMIPC__NO_SLOT &&
-       (rc = usmipc__exports_recheck(w, seq)) != 0) ||
+  if ((rc = usmipc__exports_recheck(w, seq)) != 0 ||
       (rc = check_identity(fd, w)) != 0) {
     close(fd);
     return rc;
@@ -537,18 +533,18 @@ static transport_t transport_mode(void) {
   return BAD;
 }
 
-int usmipc__fdxfer_fetch(const usmipc__wire_t *w, int *fd) {
+int usmipc__fdxfer_fetch(const usmipc__wire_t *w, uint32_t seq, int *fd) {
   switch (transport_mode()) {
   case AUTO:
     /* pidfd first: when permitted it is the cheaper path; any refusal falls
      * back to the broker, which decides with the token and the uid. */
-    if (fetch_pidfd(w, fd) == 0)
+    if (fetch_pidfd(w, seq, fd) == 0)
       return 0;
     return fetch_socket(w, fd);
   case SOCKET:
     return fetch_socket(w, fd);
   case PIDFD:
-    return fetch_pidfd(w, fd);
+    return fetch_pidfd(w, seq, fd);
   default:
     return USMIPC_EINVAL;
   }

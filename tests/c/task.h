@@ -123,6 +123,14 @@ size_t pattern_check(const void *p, size_t n, uint64_t seed, uint64_t origin);
  * queue elsewhere. dev_check returns SIZE_MAX when all bytes match. */
 void dev_fill(void *p, size_t n, uint64_t seed, uint64_t origin);
 size_t dev_check(const void *p, size_t n, uint64_t seed, uint64_t origin);
+/* The same through a queue of the caller's (dev_fill and dev_check share one
+ * queue and belong to the test's main thread; a thread that touches device
+ * memory makes its own with usmipc_queue_create). q may be NULL on the host
+ * backend, which needs no queue. */
+void dev_fill_on(usmipc_queue_t *q, void *p, size_t n, uint64_t seed,
+                 uint64_t origin);
+size_t dev_check_on(usmipc_queue_t *q, const void *p, size_t n, uint64_t seed,
+                    uint64_t origin);
 #define ASSERT_PATTERN(p, n, seed, origin)                                     \
   do {                                                                         \
     size_t bad_ = dev_check((p), (n), (seed), (origin));                       \
@@ -138,6 +146,9 @@ size_t dev_check(const void *p, size_t n, uint64_t seed, uint64_t origin);
 usmipc_device_t *test_device(void);
 int test_device_is_host(void);
 const char *test_device_filter(void);
+/* The host device ("host:cpu"), which every process has; the device under
+ * test when USMIPC_TEST_DEVICE is unset. */
+usmipc_device_t *host_device(void);
 
 void hex_encode(const void *data, size_t len, char *out); /* 2*len+1 bytes */
 /* Returns the number of bytes decoded, or -1 on a malformed string. */

@@ -62,6 +62,19 @@ static void decode_ok(const exported_t *e, usmipc__wire_t *w) {
   ASSERT_OK(usmipc__wire_decode(e->data, e->len, w));
 }
 
+/* Whether an importer must fetch a descriptor for this handle. Host memory
+ * is always a memfd; other backends may share memory through a driver
+ * handle in the payload instead (CUDA's cuIpcGetMemHandle: no FD flag, fd
+ * number 0xFFFFFFFF, no token). */
+static int has_fd(const usmipc__wire_t *w) {
+  int fd = (w->flags & USMIPC__WIRE_FLAG_FD) != 0;
+  if (usmipc_device_backend(test_device()) == USMIPC_BACKEND_HOST)
+    ASSERT_MSG(fd, "a host handle without the FD flag");
+  if (!fd)
+    ASSERT_UEQ(w->fd_number, UINT32_MAX);
+  return fd;
+}
+
 /* Opens in this process, expecting one of the codes; a success would be a
  * bug, but its reference is dropped so the failure report stays clean. */
 static int open_here(const uint8_t *b, size_t len, usmipc_device_t *dev) {
@@ -86,7 +99,13 @@ static int open_here(const uint8_t *b, size_t len, usmipc_device_t *dev) {
 TEST_IMPL(handle_truncated) {
   exported_t e;
   export_new(&e, 64 * 1024, 1);
-  ASSERT_EQ(e.len, usmipc__wire_size(0));
+  /* The fixed fields, the backend's payload and the CRC: no payload for the
+   * host backend; CUDA and Level Zero carry their driver's handle there. */
+  usmipc__wire_t w;
+  decode_ok(&e, &w);
+  if (test_device_is_host())
+    ASSERT_EQ(w.payload.len, 0);
+  ASSERT_EQ(e.len, usmipc__wire_size(w.payload.len));
   for (size_t len = 0; len < e.len; len++) {
     /* An exact-size copy, so ASan catches any read past the end. */
     uint8_t *b = malloc(len ? len : 1);
@@ -202,27 +221,52 @@ TEST_IMPL(handle_version_bumped) {
 TEST_IMPL(handle_wrong_backend) {
   exported_t e;
   export_new(&e, 64 * 1024, 5);
-  usmipc_device_t *host = test_device();
+  usmipc_device_t *dev = test_device();
+  usmipc_device_t *host = host_device();
+  usmipc_device_t *devs[64];
+  size_t ndevs = 0;
+  ASSERT_OK(usmipc_get_devices(devs, 64, &ndevs));
+  if (ndevs > 64)
+    ndevs = 64;
   usmipc__wire_t w;
   uint8_t b[1024];
   size_t len;
+  decode_ok(&e, &w);
+  const usmipc_backend_t exported = w.backend;
+  ASSERT_EQ(exported, usmipc_device_backend(dev));
 
-  static const usmipc_backend_t others[] = {USMIPC_BACKEND_CUDA,
-                                            USMIPC_BACKEND_LEVEL_ZERO};
-  for (int i = 0; i < 2; i++) {
+  /* The same handle relabelled as every other backend's: well formed, but
+   * no device of this process can open it. */
+  static const usmipc_backend_t backends[] = {
+      USMIPC_BACKEND_HOST, USMIPC_BACKEND_CUDA, USMIPC_BACKEND_LEVEL_ZERO};
+  int others = 0;
+  for (size_t i = 0; i < sizeof(backends) / sizeof(backends[0]); i++) {
+    const usmipc_backend_t other = backends[i];
+    if (other == exported)
+      continue;
+    others++;
     decode_ok(&e, &w);
-    w.backend = others[i];
+    w.backend = other;
     len = encode(&w, b);
     usmipc_ipc_handle_info_t info;
     ASSERT_OK(usmipc_ipc_handle_inspect(b, len, &info)); /* well formed */
-    ASSERT_EQ(info.backend, others[i]);
-    /* On the host device: the handle is for another backend. */
+    ASSERT_EQ(info.backend, other);
+    /* On the device under test: the handle is for another backend. */
+    ASSERT_ERR2(open_here(b, len, dev), USMIPC_EWRONGDEVICE,
+                USMIPC_EBADHANDLE);
+    /* On the host device: another backend's handle, or (relabelled as
+     * host) a host handle of a device uuid the host does not have. */
     ASSERT_ERR2(open_here(b, len, host), USMIPC_EWRONGDEVICE,
                 USMIPC_EBADHANDLE);
+    /* On every other device of this process, whatever its backend. */
+    for (size_t k = 0; k < ndevs; k++)
+      ASSERT_ERR2(open_here(b, len, devs[k]), USMIPC_EWRONGDEVICE,
+                  USMIPC_EBADHANDLE);
     /* On the device the handle names: no such device here. */
     ASSERT_ERR3(open_here(b, len, NULL), USMIPC_EWRONGDEVICE,
                 USMIPC_EBADHANDLE, USMIPC_EUNAVAILABLE);
   }
+  ASSERT_EQ(others, 2);
   /* Backend numbers that do not exist are malformed. */
   static const uint8_t bogus[] = {0, 4, 99, 255};
   for (size_t i = 0; i < sizeof(bogus); i++) {
@@ -236,6 +280,7 @@ TEST_IMPL(handle_wrong_backend) {
   w.device_uuid[0] ^= 0x5a;
   len = encode(&w, b);
   ASSERT_ERR(open_here(b, len, NULL), USMIPC_EWRONGDEVICE);
+  ASSERT_ERR(open_here(b, len, dev), USMIPC_EWRONGDEVICE);
   export_drop(&e);
   return 0;
 }
@@ -273,6 +318,14 @@ TEST_IMPL(handle_forged_token) {
   uint8_t b[1024];
   static char hex[HEX_MAX];
   agent_t im;
+  decode_ok(&e, &w);
+  if (!has_fd(&w)) {
+    export_drop(&e);
+    RETURN_SKIP("%s handles of this kind carry no descriptor and no token: "
+                "the driver's handle in the payload is the capability (a "
+                "bearer token), so there is no token to forge",
+                usmipc_backend_name(w.backend));
+  }
   agent_start(&im, "socket");
 
   /* Control: the genuine handle opens over the socket. */
@@ -345,14 +398,32 @@ TEST_IMPL(handle_forged_fd_identity) {
   usmipc__wire_t wa, wc, w;
   decode_ok(&a, &wa);
   decode_ok(&c, &wc);
+  if (!has_fd(&wa)) {
+    export_drop(&a);
+    export_drop(&c);
+    RETURN_SKIP("%s handles of this kind carry no descriptor (no FD flag, "
+                "fd number 0xFFFFFFFF): there is no descriptor to forge",
+                usmipc_backend_name(wa.backend));
+  }
+  ASSERT(has_fd(&wc));
   ASSERT_NE(wa.fd_number, wc.fd_number);
+  /* Whether the two allocations' descriptors are distinguishable files.
+   * Memfds always are; a driver may export every allocation through one
+   * anonymous inode (CUDA's descriptors share one), and then (st_dev,
+   * st_ino) cannot tell a's descriptor from c's: the export table guards
+   * the pidfd path instead, and the broker's token the socket path. */
+  const int distinct = wa.fd_dev != wc.fd_dev || wa.fd_ino != wc.fd_ino;
+  if (test_device_is_host())
+    ASSERT_MSG(distinct, "two memfds with the same st_dev and st_ino");
   uint8_t b[1024];
   size_t len;
   static char hex[HEX_MAX];
   agent_t im;
 
   if (pidfd_supported()) {
-    /* pidfd_getfd would copy c's memfd: the recorded identity says no. */
+    /* pidfd_getfd would copy c's descriptor: a's export-table slot names
+     * another descriptor number, and (memfds) the recorded identity
+     * another file. */
     agent_start(&im, "pidfd");
     w = wa;
     w.fd_number = wc.fd_number;
@@ -368,35 +439,71 @@ TEST_IMPL(handle_forged_fd_identity) {
   }
 
   agent_start(&im, "socket");
-  /* The broker sends a's descriptor; the handle claims another file. */
+  /* The broker sends a's descriptor; the handle claims another file: c's
+   * (when it is another file), and one that no allocation has. */
+  if (distinct) {
+    w = wa;
+    w.fd_dev = wc.fd_dev;
+    w.fd_ino = wc.fd_ino;
+    len = encode(&w, b);
+    hex_encode(b, len, hex);
+    AGENT_ERR2(&im, USMIPC_EEXPORTERGONE, USMIPC_EACCES, "open 0 %s 0", hex);
+  } else {
+    printf("note: %s descriptors of two allocations share one inode "
+           "(st_dev %" PRIu64 ", st_ino %" PRIu64 "): a handle claiming the "
+           "other allocation's file claims this one's, so that case is not "
+           "tried\n",
+           usmipc_backend_name(wa.backend), wa.fd_dev, wa.fd_ino);
+  }
   w = wa;
-  w.fd_ino = wc.fd_ino;
+  w.fd_ino = wa.fd_ino ^ 0x5a5a5a5aull;
   len = encode(&w, b);
   hex_encode(b, len, hex);
   AGENT_ERR2(&im, USMIPC_EEXPORTERGONE, USMIPC_EACCES, "open 0 %s 0", hex);
 
   /* More memory than the exporter's file holds (a SIGBUS on first touch if
-   * it were mapped). */
+   * it were mapped). A memfd holds the allocation rounded up to pages, so
+   * on the host even 4 times the allocation is too much; other backends
+   * may round further (CUDA's fd memory to 2 MiB granules, which a mapping
+   * may then cover), so every backend gets a claim past any rounding. */
+  if (test_device_is_host()) {
+    w = wa;
+    w.allocation_size = wa.allocation_size * 4;
+    w.offset = wa.allocation_size * 2;
+    w.nbytes = 4096;
+    len = encode(&w, b);
+    hex_encode(b, len, hex);
+    AGENT_ERR(&im, USMIPC_EBADHANDLE, "open 0 %s 0", hex);
+  }
   w = wa;
-  w.allocation_size = wa.allocation_size * 4;
-  w.offset = wa.allocation_size * 2;
+  w.allocation_size = 1ull << 40;
+  w.offset = 1ull << 39;
   w.nbytes = 4096;
   len = encode(&w, b);
   hex_encode(b, len, hex);
   AGENT_ERR(&im, USMIPC_EBADHANDLE, "open 0 %s 0", hex);
 
-  /* A host handle of an unknown kind, or with a payload it never has. */
+  /* A handle of a kind the backend does not have, with a payload of a
+   * length its kind never has (a host handle has none), or with the
+   * payload's bytes garbled. */
   w = wa;
   w.payload.handle_kind = 77;
   len = encode(&w, b);
   hex_encode(b, len, hex);
   AGENT_ERR(&im, USMIPC_EBADHANDLE, "open 0 %s 0", hex);
   w = wa;
-  w.payload.len = 8;
-  memset(w.payload.bytes, 0xab, 8);
+  w.payload.len = wa.payload.len != 8 ? 8 : 16;
+  memset(w.payload.bytes, 0xab, w.payload.len);
   len = encode(&w, b);
   hex_encode(b, len, hex);
   AGENT_ERR(&im, USMIPC_EBADHANDLE, "open 0 %s 0", hex);
+  if (wa.payload.len > 0) {
+    w = wa;
+    memset(w.payload.bytes, 0xab, w.payload.len);
+    len = encode(&w, b);
+    hex_encode(b, len, hex);
+    AGENT_ERR(&im, USMIPC_EBADHANDLE, "open 0 %s 0", hex);
+  }
   /* Memory behind a descriptor, with the descriptor flag cleared. */
   w = wa;
   w.flags = 0;
@@ -475,7 +582,7 @@ TEST_IMPL(handle_forged_range_known) {
     test_check_error(__FILE__, __LINE__, "forged open (cache hit)", r,
                      USMIPC_EBADHANDLE, USMIPC_ERANGE, USMIPC_ERANGE);
   }
-  ASSERT_EQ(pattern_check(m, 65536, 13, 0), SIZE_MAX);
+  ASSERT_PATTERN(m, 65536, 13, 0); /* device memory: not touched directly */
   ASSERT_OK(usmipc_ipc_close(m));
   agent_stop_ok(&ex);
   ASSERT_MSG(problems[0] == '\0',
@@ -530,8 +637,19 @@ TEST_IMPL(handle_range_overflow) {
   w.nonce = 0;
   len = encode(&w, b);
   ASSERT_ALL_REFUSE(b, len, USMIPC_EBADHANDLE);
+  /* A descriptor number past INT32_MAX, on a handle that has a descriptor
+   * (set FD: a handle without one, such as CUDA's native kind, ignores the
+   * number). */
   w = w0;
+  w.flags |= USMIPC__WIRE_FLAG_FD;
   w.fd_number = 0x80000000u;
+  len = encode(&w, b);
+  ASSERT_ALL_REFUSE(b, len, USMIPC_EBADHANDLE);
+  /* The same for the export table's descriptor, on a handle with a slot. */
+  w = w0;
+  if (w.export_slot == USMIPC__NO_SLOT)
+    w.export_slot = 0;
+  w.table_fd_number = 0x80000000u;
   len = encode(&w, b);
   ASSERT_ALL_REFUSE(b, len, USMIPC_EBADHANDLE);
 

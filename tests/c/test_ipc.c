@@ -498,9 +498,15 @@ TEST_IMPL(ipc_other_uid_refused) {
 TEST_IMPL(ipc_fork_child_exports) {
   /* A process that exported (its broker runs) forks; the child exports a
    * new allocation of its own, and an unrelated third process opens both
-   * the child's and the parent's handles. */
+   * the child's and the parent's handles. Host memory only: a fork child
+   * of a process that uses a GPU driver cannot use the driver (CUDA's state
+   * does not survive fork; the child must exec), and this child allocates,
+   * exports and touches memory directly. */
   if (!test_device_is_host())
-    RETURN_SKIP("the fork child touches memory directly");
+    RETURN_SKIP("a fork child cannot use the %s driver of its parent, and "
+                "this test's child allocates, exports and touches device "
+                "memory",
+                usmipc_backend_name(usmipc_device_backend(test_device())));
   usmipc_device_t *dev = test_device();
   const size_t n = MiB;
   uint8_t *p = NULL;

@@ -145,29 +145,43 @@ static usmipc_queue_t *staging_queue(void) {
   return q;
 }
 
-void dev_fill(void *p, size_t n, uint64_t seed, uint64_t origin) {
+void dev_fill_on(usmipc_queue_t *q, void *p, size_t n, uint64_t seed,
+                 uint64_t origin) {
   if (test_device_is_host()) {
     pattern_fill(p, n, seed, origin);
     return;
   }
+  ASSERT_NOT_NULL(q);
   uint8_t *stage = malloc(n ? n : 1);
   ASSERT_NOT_NULL(stage);
   pattern_fill(stage, n, seed, origin);
-  ASSERT_OK(usmipc_memcpy(staging_queue(), p, stage, n));
-  ASSERT_OK(usmipc_queue_synchronize(staging_queue()));
+  ASSERT_OK(usmipc_memcpy(q, p, stage, n));
+  ASSERT_OK(usmipc_queue_synchronize(q));
   free(stage);
 }
 
-size_t dev_check(const void *p, size_t n, uint64_t seed, uint64_t origin) {
+size_t dev_check_on(usmipc_queue_t *q, const void *p, size_t n, uint64_t seed,
+                    uint64_t origin) {
   if (test_device_is_host())
     return pattern_check(p, n, seed, origin);
+  ASSERT_NOT_NULL(q);
   uint8_t *stage = malloc(n ? n : 1);
   ASSERT_NOT_NULL(stage);
-  ASSERT_OK(usmipc_memcpy(staging_queue(), stage, p, n));
-  ASSERT_OK(usmipc_queue_synchronize(staging_queue()));
+  ASSERT_OK(usmipc_memcpy(q, stage, p, n));
+  ASSERT_OK(usmipc_queue_synchronize(q));
   size_t bad = pattern_check(stage, n, seed, origin);
   free(stage);
   return bad;
+}
+
+void dev_fill(void *p, size_t n, uint64_t seed, uint64_t origin) {
+  dev_fill_on(test_device_is_host() ? NULL : staging_queue(), p, n, seed,
+              origin);
+}
+
+size_t dev_check(const void *p, size_t n, uint64_t seed, uint64_t origin) {
+  return dev_check_on(test_device_is_host() ? NULL : staging_queue(), p, n,
+                      seed, origin);
 }
 
 /* ---- utilities ----------------------------------------------------------- */
@@ -188,6 +202,15 @@ usmipc_device_t *test_device(void) {
 
 int test_device_is_host(void) {
   return usmipc_device_backend(test_device()) == USMIPC_BACKEND_HOST;
+}
+
+usmipc_device_t *host_device(void) {
+  usmipc_device_t *dev = NULL;
+  int r = usmipc_device_select("host:cpu", &dev);
+  ASSERT_MSG(r == 0, "usmipc_device_select(\"host:cpu\"): %s: %s",
+             usmipc_err_name(r), usmipc_last_error());
+  ASSERT_NOT_NULL(dev);
+  return dev;
 }
 
 void hex_encode(const void *data, size_t len, char *out) {
