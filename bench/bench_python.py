@@ -182,23 +182,26 @@ def main():
         return consumer(args.device)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else SIZES
     all_results = {t: run_transport(args.device, t, sizes)
-                   for t in ("socket", "pidfd")}
+                   for t in ("socket", "pidfd", "procfd")}
     import usmipc
     dev = usmipc.Device(args.device) if args.device else usmipc.Device()
     print(f"# usmipc Python IPC latency on {dev.filter_string} ({dev.name}), "
           f"median microseconds, K={K} fresh buffers per size\n")
     print("| size | export (first) | export (repeat) | first open, socket | "
-          "first open, pidfd | cached re-open (open+close) | close | "
-          "SharedMemory create | SharedMemory attach | SharedMemory close |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "first open, pidfd | first open, procfd | cached re-open (open+close) "
+          "| close | SharedMemory create | SharedMemory attach | "
+          "SharedMemory close |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for size in sizes:
         s = all_results["socket"][size]
         p = all_results["pidfd"][size]
+        f = all_results["procfd"][size]
         row = [fmt_size(size),
                s["usmipc_first_export"]["median"],
                s["usmipc_repeat_export"]["median"],
                s["usmipc_first_open"]["median"],
                p["usmipc_first_open"]["median"],
+               f["usmipc_first_open"]["median"],
                min(s["usmipc_cached_reopen_open_close"]["median"],
                    p["usmipc_cached_reopen_open_close"]["median"]),
                s["usmipc_close"]["median"],

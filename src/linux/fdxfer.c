@@ -402,6 +402,46 @@ static int fetch_pidfd(const usmipc__wire_t *w, uint32_t seq, int *out) {
   return 0;
 }
 
+/* Reopens the exporter's descriptor through /proc/<pid>/fd/<n>. proc(5)
+ * allows that with PTRACE_MODE_READ access, which Yama's ptrace_scope=1
+ * does not restrict (it restricts attaching), so between processes of one
+ * user this works where pidfd_getfd does not. It reopens the file rather
+ * than copying the descriptor, so it works for files that can be opened
+ * again (memfd) and not for anonymous inodes (CUDA's descriptors). The
+ * export table and the file identity are checked as for pidfd. */
+static int fetch_procfd(const usmipc__wire_t *w, uint32_t seq, int *out) {
+  char path[48];
+  snprintf(path, sizeof(path), "/proc/%u/fd/%u", w->pid, w->fd_number);
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    if (e == ENOENT)
+      return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
+                                 "process %u no longer holds the memory this "
+                                 "handle names (it exited or freed it)",
+                                 w->pid);
+    if (e == EACCES || e == EPERM)
+      return usmipc__fail_native(USMIPC_EACCES, e,
+                                 "%s may not be opened by this process "
+                                 "(another user, or a non-dumpable "
+                                 "exporter); use USMIPC_FD_TRANSPORT=socket",
+                                 path);
+    return usmipc__fail_native(USMIPC_ETRANSPORT, e,
+                               "%s cannot be reopened (%s): this memory can "
+                               "only move by descriptor passing; use "
+                               "USMIPC_FD_TRANSPORT=socket or pidfd",
+                               path, strerror(e));
+  }
+  int rc;
+  if ((rc = usmipc__exports_recheck(w, seq)) != 0 ||
+      (rc = check_identity(fd, w)) != 0) {
+    close(fd);
+    return rc;
+  }
+  *out = fd;
+  return 0;
+}
+
 /* Asks the exporter's broker for the descriptor of buffer_id (or for the
  * export table, TABLE_REQUEST), presenting the handle's token. */
 static int broker_request(const usmipc__wire_t *w, uint64_t buffer_id,
@@ -517,7 +557,7 @@ static int fetch_socket(const usmipc__wire_t *w, int *out) {
   return rc;
 }
 
-typedef enum transport { AUTO, SOCKET, PIDFD, BAD } transport_t;
+typedef enum transport { AUTO, SOCKET, PIDFD, PROCFD, BAD } transport_t;
 
 static transport_t transport_mode(void) {
   const char *mode = getenv("USMIPC_FD_TRANSPORT");
@@ -527,8 +567,11 @@ static transport_t transport_mode(void) {
     return SOCKET;
   if (!strcmp(mode, "pidfd"))
     return PIDFD;
+  if (!strcmp(mode, "procfd"))
+    return PROCFD;
   usmipc__fail(USMIPC_EINVAL,
-               "USMIPC_FD_TRANSPORT='%s' is not one of auto, socket, pidfd",
+               "USMIPC_FD_TRANSPORT='%s' is not one of auto, socket, pidfd, "
+               "procfd",
                mode);
   return BAD;
 }
@@ -536,15 +579,18 @@ static transport_t transport_mode(void) {
 int usmipc__fdxfer_fetch(const usmipc__wire_t *w, uint32_t seq, int *fd) {
   switch (transport_mode()) {
   case AUTO:
-    /* pidfd first: when permitted it is the cheaper path; any refusal falls
-     * back to the broker, which decides with the token and the uid. */
-    if (fetch_pidfd(w, seq, fd) == 0)
+    /* The cheap paths first, each a few system calls; any refusal falls
+     * back to the broker, which decides with the token and the uid and
+     * costs two thread wake-ups. */
+    if (fetch_pidfd(w, seq, fd) == 0 || fetch_procfd(w, seq, fd) == 0)
       return 0;
     return fetch_socket(w, fd);
   case SOCKET:
     return fetch_socket(w, fd);
   case PIDFD:
     return fetch_pidfd(w, seq, fd);
+  case PROCFD:
+    return fetch_procfd(w, seq, fd);
   default:
     return USMIPC_EINVAL;
   }
@@ -573,12 +619,41 @@ static int fetch_table_pidfd(const usmipc__wire_t *w, int *out) {
   return 0;
 }
 
+/* The table through /proc/<pid>/fd, read-only, with the same name check. */
+static int fetch_table_procfd(const usmipc__wire_t *w, int *out) {
+  char path[48], link[128], name[64], expect[96];
+  snprintf(path, sizeof(path), "/proc/%u/fd/%u", w->pid, w->table_fd_number);
+  usmipc__exports_table_name(w->pid, w->nonce, name, sizeof(name));
+  snprintf(expect, sizeof(expect), "/memfd:%s (deleted)", name);
+  ssize_t n = readlink(path, link, sizeof(link) - 1);
+  if (n < 0 && (errno == EACCES || errno == EPERM))
+    return usmipc__fail_native(USMIPC_EACCES, errno,
+                               "%s may not be read by this process (another "
+                               "user); use USMIPC_FD_TRANSPORT=socket",
+                               path);
+  if (n < 0 || (size_t)n != strlen(expect) || memcmp(link, expect, (size_t)n))
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "process %u's export table is not at %s (the "
+                        "exporter exited)",
+                        w->pid, path);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return usmipc__fail_native(errno == ENOENT ? USMIPC_EEXPORTERGONE
+                                               : USMIPC_EACCES,
+                               errno, "cannot open %s: %s", path,
+                               strerror(errno));
+  *out = fd;
+  return 0;
+}
+
 int usmipc__fdxfer_fetch_table(const usmipc__wire_t *w, int *fd) {
   switch (transport_mode()) {
   case AUTO:
-    if (fetch_table_pidfd(w, fd) == 0)
+    if (fetch_table_pidfd(w, fd) == 0 || fetch_table_procfd(w, fd) == 0)
       return 0;
     return broker_request(w, TABLE_REQUEST, fd);
+  case PROCFD:
+    return fetch_table_procfd(w, fd);
   case SOCKET:
     return broker_request(w, TABLE_REQUEST, fd);
   case PIDFD:

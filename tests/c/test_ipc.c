@@ -94,6 +94,7 @@ static int cross_process(const char *transport) {
 TEST_IMPL(ipc_cross_process_auto) { return cross_process("auto"); }
 TEST_IMPL(ipc_cross_process_socket) { return cross_process("socket"); }
 TEST_IMPL(ipc_cross_process_pidfd) { return cross_process("pidfd"); }
+TEST_IMPL(ipc_cross_process_procfd) { return cross_process("procfd"); }
 
 TEST_IMPL(ipc_parent_exporter_child_importer) {
   usmipc_device_t *dev = test_device();
@@ -415,12 +416,14 @@ static int exporter_gone(const char *transport) {
 TEST_IMPL(ipc_exporter_gone_auto) { return exporter_gone("auto"); }
 TEST_IMPL(ipc_exporter_gone_socket) { return exporter_gone("socket"); }
 TEST_IMPL(ipc_exporter_gone_pidfd) { return exporter_gone("pidfd"); }
+TEST_IMPL(ipc_exporter_gone_procfd) { return exporter_gone("procfd"); }
 
 TEST_IMPL(ipc_allocation_freed_before_open) {
   /* The exporter lives but freed the allocation: no transport may hand out
    * its memory, even when the descriptor number it used is taken by the
    * next allocation (pidfd_getfd would copy that one). */
-  static const char *const transports[] = {"auto", "socket", "pidfd"};
+  static const char *const transports[] = {"auto", "socket", "pidfd",
+                                           "procfd"};
   agent_t ex;
   static char h0[HEX_MAX], h1[HEX_MAX];
   agent_start(&ex, NULL);
@@ -441,7 +444,7 @@ TEST_IMPL(ipc_allocation_freed_before_open) {
   ASSERT_OK(usmipc_ipc_handle_inspect(b0, l0, &i0));
   ASSERT_OK(usmipc_ipc_handle_inspect(b1, l1, &i1));
 
-  for (int t = 0; t < 3; t++) {
+  for (size_t t = 0; t < sizeof(transports) / sizeof(transports[0]); t++) {
     if (skip_without_pidfd(transports[t]))
       continue;
     agent_t im;
@@ -491,6 +494,11 @@ TEST_IMPL(ipc_other_uid_refused) {
     AGENT_ERR2(&im, USMIPC_EACCES, USMIPC_ETRANSPORT, "open 0 %s 0", hex);
     agent_stop_ok(&im);
   }
+
+  agent_start(&im, "procfd"); /* /proc/<pid>/fd needs the same user too */
+  AGENT_OK(&im, "setuid 65534");
+  AGENT_ERR2(&im, USMIPC_EACCES, USMIPC_ETRANSPORT, "open 0 %s 0", hex);
+  agent_stop_ok(&im);
   agent_stop_ok(&ex);
   return 0;
 }

@@ -35,6 +35,7 @@
   X(ipc_cross_process_auto)                                                    \
   X(ipc_cross_process_socket)                                                  \
   X(ipc_cross_process_pidfd)                                                   \
+  X(ipc_cross_process_procfd)                                                  \
   X(ipc_parent_exporter_child_importer)                                        \
   X(ipc_interior_offset)                                                       \
   X(ipc_rest_of_allocation)                                                    \
@@ -46,6 +47,7 @@
   X(ipc_exporter_gone_auto)                                                    \
   X(ipc_exporter_gone_socket)                                                  \
   X(ipc_exporter_gone_pidfd)                                                   \
+  X(ipc_exporter_gone_procfd)                                                  \
   X(ipc_allocation_freed_before_open)                                          \
   X(ipc_other_uid_refused)                                                     \
   X(ipc_fork_child_exports)                                                    \

@@ -50,7 +50,7 @@ def shared(host):
     return mem, IPCMemoryHandle(mem)
 
 
-@pytest.mark.parametrize("transport", ["socket", "pidfd", "auto"])
+@pytest.mark.parametrize("transport", ["socket", "pidfd", "procfd", "auto"])
 def test_child_opens_and_rewrites(transport, shared):
     mem, h = shared
     result = run_python(IMPORTER_SRC, input=h.to_bytes().hex().encode(),
