@@ -1,5 +1,6 @@
 """The CUDA backend on a real GPU: cross-process sharing for both allocation
-kinds, foreign torch and CuPy memory, DLPack and CUDA array interface interop,
+kinds, foreign torch and CuPy memory (through __cuda_array_interface__ or only
+__dlpack__), DLPack and CUDA array interface interop,
 lifetime, bad handles and cross-GPU opens.
 
 Runs only where a CUDA device is present (tests/gpu/run.sh on the device
@@ -145,6 +146,49 @@ def test_torch_tensor_shared_and_read_back_with_torch():
     assert torch.equal(t[100:], torch.arange(100, 1 << 16, dtype=torch.float32,
                                              device="cuda:0") * 2)
     assert torch.equal(t[:100], torch.arange(100, dtype=torch.float32, device="cuda:0"))
+
+
+class DLPackOnly:
+    """Exposes only __dlpack__ of a tensor, as a JAX array does (a torch
+    tensor alone would be exported through __cuda_array_interface__)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack__(self, **kwargs):
+        return self.t.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
+def test_torch_tensor_shared_through_dlpack_only():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(1 << 16, dtype=torch.float32, device="cuda:0")
+    torch.cuda.synchronize()  # __dlpack__() without a stream does not sync
+    h = IPCMemoryHandle(DLPackOnly(t[100:]))
+    assert h.nbytes == ((1 << 16) - 100) * 4
+    out = check(child("""
+        import torch
+        m = IPCMemoryHandle.open(raw, None)
+        x = torch.from_dlpack(m).view(torch.float32)
+        expect = torch.arange(100, 1 << 16, dtype=torch.float32, device="cuda:0")
+        assert torch.equal(x, expect), "torch data"
+        x.add_(1)
+        torch.cuda.synchronize()
+        del x
+        IPCMemoryHandle.close_mapping(m)
+        print("dlpack ok")
+    """, h.to_bytes()))
+    assert "dlpack ok" in out
+    assert torch.equal(t[100:], torch.arange(101, (1 << 16) + 1, dtype=torch.float32,
+                                             device="cuda:0"))
+    with pytest.raises(ValueError, match="contiguous"):
+        IPCMemoryHandle(DLPackOnly(t.view(256, 256)[:, :8]))
+    with pytest.raises(TypeError):
+        IPCMemoryHandle(DLPackOnly(torch.arange(16)))  # CPU memory
+    del h  # runs torch's deleter; the tensor stays usable
+    assert float(t[100]) == 101
 
 
 def test_cupy_array_shared_and_read_back_with_cupy():

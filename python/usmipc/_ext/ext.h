@@ -155,6 +155,15 @@ PyObject *usmipc_memory_cuda_array_interface(PyObject *self, void *closure);
  * 1 with *ptr and *nbytes set, 0 if obj has no such interface, -1 with an
  * exception set. */
 int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes);
+/* The byte range of an object with __dlpack__ whose tensor is C-contiguous
+ * CUDA device memory (or usmipc's own device memory on the CPU): 1 with
+ * *ptr, *nbytes and *owner set, 0 if obj has no __dlpack__, -1 with an
+ * exception set (ValueError for a strided tensor, TypeError for memory that
+ * is not device memory). The capsule is consumed; *owner (a new reference)
+ * owns the tensor, and dropping it calls the producer's deleter, which
+ * keeps the producer's memory alive until then. */
+int usmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
+                        PyObject **owner);
 
 /* ---- ipc_handle.c -------------------------------------------------------- */
 

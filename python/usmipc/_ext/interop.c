@@ -11,6 +11,12 @@
  * (NumPy's dlpack.c): it takes the GIL itself, and does nothing once the
  * interpreter is finalized.
  *
+ * The import side reads another library's tensor for IPCMemoryHandle: its
+ * __cuda_array_interface__, or else its __dlpack__ capsule, which it
+ * consumes as NumPy's from_dlpack does (the capsule renamed "used_...", the
+ * managed tensor moved into an internal capsule whose destructor calls the
+ * producer's deleter).
+ *
  * The DLPack structures below are copied from dlpack.h (v1.0; its ABI is
  * stable), so the build needs no extra header.
  */
@@ -30,6 +36,9 @@ enum {
   kDLOneAPI = 14,
 };
 enum { kDLUInt = 1 };
+
+/* DLManagedTensorVersioned.flags */
+#define DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED (1UL << 2UL)
 
 typedef struct {
   int32_t device_type;
@@ -424,4 +433,279 @@ done:
   Py_XDECREF(strides);
   Py_DECREF(cai);
   return rc;
+}
+
+/* ---- reading another library's __dlpack__ ---------------------------------
+ */
+
+/* The internal capsules that own a consumed tensor (NumPy's
+ * "numpy_dltensor"): destroying one calls the producer's deleter, once. */
+#define DL_OWNER_NAME "usmipc_dltensor"
+#define DL_OWNER_NAME_VERSIONED "usmipc_dltensor_versioned"
+
+/* Calls the producer's deleter of a consumed tensor, which may run Python
+ * code: an exception being raised meanwhile is kept aside. GIL held. */
+static void dl_delete(void *managed, int versioned) {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  if (versioned) {
+    DLManagedTensorVersioned *m = managed;
+    if (m->deleter != NULL) {
+      m->deleter(m);
+    }
+  } else {
+    DLManagedTensor *m = managed;
+    if (m->deleter != NULL) {
+      m->deleter(m);
+    }
+  }
+  PyErr_Restore(type, value, traceback);
+}
+
+static void dl_owner_destructor(PyObject *capsule) {
+  if (PyCapsule_IsValid(capsule, DL_OWNER_NAME_VERSIONED)) {
+    dl_delete(PyCapsule_GetPointer(capsule, DL_OWNER_NAME_VERSIONED), 1);
+  } else if (PyCapsule_IsValid(capsule, DL_OWNER_NAME)) {
+    dl_delete(PyCapsule_GetPointer(capsule, DL_OWNER_NAME), 0);
+  }
+}
+
+/* method(max_version=(1, 0)), or method() for producers written before
+ * DLPack 1.0 that refuse the keyword with TypeError (NumPy's from_dlpack
+ * does the same). */
+static PyObject *call_dlpack(PyObject *method) {
+  PyObject *kwargs = Py_BuildValue("{s(ii)}", "max_version", 1, 0);
+  if (kwargs == NULL) {
+    return NULL;
+  }
+  PyObject *empty = PyTuple_New(0);
+  if (empty == NULL) {
+    Py_DECREF(kwargs);
+    return NULL;
+  }
+  PyObject *capsule = PyObject_Call(method, empty, kwargs);
+  Py_DECREF(kwargs);
+  Py_DECREF(empty);
+  if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+    PyErr_Clear();
+    capsule = PyObject_CallNoArgs(method);
+  }
+  return capsule;
+}
+
+/* Takes the managed tensor out of a producer's capsule: renames the capsule
+ * "used_dltensor[_versioned]" (so that its destructor leaves the tensor
+ * alone) and returns a new internal capsule owning the tensor, with *tensor
+ * and *flags read from it. NULL with an exception set if the capsule is not
+ * a fresh DLPack capsule; a versioned tensor of another major version is
+ * consumed and deleted without being read, as dlpack.h asks. */
+static PyObject *dl_consume(PyObject *capsule, DLTensor *tensor,
+                            uint64_t *flags) {
+  int versioned;
+  const char *name, *used_name, *owner_name;
+  if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+    versioned = 1;
+    name = "dltensor_versioned";
+    used_name = "used_dltensor_versioned";
+    owner_name = DL_OWNER_NAME_VERSIONED;
+  } else if (PyCapsule_IsValid(capsule, "dltensor")) {
+    versioned = 0;
+    name = "dltensor";
+    used_name = "used_dltensor";
+    owner_name = DL_OWNER_NAME;
+  } else {
+    if (PyCapsule_IsValid(capsule, "used_dltensor") ||
+        PyCapsule_IsValid(capsule, "used_dltensor_versioned")) {
+      PyErr_SetString(PyExc_BufferError,
+                      "__dlpack__ returned a capsule that was already "
+                      "consumed");
+    } else {
+      PyErr_Format(PyExc_TypeError,
+                   "__dlpack__ returned %R, not a DLPack capsule "
+                   "(\"dltensor\" or \"dltensor_versioned\")",
+                   (PyObject *)Py_TYPE(capsule));
+    }
+    return NULL;
+  }
+  void *managed = PyCapsule_GetPointer(capsule, name);
+  if (managed == NULL) {
+    return NULL;
+  }
+  /* From here the tensor is ours: the producer's capsule no longer deletes
+   * it, and every path below either hands it to the owner or deletes it. */
+  if (PyCapsule_SetName(capsule, used_name) < 0) {
+    return NULL;
+  }
+  PyObject *owner = PyCapsule_New(managed, owner_name, dl_owner_destructor);
+  if (owner == NULL) {
+    dl_delete(managed, versioned);
+    return NULL;
+  }
+  if (versioned) {
+    DLManagedTensorVersioned *m = managed;
+    if (m->version.major != 1) {
+      unsigned major = m->version.major, minor = m->version.minor;
+      Py_DECREF(owner); /* only the deleter may be used */
+      PyErr_Format(PyExc_BufferError,
+                   "__dlpack__ returned a DLPack %u.%u tensor although "
+                   "max_version=(1, 0) was asked for; usmipc reads DLPack 1.x",
+                   major, minor);
+      return NULL;
+    }
+    *tensor = m->dl_tensor;
+    *flags = m->flags;
+  } else {
+    *tensor = ((DLManagedTensor *)managed)->dl_tensor;
+    *flags = 0;
+  }
+  return owner;
+}
+
+/* The size in bytes of a C-contiguous tensor, or -1 with ValueError. */
+static Py_ssize_t dl_contiguous_nbytes(const DLTensor *t, uint64_t flags) {
+  if (t->ndim < 0 || (t->ndim > 0 && t->shape == NULL)) {
+    PyErr_Format(PyExc_ValueError,
+                 "the DLPack tensor has a bad shape (ndim %d)", (int)t->ndim);
+    return -1;
+  }
+  uint64_t bits = (uint64_t)t->dtype.bits * t->dtype.lanes;
+  if (bits == 0) {
+    PyErr_SetString(PyExc_ValueError,
+                    "the DLPack tensor's element type has no size");
+    return -1;
+  }
+  uint64_t count = 1;
+  for (int32_t i = 0; i < t->ndim; i++) {
+    if (t->shape[i] < 0) {
+      PyErr_SetString(PyExc_ValueError,
+                      "the DLPack tensor has a negative extent");
+      return -1;
+    }
+    uint64_t extent = (uint64_t)t->shape[i];
+    if (extent != 0 && count > (uint64_t)PY_SSIZE_T_MAX / extent) {
+      PyErr_SetString(PyExc_ValueError, "the DLPack tensor is too large");
+      return -1;
+    }
+    count *= extent;
+  }
+  if (count == 0) {
+    PyErr_SetString(PyExc_ValueError, "cannot export an empty array");
+    return -1;
+  }
+  /* Strides count elements, not bytes; NULL means C-contiguous. An extent
+   * of 1 may have any stride (torch gives such dimensions odd ones). */
+  if (t->strides != NULL) {
+    int64_t expect = 1;
+    for (int32_t i = t->ndim - 1; i >= 0; i--) {
+      if (t->shape[i] > 1 && t->strides[i] != expect) {
+        PyErr_SetString(PyExc_ValueError,
+                        "IPCMemoryHandle needs contiguous memory: the DLPack "
+                        "tensor is strided; make it C-contiguous first");
+        return -1;
+      }
+      expect *= t->shape[i];
+    }
+  }
+  /* Sub-byte elements (fp4, fp6) are packed unless the producer says they
+   * are padded to whole bytes. */
+  uint64_t nbytes;
+  if (bits % 8 == 0 || (flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED)) {
+    uint64_t itemsize = (bits + 7) / 8;
+    if (count > (uint64_t)PY_SSIZE_T_MAX / itemsize) {
+      PyErr_SetString(PyExc_ValueError, "the DLPack tensor is too large");
+      return -1;
+    }
+    nbytes = count * itemsize;
+  } else {
+    if (count > ((uint64_t)PY_SSIZE_T_MAX - 7) / bits) {
+      PyErr_SetString(PyExc_ValueError, "the DLPack tensor is too large");
+      return -1;
+    }
+    nbytes = (count * bits + 7) / 8;
+  }
+  return (Py_ssize_t)nbytes;
+}
+
+/* TypeError unless the tensor's device holds memory that can be exported:
+ * CUDA device memory, or on the CPU usmipc's own device memory (the host
+ * backend's, shareable through its memfd). 0 or -1. */
+static int dl_check_device(const DLTensor *t, const void *ptr) {
+  int32_t type = t->device.device_type;
+  if (type == kDLCUDA) {
+    return 0; /* the library tells CUDA allocations apart */
+  }
+  if (type == kDLCUDAHost || type == kDLCUDAManaged) {
+    PyErr_Format(PyExc_TypeError,
+                 "IPCMemoryHandle() exports device memory only; this DLPack "
+                 "tensor is CUDA %s memory (device type %d)",
+                 type == kDLCUDAHost ? "pinned host" : "managed", (int)type);
+    return -1;
+  }
+  if (type == kDLCPU) {
+    usmipc_pointer_info_t info;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = usmipc_pointer_query(ptr, &info);
+    Py_END_ALLOW_THREADS
+    if (rc < 0 || info.device == NULL ||
+        usmipc_device_backend(info.device) != USMIPC_BACKEND_HOST) {
+      PyErr_SetString(PyExc_TypeError,
+                      "IPCMemoryHandle() exports device memory only; this "
+                      "DLPack tensor is ordinary CPU memory (device type 1), "
+                      "not usmipc device memory: copy it into a "
+                      "MemoryUSMDevice to share it");
+      return -1;
+    }
+    if (info.kind != USMIPC_MEM_DEVICE) {
+      PyErr_Format(PyExc_TypeError,
+                   "IPCMemoryHandle() exports device memory only; this "
+                   "DLPack tensor is usmipc memory of kind '%s'",
+                   info.kind == USMIPC_MEM_HOST     ? "host"
+                   : info.kind == USMIPC_MEM_SHARED ? "shared"
+                                                    : "unknown");
+      return -1;
+    }
+    return 0;
+  }
+  PyErr_Format(PyExc_TypeError,
+               "IPCMemoryHandle() exports CUDA device memory from DLPack "
+               "tensors; this one is on DLPack device type %d",
+               (int)type);
+  return -1;
+}
+
+int usmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
+                        PyObject **owner) {
+  *owner = NULL;
+  PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
+  if (method == NULL) {
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      PyErr_Clear();
+      return 0;
+    }
+    return -1;
+  }
+  PyObject *capsule = call_dlpack(method);
+  Py_DECREF(method);
+  if (capsule == NULL) {
+    return -1;
+  }
+  DLTensor t;
+  uint64_t flags;
+  PyObject *tensor_owner = dl_consume(capsule, &t, &flags);
+  Py_DECREF(capsule);
+  if (tensor_owner == NULL) {
+    return -1;
+  }
+  void *address = (char *)t.data + t.byte_offset;
+  Py_ssize_t size;
+  if (dl_check_device(&t, address) < 0 ||
+      (size = dl_contiguous_nbytes(&t, flags)) < 0) {
+    Py_DECREF(tensor_owner); /* gives the tensor back to its producer */
+    return -1;
+  }
+  *ptr = address;
+  *nbytes = size;
+  *owner = tensor_owner;
+  return 1;
 }

@@ -3,8 +3,11 @@
  *
  * An exported handle holds the memory object it was taken from, so the
  * allocation outlives the handle's bytes for as long as the handle lives,
- * and keeps the library's handle until it dies. A handle rebuilt from bytes
- * (unpickled, from_bytes) carries only the bytes.
+ * and keeps the library's handle until it dies. Another library's tensor
+ * exported through __dlpack__ is held twice: by the object and by the
+ * consumed DLPack tensor, whose deleter (run when the handle dies) is what
+ * DLPack promises keeps the producer's memory alive. A handle rebuilt from
+ * bytes (unpickled, from_bytes) carries only the bytes.
  *
  * open and close_mapping are the hot path of a re-open loop: both are C
  * class methods that cost one library call and, for open, one object.
@@ -16,8 +19,9 @@
 
 typedef struct handle_object {
   PyObject_HEAD PyObject *memory; /* the exported memory object, or NULL */
-  PyObject *data;                 /* bytes: the serialized handle */
-  usmipc_ipc_handle_t *handle;    /* the library's handle, or NULL */
+  PyObject *tensor; /* capsule owning a consumed DLPack tensor, or NULL */
+  PyObject *data;   /* bytes: the serialized handle */
+  usmipc_ipc_handle_t *handle; /* the library's handle, or NULL */
   usmipc_ipc_handle_info_t info;
 } Handle;
 
@@ -54,17 +58,20 @@ static int export_range(Py_ssize_t size, Py_ssize_t offset,
   return 0;
 }
 
-/* Exports [ptr, ptr + nbytes) and returns a new handle holding owner.
- * mem (or NULL for foreign memory) is the usmipc memory object, counted as
- * busy while the GIL is released so that a concurrent close waits. */
+/* Exports [ptr, ptr + nbytes) and returns a new handle holding owner and
+ * tensor (NULL, or the capsule of a consumed DLPack tensor). mem (or NULL
+ * for foreign memory) is the usmipc memory object, counted as busy while
+ * the GIL is released so that a concurrent close waits. */
 static PyObject *export_memory(PyTypeObject *type, usmipc_module_state_t *st,
-                               PyObject *owner, usmipc_memory_object_t *mem,
-                               const char *ptr, Py_ssize_t nbytes) {
+                               PyObject *owner, PyObject *tensor,
+                               usmipc_memory_object_t *mem, const char *ptr,
+                               Py_ssize_t nbytes) {
   allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
   Handle *self = (Handle *)alloc(type, 0);
   if (self == NULL) {
     return NULL;
   }
+  self->tensor = Py_XNewRef(tensor);
   if (mem != NULL && usmipc_memory_begin(mem) < 0) {
     Py_DECREF(self);
     return NULL;
@@ -121,11 +128,17 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
   }
 
   if (!PyObject_TypeCheck(mem_obj, st->MemoryType)) {
-    /* Another library's device memory (a torch tensor, a CuPy array): the
-     * library decides from the pointer whether it can be exported. */
+    /* Another library's device memory (a torch tensor, a CuPy array, a JAX
+     * array): the library decides from the pointer whether it can be
+     * exported. __cuda_array_interface__ first: reading it costs a dict,
+     * where __dlpack__ makes the producer build and later free a tensor. */
     void *ptr;
     Py_ssize_t size;
+    PyObject *tensor = NULL;
     int found = usmipc_cuda_array_range(mem_obj, &ptr, &size);
+    if (found == 0) {
+      found = usmipc_dlpack_range(mem_obj, &ptr, &size, &tensor);
+    }
     if (found < 0) {
       return NULL;
     }
@@ -133,15 +146,17 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
       PyErr_Format(PyExc_TypeError,
                    "IPCMemoryHandle() exports device memory allocated by "
                    "usmipc (MemoryUSMDevice) or an array with "
-                   "__cuda_array_interface__, not %R",
+                   "__cuda_array_interface__ or __dlpack__, not %R",
                    (PyObject *)Py_TYPE(mem_obj));
       return NULL;
     }
-    if (export_range(size, offset, nbytes_obj, &nbytes) < 0) {
-      return NULL;
+    PyObject *handle = NULL;
+    if (export_range(size, offset, nbytes_obj, &nbytes) == 0) {
+      handle = export_memory(type, st, mem_obj, tensor, NULL,
+                             (const char *)ptr + offset, nbytes);
     }
-    return export_memory(type, st, mem_obj, NULL, (const char *)ptr + offset,
-                         nbytes);
+    Py_XDECREF(tensor); /* on failure, gives the tensor back to its producer */
+    return handle;
   }
 
   usmipc_memory_object_t *mem = (usmipc_memory_object_t *)mem_obj;
@@ -177,8 +192,8 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
   if (export_range(mem->nbytes, offset, nbytes_obj, &nbytes) < 0) {
     return NULL;
   }
-  return export_memory(type, st, mem_obj, mem, (const char *)mem->ptr + offset,
-                       nbytes);
+  return export_memory(type, st, mem_obj, NULL, mem,
+                       (const char *)mem->ptr + offset, nbytes);
 }
 
 /* Borrowed pointer and length of handle bytes given as bytes, an
@@ -296,6 +311,10 @@ static void handle_dealloc(PyObject *op) {
     usmipc_ipc_free_handle(handle);
     Py_END_ALLOW_THREADS
   }
+  /* The producer may free its memory once the deleter has run, so only
+   * after the library's handle is gone; not in tp_clear, which may run
+   * before (the capsule is no GC object and takes part in no cycle). */
+  Py_CLEAR(self->tensor);
   handle_clear(op);
   freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
   tp_free(op);
@@ -730,13 +749,14 @@ static PyGetSetDef handle_getset[] = {
 PyDoc_STRVAR(handle_doc,
              "IPCMemoryHandle(memory, *, offset=0, nbytes=None)\n--\n\n"
              "Exports device memory allocated by usmipc (MemoryUSMDevice), or "
-             "another\nlibrary's device array with __cuda_array_interface__ "
-             "(torch, CuPy),\nfor other processes: send to_bytes() (or pickle "
-             "the handle) "
-             "by any channel and\ncall IPCMemoryHandle.open() there. The "
-             "handle keeps the memory alive.\nRaises TypeError for other "
-             "memory kinds and objects, usmipc.Error if\nthe device does not "
-             "support IPC.");
+             "another\nlibrary's C-contiguous CUDA array with "
+             "__cuda_array_interface__ or\n__dlpack__ (torch, CuPy, JAX), for "
+             "other processes: send to_bytes() (or\npickle the handle) by any "
+             "channel and call IPCMemoryHandle.open() there.\nThe handle keeps "
+             "the memory alive (a DLPack tensor's deleter runs when the\n"
+             "handle dies). Raises TypeError for other memory kinds and objects, "
+             "ValueError\nfor strided arrays, usmipc.Error if the device does "
+             "not support IPC.");
 
 static PyType_Slot handle_slots[] = {
     {Py_tp_doc, (void *)handle_doc},
