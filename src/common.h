@@ -181,6 +181,10 @@ typedef struct usmipc__fd_grant {
   uint64_t dev, ino;
 } usmipc__fd_grant_t;
 
+/* Starts this process's broker if it is not running: it serves the export
+ * table to importers that may not take it with pidfd_getfd or /proc, also
+ * when no allocation is shared through a descriptor. */
+int usmipc__fdxfer_serve(void);
 /* Makes fd fetchable by importers that present the returned token; starts
  * the broker lazily. fd is borrowed: the caller keeps it open until it has
  * called usmipc__fdxfer_withdraw. */

@@ -182,7 +182,10 @@ static int export_region(usmipc__region_t *r) {
     r->fd_ino = grant.ino;
   }
   /* The export table lets importers refuse a handle of a freed allocation
-   * without a round trip to this process. */
+   * without a round trip to this process; the broker hands it to importers
+   * that cannot take it themselves. */
+  if (fd < 0 && (rc = usmipc__fdxfer_serve()) != 0)
+    return rc;
   rc = usmipc__exports_add(r->buffer_id, r->fd_number, r->alloc.size,
                            &r->export_slot, &r->table_fd_number);
   if (rc != 0) {

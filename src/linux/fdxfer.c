@@ -268,6 +268,14 @@ static int start_broker(void) {
   return 0;
 }
 
+int usmipc__fdxfer_serve(void) {
+  pthread_once(&fdx_once, fdx_init);
+  pthread_mutex_lock(&fdx_lock);
+  int rc = start_broker();
+  pthread_mutex_unlock(&fdx_lock);
+  return rc;
+}
+
 int usmipc__fdxfer_publish(int fd, uint64_t buffer_id,
                            usmipc__fd_grant_t *grant) {
   pthread_once(&fdx_once, fdx_init);
