@@ -109,6 +109,7 @@ typedef struct usmipc__region {
   uint64_t fd_dev, fd_ino;
   uint32_t export_slot; /* this allocation's slot in the export table */
   uint32_t table_fd_number;
+  bool fd_reopenable;
 
   /* IMPORTED */
   usmipc__import_key_t key;
@@ -142,6 +143,8 @@ int usmipc__foreign_query_unlocked(const void *ptr, usmipc__allocation_t *alloc,
 #define USMIPC__WIRE_FIXED_LEN 148 /* bytes before the payload */
 #define USMIPC__NO_SLOT UINT32_MAX /* the allocation has no export-table slot */
 #define USMIPC__WIRE_FLAG_FD 0x1u  /* an fd must be fetched from the exporter */
+#define USMIPC__WIRE_FLAG_REOPENABLE 0x2u /* that fd is a memfd, which
+                                             /proc/<pid>/fd can reopen */
 
 typedef struct usmipc__wire {
   usmipc_backend_t backend;
@@ -179,6 +182,7 @@ typedef struct usmipc__fd_grant {
   uint8_t token[16];
   uint32_t fd_number;
   uint64_t dev, ino;
+  bool reopenable; /* a memfd: opening /proc/<pid>/fd/<n> yields the same file */
 } usmipc__fd_grant_t;
 
 /* Starts this process's broker if it is not running: it serves the export

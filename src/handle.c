@@ -214,8 +214,11 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
     return bad("its backend field names no known backend");
   w->payload.handle_kind = p[OFF_HANDLE_KIND];
   w->flags = get16(p + OFF_FLAGS);
-  if (w->flags & ~USMIPC__WIRE_FLAG_FD)
+  if (w->flags & ~(USMIPC__WIRE_FLAG_FD | USMIPC__WIRE_FLAG_REOPENABLE))
     return bad("it sets unknown flags");
+  if ((w->flags & USMIPC__WIRE_FLAG_REOPENABLE) &&
+      !(w->flags & USMIPC__WIRE_FLAG_FD))
+    return bad("it marks a descriptor reopenable but shares none");
   memcpy(w->device_uuid, p + OFF_DEVICE_UUID, 16);
   memcpy(w->boot_id, p + OFF_BOOT_ID, 16);
   w->pid = get32(p + OFF_PID);

@@ -180,6 +180,7 @@ static int export_region(usmipc__region_t *r) {
     r->fd_number = grant.fd_number;
     r->fd_dev = grant.dev;
     r->fd_ino = grant.ino;
+    r->fd_reopenable = grant.reopenable;
   }
   /* The export table lets importers refuse a handle of a freed allocation
    * without a round trip to this process; the broker hands it to importers
@@ -318,7 +319,8 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
   w.export_slot = r->export_slot;
   w.table_fd_number = r->table_fd_number;
   if (r->alloc.fd >= 0) {
-    w.flags = USMIPC__WIRE_FLAG_FD;
+    w.flags = USMIPC__WIRE_FLAG_FD |
+              (r->fd_reopenable ? USMIPC__WIRE_FLAG_REOPENABLE : 0);
     w.fd_number = r->fd_number;
     w.fd_dev = r->fd_dev;
     w.fd_ino = r->fd_ino;

@@ -320,6 +320,12 @@ int usmipc__fdxfer_publish(int fd, uint64_t buffer_id,
   grant_count++;
   memcpy(grant->token, token, 16);
   grant->fd_number = (uint32_t)fd;
+  /* Only a memfd reopens as itself through /proc: a device node would open
+   * a new, unrelated file with the same (st_dev, st_ino). */
+  char path[40], link[16] = {0};
+  snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+  grant->reopenable = readlink(path, link, sizeof(link) - 1) > 7 &&
+                      memcmp(link, "/memfd:", 7) == 0;
   grant->dev = (uint64_t)st.st_dev;
   grant->ino = (uint64_t)st.st_ino;
 out:
@@ -418,6 +424,11 @@ static int fetch_pidfd(const usmipc__wire_t *w, uint32_t seq, int *out) {
  * again (memfd) and not for anonymous inodes (CUDA's descriptors). The
  * export table and the file identity are checked as for pidfd. */
 static int fetch_procfd(const usmipc__wire_t *w, uint32_t seq, int *out) {
+  if (!(w->flags & USMIPC__WIRE_FLAG_REOPENABLE))
+    return usmipc__fail(USMIPC_ETRANSPORT,
+                        "this memory's descriptor cannot be reopened through "
+                        "/proc (it is not a memfd); use "
+                        "USMIPC_FD_TRANSPORT=socket or pidfd");
   char path[48];
   snprintf(path, sizeof(path), "/proc/%u/fd/%u", w->pid, w->fd_number);
   int fd = open(path, O_RDWR | O_CLOEXEC);

@@ -52,6 +52,8 @@ step pytest-gpu python3 -m pytest -q -rs -s tests/gpu
 if [ "$mode" != quick ]; then
   step bench-c-cuda-fd env USMIPC_CUDA_IPC=fd build-gpu/bench/usmipc_bench --device cuda:gpu:0 --sizes 4096,1048576,268435456,1073741824 --json "$OUT/bench_c_cuda_fd.json"
   step bench-c-cuda-native env USMIPC_CUDA_IPC=native build-gpu/bench/usmipc_bench --device cuda:gpu:0 --sizes 4096,1048576,268435456,1073741824 --json "$OUT/bench_c_cuda_native.json"
+  step bench-raw-fd build-gpu/bench/usmipc_bench --raw --device cuda:gpu:0 --kind fd --k 60 --rounds 2 --json "$OUT/bench_raw_fd.json"
+  step bench-raw-native build-gpu/bench/usmipc_bench --raw --device cuda:gpu:0 --kind native --k 60 --rounds 2 --json "$OUT/bench_raw_native.json"
   step bench-cuda python3 bench/bench_cuda.py --json "$OUT/bench_cuda.json" --plot "$OUT/bench_cuda.png"
 fi
 echo "=== summary"; cat "$OUT/summary.txt"
