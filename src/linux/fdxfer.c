@@ -88,13 +88,23 @@ static size_t grant_count, grant_capacity;
 static int listen_fd = -1;
 static pthread_once_t fdx_once = PTHREAD_ONCE_INIT;
 
-static void fork_prepare(void) { pthread_mutex_lock(&fdx_lock); }
-static void fork_parent(void) { pthread_mutex_unlock(&fdx_lock); }
+/* Guards the importer's cache of exporters' pidfds (below). */
+static pthread_mutex_t pidfd_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void fork_prepare(void) {
+  pthread_mutex_lock(&fdx_lock);
+  pthread_mutex_lock(&pidfd_lock);
+}
+static void fork_parent(void) {
+  pthread_mutex_unlock(&pidfd_lock);
+  pthread_mutex_unlock(&fdx_lock);
+}
 /* The broker thread does not exist in a fork child, and the parent's grants
  * are the parent's to serve: the child forgets them (and its copy of the
  * listening socket) and starts its own broker on its next export. */
 static void fork_child(void) {
   pthread_mutex_init(&fdx_lock, NULL);
+  pthread_mutex_init(&pidfd_lock, NULL);
   grant_count = 0; /* the descriptors belong to the inherited allocations */
   if (listen_fd >= 0)
     close(listen_fd);
@@ -320,12 +330,11 @@ int usmipc__fdxfer_publish(int fd, uint64_t buffer_id,
   grant_count++;
   memcpy(grant->token, token, 16);
   grant->fd_number = (uint32_t)fd;
-  /* Only a memfd reopens as itself through /proc: a device node would open
-   * a new, unrelated file with the same (st_dev, st_ino). */
-  char path[40], link[16] = {0};
-  snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
-  grant->reopenable = readlink(path, link, sizeof(link) - 1) > 7 &&
-                      memcmp(link, "/memfd:", 7) == 0;
+  /* Only a shmem file (memfd) reopens as itself through /proc: a device
+   * node would open a new, unrelated file with the same (st_dev, st_ino).
+   * F_GET_SEALS succeeds on shmem files alone (fcntl(2)), in one cheap
+   * call. */
+  grant->reopenable = fcntl(fd, F_GET_SEALS) >= 0;
   grant->dev = (uint64_t)st.st_dev;
   grant->ino = (uint64_t)st.st_ino;
 out:
@@ -357,30 +366,78 @@ static int check_identity(int fd, const usmipc__wire_t *w) {
   return 0;
 }
 
-/* pidfd_open(2) + pidfd_getfd(2): a copy of descriptor fd_number of process
- * pid, or an error saying why not. The caller checks what it got. */
-static int pidfd_take(uint32_t pid, uint32_t fd_number, int *out) {
-  int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
-  if (pidfd < 0) {
-    int e = errno;
-    if (e == ESRCH)
-      return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
-                                 "the exporting process %u has exited; "
-                                 "mappings opened before it exited stay "
-                                 "valid, new opens are impossible",
-                                 pid);
-    return usmipc__fail_native(USMIPC_ETRANSPORT, e,
-                               "pidfd_open(2) failed: %s (needs Linux 5.3; "
-                               "set USMIPC_FD_TRANSPORT=socket)",
-                               strerror(e));
+/* pidfds of recent exporters, so that a process opening many handles of one
+ * exporter pays pidfd_open(2) once. Keyed by (pid, nonce): a pidfd names one
+ * process for good, even once its pid is reused. pidfd_getfd runs under the
+ * lock, so an entry is never closed while in use. */
+#define PIDFD_CACHE_SIZE 16
+static struct {
+  uint32_t pid;
+  uint64_t nonce; /* 0: the entry is free */
+  int pidfd;
+  uint64_t last_use;
+} pidfds[PIDFD_CACHE_SIZE];
+static uint64_t pidfd_clock;
+
+/* Called with pidfd_lock held: the cached pidfd of (pid, nonce), opened on
+ * first use, or -1 with errno set. */
+static int pidfd_of(uint32_t pid, uint64_t nonce, int *slot) {
+  int lru = 0;
+  for (int i = 0; i < PIDFD_CACHE_SIZE; i++) {
+    if (pidfds[i].nonce == nonce && pidfds[i].pid == pid) {
+      pidfds[i].last_use = ++pidfd_clock;
+      *slot = i;
+      return pidfds[i].pidfd;
+    }
+    if (pidfds[i].nonce == 0 ||
+        (pidfds[lru].nonce != 0 && pidfds[i].last_use < pidfds[lru].last_use))
+      lru = i;
   }
-  int fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)fd_number, 0);
-  int e = errno;
-  close(pidfd);
+  int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
+  if (pidfd < 0)
+    return -1;
+  if (pidfds[lru].nonce != 0)
+    close(pidfds[lru].pidfd);
+  pidfds[lru].pid = pid;
+  pidfds[lru].nonce = nonce;
+  pidfds[lru].pidfd = pidfd;
+  pidfds[lru].last_use = ++pidfd_clock;
+  *slot = lru;
+  return pidfd;
+}
+
+/* pidfd_getfd(2): a copy of descriptor fd_number of the exporter, or an
+ * error saying why not. The caller checks what it got. */
+static int pidfd_take(uint32_t pid, uint64_t nonce, uint32_t fd_number,
+                      int *out) {
+  pthread_mutex_lock(&pidfd_lock);
+  int slot = -1;
+  int pidfd = pidfd_of(pid, nonce, &slot);
+  int fd = -1, e = errno;
+  if (pidfd >= 0) {
+    fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)fd_number, 0);
+    e = errno;
+    if (fd < 0 && e == ESRCH) { /* it exited: forget it */
+      close(pidfd);
+      pidfds[slot].nonce = 0;
+    }
+  }
+  pthread_mutex_unlock(&pidfd_lock);
   if (fd >= 0) {
     *out = fd;
     return 0;
   }
+  if (e == ESRCH)
+    return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
+                               "the exporting process %u has exited; "
+                               "mappings opened before it exited stay valid, "
+                               "new opens are impossible",
+                               pid);
+  if (pidfd < 0)
+    return usmipc__fail_native(USMIPC_ETRANSPORT, e,
+                               "pidfd_open(2) failed: %s (needs Linux 5.3; "
+                               "set USMIPC_FD_TRANSPORT=socket)",
+                               strerror(e));
   if (e == EPERM || e == EACCES)
     return usmipc__fail_native(USMIPC_EACCES, e,
                                "pidfd_getfd(2) may not take descriptors from "
@@ -405,7 +462,7 @@ static int fetch_pidfd(const usmipc__wire_t *w, uint32_t seq, int *out) {
    * caller checked), and must still say so after it (the exporter clears
    * the slot before closing). */
   int rc, fd = -1;
-  if ((rc = pidfd_take(w->pid, w->fd_number, &fd)) != 0)
+  if ((rc = pidfd_take(w->pid, w->nonce, w->fd_number, &fd)) != 0)
     return rc;
   if ((rc = usmipc__exports_recheck(w, seq)) != 0 ||
       (rc = check_identity(fd, w)) != 0) {
@@ -619,7 +676,7 @@ int usmipc__fdxfer_fetch(const usmipc__wire_t *w, uint32_t seq, int *fd) {
  * the exporter's pid and nonce: a recycled pid cannot pass it. */
 static int fetch_table_pidfd(const usmipc__wire_t *w, int *out) {
   int fd = -1;
-  int rc = pidfd_take(w->pid, w->table_fd_number, &fd);
+  int rc = pidfd_take(w->pid, w->nonce, w->table_fd_number, &fd);
   if (rc != 0)
     return rc;
   char expect[96], name[64], link[128], path[40];
