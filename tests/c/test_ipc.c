@@ -393,7 +393,7 @@ TEST_IMPL(ipc_survives_exporter_sigkill) {
 /* Handles whose exporter is dead, and that this importer never opened. */
 static int exporter_gone(const char *transport) {
   if (skip_without_pidfd(transport))
-    RETURN_SKIP("pidfd_getfd(2) is not available or not permitted here");
+    RETURN_SKIP("%s cannot move this device's descriptors here", transport);
   agent_t ex1, ex2, im;
   static char h1[HEX_MAX], h2[HEX_MAX], h3[HEX_MAX];
   agent_start(&ex1, transport);
