@@ -627,12 +627,13 @@ static Py_ssize_t dl_contiguous_nbytes(const DLTensor *t, uint64_t flags) {
 }
 
 /* TypeError unless the tensor's device holds memory that can be exported:
- * CUDA device memory, or on the CPU usmipc's own device memory (the host
- * backend's, shareable through its memfd). 0 or -1. */
+ * CUDA or oneAPI (Level Zero) device memory, whose kind the library checks
+ * itself, or on the CPU usmipc's own device memory (the host backend's,
+ * shareable through its memfd). 0 or -1. */
 static int dl_check_device(const DLTensor *t, const void *ptr) {
   int32_t type = t->device.device_type;
-  if (type == kDLCUDA) {
-    return 0; /* the library tells CUDA allocations apart */
+  if (type == kDLCUDA || type == kDLOneAPI) {
+    return 0; /* the library tells the driver's allocations apart */
   }
   if (type == kDLCUDAHost || type == kDLCUDAManaged) {
     PyErr_Format(PyExc_TypeError,
@@ -668,8 +669,8 @@ static int dl_check_device(const DLTensor *t, const void *ptr) {
     return 0;
   }
   PyErr_Format(PyExc_TypeError,
-               "IPCMemoryHandle() exports CUDA device memory from DLPack "
-               "tensors; this one is on DLPack device type %d",
+               "IPCMemoryHandle() exports CUDA and oneAPI device memory "
+               "from DLPack tensors; this one is on DLPack device type %d",
                (int)type);
   return -1;
 }
