@@ -94,12 +94,15 @@ USMIPC_API int usmipc_device_select(const char *filter,
                                     usmipc_device_t **device);
 
 USMIPC_API const char *usmipc_device_name(const usmipc_device_t *device);
-USMIPC_API usmipc_backend_t usmipc_device_backend(const usmipc_device_t *device);
-USMIPC_API usmipc_device_type_t usmipc_device_type(const usmipc_device_t *device);
+USMIPC_API usmipc_backend_t
+usmipc_device_backend(const usmipc_device_t *device);
+USMIPC_API usmipc_device_type_t
+usmipc_device_type(const usmipc_device_t *device);
 /* Index among the devices of the same backend and type. */
 USMIPC_API int usmipc_device_index(const usmipc_device_t *device);
 /* The canonical filter string, "host:cpu:0". */
-USMIPC_API const char *usmipc_device_filter_string(const usmipc_device_t *device);
+USMIPC_API const char *
+usmipc_device_filter_string(const usmipc_device_t *device);
 USMIPC_API void usmipc_device_uuid(const usmipc_device_t *device,
                                    uint8_t uuid[16]);
 /* The aspect "supports IPC memory": 1 or 0. */
@@ -146,19 +149,21 @@ USMIPC_API int usmipc_free(void *ptr);
 typedef struct usmipc_pointer_info {
   usmipc_device_t *device;
   usmipc_mem_kind_t kind;
-  void *base;          /* start of the allocation holding the pointer */
-  size_t size;         /* size of that allocation */
-  uint64_t buffer_id;  /* unique per allocation; differs after address reuse */
-  int is_ipc_mapping;  /* 1 when the memory was opened from an IPC handle */
-  int is_foreign;      /* 1 when another library allocated it */
+  void *base;         /* start of the allocation holding the pointer */
+  size_t size;        /* size of that allocation */
+  uint64_t buffer_id; /* unique per allocation; differs after address reuse */
+  int is_ipc_mapping; /* 1 when the memory was opened from an IPC handle */
+  int is_foreign;     /* 1 when another library allocated it */
 } usmipc_pointer_info_t;
 
 /* Which device and kind, base and size of the allocation containing ptr.
  * Knows usmipc's allocations and mappings, and pointers that a backend's
  * driver can describe (any CUDA allocation). */
-USMIPC_API int usmipc_pointer_query(const void *ptr, usmipc_pointer_info_t *info);
+USMIPC_API int usmipc_pointer_query(const void *ptr,
+                                    usmipc_pointer_info_t *info);
 
-/* ---- IPC: the four calls of the seed -------------------------------------- */
+/* ---- IPC: the four calls of the seed --------------------------------------
+ */
 
 /* Exports nbytes of device memory starting at ptr (an interior pointer is
  * fine: the handle carries the offset). nbytes == 0 exports up to the end of

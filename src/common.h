@@ -51,14 +51,14 @@ int usmipc__random(void *buf, size_t len);
 
 struct usmipc_device {
   const usmipc__backend_ops_t *ops;
-  void *native;              /* from the backend's probe */
+  void *native; /* from the backend's probe */
   usmipc_device_type_t type;
-  int index;                 /* among devices of the same backend and type */
-  int ordinal;               /* probe order within the backend */
+  int index;   /* among devices of the same backend and type */
+  int ordinal; /* probe order within the backend */
   int has_ipc;
   uint8_t uuid[16];
   char name[128];
-  char filter[48];           /* "host:cpu:0" */
+  char filter[48]; /* "host:cpu:0" */
 };
 
 struct usmipc_queue {
@@ -67,7 +67,8 @@ struct usmipc_queue {
 };
 
 int usmipc__devices_init(void);
-usmipc_device_t *usmipc__device_by_ordinal(usmipc_backend_t backend, int ordinal);
+usmipc_device_t *usmipc__device_by_ordinal(usmipc_backend_t backend,
+                                           int ordinal);
 usmipc_device_t *usmipc__device_by_uuid(usmipc_backend_t backend,
                                         const uint8_t uuid[16]);
 void usmipc__uuid_format(const uint8_t uuid[16], char out[37]);
@@ -78,8 +79,8 @@ void usmipc__uuid_format(const uint8_t uuid[16], char out[37]);
  * registry and the import cache; it is never held across a driver call that
  * can block on another process. */
 typedef enum usmipc__origin {
-  USMIPC__LOCAL = 1,    /* usmipc_malloc in this process */
-  USMIPC__IMPORTED = 2, /* usmipc_ipc_open of another process's handle */
+  USMIPC__LOCAL = 1,         /* usmipc_malloc in this process */
+  USMIPC__IMPORTED = 2,      /* usmipc_ipc_open of another process's handle */
   USMIPC__FOREIGN_ALIAS = 3, /* this process's own export of memory another
                                 library allocated, opened here as an alias */
 } usmipc__origin_t;
@@ -98,14 +99,14 @@ typedef struct usmipc__region {
   uint64_t buffer_id; /* LOCAL: drawn at allocation; IMPORTED: the exporter's */
 
   /* LOCAL and FOREIGN_ALIAS */
-  unsigned alias_refs;  /* same-process opens not yet closed */
-  bool user_freed;      /* usmipc_free called while aliases were open */
-  bool exported;        /* payload and fd grant below are valid */
+  unsigned alias_refs; /* same-process opens not yet closed */
+  bool user_freed;     /* usmipc_free called while aliases were open */
+  bool exported;       /* payload and fd grant below are valid */
   usmipc__payload_t payload;
-  uint8_t token[16];    /* LOCAL: capability importers present to the broker;
-                           IMPORTED: the token of the handle first opened,
-                           which later opens of the same allocation match */
-  uint32_t fd_number;   /* the published descriptor, for pidfd_getfd */
+  uint8_t token[16];  /* LOCAL: capability importers present to the broker;
+                         IMPORTED: the token of the handle first opened,
+                         which later opens of the same allocation match */
+  uint32_t fd_number; /* the published descriptor, for pidfd_getfd */
   uint64_t fd_dev, fd_ino;
   uint32_t export_slot; /* this allocation's slot in the export table */
   uint32_t table_fd_number;
@@ -113,7 +114,7 @@ typedef struct usmipc__region {
 
   /* IMPORTED */
   usmipc__import_key_t key;
-  unsigned open_refs;   /* usmipc_ipc_open calls not yet closed */
+  unsigned open_refs; /* usmipc_ipc_open calls not yet closed */
   struct usmipc__region *idle_prev, *idle_next; /* LRU of closed mappings */
 } usmipc__region_t;
 
@@ -141,10 +142,13 @@ int usmipc__foreign_query_unlocked(const void *ptr, usmipc__allocation_t *alloc,
 
 #define USMIPC__WIRE_VERSION 1
 #define USMIPC__WIRE_FIXED_LEN 148 /* bytes before the payload */
-#define USMIPC__NO_SLOT UINT32_MAX /* the allocation has no export-table slot */
-#define USMIPC__WIRE_FLAG_FD 0x1u  /* an fd must be fetched from the exporter */
-#define USMIPC__WIRE_FLAG_REOPENABLE 0x2u /* that fd is a memfd, which
-                                             /proc/<pid>/fd can reopen */
+#define USMIPC__NO_SLOT UINT32_MAX /* the allocation has no export-table slot  \
+                                    */
+#define USMIPC__WIRE_FLAG_FD 0x1u  /* an fd must be fetched from the exporter  \
+                                    */
+#define USMIPC__WIRE_FLAG_REOPENABLE                                           \
+  0x2u /* that fd is a memfd, which                                            \
+          /proc/<pid>/fd can reopen */
 
 typedef struct usmipc__wire {
   usmipc_backend_t backend;
@@ -176,13 +180,15 @@ void usmipc__wire_encode(const usmipc__wire_t *w, uint8_t *out);
 int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w);
 uint32_t usmipc__crc32c(uint32_t crc, const void *data, size_t len);
 
-/* ---- file descriptor transport (linux/fdxfer.c) --------------------------- */
+/* ---- file descriptor transport (linux/fdxfer.c) ---------------------------
+ */
 
 typedef struct usmipc__fd_grant {
   uint8_t token[16];
   uint32_t fd_number;
   uint64_t dev, ino;
-  bool reopenable; /* a memfd: opening /proc/<pid>/fd/<n> yields the same file */
+  bool
+      reopenable; /* a memfd: opening /proc/<pid>/fd/<n> yields the same file */
 } usmipc__fd_grant_t;
 
 /* Starts this process's broker if it is not running: it serves the export
@@ -192,7 +198,8 @@ int usmipc__fdxfer_serve(void);
 /* Makes fd fetchable by importers that present the returned token; starts
  * the broker lazily. fd is borrowed: the caller keeps it open until it has
  * called usmipc__fdxfer_withdraw. */
-int usmipc__fdxfer_publish(int fd, uint64_t buffer_id, usmipc__fd_grant_t *grant);
+int usmipc__fdxfer_publish(int fd, uint64_t buffer_id,
+                           usmipc__fd_grant_t *grant);
 /* Stops serving buffer_id (on return the descriptor is no longer used);
  * importers that already hold the fd keep it. */
 void usmipc__fdxfer_withdraw(uint64_t buffer_id);

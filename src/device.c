@@ -9,8 +9,8 @@
 #define MAX_DEVICES 64
 
 typedef struct backend_state {
-  int status;        /* 0 available, else USMIPC_EUNAVAILABLE */
-  char reason[256];  /* why it is unavailable */
+  int status;       /* 0 available, else USMIPC_EUNAVAILABLE */
+  char reason[256]; /* why it is unavailable */
 } backend_state_t;
 
 static usmipc_device_t devices[MAX_DEVICES];
@@ -46,7 +46,8 @@ static void probe_all(void) {
     if (n <= 0) {
       st->status = USMIPC_EUNAVAILABLE;
       if (n == 0 && st->reason[0] == '\0')
-        snprintf(st->reason, sizeof(st->reason), "the driver reports no devices");
+        snprintf(st->reason, sizeof(st->reason),
+                 "the driver reports no devices");
       continue;
     }
     int per_type[3] = {0, 0, 0};
@@ -248,10 +249,11 @@ usmipc_device_t *usmipc__device_by_uuid(usmipc_backend_t backend,
 }
 
 void usmipc__uuid_format(const uint8_t u[16], char out[37]) {
-  snprintf(out, 37,
-           "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
-           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10],
-           u[11], u[12], u[13], u[14], u[15]);
+  snprintf(
+      out, 37,
+      "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+      u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11],
+      u[12], u[13], u[14], u[15]);
 }
 
 const char *usmipc_device_name(const usmipc_device_t *d) {
@@ -273,4 +275,6 @@ void usmipc_device_uuid(const usmipc_device_t *d, uint8_t uuid[16]) {
   else
     memset(uuid, 0, 16);
 }
-int usmipc_device_has_ipc(const usmipc_device_t *d) { return d ? d->has_ipc : 0; }
+int usmipc_device_has_ipc(const usmipc_device_t *d) {
+  return d ? d->has_ipc : 0;
+}

@@ -43,7 +43,8 @@ static void cache_init(void) {
   }
 }
 
-static int key_cmp(const usmipc__import_key_t *a, const usmipc__import_key_t *b) {
+static int key_cmp(const usmipc__import_key_t *a,
+                   const usmipc__import_key_t *b) {
   if (a->buffer_id != b->buffer_id)
     return a->buffer_id < b->buffer_id ? -1 : 1;
   if (a->nonce != b->nonce)
@@ -159,7 +160,8 @@ int usmipc_ipc_set_cache_size(size_t entries) {
   return 0;
 }
 
-/* ---- export --------------------------------------------------------------- */
+/* ---- export ---------------------------------------------------------------
+ */
 
 /* First export of a region: the backend's payload and, for fd-backed memory,
  * a grant from the transport. Later exports reuse both, so an export after
@@ -277,7 +279,8 @@ static int export_foreign(const void *ptr, size_t nbytes,
   int fd = -1;
   rc = device->ops->ipc_export(device->native, &a, &w.payload, &fd);
   if (rc == 0 && fd >= 0)
-    rc = usmipc__fail(USMIPC_ENOTSUP, "cannot export %p: memory of another "
+    rc = usmipc__fail(USMIPC_ENOTSUP,
+                      "cannot export %p: memory of another "
                       "library shared through a descriptor is not supported",
                       ptr);
   if (rc != 0)
@@ -304,8 +307,8 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
                       "process's memory; forward the original handle bytes",
                       ptr);
   else if (r->user_freed)
-    rc = usmipc__fail(USMIPC_EUNKNOWNPTR, "cannot export %p: it was freed",
-                      ptr);
+    rc =
+        usmipc__fail(USMIPC_EUNKNOWNPTR, "cannot export %p: it was freed", ptr);
   else if ((rc = check_export(ptr, r->device, &r->alloc, &offset, &nbytes)) ==
                0 &&
            !r->exported && (rc = export_region(r)) != 0)
@@ -347,7 +350,8 @@ int usmipc_ipc_free_handle(usmipc_ipc_handle_t *handle) {
   return 0;
 }
 
-/* ---- open and close ------------------------------------------------------- */
+/* ---- open and close -------------------------------------------------------
+ */
 
 /* A handle opened by the process that exported it: the memory is already
  * here, so the open is an alias of the original pointer, counted so that
@@ -471,8 +475,10 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
   if (w.nonce == self->nonce && w.pid == self->pid)
     return open_same_process(&w, ptr);
 
-  usmipc__import_key_t key = {.nonce = w.nonce, .buffer_id = w.buffer_id,
-                              .pid = w.pid, .device = device};
+  usmipc__import_key_t key = {.nonce = w.nonce,
+                              .buffer_id = w.buffer_id,
+                              .pid = w.pid,
+                              .device = device};
   pthread_mutex_lock(&usmipc__registry_lock);
   usmipc__region_t *hit = import_find(&key);
   if (hit != NULL) {

@@ -38,7 +38,9 @@ static void registry_init(void) {
   pthread_atfork(fork_prepare, fork_parent, fork_child);
 }
 
-static void registry_ensure(void) { pthread_once(&registry_once, registry_init); }
+static void registry_ensure(void) {
+  pthread_once(&registry_once, registry_init);
+}
 
 uint64_t usmipc__new_buffer_id(void) {
   registry_ensure();
@@ -145,8 +147,8 @@ int usmipc_malloc_flags(usmipc_device_t *device, usmipc_mem_kind_t kind,
   if (r == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
   r->alloc.fd = -1;
-  int rc = device->ops->mem_alloc(device->native, kind, nbytes, flags,
-                                  &r->alloc);
+  int rc =
+      device->ops->mem_alloc(device->native, kind, nbytes, flags, &r->alloc);
   if (rc != 0) {
     free(r);
     usmipc__error_prefix("allocating %zu bytes of %s memory on %s: ", nbytes,
@@ -254,8 +256,8 @@ int usmipc_pointer_query(const void *ptr, usmipc_pointer_info_t *info) {
 
   /* Not ours: ask the drivers (a CUDA pointer from another library). */
   usmipc__allocation_t a;
-  int rc = usmipc__foreign_query_unlocked(ptr, &a, &info->buffer_id,
-                                          &info->device);
+  int rc =
+      usmipc__foreign_query_unlocked(ptr, &a, &info->buffer_id, &info->device);
   if (rc != 0) {
     memset(info, 0, sizeof(*info));
     return rc;
@@ -328,8 +330,8 @@ int usmipc_queue_create(usmipc_device_t *device, usmipc_queue_t **queue) {
 int usmipc_queue_destroy(usmipc_queue_t *queue) {
   if (queue == NULL)
     return 0;
-  int rc = queue->device->ops->queue_destroy(queue->device->native,
-                                             queue->native);
+  int rc =
+      queue->device->ops->queue_destroy(queue->device->native, queue->native);
   free(queue);
   return rc;
 }

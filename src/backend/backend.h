@@ -29,10 +29,11 @@ typedef struct usmipc__allocation {
   void *base;
   size_t size;
   usmipc_mem_kind_t kind;
-  size_t reserved;  /* bytes really mapped (page or granularity rounding) */
-  int fd;           /* a shareable file descriptor owned by this record, or -1 */
-  unsigned how;     /* backend-specific: how the memory was made or mapped */
-  uint64_t native;  /* backend's own handle (CUmemGenericAllocationHandle, ...) */
+  size_t reserved; /* bytes really mapped (page or granularity rounding) */
+  int fd;          /* a shareable file descriptor owned by this record, or -1 */
+  unsigned how;    /* backend-specific: how the memory was made or mapped */
+  uint64_t
+      native; /* backend's own handle (CUmemGenericAllocationHandle, ...) */
 } usmipc__allocation_t;
 
 /* The backend-specific part of a wire handle (docs/handle-format.md). */
@@ -81,7 +82,8 @@ typedef struct usmipc__backend_ops {
   int (*ipc_export)(void *dev, usmipc__allocation_t *alloc,
                     usmipc__payload_t *payload, int *fd_to_share);
   int (*ipc_import)(void *dev, void *owner, const usmipc__payload_t *payload,
-                    int fd, uint64_t allocation_size, usmipc__allocation_t *out);
+                    int fd, uint64_t allocation_size,
+                    usmipc__allocation_t *out);
   int (*ipc_unmap)(void *dev, usmipc__allocation_t *mapping);
 } usmipc__backend_ops_t;
 

@@ -22,7 +22,8 @@
 
 #include "../common.h"
 
-/* ---- driver types (cuda.h, CUDA 12/13 driver API) ------------------------- */
+/* ---- driver types (cuda.h, CUDA 12/13 driver API) -------------------------
+ */
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -93,70 +94,73 @@ enum {
  * sees no macros. */
 #define CUDA_SYMBOLS(X)                                                        \
   X(cuInit, "cuInit", (unsigned))                                              \
-  X(cuGetErrorString, "cuGetErrorString", (CUresult, const char **))          \
-  X(cuGetErrorName, "cuGetErrorName", (CUresult, const char **))              \
-  X(cuDriverGetVersion, "cuDriverGetVersion", (int *))                        \
-  X(cuDeviceGetCount, "cuDeviceGetCount", (int *))                            \
-  X(cuDeviceGet, "cuDeviceGet", (CUdevice *, int))                            \
-  X(cuDeviceGetName, "cuDeviceGetName", (char *, int, CUdevice))              \
-  X(cuDeviceGetUuid, "cuDeviceGetUuid_v2", (CUuuid *, CUdevice))              \
-  X(cuDeviceGetAttribute, "cuDeviceGetAttribute", (int *, int, CUdevice))     \
-  X(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", (int *, CUdevice, CUdevice)) \
-  X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", (CUcontext *, CUdevice)) \
-  X(cuCtxPushCurrent, "cuCtxPushCurrent_v2", (CUcontext))                     \
-  X(cuCtxPopCurrent, "cuCtxPopCurrent_v2", (CUcontext *))                     \
-  X(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", (CUcontext, unsigned))    \
-  X(cuMemAlloc, "cuMemAlloc_v2", (CUdeviceptr *, size_t))                     \
-  X(cuMemFree, "cuMemFree_v2", (CUdeviceptr))                                 \
-  X(cuMemHostAlloc, "cuMemHostAlloc", (void **, size_t, unsigned))            \
-  X(cuMemFreeHost, "cuMemFreeHost", (void *))                                 \
+  X(cuGetErrorString, "cuGetErrorString", (CUresult, const char **))           \
+  X(cuGetErrorName, "cuGetErrorName", (CUresult, const char **))               \
+  X(cuDriverGetVersion, "cuDriverGetVersion", (int *))                         \
+  X(cuDeviceGetCount, "cuDeviceGetCount", (int *))                             \
+  X(cuDeviceGet, "cuDeviceGet", (CUdevice *, int))                             \
+  X(cuDeviceGetName, "cuDeviceGetName", (char *, int, CUdevice))               \
+  X(cuDeviceGetUuid, "cuDeviceGetUuid_v2", (CUuuid *, CUdevice))               \
+  X(cuDeviceGetAttribute, "cuDeviceGetAttribute", (int *, int, CUdevice))      \
+  X(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer",                            \
+    (int *, CUdevice, CUdevice))                                               \
+  X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain",                      \
+    (CUcontext *, CUdevice))                                                   \
+  X(cuCtxPushCurrent, "cuCtxPushCurrent_v2", (CUcontext))                      \
+  X(cuCtxPopCurrent, "cuCtxPopCurrent_v2", (CUcontext *))                      \
+  X(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", (CUcontext, unsigned))     \
+  X(cuMemAlloc, "cuMemAlloc_v2", (CUdeviceptr *, size_t))                      \
+  X(cuMemFree, "cuMemFree_v2", (CUdeviceptr))                                  \
+  X(cuMemHostAlloc, "cuMemHostAlloc", (void **, size_t, unsigned))             \
+  X(cuMemFreeHost, "cuMemFreeHost", (void *))                                  \
   X(cuMemAllocManaged, "cuMemAllocManaged", (CUdeviceptr *, size_t, unsigned)) \
-  X(cuPointerGetAttributes, "cuPointerGetAttributes",                         \
+  X(cuPointerGetAttributes, "cuPointerGetAttributes",                          \
     (unsigned, int *, void **, CUdeviceptr))                                   \
-  X(cuStreamCreate, "cuStreamCreate", (CUstream *, unsigned))                 \
-  X(cuStreamDestroy, "cuStreamDestroy_v2", (CUstream))                        \
-  X(cuStreamSynchronize, "cuStreamSynchronize", (CUstream))                   \
-  X(cuMemcpyAsync, "cuMemcpyAsync", (CUdeviceptr, CUdeviceptr, size_t, CUstream)) \
-  X(cuMemsetD8Async, "cuMemsetD8Async",                                       \
+  X(cuStreamCreate, "cuStreamCreate", (CUstream *, unsigned))                  \
+  X(cuStreamDestroy, "cuStreamDestroy_v2", (CUstream))                         \
+  X(cuStreamSynchronize, "cuStreamSynchronize", (CUstream))                    \
+  X(cuMemcpyAsync, "cuMemcpyAsync",                                            \
+    (CUdeviceptr, CUdeviceptr, size_t, CUstream))                              \
+  X(cuMemsetD8Async, "cuMemsetD8Async",                                        \
     (CUdeviceptr, unsigned char, size_t, CUstream))                            \
-  X(cuIpcGetMemHandle, "cuIpcGetMemHandle", (CUipcMemHandle *, CUdeviceptr))  \
-  X(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2",                              \
+  X(cuIpcGetMemHandle, "cuIpcGetMemHandle", (CUipcMemHandle *, CUdeviceptr))   \
+  X(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2",                               \
     (CUdeviceptr *, CUipcMemHandle, unsigned))                                 \
-  X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle", (CUdeviceptr))                \
-  X(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity",           \
+  X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle", (CUdeviceptr))                 \
+  X(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity",            \
     (size_t *, const CUmemAllocationProp *, int))                              \
-  X(cuMemCreate, "cuMemCreate",                                               \
-    (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,     \
+  X(cuMemCreate, "cuMemCreate",                                                \
+    (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,      \
      unsigned long long))                                                      \
-  X(cuMemRelease, "cuMemRelease", (CUmemGenericAllocationHandle))             \
-  X(cuMemAddressReserve, "cuMemAddressReserve",                               \
-    (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))         \
-  X(cuMemAddressFree, "cuMemAddressFree", (CUdeviceptr, size_t))              \
-  X(cuMemMap, "cuMemMap",                                                     \
-    (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,               \
+  X(cuMemRelease, "cuMemRelease", (CUmemGenericAllocationHandle))              \
+  X(cuMemAddressReserve, "cuMemAddressReserve",                                \
+    (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))          \
+  X(cuMemAddressFree, "cuMemAddressFree", (CUdeviceptr, size_t))               \
+  X(cuMemMap, "cuMemMap",                                                      \
+    (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,                \
      unsigned long long))                                                      \
-  X(cuMemUnmap, "cuMemUnmap", (CUdeviceptr, size_t))                          \
-  X(cuMemSetAccess, "cuMemSetAccess",                                         \
-    (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))                   \
-  X(cuMemExportToShareableHandle, "cuMemExportToShareableHandle",             \
-    (void *, CUmemGenericAllocationHandle, int, unsigned long long))          \
-  X(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle",         \
+  X(cuMemUnmap, "cuMemUnmap", (CUdeviceptr, size_t))                           \
+  X(cuMemSetAccess, "cuMemSetAccess",                                          \
+    (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))                    \
+  X(cuMemExportToShareableHandle, "cuMemExportToShareableHandle",              \
+    (void *, CUmemGenericAllocationHandle, int, unsigned long long))           \
+  X(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle",          \
     (CUmemGenericAllocationHandle *, void *, int))
 
 static struct {
-#define X(field, symbol, args) CUresult (*field) args;
+#define X(field, symbol, args) CUresult(*field) args;
   CUDA_SYMBOLS(X)
 #undef X
 } cu;
 
 /* How an allocation or mapping was made (usmipc__allocation_t.how). */
 enum {
-  HOW_MEM_ALLOC = 1,    /* cuMemAlloc */
-  HOW_VMM = 2,          /* cuMemCreate + map; native is the handle */
-  HOW_HOST = 3,         /* cuMemHostAlloc */
-  HOW_MANAGED = 4,      /* cuMemAllocManaged */
-  HOW_IPC_NATIVE = 5,   /* cuIpcOpenMemHandle mapping */
-  HOW_IPC_FD = 6,       /* imported VMM mapping */
+  HOW_MEM_ALLOC = 1,  /* cuMemAlloc */
+  HOW_VMM = 2,        /* cuMemCreate + map; native is the handle */
+  HOW_HOST = 3,       /* cuMemHostAlloc */
+  HOW_MANAGED = 4,    /* cuMemAllocManaged */
+  HOW_IPC_NATIVE = 5, /* cuIpcOpenMemHandle mapping */
+  HOW_IPC_FD = 6,     /* imported VMM mapping */
 };
 
 /* Handle kinds in the wire payload (docs/handle-format.md). */
@@ -168,10 +172,10 @@ enum {
 typedef struct cuda_device {
   CUdevice dev;
   int ordinal;
-  int fd_ipc;          /* cuMemCreate with POSIX fds works here */
-  size_t granularity;  /* cuMemCreate's minimum granularity */
+  int fd_ipc;         /* cuMemCreate with POSIX fds works here */
+  size_t granularity; /* cuMemCreate's minimum granularity */
   pthread_mutex_t lock;
-  CUcontext ctx;       /* primary context, retained on first use */
+  CUcontext ctx; /* primary context, retained on first use */
   int ctx_error;
 } cuda_device_t;
 
@@ -220,7 +224,8 @@ static void ctx_leave(void) {
 
 static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
-/* ---- probe ---------------------------------------------------------------- */
+/* ---- probe ----------------------------------------------------------------
+ */
 
 static int cuda_probe(usmipc__device_desc_t *devices, int max, char *reason,
                       size_t reason_len) {
@@ -236,7 +241,7 @@ static int cuda_probe(usmipc__device_desc_t *devices, int max, char *reason,
   *(void **)&cu.field = dlsym(lib, symbol);                                    \
   if (cu.field == NULL) {                                                      \
     snprintf(reason, reason_len,                                               \
-             "the CUDA driver lacks %s (driver too old for CUDA 11.2+)",      \
+             "the CUDA driver lacks %s (driver too old for CUDA 11.2+)",       \
              symbol);                                                          \
     return USMIPC_EUNAVAILABLE;                                                \
   }
@@ -267,12 +272,13 @@ static int cuda_probe(usmipc__device_desc_t *devices, int max, char *reason,
     CUuuid uuid;
     cu.cuDeviceGetUuid(&uuid, d->dev);
     memcpy(desc->uuid, uuid.bytes, 16);
-    cu.cuDeviceGetAttribute(&uva, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, d->dev);
-    cu.cuDeviceGetAttribute(&vmm,
-                            CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+    cu.cuDeviceGetAttribute(&uva, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING,
                             d->dev);
     cu.cuDeviceGetAttribute(
-        &posix_fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+        &vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, d->dev);
+    cu.cuDeviceGetAttribute(
+        &posix_fd,
+        CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
         d->dev);
     d->fd_ipc = vmm && posix_fd;
     if (d->fd_ipc) {
@@ -298,9 +304,11 @@ static int cuda_probe(usmipc__device_desc_t *devices, int max, char *reason,
   return count;
 }
 
-/* ---- memory --------------------------------------------------------------- */
+/* ---- memory ---------------------------------------------------------------
+ */
 
-static int vmm_alloc(cuda_device_t *d, size_t nbytes, usmipc__allocation_t *out) {
+static int vmm_alloc(cuda_device_t *d, size_t nbytes,
+                     usmipc__allocation_t *out) {
   CUmemAllocationProp prop = {
       .type = CU_MEM_ALLOCATION_TYPE_PINNED,
       .requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
@@ -428,12 +436,10 @@ static int cuda_pointer_query(const void *ptr, usmipc__allocation_t *out,
   unsigned long long id = 0;
   CUdeviceptr start = 0;
   size_t size = 0;
-  int attrs[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                 CU_POINTER_ATTRIBUTE_IS_MANAGED,
-                 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                 CU_POINTER_ATTRIBUTE_BUFFER_ID,
-                 CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-                 CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+  int attrs[] = {
+      CU_POINTER_ATTRIBUTE_MEMORY_TYPE,      CU_POINTER_ATTRIBUTE_IS_MANAGED,
+      CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,   CU_POINTER_ATTRIBUTE_BUFFER_ID,
+      CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE};
   void *data[] = {&memtype, &managed, &ordinal, &id, &start, &size};
   if (cu.cuPointerGetAttributes(6, attrs, data, (CUdeviceptr)(uintptr_t)ptr) !=
           CUDA_SUCCESS ||
@@ -443,8 +449,9 @@ static int cuda_pointer_query(const void *ptr, usmipc__allocation_t *out,
   out->size = size;
   out->reserved = size;
   out->fd = -1;
-  out->how = managed ? HOW_MANAGED
-                     : memtype == CU_MEMORYTYPE_HOST ? HOW_HOST : HOW_MEM_ALLOC;
+  out->how = managed                         ? HOW_MANAGED
+             : memtype == CU_MEMORYTYPE_HOST ? HOW_HOST
+                                             : HOW_MEM_ALLOC;
   out->kind = managed                         ? USMIPC_MEM_SHARED
               : memtype == CU_MEMORYTYPE_HOST ? USMIPC_MEM_HOST
                                               : USMIPC_MEM_DEVICE;
@@ -453,7 +460,8 @@ static int cuda_pointer_query(const void *ptr, usmipc__allocation_t *out,
   return 0;
 }
 
-/* ---- queues --------------------------------------------------------------- */
+/* ---- queues ---------------------------------------------------------------
+ */
 
 static int cuda_queue_create(void *dev, void **queue) {
   int rc = ctx_enter(dev);
@@ -508,7 +516,8 @@ static int cuda_memset(void *dev, void *queue, void *dst, int value, size_t n) {
   return res == CUDA_SUCCESS ? 0 : cu_fail(res, "cuMemsetD8Async");
 }
 
-/* ---- IPC ------------------------------------------------------------------ */
+/* ---- IPC ------------------------------------------------------------------
+ */
 
 static void put_u64(uint8_t *p, uint64_t v) {
   for (int i = 0; i < 8; i++)
@@ -575,7 +584,8 @@ static int check_peer(cuda_device_t *d, cuda_device_t *owner) {
 
 static int cuda_ipc_import(void *dev, void *owner_dev,
                            const usmipc__payload_t *payload, int fd,
-                           uint64_t allocation_size, usmipc__allocation_t *out) {
+                           uint64_t allocation_size,
+                           usmipc__allocation_t *out) {
   cuda_device_t *d = dev, *owner = owner_dev;
   int rc = check_peer(d, owner);
   if (rc != 0)
@@ -589,7 +599,8 @@ static int cuda_ipc_import(void *dev, void *owner_dev,
     if ((rc = ctx_enter(d)) != 0)
       return rc;
     CUdeviceptr p = 0;
-    CUresult res = cu.cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    CUresult res =
+        cu.cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
     size_t mapped = 0;
     if (res == CUDA_SUCCESS) {
       /* The driver handle names a whole allocation, but the size comes from

@@ -177,7 +177,8 @@ static int host_ipc_export(void *dev, usmipc__allocation_t *a,
 
 static int host_ipc_import(void *dev, void *owner,
                            const usmipc__payload_t *payload, int fd,
-                           uint64_t allocation_size, usmipc__allocation_t *out) {
+                           uint64_t allocation_size,
+                           usmipc__allocation_t *out) {
   (void)dev;
   (void)owner;
   if (payload->handle_kind != HOST_HANDLE_MEMFD || payload->len != 0)

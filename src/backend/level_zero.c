@@ -37,7 +37,8 @@
 
 #include "../common.h"
 
-/* ---- driver types (ze_api.h, Level Zero API 1.4) ---------------------------- */
+/* ---- driver types (ze_api.h, Level Zero API 1.4) ----------------------------
+ */
 
 typedef int ze_result_t; /* every value fits an int */
 typedef uint8_t ze_bool_t;
@@ -208,9 +209,8 @@ enum {
     (ze_context_handle_t, const void *, void **, size_t *))                    \
   X(zeMemGetIpcHandle,                                                         \
     (ze_context_handle_t, const void *, ze_ipc_mem_handle_t *))                \
-  X(zeMemOpenIpcHandle,                                                        \
-    (ze_context_handle_t, ze_device_handle_t, ze_ipc_mem_handle_t,             \
-     ze_ipc_memory_flags_t, void **))                                          \
+  X(zeMemOpenIpcHandle, (ze_context_handle_t, ze_device_handle_t,              \
+                         ze_ipc_mem_handle_t, ze_ipc_memory_flags_t, void **)) \
   X(zeMemCloseIpcHandle, (ze_context_handle_t, const void *))                  \
   X(zeCommandListCreateImmediate,                                              \
     (ze_context_handle_t, ze_device_handle_t, const ze_command_queue_desc_t *, \
@@ -224,7 +224,7 @@ enum {
      ze_event_handle_t, uint32_t, ze_event_handle_t *))
 
 static struct {
-#define X(name, args) ze_result_t (*name) args;
+#define X(name, args) ze_result_t(*name) args;
   ZE_SYMBOLS(X)
 #undef X
 } ze;
@@ -234,9 +234,11 @@ static struct {
 typedef ze_result_t (*ze_put_ipc_handle_fn)(ze_context_handle_t,
                                             ze_ipc_mem_handle_t);
 typedef ze_result_t (*ze_fd_from_ipc_handle_fn)(ze_context_handle_t,
-                                                ze_ipc_mem_handle_t, uint64_t *);
+                                                ze_ipc_mem_handle_t,
+                                                uint64_t *);
 
-/* ---- backend state ------------------------------------------------------------ */
+/* ---- backend state
+ * ------------------------------------------------------------ */
 
 /* How an allocation or mapping was made (usmipc__allocation_t.how). */
 enum {
@@ -269,17 +271,17 @@ enum {
 typedef struct lz_driver {
   ze_driver_handle_t handle;
   ze_context_handle_t context;
-  int ipc_memory; /* ZE_IPC_PROPERTY_FLAG_MEMORY */
-  ze_put_ipc_handle_fn put_ipc_handle;        /* or NULL */
+  int ipc_memory;                              /* ZE_IPC_PROPERTY_FLAG_MEMORY */
+  ze_put_ipc_handle_fn put_ipc_handle;         /* or NULL */
   ze_fd_from_ipc_handle_fn fd_from_ipc_handle; /* or NULL */
 } lz_driver_t;
 
 typedef struct lz_device {
   lz_driver_t *driver;
   ze_device_handle_t handle;
-  int ordinal;          /* probe order, the core's ordinal */
-  uint32_t copy_group;  /* command queue group ordinal that can copy */
-  uint64_t max_alloc;   /* maxMemAllocSize */
+  int ordinal;         /* probe order, the core's ordinal */
+  uint32_t copy_group; /* command queue group ordinal that can copy */
+  uint64_t max_alloc;  /* maxMemAllocSize */
 } lz_device_t;
 
 /* What an exported allocation keeps (usmipc__allocation_t.native points
@@ -337,7 +339,8 @@ static int lz_fail(ze_result_t res, const char *what) {
                              result_name(res), (unsigned)res);
 }
 
-/* ---- probe -------------------------------------------------------------------- */
+/* ---- probe
+ * -------------------------------------------------------------------- */
 
 /* Resolves an entry point newer than the loader may be. The loader's own
  * export is preferred: it dispatches to the right driver whatever the
@@ -417,13 +420,14 @@ static int lz_probe(usmipc__device_desc_t *devices, int max, char *reason,
              result_name(res), (unsigned)res);
     return USMIPC_EUNAVAILABLE;
   }
-  lz_driver_count = (int)(ndrivers < MAX_LZ_DRIVERS ? ndrivers : MAX_LZ_DRIVERS);
+  lz_driver_count =
+      (int)(ndrivers < MAX_LZ_DRIVERS ? ndrivers : MAX_LZ_DRIVERS);
   int count = 0;
   for (int k = 0; k < lz_driver_count; k++) {
     lz_driver_t *drv = &lz_drivers[k];
     drv->handle = handles[k];
-    ze_driver_ipc_properties_t ipc = {.stype =
-                                          ZE_STRUCTURE_TYPE_DRIVER_IPC_PROPERTIES};
+    ze_driver_ipc_properties_t ipc = {
+        .stype = ZE_STRUCTURE_TYPE_DRIVER_IPC_PROPERTIES};
     if (ze.zeDriverGetIpcProperties(drv->handle, &ipc) == ZE_RESULT_SUCCESS)
       drv->ipc_memory = (ipc.flags & ZE_IPC_PROPERTY_FLAG_MEMORY) != 0;
     ze_context_desc_t cdesc = {.stype = ZE_STRUCTURE_TYPE_CONTEXT_DESC};
@@ -474,16 +478,18 @@ static int lz_probe(usmipc__device_desc_t *devices, int max, char *reason,
   return count;
 }
 
-/* ---- memory ------------------------------------------------------------------- */
+/* ---- memory
+ * ------------------------------------------------------------------- */
 
 static int lz_mem_alloc(void *dev, usmipc_mem_kind_t kind, size_t nbytes,
                         unsigned flags, usmipc__allocation_t *out) {
   (void)flags; /* one way to share: the driver's IPC handle */
   lz_device_t *d = dev;
   ze_context_handle_t ctx = d->driver->context;
-  ze_device_mem_alloc_desc_t ddesc = {.stype =
-                                          ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC};
-  ze_host_mem_alloc_desc_t hdesc = {.stype = ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC};
+  ze_device_mem_alloc_desc_t ddesc = {
+      .stype = ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC};
+  ze_host_mem_alloc_desc_t hdesc = {.stype =
+                                        ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC};
   void *p = NULL;
   ze_result_t res;
   const char *what;
@@ -584,7 +590,8 @@ static int lz_pointer_query(const void *ptr, usmipc__allocation_t *out,
   return USMIPC_EUNKNOWNPTR;
 }
 
-/* ---- queues ------------------------------------------------------------------- */
+/* ---- queues
+ * ------------------------------------------------------------------- */
 
 /* A synchronous immediate command list: every append has completed when it
  * returns, so queue_synchronize has nothing to wait for. It needs nothing
@@ -634,8 +641,9 @@ static int lz_memcpy(void *dev, void *queue, void *dst, const void *src,
   ze_result_t res =
       ze.zeCommandListAppendMemoryCopy(q->list, dst, src, n, NULL, 0, NULL);
   pthread_mutex_unlock(&q->lock);
-  return res == ZE_RESULT_SUCCESS ? 0
-                                  : lz_fail(res, "zeCommandListAppendMemoryCopy");
+  return res == ZE_RESULT_SUCCESS
+             ? 0
+             : lz_fail(res, "zeCommandListAppendMemoryCopy");
 }
 
 static int lz_memset(void *dev, void *queue, void *dst, int value, size_t n) {
@@ -646,11 +654,13 @@ static int lz_memset(void *dev, void *queue, void *dst, int value, size_t n) {
   ze_result_t res = ze.zeCommandListAppendMemoryFill(q->list, dst, &pattern, 1,
                                                      n, NULL, 0, NULL);
   pthread_mutex_unlock(&q->lock);
-  return res == ZE_RESULT_SUCCESS ? 0
-                                  : lz_fail(res, "zeCommandListAppendMemoryFill");
+  return res == ZE_RESULT_SUCCESS
+             ? 0
+             : lz_fail(res, "zeCommandListAppendMemoryFill");
 }
 
-/* ---- IPC ---------------------------------------------------------------------- */
+/* ---- IPC
+ * ---------------------------------------------------------------------- */
 
 static int handle_fd(const ze_ipc_mem_handle_t *h) {
   int fd;
@@ -749,8 +759,8 @@ static int lz_ipc_import(void *dev, void *owner_dev,
                         "Level Zero handle of unknown kind %u (payload %u "
                         "bytes)",
                         payload->handle_kind, payload->len);
-  if (memcmp(payload->bytes + LZ_FD_SLOT_OFFSET, zero_slot,
-             LZ_FD_SLOT_SIZE) != 0 ||
+  if (memcmp(payload->bytes + LZ_FD_SLOT_OFFSET, zero_slot, LZ_FD_SLOT_SIZE) !=
+          0 ||
       (with_pid && memcmp(payload->bytes + LZ_PID_SLOT_OFFSET, zero_slot,
                           LZ_PID_SLOT_SIZE) != 0))
     return usmipc__fail(USMIPC_EBADHANDLE,

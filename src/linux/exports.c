@@ -9,9 +9,9 @@
  * share one anonymous inode, so (st_dev, st_ino) cannot tell them apart. The
  * exporter alone knows what is live, and asking its broker on every first
  * open costs a socket round trip. So each exporter keeps one slot per
- * exported allocation, {buffer id, descriptor number, size}, guarded by a sequence
- * counter (a seqlock), in a shared mapping. An importer fetches the table
- * once per exporter (through the fd transport, so the same uid and ptrace
+ * exported allocation, {buffer id, descriptor number, size}, guarded by a
+ * sequence counter (a seqlock), in a shared mapping. An importer fetches the
+ * table once per exporter (through the fd transport, so the same uid and ptrace
  * rules apply) and from then on checks a handle with two memory reads.
  *
  * Slot protocol, for one writer (under table_lock) and any readers:
@@ -46,17 +46,19 @@ _Static_assert(sizeof(export_slot_t) == 32, "slots are 32 bytes on the wire");
 #define TABLE_BYTES ((size_t)TABLE_SLOTS * sizeof(export_slot_t))
 #define IMPORT_TABLES_MAX 64
 
-/* ---- the exporter's side --------------------------------------------------- */
+/* ---- the exporter's side ---------------------------------------------------
+ */
 
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
-static export_slot_t *table;  /* this process's table, read-write */
+static export_slot_t *table; /* this process's table, read-write */
 static int table_fd = -1;
-static uint32_t *free_slots;  /* stack of released slot indices */
+static uint32_t *free_slots; /* stack of released slot indices */
 static size_t free_count, free_capacity;
 static uint32_t next_unused;
 static pthread_once_t exports_once = PTHREAD_ONCE_INIT;
 
-/* ---- the importer's side ----------------------------------------------------- */
+/* ---- the importer's side
+ * ----------------------------------------------------- */
 
 typedef struct import_table {
   uint32_t pid;
@@ -292,9 +294,9 @@ int usmipc__exports_recheck(const usmipc__wire_t *w, uint32_t seq) {
     if (imported[i].slots != NULL && imported[i].pid == w->pid &&
         imported[i].nonce == w->nonce)
       slots = imported[i].slots;
-  uint32_t now = slots ? __atomic_load_n(&slots[w->export_slot].seq,
-                                         __ATOMIC_ACQUIRE)
-                       : seq + 1;
+  uint32_t now =
+      slots ? __atomic_load_n(&slots[w->export_slot].seq, __ATOMIC_ACQUIRE)
+            : seq + 1;
   pthread_mutex_unlock(&table_lock);
   if (now != seq)
     return usmipc__fail(USMIPC_EEXPORTERGONE,

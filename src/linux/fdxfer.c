@@ -111,7 +111,9 @@ static void fork_child(void) {
   listen_fd = -1;
 }
 
-static void fdx_init(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
+static void fdx_init(void) {
+  pthread_atfork(fork_prepare, fork_parent, fork_child);
+}
 
 static socklen_t broker_address(uint32_t pid, uint64_t nonce,
                                 struct sockaddr_un *addr) {
@@ -353,7 +355,8 @@ void usmipc__fdxfer_withdraw(uint64_t buffer_id) {
   pthread_mutex_unlock(&fdx_lock);
 }
 
-/* ---- the importer's side -------------------------------------------------- */
+/* ---- the importer's side --------------------------------------------------
+ */
 
 static int check_identity(int fd, const usmipc__wire_t *w) {
   struct stat st;
@@ -543,7 +546,8 @@ static int broker_request(const usmipc__wire_t *w, uint64_t buffer_id,
                                "cannot reach the fd broker of process %u: %s",
                                w->pid, strerror(e));
   }
-  request_t req = {.magic = REQUEST_MAGIC, .version = PROTOCOL_VERSION,
+  request_t req = {.magic = REQUEST_MAGIC,
+                   .version = PROTOCOL_VERSION,
                    .buffer_id = buffer_id};
   memcpy(req.token, w->token, 16);
   if (send(s, &req, sizeof(req), MSG_NOSIGNAL) != (ssize_t)sizeof(req)) {
@@ -605,8 +609,7 @@ static int broker_request(const usmipc__wire_t *w, uint64_t buffer_id,
                       "IPC is allowed only between processes of the same user "
                       "(uid %u here)",
                       w->pid, (unsigned)getuid());
-  else if (rep.status != REPLY_OK || nfds != 1 ||
-           (msg.msg_flags & MSG_CTRUNC))
+  else if (rep.status != REPLY_OK || nfds != 1 || (msg.msg_flags & MSG_CTRUNC))
     rc = usmipc__fail(USMIPC_ETRANSPORT,
                       "the fd broker of process %u answered status %u with "
                       "%d descriptors",
@@ -714,10 +717,9 @@ static int fetch_table_procfd(const usmipc__wire_t *w, int *out) {
                         w->pid, path);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0)
-    return usmipc__fail_native(errno == ENOENT ? USMIPC_EEXPORTERGONE
-                                               : USMIPC_EACCES,
-                               errno, "cannot open %s: %s", path,
-                               strerror(errno));
+    return usmipc__fail_native(
+        errno == ENOENT ? USMIPC_EEXPORTERGONE : USMIPC_EACCES, errno,
+        "cannot open %s: %s", path, strerror(errno));
   *out = fd;
   return 0;
 }
