@@ -307,6 +307,36 @@ static int cuda_probe(usmipc__device_desc_t *devices, int max, char *reason,
 /* ---- memory ---------------------------------------------------------------
  */
 
+/* Reserves address space for a physical allocation, maps it and makes it
+ * readable and writable from device dev; undoes what it did on failure.
+ * *what names the call that failed. */
+static CUresult vmm_map(CUmemGenericAllocationHandle handle, size_t size,
+                        size_t alignment, CUdevice dev, CUdeviceptr *out,
+                        const char **what) {
+  CUdeviceptr p = 0;
+  *what = "cuMemAddressReserve";
+  CUresult res = cu.cuMemAddressReserve(&p, size, alignment, 0, 0);
+  if (res != CUDA_SUCCESS)
+    return res;
+  *what = "cuMemMap";
+  res = cu.cuMemMap(p, size, 0, handle, 0);
+  if (res == CUDA_SUCCESS) {
+    CUmemAccessDesc access = {
+        .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = dev},
+        .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    *what = "cuMemSetAccess";
+    res = cu.cuMemSetAccess(p, size, &access, 1);
+    if (res != CUDA_SUCCESS)
+      cu.cuMemUnmap(p, size);
+  }
+  if (res != CUDA_SUCCESS) {
+    cu.cuMemAddressFree(p, size);
+    return res;
+  }
+  *out = p;
+  return CUDA_SUCCESS;
+}
+
 static int vmm_alloc(cuda_device_t *d, size_t nbytes,
                      usmipc__allocation_t *out) {
   CUmemAllocationProp prop = {
@@ -322,23 +352,8 @@ static int vmm_alloc(cuda_device_t *d, size_t nbytes,
   CUresult res = cu.cuMemCreate(&handle, size, &prop, 0);
   if (res != CUDA_SUCCESS)
     return cu_fail(res, "cuMemCreate");
-  const char *what = "cuMemAddressReserve";
-  res = cu.cuMemAddressReserve(&p, size, d->granularity, 0, 0);
-  if (res == CUDA_SUCCESS) {
-    what = "cuMemMap";
-    res = cu.cuMemMap(p, size, 0, handle, 0);
-    if (res == CUDA_SUCCESS) {
-      CUmemAccessDesc access = {
-          .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = d->dev},
-          .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-      what = "cuMemSetAccess";
-      res = cu.cuMemSetAccess(p, size, &access, 1);
-      if (res != CUDA_SUCCESS)
-        cu.cuMemUnmap(p, size);
-    }
-    if (res != CUDA_SUCCESS)
-      cu.cuMemAddressFree(p, size);
-  }
+  const char *what = "";
+  res = vmm_map(handle, size, d->granularity, d->dev, &p, &what);
   if (res != CUDA_SUCCESS) {
     cu.cuMemRelease(handle);
     return cu_fail(res, what);
@@ -650,23 +665,9 @@ static int cuda_ipc_import(void *dev, void *owner_dev,
   CUresult res = cu.cuMemImportFromShareableHandle(
       &handle, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   if (res == CUDA_SUCCESS) {
-    what = "cuMemAddressReserve";
-    res = cu.cuMemAddressReserve(&p, size, owner->granularity, 0, 0);
-    if (res == CUDA_SUCCESS) {
-      what = "cuMemMap";
-      res = cu.cuMemMap(p, size, 0, handle, 0);
-      if (res == CUDA_SUCCESS) {
-        CUmemAccessDesc access = {
-            .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = d->dev},
-            .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-        what = "cuMemSetAccess";
-        res = cu.cuMemSetAccess(p, size, &access, 1);
-        if (res != CUDA_SUCCESS)
-          cu.cuMemUnmap(p, size);
-      }
-      if (res != CUDA_SUCCESS)
-        cu.cuMemAddressFree(p, size);
-    }
+    /* Mapped for the target device d: for memory of another GPU that is
+     * the peer mapping. */
+    res = vmm_map(handle, size, owner->granularity, d->dev, &p, &what);
     /* The mapping holds its own reference to the physical memory. */
     cu.cuMemRelease(handle);
   }
