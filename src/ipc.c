@@ -488,13 +488,12 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
   }
   pthread_mutex_unlock(&usmipc__registry_lock);
 
-  /* Miss: fetch and map without the lock, since both can wait on the
-   * exporter; another thread may map the same allocation meanwhile, and the
-   * loser unmaps its copy below. */
-  /* The exporter's export table says whether the allocation is still
-   * exported and how large it is: a driver handle (a bearer token) may be
-   * accepted by the driver after a free, and the sizes in the handle are
-   * only as true as whoever wrote it. */
+  /* Miss: check, fetch and map without the lock, since all three can wait
+   * on the exporter; another thread may map the same allocation meanwhile,
+   * and the loser unmaps its copy below. The exporter's export table says
+   * whether the allocation is still exported and how large it is: a driver
+   * handle (a bearer token) may be accepted by the driver after a free, and
+   * the sizes in the handle are only as true as whoever wrote it. */
   uint32_t seq = 0;
   if (w.export_slot != USMIPC__NO_SLOT &&
       (rc = usmipc__exports_check(&w, &seq)) != 0)

@@ -675,53 +675,53 @@ int usmipc__fdxfer_fetch(const usmipc__wire_t *w, uint32_t seq, int *fd) {
   }
 }
 
-/* A table copied with pidfd_getfd is verified by its memfd name, which holds
- * the exporter's pid and nonce: a recycled pid cannot pass it. */
-static int fetch_table_pidfd(const usmipc__wire_t *w, int *out) {
-  int fd = -1;
-  int rc = pidfd_take(w->pid, w->nonce, w->table_fd_number, &fd);
-  if (rc != 0)
-    return rc;
+/* A table descriptor, however it was obtained, is the exporter's only if it
+ * is the memfd named after the exporter's pid and nonce: a recycled pid or a
+ * reused descriptor number cannot pass. Closes fd when it is not. */
+static int check_table(int fd, const usmipc__wire_t *w) {
   char expect[96], name[64], link[128], path[40];
   usmipc__exports_table_name(w->pid, w->nonce, name, sizeof(name));
   snprintf(expect, sizeof(expect), "/memfd:%s (deleted)", name);
   snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
   ssize_t n = readlink(path, link, sizeof(link) - 1);
-  if (n < 0 || (size_t)n != strlen(expect) || memcmp(link, expect, (size_t)n)) {
-    close(fd);
-    return usmipc__fail(USMIPC_EEXPORTERGONE,
-                        "process %u is not the process that exported this "
-                        "handle (its export table is missing)",
-                        w->pid);
-  }
-  *out = fd;
-  return 0;
+  if (n >= 0 && (size_t)n == strlen(expect) && !memcmp(link, expect, (size_t)n))
+    return 0;
+  close(fd);
+  return usmipc__fail(USMIPC_EEXPORTERGONE,
+                      "process %u is not the process that exported this "
+                      "handle (its export table is missing: it exited)",
+                      w->pid);
 }
 
-/* The table through /proc/<pid>/fd, read-only, with the same name check. */
+static int fetch_table_pidfd(const usmipc__wire_t *w, int *out) {
+  int fd = -1;
+  int rc = pidfd_take(w->pid, w->nonce, w->table_fd_number, &fd);
+  if (rc == 0 && (rc = check_table(fd, w)) == 0)
+    *out = fd;
+  return rc;
+}
+
+/* The table through /proc/<pid>/fd, read-only (see fetch_procfd). */
 static int fetch_table_procfd(const usmipc__wire_t *w, int *out) {
-  char path[48], link[128], name[64], expect[96];
+  char path[48];
   snprintf(path, sizeof(path), "/proc/%u/fd/%u", w->pid, w->table_fd_number);
-  usmipc__exports_table_name(w->pid, w->nonce, name, sizeof(name));
-  snprintf(expect, sizeof(expect), "/memfd:%s (deleted)", name);
-  ssize_t n = readlink(path, link, sizeof(link) - 1);
-  if (n < 0 && (errno == EACCES || errno == EPERM))
-    return usmipc__fail_native(USMIPC_EACCES, errno,
-                               "%s may not be read by this process (another "
-                               "user); use USMIPC_FD_TRANSPORT=socket",
-                               path);
-  if (n < 0 || (size_t)n != strlen(expect) || memcmp(link, expect, (size_t)n))
-    return usmipc__fail(USMIPC_EEXPORTERGONE,
-                        "process %u's export table is not at %s (the "
-                        "exporter exited)",
-                        w->pid, path);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    return usmipc__fail_native(
-        errno == ENOENT ? USMIPC_EEXPORTERGONE : USMIPC_EACCES, errno,
-        "cannot open %s: %s", path, strerror(errno));
-  *out = fd;
-  return 0;
+  if (fd < 0) {
+    int e = errno;
+    if (e == EACCES || e == EPERM)
+      return usmipc__fail_native(USMIPC_EACCES, e,
+                                 "%s may not be opened by this process "
+                                 "(another user); use "
+                                 "USMIPC_FD_TRANSPORT=socket",
+                                 path);
+    return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
+                               "cannot open %s (%s): the exporter exited", path,
+                               strerror(e));
+  }
+  int rc = check_table(fd, w);
+  if (rc == 0)
+    *out = fd;
+  return rc;
 }
 
 int usmipc__fdxfer_fetch_table(const usmipc__wire_t *w, int *fd) {

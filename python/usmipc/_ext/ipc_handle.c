@@ -14,6 +14,9 @@
  */
 #include "ext.h"
 
+#include <stddef.h>
+#include <structmember.h>
+
 #include <stdio.h>
 #include <string.h>
 
@@ -586,31 +589,6 @@ static PyObject *handle_reduce(PyObject *self, PyObject *Py_UNUSED(ignored)) {
   return r;
 }
 
-static PyObject *handle_get_nbytes(PyObject *self, void *closure) {
-  (void)closure;
-  return PyLong_FromUnsignedLongLong(((Handle *)self)->info.nbytes);
-}
-
-static PyObject *handle_get_offset(PyObject *self, void *closure) {
-  (void)closure;
-  return PyLong_FromUnsignedLongLong(((Handle *)self)->info.offset);
-}
-
-static PyObject *handle_get_allocation_size(PyObject *self, void *closure) {
-  (void)closure;
-  return PyLong_FromUnsignedLongLong(((Handle *)self)->info.allocation_size);
-}
-
-static PyObject *handle_get_buffer_id(PyObject *self, void *closure) {
-  (void)closure;
-  return PyLong_FromUnsignedLongLong(((Handle *)self)->info.buffer_id);
-}
-
-static PyObject *handle_get_exporter_pid(PyObject *self, void *closure) {
-  (void)closure;
-  return PyLong_FromUnsignedLong(((Handle *)self)->info.exporter_pid);
-}
-
 static PyObject *handle_get_backend(PyObject *self, void *closure) {
   (void)closure;
   return PyUnicode_FromString(
@@ -726,16 +704,22 @@ static PyMethodDef handle_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* The handle's decoded fields, read-only. */
+static PyMemberDef handle_members[] = {
+    {"nbytes", T_ULONGLONG, offsetof(Handle, info.nbytes), READONLY,
+     "Exported size in bytes."},
+    {"offset", T_ULONGLONG, offsetof(Handle, info.offset), READONLY,
+     "Offset of the exported range in its allocation."},
+    {"allocation_size", T_ULONGLONG, offsetof(Handle, info.allocation_size),
+     READONLY, "Size of the whole exported allocation."},
+    {"buffer_id", T_ULONGLONG, offsetof(Handle, info.buffer_id), READONLY,
+     "The exporter's unique id of the allocation."},
+    {"exporter_pid", T_UINT, offsetof(Handle, info.exporter_pid), READONLY,
+     "Process id of the exporter."},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyGetSetDef handle_getset[] = {
-    {"nbytes", handle_get_nbytes, NULL, "Exported size in bytes.", NULL},
-    {"offset", handle_get_offset, NULL,
-     "Offset of the exported range in its allocation.", NULL},
-    {"allocation_size", handle_get_allocation_size, NULL,
-     "Size of the whole exported allocation.", NULL},
-    {"buffer_id", handle_get_buffer_id, NULL,
-     "The exporter's unique id of the allocation.", NULL},
-    {"exporter_pid", handle_get_exporter_pid, NULL,
-     "Process id of the exporter.", NULL},
     {"backend", handle_get_backend, NULL, "The backend's name.", NULL},
     {"device_uuid", handle_get_device_uuid, NULL,
      "UUID of the exporting device.", NULL},
@@ -768,6 +752,7 @@ static PyType_Slot handle_slots[] = {
     {Py_tp_richcompare, handle_richcompare},
     {Py_tp_hash, handle_hash},
     {Py_tp_methods, handle_methods},
+    {Py_tp_members, handle_members},
     {Py_tp_getset, handle_getset},
     {0, NULL},
 };
