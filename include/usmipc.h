@@ -210,6 +210,27 @@ USMIPC_API int usmipc_ipc_handle_inspect(const void *data, size_t len,
 /* Importers keep up to this many closed mappings so that a re-open is cheap
  * (default 64, or USMIPC_IPC_CACHE_SIZE); 0 unmaps on the last close. */
 USMIPC_API int usmipc_ipc_set_cache_size(size_t entries);
+/* ... and at most this many bytes of them (default 1 GiB, or
+ * USMIPC_IPC_CACHE_BYTES): a closed mapping pins memory the exporter may
+ * have freed. Independently of both bounds, an idle mapping is dropped as
+ * soon as its allocation is known to be freed or its exporter gone
+ * (USMIPC_IPC_CACHE_DROP_FREED=0 turns that off, for tests). */
+USMIPC_API int usmipc_ipc_set_cache_bytes(size_t bytes);
+
+/* Every wait inside one usmipc_ipc_open (connecting to the exporter, its
+ * answer) shares one absolute deadline, this many milliseconds after the
+ * call starts (default 5000, or USMIPC_IPC_TIMEOUT_MS); signals do not
+ * extend it. Past it the open fails with USMIPC_ETIMEDOUT. 0 restores the
+ * default. */
+USMIPC_API int usmipc_ipc_set_timeout(unsigned timeout_ms);
+
+/* Called from inside a wait of usmipc_ipc_open when a signal interrupts it
+ * and at least every 50 ms while it waits; a nonzero return abandons the
+ * open with USMIPC_EINTR. Language bindings use it to honour Ctrl-C (the
+ * Python package checks for pending signals). NULL removes it. */
+typedef int (*usmipc_interrupt_fn)(void *arg);
+USMIPC_API void usmipc_set_interrupt_handler(usmipc_interrupt_fn fn,
+                                             void *arg);
 
 #ifdef __cplusplus
 }

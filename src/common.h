@@ -47,6 +47,18 @@ typedef struct usmipc__process {
 const usmipc__process_t *usmipc__self(void);
 int usmipc__random(void *buf, size_t len);
 
+/* ---- waiting with one deadline (linux/wait.c) ---------------------------- */
+
+uint64_t usmipc__now_ns(void); /* CLOCK_MONOTONIC */
+unsigned usmipc__ipc_timeout_ms(void);
+/* now + the IPC timeout: the one deadline of an open. */
+uint64_t usmipc__deadline_after_timeout(void);
+/* Polls fd for events until deadline_ns; 0 when ready, else ETIMEDOUT or
+ * EINTR (the interrupt handler said stop) with a message naming what was
+ * awaited. */
+int usmipc__wait_fd(int fd, short events, uint64_t deadline_ns,
+                    const char *waiting_for);
+
 /* ---- devices (device.c) -------------------------------------------------- */
 
 struct usmipc_device {

@@ -29,18 +29,31 @@ struct usmipc_ipc_handle {
 static usmipc__region_t **imports;
 static size_t import_count, import_capacity;
 static usmipc__region_t *idle_head, *idle_tail;
-static size_t idle_count;
+static size_t idle_count, idle_bytes;
 static size_t idle_limit = 64;
+/* A closed mapping pins memory its exporter may already have freed (device
+ * memory, on a GPU): the bytes kept idle are bounded too. */
+static size_t idle_byte_limit = (size_t)1 << 30;
 static pthread_once_t cache_once = PTHREAD_ONCE_INIT;
 
-static void cache_init(void) {
-  const char *env = getenv("USMIPC_IPC_CACHE_SIZE");
+static void env_size(const char *name, size_t *out) {
+  const char *env = getenv(name);
   if (env != NULL && *env != '\0') {
     char *end;
-    unsigned long v = strtoul(env, &end, 10);
+    unsigned long long v = strtoull(env, &end, 10);
     if (*end == '\0')
-      idle_limit = v;
+      *out = (size_t)v;
   }
+}
+
+static void cache_init(void) {
+  env_size("USMIPC_IPC_CACHE_SIZE", &idle_limit);
+  env_size("USMIPC_IPC_CACHE_BYTES", &idle_byte_limit);
+}
+
+/* Bytes an idle mapping keeps: what the backend really mapped. */
+static size_t mapped_bytes(const usmipc__region_t *r) {
+  return r->alloc.reserved > r->alloc.size ? r->alloc.reserved : r->alloc.size;
 }
 
 static int key_cmp(const usmipc__import_key_t *a,
@@ -113,6 +126,7 @@ static void idle_unlink(usmipc__region_t *r) {
     idle_tail = r->idle_prev;
   r->idle_prev = r->idle_next = NULL;
   idle_count--;
+  idle_bytes -= mapped_bytes(r);
 }
 
 static void idle_push(usmipc__region_t *r) {
@@ -124,13 +138,14 @@ static void idle_push(usmipc__region_t *r) {
   if (idle_tail == NULL)
     idle_tail = r;
   idle_count++;
+  idle_bytes += mapped_bytes(r);
 }
 
 /* Detaches idle mappings beyond the limit; returns them as a list (linked by
  * idle_next) to unmap once the lock is dropped. */
 static usmipc__region_t *idle_evict_over_limit(void) {
   usmipc__region_t *evicted = NULL;
-  while (idle_count > idle_limit) {
+  while (idle_count > idle_limit || idle_bytes > idle_byte_limit) {
     usmipc__region_t *r = idle_tail;
     idle_unlink(r);
     import_remove(r);
@@ -154,6 +169,16 @@ int usmipc_ipc_set_cache_size(size_t entries) {
   pthread_once(&cache_once, cache_init);
   pthread_mutex_lock(&usmipc__registry_lock);
   idle_limit = entries;
+  usmipc__region_t *evicted = idle_evict_over_limit();
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  unmap_list(evicted);
+  return 0;
+}
+
+int usmipc_ipc_set_cache_bytes(size_t bytes) {
+  pthread_once(&cache_once, cache_init);
+  pthread_mutex_lock(&usmipc__registry_lock);
+  idle_byte_limit = bytes;
   usmipc__region_t *evicted = idle_evict_over_limit();
   pthread_mutex_unlock(&usmipc__registry_lock);
   unmap_list(evicted);
