@@ -45,6 +45,19 @@ typedef struct usmipc__process {
 } usmipc__process_t;
 
 const usmipc__process_t *usmipc__self(void);
+
+/* fork() handlers of each module, run by process.c in lock order: the
+ * registry lock is taken first, then the export table's, then the fd
+ * transport's (the order in which export nests them). */
+void usmipc__registry_fork_prepare(void);
+void usmipc__registry_fork_parent(void);
+void usmipc__registry_fork_child(void);
+void usmipc__exports_fork_prepare(void);
+void usmipc__exports_fork_parent(void);
+void usmipc__exports_fork_child(void);
+void usmipc__fdxfer_fork_prepare(void);
+void usmipc__fdxfer_fork_parent(void);
+void usmipc__fdxfer_fork_child(void);
 int usmipc__random(void *buf, size_t len);
 
 /* ---- waiting with one deadline (linux/wait.c) ---------------------------- */

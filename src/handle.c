@@ -98,10 +98,16 @@ crc32c_sse42(uint32_t crc, const uint8_t *p, size_t n) {
 uint32_t usmipc__crc32c(uint32_t crc, const void *data, size_t len) {
   crc = ~crc;
 #if defined(__x86_64__) && defined(__GNUC__)
+  /* Several threads may decode at once: the flag is read and written with
+   * atomics (every writer stores the same value, so a race is harmless, but
+   * it must not be a data race). */
   static int have_sse42 = -1;
-  if (have_sse42 < 0)
-    have_sse42 = __builtin_cpu_supports("sse4.2") ? 1 : 0;
-  if (have_sse42)
+  int have = __atomic_load_n(&have_sse42, __ATOMIC_RELAXED);
+  if (have < 0) {
+    have = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+    __atomic_store_n(&have_sse42, have, __ATOMIC_RELAXED);
+  }
+  if (have)
     return ~crc32c_sse42(crc, data, len);
 #endif
   return ~crc32c_portable(crc, data, len);

@@ -16,12 +16,15 @@ static size_t region_count, region_capacity;
 static uint64_t next_buffer_id;
 static pthread_once_t registry_once = PTHREAD_ONCE_INIT;
 
-/* A fork() while another thread holds the registry lock would leave the
- * child's copy locked forever, so the lock is taken around fork. */
-static void fork_prepare(void) { pthread_mutex_lock(&usmipc__registry_lock); }
-static void fork_parent(void) { pthread_mutex_unlock(&usmipc__registry_lock); }
+/* Fork handlers, called by process.c in the library's lock order. */
+void usmipc__registry_fork_prepare(void) {
+  pthread_mutex_lock(&usmipc__registry_lock);
+}
+void usmipc__registry_fork_parent(void) {
+  pthread_mutex_unlock(&usmipc__registry_lock);
+}
 static void forget_export(usmipc__region_t *r) { r->exported = false; }
-static void fork_child(void) {
+void usmipc__registry_fork_child(void) {
   pthread_mutex_init(&usmipc__registry_lock, NULL);
   /* The parent's grants name the parent's broker; the child publishes its
    * allocations again, under its own pid, on its next export. */
@@ -35,7 +38,6 @@ static void registry_init(void) {
    * (pid, nonce) pair in the handle makes them unique on the host. */
   usmipc__random(&next_buffer_id, sizeof(next_buffer_id));
   next_buffer_id |= 1;
-  pthread_atfork(fork_prepare, fork_parent, fork_child);
 }
 
 static void registry_ensure(void) {

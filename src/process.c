@@ -69,9 +69,38 @@ static void redraw_nonce(void) {
   } while (self.nonce == 0);
 }
 
-static void at_fork_child(void) {
-  self.pid = (uint32_t)getpid();
-  redraw_nonce();
+/* fork() from any thread at any moment: every lock of the library is taken
+ * before the fork, in the one order normal code nests them (registry, then
+ * export table, then broker and pidfd cache), and released after it, so the
+ * child never inherits a lock held by a thread that does not exist there.
+ * One handler set, registered once when the library loads, instead of one
+ * per module: pthread_atfork runs prepare handlers in reverse registration
+ * order, and modules registering lazily made that order depend on which was
+ * used first, the opposite of the nesting order (a deadlock). */
+static void fork_prepare(void) {
+  usmipc__registry_fork_prepare();
+  usmipc__exports_fork_prepare();
+  usmipc__fdxfer_fork_prepare();
+}
+
+static void fork_parent(void) {
+  usmipc__fdxfer_fork_parent();
+  usmipc__exports_fork_parent();
+  usmipc__registry_fork_parent();
+}
+
+static void fork_child(void) {
+  if (self.pid != 0) { /* the identity is per process instance */
+    self.pid = (uint32_t)getpid();
+    redraw_nonce();
+  }
+  usmipc__fdxfer_fork_child();
+  usmipc__exports_fork_child();
+  usmipc__registry_fork_child();
+}
+
+__attribute__((constructor)) static void register_fork_handlers(void) {
+  pthread_atfork(fork_prepare, fork_parent, fork_child);
 }
 
 static void init_self(void) {
@@ -79,7 +108,6 @@ static void init_self(void) {
   self.uid = (uint32_t)getuid();
   read_boot_id(self.boot_id);
   redraw_nonce();
-  pthread_atfork(NULL, NULL, at_fork_child);
 }
 
 const usmipc__process_t *usmipc__self(void) {

@@ -70,11 +70,11 @@ typedef struct import_table {
 static import_table_t imported[IMPORT_TABLES_MAX];
 static uint64_t use_clock;
 
-static void fork_prepare(void) { pthread_mutex_lock(&table_lock); }
-static void fork_parent(void) { pthread_mutex_unlock(&table_lock); }
+void usmipc__exports_fork_prepare(void) { pthread_mutex_lock(&table_lock); }
+void usmipc__exports_fork_parent(void) { pthread_mutex_unlock(&table_lock); }
 /* The child must never write the parent's table: it drops it and makes its
  * own on its next export. Tables of other exporters stay valid. */
-static void fork_child(void) {
+void usmipc__exports_fork_child(void) {
   pthread_mutex_init(&table_lock, NULL);
   if (table != NULL)
     munmap(table, TABLE_BYTES);
@@ -86,9 +86,7 @@ static void fork_child(void) {
   next_unused = 0;
 }
 
-static void exports_init(void) {
-  pthread_atfork(fork_prepare, fork_parent, fork_child);
-}
+static void exports_init(void) {}
 
 void usmipc__exports_table_name(uint32_t pid, uint64_t nonce, char *out,
                                 size_t len) {

@@ -91,18 +91,18 @@ static pthread_once_t fdx_once = PTHREAD_ONCE_INIT;
 /* Guards the importer's cache of exporters' pidfds (below). */
 static pthread_mutex_t pidfd_lock = PTHREAD_MUTEX_INITIALIZER;
 
-static void fork_prepare(void) {
+void usmipc__fdxfer_fork_prepare(void) {
   pthread_mutex_lock(&fdx_lock);
   pthread_mutex_lock(&pidfd_lock);
 }
-static void fork_parent(void) {
+void usmipc__fdxfer_fork_parent(void) {
   pthread_mutex_unlock(&pidfd_lock);
   pthread_mutex_unlock(&fdx_lock);
 }
 /* The broker thread does not exist in a fork child, and the parent's grants
  * are the parent's to serve: the child forgets them (and its copy of the
  * listening socket) and starts its own broker on its next export. */
-static void fork_child(void) {
+void usmipc__fdxfer_fork_child(void) {
   pthread_mutex_init(&fdx_lock, NULL);
   pthread_mutex_init(&pidfd_lock, NULL);
   grant_count = 0; /* the descriptors belong to the inherited allocations */
@@ -111,9 +111,7 @@ static void fork_child(void) {
   listen_fd = -1;
 }
 
-static void fdx_init(void) {
-  pthread_atfork(fork_prepare, fork_parent, fork_child);
-}
+static void fdx_init(void) {}
 
 static socklen_t broker_address(uint32_t pid, uint64_t nonce,
                                 struct sockaddr_un *addr) {
