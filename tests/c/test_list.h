@@ -65,7 +65,8 @@
   X(handle_forged_fd_identity)                                                 \
   X(handle_forged_range_known)                                                 \
   X(handle_range_overflow)                                                     \
-  X(handle_null_and_empty)
+  X(handle_null_and_empty)                                                     \
+  X(mac_blake2s_vectors)
 
 #define HELPER_LIST(X) X(agent)
 
