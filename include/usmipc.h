@@ -201,6 +201,10 @@ typedef struct usmipc_ipc_handle_info {
   uint64_t offset;
   uint64_t nbytes;
   unsigned handle_kind; /* backend-specific: see docs/handle-format.md */
+  uint32_t exporter_uid;
+  uint64_t exporter_nonce; /* random per process instance */
+  unsigned wire_version;   /* of the handle's format */
+  uint32_t writer_version; /* USMIPC_VERSION_HEX of the exporter's library */
 } usmipc_ipc_handle_info_t;
 
 /* Validates handle bytes (as untrusted input) without opening them. */
@@ -229,8 +233,7 @@ USMIPC_API int usmipc_ipc_set_timeout(unsigned timeout_ms);
  * open with USMIPC_EINTR. Language bindings use it to honour Ctrl-C (the
  * Python package checks for pending signals). NULL removes it. */
 typedef int (*usmipc_interrupt_fn)(void *arg);
-USMIPC_API void usmipc_set_interrupt_handler(usmipc_interrupt_fn fn,
-                                             void *arg);
+USMIPC_API void usmipc_set_interrupt_handler(usmipc_interrupt_fn fn, void *arg);
 
 #ifdef __cplusplus
 }

@@ -39,12 +39,32 @@ void usmipc__error_prefix(const char *fmt, ...) USMIPC__PRINTF(1, 2);
  * two processes even when pids are reused. */
 typedef struct usmipc__process {
   uint32_t pid;
-  uint32_t uid;
+  uint32_t uid; /* effective uid: what SO_PEERCRED and file owners show */
   uint64_t nonce;
   uint8_t boot_id[16]; /* /proc/sys/kernel/random/boot_id; zero if unreadable */
+  /* Proof of identity. key is a secret every handle of this process
+   * carries: its export table is tagged with it, and its broker answers
+   * with a MAC keyed by it, so a process that holds no handle of ours cannot
+   * pass for us (not after pid reuse, not on our socket's name). */
+  uint8_t key[16];
+  uint64_t start_time; /* /proc/self/stat field 22, clock ticks after boot */
+  uint64_t pidfd_ino;  /* inode of a pidfd of this process (pidfs, Linux
+                          6.9): unique to the process on this boot; 0 when
+                          the kernel has no pidfs */
+  uint64_t pid_ns, net_ns, user_ns; /* inodes of /proc/self/ns/{pid,net,user} */
 } usmipc__process_t;
 
 const usmipc__process_t *usmipc__self(void);
+/* The inode of /proc/<pid or "self">/ns/<name>, 0 when unreadable. */
+uint64_t usmipc__ns_inode(const char *pid, const char *name);
+/* Field 22 of /proc/<pid>/stat (start time in clock ticks), 0 on failure. */
+uint64_t usmipc__start_time(const char *pid);
+/* st_ino of a pidfd (pidfs), 0 when the kernel has no pidfs. */
+uint64_t usmipc__pidfd_inode(int pidfd);
+/* A usmipc code for an errno value, so that no raw -errno escapes: EMFILE
+ * and ENFILE become USMIPC_EMFILE, ENOMEM USMIPC_ENOMEM, EACCES and EPERM
+ * USMIPC_EACCES, the rest USMIPC_EIO (the errno stays the native code). */
+int usmipc__errno_code(int e);
 
 /* fork() handlers of each module, run by process.c in lock order: the
  * registry lock is taken first, then the export table's, then the fd
@@ -139,7 +159,10 @@ typedef struct usmipc__region {
 
   /* IMPORTED */
   usmipc__import_key_t key;
-  unsigned open_refs; /* usmipc_ipc_open calls not yet closed */
+  struct usmipc__peer *peer; /* the exporter's proof and table; NULL for
+                                memory of another library (no slot) */
+  uint8_t process_key[16];   /* the exporter's key, as the handle said */
+  unsigned open_refs;        /* usmipc_ipc_open calls not yet closed */
   struct usmipc__region *idle_prev, *idle_next; /* LRU of closed mappings */
 } usmipc__region_t;
 
@@ -165,24 +188,36 @@ int usmipc__foreign_query_unlocked(const void *ptr, usmipc__allocation_t *alloc,
 
 /* ---- the wire format (handle.c) ------------------------------------------ */
 
-#define USMIPC__WIRE_VERSION 1
-#define USMIPC__WIRE_FIXED_LEN 148 /* bytes before the payload */
+#define USMIPC__WIRE_VERSION 2
+#define USMIPC__WIRE_FIXED_LEN 212 /* bytes before the payload */
+#define USMIPC__WIRE_EXT_MAX 1024  /* bytes of extension records at most */
 #define USMIPC__NO_SLOT UINT32_MAX /* the allocation has no export-table slot  \
                                     */
-#define USMIPC__WIRE_FLAG_FD 0x1u  /* an fd must be fetched from the exporter  \
-                                    */
+/* flags */
+#define USMIPC__WIRE_FLAG_FD 0x1u /* an fd must be fetched from the exporter   \
+                                   */
 #define USMIPC__WIRE_FLAG_REOPENABLE                                           \
-  0x2u /* that fd is a memfd, which                                            \
-          /proc/<pid>/fd can reopen */
+  0x2u /* that fd is a memfd, which /proc/<pid>/fd can reopen */
+#define USMIPC__WIRE_FLAG_SOCKET_DIR                                           \
+  0x4u /* the exporter also listens in USMIPC_SOCKET_DIR */
+#define USMIPC__WIRE_FLAGS_KNOWN 0x7u
+/* Extension records: type bit 15 marks a record an importer must
+ * understand (critical); others it may skip. */
+#define USMIPC__EXT_CRITICAL 0x8000u
 
 typedef struct usmipc__wire {
   usmipc_backend_t backend;
   uint16_t flags;
+  uint32_t writer_version; /* USMIPC_VERSION_HEX of the exporter's library */
+  uint32_t uid;            /* the exporter's effective uid */
+  uint32_t pid;            /* in the exporter's PID namespace */
+  uint32_t fd_number;
   uint8_t device_uuid[16];
   uint8_t boot_id[16];
-  uint32_t pid;
-  uint32_t fd_number;
   uint64_t nonce;
+  uint64_t start_time;
+  uint64_t pidfd_ino;
+  uint64_t pid_ns, net_ns, user_ns;
   uint64_t buffer_id;
   uint64_t exporter_base;
   uint64_t allocation_size;
@@ -190,24 +225,90 @@ typedef struct usmipc__wire {
   uint64_t nbytes;
   uint64_t fd_dev;
   uint64_t fd_ino;
-  uint8_t token[16];
+  uint8_t key[16];          /* the exporter's process key (identity proofs) */
+  uint8_t token[16];        /* the allocation's capability at the broker */
   uint32_t export_slot;     /* slot in the exporter's export table */
   uint32_t table_fd_number; /* the table's descriptor in the exporter */
   usmipc__payload_t payload;
+  uint16_t ext_len; /* extension records, as on the wire */
+  uint8_t ext[USMIPC__WIRE_EXT_MAX];
 } usmipc__wire_t;
 
-/* Encoded length for a payload of payload_len bytes. */
+/* Encoded length of w (fixed part, payload, extension records, checksum). */
+size_t usmipc__wire_len(const usmipc__wire_t *w);
+/* Encoded length for a payload of payload_len bytes and no extension. */
 size_t usmipc__wire_size(size_t payload_len);
-/* Writes exactly usmipc__wire_size(w->payload.len) bytes to out. */
+/* Writes exactly usmipc__wire_len(w) bytes to out. */
 void usmipc__wire_encode(const usmipc__wire_t *w, uint8_t *out);
 /* Decodes untrusted bytes; every failure is EBADHANDLE or EHANDLEVERSION
  * with a message naming the defect. */
 int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w);
+/* The extension record of type type in w: its bytes and length, or NULL. */
+const uint8_t *usmipc__wire_ext_find(const usmipc__wire_t *w, uint16_t type,
+                                     uint16_t *len);
 uint32_t usmipc__crc32c(uint32_t crc, const void *data, size_t len);
+/* ---- the export table (linux/exports.c) -----------------------------------
+ * Which allocations this process still exports, shared read-only with
+ * importers (see the file's comment for the layout and the protocol). */
+#define USMIPC__TABLE_MAGIC "USMIPCT2"
+#define USMIPC__TABLE_SLOTS (1u << 20)
+#define USMIPC__TABLE_HEADER_BYTES 4096u
+#define USMIPC__TABLE_BYTES                                                    \
+  ((size_t)USMIPC__TABLE_HEADER_BYTES +                                        \
+   (size_t)USMIPC__TABLE_SLOTS * sizeof(usmipc__export_slot_t))
+/* Header fields (native byte order: exporter and importer share a host). */
+enum {
+  USMIPC__HDR_MAGIC = 0,
+  USMIPC__HDR_VERSION = 8,
+  USMIPC__HDR_PID = 12,
+  USMIPC__HDR_UID = 16,
+  USMIPC__HDR_NONCE = 24,
+  USMIPC__HDR_START_TIME = 32,
+  USMIPC__HDR_BOOT_ID = 40,
+  USMIPC__HDR_SLOTS = 56,
+  USMIPC__HDR_TAG = 64, /* MAC of bytes [0, 64) keyed by the process key */
+  USMIPC__HDR_ALIVE_OFFSET = 80, /* where the liveness futex word is */
+  USMIPC__HDR_MUTEX = 128,
+  USMIPC__HDR_MUTEX_BYTES = 64,
+};
 
-/* ---- file descriptor transport (linux/fdxfer.c) ---------------------------
- */
+typedef struct usmipc__export_slot {
+  uint32_t seq;
+  uint32_t fd_number;
+  uint64_t buffer_id; /* 0: free */
+  uint64_t size;      /* the allocation's size, which a handle must state */
+  uint64_t reserved;
+} usmipc__export_slot_t;
+_Static_assert(sizeof(usmipc__export_slot_t) == 32, "slots are 32 bytes");
 
+/* Exporter. */
+int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint64_t size,
+                        uint32_t *slot, uint32_t *table_fd_number);
+void usmipc__exports_remove(uint32_t slot);
+int usmipc__exports_table_fd(void);
+/* The table's liveness mutex (the table is created if need be), which the
+ * broker thread locks for the life of the process. */
+pthread_mutex_t *usmipc__exports_alive_mutex(void);
+/* Locks it from the calling thread, whose kernel tid is tid, and publishes
+ * where its futex word is. */
+int usmipc__exports_hold_alive(pthread_mutex_t *m, uint32_t tid);
+
+/* Importer: maps a table descriptor read-only after checking that it is a
+ * sealed table of the right size, owned by this uid, whose header names the
+ * handle's exporter and carries a valid tag for the handle's key. */
+int usmipc__table_map(int fd, const usmipc__wire_t *w, const uint8_t **hdr);
+/* 1 while the exporter lives (its liveness word is held, not owner-died). */
+int usmipc__table_alive(const uint8_t *hdr);
+/* A consistent copy of a slot (seqlock); -1 if it stays mid-update. */
+int usmipc__table_read_slot(const uint8_t *hdr, uint32_t slot,
+                            usmipc__export_slot_t *out, uint32_t *seq);
+uint32_t usmipc__table_slot_seq(const uint8_t *hdr, uint32_t slot);
+
+/* ---- the fd transport (linux/fdxfer.c) -------------------------------------
+ * The exporter's broker (a thread serving the export table and published
+ * descriptors over a Unix socket, with authentication) and the primitives
+ * an importer uses to take descriptors: pidfd_getfd(2), /proc/<pid>/fd and
+ * a request to the broker. */
 typedef struct usmipc__fd_grant {
   uint8_t token[16];
   uint32_t fd_number;
@@ -216,39 +317,72 @@ typedef struct usmipc__fd_grant {
       reopenable; /* a memfd: opening /proc/<pid>/fd/<n> yields the same file */
 } usmipc__fd_grant_t;
 
-/* Starts this process's broker if it is not running: it serves the export
- * table to importers that may not take it with pidfd_getfd or /proc, also
- * when no allocation is shared through a descriptor. */
+/* Starts this process's broker if it is not running (it also holds the
+ * export table's liveness mutex, so it starts on every first export). */
 int usmipc__fdxfer_serve(void);
-/* Makes fd fetchable by importers that present the returned token; starts
- * the broker lazily. fd is borrowed: the caller keeps it open until it has
- * called usmipc__fdxfer_withdraw. */
+/* Makes fd fetchable by importers that present a capability derived from
+ * token (drawn here, returned in grant). fd is borrowed: the caller keeps
+ * it open until it has called usmipc__fdxfer_withdraw. */
 int usmipc__fdxfer_publish(int fd, uint64_t buffer_id,
                            usmipc__fd_grant_t *grant);
-/* Stops serving buffer_id (on return the descriptor is no longer used);
- * importers that already hold the fd keep it. */
+/* Stops serving buffer_id (on return the descriptor is no longer used). */
 void usmipc__fdxfer_withdraw(uint64_t buffer_id);
-/* Obtains the exporter's descriptor for a decoded handle already checked
- * against the export table (seq from usmipc__exports_check): pidfd_getfd(2)
- * where permitted (then checked again against the table, and against the
- * recorded file identity), else the exporter's broker over a Unix socket.
- * USMIPC_FD_TRANSPORT forces one. */
-int usmipc__fdxfer_fetch(const usmipc__wire_t *w, uint32_t seq, int *fd);
-/* Obtains the exporter's export table descriptor, the same two ways. */
-int usmipc__fdxfer_fetch_table(const usmipc__wire_t *w, int *fd);
+/* 1 when the exporter also listens in USMIPC_SOCKET_DIR. */
+bool usmipc__fdxfer_socket_dir(void);
 
-/* ---- the export table (linux/exports.c) -----------------------------------
- * Which allocations this process still exports, shared read-only with
- * importers so that a stale handle is refused without asking the exporter. */
-int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint64_t size,
-                        uint32_t *slot, uint32_t *table_fd_number);
-void usmipc__exports_remove(uint32_t slot);
-int usmipc__exports_table_fd(void);
-void usmipc__exports_table_name(uint32_t pid, uint64_t nonce, char *out,
-                                size_t len);
-/* Importer: 0 if the handle's allocation is still exported, with the slot's
- * sequence number in *seq; recheck says whether it is unchanged since. */
-int usmipc__exports_check(const usmipc__wire_t *w, uint32_t *seq);
-int usmipc__exports_recheck(const usmipc__wire_t *w, uint32_t seq);
+typedef enum usmipc__transport {
+  USMIPC__TRANSPORT_AUTO,
+  USMIPC__TRANSPORT_SOCKET,
+  USMIPC__TRANSPORT_PIDFD,
+  USMIPC__TRANSPORT_PROCFD,
+} usmipc__transport_t;
+/* USMIPC_FD_TRANSPORT, or EINVAL with a message. */
+int usmipc__transport_mode(usmipc__transport_t *mode);
+
+#define USMIPC__WANT_TABLE 0x1u
+#define USMIPC__WANT_FD 0x2u
+/* Asks the exporter's broker for its table and/or the handle's descriptor,
+ * after checking that the listener is the exporter (its credentials, its
+ * pidfd) and before trusting an answer, that it proved the handle's key.
+ * Received descriptors land in *table_fd / *data_fd (-1 when not asked). */
+int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
+                        uint64_t deadline, int *table_fd, int *data_fd);
+/* pidfd_getfd(2) of descriptor number n from the process of pidfd. */
+int usmipc__pidfd_take(int pidfd, const usmipc__wire_t *w, uint32_t n,
+                       int *out);
+/* Reopens /proc/<pid>/fd/<n> without blocking on what it finds: opened
+ * O_PATH, required to be a regular file, then reopened with flags. */
+int usmipc__procfd_reopen(const usmipc__wire_t *w, uint32_t n, int flags,
+                          int *out);
+
+/* ---- the importer's view of exporters (linux/peers.c) ----------------------
+ * One record per exporting process this process opened handles of: its
+ * verified export table and, where usable, its pidfd. Regions of origin
+ * IMPORTED hold a reference. Guarded by usmipc__registry_lock. */
+typedef struct usmipc__peer usmipc__peer_t;
+
+/* Finds or makes the peer of w's exporter, proves its identity and maps its
+ * table (once per exporter), and returns a reference. When the proof went
+ * through the broker and w shares a descriptor, that descriptor may come
+ * back too in *fd (else -1). Lock NOT held. */
+int usmipc__peer_get(const usmipc__wire_t *w, uint64_t deadline,
+                     usmipc__peer_t **peer, int *fd);
+/* Takes w's descriptor from the verified exporter, checked against the
+ * export table before and after. Lock NOT held. */
+int usmipc__peer_fetch_fd(usmipc__peer_t *peer, const usmipc__wire_t *w,
+                          uint64_t deadline, int *fd);
+/* 0 when w's allocation is still exported by a living exporter, else
+ * EEXPORTERGONE (or EBADHANDLE for a forged size) with a message. Reads
+ * shared memory only: the cache-hit path calls it. */
+int usmipc__peer_check(const usmipc__peer_t *peer, const usmipc__wire_t *w,
+                       uint32_t *seq);
+/* The same, quietly, for an idle mapping: 1 while its allocation is live. */
+int usmipc__peer_slot_live(const usmipc__peer_t *peer, uint32_t slot,
+                           uint64_t buffer_id);
+/* Registry lock held. */
+void usmipc__peer_ref(usmipc__peer_t *peer);
+void usmipc__peer_unref(usmipc__peer_t *peer);
+/* Lock NOT held. */
+void usmipc__peer_put(usmipc__peer_t *peer);
 
 #endif /* USMIPC_COMMON_H */

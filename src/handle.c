@@ -1,8 +1,9 @@
-/* The IPC handle's wire format, version 1 (docs/handle-format.md is the
+/* The IPC handle's wire format, version 2 (docs/handle-format.md is the
  * specification; this file follows it field by field). Handles arrive from
  * other processes through channels we do not control, so decoding treats the
  * bytes as untrusted: every length, field and the checksum is verified before
  * anything is used, and each defect has its own message. */
+#include <stdio.h>
 #include <string.h>
 
 #include "common.h"
@@ -18,26 +19,38 @@ enum {
   OFF_BACKEND = 12,
   OFF_HANDLE_KIND = 13,
   OFF_FLAGS = 14,
-  OFF_DEVICE_UUID = 16,
-  OFF_BOOT_ID = 32,
-  OFF_PID = 48,
-  OFF_FD_NUMBER = 52,
-  OFF_NONCE = 56,
-  OFF_BUFFER_ID = 64,
-  OFF_EXPORTER_BASE = 72,
-  OFF_ALLOCATION_SIZE = 80,
-  OFF_OFFSET = 88,
-  OFF_NBYTES = 96,
-  OFF_FD_DEV = 104,
-  OFF_FD_INO = 112,
-  OFF_TOKEN = 120,
-  OFF_EXPORT_SLOT = 136,
-  OFF_TABLE_FD = 140,
-  OFF_PAYLOAD_LEN = 144,
-  OFF_RESERVED = 146,
+  OFF_WRITER_VERSION = 16,
+  OFF_UID = 20,
+  OFF_PID = 24,
+  OFF_FD_NUMBER = 28,
+  OFF_DEVICE_UUID = 32,
+  OFF_BOOT_ID = 48,
+  OFF_NONCE = 64,
+  OFF_START_TIME = 72,
+  OFF_PIDFD_INO = 80,
+  OFF_PID_NS = 88,
+  OFF_NET_NS = 96,
+  OFF_USER_NS = 104,
+  OFF_BUFFER_ID = 112,
+  OFF_EXPORTER_BASE = 120,
+  OFF_ALLOCATION_SIZE = 128,
+  OFF_OFFSET = 136,
+  OFF_NBYTES = 144,
+  OFF_FD_DEV = 152,
+  OFF_FD_INO = 160,
+  OFF_KEY = 168,
+  OFF_TOKEN = 184,
+  OFF_EXPORT_SLOT = 200,
+  OFF_TABLE_FD = 204,
+  OFF_PAYLOAD_LEN = 208,
+  OFF_EXT_LEN = 210,
   OFF_PAYLOAD = USMIPC__WIRE_FIXED_LEN,
 };
-_Static_assert(OFF_PAYLOAD == 148, "fixed part is 148 bytes");
+_Static_assert(OFF_PAYLOAD == 212, "fixed part is 212 bytes");
+
+/* Version 1 (usmipc 0.1) had the same magic and version offset; its handles
+ * are refused by name. */
+#define WIRE_VERSION_1 1
 
 /* ---- CRC32C (Castagnoli), the checksum iSCSI and ext4 use ---------------- */
 
@@ -145,8 +158,12 @@ size_t usmipc__wire_size(size_t payload_len) {
   return USMIPC__WIRE_FIXED_LEN + payload_len + 4;
 }
 
+size_t usmipc__wire_len(const usmipc__wire_t *w) {
+  return USMIPC__WIRE_FIXED_LEN + w->payload.len + w->ext_len + 4;
+}
+
 void usmipc__wire_encode(const usmipc__wire_t *w, uint8_t *out) {
-  size_t total = usmipc__wire_size(w->payload.len);
+  size_t total = usmipc__wire_len(w);
   memset(out, 0, total);
   memcpy(out + OFF_MAGIC, wire_magic, sizeof(wire_magic));
   put16(out + OFF_VERSION, USMIPC__WIRE_VERSION);
@@ -154,11 +171,18 @@ void usmipc__wire_encode(const usmipc__wire_t *w, uint8_t *out) {
   out[OFF_BACKEND] = (uint8_t)w->backend;
   out[OFF_HANDLE_KIND] = w->payload.handle_kind;
   put16(out + OFF_FLAGS, w->flags);
-  memcpy(out + OFF_DEVICE_UUID, w->device_uuid, 16);
-  memcpy(out + OFF_BOOT_ID, w->boot_id, 16);
+  put32(out + OFF_WRITER_VERSION, w->writer_version);
+  put32(out + OFF_UID, w->uid);
   put32(out + OFF_PID, w->pid);
   put32(out + OFF_FD_NUMBER, w->fd_number);
+  memcpy(out + OFF_DEVICE_UUID, w->device_uuid, 16);
+  memcpy(out + OFF_BOOT_ID, w->boot_id, 16);
   put64(out + OFF_NONCE, w->nonce);
+  put64(out + OFF_START_TIME, w->start_time);
+  put64(out + OFF_PIDFD_INO, w->pidfd_ino);
+  put64(out + OFF_PID_NS, w->pid_ns);
+  put64(out + OFF_NET_NS, w->net_ns);
+  put64(out + OFF_USER_NS, w->user_ns);
   put64(out + OFF_BUFFER_ID, w->buffer_id);
   put64(out + OFF_EXPORTER_BASE, w->exporter_base);
   put64(out + OFF_ALLOCATION_SIZE, w->allocation_size);
@@ -166,11 +190,14 @@ void usmipc__wire_encode(const usmipc__wire_t *w, uint8_t *out) {
   put64(out + OFF_NBYTES, w->nbytes);
   put64(out + OFF_FD_DEV, w->fd_dev);
   put64(out + OFF_FD_INO, w->fd_ino);
+  memcpy(out + OFF_KEY, w->key, 16);
   memcpy(out + OFF_TOKEN, w->token, 16);
   put32(out + OFF_EXPORT_SLOT, w->export_slot);
   put32(out + OFF_TABLE_FD, w->table_fd_number);
   put16(out + OFF_PAYLOAD_LEN, w->payload.len);
+  put16(out + OFF_EXT_LEN, w->ext_len);
   memcpy(out + OFF_PAYLOAD, w->payload.bytes, w->payload.len);
+  memcpy(out + OFF_PAYLOAD + w->payload.len, w->ext, w->ext_len);
   put32(out + total - 4, usmipc__crc32c(0, out, total - 4));
 }
 
@@ -180,6 +207,78 @@ static int bad(const char *what) {
                       "bytes that IPCMemoryHandle.to_bytes() / "
                       "usmipc_ipc_handle_data() produced",
                       what);
+}
+
+static void version_text(uint32_t hex, char *out, size_t len) {
+  snprintf(out, len, "%u.%u.%u", (unsigned)(hex >> 16) & 0xff,
+           (unsigned)(hex >> 8) & 0xff, (unsigned)hex & 0xff);
+}
+
+/* Other versions are refused with both versions named, and what to do.
+ * Compatibility within version 2 comes from extension records instead of
+ * new versions: an importer skips records it does not know unless they are
+ * marked critical. */
+static int wrong_version(const uint8_t *p, size_t len, uint16_t version) {
+  char mine[16];
+  version_text(USMIPC_VERSION_HEX, mine, sizeof(mine));
+  if (version == WIRE_VERSION_1)
+    return usmipc__fail(USMIPC_EHANDLEVERSION,
+                        "the handle uses wire format version 1, written by "
+                        "usmipc 0.1; this usmipc (%s) reads version %u: "
+                        "upgrade the exporting process to the same release",
+                        mine, USMIPC__WIRE_VERSION);
+  char theirs[32] = "an unknown release";
+  if (version > USMIPC__WIRE_VERSION && len >= OFF_WRITER_VERSION + 4)
+    version_text(get32(p + OFF_WRITER_VERSION), theirs, sizeof(theirs));
+  return usmipc__fail(USMIPC_EHANDLEVERSION,
+                      "the handle uses wire format version %u (written by "
+                      "usmipc %s) but this usmipc (%s) reads version %u; use "
+                      "the same usmipc release in the exporting and importing "
+                      "processes",
+                      version, theirs, mine, USMIPC__WIRE_VERSION);
+}
+
+/* Walks the extension records: each is u16 type, u16 length, then length
+ * bytes. Unknown critical records refuse the handle (this library cannot
+ * honour what the exporter required); other unknown records are skipped. */
+static int check_extensions(const usmipc__wire_t *w) {
+  size_t at = 0;
+  while (at < w->ext_len) {
+    if (w->ext_len - at < 4)
+      return bad("an extension record is truncated");
+    uint16_t type = get16(w->ext + at), rlen = get16(w->ext + at + 2);
+    if (rlen > w->ext_len - at - 4)
+      return bad("an extension record overruns the extension area");
+    if (type == 0)
+      return bad("an extension record has type 0");
+    if (type & USMIPC__EXT_CRITICAL) {
+      char mine[16];
+      version_text(USMIPC_VERSION_HEX, mine, sizeof(mine));
+      return usmipc__fail(USMIPC_EHANDLEVERSION,
+                          "the handle needs feature record 0x%04x, which "
+                          "this usmipc (%s) does not know; upgrade the "
+                          "importing process",
+                          type, mine);
+    }
+    at += 4u + rlen;
+  }
+  return 0;
+}
+
+const uint8_t *usmipc__wire_ext_find(const usmipc__wire_t *w, uint16_t type,
+                                     uint16_t *len) {
+  size_t at = 0;
+  while (at + 4 <= w->ext_len) {
+    uint16_t t = get16(w->ext + at), rlen = get16(w->ext + at + 2);
+    if (rlen > w->ext_len - at - 4)
+      return NULL;
+    if (t == type) {
+      *len = rlen;
+      return w->ext + at + 4;
+    }
+    at += 4u + rlen;
+  }
+  return NULL;
 }
 
 int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
@@ -195,11 +294,7 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
     return bad("it does not start with the usmipc magic \\x89USMIPC\\n");
   uint16_t version = get16(p + OFF_VERSION);
   if (version != USMIPC__WIRE_VERSION)
-    return usmipc__fail(USMIPC_EHANDLEVERSION,
-                        "the handle uses wire format version %u but this "
-                        "usmipc reads version %u; use the same usmipc "
-                        "release in the exporting and importing processes",
-                        version, USMIPC__WIRE_VERSION);
+    return wrong_version(p, len, version);
   uint16_t declared = get16(p + OFF_LENGTH);
   if (len < declared)
     return bad("it is truncated (fewer bytes than its length field)");
@@ -213,23 +308,29 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
 
   /* The checksum only proves the bytes are as some writer made them; a
    * forger can compute it too, so the fields are still checked one by one. */
-  memset(w, 0, sizeof(*w));
   w->backend = (usmipc_backend_t)p[OFF_BACKEND];
   if (w->backend != USMIPC_BACKEND_HOST && w->backend != USMIPC_BACKEND_CUDA &&
       w->backend != USMIPC_BACKEND_LEVEL_ZERO)
     return bad("its backend field names no known backend");
   w->payload.handle_kind = p[OFF_HANDLE_KIND];
   w->flags = get16(p + OFF_FLAGS);
-  if (w->flags & ~(USMIPC__WIRE_FLAG_FD | USMIPC__WIRE_FLAG_REOPENABLE))
+  if (w->flags & ~USMIPC__WIRE_FLAGS_KNOWN)
     return bad("it sets unknown flags");
   if ((w->flags & USMIPC__WIRE_FLAG_REOPENABLE) &&
       !(w->flags & USMIPC__WIRE_FLAG_FD))
     return bad("it marks a descriptor reopenable but shares none");
-  memcpy(w->device_uuid, p + OFF_DEVICE_UUID, 16);
-  memcpy(w->boot_id, p + OFF_BOOT_ID, 16);
+  w->writer_version = get32(p + OFF_WRITER_VERSION);
+  w->uid = get32(p + OFF_UID);
   w->pid = get32(p + OFF_PID);
   w->fd_number = get32(p + OFF_FD_NUMBER);
+  memcpy(w->device_uuid, p + OFF_DEVICE_UUID, 16);
+  memcpy(w->boot_id, p + OFF_BOOT_ID, 16);
   w->nonce = get64(p + OFF_NONCE);
+  w->start_time = get64(p + OFF_START_TIME);
+  w->pidfd_ino = get64(p + OFF_PIDFD_INO);
+  w->pid_ns = get64(p + OFF_PID_NS);
+  w->net_ns = get64(p + OFF_NET_NS);
+  w->user_ns = get64(p + OFF_USER_NS);
   w->buffer_id = get64(p + OFF_BUFFER_ID);
   w->exporter_base = get64(p + OFF_EXPORTER_BASE);
   w->allocation_size = get64(p + OFF_ALLOCATION_SIZE);
@@ -237,16 +338,21 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
   w->nbytes = get64(p + OFF_NBYTES);
   w->fd_dev = get64(p + OFF_FD_DEV);
   w->fd_ino = get64(p + OFF_FD_INO);
+  memcpy(w->key, p + OFF_KEY, 16);
   memcpy(w->token, p + OFF_TOKEN, 16);
   w->export_slot = get32(p + OFF_EXPORT_SLOT);
   w->table_fd_number = get32(p + OFF_TABLE_FD);
   w->payload.len = get16(p + OFF_PAYLOAD_LEN);
-  if (get16(p + OFF_RESERVED) != 0)
-    return bad("its reserved field is not zero");
-  if (w->payload.len > USMIPC__PAYLOAD_MAX ||
-      usmipc__wire_size(w->payload.len) != len)
-    return bad("its payload length disagrees with its total length");
+  w->ext_len = get16(p + OFF_EXT_LEN);
+  if (w->payload.len > USMIPC__PAYLOAD_MAX)
+    return bad("its payload is longer than any backend's");
+  if (w->ext_len > USMIPC__WIRE_EXT_MAX)
+    return bad("its extension area is too long");
+  if (usmipc__wire_len(w) != len)
+    return bad("its payload and extension lengths disagree with its total "
+               "length");
   memcpy(w->payload.bytes, p + OFF_PAYLOAD, w->payload.len);
+  memcpy(w->ext, p + OFF_PAYLOAD + w->payload.len, w->ext_len);
   if (w->pid == 0 || w->nonce == 0)
     return bad("it names no exporting process");
   if (w->nbytes == 0)
@@ -262,7 +368,7 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
     return bad("its export table descriptor number is out of range");
   if ((w->flags & USMIPC__WIRE_FLAG_FD) && w->export_slot == USMIPC__NO_SLOT)
     return bad("it shares a descriptor but names no export-table slot");
-  return 0;
+  return check_extensions(w);
 }
 
 int usmipc_ipc_handle_inspect(const void *data, size_t len,
@@ -281,6 +387,10 @@ int usmipc_ipc_handle_inspect(const void *data, size_t len,
     info->offset = w.offset;
     info->nbytes = w.nbytes;
     info->handle_kind = w.payload.handle_kind;
+    info->exporter_uid = w.uid;
+    info->exporter_nonce = w.nonce;
+    info->wire_version = USMIPC__WIRE_VERSION;
+    info->writer_version = w.writer_version;
   }
   return 0;
 }

@@ -34,6 +34,7 @@ static size_t idle_limit = 64;
 /* A closed mapping pins memory its exporter may already have freed (device
  * memory, on a GPU): the bytes kept idle are bounded too. */
 static size_t idle_byte_limit = (size_t)1 << 30;
+static bool drop_freed = true; /* USMIPC_IPC_CACHE_DROP_FREED=0: off */
 static pthread_once_t cache_once = PTHREAD_ONCE_INIT;
 
 static void env_size(const char *name, size_t *out) {
@@ -49,6 +50,9 @@ static void env_size(const char *name, size_t *out) {
 static void cache_init(void) {
   env_size("USMIPC_IPC_CACHE_SIZE", &idle_limit);
   env_size("USMIPC_IPC_CACHE_BYTES", &idle_byte_limit);
+  const char *env = getenv("USMIPC_IPC_CACHE_DROP_FREED");
+  if (env != NULL && strcmp(env, "0") == 0)
+    drop_freed = false;
 }
 
 /* Bytes an idle mapping keeps: what the backend really mapped. */
@@ -160,9 +164,31 @@ static void unmap_list(usmipc__region_t *list) {
   while (list) {
     usmipc__region_t *next = list->idle_next;
     list->device->ops->ipc_unmap(list->device->native, &list->alloc);
+    usmipc__peer_put(list->peer);
     free(list);
     list = next;
   }
+}
+
+/* Drop-on-free: idle mappings whose allocation the exporter freed, or whose
+ * exporter died, can never be opened again (every open checks), so they
+ * only pin memory: detach them. A few loads per idle mapping, no system
+ * call. Returns them as a list (linked by idle_next). Lock held. */
+static usmipc__region_t *idle_drop_dead(usmipc__region_t *evicted) {
+  if (!drop_freed)
+    return evicted;
+  for (usmipc__region_t *r = idle_head, *next; r; r = next) {
+    next = r->idle_next;
+    if (r->peer == NULL ||
+        usmipc__peer_slot_live(r->peer, r->export_slot, r->buffer_id))
+      continue;
+    idle_unlink(r);
+    import_remove(r);
+    usmipc__region_remove(r);
+    r->idle_next = evicted;
+    evicted = r;
+  }
+  return evicted;
 }
 
 int usmipc_ipc_set_cache_size(size_t entries) {
@@ -212,7 +238,8 @@ static int export_region(usmipc__region_t *r) {
   /* The export table lets importers refuse a handle of a freed allocation
    * without a round trip to this process; the broker hands it to importers
    * that cannot take it themselves. */
-  if (fd < 0 && (rc = usmipc__fdxfer_serve()) != 0)
+  if (fd < 0 && ((rc = usmipc__random(r->token, 16)) != 0 ||
+                 (rc = usmipc__fdxfer_serve()) != 0))
     return rc;
   rc = usmipc__exports_add(r->buffer_id, r->fd_number, r->alloc.size,
                            &r->export_slot, &r->table_fd_number);
@@ -260,8 +287,16 @@ static void wire_fill(usmipc__wire_t *w, usmipc_device_t *device,
   w->backend = device->ops->backend;
   memcpy(w->device_uuid, device->uuid, 16);
   memcpy(w->boot_id, self->boot_id, 16);
+  w->writer_version = USMIPC_VERSION_HEX;
+  w->uid = self->uid;
   w->pid = self->pid;
   w->nonce = self->nonce;
+  w->start_time = self->start_time;
+  w->pidfd_ino = self->pidfd_ino;
+  w->pid_ns = self->pid_ns;
+  w->net_ns = self->net_ns;
+  w->user_ns = self->user_ns;
+  memcpy(w->key, self->key, 16);
   w->fd_number = UINT32_MAX;
   w->export_slot = USMIPC__NO_SLOT;
   w->buffer_id = buffer_id;
@@ -272,7 +307,7 @@ static void wire_fill(usmipc__wire_t *w, usmipc_device_t *device,
 }
 
 static int handle_new(const usmipc__wire_t *w, usmipc_ipc_handle_t **handle) {
-  size_t len = usmipc__wire_size(w->payload.len);
+  size_t len = usmipc__wire_len(w);
   usmipc_ipc_handle_t *h = malloc(sizeof(*h) + len);
   if (h == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
@@ -354,6 +389,8 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
     w.fd_ino = r->fd_ino;
     memcpy(w.token, r->token, 16);
   }
+  if (usmipc__fdxfer_socket_dir())
+    w.flags |= USMIPC__WIRE_FLAG_SOCKET_DIR;
   w.payload = r->payload;
   pthread_mutex_unlock(&usmipc__registry_lock);
   return handle_new(&w, handle);
@@ -441,11 +478,17 @@ static int cache_take(usmipc__region_t *r, const usmipc__wire_t *w,
                         "not a valid usmipc IPC handle: it claims a %llu-byte "
                         "allocation, but the allocation it names has %zu bytes",
                         (unsigned long long)w->allocation_size, r->alloc.size);
-  if (memcmp(r->token, w->token, 16) != 0)
+  if (memcmp(r->token, w->token, 16) != 0 ||
+      memcmp(r->process_key, w->key, 16) != 0)
     return usmipc__fail(USMIPC_EACCES,
                         "process %u's handle carries the wrong capability "
                         "token for this allocation (forged or corrupted)",
                         w->pid);
+  /* A hit is checked like a miss: the allocation must still be exported
+   * by a living exporter (two reads of its table). */
+  int rc;
+  if (r->peer != NULL && (rc = usmipc__peer_check(r->peer, w, NULL)) != 0)
+    return rc;
   if (r->open_refs++ == 0)
     idle_unlink(r);
   *ptr = (uint8_t *)r->alloc.base + w->offset;
@@ -519,18 +562,29 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
    * whether the allocation is still exported and how large it is: a driver
    * handle (a bearer token) may be accepted by the driver after a free, and
    * the sizes in the handle are only as true as whoever wrote it. */
-  uint32_t seq = 0;
-  if (w.export_slot != USMIPC__NO_SLOT &&
-      (rc = usmipc__exports_check(&w, &seq)) != 0)
-    return rc;
+  uint64_t deadline = usmipc__deadline_after_timeout();
+  usmipc__peer_t *peer = NULL;
   int fd = -1;
-  if ((w.flags & USMIPC__WIRE_FLAG_FD) &&
-      (rc = usmipc__fdxfer_fetch(&w, seq, &fd)) != 0)
-    return rc;
+  if (w.export_slot != USMIPC__NO_SLOT) {
+    /* The exporter, proven once per exporter; then the slot; then the
+     * descriptor (which the broker may have handed over with the proof). */
+    if ((rc = usmipc__peer_get(&w, deadline, &peer, &fd)) != 0)
+      return rc;
+    if ((rc = usmipc__peer_check(peer, &w, NULL)) == 0 && fd < 0 &&
+        (w.flags & USMIPC__WIRE_FLAG_FD))
+      rc = usmipc__peer_fetch_fd(peer, &w, deadline, &fd);
+    if (rc != 0) {
+      if (fd >= 0)
+        close(fd);
+      usmipc__peer_put(peer);
+      return rc;
+    }
+  }
   usmipc__region_t *r = calloc(1, sizeof(*r));
   if (r == NULL) {
     if (fd >= 0)
       close(fd);
+    usmipc__peer_put(peer);
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
   }
   r->alloc.fd = -1;
@@ -540,6 +594,7 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
     close(fd);
   if (rc != 0) {
     free(r);
+    usmipc__peer_put(peer);
     usmipc__error_prefix("opening the handle of process %u: ", w.pid);
     return rc;
   }
@@ -548,24 +603,29 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
   r->buffer_id = w.buffer_id;
   r->key = key;
   r->open_refs = 1;
+  r->peer = peer;
+  r->export_slot = w.export_slot;
   memcpy(r->token, w.token, 16);
+  memcpy(r->process_key, w.key, 16);
 
   pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__region_t *dead = idle_drop_dead(NULL);
   hit = import_find(&key);
   if (hit != NULL) {
     rc = cache_take(hit, &w, ptr);
     pthread_mutex_unlock(&usmipc__registry_lock);
-    device->ops->ipc_unmap(device->native, &r->alloc);
-    free(r);
+    r->idle_next = dead;
+    unmap_list(r);
     return rc;
   }
   rc = usmipc__region_insert(r);
   if (rc == 0 && (rc = import_insert(r)) != 0)
     usmipc__region_remove(r);
   pthread_mutex_unlock(&usmipc__registry_lock);
+  unmap_list(dead);
   if (rc != 0) {
-    device->ops->ipc_unmap(device->native, &r->alloc);
-    free(r);
+    r->idle_next = NULL;
+    unmap_list(r);
     return rc;
   }
   *ptr = (uint8_t *)r->alloc.base + w.offset;
@@ -593,7 +653,7 @@ int usmipc_ipc_close(void *ptr) {
   } else if (r != NULL && r->origin == USMIPC__IMPORTED && r->open_refs > 0) {
     if (--r->open_refs == 0) {
       idle_push(r);
-      evicted = idle_evict_over_limit();
+      evicted = idle_drop_dead(idle_evict_over_limit());
     }
   } else {
     rc = usmipc__fail(USMIPC_ENOTMAPPED,

@@ -2,11 +2,20 @@
  * what must be redone in a child after fork(). */
 #include <fcntl.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "common.h"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#define PIDFS_MAGIC_ 0x50494446 /* linux/magic.h PIDFS_MAGIC */
 
 static usmipc__process_t self;
 static pthread_once_t self_once = PTHREAD_ONCE_INIT;
@@ -18,7 +27,8 @@ int usmipc__random(void *buf, size_t len) {
     if (n < 0) {
       if (errno == EINTR)
         continue;
-      return usmipc__fail(-errno, "getrandom(2) failed: %s", strerror(errno));
+      return usmipc__fail_native(usmipc__errno_code(errno), errno,
+                                 "getrandom(2) failed: %s", strerror(errno));
     }
     p += n;
     len -= (size_t)n;
@@ -62,11 +72,80 @@ static void read_boot_id(uint8_t out[16]) {
   }
 }
 
-static void redraw_nonce(void) {
+uint64_t usmipc__ns_inode(const char *pid, const char *name) {
+  char path[64];
+  struct stat st;
+  snprintf(path, sizeof(path), "/proc/%s/ns/%s", pid, name);
+  return stat(path, &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+uint64_t usmipc__start_time(const char *pid) {
+  char path[64], text[1024];
+  snprintf(path, sizeof(path), "/proc/%s/stat", pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return 0;
+  ssize_t n = read(fd, text, sizeof(text) - 1);
+  close(fd);
+  if (n <= 0)
+    return 0;
+  text[n] = '\0';
+  /* Field 2 (comm) may hold spaces and parentheses: count from the last
+   * ')'; start time is field 22, the 20th after it. */
+  char *p = strrchr(text, ')');
+  if (p == NULL)
+    return 0;
+  for (int field = 2; field < 22 && p != NULL; field++)
+    p = strchr(p + 1, ' ');
+  return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
+uint64_t usmipc__pidfd_inode(int pidfd) {
+  struct stat st;
+  struct statfs fs;
+  /* Before pidfs (Linux 6.9) every pidfd was the same anon inode, which
+   * proves nothing: only pidfs inodes identify a process. */
+  if (fstatfs(pidfd, &fs) != 0 || fs.f_type != PIDFS_MAGIC_ ||
+      fstat(pidfd, &st) != 0)
+    return 0;
+  return (uint64_t)st.st_ino;
+}
+
+int usmipc__errno_code(int e) {
+  switch (e) {
+  case EMFILE:
+  case ENFILE:
+    return USMIPC_EMFILE;
+  case ENOMEM:
+    return USMIPC_ENOMEM;
+  case EACCES:
+  case EPERM:
+    return USMIPC_EACCES;
+  default:
+    return USMIPC_EIO;
+  }
+}
+
+/* Everything that names this process instance; redone in a fork child. */
+static void draw_identity(void) {
+  self.pid = (uint32_t)getpid();
+  self.uid = (uint32_t)geteuid();
   do {
     if (usmipc__random(&self.nonce, sizeof(self.nonce)) != 0)
       self.nonce = ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&self;
   } while (self.nonce == 0);
+  if (usmipc__random(self.key, sizeof(self.key)) != 0)
+    abort(); /* no randomness: no secret; never guess one */
+  self.start_time = usmipc__start_time("self");
+  self.pidfd_ino = 0;
+  int pidfd = (int)syscall(SYS_pidfd_open, getpid(), 0);
+  if (pidfd >= 0) {
+    self.pidfd_ino = usmipc__pidfd_inode(pidfd);
+    close(pidfd);
+  }
+  self.pid_ns = usmipc__ns_inode("self", "pid");
+  self.net_ns = usmipc__ns_inode("self", "net");
+  self.user_ns = usmipc__ns_inode("self", "user");
 }
 
 /* fork() from any thread at any moment: every lock of the library is taken
@@ -90,10 +169,8 @@ static void fork_parent(void) {
 }
 
 static void fork_child(void) {
-  if (self.pid != 0) { /* the identity is per process instance */
-    self.pid = (uint32_t)getpid();
-    redraw_nonce();
-  }
+  if (self.pid != 0) /* the identity is per process instance */
+    draw_identity();
   usmipc__fdxfer_fork_child();
   usmipc__exports_fork_child();
   usmipc__registry_fork_child();
@@ -104,10 +181,8 @@ __attribute__((constructor)) static void register_fork_handlers(void) {
 }
 
 static void init_self(void) {
-  self.pid = (uint32_t)getpid();
-  self.uid = (uint32_t)getuid();
   read_boot_id(self.boot_id);
-  redraw_nonce();
+  draw_identity();
 }
 
 const usmipc__process_t *usmipc__self(void) {

@@ -37,7 +37,7 @@ typedef struct usmipc__allocation {
 } usmipc__allocation_t;
 
 /* The backend-specific part of a wire handle (docs/handle-format.md). */
-#define USMIPC__PAYLOAD_MAX 128
+#define USMIPC__PAYLOAD_MAX 512
 typedef struct usmipc__payload {
   uint8_t handle_kind; /* backend-specific sub-kind */
   uint16_t len;

@@ -23,28 +23,22 @@ static size_t page_size(void) {
 
 static int sys_fail(const char *what) {
   int e = errno;
-  return usmipc__fail_native(e == ENOMEM ? USMIPC_ENOMEM : -e, e, "%s: %s",
-                             what, strerror(e));
+  if (e == EMFILE || e == ENFILE)
+    return usmipc__fail_native(USMIPC_EMFILE, e,
+                               "%s: %s: every exported host allocation holds "
+                               "one file descriptor; free some, or raise the "
+                               "limit (ulimit -n)",
+                               what, strerror(e));
+  return usmipc__fail_native(usmipc__errno_code(e), e, "%s: %s", what,
+                             strerror(e));
 }
 
-/* The host "device" is the machine: its UUID is /etc/machine-id when there is
- * one (stable across reboots), else the boot id. */
+/* The host "device" is the running kernel: its UUID is the boot id, which
+ * every process on the machine reads alike, containers included (each
+ * container may have its own /etc/machine-id, which would make the one
+ * machine look like several devices). */
 static void host_uuid(uint8_t out[16]) {
-  char text[64] = {0};
   memcpy(out, usmipc__self()->boot_id, 16);
-  int fd = open("/etc/machine-id", O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    return;
-  ssize_t n = read(fd, text, sizeof(text) - 1);
-  close(fd);
-  if (n < 32)
-    return;
-  for (int i = 0; i < 16; i++) {
-    unsigned v;
-    if (sscanf(text + 2 * i, "%2x", &v) != 1)
-      return;
-    out[i] = (uint8_t)v;
-  }
 }
 
 static void cpu_name(char *out, size_t len) {
@@ -103,11 +97,15 @@ static int host_mem_alloc(void *dev, usmipc_mem_kind_t kind, size_t nbytes,
     out->reserved = size;
     return 0;
   }
-  int fd = memfd_create("usmipc", MFD_CLOEXEC);
+  int fd = memfd_create("usmipc", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0)
     return sys_fail("memfd_create");
-  if (ftruncate(fd, (off_t)size) != 0) {
-    int rc = sys_fail("ftruncate of the memfd");
+  /* Sealed at its size: no process that holds the descriptor (an importer
+   * included) can shrink it under another's mapping, which would turn the
+   * next touch of a page past the new end into SIGBUS. */
+  if (ftruncate(fd, (off_t)size) != 0 ||
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+    int rc = sys_fail("sizing the memfd");
     close(fd);
     return rc;
   }
@@ -187,11 +185,24 @@ static int host_ipc_import(void *dev, void *owner,
                         payload->handle_kind, payload->len);
   if (fd < 0)
     return usmipc__fail(USMIPC_EBADHANDLE, "host handle carries no descriptor");
-  /* Never map past the end of the file: a forged size would turn into
-   * SIGBUS on first touch instead of an error here. */
+  /* Never map what could shrink under us, or past the end of the file: a
+   * truncation or a forged size would turn into SIGBUS on a later touch
+   * instead of an error here. Only a memfd of this user, sealed against
+   * shrinking, is mapped. */
   struct stat st;
   if (fstat(fd, &st) != 0)
     return sys_fail("fstat of the received descriptor");
+  int seals = fcntl(fd, F_GET_SEALS);
+  if (!S_ISREG(st.st_mode) || seals < 0 || !(seals & F_SEAL_SHRINK))
+    return usmipc__fail(USMIPC_EUNTRUSTED,
+                        "the exporter's memory is not a memfd sealed against "
+                        "shrinking: refused, since it could be truncated "
+                        "under this process's mapping (SIGBUS)");
+  if (st.st_uid != usmipc__self()->uid)
+    return usmipc__fail(USMIPC_EACCES,
+                        "the exporter's memory belongs to uid %u, not to this "
+                        "process's uid %u: refused",
+                        (unsigned)st.st_uid, (unsigned)usmipc__self()->uid);
   size_t size = (allocation_size + page_size() - 1) & ~(page_size() - 1);
   if (allocation_size > (uint64_t)SIZE_MAX - page_size() ||
       (uint64_t)st.st_size < size)

@@ -1,18 +1,31 @@
-/* The export table: which allocations a process still exports, in a memfd
- * that importers map read-only.
+/* The export table: which allocations a process still exports, in a sealed
+ * memfd that importers map read-only.
  *
  * Why: a handle can outlive the allocation it names. Driver handles (CUDA's
  * cuIpcGetMemHandle) are bearer tokens that the driver may still accept
- * after the exporter freed the memory (it keeps small allocations in larger
- * chunks), and a descriptor number fetched with pidfd_getfd(2) may have been
- * closed and reused for another allocation; CUDA's exported descriptors all
- * share one anonymous inode, so (st_dev, st_ino) cannot tell them apart. The
- * exporter alone knows what is live, and asking its broker on every first
- * open costs a socket round trip. So each exporter keeps one slot per
- * exported allocation, {buffer id, descriptor number, size}, guarded by a
- * sequence counter (a seqlock), in a shared mapping. An importer fetches the
- * table once per exporter (through the fd transport, so the same uid and ptrace
- * rules apply) and from then on checks a handle with two memory reads.
+ * after the exporter freed the memory, and a descriptor number fetched with
+ * pidfd_getfd(2) may have been closed and reused for another allocation;
+ * CUDA's exported descriptors all share one anonymous inode, so (st_dev,
+ * st_ino) cannot tell them apart. The exporter alone knows what is live. So
+ * each exporter keeps one slot per exported allocation, {buffer id,
+ * descriptor number, size}, guarded by a sequence counter (a seqlock), in a
+ * shared mapping that an importer fetches once per exporter and from then on
+ * reads with a few loads, on every open, cache hits included.
+ *
+ * The table also answers two questions an importer cannot otherwise answer
+ * without a system call:
+ *  - Is this the exporter? The header names the process (pid, nonce, uid,
+ *    start time, boot id) and carries a MAC of those fields keyed by the
+ *    process key that every handle of this exporter carries. A table that
+ *    some other process made (after pid reuse, or on a squatted socket name)
+ *    fails the tag. The memfd is sealed against shrinking and growing, so no
+ *    one can truncate it under an importer's mapping (SIGBUS).
+ *  - Is the exporter alive? The header holds a robust, process-shared mutex
+ *    that the exporter's broker thread locks at start and never unlocks.
+ *    When the process dies, however it dies (SIGKILL included), the kernel
+ *    walks the thread's robust list and sets FUTEX_OWNER_DIED in the lock
+ *    word (futex(2), "robust futexes"). The header records where in the
+ *    mutex that word is, so the importer reads one word.
  *
  * Slot protocol, for one writer (under table_lock) and any readers:
  *   writer: seq++ (odd: changing), store fields, seq++ (even: stable)
@@ -29,46 +42,25 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "../blake2s.h"
 #include "../common.h"
 
-typedef struct export_slot {
-  uint32_t seq;
-  uint32_t fd_number;
-  uint64_t buffer_id; /* 0: free */
-  uint64_t size;      /* the allocation's size, which a handle must state */
-  uint64_t reserved;
-} export_slot_t;
-_Static_assert(sizeof(export_slot_t) == 32, "slots are 32 bytes on the wire");
+#define FUTEX_OWNER_DIED_ 0x40000000u
+#define FUTEX_TID_MASK_ 0x3fffffffu
 
-/* 1 Mi slots = 32 MiB of address space; pages are touched only as slots are
- * used, so a process exporting a hundred buffers costs one page. */
-#define TABLE_SLOTS (1u << 20)
-#define TABLE_BYTES ((size_t)TABLE_SLOTS * sizeof(export_slot_t))
-#define IMPORT_TABLES_MAX 64
-
-/* ---- the exporter's side ---------------------------------------------------
+/* ---- the exporter's side --------------------------------------------------
  */
 
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
-static export_slot_t *table; /* this process's table, read-write */
+static uint8_t *table; /* this process's table, read-write */
 static int table_fd = -1;
 static uint32_t *free_slots; /* stack of released slot indices */
 static size_t free_count, free_capacity;
 static uint32_t next_unused;
-static pthread_once_t exports_once = PTHREAD_ONCE_INIT;
 
-/* ---- the importer's side
- * ----------------------------------------------------- */
-
-typedef struct import_table {
-  uint32_t pid;
-  uint64_t nonce;
-  const export_slot_t *slots;
-  uint64_t last_use;
-} import_table_t;
-
-static import_table_t imported[IMPORT_TABLES_MAX];
-static uint64_t use_clock;
+static usmipc__export_slot_t *slots_of(uint8_t *t) {
+  return (usmipc__export_slot_t *)(t + USMIPC__TABLE_HEADER_BYTES);
+}
 
 void usmipc__exports_fork_prepare(void) { pthread_mutex_lock(&table_lock); }
 void usmipc__exports_fork_parent(void) { pthread_mutex_unlock(&table_lock); }
@@ -77,7 +69,7 @@ void usmipc__exports_fork_parent(void) { pthread_mutex_unlock(&table_lock); }
 void usmipc__exports_fork_child(void) {
   pthread_mutex_init(&table_lock, NULL);
   if (table != NULL)
-    munmap(table, TABLE_BYTES);
+    munmap(table, USMIPC__TABLE_BYTES);
   if (table_fd >= 0)
     close(table_fd);
   table = NULL;
@@ -86,12 +78,26 @@ void usmipc__exports_fork_child(void) {
   next_unused = 0;
 }
 
-static void exports_init(void) {}
+static void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+static uint32_t get32(const uint8_t *p) {
+  uint32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+static uint64_t get64(const uint8_t *p) {
+  uint64_t v;
+  memcpy(&v, p, 8);
+  return v;
+}
 
-void usmipc__exports_table_name(uint32_t pid, uint64_t nonce, char *out,
-                                size_t len) {
-  snprintf(out, len, "usmipc-exports.%u.%016llx", pid,
-           (unsigned long long)nonce);
+/* The tag over the header's identity fields [0, HDR_TAG). */
+static void header_tag(const uint8_t *hdr, const uint8_t key[16],
+                       uint8_t out[16]) {
+  uint8_t msg[16 + USMIPC__HDR_TAG];
+  memcpy(msg, "usmipc-table-v2\0", 16);
+  memcpy(msg + 16, hdr, USMIPC__HDR_TAG);
+  usmipc__mac(out, key, msg, sizeof(msg));
 }
 
 /* Called with table_lock held. */
@@ -100,28 +106,82 @@ static int table_create(void) {
     return 0;
   const usmipc__process_t *self = usmipc__self();
   char name[64];
-  usmipc__exports_table_name(self->pid, self->nonce, name, sizeof(name));
-  int fd = memfd_create(name, MFD_CLOEXEC);
+  snprintf(name, sizeof(name), "usmipc-exports.%u.%016llx", self->pid,
+           (unsigned long long)self->nonce);
+  int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0)
-    return usmipc__fail_native(USMIPC_ETRANSPORT, errno,
+    return usmipc__fail_native(usmipc__errno_code(errno), errno,
                                "cannot create the export table: %s",
                                strerror(errno));
   void *p = MAP_FAILED;
-  if (ftruncate(fd, (off_t)TABLE_BYTES) == 0)
-    p = mmap(NULL, TABLE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (ftruncate(fd, (off_t)USMIPC__TABLE_BYTES) == 0 &&
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0)
+    p = mmap(NULL, USMIPC__TABLE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+             0);
   if (p == MAP_FAILED) {
     int e = errno;
     close(fd);
-    return usmipc__fail_native(USMIPC_ETRANSPORT, e,
+    return usmipc__fail_native(usmipc__errno_code(e), e,
                                "cannot map the export table: %s", strerror(e));
   }
+  uint8_t *hdr = p;
+  memcpy(hdr + USMIPC__HDR_MAGIC, USMIPC__TABLE_MAGIC, 8);
+  put32(hdr + USMIPC__HDR_VERSION, 2);
+  put32(hdr + USMIPC__HDR_PID, self->pid);
+  put32(hdr + USMIPC__HDR_UID, self->uid);
+  put64(hdr + USMIPC__HDR_NONCE, self->nonce);
+  put64(hdr + USMIPC__HDR_START_TIME, self->start_time);
+  memcpy(hdr + USMIPC__HDR_BOOT_ID, self->boot_id, 16);
+  put64(hdr + USMIPC__HDR_SLOTS, USMIPC__TABLE_SLOTS);
+  header_tag(hdr, self->key, hdr + USMIPC__HDR_TAG);
+  /* The liveness mutex: robust (the kernel marks it when the holder dies)
+   * and process-shared (importers read its word in their own mapping). */
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+  pthread_mutex_init((pthread_mutex_t *)(hdr + USMIPC__HDR_MUTEX), &attr);
+  pthread_mutexattr_destroy(&attr);
   table = p;
   table_fd = fd;
   return 0;
 }
 
-static void slot_write(export_slot_t *s, uint64_t buffer_id, uint32_t fd_number,
-                       uint64_t size) {
+_Static_assert(sizeof(pthread_mutex_t) <= USMIPC__HDR_MUTEX_BYTES,
+               "the liveness mutex fits its header field");
+
+pthread_mutex_t *usmipc__exports_alive_mutex(void) {
+  pthread_mutex_lock(&table_lock);
+  int rc = table_create();
+  pthread_mutex_t *m =
+      rc == 0 ? (pthread_mutex_t *)(table + USMIPC__HDR_MUTEX) : NULL;
+  pthread_mutex_unlock(&table_lock);
+  return m;
+}
+
+int usmipc__exports_hold_alive(pthread_mutex_t *m, uint32_t tid) {
+  int rc = pthread_mutex_lock(m);
+  if (rc != 0)
+    return rc;
+  /* Find the kernel's futex word: the 4 bytes that now hold our tid (the
+   * robust-futex protocol requires the owner's tid in it; where the C
+   * library keeps it inside pthread_mutex_t is its own business). */
+  const uint8_t *bytes = (const uint8_t *)m;
+  for (uint32_t off = 0; off + 4 <= sizeof(pthread_mutex_t); off += 4) {
+    uint32_t word =
+        __atomic_load_n((const uint32_t *)(bytes + off), __ATOMIC_RELAXED);
+    if ((word & FUTEX_TID_MASK_) == tid) {
+      __atomic_store_n((uint32_t *)((uint8_t *)m - USMIPC__HDR_MUTEX +
+                                    USMIPC__HDR_ALIVE_OFFSET),
+                       USMIPC__HDR_MUTEX + off, __ATOMIC_RELEASE);
+      return 0;
+    }
+  }
+  return -1;
+}
+
+static void slot_write(usmipc__export_slot_t *s, uint64_t buffer_id,
+                       uint32_t fd_number, uint64_t size) {
   uint32_t seq = __atomic_load_n(&s->seq, __ATOMIC_RELAXED);
   __atomic_store_n(&s->seq, seq + 1, __ATOMIC_RELAXED);
   __atomic_thread_fence(__ATOMIC_RELEASE);
@@ -133,23 +193,22 @@ static void slot_write(export_slot_t *s, uint64_t buffer_id, uint32_t fd_number,
 
 int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint64_t size,
                         uint32_t *slot, uint32_t *table_fd_number) {
-  pthread_once(&exports_once, exports_init);
   pthread_mutex_lock(&table_lock);
   int rc = table_create();
   if (rc == 0) {
     uint32_t at;
     if (free_count > 0) {
       at = free_slots[--free_count];
-    } else if (next_unused < TABLE_SLOTS) {
+    } else if (next_unused < USMIPC__TABLE_SLOTS) {
       at = next_unused++;
     } else {
       pthread_mutex_unlock(&table_lock);
       return usmipc__fail(USMIPC_ENOMEM,
                           "this process already exports %u allocations, the "
                           "most one process can; free some first",
-                          TABLE_SLOTS);
+                          USMIPC__TABLE_SLOTS);
     }
-    slot_write(&table[at], buffer_id, fd_number, size);
+    slot_write(&slots_of(table)[at], buffer_id, fd_number, size);
     *slot = at;
     *table_fd_number = (uint32_t)table_fd;
   }
@@ -160,7 +219,7 @@ int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint64_t size,
 void usmipc__exports_remove(uint32_t slot) {
   pthread_mutex_lock(&table_lock);
   if (table != NULL && slot < next_unused) {
-    slot_write(&table[slot], 0, UINT32_MAX, 0);
+    slot_write(&slots_of(table)[slot], 0, UINT32_MAX, 0);
     if (free_count == free_capacity) {
       size_t cap = free_capacity ? free_capacity * 2 : 256;
       void *grown = realloc(free_slots, cap * sizeof(*free_slots));
@@ -182,124 +241,111 @@ int usmipc__exports_table_fd(void) {
   return fd;
 }
 
-/* ---- checking a handle in an importer ------------------------------------ */
+/* ---- reading another process's table ------------------------------------- */
 
-/* The exporter's table, mapped read-only; fetched on first use. Called with
- * table_lock held; drops it while fetching, which may wait on the exporter.
- * NULL on failure, with the code in *rc. */
-static const export_slot_t *table_of(const usmipc__wire_t *w, int *rc_out) {
-  import_table_t *lru = &imported[0];
-  for (int i = 0; i < IMPORT_TABLES_MAX; i++) {
-    import_table_t *t = &imported[i];
-    if (t->slots != NULL && t->pid == w->pid && t->nonce == w->nonce) {
-      t->last_use = ++use_clock;
-      return t->slots;
-    }
-    if (t->slots == NULL || (lru->slots != NULL && t->last_use < lru->last_use))
-      lru = t;
+int usmipc__table_map(int fd, const usmipc__wire_t *w, const uint8_t **out) {
+  /* Everything about the file is checked before it is mapped: a regular
+   * shmem file of exactly the table's size that nobody can shrink or grow,
+   * owned by this process's user (a table made by another user is never
+   * ours to trust). */
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+      (uint64_t)st.st_size != USMIPC__TABLE_BYTES)
+    return usmipc__fail(USMIPC_EUNTRUSTED,
+                        "process %u's export table is not a table (wrong "
+                        "file type or size): the process at that pid or "
+                        "socket name is not the exporter",
+                        w->pid);
+  if (st.st_uid != usmipc__self()->uid)
+    return usmipc__fail(USMIPC_EACCES,
+                        "process %u's export table belongs to uid %u, not to "
+                        "this process's uid %u: IPC is refused between "
+                        "processes of different users",
+                        w->pid, (unsigned)st.st_uid,
+                        (unsigned)usmipc__self()->uid);
+  int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 ||
+      (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
+    return usmipc__fail(USMIPC_EUNTRUSTED,
+                        "process %u's export table is not sealed against "
+                        "resizing: refused, since a peer could truncate it "
+                        "under this process's mapping",
+                        w->pid);
+  void *p = mmap(NULL, USMIPC__TABLE_BYTES, PROT_READ, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED)
+    return usmipc__fail_native(usmipc__errno_code(errno), errno,
+                               "cannot map process %u's export table: %s",
+                               w->pid, strerror(errno));
+  const uint8_t *hdr = p;
+  uint8_t tag[16];
+  header_tag(hdr, w->key, tag);
+  uint32_t alive_off = get32(hdr + USMIPC__HDR_ALIVE_OFFSET);
+  if (memcmp(hdr + USMIPC__HDR_MAGIC, USMIPC__TABLE_MAGIC, 8) != 0 ||
+      get32(hdr + USMIPC__HDR_VERSION) != 2 ||
+      get32(hdr + USMIPC__HDR_PID) != w->pid ||
+      get32(hdr + USMIPC__HDR_UID) != w->uid ||
+      get64(hdr + USMIPC__HDR_NONCE) != w->nonce ||
+      get64(hdr + USMIPC__HDR_START_TIME) != w->start_time ||
+      memcmp(hdr + USMIPC__HDR_BOOT_ID, w->boot_id, 16) != 0 ||
+      get64(hdr + USMIPC__HDR_SLOTS) != USMIPC__TABLE_SLOTS ||
+      !usmipc__ct_equal(tag, hdr + USMIPC__HDR_TAG, 16)) {
+    munmap(p, USMIPC__TABLE_BYTES);
+    return usmipc__fail(USMIPC_EUNTRUSTED,
+                        "the export table offered for process %u does not "
+                        "prove the exporter's identity (its tag or fields "
+                        "differ from the handle's): the process at that pid "
+                        "or socket name is not the exporter, or the handle is "
+                        "forged",
+                        w->pid);
   }
-  pthread_mutex_unlock(&table_lock);
-  int fd = -1;
-  int rc = usmipc__fdxfer_fetch_table(w, &fd);
-  void *p = MAP_FAILED;
-  if (rc == 0) {
-    struct stat st;
-    if (fstat(fd, &st) == 0 && (size_t)st.st_size == TABLE_BYTES)
-      p = mmap(NULL, TABLE_BYTES, PROT_READ, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED)
-      rc = usmipc__fail(USMIPC_ETRANSPORT,
-                        "process %u's export table is not mappable", w->pid);
-    close(fd);
+  if (alive_off != 0 &&
+      (alive_off < USMIPC__HDR_MUTEX ||
+       alive_off + 4 > USMIPC__HDR_MUTEX + USMIPC__HDR_MUTEX_BYTES ||
+       alive_off % 4 != 0)) {
+    munmap(p, USMIPC__TABLE_BYTES);
+    return usmipc__fail(USMIPC_EUNTRUSTED,
+                        "process %u's export table is malformed", w->pid);
   }
-  pthread_mutex_lock(&table_lock);
-  *rc_out = rc;
-  if (rc != 0)
-    return NULL;
-  /* Another thread may have mapped it meanwhile; keep one. */
-  for (int i = 0; i < IMPORT_TABLES_MAX; i++) {
-    import_table_t *t = &imported[i];
-    if (t->slots != NULL && t->pid == w->pid && t->nonce == w->nonce) {
-      munmap(p, TABLE_BYTES);
-      return t->slots;
-    }
-  }
-  if (lru->slots != NULL)
-    munmap((void *)lru->slots, TABLE_BYTES);
-  lru->pid = w->pid;
-  lru->nonce = w->nonce;
-  lru->slots = p;
-  lru->last_use = ++use_clock;
-  return p;
+  *out = hdr;
+  return 0;
 }
 
-int usmipc__exports_check(const usmipc__wire_t *w, uint32_t *seq_out) {
-  pthread_once(&exports_once, exports_init);
-  if (w->export_slot >= TABLE_SLOTS)
-    return usmipc__fail(USMIPC_EBADHANDLE,
-                        "not a valid usmipc IPC handle: export slot %u is out "
-                        "of range",
-                        w->export_slot);
-  pthread_mutex_lock(&table_lock);
-  int rc = 0;
-  const export_slot_t *slots = table_of(w, &rc);
-  if (slots == NULL) {
-    pthread_mutex_unlock(&table_lock);
-    return rc; /* message set by the fetch */
-  }
-  const export_slot_t *s = &slots[w->export_slot];
-  uint32_t s1, s2, fd_number;
-  uint64_t buffer_id, size;
+int usmipc__table_alive(const uint8_t *hdr) {
+  uint32_t off = __atomic_load_n(
+      (const uint32_t *)(hdr + USMIPC__HDR_ALIVE_OFFSET), __ATOMIC_ACQUIRE);
+  if (off == 0)
+    return 0; /* never held: the exporter's broker did not start */
+  uint32_t word =
+      __atomic_load_n((const uint32_t *)(hdr + off), __ATOMIC_ACQUIRE);
+  return (word & FUTEX_OWNER_DIED_) == 0 && (word & FUTEX_TID_MASK_) != 0;
+}
+
+int usmipc__table_read_slot(const uint8_t *hdr, uint32_t slot,
+                            usmipc__export_slot_t *out, uint32_t *seq_out) {
+  const usmipc__export_slot_t *s = &(
+      (const usmipc__export_slot_t *)(hdr + USMIPC__TABLE_HEADER_BYTES))[slot];
+  uint32_t s1, s2;
   unsigned spins = 0;
   do {
-    /* An odd count is a write in progress: microseconds at most, unless the
-     * exporter died in the middle of it. */
-    while ((s1 = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE)) & 1) {
-      if (++spins > (1u << 24)) {
-        pthread_mutex_unlock(&table_lock);
-        return usmipc__fail(USMIPC_EEXPORTERGONE,
-                            "process %u's export table is stuck mid-update; "
-                            "the exporter probably died",
-                            w->pid);
-      }
-    }
-    fd_number = __atomic_load_n(&s->fd_number, __ATOMIC_RELAXED);
-    buffer_id = __atomic_load_n(&s->buffer_id, __ATOMIC_RELAXED);
-    size = __atomic_load_n(&s->size, __ATOMIC_RELAXED);
+    /* An odd count is a write in progress: nanoseconds, unless the exporter
+     * died in the middle of it. */
+    while ((s1 = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE)) & 1)
+      if (++spins > (1u << 20))
+        return -1;
+    out->fd_number = __atomic_load_n(&s->fd_number, __ATOMIC_RELAXED);
+    out->buffer_id = __atomic_load_n(&s->buffer_id, __ATOMIC_RELAXED);
+    out->size = __atomic_load_n(&s->size, __ATOMIC_RELAXED);
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     s2 = __atomic_load_n(&s->seq, __ATOMIC_RELAXED);
   } while (s1 != s2);
-  pthread_mutex_unlock(&table_lock);
-  if (buffer_id != w->buffer_id ||
-      ((w->flags & USMIPC__WIRE_FLAG_FD) && fd_number != w->fd_number))
-    return usmipc__fail(USMIPC_EEXPORTERGONE,
-                        "process %u no longer exports the memory this handle "
-                        "names (the allocation was freed)",
-                        w->pid);
-  if (size != w->allocation_size)
-    return usmipc__fail(USMIPC_EBADHANDLE,
-                        "not a valid usmipc IPC handle: it claims a %llu-byte "
-                        "allocation, but process %u exported %llu bytes",
-                        (unsigned long long)w->allocation_size, w->pid,
-                        (unsigned long long)size);
-  *seq_out = s1;
+  out->seq = s1;
+  if (seq_out)
+    *seq_out = s1;
   return 0;
 }
 
-int usmipc__exports_recheck(const usmipc__wire_t *w, uint32_t seq) {
-  pthread_mutex_lock(&table_lock);
-  const export_slot_t *slots = NULL;
-  for (int i = 0; i < IMPORT_TABLES_MAX; i++)
-    if (imported[i].slots != NULL && imported[i].pid == w->pid &&
-        imported[i].nonce == w->nonce)
-      slots = imported[i].slots;
-  uint32_t now =
-      slots ? __atomic_load_n(&slots[w->export_slot].seq, __ATOMIC_ACQUIRE)
-            : seq + 1;
-  pthread_mutex_unlock(&table_lock);
-  if (now != seq)
-    return usmipc__fail(USMIPC_EEXPORTERGONE,
-                        "process %u freed the memory this handle names while "
-                        "it was being opened",
-                        w->pid);
-  return 0;
+uint32_t usmipc__table_slot_seq(const uint8_t *hdr, uint32_t slot) {
+  const usmipc__export_slot_t *s = &(
+      (const usmipc__export_slot_t *)(hdr + USMIPC__TABLE_HEADER_BYTES))[slot];
+  return __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
 }

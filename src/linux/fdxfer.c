@@ -1,31 +1,45 @@
-/* Moving file descriptors between unrelated processes.
+/* Moving file descriptors between unrelated processes, with proof of who is
+ * on the other end.
  *
  * Memory shared through a file descriptor (host memfd, CUDA VMM POSIX fds,
- * Level Zero IPC fds) needs that descriptor in the importer. Two ways:
+ * Level Zero IPC fds) needs that descriptor in the importer, and every
+ * importer needs the exporter's export table (exports.c). Three ways:
  *
  *  - pidfd_getfd(2) (Linux 5.6): the importer copies the descriptor straight
- *    out of the exporter. Fast (two system calls), but it needs ptrace access
- *    to the exporter, which Yama's ptrace_scope=1 (the Ubuntu default)
- *    denies unless the importer is an ancestor of the exporter. The handle
- *    records the file's (st_dev, st_ino), and the copied descriptor must
- *    match it: a descriptor number reused after a free names another file.
+ *    out of the exporter. Fast, but it needs ptrace access to the exporter,
+ *    which Yama's ptrace_scope=1 denies unless the importer is an ancestor.
+ *  - /proc/<pid>/fd/<n>: reopens a memfd (not an anonymous inode such as
+ *    CUDA's); proc(5) asks only PTRACE_MODE_READ, which Yama allows.
+ *  - the exporter's broker: a thread, started on the first export, listening
+ *    on an abstract Unix socket named after the exporter's pid and nonce
+ *    (and, with USMIPC_SOCKET_DIR, on a socket file there, for importers in
+ *    other network namespaces: containers).
  *
- *  - a per-process broker: a thread, started on the first export, listening
- *    on an abstract Unix socket named after the exporter's pid and nonce. An
- *    importer connects, presents the buffer id and the 16-byte capability
- *    token from the handle, and receives the descriptor with SCM_RIGHTS
- *    (unix(7)). The broker checks the token (a handle is a capability for one
- *    allocation) and the peer's uid from SO_PEERCRED (another user is
- *    refused even with the token). No ptrace rights are needed.
+ * The broker protocol is one request and one answer, authenticated both
+ * ways with MACs (keyed BLAKE2s, blake2s.c):
+ *  - Before sending anything the importer checks the listener's kernel
+ *    credentials: same uid, the exporter's pid where pids are comparable,
+ *    and the exporter's pidfd inode (SO_PEERPIDFD, pidfs) where the kernel
+ *    has them. A squatter on the name of a dead exporter, of another user,
+ *    learns nothing.
+ *  - The request carries a fresh client nonce and a proof (a MAC keyed by
+ *    the exporter's process key, which every handle carries), and for a
+ *    descriptor a capability (a MAC keyed by the allocation's token). No
+ *    secret travels: a listener that is not the exporter sees MACs over a
+ *    nonce it cannot reuse.
+ *  - The answer carries a MAC over the client nonce keyed by the process
+ *    key; the importer uses no descriptor from an answer that fails it.
+ *  - The broker checks the peer's uid when it accepts a connection, serves
+ *    any number of connections at once from one poll loop, gives each a
+ *    deadline, and bounds how many one process may hold, so idle or slow
+ *    peers of any uid cannot delay others.
  *
- * USMIPC_FD_TRANSPORT picks: "auto" (default: pidfd, then the broker),
- * "socket" or "pidfd".
- *
- * Abstract socket names live in the network namespace: exporter and importer
- * must share it (containers started with --network=host do).
+ * USMIPC_FD_TRANSPORT picks: "auto" (default: pidfd, then /proc, then the
+ * broker), "socket", "pidfd" or "procfd".
  */
 #include <fcntl.h>
 #include <poll.h>
+#include <semaphore.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,48 +47,121 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
-#include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "../blake2s.h"
 #include "../common.h"
 
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
 #ifndef SYS_pidfd_getfd
 #define SYS_pidfd_getfd 438
 #endif
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77 /* Linux 6.5 */
+#endif
 
-#define REQUEST_MAGIC 0x51524655u /* "UFRQ" */
-#define REPLY_MAGIC 0x50524655u   /* "UFRP" */
-#define PROTOCOL_VERSION 1u
-#define TABLE_REQUEST 0 /* buffer id 0 asks for the export table */
-/* How long either side waits for the other before giving up: long enough for
- * a loaded machine, short enough that a wedged peer is reported. */
-#define PEER_TIMEOUT_MS 5000
+#define REQUEST_MAGIC 0x32524655u /* "UFR2" */
+#define REPLY_MAGIC 0x32504655u   /* "UFP2" */
+#define PROTOCOL_VERSION 2u
+#define REQUEST_LEN 80
+#define REPLY_LEN 48
+/* How long the broker waits for a connected peer's request. */
+#define CONN_DEADLINE_MS 1000
+/* Connections served at once, and at most per peer process. */
+#define MAX_CONNS 64
+#define MAX_CONNS_PER_PEER 8
 
 enum reply_status {
   REPLY_OK = 0,
   REPLY_UNKNOWN_BUFFER = 1, /* never published, or withdrawn (freed) */
-  REPLY_BAD_TOKEN = 2,
+  REPLY_BAD_CAPABILITY = 2,
   REPLY_OTHER_USER = 3,
   REPLY_BAD_REQUEST = 4,
+  REPLY_BAD_PROOF = 5, /* the request's MAC fails: not a handle of ours */
+  REPLY_NO_TABLE = 6,
 };
 
-/* On the wire both messages are little-endian fixed-size structs of
- * naturally aligned fields; peers are the same host, but spell it out. */
-typedef struct request {
-  uint32_t magic;
-  uint32_t version;
-  uint64_t buffer_id;
-  uint8_t token[16];
-} request_t;
+/* Request, little-endian:
+ *   0 u32 magic, 4 u32 version, 8 u32 exporter pid, 12 u32 want,
+ *   16 u64 exporter nonce, 24 u64 buffer id, 32 [16] client nonce,
+ *   48 [16] proof = MAC(process key, "usmipc-request-2" || bytes[0, 48)),
+ *   64 [16] capability = MAC(token, "usmipc-capabil-2" || bytes[0, 48)) with
+ *           USMIPC__WANT_FD, else zero.
+ * Reply:
+ *   0 u32 magic, 4 u32 status, 8 u32 descriptors sent, 12 u32 want (echo),
+ *   16 [16] client nonce (echo),
+ *   32 [16] MAC(process key, "usmipc-reply---2" || bytes[0, 32) || u64 buffer
+ *           id), then the descriptors as SCM_RIGHTS: the table first. */
 
-typedef struct reply {
-  uint32_t magic;
-  uint32_t status;
-} reply_t;
+static void put32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+static void put64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint32_t get32(const uint8_t *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+         (uint32_t)p[3] << 24;
+}
+static uint64_t get64(const uint8_t *p) {
+  return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32;
+}
+
+static void mac_with_label(uint8_t out[16], const uint8_t key[16],
+                           const char label[16], const uint8_t *data,
+                           size_t len, uint64_t extra) {
+  uint8_t msg[16 + 48 + 8];
+  memcpy(msg, label, 16);
+  memcpy(msg + 16, data, len);
+  put64(msg + 16 + len, extra);
+  usmipc__mac(out, key, msg, 16 + len + 8);
+}
+
+static void request_proof(const uint8_t *req, const uint8_t key[16],
+                          uint8_t out[16]) {
+  mac_with_label(out, key, "usmipc-request-2", req, 48, 0);
+}
+static void request_capability(const uint8_t *req, const uint8_t token[16],
+                               uint8_t out[16]) {
+  mac_with_label(out, token, "usmipc-capabil-2", req, 48, 0);
+}
+static void reply_mac(const uint8_t *rep, const uint8_t key[16],
+                      uint64_t buffer_id, uint8_t out[16]) {
+  mac_with_label(out, key, "usmipc-reply---2", rep, 32, buffer_id);
+}
+
+static socklen_t abstract_address(uint32_t pid, uint64_t nonce,
+                                  struct sockaddr_un *addr) {
+  memset(addr, 0, sizeof(*addr));
+  addr->sun_family = AF_UNIX;
+  /* sun_path[0] == '\0' makes the name abstract: no file to clean up, gone
+   * when the process exits. Abstract names belong to a network namespace. */
+  int n = snprintf(addr->sun_path + 1, sizeof(addr->sun_path) - 1,
+                   "usmipc.%u.%016llx", pid, (unsigned long long)nonce);
+  return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+/* DIR/usmipc.<pid>.<nonce>.sock; 0 when the path does not fit. */
+static socklen_t dir_address(const char *dir, uint32_t pid, uint64_t nonce,
+                             struct sockaddr_un *addr) {
+  memset(addr, 0, sizeof(*addr));
+  addr->sun_family = AF_UNIX;
+  int n = snprintf(addr->sun_path, sizeof(addr->sun_path),
+                   "%s/usmipc.%u.%016llx.sock", dir, pid,
+                   (unsigned long long)nonce);
+  if (n < 0 || (size_t)n >= sizeof(addr->sun_path))
+    return 0;
+  return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + (size_t)n + 1);
+}
+
+static const char *socket_dir_env(void) {
+  const char *dir = getenv("USMIPC_SOCKET_DIR");
+  return dir != NULL && *dir != '\0' ? dir : NULL;
+}
+
+/* ==== the exporter's side: grants and the broker ========================== */
 
 typedef struct grant_entry {
   uint64_t buffer_id;
@@ -85,43 +172,27 @@ typedef struct grant_entry {
 static pthread_mutex_t fdx_lock = PTHREAD_MUTEX_INITIALIZER;
 static grant_entry_t *grants; /* sorted by buffer_id */
 static size_t grant_count, grant_capacity;
-static int listen_fd = -1;
-static pthread_once_t fdx_once = PTHREAD_ONCE_INIT;
+static bool broker_running;
+static int listen_fds[2] = {-1, -1}; /* abstract, socket dir */
+static char dir_socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+static pid_t dir_socket_owner;
 
-/* Guards the importer's cache of exporters' pidfds (below). */
-static pthread_mutex_t pidfd_lock = PTHREAD_MUTEX_INITIALIZER;
-
-void usmipc__fdxfer_fork_prepare(void) {
-  pthread_mutex_lock(&fdx_lock);
-  pthread_mutex_lock(&pidfd_lock);
-}
-void usmipc__fdxfer_fork_parent(void) {
-  pthread_mutex_unlock(&pidfd_lock);
-  pthread_mutex_unlock(&fdx_lock);
-}
+void usmipc__fdxfer_fork_prepare(void) { pthread_mutex_lock(&fdx_lock); }
+void usmipc__fdxfer_fork_parent(void) { pthread_mutex_unlock(&fdx_lock); }
 /* The broker thread does not exist in a fork child, and the parent's grants
- * are the parent's to serve: the child forgets them (and its copy of the
- * listening socket) and starts its own broker on its next export. */
+ * are the parent's to serve: the child forgets them (and its copies of the
+ * listening sockets; the socket file stays the parent's) and starts its own
+ * broker on its next export. */
 void usmipc__fdxfer_fork_child(void) {
   pthread_mutex_init(&fdx_lock, NULL);
-  pthread_mutex_init(&pidfd_lock, NULL);
   grant_count = 0; /* the descriptors belong to the inherited allocations */
-  if (listen_fd >= 0)
-    close(listen_fd);
-  listen_fd = -1;
-}
-
-static void fdx_init(void) {}
-
-static socklen_t broker_address(uint32_t pid, uint64_t nonce,
-                                struct sockaddr_un *addr) {
-  memset(addr, 0, sizeof(*addr));
-  addr->sun_family = AF_UNIX;
-  /* sun_path[0] == '\0' makes the name abstract: no file to clean up, gone
-   * when the process exits. */
-  int n = snprintf(addr->sun_path + 1, sizeof(addr->sun_path) - 1,
-                   "usmipc.%u.%016llx", pid, (unsigned long long)nonce);
-  return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+  for (int i = 0; i < 2; i++) {
+    if (listen_fds[i] >= 0)
+      close(listen_fds[i]);
+    listen_fds[i] = -1;
+  }
+  dir_socket_path[0] = '\0';
+  broker_running = false;
 }
 
 static size_t grant_lower_bound(uint64_t buffer_id) {
@@ -142,120 +213,268 @@ static grant_entry_t *grant_find(uint64_t buffer_id) {
                                                                : NULL;
 }
 
-static int tokens_equal(const uint8_t *a, const uint8_t *b) {
-  uint8_t diff = 0; /* constant time: no early exit to time */
-  for (int i = 0; i < 16; i++)
-    diff |= a[i] ^ b[i];
-  return diff == 0;
-}
+typedef struct conn {
+  int fd;
+  pid_t peer_pid; /* 0 when the peer is in a PID namespace we cannot see */
+  uint64_t deadline;
+  size_t got;
+  uint8_t buf[REQUEST_LEN];
+} conn_t;
 
-static void set_timeouts(int fd) {
-  struct timeval tv = {.tv_sec = PEER_TIMEOUT_MS / 1000,
-                       .tv_usec = (PEER_TIMEOUT_MS % 1000) * 1000};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-}
-
-static void send_reply(int conn, uint32_t status, int fd) {
-  reply_t rep = {.magic = REPLY_MAGIC, .status = status};
-  struct iovec iov = {.iov_base = &rep, .iov_len = sizeof(rep)};
+static void send_reply(int conn, const uint8_t *req, uint32_t status,
+                       const int *fds, int nfds) {
+  const usmipc__process_t *self = usmipc__self();
+  uint8_t rep[REPLY_LEN] = {0};
+  put32(rep, REPLY_MAGIC);
+  put32(rep + 4, status);
+  put32(rep + 8, (uint32_t)nfds);
+  put32(rep + 12, req ? get32(req + 12) : 0);
+  if (req)
+    memcpy(rep + 16, req + 32, 16);
+  reply_mac(rep, self->key, req ? get64(req + 24) : 0, rep + 32);
+  struct iovec iov = {.iov_base = rep, .iov_len = sizeof(rep)};
   union {
     struct cmsghdr align;
-    char buf[CMSG_SPACE(sizeof(int))];
+    char buf[CMSG_SPACE(sizeof(int) * 2)];
   } control;
   struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
-  if (fd >= 0) {
+  if (nfds > 0) {
     memset(&control, 0, sizeof(control));
     msg.msg_control = control.buf;
-    msg.msg_controllen = sizeof(control.buf);
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
     struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
     cm->cmsg_level = SOL_SOCKET;
     cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+    cm->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
+    memcpy(CMSG_DATA(cm), fds, sizeof(int) * (size_t)nfds);
   }
-  while (sendmsg(conn, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR) {
+  /* Non-blocking: a fresh connection's buffer always has room for one
+   * answer; a peer that made it otherwise only loses its own answer. */
+  while (sendmsg(conn, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 &&
+         errno == EINTR) {
   }
 }
 
-static void serve_one(int conn) {
-  struct ucred cred;
-  socklen_t cred_len = sizeof(cred);
-  request_t req;
-  set_timeouts(conn);
-  if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0)
-    return;
-  ssize_t n;
-  do
-    n = recv(conn, &req, sizeof(req), MSG_WAITALL);
-  while (n < 0 && errno == EINTR);
-  if (n != (ssize_t)sizeof(req) || req.magic != REQUEST_MAGIC ||
-      req.version != PROTOCOL_VERSION) {
-    send_reply(conn, REPLY_BAD_REQUEST, -1);
+/* One complete request: check, answer, done. */
+static void serve_request(int conn, const uint8_t *req) {
+  const usmipc__process_t *self = usmipc__self();
+  uint8_t proof[16];
+  if (get32(req) != REQUEST_MAGIC || get32(req + 4) != PROTOCOL_VERSION) {
+    send_reply(conn, NULL, REPLY_BAD_REQUEST, NULL, 0);
     return;
   }
-  if (cred.uid != usmipc__self()->uid) {
-    send_reply(conn, REPLY_OTHER_USER, -1);
+  uint32_t want = get32(req + 12);
+  uint64_t buffer_id = get64(req + 24);
+  request_proof(req, self->key, proof);
+  if (get32(req + 8) != self->pid || get64(req + 16) != self->nonce ||
+      !usmipc__ct_equal(proof, req + 48, 16) ||
+      (want & ~(USMIPC__WANT_TABLE | USMIPC__WANT_FD)) != 0 || want == 0) {
+    send_reply(conn, req, REPLY_BAD_PROOF, NULL, 0);
     return;
   }
-  if (req.buffer_id == TABLE_REQUEST) {
-    /* The export table holds only buffer ids and descriptor numbers: any
-     * process of the same user may read it. */
+  int fds[2], nfds = 0;
+  if (want & USMIPC__WANT_TABLE) {
     int table = usmipc__exports_table_fd();
-    send_reply(conn, table >= 0 ? REPLY_OK : REPLY_UNKNOWN_BUFFER, table);
+    if (table < 0) {
+      send_reply(conn, req, REPLY_NO_TABLE, NULL, 0);
+      return;
+    }
+    fds[nfds++] = table; /* never closed while the process lives */
+  }
+  if (!(want & USMIPC__WANT_FD)) {
+    send_reply(conn, req, REPLY_OK, fds, nfds);
     return;
   }
   /* The descriptor is sent while the lock is held so that a concurrent
-   * withdraw cannot close it under us; sendmsg on a local socket does not
-   * wait for the peer. */
+   * withdraw cannot close it under us; the send does not wait. */
   pthread_mutex_lock(&fdx_lock);
-  grant_entry_t *g = grant_find(req.buffer_id);
+  grant_entry_t *g = grant_find(buffer_id);
+  uint8_t cap[16];
+  if (g != NULL)
+    request_capability(req, g->token, cap);
   if (g == NULL)
-    send_reply(conn, REPLY_UNKNOWN_BUFFER, -1);
-  else if (!tokens_equal(g->token, req.token))
-    send_reply(conn, REPLY_BAD_TOKEN, -1);
-  else
-    send_reply(conn, REPLY_OK, g->fd);
+    send_reply(conn, req, REPLY_UNKNOWN_BUFFER, NULL, 0);
+  else if (!usmipc__ct_equal(cap, req + 64, 16))
+    send_reply(conn, req, REPLY_BAD_CAPABILITY, NULL, 0);
+  else {
+    fds[nfds++] = g->fd;
+    send_reply(conn, req, REPLY_OK, fds, nfds);
+  }
   pthread_mutex_unlock(&fdx_lock);
 }
 
-static void *broker_main(void *arg) {
-  int fd = (int)(intptr_t)arg;
-  for (;;) {
-    int conn = accept4(fd, NULL, NULL, SOCK_CLOEXEC);
-    if (conn < 0) {
-      if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE ||
-          errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-        if (errno != EINTR && errno != ECONNABORTED)
-          poll(NULL, 0, 10); /* out of descriptors: back off, then retry */
-        continue;
-      }
-      return NULL; /* the socket is gone */
+static void conn_close(conn_t *conns, int *count, int i) {
+  close(conns[i].fd);
+  conns[i] = conns[--*count];
+}
+
+/* A new connection: refused at once unless it is our user's; admitted
+ * within the bounds (the oldest connection of the same peer, or of all,
+ * makes room: a legitimate importer sends its request at once, so the
+ * oldest is the likeliest to be idle). */
+static void admit(conn_t *conns, int *count, int fd) {
+  struct ucred cred;
+  socklen_t len = sizeof(cred);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
+      cred.uid != usmipc__self()->uid) {
+    send_reply(fd, NULL, REPLY_OTHER_USER, NULL, 0);
+    close(fd);
+    return;
+  }
+  int same = 0, oldest_same = -1, oldest = -1;
+  for (int i = 0; i < *count; i++) {
+    if (oldest < 0 || conns[i].deadline < conns[oldest].deadline)
+      oldest = i;
+    if (conns[i].peer_pid == cred.pid) {
+      same++;
+      if (oldest_same < 0 || conns[i].deadline < conns[oldest_same].deadline)
+        oldest_same = i;
     }
-    serve_one(conn);
-    close(conn);
+  }
+  if (same >= MAX_CONNS_PER_PEER)
+    conn_close(conns, count, oldest_same);
+  else if (*count >= MAX_CONNS)
+    conn_close(conns, count, oldest);
+  conn_t *c = &conns[(*count)++];
+  c->fd = fd;
+  c->peer_pid = cred.pid;
+  c->deadline = usmipc__now_ns() + (uint64_t)CONN_DEADLINE_MS * 1000000u;
+  c->got = 0;
+}
+
+typedef struct broker_start {
+  pthread_mutex_t *alive;
+  sem_t ready;
+  int status;
+} broker_start_t;
+
+static void *broker_main(void *arg) {
+  broker_start_t *start = arg;
+  /* Hold the export table's liveness mutex for the life of the process:
+   * importers learn of our death from the kernel marking it. */
+  start->status =
+      usmipc__exports_hold_alive(start->alive, (uint32_t)syscall(SYS_gettid));
+  int ok = start->status == 0;
+  sem_post(&start->ready); /* start is gone after this */
+  if (!ok)
+    return NULL;
+  conn_t conns[MAX_CONNS];
+  int count = 0;
+  bool backoff = false;
+  for (;;) {
+    struct pollfd pfd[2 + MAX_CONNS];
+    int n = 0, listeners = 0;
+    pthread_mutex_lock(&fdx_lock);
+    for (int i = 0; i < 2; i++)
+      if (listen_fds[i] >= 0 && !backoff)
+        pfd[n++] = (struct pollfd){.fd = listen_fds[i], .events = POLLIN};
+    pthread_mutex_unlock(&fdx_lock);
+    listeners = n;
+    uint64_t now = usmipc__now_ns(), next = UINT64_MAX;
+    for (int i = 0; i < count; i++) {
+      pfd[n++] = (struct pollfd){.fd = conns[i].fd, .events = POLLIN};
+      if (conns[i].deadline < next)
+        next = conns[i].deadline;
+    }
+    int timeout = -1;
+    if (backoff)
+      timeout = 10; /* out of descriptors: let some close, then accept */
+    else if (next != UINT64_MAX)
+      timeout = next <= now ? 0 : (int)((next - now) / 1000000u + 1);
+    backoff = false;
+    if (poll(pfd, (nfds_t)n, timeout) < 0 && errno != EINTR)
+      poll(NULL, 0, 10);
+    /* Connections first (their indices shift as they close). */
+    now = usmipc__now_ns();
+    for (int i = n - 1; i >= listeners; i--) {
+      int c = i - listeners;
+      if (pfd[i].revents) {
+        ssize_t got = recv(conns[c].fd, conns[c].buf + conns[c].got,
+                           REQUEST_LEN - conns[c].got, MSG_DONTWAIT);
+        if (got > 0)
+          conns[c].got += (size_t)got;
+        if (conns[c].got == REQUEST_LEN) {
+          serve_request(conns[c].fd, conns[c].buf);
+          conn_close(conns, &count, c);
+        } else if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) {
+          conn_close(conns, &count, c);
+        }
+      } else if (conns[c].deadline <= now) {
+        conn_close(conns, &count, c); /* idle too long */
+      }
+    }
+    for (int i = 0; i < listeners; i++) {
+      if (!pfd[i].revents)
+        continue;
+      for (int k = 0; k < MAX_CONNS; k++) {
+        int fd = accept4(pfd[i].fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) {
+          if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
+              errno == ENOMEM)
+            backoff = true;
+          else if (errno == EBADF || errno == EINVAL)
+            return NULL; /* the socket is gone */
+          break;
+        }
+        admit(conns, &count, fd);
+      }
+    }
   }
 }
 
-/* Called with fdx_lock held. */
-static int start_broker(void) {
-  if (listen_fd >= 0)
-    return 0;
-  const usmipc__process_t *self = usmipc__self();
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+static int listen_on(const struct sockaddr_un *addr, socklen_t len, int *out) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0)
-    return usmipc__fail_native(USMIPC_ETRANSPORT, errno,
-                               "cannot create the fd broker's socket: %s",
-                               strerror(errno));
-  struct sockaddr_un addr;
-  socklen_t len = broker_address(self->pid, self->nonce, &addr);
-  if (bind(fd, (struct sockaddr *)&addr, len) != 0 || listen(fd, 128) != 0) {
+    return -errno;
+  if (bind(fd, (const struct sockaddr *)addr, len) != 0 ||
+      (addr->sun_path[0] != '\0' && chmod(addr->sun_path, 0600) != 0) ||
+      listen(fd, 256) != 0) {
     int e = errno;
     close(fd);
-    return usmipc__fail_native(USMIPC_ETRANSPORT, e,
-                               "cannot start the fd broker on @%s: %s",
-                               addr.sun_path + 1, strerror(e));
+    return -e;
   }
+  *out = fd;
+  return 0;
+}
+
+/* The socket file outlives a process that is killed; one that exits
+ * removes it (only the process that made it: not a fork child). */
+static void unlink_dir_socket(void) {
+  if (dir_socket_path[0] != '\0' && dir_socket_owner == getpid())
+    unlink(dir_socket_path);
+}
+static void register_unlink_at_exit(void) { atexit(unlink_dir_socket); }
+
+/* Called with fdx_lock held and the table's liveness mutex in hand. */
+static int start_broker(pthread_mutex_t *alive) {
+  const usmipc__process_t *self = usmipc__self();
+  struct sockaddr_un addr;
+  socklen_t len = abstract_address(self->pid, self->nonce, &addr);
+  int fds[2] = {-1, -1};
+  int e = listen_on(&addr, len, &fds[0]);
+  if (e != 0)
+    return usmipc__fail_native(usmipc__errno_code(-e), -e,
+                               "cannot start the fd broker on @%s: %s",
+                               addr.sun_path + 1, strerror(-e));
+  const char *dir = socket_dir_env();
+  if (dir != NULL) {
+    len = dir_address(dir, self->pid, self->nonce, &addr);
+    e = len == 0 ? -ENAMETOOLONG : listen_on(&addr, len, &fds[1]);
+    if (e != 0) {
+      close(fds[0]);
+      return usmipc__fail_native(USMIPC_ETRANSPORT, -e,
+                                 "cannot listen in USMIPC_SOCKET_DIR=%s: %s "
+                                 "(it must be an existing directory this "
+                                 "process can write, with a short path)",
+                                 dir, strerror(-e));
+    }
+    snprintf(dir_socket_path, sizeof(dir_socket_path), "%s", addr.sun_path);
+    dir_socket_owner = getpid();
+    static pthread_once_t atexit_once = PTHREAD_ONCE_INIT;
+    pthread_once(&atexit_once, register_unlink_at_exit);
+  }
+  broker_start_t start = {.alive = alive};
+  sem_init(&start.ready, 0, 0);
   /* The broker must never run the application's signal handlers. */
   sigset_t all, old;
   sigfillset(&all);
@@ -263,39 +482,76 @@ static int start_broker(void) {
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  pthread_attr_setstacksize(&attr, 64 * 1024);
+  pthread_attr_setstacksize(&attr, 256 * 1024);
   pthread_t thread;
-  int err = pthread_create(&thread, &attr, broker_main, (void *)(intptr_t)fd);
+  listen_fds[0] = fds[0];
+  listen_fds[1] = fds[1];
+  int err = pthread_create(&thread, &attr, broker_main, &start);
   pthread_attr_destroy(&attr);
   pthread_sigmask(SIG_SETMASK, &old, NULL);
-  if (err != 0) {
-    close(fd);
-    return usmipc__fail_native(USMIPC_ETRANSPORT, err,
-                               "cannot start the fd broker thread: %s",
-                               strerror(err));
+  if (err == 0) {
+    while (sem_wait(&start.ready) != 0 && errno == EINTR) {
+    }
   }
-  listen_fd = fd;
+  sem_destroy(&start.ready);
+  if (err != 0 || start.status != 0) {
+    /* Without the liveness mutex held importers would take us for dead: no
+     * broker rather than a half one (the thread, if any, has returned). */
+    for (int i = 0; i < 2; i++) {
+      if (listen_fds[i] >= 0)
+        close(listen_fds[i]);
+      listen_fds[i] = -1;
+    }
+    unlink_dir_socket();
+    dir_socket_path[0] = '\0';
+    return usmipc__fail_native(USMIPC_ETRANSPORT, err ? err : start.status,
+                               "cannot start the fd broker thread: %s",
+                               strerror(err ? err : start.status));
+  }
+  broker_running = true;
   return 0;
 }
 
 int usmipc__fdxfer_serve(void) {
-  pthread_once(&fdx_once, fdx_init);
   pthread_mutex_lock(&fdx_lock);
-  int rc = start_broker();
+  bool running = broker_running;
+  pthread_mutex_unlock(&fdx_lock);
+  if (running)
+    return 0;
+  /* The table (and its mutex) is made before fdx_lock is taken: the
+   * library never holds the transport's lock while taking the table's
+   * (process.c takes them in one order around fork). */
+  pthread_mutex_t *alive = usmipc__exports_alive_mutex();
+  if (alive == NULL)
+    return usmipc__fail(USMIPC_ETRANSPORT, "cannot create the export table");
+  pthread_mutex_lock(&fdx_lock);
+  int rc = broker_running ? 0 : start_broker(alive);
   pthread_mutex_unlock(&fdx_lock);
   return rc;
 }
 
+bool usmipc__fdxfer_socket_dir(void) {
+  pthread_mutex_lock(&fdx_lock);
+  bool on = listen_fds[1] >= 0;
+  pthread_mutex_unlock(&fdx_lock);
+  return on;
+}
+
 int usmipc__fdxfer_publish(int fd, uint64_t buffer_id,
                            usmipc__fd_grant_t *grant) {
-  pthread_once(&fdx_once, fdx_init);
   uint8_t token[16];
   int rc = usmipc__random(token, sizeof(token));
-  if (rc != 0)
+  if (rc != 0 || (rc = usmipc__fdxfer_serve()) != 0)
     return rc;
+  /* Only a shmem file (memfd) reopens as itself through /proc: a device
+   * node would open a new, unrelated file with the same (st_dev, st_ino).
+   * F_GET_SEALS succeeds on shmem files alone (fcntl(2)). */
+  struct stat st;
+  if (fstat(fd, &st) != 0)
+    return usmipc__fail_native(usmipc__errno_code(errno), errno,
+                               "cannot fstat the descriptor to share: %s",
+                               strerror(errno));
   pthread_mutex_lock(&fdx_lock);
-  if ((rc = start_broker()) != 0)
-    goto out;
   if (grant_find(buffer_id) != NULL) {
     rc = usmipc__fail(USMIPC_EBUSY, "buffer %llu is already published",
                       (unsigned long long)buffer_id);
@@ -313,15 +569,7 @@ int usmipc__fdxfer_publish(int fd, uint64_t buffer_id,
   }
   /* The broker borrows the allocation's descriptor: the core withdraws the
    * grant before it frees the allocation, and a send happens under
-   * fdx_lock, so the descriptor is open for as long as it is served. No
-   * duplicate: an exported allocation costs one descriptor, not two. */
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    int e = errno;
-    rc = usmipc__fail_native(-e, e, "cannot fstat the descriptor to share: %s",
-                             strerror(e));
-    goto out;
-  }
+   * fdx_lock, so the descriptor is open for as long as it is served. */
   size_t at = grant_lower_bound(buffer_id);
   memmove(&grants[at + 1], &grants[at], (grant_count - at) * sizeof(*grants));
   grants[at].buffer_id = buffer_id;
@@ -330,10 +578,6 @@ int usmipc__fdxfer_publish(int fd, uint64_t buffer_id,
   grant_count++;
   memcpy(grant->token, token, 16);
   grant->fd_number = (uint32_t)fd;
-  /* Only a shmem file (memfd) reopens as itself through /proc: a device
-   * node would open a new, unrelated file with the same (st_dev, st_ino).
-   * F_GET_SEALS succeeds on shmem files alone (fcntl(2)), in one cheap
-   * call. */
   grant->reopenable = fcntl(fd, F_GET_SEALS) >= 0;
   grant->dev = (uint64_t)st.st_dev;
   grant->ino = (uint64_t)st.st_ino;
@@ -353,144 +597,73 @@ void usmipc__fdxfer_withdraw(uint64_t buffer_id) {
   pthread_mutex_unlock(&fdx_lock);
 }
 
-/* ---- the importer's side --------------------------------------------------
- */
+/* ==== the importer's side ================================================= */
 
-static int check_identity(int fd, const usmipc__wire_t *w) {
-  struct stat st;
-  if (fstat(fd, &st) != 0 || (uint64_t)st.st_dev != w->fd_dev ||
-      (uint64_t)st.st_ino != w->fd_ino)
-    return usmipc__fail(USMIPC_EEXPORTERGONE,
-                        "process %u no longer holds the memory this handle "
-                        "names (the allocation was freed)",
-                        w->pid);
+int usmipc__transport_mode(usmipc__transport_t *mode) {
+  const char *env = getenv("USMIPC_FD_TRANSPORT");
+  if (env == NULL || *env == '\0' || !strcmp(env, "auto"))
+    *mode = USMIPC__TRANSPORT_AUTO;
+  else if (!strcmp(env, "socket"))
+    *mode = USMIPC__TRANSPORT_SOCKET;
+  else if (!strcmp(env, "pidfd"))
+    *mode = USMIPC__TRANSPORT_PIDFD;
+  else if (!strcmp(env, "procfd"))
+    *mode = USMIPC__TRANSPORT_PROCFD;
+  else
+    return usmipc__fail(USMIPC_EINVAL,
+                        "USMIPC_FD_TRANSPORT='%s' is not one of auto, socket, "
+                        "pidfd, procfd",
+                        env);
   return 0;
 }
 
-/* pidfds of recent exporters, so that a process opening many handles of one
- * exporter pays pidfd_open(2) once. Keyed by (pid, nonce): a pidfd names one
- * process for good, even once its pid is reused. pidfd_getfd runs under the
- * lock, so an entry is never closed while in use. */
-#define PIDFD_CACHE_SIZE 16
-static struct {
-  uint32_t pid;
-  uint64_t nonce; /* 0: the entry is free */
-  int pidfd;
-  uint64_t last_use;
-} pidfds[PIDFD_CACHE_SIZE];
-static uint64_t pidfd_clock;
-
-/* Called with pidfd_lock held: the cached pidfd of (pid, nonce), opened on
- * first use, or -1 with errno set. */
-static int pidfd_of(uint32_t pid, uint64_t nonce, int *slot) {
-  int lru = 0;
-  for (int i = 0; i < PIDFD_CACHE_SIZE; i++) {
-    if (pidfds[i].nonce == nonce && pidfds[i].pid == pid) {
-      pidfds[i].last_use = ++pidfd_clock;
-      *slot = i;
-      return pidfds[i].pidfd;
-    }
-    if (pidfds[i].nonce == 0 ||
-        (pidfds[lru].nonce != 0 && pidfds[i].last_use < pidfds[lru].last_use))
-      lru = i;
-  }
-  int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
-  if (pidfd < 0)
-    return -1;
-  if (pidfds[lru].nonce != 0)
-    close(pidfds[lru].pidfd);
-  pidfds[lru].pid = pid;
-  pidfds[lru].nonce = nonce;
-  pidfds[lru].pidfd = pidfd;
-  pidfds[lru].last_use = ++pidfd_clock;
-  *slot = lru;
-  return pidfd;
-}
-
-/* pidfd_getfd(2): a copy of descriptor fd_number of the exporter, or an
- * error saying why not. The caller checks what it got. */
-static int pidfd_take(uint32_t pid, uint64_t nonce, uint32_t fd_number,
-                      int *out) {
-  pthread_mutex_lock(&pidfd_lock);
-  int slot = -1;
-  int pidfd = pidfd_of(pid, nonce, &slot);
-  int fd = -1, e = errno;
-  if (pidfd >= 0) {
-    fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)fd_number, 0);
-    e = errno;
-    if (fd < 0 && e == ESRCH) { /* it exited: forget it */
-      close(pidfd);
-      pidfds[slot].nonce = 0;
-    }
-  }
-  pthread_mutex_unlock(&pidfd_lock);
+int usmipc__pidfd_take(int pidfd, const usmipc__wire_t *w, uint32_t n,
+                       int *out) {
+  int fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)n, 0);
   if (fd >= 0) {
     *out = fd;
     return 0;
   }
+  int e = errno;
   if (e == ESRCH)
     return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
                                "the exporting process %u has exited; "
                                "mappings opened before it exited stay valid, "
                                "new opens are impossible",
-                               pid);
-  if (pidfd < 0)
-    return usmipc__fail_native(USMIPC_ETRANSPORT, e,
-                               "pidfd_open(2) failed: %s (needs Linux 5.3; "
-                               "set USMIPC_FD_TRANSPORT=socket)",
-                               strerror(e));
+                               w->pid);
   if (e == EPERM || e == EACCES)
     return usmipc__fail_native(USMIPC_EACCES, e,
                                "pidfd_getfd(2) may not take descriptors from "
                                "process %u: it needs ptrace access (Yama "
                                "ptrace_scope, containers); use "
                                "USMIPC_FD_TRANSPORT=socket or auto",
-                               pid);
+                               w->pid);
   if (e == EBADF)
     return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
                                "process %u no longer holds the memory this "
                                "handle names (the allocation was freed)",
-                               pid);
+                               w->pid);
+  if (e == EMFILE || e == ENFILE)
+    return usmipc__fail_native(USMIPC_EMFILE, e,
+                               "this process has no free file descriptor "
+                               "for the memory of process %u: close some or "
+                               "raise the limit (ulimit -n)",
+                               w->pid);
   return usmipc__fail_native(USMIPC_ETRANSPORT, e,
                              "pidfd_getfd(2) failed: %s (needs Linux 5.6; set "
                              "USMIPC_FD_TRANSPORT=socket)",
                              strerror(e));
 }
 
-static int fetch_pidfd(const usmipc__wire_t *w, uint32_t seq, int *out) {
-  /* A descriptor number names whatever the exporter has open under it now:
-   * the export table said it was the allocation's before the copy (the
-   * caller checked), and must still say so after it (the exporter clears
-   * the slot before closing). */
-  int rc, fd = -1;
-  if ((rc = pidfd_take(w->pid, w->nonce, w->fd_number, &fd)) != 0)
-    return rc;
-  if ((rc = usmipc__exports_recheck(w, seq)) != 0 ||
-      (rc = check_identity(fd, w)) != 0) {
-    close(fd);
-    return rc;
-  }
-  *out = fd;
-  return 0;
-}
-
-/* Reopens the exporter's descriptor through /proc/<pid>/fd/<n>. proc(5)
- * allows that with PTRACE_MODE_READ access, which Yama's ptrace_scope=1
- * does not restrict (it restricts attaching), so between processes of one
- * user this works where pidfd_getfd does not. It reopens the file rather
- * than copying the descriptor, so it works for files that can be opened
- * again (memfd) and not for anonymous inodes (CUDA's descriptors). The
- * export table and the file identity are checked as for pidfd. */
-static int fetch_procfd(const usmipc__wire_t *w, uint32_t seq, int *out) {
-  if (!(w->flags & USMIPC__WIRE_FLAG_REOPENABLE))
-    return usmipc__fail(USMIPC_ETRANSPORT,
-                        "this memory's descriptor cannot be reopened through "
-                        "/proc (it is not a memfd); use "
-                        "USMIPC_FD_TRANSPORT=socket or pidfd");
+int usmipc__procfd_reopen(const usmipc__wire_t *w, uint32_t n, int flags,
+                          int *out) {
   char path[48];
-  snprintf(path, sizeof(path), "/proc/%u/fd/%u", w->pid, w->fd_number);
-  int fd = open(path, O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
+  snprintf(path, sizeof(path), "/proc/%u/fd/%u", w->pid, n);
+  /* O_PATH resolves the magic link without opening the file for I/O: no
+   * FIFO, socket or device can block us or act on the open. Only a
+   * regular file (a memfd) is then reopened for real. */
+  int opath = open(path, O_PATH | O_CLOEXEC);
+  if (opath < 0) {
     int e = errno;
     if (e == ENOENT)
       return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
@@ -503,60 +676,241 @@ static int fetch_procfd(const usmipc__wire_t *w, uint32_t seq, int *out) {
                                  "(another user, or a non-dumpable "
                                  "exporter); use USMIPC_FD_TRANSPORT=socket",
                                  path);
-    return usmipc__fail_native(USMIPC_ETRANSPORT, e,
-                               "%s cannot be reopened (%s): this memory can "
-                               "only move by descriptor passing; use "
-                               "USMIPC_FD_TRANSPORT=socket or pidfd",
+    if (e == EMFILE || e == ENFILE)
+      return usmipc__fail_native(USMIPC_EMFILE, e,
+                                 "no free file descriptor to open %s; raise "
+                                 "the limit (ulimit -n)",
+                                 path);
+    return usmipc__fail_native(USMIPC_ETRANSPORT, e, "cannot open %s: %s", path,
+                               strerror(e));
+  }
+  struct stat st;
+  if (fstat(opath, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(opath);
+    return usmipc__fail(USMIPC_EUNTRUSTED,
+                        "%s is not a memory file (forged handle, or the "
+                        "descriptor number was reused): refused",
+                        path);
+  }
+  char self_path[48];
+  snprintf(self_path, sizeof(self_path), "/proc/self/fd/%d", opath);
+  int fd = open(self_path, flags | O_CLOEXEC | O_NONBLOCK);
+  int e = errno;
+  close(opath);
+  if (fd < 0)
+    return usmipc__fail_native(usmipc__errno_code(e), e, "cannot reopen %s: %s",
                                path, strerror(e));
-  }
-  int rc;
-  if ((rc = usmipc__exports_recheck(w, seq)) != 0 ||
-      (rc = check_identity(fd, w)) != 0) {
-    close(fd);
-    return rc;
-  }
   *out = fd;
   return 0;
 }
 
-/* Asks the exporter's broker for the descriptor of buffer_id (or for the
- * export table, TABLE_REQUEST), presenting the handle's token. */
-static int broker_request(const usmipc__wire_t *w, uint64_t buffer_id,
-                          int *out) {
+/* Connects to the exporter's broker, waiting at most until deadline while
+ * its backlog is full. */
+static int broker_connect(const usmipc__wire_t *w, uint64_t deadline, int *out,
+                          char *name, size_t name_len) {
+  const usmipc__process_t *self = usmipc__self();
+  uint64_t my_net = usmipc__ns_inode("self", "net");
+  bool same_net = w->net_ns == 0 || my_net == 0 || w->net_ns == my_net;
+  bool same_pid =
+      w->pid_ns == 0 || self->pid_ns == 0 || w->pid_ns == self->pid_ns;
+  const char *dir = socket_dir_env();
   struct sockaddr_un addr;
-  socklen_t len = broker_address(w->pid, w->nonce, &addr);
-  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s < 0)
-    return usmipc__fail_native(USMIPC_ETRANSPORT, errno,
-                               "cannot create a socket: %s", strerror(errno));
-  set_timeouts(s);
-  int rc;
-  if (connect(s, (struct sockaddr *)&addr, len) != 0) {
+  socklen_t len;
+  if (same_net) {
+    len = abstract_address(w->pid, w->nonce, &addr);
+    snprintf(name, name_len, "@%s", addr.sun_path + 1);
+  } else if ((w->flags & USMIPC__WIRE_FLAG_SOCKET_DIR) && dir != NULL &&
+             (len = dir_address(dir, w->pid, w->nonce, &addr)) != 0) {
+    snprintf(name, name_len, "%s", addr.sun_path);
+  } else {
+    return usmipc__fail(
+        USMIPC_ENAMESPACE,
+        "the exporting process %u is in another network namespace%s than "
+        "this process (another container, or unshare -n), where its socket "
+        "cannot be reached: %s",
+        w->pid, same_pid ? "" : " and PID namespace",
+        (w->flags & USMIPC__WIRE_FLAG_SOCKET_DIR)
+            ? "set USMIPC_SOCKET_DIR here to the directory the exporter "
+              "listens in (as this process sees it)"
+            : "start the exporter with USMIPC_SOCKET_DIR set to a directory "
+              "both processes see, and set it here too, or run both in one "
+              "network namespace (--network=host)");
+  }
+  for (;;) {
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (s < 0)
+      return usmipc__fail_native(usmipc__errno_code(errno), errno,
+                                 "cannot create a socket: %s", strerror(errno));
+    if (connect(s, (struct sockaddr *)&addr, len) == 0) {
+      *out = s;
+      return 0;
+    }
     int e = errno;
     close(s);
-    if (e == ECONNREFUSED || e == ENOENT)
+    if (e == EAGAIN && usmipc__now_ns() < deadline) {
+      poll(NULL, 0, 1); /* the backlog is full: the broker is draining it */
+      continue;
+    }
+    if (e == ECONNREFUSED || e == ENOENT) {
+      if (!same_pid && dir == NULL)
+        return usmipc__fail_native(
+            USMIPC_ENAMESPACE, e,
+            "the exporting process %u is in another PID namespace, and "
+            "nothing listens on %s: it exited, or it listens elsewhere "
+            "(set USMIPC_SOCKET_DIR in both processes)",
+            w->pid, name);
       return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
-                                 "the exporting process %u is gone (its fd "
-                                 "broker @%s does not answer); mappings "
-                                 "opened before it exited stay valid",
-                                 w->pid, addr.sun_path + 1);
-    return usmipc__fail_native(USMIPC_ETRANSPORT, e,
-                               "cannot reach the fd broker of process %u: %s",
-                               w->pid, strerror(e));
+                                 "the exporting process %u is gone (nothing "
+                                 "listens on %s); mappings opened before it "
+                                 "exited stay valid",
+                                 w->pid, name);
+    }
+    if (e == EAGAIN)
+      return usmipc__fail(USMIPC_ETIMEDOUT,
+                          "timed out after %u ms: the broker of process %u "
+                          "accepts no connection",
+                          usmipc__ipc_timeout_ms(), w->pid);
+    return usmipc__fail_native(usmipc__errno_code(e), e,
+                               "cannot reach the broker of process %u at %s: "
+                               "%s",
+                               w->pid, name, strerror(e));
   }
-  request_t req = {.magic = REQUEST_MAGIC,
-                   .version = PROTOCOL_VERSION,
-                   .buffer_id = buffer_id};
-  memcpy(req.token, w->token, 16);
-  if (send(s, &req, sizeof(req), MSG_NOSIGNAL) != (ssize_t)sizeof(req)) {
+}
+
+/* Who listens: the kernel's word, before a byte is sent. */
+static int check_listener(int s, const usmipc__wire_t *w, const char *name) {
+  const usmipc__process_t *self = usmipc__self();
+  struct ucred cred;
+  socklen_t len = sizeof(cred);
+  if (getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
+    return usmipc__fail_native(USMIPC_ETRANSPORT, errno,
+                               "cannot read the credentials of %s: %s", name,
+                               strerror(errno));
+  if (cred.uid != self->uid)
+    return usmipc__fail(USMIPC_EACCES,
+                        "the process listening on %s runs as uid %u, not as "
+                        "this process's uid %u: it is not the exporter (did "
+                        "the exporter exit and another user take its "
+                        "socket's name?); refused before sending anything",
+                        name, (unsigned)cred.uid, (unsigned)self->uid);
+  bool same_pid =
+      w->pid_ns == 0 || self->pid_ns == 0 || w->pid_ns == self->pid_ns;
+  if (same_pid && cred.pid != 0 && (uint32_t)cred.pid != w->pid)
+    return usmipc__fail(USMIPC_EUNTRUSTED,
+                        "process %d listens on %s, not the exporter %u: "
+                        "refused before sending anything",
+                        (int)cred.pid, name, w->pid);
+  if (w->pidfd_ino != 0) {
+    int pidfd = -1;
+    len = sizeof(pidfd);
+    if (getsockopt(s, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &len) == 0 &&
+        pidfd >= 0) {
+      uint64_t ino = usmipc__pidfd_inode(pidfd);
+      close(pidfd);
+      if (ino != 0 && ino != w->pidfd_ino)
+        return usmipc__fail(USMIPC_EUNTRUSTED,
+                            "the process listening on %s is not the exporter "
+                            "(its pidfd differs): refused before sending "
+                            "anything",
+                            name);
+      return 0;
+    }
+  }
+  /* No pidfs: the start time tells a reused pid apart, where pids mean the
+   * same to both of us. */
+  if (same_pid && cred.pid != 0 && w->start_time != 0) {
+    char pid[16];
+    snprintf(pid, sizeof(pid), "%d", (int)cred.pid);
+    if (usmipc__start_time(pid) != w->start_time)
+      return usmipc__fail(USMIPC_EUNTRUSTED,
+                          "process %d listening on %s started at another "
+                          "time than the exporter: refused",
+                          (int)cred.pid, name);
+  }
+  return 0;
+}
+
+static int reply_error(const usmipc__wire_t *w, uint32_t status) {
+  switch (status) {
+  case REPLY_UNKNOWN_BUFFER:
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "process %u no longer exports the memory this handle "
+                        "names (the allocation was freed)",
+                        w->pid);
+  case REPLY_BAD_CAPABILITY:
+    return usmipc__fail(USMIPC_EACCES,
+                        "process %u refused the handle: its capability token "
+                        "is wrong (forged or corrupted handle)",
+                        w->pid);
+  case REPLY_OTHER_USER:
+    return usmipc__fail(USMIPC_EACCES,
+                        "process %u refused to share memory with this "
+                        "process: IPC is allowed only between processes of "
+                        "the same user (uid %u here)",
+                        w->pid, (unsigned)usmipc__self()->uid);
+  case REPLY_BAD_PROOF:
+    return usmipc__fail(USMIPC_EUNTRUSTED,
+                        "process %u does not recognise the handle's key: the "
+                        "handle is forged or names another process",
+                        w->pid);
+  case REPLY_NO_TABLE:
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "process %u exports nothing (it forked, and the "
+                        "handle is its parent's?)",
+                        w->pid);
+  default:
+    return usmipc__fail(USMIPC_ETRANSPORT,
+                        "the broker of process %u answered status %u", w->pid,
+                        status);
+  }
+}
+
+int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
+                        uint64_t deadline, int *table_fd, int *data_fd) {
+  if (table_fd)
+    *table_fd = -1;
+  if (data_fd)
+    *data_fd = -1;
+  char name[120];
+  int s = -1;
+  int rc = broker_connect(w, deadline, &s, name, sizeof(name));
+  if (rc != 0)
+    return rc;
+  if ((rc = check_listener(s, w, name)) != 0) {
+    close(s);
+    return rc;
+  }
+  uint8_t req[REQUEST_LEN] = {0};
+  put32(req, REQUEST_MAGIC);
+  put32(req + 4, PROTOCOL_VERSION);
+  put32(req + 8, w->pid);
+  put32(req + 12, want);
+  put64(req + 16, w->nonce);
+  put64(req + 24, w->buffer_id);
+  if ((rc = usmipc__random(req + 32, 16)) != 0) {
+    close(s);
+    return rc;
+  }
+  request_proof(req, w->key, req + 48);
+  if (want & USMIPC__WANT_FD)
+    request_capability(req, w->token, req + 64);
+  /* A fresh connection's buffer takes 80 bytes at once. */
+  ssize_t n = send(s, req, sizeof(req), MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (n != (ssize_t)sizeof(req)) {
     int e = errno;
     close(s);
     return usmipc__fail_native(USMIPC_ETRANSPORT, e,
                                "sending the request to process %u failed: %s",
-                               w->pid, strerror(e));
+                               w->pid, n < 0 ? strerror(e) : "short write");
   }
-  reply_t rep;
-  struct iovec iov = {.iov_base = &rep, .iov_len = sizeof(rep)};
+  char what[160];
+  snprintf(what, sizeof(what), "the broker of process %u (%s)", w->pid, name);
+  if ((rc = usmipc__wait_fd(s, POLLIN, deadline, what)) != 0) {
+    close(s);
+    return rc;
+  }
+  uint8_t rep[REPLY_LEN];
+  struct iovec iov = {.iov_base = rep, .iov_len = sizeof(rep)};
   union {
     struct cmsghdr align;
     char buf[CMSG_SPACE(sizeof(int) * 4)];
@@ -565,16 +919,15 @@ static int broker_request(const usmipc__wire_t *w, uint64_t buffer_id,
                        .msg_iovlen = 1,
                        .msg_control = control.buf,
                        .msg_controllen = sizeof(control.buf)};
-  ssize_t n;
   do
-    n = recvmsg(s, &msg, MSG_CMSG_CLOEXEC | MSG_WAITALL);
+    n = recvmsg(s, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
   while (n < 0 && errno == EINTR);
   int e = errno;
   close(s);
 
   /* Collect whatever descriptors arrived, so none leaks on any path. */
   int fds[4], nfds = 0;
-  for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); n > 0 && cm;
+  for (struct cmsghdr *cm = n > 0 ? CMSG_FIRSTHDR(&msg) : NULL; cm;
        cm = CMSG_NXTHDR(&msg, cm)) {
     if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
       continue;
@@ -582,159 +935,47 @@ static int broker_request(const usmipc__wire_t *w, uint64_t buffer_id,
     for (size_t i = 0; i < count && nfds < 4; i++)
       memcpy(&fds[nfds++], CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
   }
-  int fd = -1;
+  uint8_t mac[16];
+  if (n == (ssize_t)sizeof(rep))
+    reply_mac(rep, w->key, w->buffer_id, mac);
+  int expect = ((want & USMIPC__WANT_TABLE) ? 1 : 0) +
+               ((want & USMIPC__WANT_FD) ? 1 : 0);
   if (n < 0)
     rc = usmipc__fail_native(USMIPC_ETRANSPORT, e,
-                             "no answer from the fd broker of process %u: %s",
+                             "no answer from the broker of process %u: %s",
                              w->pid, strerror(e));
-  else if (n != (ssize_t)sizeof(rep) || rep.magic != REPLY_MAGIC)
-    rc = usmipc__fail(USMIPC_ETRANSPORT,
-                      "malformed answer from the fd broker of process %u",
-                      w->pid);
-  else if (rep.status == REPLY_UNKNOWN_BUFFER)
+  else if (n == 0)
     rc = usmipc__fail(USMIPC_EEXPORTERGONE,
-                      "process %u no longer exports the memory this handle "
-                      "names (the allocation was freed)",
+                      "the broker of process %u closed the connection "
+                      "without answering (it is exiting?)",
                       w->pid);
-  else if (rep.status == REPLY_BAD_TOKEN)
-    rc = usmipc__fail(USMIPC_EACCES,
-                      "process %u refused the handle: its capability token is "
-                      "wrong (forged or corrupted handle)",
-                      w->pid);
-  else if (rep.status == REPLY_OTHER_USER)
-    rc = usmipc__fail(USMIPC_EACCES,
-                      "process %u refused to share memory with this process: "
-                      "IPC is allowed only between processes of the same user "
-                      "(uid %u here)",
-                      w->pid, (unsigned)getuid());
-  else if (rep.status != REPLY_OK || nfds != 1 || (msg.msg_flags & MSG_CTRUNC))
+  else if (n != (ssize_t)sizeof(rep) || get32(rep) != REPLY_MAGIC)
+    rc = usmipc__fail(USMIPC_EUNTRUSTED,
+                      "malformed answer from %s: not a usmipc broker", name);
+  else if (get32(rep + 4) == REPLY_OTHER_USER)
+    rc = reply_error(w, REPLY_OTHER_USER); /* said before any request */
+  else if (memcmp(rep + 16, req + 32, 16) != 0 ||
+           !usmipc__ct_equal(mac, rep + 32, 16))
+    rc = usmipc__fail(USMIPC_EUNTRUSTED,
+                      "the answer from %s does not prove the exporter's key: "
+                      "it is not the exporter (or the handle is forged); "
+                      "nothing it sent is used",
+                      name);
+  else if (get32(rep + 4) != REPLY_OK)
+    rc = reply_error(w, get32(rep + 4));
+  else if (nfds != expect || get32(rep + 8) != (uint32_t)expect ||
+           (msg.msg_flags & MSG_CTRUNC))
     rc = usmipc__fail(USMIPC_ETRANSPORT,
-                      "the fd broker of process %u answered status %u with "
-                      "%d descriptors",
-                      w->pid, rep.status, nfds);
-  else {
+                      "the broker of process %u sent %d descriptors, not %d",
+                      w->pid, nfds, expect);
+  else
     rc = 0;
-    fd = fds[0];
-  }
-  for (int i = 0; i < nfds; i++)
-    if (fds[i] != fd)
-      close(fds[i]);
-  if (rc == 0)
-    *out = fd;
+  int k = 0;
+  if (rc == 0 && (want & USMIPC__WANT_TABLE))
+    *table_fd = fds[k++];
+  if (rc == 0 && (want & USMIPC__WANT_FD))
+    *data_fd = fds[k++];
+  for (int i = k; i < nfds; i++)
+    close(fds[i]);
   return rc;
-}
-
-static int fetch_socket(const usmipc__wire_t *w, int *out) {
-  int fd = -1;
-  int rc = broker_request(w, w->buffer_id, &fd);
-  if (rc == 0 && (rc = check_identity(fd, w)) != 0)
-    close(fd);
-  if (rc == 0)
-    *out = fd;
-  return rc;
-}
-
-typedef enum transport { AUTO, SOCKET, PIDFD, PROCFD, BAD } transport_t;
-
-static transport_t transport_mode(void) {
-  const char *mode = getenv("USMIPC_FD_TRANSPORT");
-  if (mode == NULL || *mode == '\0' || !strcmp(mode, "auto"))
-    return AUTO;
-  if (!strcmp(mode, "socket"))
-    return SOCKET;
-  if (!strcmp(mode, "pidfd"))
-    return PIDFD;
-  if (!strcmp(mode, "procfd"))
-    return PROCFD;
-  usmipc__fail(USMIPC_EINVAL,
-               "USMIPC_FD_TRANSPORT='%s' is not one of auto, socket, pidfd, "
-               "procfd",
-               mode);
-  return BAD;
-}
-
-int usmipc__fdxfer_fetch(const usmipc__wire_t *w, uint32_t seq, int *fd) {
-  switch (transport_mode()) {
-  case AUTO:
-    /* The cheap paths first, each a few system calls; any refusal falls
-     * back to the broker, which decides with the token and the uid and
-     * costs two thread wake-ups. */
-    if (fetch_pidfd(w, seq, fd) == 0 || fetch_procfd(w, seq, fd) == 0)
-      return 0;
-    return fetch_socket(w, fd);
-  case SOCKET:
-    return fetch_socket(w, fd);
-  case PIDFD:
-    return fetch_pidfd(w, seq, fd);
-  case PROCFD:
-    return fetch_procfd(w, seq, fd);
-  default:
-    return USMIPC_EINVAL;
-  }
-}
-
-/* A table descriptor, however it was obtained, is the exporter's only if it
- * is the memfd named after the exporter's pid and nonce: a recycled pid or a
- * reused descriptor number cannot pass. Closes fd when it is not. */
-static int check_table(int fd, const usmipc__wire_t *w) {
-  char expect[96], name[64], link[128], path[40];
-  usmipc__exports_table_name(w->pid, w->nonce, name, sizeof(name));
-  snprintf(expect, sizeof(expect), "/memfd:%s (deleted)", name);
-  snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
-  ssize_t n = readlink(path, link, sizeof(link) - 1);
-  if (n >= 0 && (size_t)n == strlen(expect) && !memcmp(link, expect, (size_t)n))
-    return 0;
-  close(fd);
-  return usmipc__fail(USMIPC_EEXPORTERGONE,
-                      "process %u is not the process that exported this "
-                      "handle (its export table is missing: it exited)",
-                      w->pid);
-}
-
-static int fetch_table_pidfd(const usmipc__wire_t *w, int *out) {
-  int fd = -1;
-  int rc = pidfd_take(w->pid, w->nonce, w->table_fd_number, &fd);
-  if (rc == 0 && (rc = check_table(fd, w)) == 0)
-    *out = fd;
-  return rc;
-}
-
-/* The table through /proc/<pid>/fd, read-only (see fetch_procfd). */
-static int fetch_table_procfd(const usmipc__wire_t *w, int *out) {
-  char path[48];
-  snprintf(path, sizeof(path), "/proc/%u/fd/%u", w->pid, w->table_fd_number);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    int e = errno;
-    if (e == EACCES || e == EPERM)
-      return usmipc__fail_native(USMIPC_EACCES, e,
-                                 "%s may not be opened by this process "
-                                 "(another user); use "
-                                 "USMIPC_FD_TRANSPORT=socket",
-                                 path);
-    return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
-                               "cannot open %s (%s): the exporter exited", path,
-                               strerror(e));
-  }
-  int rc = check_table(fd, w);
-  if (rc == 0)
-    *out = fd;
-  return rc;
-}
-
-int usmipc__fdxfer_fetch_table(const usmipc__wire_t *w, int *fd) {
-  switch (transport_mode()) {
-  case AUTO:
-    if (fetch_table_pidfd(w, fd) == 0 || fetch_table_procfd(w, fd) == 0)
-      return 0;
-    return broker_request(w, TABLE_REQUEST, fd);
-  case PROCFD:
-    return fetch_table_procfd(w, fd);
-  case SOCKET:
-    return broker_request(w, TABLE_REQUEST, fd);
-  case PIDFD:
-    return fetch_table_pidfd(w, fd);
-  default:
-    return USMIPC_EINVAL;
-  }
 }

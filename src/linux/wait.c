@@ -91,7 +91,7 @@ int usmipc__wait_fd(int fd, short events, uint64_t deadline_ns,
                                  "poll(2) failed waiting for %s: %s",
                                  waiting_for, strerror(errno));
     if (interrupted())
-      return usmipc__fail(USMIPC_EINTR,
-                          "interrupted while waiting for %s", waiting_for);
+      return usmipc__fail(USMIPC_EINTR, "interrupted while waiting for %s",
+                          waiting_for);
   }
 }

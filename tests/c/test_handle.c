@@ -14,8 +14,9 @@
 #define WIRE_OFF_VERSION 8
 #define WIRE_OFF_LENGTH 10
 #define WIRE_OFF_BACKEND 12
-#define WIRE_OFF_RESERVED 146
-#define WIRE_OFF_PAYLOAD_LEN 144
+#define WIRE_OFF_WRITER_VERSION 16
+#define WIRE_OFF_PAYLOAD_LEN 208
+#define WIRE_OFF_EXT_LEN 210
 
 typedef struct exported {
   uint8_t *ptr;
@@ -27,8 +28,8 @@ typedef struct exported {
 
 static void export_new(exported_t *e, size_t size, uint64_t seed) {
   e->size = size;
-  ASSERT_OK(usmipc_malloc(test_device(), USMIPC_MEM_DEVICE, size,
-                          (void **)&e->ptr));
+  ASSERT_OK(
+      usmipc_malloc(test_device(), USMIPC_MEM_DEVICE, size, (void **)&e->ptr));
   dev_fill(e->ptr, size, seed, 0);
   e->handle = export_copy(e->ptr, 0, &e->data, &e->len);
 }
@@ -52,7 +53,7 @@ static void fix_crc(uint8_t *b, size_t len) {
 }
 
 static size_t encode(const usmipc__wire_t *w, uint8_t *out) {
-  size_t len = usmipc__wire_size(w->payload.len);
+  size_t len = usmipc__wire_len(w);
   ASSERT_LE(len, 1024);
   usmipc__wire_encode(w, out);
   return len;
@@ -193,27 +194,95 @@ TEST_IMPL(handle_version_bumped) {
   exported_t e;
   export_new(&e, 64 * 1024, 4);
   uint8_t b[1024];
-  /* First prove the layout assumption: version 1 with a recomputed CRC
+  /* First prove the layout assumption: version 2 with a recomputed CRC
    * gives back the exact bytes. */
   memcpy(b, e.data, e.len);
-  put16le(b + WIRE_OFF_VERSION, 1);
+  put16le(b + WIRE_OFF_VERSION, 2);
   fix_crc(b, e.len);
   ASSERT_EQ(memcmp(b, e.data, e.len), 0);
 
-  static const uint16_t versions[] = {0, 2, 3, 0x100, 0xffff};
+  static const uint16_t versions[] = {0, 1, 3, 0x100, 0xffff};
   for (size_t i = 0; i < sizeof(versions) / sizeof(versions[0]); i++) {
     memcpy(b, e.data, e.len);
     put16le(b + WIRE_OFF_VERSION, versions[i]);
     fix_crc(b, e.len);
     ASSERT_ALL_REFUSE(b, e.len, USMIPC_EHANDLEVERSION);
   }
-  /* A version-2 handle may be longer; it is still reported as a version. */
+  /* A version-3 handle may be longer; it is still reported as a version,
+   * and the message names both releases. */
   memcpy(b, e.data, e.len);
   memset(b + e.len, 0, 32);
-  put16le(b + WIRE_OFF_VERSION, 2);
+  put16le(b + WIRE_OFF_VERSION, 3);
+  b[WIRE_OFF_WRITER_VERSION] = 7; /* usmipc 0.2.7 wrote it */
   put16le(b + WIRE_OFF_LENGTH, (uint16_t)(e.len + 32));
   fix_crc(b, e.len + 32);
   ASSERT_ALL_REFUSE(b, e.len + 32, USMIPC_EHANDLEVERSION);
+  test_error_sentinel();
+  usmipc_ipc_handle_inspect(b, e.len + 32, NULL);
+  ASSERT_MSG(strstr(usmipc_last_error(), "0.2.7") &&
+                 strstr(usmipc_last_error(), USMIPC_VERSION_STRING),
+             "message names both releases: %s", usmipc_last_error());
+  /* A version-1 handle (usmipc 0.1) is refused by name. */
+  memcpy(b, e.data, e.len);
+  put16le(b + WIRE_OFF_VERSION, 1);
+  fix_crc(b, e.len);
+  ASSERT_ALL_REFUSE(b, e.len, USMIPC_EHANDLEVERSION);
+  ASSERT_MSG(strstr(usmipc_last_error(), "version 1"), "%s",
+             usmipc_last_error());
+  export_drop(&e);
+  return 0;
+}
+
+/* Extension records: what later features add to version 2 without a new
+ * version. An unknown record is skipped, an unknown critical one refused
+ * with a message, and a malformed area is a malformed handle. */
+TEST_IMPL(handle_extension_records) {
+  exported_t e;
+  export_new(&e, 64 * 1024, 4);
+  usmipc__wire_t w0, w;
+  uint8_t b[4096];
+  size_t len;
+  decode_ok(&e, &w0);
+  /* An unknown, non-critical record: the handle opens as before. */
+  w = w0;
+  static const uint8_t unknown[] = {0x34, 0x12, 3, 0, 'a', 'b', 'c'};
+  memcpy(w.ext, unknown, sizeof(unknown));
+  w.ext_len = sizeof(unknown);
+  len = encode(&w, b);
+  ASSERT_OK(usmipc_ipc_handle_inspect(b, len, NULL));
+  usmipc__wire_t back;
+  ASSERT_OK(usmipc__wire_decode(b, len, &back));
+  uint16_t rlen = 0;
+  const uint8_t *rec = usmipc__wire_ext_find(&back, 0x1234, &rlen);
+  ASSERT(rec != NULL && rlen == 3 && memcmp(rec, "abc", 3) == 0);
+  ASSERT(usmipc__wire_ext_find(&back, 0x1235, &rlen) == NULL);
+  void *p = NULL;
+  size_t mapped = 0;
+  ASSERT_OK(usmipc_ipc_open(b, len, NULL, 0, &p, &mapped));
+  ASSERT_OK(usmipc_ipc_close(p));
+  /* The same record marked critical: refused, naming the record. */
+  w.ext[1] |= 0x80;
+  len = encode(&w, b);
+  ASSERT_ALL_REFUSE(b, len, USMIPC_EHANDLEVERSION);
+  ASSERT_MSG(strstr(usmipc_last_error(), "0x9234"), "%s", usmipc_last_error());
+  /* Truncated record headers, overrunning lengths, type 0. */
+  static const uint8_t bad1[] = {0x34, 0x12, 9, 0, 'a'};
+  static const uint8_t bad2[] = {0x34, 0x12};
+  static const uint8_t bad3[] = {0, 0, 0, 0};
+  const uint8_t *bads[] = {bad1, bad2, bad3};
+  const size_t bad_lens[] = {sizeof(bad1), sizeof(bad2), sizeof(bad3)};
+  for (int i = 0; i < 3; i++) {
+    w = w0;
+    memcpy(w.ext, bads[i], bad_lens[i]);
+    w.ext_len = (uint16_t)bad_lens[i];
+    len = encode(&w, b);
+    ASSERT_ALL_REFUSE(b, len, USMIPC_EBADHANDLE);
+  }
+  /* An extension area longer than the maximum. */
+  memcpy(b, e.data, e.len);
+  put16le(b + WIRE_OFF_EXT_LEN, USMIPC__WIRE_EXT_MAX + 1);
+  fix_crc(b, e.len);
+  ASSERT_ALL_REFUSE(b, e.len, USMIPC_EBADHANDLE);
   export_drop(&e);
   return 0;
 }
@@ -252,8 +321,7 @@ TEST_IMPL(handle_wrong_backend) {
     ASSERT_OK(usmipc_ipc_handle_inspect(b, len, &info)); /* well formed */
     ASSERT_EQ(info.backend, other);
     /* On the device under test: the handle is for another backend. */
-    ASSERT_ERR2(open_here(b, len, dev), USMIPC_EWRONGDEVICE,
-                USMIPC_EBADHANDLE);
+    ASSERT_ERR2(open_here(b, len, dev), USMIPC_EWRONGDEVICE, USMIPC_EBADHANDLE);
     /* On the host device: another backend's handle, or (relabelled as
      * host) a host handle of a device uuid the host does not have. */
     ASSERT_ERR2(open_here(b, len, host), USMIPC_EWRONGDEVICE,
@@ -263,8 +331,8 @@ TEST_IMPL(handle_wrong_backend) {
       ASSERT_ERR2(open_here(b, len, devs[k]), USMIPC_EWRONGDEVICE,
                   USMIPC_EBADHANDLE);
     /* On the device the handle names: no such device here. */
-    ASSERT_ERR3(open_here(b, len, NULL), USMIPC_EWRONGDEVICE,
-                USMIPC_EBADHANDLE, USMIPC_EUNAVAILABLE);
+    ASSERT_ERR3(open_here(b, len, NULL), USMIPC_EWRONGDEVICE, USMIPC_EBADHANDLE,
+                USMIPC_EUNAVAILABLE);
   }
   ASSERT_EQ(others, 2);
   /* Backend numbers that do not exist are malformed. */
@@ -603,13 +671,13 @@ TEST_IMPL(handle_range_overflow) {
   struct {
     uint64_t alloc, off, nbytes;
   } ranges[] = {
-      {size, size, 1},                   /* starts at the end */
-      {size, 0, size + 1},               /* one byte too many */
-      {size, size - 10, 11},             /* ends one past */
-      {size, UINT64_MAX - 1, 4},         /* offset + nbytes wraps */
-      {size, 8, UINT64_MAX - 4},         /* nbytes wraps */
-      {0, 0, 1},                         /* empty allocation */
-      {size, 0, 0},                      /* zero bytes */
+      {size, size, 1},           /* starts at the end */
+      {size, 0, size + 1},       /* one byte too many */
+      {size, size - 10, 11},     /* ends one past */
+      {size, UINT64_MAX - 1, 4}, /* offset + nbytes wraps */
+      {size, 8, UINT64_MAX - 4}, /* nbytes wraps */
+      {0, 0, 1},                 /* empty allocation */
+      {size, 0, 0},              /* zero bytes */
   };
   for (size_t i = 0; i < sizeof(ranges) / sizeof(ranges[0]); i++) {
     w = w0;
@@ -654,11 +722,11 @@ TEST_IMPL(handle_range_overflow) {
   ASSERT_ALL_REFUSE(b, len, USMIPC_EBADHANDLE);
 
   memcpy(b, e.data, e.len);
-  b[WIRE_OFF_RESERVED] = 1;
+  put16le(b + WIRE_OFF_EXT_LEN, 1); /* disagrees with the length */
   fix_crc(b, e.len);
   ASSERT_ALL_REFUSE(b, e.len, USMIPC_EBADHANDLE);
   memcpy(b, e.data, e.len);
-  put16le(b + WIRE_OFF_PAYLOAD_LEN, 129); /* over the maximum */
+  put16le(b + WIRE_OFF_PAYLOAD_LEN, USMIPC__PAYLOAD_MAX + 1); /* too long */
   fix_crc(b, e.len);
   ASSERT_ALL_REFUSE(b, e.len, USMIPC_EBADHANDLE);
   memcpy(b, e.data, e.len);
@@ -680,7 +748,8 @@ TEST_IMPL(handle_null_and_empty) {
   ASSERT_ERR(usmipc_ipc_open(NULL, e.len, NULL, 0, &p, NULL), USMIPC_EINVAL);
   ASSERT_ERR2(usmipc_ipc_open("", 0, NULL, 0, &p, NULL), USMIPC_EINVAL,
               USMIPC_EBADHANDLE);
-  ASSERT_ERR(usmipc_ipc_open(e.data, e.len, NULL, 0, NULL, NULL), USMIPC_EINVAL);
+  ASSERT_ERR(usmipc_ipc_open(e.data, e.len, NULL, 0, NULL, NULL),
+             USMIPC_EINVAL);
   ASSERT_ERR2(usmipc_ipc_handle_inspect(NULL, 0, &info), USMIPC_EINVAL,
               USMIPC_EBADHANDLE);
   ASSERT_ERR(usmipc_ipc_handle_inspect(NULL, 10, &info), USMIPC_EINVAL);

@@ -66,6 +66,7 @@
   X(handle_forged_range_known)                                                 \
   X(handle_range_overflow)                                                     \
   X(handle_null_and_empty)                                                     \
+  X(handle_extension_records)                                                  \
   X(mac_blake2s_vectors)
 
 #define HELPER_LIST(X) X(agent)

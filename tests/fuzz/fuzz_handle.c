@@ -50,7 +50,7 @@ static void check_one(const uint8_t *data, size_t size) {
   }
 
   /* Round trip: the same length, the same bytes. */
-  size_t n = usmipc__wire_size(w.payload.len);
+  size_t n = usmipc__wire_len(&w);
   FUZZ_CHECK(n == size, "decoded a %zu-byte input as a %zu-byte handle", size,
              n);
   FUZZ_CHECK(w.payload.len <= USMIPC__PAYLOAD_MAX, "payload %u",

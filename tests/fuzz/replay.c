@@ -85,7 +85,8 @@ static int replay_path(const char *path) {
   return rc;
 }
 
-/* ---- --make-corpus -------------------------------------------------------- */
+/* ---- --make-corpus --------------------------------------------------------
+ */
 
 static const char *corpus_dir;
 static int written;
@@ -110,9 +111,9 @@ static void fix_crc(uint8_t *b, size_t len) {
 }
 
 static void write_forged(const char *name, const usmipc__wire_t *w) {
-  uint8_t out[512];
+  uint8_t out[2048];
   usmipc__wire_encode(w, out);
-  write_seed(name, out, usmipc__wire_size(w->payload.len));
+  write_seed(name, out, usmipc__wire_len(w));
 }
 
 static int make_corpus(const char *dir) {
@@ -130,7 +131,7 @@ static int make_corpus(const char *dir) {
                 {65536, 4096, 8192},
                 {300000, 12345, 0},
                 {1 << 20, (1 << 20) - 1, 1}};
-  uint8_t first[512];
+  uint8_t first[2048];
   size_t first_len = 0;
   void *ptrs[4];
   usmipc_ipc_handle_t *handles[4];
@@ -156,7 +157,7 @@ static int make_corpus(const char *dir) {
   }
 
   /* Truncations and extensions. */
-  static const size_t cuts[] = {0, 1, 8, 11, 12, 70, 139, 140, 143};
+  static const size_t cuts[] = {0, 1, 8, 11, 12, 70, 167, 208, 211, 212};
   for (size_t i = 0; i < sizeof(cuts) / sizeof(cuts[0]); i++) {
     char name[64];
     snprintf(name, sizeof(name), "truncated-%zu", cuts[i]);
@@ -168,8 +169,9 @@ static int make_corpus(const char *dir) {
   write_seed("trailing-zeros", b, first_len + 16);
 
   /* Single bit flips in each region of the fixed part. */
-  static const size_t flips[] = {0, 8, 10, 12, 14, 20, 40, 50, 60, 70,
-                                 90, 100, 110, 125, 137, 139, 141};
+  static const size_t flips[] = {0,   8,   10,  12,  14,  16,  20,  24,  28,
+                                 40,  56,  64,  72,  80,  88,  96,  104, 112,
+                                 128, 144, 170, 190, 201, 205, 208, 210, 213};
   for (size_t i = 0; i < sizeof(flips) / sizeof(flips[0]); i++) {
     memcpy(b, first, first_len);
     b[flips[i]] ^= 0x04;
@@ -180,13 +182,17 @@ static int make_corpus(const char *dir) {
 
   /* Well-formed (valid CRC) but wrong: what a forger writes. */
   memcpy(b, first, first_len);
-  b[8] = 2; /* version */
+  b[8] = 3; /* version */
   fix_crc(b, first_len);
-  write_seed("forged-version-2", b, first_len);
+  write_seed("forged-version-3", b, first_len);
   memcpy(b, first, first_len);
-  b[138] = 1; /* reserved */
+  b[8] = 1; /* version 1: usmipc 0.1 */
   fix_crc(b, first_len);
-  write_seed("forged-reserved", b, first_len);
+  write_seed("forged-version-1", b, first_len);
+  memcpy(b, first, first_len);
+  b[210] = 1; /* extension length that the total length does not hold */
+  fix_crc(b, first_len);
+  write_seed("forged-ext-len", b, first_len);
 
   usmipc__wire_t w0, w;
   if (usmipc__wire_decode(first, first_len, &w0) != 0) {
@@ -228,6 +234,31 @@ static int make_corpus(const char *dir) {
   w.payload.len = USMIPC__PAYLOAD_MAX;
   memset(w.payload.bytes, 0xff, USMIPC__PAYLOAD_MAX);
   write_forged("forged-max-payload", &w);
+  /* Extension records: skipped, critical, truncated, overrunning, many. */
+  static const uint8_t ext_ok[] = {0x01, 0x02, 2, 0, 0xaa, 0xbb};
+  static const uint8_t ext_critical[] = {0x01, 0x82, 0, 0};
+  static const uint8_t ext_short[] = {0x01, 0x02, 1};
+  static const uint8_t ext_over[] = {0x01, 0x02, 0xff, 0, 1, 2};
+  static const uint8_t ext_type0[] = {0, 0, 1, 0, 9};
+  const struct {
+    const char *name;
+    const uint8_t *bytes;
+    size_t len;
+  } exts[] = {{"ext-skipped", ext_ok, sizeof(ext_ok)},
+              {"ext-critical", ext_critical, sizeof(ext_critical)},
+              {"ext-short", ext_short, sizeof(ext_short)},
+              {"ext-overrun", ext_over, sizeof(ext_over)},
+              {"ext-type-0", ext_type0, sizeof(ext_type0)}};
+  for (size_t i = 0; i < sizeof(exts) / sizeof(exts[0]); i++) {
+    w = w0;
+    memcpy(w.ext, exts[i].bytes, exts[i].len);
+    w.ext_len = (uint16_t)exts[i].len;
+    write_forged(exts[i].name, &w);
+  }
+  w = w0;
+  for (w.ext_len = 0; w.ext_len + 6 <= 240; w.ext_len += 6)
+    memcpy(w.ext + w.ext_len, ext_ok, sizeof(ext_ok));
+  write_forged("ext-many", &w);
 
   for (int i = 0; i < 4; i++) {
     usmipc_ipc_free_handle(handles[i]);

@@ -44,9 +44,9 @@ def test_handle_metadata(exported, host):
     raw = h.to_bytes()
     assert isinstance(raw, bytes) and bytes(h) == raw
     assert raw.startswith(MAGIC)
-    assert int.from_bytes(raw[8:10], "little") == 1  # version
+    assert int.from_bytes(raw[8:10], "little") == 2  # version
     assert int.from_bytes(raw[10:12], "little") == len(raw)
-    assert len(raw) == 152  # a host handle has no payload
+    assert len(raw) == 216  # a host handle has no payload
     assert h.nbytes == 4096 and h.offset == 0 and h.allocation_size == 4096
     assert h.memory is mem and h.device is host
     assert h.backend == "host" and h.device_uuid == host.uuid
@@ -223,24 +223,24 @@ def test_wrong_magic(exported, host):
 
 def test_version_bump(exported, host):
     raw = bytearray(exported[1].to_bytes())
-    raw[8:10] = (2).to_bytes(2, "little")
+    raw[8:10] = (3).to_bytes(2, "little")
     for data in (bytes(raw), reseal(raw)):  # with and without a fixed CRC
         e = _open_error(data, host)
         assert e.name == "USMIPC_EHANDLEVERSION"
-        assert "version 2" in str(e)
+        assert "version 3" in str(e)
 
 
 def test_edited_fields_with_a_valid_checksum(exported, host):
     raw = exported[1].to_bytes()
-    # nbytes (offset 96) beyond the allocation: resealed, still refused
+    # nbytes (offset 144) beyond the allocation: resealed, still refused
     edited = bytearray(raw)
-    edited[96:104] = (1 << 40).to_bytes(8, "little")
+    edited[144:152] = (1 << 40).to_bytes(8, "little")
     _open_error(reseal(edited), host)
-    # another boot id (offset 32): a handle from another host
+    # another boot id (offset 48): a handle from another host
     if not os.access("/proc/sys/kernel/random/boot_id", os.R_OK):
         pytest.skip("no boot id here: the library cannot tell hosts apart")
     edited = bytearray(raw)
-    edited[32] ^= 0xFF
+    edited[48] ^= 0xFF
     e = _open_error(reseal(edited), host)
     assert e.name == "USMIPC_EOTHERHOST"
 

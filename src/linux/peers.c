@@ -1,0 +1,407 @@
+/* The importer's view of the processes whose handles it opens.
+ *
+ * A handle names its exporter by pid, and a pid proves nothing: it may have
+ * been reused, it may belong to another PID namespace, and anyone may have
+ * written it. So the first open of an exporter's handle proves who the
+ * exporter is, once, and keeps the proof: a peer record with the exporter's
+ * verified export table (exports.c: sealed, tagged with the process key that
+ * the handle carries) and, where the kernel lets us use it, a pidfd bound to
+ * that process (its pidfs inode or start time checked against the handle).
+ * Every later open of any handle of that exporter, cache hits included,
+ * checks the table's slot and the exporter's liveness word with a few loads
+ * and no system call.
+ *
+ * Peers are guarded by usmipc__registry_lock. Regions of origin IMPORTED
+ * hold a reference; peers nobody references are kept for a while (so that
+ * an importer opening handle after handle of one exporter pays the proof
+ * once), at most IDLE_PEERS_MAX of them.
+ */
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "../common.h"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+
+#define IDLE_PEERS_MAX 64
+
+struct usmipc__peer {
+  uint32_t pid;
+  uint64_t nonce;
+  uint8_t key[16];
+  int pidfd;        /* bound to the exporter, pidfd_getfd permitted; or -1 */
+  bool same_pid_ns; /* /proc/<pid> names the exporter */
+  const uint8_t *table; /* verified, read-only */
+  unsigned refs;
+  uint64_t last_use;
+  usmipc__peer_t *next;
+};
+
+static usmipc__peer_t *peers;
+static size_t idle_peers;
+static uint64_t peer_clock;
+
+static usmipc__peer_t *peer_find(uint32_t pid, uint64_t nonce) {
+  for (usmipc__peer_t *p = peers; p; p = p->next)
+    if (p->nonce == nonce && p->pid == pid)
+      return p;
+  return NULL;
+}
+
+static void peer_free(usmipc__peer_t *p) {
+  if (p->table)
+    munmap((void *)p->table, USMIPC__TABLE_BYTES);
+  if (p->pidfd >= 0)
+    close(p->pidfd);
+  free(p);
+}
+
+/* Unlinks idle peers beyond the bound, least recently used first; returns
+ * them as a list to free once the lock is dropped. Lock held. */
+static usmipc__peer_t *evict_idle(void) {
+  usmipc__peer_t *evicted = NULL;
+  while (idle_peers > IDLE_PEERS_MAX) {
+    usmipc__peer_t **lru = NULL;
+    for (usmipc__peer_t **pp = &peers; *pp; pp = &(*pp)->next)
+      if ((*pp)->refs == 0 &&
+          (lru == NULL || (*pp)->last_use < (*lru)->last_use))
+        lru = pp;
+    if (lru == NULL)
+      break;
+    usmipc__peer_t *p = *lru;
+    *lru = p->next;
+    p->next = evicted;
+    evicted = p;
+    idle_peers--;
+  }
+  return evicted;
+}
+
+void usmipc__peer_ref(usmipc__peer_t *p) {
+  if (p->refs++ == 0)
+    idle_peers--;
+  p->last_use = ++peer_clock;
+}
+
+void usmipc__peer_unref(usmipc__peer_t *p) {
+  if (--p->refs == 0)
+    idle_peers++;
+}
+
+void usmipc__peer_put(usmipc__peer_t *p) {
+  if (p == NULL)
+    return;
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__peer_unref(p);
+  usmipc__peer_t *evicted = evict_idle();
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  while (evicted) {
+    usmipc__peer_t *next = evicted->next;
+    peer_free(evicted);
+    evicted = next;
+  }
+}
+
+static bool same_pid_namespace(const usmipc__wire_t *w) {
+  const usmipc__process_t *self = usmipc__self();
+  return w->pid_ns == 0 || self->pid_ns == 0 || w->pid_ns == self->pid_ns;
+}
+
+/* A pidfd of w's pid that is provably the exporter, or an error. */
+static int open_exporter_pidfd(const usmipc__wire_t *w, int *out) {
+  int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)w->pid, 0);
+  if (pidfd < 0) {
+    int e = errno;
+    if (e == ESRCH)
+      return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
+                                 "the exporting process %u has exited; "
+                                 "mappings opened before it exited stay "
+                                 "valid, new opens are impossible",
+                                 w->pid);
+    return usmipc__fail_native(usmipc__errno_code(e), e,
+                               "pidfd_open(2) of process %u failed: %s", w->pid,
+                               strerror(e));
+  }
+  uint64_t ino = usmipc__pidfd_inode(pidfd);
+  bool other;
+  if (ino != 0 && w->pidfd_ino != 0) {
+    other = ino != w->pidfd_ino;
+  } else {
+    char pid[16];
+    snprintf(pid, sizeof(pid), "%u", w->pid);
+    other = w->start_time != 0 && usmipc__start_time(pid) != w->start_time;
+  }
+  if (other) {
+    close(pidfd);
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "the exporting process %u has exited (its pid now "
+                        "belongs to another process); mappings opened "
+                        "before it exited stay valid",
+                        w->pid);
+  }
+  *out = pidfd;
+  return 0;
+}
+
+static int check_identity(int fd, const usmipc__wire_t *w) {
+  struct stat st;
+  if (fstat(fd, &st) != 0 || (uint64_t)st.st_dev != w->fd_dev ||
+      (uint64_t)st.st_ino != w->fd_ino)
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "process %u no longer holds the memory this handle "
+                        "names (the allocation was freed)",
+                        w->pid);
+  return 0;
+}
+
+static int map_table_fd(int fd, const usmipc__wire_t *w, usmipc__peer_t *p) {
+  int rc = usmipc__table_map(fd, w, &p->table);
+  close(fd);
+  return rc;
+}
+
+/* Proves w's exporter and maps its table into p; *fd may receive w's
+ * descriptor when the broker served both at once. */
+static int prove(const usmipc__wire_t *w, uint64_t deadline, usmipc__peer_t *p,
+                 int *fd) {
+  const usmipc__process_t *self = usmipc__self();
+  usmipc__transport_t mode;
+  int rc = usmipc__transport_mode(&mode);
+  if (rc != 0)
+    return rc;
+  if (w->uid != self->uid)
+    return usmipc__fail(USMIPC_EACCES,
+                        "the handle was exported by uid %u, and this process "
+                        "runs as uid %u: IPC memory is shared only between "
+                        "processes of the same user",
+                        w->uid, self->uid);
+  p->same_pid_ns = same_pid_namespace(w);
+  if (!p->same_pid_ns &&
+      (mode == USMIPC__TRANSPORT_PIDFD || mode == USMIPC__TRANSPORT_PROCFD))
+    return usmipc__fail(USMIPC_ENAMESPACE,
+                        "the exporting process %u is in another PID "
+                        "namespace (another container, or unshare -p): its "
+                        "pid means nothing here, so USMIPC_FD_TRANSPORT=%s "
+                        "cannot reach it; use auto or socket",
+                        w->pid, getenv("USMIPC_FD_TRANSPORT"));
+  if (p->same_pid_ns && mode != USMIPC__TRANSPORT_SOCKET) {
+    int pidfd = -1, tfd = -1;
+    if ((rc = open_exporter_pidfd(w, &pidfd)) != 0)
+      return rc;
+    if (mode != USMIPC__TRANSPORT_PROCFD) {
+      rc = usmipc__pidfd_take(pidfd, w, w->table_fd_number, &tfd);
+      if (rc == 0) {
+        p->pidfd = pidfd;
+        return map_table_fd(tfd, w, p);
+      }
+      if (mode == USMIPC__TRANSPORT_PIDFD || rc == USMIPC_EEXPORTERGONE ||
+          rc == USMIPC_EMFILE) {
+        close(pidfd);
+        return rc;
+      }
+    }
+    close(pidfd); /* pidfd_getfd is not permitted: no use keeping it */
+    rc = usmipc__procfd_reopen(w, w->table_fd_number, O_RDONLY, &tfd);
+    if (rc == 0)
+      return map_table_fd(tfd, w, p);
+    if (mode == USMIPC__TRANSPORT_PROCFD || rc == USMIPC_EUNTRUSTED ||
+        rc == USMIPC_EEXPORTERGONE || rc == USMIPC_EMFILE)
+      return rc;
+  }
+  /* The broker: the only way across PID namespaces, and where ptrace rules
+   * forbid the others. A first open of fd memory gets the table and the
+   * descriptor in one round trip. */
+  int tfd = -1;
+  unsigned want = USMIPC__WANT_TABLE |
+                  ((w->flags & USMIPC__WIRE_FLAG_FD) ? USMIPC__WANT_FD : 0);
+  rc = usmipc__broker_call(w, want, deadline, &tfd,
+                           (want & USMIPC__WANT_FD) ? fd : NULL);
+  if (rc != 0)
+    return rc;
+  rc = map_table_fd(tfd, w, p);
+  /* The broker serves the allocation's own descriptor; a handle that
+   * claims another file is forged. */
+  if (rc == 0 && *fd >= 0)
+    rc = check_identity(*fd, w);
+  if (rc != 0 && *fd >= 0) {
+    close(*fd);
+    *fd = -1;
+  }
+  return rc;
+}
+
+int usmipc__peer_get(const usmipc__wire_t *w, uint64_t deadline,
+                     usmipc__peer_t **out, int *fd) {
+  *fd = -1;
+  *out = NULL;
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__peer_t *p = peer_find(w->pid, w->nonce);
+  if (p != NULL) {
+    int forged = memcmp(p->key, w->key, 16) != 0;
+    if (!forged)
+      usmipc__peer_ref(p);
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    if (forged)
+      return usmipc__fail(USMIPC_EUNTRUSTED,
+                          "the handle names process %u but carries another "
+                          "key than that process proved: forged",
+                          w->pid);
+    *out = p;
+    return 0;
+  }
+  pthread_mutex_unlock(&usmipc__registry_lock);
+
+  /* The proof can wait on the exporter: made without the lock; if another
+   * thread proved the same exporter meanwhile, its record wins. */
+  usmipc__peer_t *made = calloc(1, sizeof(*made));
+  if (made == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  made->pid = w->pid;
+  made->nonce = w->nonce;
+  memcpy(made->key, w->key, 16);
+  made->pidfd = -1;
+  int rc = prove(w, deadline, made, fd);
+  if (rc != 0) {
+    peer_free(made);
+    return rc;
+  }
+  pthread_mutex_lock(&usmipc__registry_lock);
+  p = peer_find(w->pid, w->nonce);
+  if (p == NULL) {
+    made->next = peers;
+    peers = made;
+    made->refs = 1;
+    made->last_use = ++peer_clock;
+    p = made;
+    made = NULL;
+  } else {
+    usmipc__peer_ref(p); /* same key: both proved it against one table */
+  }
+  usmipc__peer_t *evicted = evict_idle();
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  if (made)
+    peer_free(made);
+  while (evicted) {
+    usmipc__peer_t *next = evicted->next;
+    peer_free(evicted);
+    evicted = next;
+  }
+  *out = p;
+  return 0;
+}
+
+int usmipc__peer_check(const usmipc__peer_t *p, const usmipc__wire_t *w,
+                       uint32_t *seq) {
+  if (w->export_slot >= USMIPC__TABLE_SLOTS)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "not a valid usmipc IPC handle: export slot %u is out "
+                        "of range",
+                        w->export_slot);
+  if (!usmipc__table_alive(p->table))
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "the exporting process %u has exited; mappings "
+                        "opened before it exited stay valid, new opens are "
+                        "impossible",
+                        w->pid);
+  usmipc__export_slot_t s;
+  if (usmipc__table_read_slot(p->table, w->export_slot, &s, seq) != 0)
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "process %u's export table is stuck mid-update; the "
+                        "exporter probably died",
+                        w->pid);
+  if (s.buffer_id != w->buffer_id ||
+      ((w->flags & USMIPC__WIRE_FLAG_FD) && s.fd_number != w->fd_number))
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "process %u no longer exports the memory this handle "
+                        "names (the allocation was freed)",
+                        w->pid);
+  if (s.size != w->allocation_size)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "not a valid usmipc IPC handle: it claims a %llu-byte "
+                        "allocation, but process %u exported %llu bytes",
+                        (unsigned long long)w->allocation_size, w->pid,
+                        (unsigned long long)s.size);
+  return 0;
+}
+
+int usmipc__peer_slot_live(const usmipc__peer_t *p, uint32_t slot,
+                           uint64_t buffer_id) {
+  usmipc__export_slot_t s;
+  return usmipc__table_alive(p->table) &&
+         usmipc__table_read_slot(p->table, slot, &s, NULL) == 0 &&
+         s.buffer_id == buffer_id;
+}
+
+/* The descriptor number named the allocation's descriptor before the copy
+ * (checked by the caller) and still does after it (the exporter clears the
+ * slot before closing): then the copy is the allocation's. */
+static int recheck(const usmipc__peer_t *p, const usmipc__wire_t *w,
+                   uint32_t seq, int fd) {
+  if (usmipc__table_slot_seq(p->table, w->export_slot) != seq) {
+    close(fd);
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "process %u freed the memory this handle names while "
+                        "it was being opened",
+                        w->pid);
+  }
+  int rc = check_identity(fd, w);
+  if (rc != 0)
+    close(fd);
+  return rc;
+}
+
+int usmipc__peer_fetch_fd(usmipc__peer_t *p, const usmipc__wire_t *w,
+                          uint64_t deadline, int *out) {
+  usmipc__transport_t mode;
+  uint32_t seq = 0;
+  int fd = -1;
+  int rc = usmipc__transport_mode(&mode);
+  if (rc != 0 || (rc = usmipc__peer_check(p, w, &seq)) != 0)
+    return rc;
+  if (p->pidfd >= 0 && mode != USMIPC__TRANSPORT_SOCKET &&
+      mode != USMIPC__TRANSPORT_PROCFD) {
+    if ((rc = usmipc__pidfd_take(p->pidfd, w, w->fd_number, &fd)) != 0 ||
+        (rc = recheck(p, w, seq, fd)) != 0)
+      return rc;
+    *out = fd;
+    return 0;
+  }
+  if (mode == USMIPC__TRANSPORT_PIDFD)
+    return usmipc__fail(USMIPC_EACCES,
+                        "pidfd_getfd(2) may not take descriptors from process "
+                        "%u; use USMIPC_FD_TRANSPORT=socket or auto",
+                        w->pid);
+  if (p->same_pid_ns && (w->flags & USMIPC__WIRE_FLAG_REOPENABLE) &&
+      mode != USMIPC__TRANSPORT_SOCKET) {
+    rc = usmipc__procfd_reopen(w, w->fd_number, O_RDWR, &fd);
+    if (rc == 0 && (rc = recheck(p, w, seq, fd)) == 0) {
+      *out = fd;
+      return 0;
+    }
+    if (mode == USMIPC__TRANSPORT_PROCFD || rc == USMIPC_EEXPORTERGONE ||
+        rc == USMIPC_EUNTRUSTED || rc == USMIPC_EMFILE)
+      return rc;
+  } else if (mode == USMIPC__TRANSPORT_PROCFD) {
+    return usmipc__fail(USMIPC_ETRANSPORT,
+                        "this memory's descriptor cannot be reopened through "
+                        "/proc (it is not a memfd, or the exporter is in "
+                        "another PID namespace); use "
+                        "USMIPC_FD_TRANSPORT=socket or pidfd");
+  }
+  if ((rc = usmipc__broker_call(w, USMIPC__WANT_FD, deadline, NULL, &fd)) != 0)
+    return rc;
+  if ((rc = check_identity(fd, w)) != 0) {
+    close(fd);
+    return rc;
+  }
+  *out = fd;
+  return 0;
+}
