@@ -175,8 +175,18 @@ USMIPC_API int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
 USMIPC_API int usmipc_ipc_handle_data(const usmipc_ipc_handle_t *handle,
                                       const void **data, size_t *len);
 /* Releases the handle data (and any driver-side handle). Mappings already
- * opened elsewhere stay valid. NULL is accepted. */
+ * opened elsewhere stay valid. NULL is accepted. For memory usmipc
+ * allocated, handle bytes stay openable until the memory is freed (or
+ * revoked). For memory of another library (a torch tensor), which usmipc
+ * cannot see freed, the export lives only while a handle of it lives: when
+ * the last one is freed, its bytes are refused by every importer. */
 USMIPC_API int usmipc_ipc_free_handle(usmipc_ipc_handle_t *handle);
+/* Revokes every handle exported so far for the allocation containing ptr:
+ * importers refuse them from now on (mappings already open stay valid; a
+ * later usmipc_ipc_get_handle makes new, valid handles). For native CUDA
+ * handles this is advisory: the driver handle inside the bytes could still
+ * be opened by a program that bypasses usmipc (docs/security.md). */
+USMIPC_API int usmipc_ipc_revoke(const void *ptr);
 
 /* Maps handle bytes on device (NULL: the device named by the handle; another
  * device of the same backend maps through peer access where the hardware

@@ -162,6 +162,7 @@ typedef struct usmipc__region {
   struct usmipc__peer *peer; /* the exporter's proof and table; NULL for
                                 memory of another library (no slot) */
   uint8_t process_key[16];   /* the exporter's key, as the handle said */
+  uint64_t slot_tag;         /* usmipc__slot_tag(process_key, token) */
   unsigned open_refs;        /* usmipc_ipc_open calls not yet closed */
   struct usmipc__region *idle_prev, *idle_next; /* LRU of closed mappings */
 } usmipc__region_t;
@@ -277,13 +278,19 @@ typedef struct usmipc__export_slot {
   uint32_t fd_number;
   uint64_t buffer_id; /* 0: free */
   uint64_t size;      /* the allocation's size, which a handle must state */
-  uint64_t reserved;
+  uint64_t tag;       /* usmipc__slot_tag of the export's token: which
+                         export of the allocation (a revoked one, whose
+                         slot was reused, does not match) */
 } usmipc__export_slot_t;
 _Static_assert(sizeof(usmipc__export_slot_t) == 32, "slots are 32 bytes");
 
+/* A slot's tag: the first 8 bytes of MAC(process key, token). Importers
+ * that hold the handle compute it; the table does not reveal the token. */
+uint64_t usmipc__slot_tag(const uint8_t key[16], const uint8_t token[16]);
 /* Exporter. */
 int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint64_t size,
-                        uint32_t *slot, uint32_t *table_fd_number);
+                        uint64_t tag, uint32_t *slot,
+                        uint32_t *table_fd_number);
 void usmipc__exports_remove(uint32_t slot);
 int usmipc__exports_table_fd(void);
 /* The table's liveness mutex (the table is created if need be), which the
@@ -375,10 +382,10 @@ int usmipc__peer_fetch_fd(usmipc__peer_t *peer, const usmipc__wire_t *w,
  * EEXPORTERGONE (or EBADHANDLE for a forged size) with a message. Reads
  * shared memory only: the cache-hit path calls it. */
 int usmipc__peer_check(const usmipc__peer_t *peer, const usmipc__wire_t *w,
-                       uint32_t *seq);
+                       uint64_t tag, uint32_t *seq);
 /* The same, quietly, for an idle mapping: 1 while its allocation is live. */
 int usmipc__peer_slot_live(const usmipc__peer_t *peer, uint32_t slot,
-                           uint64_t buffer_id);
+                           uint64_t buffer_id, uint64_t tag);
 /* Registry lock held. */
 void usmipc__peer_ref(usmipc__peer_t *peer);
 void usmipc__peer_unref(usmipc__peer_t *peer);

@@ -19,9 +19,34 @@
 #include "common.h"
 
 struct usmipc_ipc_handle {
+  uint64_t foreign_id; /* the foreign export this handle holds, or 0 */
   size_t len;
   uint8_t data[];
 };
+
+/* Memory of another library (a torch tensor, a CuPy array) exported by
+ * pointer. The library cannot see that memory freed, so an export is not
+ * tied to an allocation's life but to its holders: every handle made for
+ * it holds one owner count (an IPCMemoryHandle in Python, a bundle or a
+ * pickled handle in flight later), and the export-table slot is cleared
+ * when the last one goes, or on usmipc_ipc_revoke. Importers then refuse
+ * the old bytes even after the owner reuses the memory for another tensor.
+ * Guarded by usmipc__registry_lock. */
+typedef struct foreign_export {
+  uint64_t id; /* never reused: a handle names its export by it */
+  uint64_t buffer_id;
+  const void *base;
+  size_t size;
+  usmipc_device_t *device;
+  uint32_t slot, table_fd_number;
+  uint8_t token[16];
+  usmipc__payload_t payload;
+  unsigned owners;
+  struct foreign_export *next;
+} foreign_export_t;
+
+static foreign_export_t *foreign_exports;
+static uint64_t next_foreign_id = 1;
 
 /* Import cache: regions of origin IMPORTED sorted by key, plus the LRU list
  * of those with no open reference (most recently closed at the head). All
@@ -179,8 +204,8 @@ static usmipc__region_t *idle_drop_dead(usmipc__region_t *evicted) {
     return evicted;
   for (usmipc__region_t *r = idle_head, *next; r; r = next) {
     next = r->idle_next;
-    if (r->peer == NULL ||
-        usmipc__peer_slot_live(r->peer, r->export_slot, r->buffer_id))
+    if (r->peer == NULL || usmipc__peer_slot_live(r->peer, r->export_slot,
+                                                  r->buffer_id, r->slot_tag))
       continue;
     idle_unlink(r);
     import_remove(r);
@@ -242,6 +267,7 @@ static int export_region(usmipc__region_t *r) {
                  (rc = usmipc__fdxfer_serve()) != 0))
     return rc;
   rc = usmipc__exports_add(r->buffer_id, r->fd_number, r->alloc.size,
+                           usmipc__slot_tag(usmipc__self()->key, r->token),
                            &r->export_slot, &r->table_fd_number);
   if (rc != 0) {
     if (fd >= 0)
@@ -311,15 +337,16 @@ static int handle_new(const usmipc__wire_t *w, usmipc_ipc_handle_t **handle) {
   usmipc_ipc_handle_t *h = malloc(sizeof(*h) + len);
   if (h == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  h->foreign_id = 0;
   h->len = len;
   usmipc__wire_encode(w, h->data);
   *handle = h;
   return 0;
 }
 
-/* Memory another library allocated (a torch tensor, a CuPy array): the
- * driver names its allocation and buffer id; nothing is cached, since the
- * owner may free it at any time without telling us. */
+/* Memory another library allocated: the driver names its allocation and
+ * buffer id; the export lives as long as handles hold it (see
+ * foreign_export_t). */
 static int export_foreign(const void *ptr, size_t nbytes,
                           usmipc_ipc_handle_t **handle) {
   usmipc__allocation_t a;
@@ -336,16 +363,62 @@ static int export_foreign(const void *ptr, size_t nbytes,
     return rc;
   usmipc__wire_t w;
   wire_fill(&w, device, &a, buffer_id, offset, nbytes);
-  int fd = -1;
-  rc = device->ops->ipc_export(device->native, &a, &w.payload, &fd);
-  if (rc == 0 && fd >= 0)
-    rc = usmipc__fail(USMIPC_ENOTSUP,
-                      "cannot export %p: memory of another "
-                      "library shared through a descriptor is not supported",
-                      ptr);
-  if (rc != 0)
-    return rc;
-  return handle_new(&w, handle);
+  pthread_mutex_lock(&usmipc__registry_lock);
+  foreign_export_t *e = foreign_exports;
+  while (e && !(e->buffer_id == buffer_id && e->base == a.base &&
+                e->size == a.size && e->device == device))
+    e = e->next;
+  if (e == NULL) {
+    int fd = -1;
+    e = calloc(1, sizeof(*e));
+    if (e == NULL)
+      rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+    else if ((rc = device->ops->ipc_export(device->native, &a, &e->payload,
+                                           &fd)) == 0 &&
+             fd >= 0)
+      rc = usmipc__fail(USMIPC_ENOTSUP,
+                        "cannot export %p: memory of another library shared "
+                        "through a descriptor is not supported",
+                        ptr);
+    if (rc == 0 && (rc = usmipc__random(e->token, 16)) == 0 &&
+        (rc = usmipc__fdxfer_serve()) == 0)
+      rc = usmipc__exports_add(buffer_id, UINT32_MAX, a.size,
+                               usmipc__slot_tag(usmipc__self()->key, e->token),
+                               &e->slot, &e->table_fd_number);
+    if (rc != 0) {
+      pthread_mutex_unlock(&usmipc__registry_lock);
+      free(e);
+      return rc;
+    }
+    e->id = next_foreign_id++;
+    e->buffer_id = buffer_id;
+    e->base = a.base;
+    e->size = a.size;
+    e->device = device;
+    e->next = foreign_exports;
+    foreign_exports = e;
+  }
+  w.export_slot = e->slot;
+  w.table_fd_number = e->table_fd_number;
+  memcpy(w.token, e->token, 16);
+  w.payload = e->payload;
+  if (usmipc__fdxfer_socket_dir())
+    w.flags |= USMIPC__WIRE_FLAG_SOCKET_DIR;
+  rc = handle_new(&w, handle);
+  if (rc == 0) {
+    e->owners++;
+    (*handle)->foreign_id = e->id;
+  }
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  return rc;
+}
+
+/* Unlinks a foreign export and clears its slot; lock held. */
+static void foreign_revoke(foreign_export_t **link) {
+  foreign_export_t *e = *link;
+  *link = e->next;
+  usmipc__exports_remove(e->slot);
+  free(e);
 }
 
 int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
@@ -406,9 +479,52 @@ int usmipc_ipc_handle_data(const usmipc_ipc_handle_t *handle, const void **data,
 }
 
 int usmipc_ipc_free_handle(usmipc_ipc_handle_t *handle) {
-  /* The transport's grant belongs to the allocation, not to the handle:
-   * handle bytes already sent stay openable until the allocation is freed. */
+  /* The export of usmipc's own memory belongs to the allocation, not to the
+   * handle: bytes already sent stay openable until the allocation is freed
+   * (or revoked). A foreign export belongs to its handles: the last one
+   * revokes it. */
+  if (handle != NULL && handle->foreign_id != 0) {
+    pthread_mutex_lock(&usmipc__registry_lock);
+    for (foreign_export_t **e = &foreign_exports; *e; e = &(*e)->next)
+      if ((*e)->id == handle->foreign_id) {
+        if (--(*e)->owners == 0)
+          foreign_revoke(e);
+        break;
+      }
+    pthread_mutex_unlock(&usmipc__registry_lock);
+  }
   free(handle);
+  return 0;
+}
+
+int usmipc_ipc_revoke(const void *ptr) {
+  int revoked = 0;
+  uint64_t withdraw = 0;
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__region_t *r = usmipc__region_find(ptr);
+  if (r != NULL && r->origin == USMIPC__LOCAL && r->exported) {
+    /* The slot first (importers refuse from now on), then the grant; the
+     * next export draws a new token, so its handles differ. */
+    usmipc__exports_remove(r->export_slot);
+    if (r->alloc.fd >= 0)
+      withdraw = r->buffer_id;
+    r->exported = false;
+    revoked = 1;
+  }
+  for (foreign_export_t **e = &foreign_exports; *e;) {
+    if ((uintptr_t)ptr - (uintptr_t)(*e)->base < (*e)->size) {
+      foreign_revoke(e);
+      revoked = 1;
+    } else {
+      e = &(*e)->next;
+    }
+  }
+  if (withdraw != 0) /* under the lock: a re-export must not race it */
+    usmipc__fdxfer_withdraw(withdraw);
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  if (!revoked)
+    return usmipc__fail(USMIPC_EUNKNOWNPTR,
+                        "usmipc_ipc_revoke: nothing is exported at %p", ptr);
   return 0;
 }
 
@@ -462,6 +578,25 @@ static int open_same_process(const usmipc__wire_t *w, void **ptr) {
                         "allocation, but the allocation it names has %zu bytes",
                         (unsigned long long)w->allocation_size, r->alloc.size);
   }
+  /* The handle must be of the current export: not revoked since. */
+  bool current = false;
+  if (r->origin == USMIPC__LOCAL)
+    current = r->exported && r->export_slot == w->export_slot &&
+              memcmp(r->token, w->token, 16) == 0;
+  for (foreign_export_t *e = foreign_exports; e && !current; e = e->next)
+    current = r->origin == USMIPC__FOREIGN_ALIAS && e->base == base &&
+              e->slot == w->export_slot && memcmp(e->token, w->token, 16) == 0;
+  if (!current && w->export_slot != USMIPC__NO_SLOT) {
+    if (r->origin == USMIPC__FOREIGN_ALIAS && r->alias_refs == 0) {
+      usmipc__region_remove(r);
+      free(r);
+    }
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "the handle was exported by this process and has "
+                        "been revoked since (usmipc_ipc_revoke, or the last "
+                        "handle of memory of another library died)");
+  }
   r->alias_refs++;
   *ptr = (uint8_t *)r->alloc.base + w->offset;
   pthread_mutex_unlock(&usmipc__registry_lock);
@@ -478,16 +613,28 @@ static int cache_take(usmipc__region_t *r, const usmipc__wire_t *w,
                         "not a valid usmipc IPC handle: it claims a %llu-byte "
                         "allocation, but the allocation it names has %zu bytes",
                         (unsigned long long)w->allocation_size, r->alloc.size);
-  if (memcmp(r->token, w->token, 16) != 0 ||
-      memcmp(r->process_key, w->key, 16) != 0)
+  int rc;
+  if (memcmp(r->process_key, w->key, 16) != 0 ||
+      (r->peer == NULL && memcmp(r->token, w->token, 16) != 0))
     return usmipc__fail(USMIPC_EACCES,
                         "process %u's handle carries the wrong capability "
                         "token for this allocation (forged or corrupted)",
                         w->pid);
+  if (memcmp(r->token, w->token, 16) != 0) {
+    /* Another export of the same allocation (it was revoked and exported
+     * again): the mapping is the same memory, and the exporter's table says
+     * which export is current. */
+    uint64_t tag = usmipc__slot_tag(w->key, w->token);
+    if ((rc = usmipc__peer_check(r->peer, w, tag, NULL)) != 0)
+      return rc;
+    memcpy(r->token, w->token, 16);
+    r->slot_tag = tag;
+    r->export_slot = w->export_slot;
+  }
   /* A hit is checked like a miss: the allocation must still be exported
    * by a living exporter (two reads of its table). */
-  int rc;
-  if (r->peer != NULL && (rc = usmipc__peer_check(r->peer, w, NULL)) != 0)
+  if (r->peer != NULL &&
+      (rc = usmipc__peer_check(r->peer, w, r->slot_tag, NULL)) != 0)
     return rc;
   if (r->open_refs++ == 0)
     idle_unlink(r);
@@ -563,6 +710,7 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
    * handle (a bearer token) may be accepted by the driver after a free, and
    * the sizes in the handle are only as true as whoever wrote it. */
   uint64_t deadline = usmipc__deadline_after_timeout();
+  uint64_t tag = usmipc__slot_tag(w.key, w.token);
   usmipc__peer_t *peer = NULL;
   int fd = -1;
   if (w.export_slot != USMIPC__NO_SLOT) {
@@ -570,7 +718,7 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
      * descriptor (which the broker may have handed over with the proof). */
     if ((rc = usmipc__peer_get(&w, deadline, &peer, &fd)) != 0)
       return rc;
-    if ((rc = usmipc__peer_check(peer, &w, NULL)) == 0 && fd < 0 &&
+    if ((rc = usmipc__peer_check(peer, &w, tag, NULL)) == 0 && fd < 0 &&
         (w.flags & USMIPC__WIRE_FLAG_FD))
       rc = usmipc__peer_fetch_fd(peer, &w, deadline, &fd);
     if (rc != 0) {
@@ -607,6 +755,7 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
   r->export_slot = w.export_slot;
   memcpy(r->token, w.token, 16);
   memcpy(r->process_key, w.key, 16);
+  r->slot_tag = tag;
 
   pthread_mutex_lock(&usmipc__registry_lock);
   usmipc__region_t *dead = idle_drop_dead(NULL);

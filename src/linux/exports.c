@@ -180,19 +180,29 @@ int usmipc__exports_hold_alive(pthread_mutex_t *m, uint32_t tid) {
   return -1;
 }
 
+uint64_t usmipc__slot_tag(const uint8_t key[16], const uint8_t token[16]) {
+  uint8_t msg[32], mac[16];
+  memcpy(msg, "usmipc-slottag-2", 16);
+  memcpy(msg + 16, token, 16);
+  usmipc__mac(mac, key, msg, sizeof(msg));
+  return get64(mac) | 1; /* never 0, the tag of a free slot */
+}
+
 static void slot_write(usmipc__export_slot_t *s, uint64_t buffer_id,
-                       uint32_t fd_number, uint64_t size) {
+                       uint32_t fd_number, uint64_t size, uint64_t tag) {
   uint32_t seq = __atomic_load_n(&s->seq, __ATOMIC_RELAXED);
   __atomic_store_n(&s->seq, seq + 1, __ATOMIC_RELAXED);
   __atomic_thread_fence(__ATOMIC_RELEASE);
   __atomic_store_n(&s->fd_number, fd_number, __ATOMIC_RELAXED);
   __atomic_store_n(&s->buffer_id, buffer_id, __ATOMIC_RELAXED);
   __atomic_store_n(&s->size, size, __ATOMIC_RELAXED);
+  __atomic_store_n(&s->tag, tag, __ATOMIC_RELAXED);
   __atomic_store_n(&s->seq, seq + 2, __ATOMIC_RELEASE);
 }
 
 int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint64_t size,
-                        uint32_t *slot, uint32_t *table_fd_number) {
+                        uint64_t tag, uint32_t *slot,
+                        uint32_t *table_fd_number) {
   pthread_mutex_lock(&table_lock);
   int rc = table_create();
   if (rc == 0) {
@@ -208,7 +218,7 @@ int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint64_t size,
                           "most one process can; free some first",
                           USMIPC__TABLE_SLOTS);
     }
-    slot_write(&slots_of(table)[at], buffer_id, fd_number, size);
+    slot_write(&slots_of(table)[at], buffer_id, fd_number, size, tag);
     *slot = at;
     *table_fd_number = (uint32_t)table_fd;
   }
@@ -219,7 +229,7 @@ int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint64_t size,
 void usmipc__exports_remove(uint32_t slot) {
   pthread_mutex_lock(&table_lock);
   if (table != NULL && slot < next_unused) {
-    slot_write(&slots_of(table)[slot], 0, UINT32_MAX, 0);
+    slot_write(&slots_of(table)[slot], 0, UINT32_MAX, 0, 0);
     if (free_count == free_capacity) {
       size_t cap = free_capacity ? free_capacity * 2 : 256;
       void *grown = realloc(free_slots, cap * sizeof(*free_slots));
@@ -335,6 +345,7 @@ int usmipc__table_read_slot(const uint8_t *hdr, uint32_t slot,
     out->fd_number = __atomic_load_n(&s->fd_number, __ATOMIC_RELAXED);
     out->buffer_id = __atomic_load_n(&s->buffer_id, __ATOMIC_RELAXED);
     out->size = __atomic_load_n(&s->size, __ATOMIC_RELAXED);
+    out->tag = __atomic_load_n(&s->tag, __ATOMIC_RELAXED);
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     s2 = __atomic_load_n(&s->seq, __ATOMIC_RELAXED);
   } while (s1 != s2);

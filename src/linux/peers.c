@@ -299,7 +299,7 @@ int usmipc__peer_get(const usmipc__wire_t *w, uint64_t deadline,
 }
 
 int usmipc__peer_check(const usmipc__peer_t *p, const usmipc__wire_t *w,
-                       uint32_t *seq) {
+                       uint64_t tag, uint32_t *seq) {
   if (w->export_slot >= USMIPC__TABLE_SLOTS)
     return usmipc__fail(USMIPC_EBADHANDLE,
                         "not a valid usmipc IPC handle: export slot %u is out "
@@ -323,6 +323,14 @@ int usmipc__peer_check(const usmipc__peer_t *p, const usmipc__wire_t *w,
                         "process %u no longer exports the memory this handle "
                         "names (the allocation was freed)",
                         w->pid);
+  if (s.tag != tag)
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "process %u does not export the allocation under this "
+                        "handle: it was revoked (usmipc_ipc_revoke, or the "
+                        "last handle of another library's memory died), or "
+                        "its token is forged; ask the exporter for a current "
+                        "handle",
+                        w->pid);
   if (s.size != w->allocation_size)
     return usmipc__fail(USMIPC_EBADHANDLE,
                         "not a valid usmipc IPC handle: it claims a %llu-byte "
@@ -333,11 +341,11 @@ int usmipc__peer_check(const usmipc__peer_t *p, const usmipc__wire_t *w,
 }
 
 int usmipc__peer_slot_live(const usmipc__peer_t *p, uint32_t slot,
-                           uint64_t buffer_id) {
+                           uint64_t buffer_id, uint64_t tag) {
   usmipc__export_slot_t s;
   return usmipc__table_alive(p->table) &&
          usmipc__table_read_slot(p->table, slot, &s, NULL) == 0 &&
-         s.buffer_id == buffer_id;
+         s.buffer_id == buffer_id && s.tag == tag;
 }
 
 /* The descriptor number named the allocation's descriptor before the copy
@@ -364,7 +372,8 @@ int usmipc__peer_fetch_fd(usmipc__peer_t *p, const usmipc__wire_t *w,
   uint32_t seq = 0;
   int fd = -1;
   int rc = usmipc__transport_mode(&mode);
-  if (rc != 0 || (rc = usmipc__peer_check(p, w, &seq)) != 0)
+  if (rc != 0 || (rc = usmipc__peer_check(
+                      p, w, usmipc__slot_tag(w->key, w->token), &seq)) != 0)
     return rc;
   if (p->pidfd >= 0 && mode != USMIPC__TRANSPORT_SOCKET &&
       mode != USMIPC__TRANSPORT_PROCFD) {

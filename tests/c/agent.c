@@ -25,7 +25,8 @@ typedef struct slot {
 static slot_t slots[AGENT_SLOTS];
 static usmipc_queue_t *queue;
 
-static void reply_ok(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void reply_ok(const char *fmt, ...)
+    __attribute__((format(printf, 1, 2)));
 static void reply_ok(const char *fmt, ...) {
   va_list ap;
   fputs("ok", stdout);
@@ -249,6 +250,12 @@ static void do_command(char *line) {
     } else if (strcmp(cmd, "free") == 0) {
       drop_handles(s);
       r = usmipc_free(s->ptr);
+      if (r)
+        reply_usmipc_err(r);
+      else
+        reply_ok(NULL);
+    } else if (strcmp(cmd, "revoke") == 0) {
+      r = usmipc_ipc_revoke(s->ptr);
       if (r)
         reply_usmipc_err(r);
       else

@@ -113,7 +113,8 @@ static int run_helper(int argc, char **argv) {
   alarm(timeout_seconds() * 2);
   for (size_t i = 0; i < sizeof(helpers) / sizeof(helpers[0]); i++)
     if (strcmp(helpers[i].name, name) == 0)
-      return helpers[i].fn(argc > 2 ? argc - 2 : 0, argc > 2 ? argv + 2 : argv + argc);
+      return helpers[i].fn(argc > 2 ? argc - 2 : 0,
+                           argc > 2 ? argv + 2 : argv + argc);
   fprintf(stderr, "usmipc_tests: no helper named \"%s\"\n", name);
   return 2;
 }
@@ -243,7 +244,8 @@ int main(int argc, char **argv) {
       printf("%s\n", tests[i].name);
     return 0;
   }
-  if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
+  if (argc >= 2 &&
+      (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
     printf("usage: usmipc_tests [--list | NAME | --helper NAME ...]\n");
     return 0;
   }

@@ -154,8 +154,8 @@ void hex_encode(const void *data, size_t len, char *out); /* 2*len+1 bytes */
 /* Returns the number of bytes decoded, or -1 on a malformed string. */
 ssize_t hex_decode(const char *hex, void *out, size_t cap);
 
-size_t count_fds(void);       /* entries of /proc/self/fd */
-size_t count_maps(void);      /* lines of /proc/self/maps */
+size_t count_fds(void);  /* entries of /proc/self/fd */
+size_t count_maps(void); /* lines of /proc/self/maps */
 /* Lines of /proc/self/maps whose text contains needle. */
 size_t count_maps_matching(const char *needle);
 /* 1 when some line of /proc/self/maps covers address p. */
@@ -170,8 +170,8 @@ void sleep_ms(unsigned ms);
  * *len bytes (so ASan sees any over-read). The handle is returned so the
  * caller keeps the export alive while importers open it; free *data with
  * free() and the handle with usmipc_ipc_free_handle. */
-usmipc_ipc_handle_t *export_copy(const void *ptr, size_t nbytes,
-                                 uint8_t **data, size_t *len);
+usmipc_ipc_handle_t *export_copy(const void *ptr, size_t nbytes, uint8_t **data,
+                                 size_t *len);
 
 /* ---- processes -----------------------------------------------------------
  * Helpers are started by re-executing /proc/self/exe with "--helper NAME",
@@ -199,6 +199,7 @@ int exit_code_of(int status);
  *   freehandle S            -> ok
  *   open S HEX NBYTES       -> ok PTR MAPPED
  *   close S | free S        -> ok
+ *   revoke S                -> ok                  (usmipc_ipc_revoke)
  *   closeptr PTR            -> ok                  (usmipc_ipc_close(PTR))
  *   query S                 -> ok BASE SIZE BUFFER_ID IS_IPC
  *   cache N                 -> ok

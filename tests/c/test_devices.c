@@ -105,11 +105,17 @@ TEST_IMPL(devices_select_default) {
 }
 
 TEST_IMPL(devices_select_bad_filters) {
-  static const char *const bad[] = {
-      "nonsense",     "host:gpu",     "host:cpu:1",
-      "host:cpu:-1",  "host:cpu:x",   "host:cpu:0x",
-      "host:cpu:0:0", "host:cpu:99999999999999999999",
-      "hostx",        "cuda:gpu:4096", "level_zero:gpu:4096"};
+  static const char *const bad[] = {"nonsense",
+                                    "host:gpu",
+                                    "host:cpu:1",
+                                    "host:cpu:-1",
+                                    "host:cpu:x",
+                                    "host:cpu:0x",
+                                    "host:cpu:0:0",
+                                    "host:cpu:99999999999999999999",
+                                    "hostx",
+                                    "cuda:gpu:4096",
+                                    "level_zero:gpu:4096"};
   for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
     usmipc_device_t *d = NULL;
     int r = usmipc_device_select(bad[i], &d);

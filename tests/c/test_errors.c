@@ -35,9 +35,9 @@ TEST_IMPL(errors_strerror_every_code) {
 }
 
 TEST_IMPL(errors_unknown_codes) {
-  static const int unknown[] = {0,      1,       -1,      -29999,  -30000,
-                                -30999, -31000,  INT_MIN, INT_MAX, -EPERM,
-                                12345,  -123456};
+  static const int unknown[] = {0,       1,      -1,     -29999,
+                                -30000,  -30999, -31000, INT_MIN,
+                                INT_MAX, -EPERM, 12345,  -123456};
   for (size_t i = 0; i < sizeof(unknown) / sizeof(unknown[0]); i++) {
     int c = unknown[i];
     const char *s = usmipc_strerror(c);

@@ -381,7 +381,7 @@ TEST_IMPL(ipc_survives_exporter_sigkill) {
   AGENT_OK(&im, "open 0 %s 0", hex);
   AGENT_OK(&im, "check 0 31 0 4096");
 
-  agent_kill(&ex); /* SIGKILL: no atexit, no frees */
+  agent_kill(&ex);             /* SIGKILL: no atexit, no frees */
   AGENT_OK(&im, "check 0 31"); /* every byte */
   AGENT_OK(&im, "fill 0 32");
   AGENT_OK(&im, "check 0 32");
@@ -409,8 +409,8 @@ static int exporter_gone(const char *transport) {
   AGENT_OK(&ex2, "export 0 0 0");
   snprintf(h3, sizeof(h3), "%s", ex2.reply);
 
-  agent_kill(&ex1); /* killed */
-  agent_stop_ok(&ex2);    /* exited normally */
+  agent_kill(&ex1);    /* killed */
+  agent_stop_ok(&ex2); /* exited normally */
   AGENT_ERR(&im, USMIPC_EEXPORTERGONE, "open 0 %s 0", h1);
   AGENT_ERR(&im, USMIPC_EEXPORTERGONE, "open 1 %s 0", h2);
   AGENT_ERR(&im, USMIPC_EEXPORTERGONE, "open 2 %s 0", h3);
@@ -423,12 +423,54 @@ TEST_IMPL(ipc_exporter_gone_socket) { return exporter_gone("socket"); }
 TEST_IMPL(ipc_exporter_gone_pidfd) { return exporter_gone("pidfd"); }
 TEST_IMPL(ipc_exporter_gone_procfd) { return exporter_gone("procfd"); }
 
+TEST_IMPL(ipc_revoke) {
+  /* usmipc_ipc_revoke: every handle issued so far is refused, by every
+   * transport, on a cache hit (the mapping idle in the importer's cache)
+   * and in the exporter itself; a new export gives a handle that works;
+   * mappings already open keep working. */
+  static const char *const transports[] = {"auto", "socket", "pidfd", "procfd"};
+  for (size_t t = 0; t < sizeof(transports) / sizeof(transports[0]); t++) {
+    if (skip_without_pidfd(transports[t]))
+      continue;
+    agent_t ex, im;
+    static char h0[HEX_MAX], h1[HEX_MAX];
+    agent_start(&ex, NULL);
+    agent_start(&im, transports[t]);
+    AGENT_OK(&ex, "alloc 0 device %d", MiB);
+    AGENT_OK(&ex, "fill 0 51");
+    AGENT_OK(&ex, "export 0 0 0");
+    snprintf(h0, sizeof(h0), "%s", ex.reply);
+    AGENT_OK(&im, "open 0 %s 0", h0); /* stays open */
+    AGENT_OK(&im, "open 1 %s 0", h0);
+    AGENT_OK(&im, "close 1"); /* idle in the cache, still mapped */
+    AGENT_OK(&ex, "revoke 0");
+    AGENT_ERR(&im, USMIPC_EEXPORTERGONE, "open 1 %s 0", h0);
+    AGENT_ERR(&ex, USMIPC_EEXPORTERGONE, "open 5 %s 0", h0);
+    AGENT_OK(&im, "check 0 51"); /* the open mapping still works */
+    AGENT_OK(&ex, "export 0 0 0");
+    snprintf(h1, sizeof(h1), "%s", ex.reply);
+    ASSERT(strcmp(h0, h1) != 0);
+    AGENT_OK(&im, "open 2 %s 0", h1);
+    AGENT_OK(&im, "check 2 51");
+    AGENT_OK(&im, "close 2");
+    AGENT_ERR(&im, USMIPC_EEXPORTERGONE, "open 1 %s 0", h0);
+    AGENT_OK(&im, "close 0");
+    agent_stop_ok(&im);
+    agent_stop_ok(&ex);
+  }
+  /* Nothing exported there. */
+  void *p;
+  ASSERT_OK(usmipc_malloc(host_device(), USMIPC_MEM_DEVICE, 4096, &p));
+  ASSERT_ERR(usmipc_ipc_revoke(p), USMIPC_EUNKNOWNPTR);
+  ASSERT_OK(usmipc_free(p));
+  return 0;
+}
+
 TEST_IMPL(ipc_allocation_freed_before_open) {
   /* The exporter lives but freed the allocation: no transport may hand out
    * its memory, even when the descriptor number it used is taken by the
    * next allocation (pidfd_getfd would copy that one). */
-  static const char *const transports[] = {"auto", "socket", "pidfd",
-                                           "procfd"};
+  static const char *const transports[] = {"auto", "socket", "pidfd", "procfd"};
   agent_t ex;
   static char h0[HEX_MAX], h1[HEX_MAX];
   agent_start(&ex, NULL);

@@ -57,8 +57,8 @@ static void *cycle_thread(void *arg) {
     int b = (t + i) % LEAK_BUFFERS;
     void *p = NULL;
     size_t mapped = 0;
-    ASSERT_OK(usmipc_ipc_open(handle_data[b], handle_len[b], NULL, 0, &p,
-                              &mapped));
+    ASSERT_OK(
+        usmipc_ipc_open(handle_data[b], handle_len[b], NULL, 0, &p, &mapped));
     if (on_host)
       ASSERT_EQ(pattern_check(p, 64, 70 + (uint64_t)b, 0), SIZE_MAX);
     else
@@ -124,8 +124,8 @@ static int no_leak(int cached) {
     ASSERT_OK(usmipc_ipc_set_cache_size(0));
     for (int b = 0; b < LEAK_BUFFERS; b++) {
       void *p = NULL;
-      ASSERT_OK(usmipc_ipc_open(handle_data[b], handle_len[b], NULL, 0, &p,
-                                NULL));
+      ASSERT_OK(
+          usmipc_ipc_open(handle_data[b], handle_len[b], NULL, 0, &p, NULL));
       ASSERT_EQ(dev_check_on(q, p, 64, 70 + (uint64_t)b, 0), SIZE_MAX);
       ASSERT_OK(usmipc_ipc_close(p));
     }
@@ -160,8 +160,8 @@ static int no_leak(int cached) {
   if (on_host || !cached)
     ASSERT_EQ(fds1, fds0);
   else
-    printf("fds with %d idle mappings cached: %zu -> %zu\n", LEAK_BUFFERS,
-           fds0, fds1);
+    printf("fds with %d idle mappings cached: %zu -> %zu\n", LEAK_BUFFERS, fds0,
+           fds1);
 
   double t0 = now_seconds();
   run_cycles(cycles / LEAK_THREADS);
@@ -201,7 +201,8 @@ static int no_leak(int cached) {
   } else {
     /* Uncached, a mapping exists exactly while it is open. */
     void *p = NULL;
-    ASSERT_OK(usmipc_ipc_open(handle_data[0], handle_len[0], NULL, 0, &p, NULL));
+    ASSERT_OK(
+        usmipc_ipc_open(handle_data[0], handle_len[0], NULL, 0, &p, NULL));
     if (on_host)
       ASSERT_EQ(count_maps_matching(MEMFD_TAG), memfd0 + 1);
     ASSERT_OK(usmipc_ipc_close(p));

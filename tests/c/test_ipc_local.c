@@ -20,8 +20,8 @@ TEST_IMPL(ipc_handle_inspect_fields) {
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
     uint8_t *data;
     size_t len;
-    usmipc_ipc_handle_t *h = export_copy(p + cases[i].off, cases[i].nbytes,
-                                         &data, &len);
+    usmipc_ipc_handle_t *h =
+        export_copy(p + cases[i].off, cases[i].nbytes, &data, &len);
     usmipc_ipc_handle_info_t info;
     memset(&info, 0xee, sizeof(info));
     ASSERT_OK(usmipc_ipc_handle_inspect(data, len, &info));

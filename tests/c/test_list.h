@@ -49,6 +49,7 @@
   X(ipc_exporter_gone_pidfd)                                                   \
   X(ipc_exporter_gone_procfd)                                                  \
   X(ipc_allocation_freed_before_open)                                          \
+  X(ipc_revoke)                                                                \
   X(ipc_other_uid_refused)                                                     \
   X(ipc_fork_child_exports)                                                    \
   X(ipc_cache_limit)                                                           \

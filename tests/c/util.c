@@ -356,8 +356,8 @@ void sleep_ms(unsigned ms) {
   }
 }
 
-usmipc_ipc_handle_t *export_copy(const void *ptr, size_t nbytes,
-                                 uint8_t **data, size_t *len) {
+usmipc_ipc_handle_t *export_copy(const void *ptr, size_t nbytes, uint8_t **data,
+                                 size_t *len) {
   usmipc_ipc_handle_t *h = NULL;
   const void *d = NULL;
   ASSERT_OK(usmipc_ipc_get_handle(ptr, nbytes, &h));
