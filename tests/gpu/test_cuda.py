@@ -362,3 +362,102 @@ def test_open_on_another_gpu(kind):
     """, IPCMemoryHandle(mem).to_bytes()))
     assert "gpu1 ok" in out
     assert mem.copy_to_host() == bytes(((i * 7 + 1) + 1) & 0xFF for i in range(N))
+
+
+# ---- revocation of framework memory and bounded idle mappings (issue 7) -------
+
+def test_torch_tensor_revoked_when_its_last_handle_dies():
+    """A tensor exported by pointer has an export-table slot held by its
+    handles: once the last IPCMemoryHandle is gone the old bytes are refused,
+    also after the caching allocator hands the same memory to a new tensor
+    (before, a stale handle opened the new tensor's data)."""
+    torch = pytest.importorskip("torch")
+    import gc
+    t = torch.full((1 << 20,), 7, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    ptr = t.data_ptr()
+    h = IPCMemoryHandle(t)
+    raw = h.to_bytes()
+    opener = """
+        try:
+            m = IPCMemoryHandle.open(raw, usmipc.Device("cuda:gpu:0"), nbytes=16)
+            print("opened", m.copy_to_host()[0])
+        except usmipc.Error as e:
+            print("refused", e.name)
+    """
+    assert "opened 7" in check(child(opener, raw))
+    del h
+    gc.collect()
+    assert "refused USMIPC_EEXPORTERGONE" in check(child(opener, raw))
+    del t
+    u = torch.full((1 << 20,), 9, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    reused = u.data_ptr() == ptr
+    assert "refused USMIPC_EEXPORTERGONE" in check(child(opener, raw))
+    # A new handle of the new tensor works.
+    h2 = IPCMemoryHandle(u)
+    assert "opened 9" in check(child(opener, h2.to_bytes()))
+    print("address reused by the new tensor:", reused)
+
+
+def _device_used_bytes():
+    free, total = GPU_MEM_INFO()
+    return total - free
+
+
+def GPU_MEM_INFO():
+    cupy = pytest.importorskip("cupy")
+    return cupy.cuda.runtime.memGetInfo()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["drop-on-free", "byte-cap"])
+def test_streamed_1gib_buffers_do_not_pin_device_memory(kind, mode):
+    """A producer streams 40 fresh 1 GiB buffers (allocate, export, the
+    consumer opens, reads, closes, the producer frees). The consumer's idle
+    cache must not keep freed device memory: device memory in use stays
+    within two buffers of the start. drop-on-free: the byte cap is set above
+    the stream's total, so only dropping the mappings of freed allocations
+    can hold it; byte-cap: dropping is off and a 2 GiB cap alone holds it."""
+    import gc
+    gib = 1 << 30
+    env = {"USMIPC_IPC_CACHE_SIZE": "1000"}
+    if mode == "drop-on-free":
+        env["USMIPC_IPC_CACHE_BYTES"] = str(1 << 40)
+    else:
+        env["USMIPC_IPC_CACHE_DROP_FREED"] = "0"
+        env["USMIPC_IPC_CACHE_BYTES"] = str(2 * gib)
+    consumer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import sys, usmipc, usmipc.memory
+            from usmipc.memory import IPCMemoryHandle
+            dev = usmipc.Device("cuda:gpu:0")
+            usmipc.memory.MemoryUSMDevice(4096, device=dev).memset(0)  # context up
+            print("ready", flush=True)
+            for line in sys.stdin:
+                m = IPCMemoryHandle.open(bytes.fromhex(line.strip()), dev, nbytes=16)
+                first = m.copy_to_host()[0]
+                IPCMemoryHandle.close_mapping(m)
+                print(first, flush=True)
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, **env))
+    try:
+        assert consumer.stdout.readline().strip() == "ready"
+        gc.collect()
+        base = _device_used_bytes()
+        worst = 0
+        for i in range(40):
+            mem = device_mem(gib, kind)
+            mem.memset(i + 1)
+            consumer.stdin.write(IPCMemoryHandle(mem).to_bytes().hex() + "\n")
+            consumer.stdin.flush()
+            assert consumer.stdout.readline().strip() == str(i + 1)
+            del mem
+            gc.collect()
+            worst = max(worst, _device_used_bytes() - base)
+        print(f"{kind} {mode}: worst extra device memory {worst / gib:.2f} GiB")
+        assert worst <= 2 * gib + (256 << 20), f"{worst / gib:.2f} GiB pinned"
+    finally:
+        consumer.stdin.close()
+        consumer.wait(timeout=60)
