@@ -725,10 +725,12 @@ static int broker_connect(const usmipc__wire_t *w, uint64_t deadline, int *out,
   } else {
     return usmipc__fail(
         USMIPC_ENAMESPACE,
-        "the exporting process %u is in another network namespace%s than "
-        "this process (another container, or unshare -n), where its socket "
-        "cannot be reached: %s",
-        w->pid, same_pid ? "" : " and PID namespace",
+        "the exporting process %u is in another %s than this process "
+        "(another container, or unshare), from where its socket cannot be "
+        "reached: %s",
+        w->pid,
+        same_pid ? "network namespace"
+                 : "network namespace and another PID namespace",
         (w->flags & USMIPC__WIRE_FLAG_SOCKET_DIR)
             ? "set USMIPC_SOCKET_DIR here to the directory the exporter "
               "listens in (as this process sees it)"

@@ -2,12 +2,16 @@
  * (one line in, one line out; the protocol is in task.h). Tests start two
  * agents to play exporter and importer, or one to face the test process. */
 #include <errno.h>
+#include <fcntl.h>
 #include <grp.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "task.h"
@@ -115,6 +119,121 @@ static void slot_reset(slot_t *s) {
   memset(s, 0, sizeof(*s));
 }
 
+/* "open" and "topen": the latter also reports how long usmipc_ipc_open took,
+ * measured here, in microseconds (on failure appended to the message). */
+static void do_open(slot_t *s, const char *hex, const char *nbytes_arg,
+                    int timed) {
+  uint8_t data[4096];
+  ssize_t len = hex ? hex_decode(hex, data, sizeof(data)) : -1;
+  size_t nbytes = (size_t)strtoull(nbytes_arg ? nbytes_arg : "0", NULL, 10);
+  if (len < 0) {
+    reply_err(USMIPC_EINVAL, "bad hex");
+    return;
+  }
+  usmipc_ipc_handle_info_t info;
+  uint64_t origin = 0;
+  if (usmipc_ipc_handle_inspect(data, (size_t)len, &info) == 0)
+    origin = info.offset;
+  void *p = NULL;
+  size_t mapped = 0;
+  double t0 = now_seconds();
+  int r = usmipc_ipc_open(data, (size_t)len, NULL, nbytes, &p, &mapped);
+  long long usec = (long long)((now_seconds() - t0) * 1e6);
+  if (r) {
+    if (timed) {
+      char msg[1024];
+      snprintf(msg, sizeof(msg), "%s [after %lld us]", usmipc_last_error(),
+               usec);
+      reply_err(r, msg);
+    } else {
+      reply_usmipc_err(r);
+    }
+    return;
+  }
+  slot_reset(s);
+  s->ptr = p;
+  s->size = mapped;
+  s->origin = origin;
+  if (timed)
+    reply_ok("%p %zu %lld", p, mapped, usec);
+  else
+    reply_ok("%p %zu", p, mapped);
+}
+
+/* The fields of the first handle a slot exported (for commands that act on
+ * the agent's own descriptors the way a buggy or hostile exporter would). */
+static int slot_handle_fields(slot_t *s, trust_handle_fields_t *f) {
+  const void *data;
+  size_t len;
+  for (int i = 0; i < AGENT_HANDLES; i++)
+    if (s->handles[i] != NULL &&
+        usmipc_ipc_handle_data(s->handles[i], &data, &len) == 0)
+      return trust_handle_fields(data, len, f);
+  reply_err(USMIPC_EINVAL, "the slot has exported nothing");
+  return -1;
+}
+
+/* fifo S table|data rd|rdwr: puts a FIFO (opened O_RDONLY or O_RDWR, both
+ * O_NONBLOCK) at the descriptor number that the slot's handle names for the
+ * export table or for the allocation, as an exporter that closed and reused
+ * the number would. The FIFO's name is unlinked at once. */
+static void do_fifo(slot_t *s, const char *which, const char *mode) {
+  trust_handle_fields_t f;
+  if (which == NULL || mode == NULL ||
+      (strcmp(which, "table") != 0 && strcmp(which, "data") != 0) ||
+      (strcmp(mode, "rd") != 0 && strcmp(mode, "rdwr") != 0)) {
+    reply_err(USMIPC_EINVAL, "usage: fifo S table|data rd|rdwr");
+    return;
+  }
+  if (slot_handle_fields(s, &f) != 0)
+    return;
+  int target = (int)(which[0] == 't' ? f.table_fd_number : f.fd_number);
+  char dir[] = "/tmp/usmipc-fifo-XXXXXX", path[64];
+  if (mkdtemp(dir) == NULL) {
+    reply_err(-errno, strerror(errno));
+    return;
+  }
+  snprintf(path, sizeof(path), "%s/fifo", dir);
+  int fd = -1, e = 0;
+  if (mkfifo(path, 0600) != 0 ||
+      (fd = open(path, (mode[2] == 'w' ? O_RDWR : O_RDONLY) | O_NONBLOCK)) <
+          0 ||
+      dup2(fd, target) < 0)
+    e = errno;
+  if (fd >= 0 && fd != target)
+    close(fd);
+  unlink(path);
+  rmdir(dir);
+  if (e != 0)
+    reply_err(-e, strerror(e));
+  else
+    reply_ok("%d", target);
+}
+
+/* nofile N | nofile +K: sets the soft RLIMIT_NOFILE to N, or to the number
+ * of descriptors open now plus K. */
+static void do_nofile(const char *arg) {
+  size_t open_now = count_fds();
+  if (arg == NULL) {
+    reply_err(USMIPC_EINVAL, "usage: nofile N|+K");
+    return;
+  }
+  rlim_t limit = arg[0] == '+'
+                     ? (rlim_t)(open_now + strtoull(arg + 1, NULL, 10))
+                     : (rlim_t)strtoull(arg, NULL, 10);
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) {
+    reply_err(-errno, strerror(errno));
+    return;
+  }
+  rl.rlim_cur = limit;
+  if (setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+    reply_err(-errno, strerror(errno));
+    return;
+  }
+  reply_ok("%llu %zu", (unsigned long long)limit, open_now);
+}
+
 static void do_command(char *line) {
   char *save = NULL;
   char *cmd = strtok_r(line, " \n", &save);
@@ -140,6 +259,16 @@ static void do_command(char *line) {
     /* Changing credentials clears the parent-death signal: set it again. */
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     reply_ok("%d", (int)getuid());
+  } else if (strcmp(cmd, "unshare") == 0) {
+    if (a1 == NULL || strcmp(a1, "net") != 0) {
+      reply_err(USMIPC_EINVAL, "usage: unshare net");
+    } else if (unshare(CLONE_NEWNET) != 0) {
+      reply_err(-errno, strerror(errno));
+    } else {
+      reply_ok(NULL);
+    }
+  } else if (strcmp(cmd, "nofile") == 0) {
+    do_nofile(a1);
   } else if (strcmp(cmd, "cache") == 0) {
     r = usmipc_ipc_set_cache_size((size_t)strtoull(a1 ? a1 : "0", NULL, 10));
     if (r)
@@ -217,30 +346,8 @@ static void do_command(char *line) {
     } else if (strcmp(cmd, "freehandle") == 0) {
       drop_handles(s);
       reply_ok(NULL);
-    } else if (strcmp(cmd, "open") == 0) {
-      uint8_t data[4096];
-      ssize_t len = a2 ? hex_decode(a2, data, sizeof(data)) : -1;
-      size_t nbytes = (size_t)strtoull(a3 ? a3 : "0", NULL, 10);
-      if (len < 0) {
-        reply_err(USMIPC_EINVAL, "bad hex");
-        return;
-      }
-      usmipc_ipc_handle_info_t info;
-      uint64_t origin = 0;
-      if (usmipc_ipc_handle_inspect(data, (size_t)len, &info) == 0)
-        origin = info.offset;
-      void *p = NULL;
-      size_t mapped = 0;
-      r = usmipc_ipc_open(data, (size_t)len, NULL, nbytes, &p, &mapped);
-      if (r) {
-        reply_usmipc_err(r);
-        return;
-      }
-      slot_reset(s);
-      s->ptr = p;
-      s->size = mapped;
-      s->origin = origin;
-      reply_ok("%p %zu", p, mapped);
+    } else if (strcmp(cmd, "open") == 0 || strcmp(cmd, "topen") == 0) {
+      do_open(s, a2, a3, cmd[0] == 't');
     } else if (strcmp(cmd, "close") == 0) {
       r = usmipc_ipc_close(s->ptr);
       if (r)
@@ -260,6 +367,32 @@ static void do_command(char *line) {
         reply_usmipc_err(r);
       else
         reply_ok(NULL);
+    } else if (strcmp(cmd, "memset") == 0) {
+      int byte = (int)strtol(a2 ? a2 : "0", NULL, 10);
+      if (s->ptr == NULL) {
+        reply_err(USMIPC_EINVAL, "empty slot");
+      } else if (test_device_is_host()) {
+        memset(s->ptr, byte, s->size); /* touches every page */
+        reply_ok(NULL);
+      } else if ((queue != NULL ||
+                  (r = usmipc_queue_create(test_device(), &queue)) == 0) &&
+                 (r = usmipc_memset(queue, s->ptr, byte, s->size)) == 0 &&
+                 (r = usmipc_queue_synchronize(queue)) == 0) {
+        reply_ok(NULL);
+      } else {
+        reply_usmipc_err(r);
+      }
+    } else if (strcmp(cmd, "truncate") == 0) {
+      trust_handle_fields_t f;
+      off_t len = (off_t)strtoll(a2 ? a2 : "0", NULL, 10);
+      if (slot_handle_fields(s, &f) != 0)
+        return;
+      if (ftruncate((int)f.fd_number, len) != 0)
+        reply_err(-errno, strerror(errno));
+      else
+        reply_ok("%u", f.fd_number);
+    } else if (strcmp(cmd, "fifo") == 0) {
+      do_fifo(s, a2, a3);
     } else if (strcmp(cmd, "query") == 0) {
       usmipc_pointer_info_t info;
       r = usmipc_pointer_query(s->ptr, &info);

@@ -206,6 +206,21 @@ int exit_code_of(int status);
  *   setuid UID              -> ok                  (drops root: gid, uid)
  *   pid                     -> ok PID
  *   exit                    -> (exits 0)
+ * Commands of the trust tests (test_trust.c):
+ *   topen S HEX NBYTES      -> ok PTR MAPPED USEC  (open, timed in the agent;
+ *                              a failure's message ends "[after USEC us]")
+ *   memset S BYTE           -> ok                  (the whole slot: every
+ *                                                   page really allocated)
+ *   truncate S LEN          -> ok FD | err -ERRNO  (ftruncate(2) of the
+ *                              slot's own allocation descriptor, the fd
+ *                              number its first handle names)
+ *   fifo S table|data rd|rdwr -> ok FD             (dup2 a FIFO, opened
+ *                              O_RDONLY or O_RDWR with O_NONBLOCK, onto the
+ *                              export table's or the allocation's fd number
+ *                              of the slot's first handle)
+ *   nofile N | nofile +K    -> ok LIMIT OPEN       (soft RLIMIT_NOFILE to N,
+ *                              or to the open descriptors + K)
+ *   unshare net             -> ok                  (unshare(CLONE_NEWNET))
  * Any failure of a usmipc call replies "err CODE NAME message". */
 /* Room for one reply line, and for a handle as hex. */
 #define AGENT_REPLY_MAX 8192
@@ -253,5 +268,21 @@ void agent_stop_ok(agent_t *a);
 void agent_kill(agent_t *a);
 /* Parses the hex pointer at the start of a->reply. */
 void *agent_reply_ptr(const agent_t *a);
+
+/* ---- handle fields (test_trust.c) ------------------------------------------
+ * What the trust tests and the agent's trust commands read from handle
+ * bytes. trust_handle_fields is the one function of the suite outside
+ * test_handle.c that touches the library's internal wire struct. */
+typedef struct trust_handle_fields {
+  uint32_t pid;
+  uint64_t nonce;
+  uint64_t buffer_id;
+  uint64_t allocation_size;
+  uint32_t fd_number;       /* the allocation's descriptor in the exporter */
+  uint32_t table_fd_number; /* the export table's descriptor there */
+  uint32_t export_slot;
+} trust_handle_fields_t;
+/* 0, or the decoder's code. */
+int trust_handle_fields(const void *data, size_t len, trust_handle_fields_t *f);
 
 #endif /* USMIPC_TEST_TASK_H */

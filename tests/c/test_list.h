@@ -68,7 +68,28 @@
   X(handle_range_overflow)                                                     \
   X(handle_null_and_empty)                                                     \
   X(handle_extension_records)                                                  \
-  X(mac_blake2s_vectors)
+  X(mac_blake2s_vectors)                                                       \
+  X(trust_fork_storm)                                                          \
+  X(trust_squatter_after_exit)                                                 \
+  X(trust_squatter_after_sigkill)                                              \
+  X(trust_other_uid_exporter)                                                  \
+  X(trust_broker_stall)                                                        \
+  X(trust_signal_deadline)                                                     \
+  X(trust_interrupt_handler)                                                   \
+  X(trust_cache_reopen_after_free)                                             \
+  X(trust_cache_reopen_after_sigkill)                                          \
+  X(trust_open_again_while_mapped_after_free)                                  \
+  X(trust_procfd_fifo)                                                         \
+  X(trust_procfd_fifo_data)                                                    \
+  X(trust_netns_message)                                                       \
+  X(trust_pidns_message)                                                       \
+  X(trust_container_socket_dir)                                                \
+  X(trust_container_socket_dir_machine_id)                                     \
+  X(trust_container_socket_dir_userns)                                         \
+  X(trust_fd_limit_code)                                                       \
+  X(trust_idle_cache_drop_freed)                                               \
+  X(trust_idle_cache_byte_cap)                                                 \
+  X(trust_sealed_memfd)
 
 #define HELPER_LIST(X) X(agent)
 
