@@ -213,11 +213,13 @@ static void do_fifo(slot_t *s, const char *which, const char *mode) {
 /* nofile N | nofile +K: sets the soft RLIMIT_NOFILE to N, or to the number
  * of descriptors open now plus K. */
 static void do_nofile(const char *arg) {
-  size_t open_now = count_fds();
   if (arg == NULL) {
     reply_err(USMIPC_EINVAL, "usage: nofile N|+K");
     return;
   }
+  /* Counting needs a descriptor: only for "+K" (an absolute N also works
+   * when every descriptor is taken, to restore the limit). */
+  size_t open_now = arg[0] == '+' ? count_fds() : 0;
   rlim_t limit = arg[0] == '+'
                      ? (rlim_t)(open_now + strtoull(arg + 1, NULL, 10))
                      : (rlim_t)strtoull(arg, NULL, 10);
