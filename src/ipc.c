@@ -460,8 +460,8 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
     w.fd_number = r->fd_number;
     w.fd_dev = r->fd_dev;
     w.fd_ino = r->fd_ino;
-    memcpy(w.token, r->token, 16);
   }
+  memcpy(w.token, r->token, 16); /* every export has one (its slot's tag) */
   if (usmipc__fdxfer_socket_dir())
     w.flags |= USMIPC__WIRE_FLAG_SOCKET_DIR;
   w.payload = r->payload;

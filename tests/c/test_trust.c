@@ -916,6 +916,9 @@ static void stall_phase(const char *hex, const char *name, uid_t uid, int *rc,
 
   agent_t im;
   agent_start(&im, "socket");
+  /* Probe the devices first (on a GPU machine the first call of a process
+   * loads the drivers, tens of milliseconds): only the open is timed. */
+  AGENT_OK(&im, "alloc 9 host 4096");
   *rc = agent_topen(&im, hex, usec);
   snprintf(msg, msg_cap, "%.900s", *rc ? im.reply : "opened");
   if (*rc == 0)
