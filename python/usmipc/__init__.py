@@ -18,12 +18,15 @@ from usmipc._usmipc import (
     VERSION_HEX,
     Device,
     Error,
+    IPCTimeoutError,
     Queue,
     __version__,
     backends,
     errorcode,
     get_devices,
+    set_ipc_cache_bytes,
     set_ipc_cache_size,
+    set_ipc_timeout,
     strerror,
 )
 
@@ -46,13 +49,16 @@ globals().update({name: getattr(_usmipc, name)
 __all__ = [
     "Device",
     "Error",
+    "IPCTimeoutError",
     "Queue",
     "__version__",
     "backends",
     "errorcode",
     "get_devices",
     "memory",
+    "set_ipc_cache_bytes",
     "set_ipc_cache_size",
+    "set_ipc_timeout",
     "strerror",
     *_usmipc.errorcode.values(),
 ]

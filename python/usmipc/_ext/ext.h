@@ -30,7 +30,8 @@ typedef struct usmipc_device_slot {
 } usmipc_device_slot_t;
 
 typedef struct usmipc_module_state {
-  PyObject *Error; /* usmipc.Error, a RuntimeError */
+  PyObject *Error;        /* usmipc.Error, a RuntimeError */
+  PyObject *TimeoutError; /* usmipc.IPCTimeoutError(Error, TimeoutError) */
   PyTypeObject *DeviceType;
   PyTypeObject *QueueType;
   PyTypeObject *MemoryType; /* usmipc.memory._Memory, the base */
@@ -56,7 +57,10 @@ usmipc_module_state_t *usmipc_state_from_type(PyTypeObject *type);
 /* Raises the Python exception for a failed usmipc call that returned code,
  * with usmipc_last_error() as the message (so call it right after the
  * failing call, on the same thread, before any other usmipc call). The
- * exception carries .code (int) and .name ("USMIPC_EINVAL"). Returns NULL. */
+ * exception carries .code (int) and .name ("USMIPC_EINVAL"). Returns NULL.
+ * For USMIPC_EINTR with an exception already pending (the one a signal
+ * handler raised from the interrupt hook: KeyboardInterrupt) it raises
+ * nothing new and leaves that exception to propagate. */
 PyObject *usmipc_raise(usmipc_module_state_t *st, int code);
 /* The same with a message of the extension's own. */
 PyObject *usmipc_raise_msg(usmipc_module_state_t *st, int code,

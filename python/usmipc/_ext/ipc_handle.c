@@ -411,6 +411,20 @@ static PyObject *handle_open(PyObject *cls, PyTypeObject *defining_class,
   if (have_view) {
     PyBuffer_Release(&view);
   }
+  /* The open may wait on the exporting process; the interrupt hook
+   * (module.c) runs signal handlers meanwhile. If one raised (Ctrl-C), the
+   * core gave up with USMIPC_EINTR and that exception, KeyboardInterrupt,
+   * is pending on this thread: propagate it rather than a usmipc.Error. */
+  if (rc == USMIPC_EINTR && PyErr_Occurred()) {
+    Py_XDECREF(device_obj);
+    return NULL;
+  }
+  if (rc == 0 && PyErr_Occurred()) {
+    /* A handler raised but the open completed anyway: the exception wins,
+     * and the mapping must not leak. */
+    Py_XDECREF(device_obj);
+    goto fail;
+  }
   if (rc < 0) {
     Py_XDECREF(device_obj);
     return query_failed ? usmipc_raise_msg(st, rc, query_message)

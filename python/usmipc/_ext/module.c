@@ -1,8 +1,13 @@
 /* usmipc._usmipc: module initialization (PEP 489 multi-phase), module state,
- * the mapping of usmipc error codes to Python exceptions, and the module
- * functions get_devices(), backends() and set_ipc_cache_size(). */
+ * the mapping of usmipc error codes to Python exceptions, the interrupt hook
+ * that lets Ctrl-C end an open waiting on another process, and the module
+ * functions get_devices(), backends(), set_ipc_cache_size(),
+ * set_ipc_cache_bytes() and set_ipc_timeout(). */
 #include "ext.h"
 
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
 #include <string.h>
 
 /* ---- module state lookup ------------------------------------------------- */
@@ -40,7 +45,14 @@ static PyObject *exception_type_for(usmipc_module_state_t *st, int code) {
     return PyExc_TypeError;
   case USMIPC_ENOMEM:
     return PyExc_MemoryError;
+  case USMIPC_ETIMEDOUT:
+    /* usmipc.IPCTimeoutError: both a usmipc.Error and a TimeoutError, so
+     * that code catching either (or OSError with errno ETIMEDOUT) sees it. */
+    return st->TimeoutError;
   default:
+    /* Also USMIPC_EINTR without a pending exception, USMIPC_EMFILE,
+     * USMIPC_ENAMESPACE and USMIPC_EUNTRUSTED: runtime conditions, told
+     * apart by .code / .name. */
     return st->Error;
   }
 }
@@ -77,12 +89,29 @@ static PyObject *raise_with(usmipc_module_state_t *st, int code,
   Py_DECREF(code_obj);
   Py_DECREF(name_obj);
   Py_DECREF(native_obj);
+  if (code == USMIPC_ETIMEDOUT && PyObject_IsSubclass(type, PyExc_OSError)) {
+    /* As an OSError it says errno ETIMEDOUT (str() stays the message). */
+    PyObject *errno_obj = PyLong_FromLong(ETIMEDOUT);
+    if (errno_obj == NULL ||
+        PyObject_SetAttrString(exc, "errno", errno_obj) < 0) {
+      Py_XDECREF(errno_obj);
+      Py_DECREF(exc);
+      return NULL;
+    }
+    Py_DECREF(errno_obj);
+  }
   PyErr_SetObject(type, exc);
   Py_DECREF(exc);
   return NULL;
 }
 
 PyObject *usmipc_raise(usmipc_module_state_t *st, int code) {
+  if (code == USMIPC_EINTR && PyErr_Occurred()) {
+    /* The interrupt hook ran a signal handler that raised (Ctrl-C:
+     * KeyboardInterrupt) and so abandoned the call: that exception, left
+     * pending on this thread, is the one to propagate. */
+    return NULL;
+  }
   /* Both are thread-local in the core and valid until the next usmipc call
    * on this thread; nothing below calls into usmipc before they are used. */
   const char *message = usmipc_last_error();
@@ -306,6 +335,69 @@ static PyObject *set_ipc_cache_size(PyObject *module, PyObject *arg) {
   Py_RETURN_NONE;
 }
 
+static PyObject *set_ipc_cache_bytes(PyObject *module, PyObject *arg) {
+  usmipc_module_state_t *st = PyModule_GetState(module);
+  PyObject *index = PyNumber_Index(arg);
+  if (index == NULL) {
+    return NULL;
+  }
+  PyObject *zero = PyLong_FromLong(0);
+  int negative =
+      zero == NULL ? -1 : PyObject_RichCompareBool(index, zero, Py_LT);
+  Py_XDECREF(zero);
+  if (negative != 0) {
+    if (negative > 0) {
+      PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, not %R", index);
+    }
+    Py_DECREF(index);
+    return NULL;
+  }
+  size_t nbytes = PyLong_AsSize_t(index); /* OverflowError past SIZE_MAX */
+  Py_DECREF(index);
+  if (nbytes == (size_t)-1 && PyErr_Occurred()) {
+    return NULL;
+  }
+  int rc = usmipc_ipc_set_cache_bytes(nbytes);
+  if (rc < 0) {
+    return usmipc_raise(st, rc);
+  }
+  Py_RETURN_NONE;
+}
+
+static PyObject *set_ipc_timeout(PyObject *module, PyObject *arg) {
+  usmipc_module_state_t *st = PyModule_GetState(module);
+  double seconds = PyFloat_AsDouble(arg); /* any real number */
+  if (seconds == -1.0 && PyErr_Occurred()) {
+    return NULL;
+  }
+  if (isnan(seconds) || seconds < 0.0) {
+    PyErr_Format(PyExc_ValueError,
+                 "timeout must be >= 0 seconds (0 restores the default), "
+                 "not %R",
+                 arg);
+    return NULL;
+  }
+  /* Whole milliseconds, rounded up (the 1e-6 forgives float noise such as
+   * 16.1 * 1000 == 16100.000000000002); a positive timeout never becomes 0,
+   * which would mean the default. */
+  double ms = ceil(seconds * 1000.0 - 1e-6);
+  if (ms > (double)UINT_MAX) {
+    PyErr_Format(PyExc_ValueError,
+                 "timeout must be at most %u.%03u seconds, not %R",
+                 UINT_MAX / 1000u, UINT_MAX % 1000u, arg);
+    return NULL;
+  }
+  unsigned timeout_ms = (unsigned)ms;
+  if (seconds > 0.0 && timeout_ms == 0) {
+    timeout_ms = 1;
+  }
+  int rc = usmipc_ipc_set_timeout(timeout_ms);
+  if (rc < 0) {
+    return usmipc_raise(st, rc);
+  }
+  Py_RETURN_NONE;
+}
+
 static PyObject *strerror_(PyObject *module, PyObject *arg) {
   (void)module;
   long code = PyLong_AsLong(arg);
@@ -359,6 +451,23 @@ static PyMethodDef module_methods[] = {
      "set_ipc_cache_size(entries)\n\n"
      "How many closed IPC mappings this process keeps for cheap re-opens\n"
      "(default 64, or USMIPC_IPC_CACHE_SIZE); 0 unmaps on the last close."},
+    {"set_ipc_cache_bytes", set_ipc_cache_bytes, METH_O,
+     "set_ipc_cache_bytes(nbytes)\n\n"
+     "At most how many bytes of closed IPC mappings this process keeps\n"
+     "(default 1 GiB, or USMIPC_IPC_CACHE_BYTES): an idle mapping pins\n"
+     "memory its exporter may have freed. 0 unmaps on the last close.\n"
+     "Applies together with set_ipc_cache_size(); lowering it unmaps the\n"
+     "least recently used idle mappings at once."},
+    {"set_ipc_timeout", set_ipc_timeout, METH_O,
+     "set_ipc_timeout(seconds)\n\n"
+     "How long one IPCMemoryHandle.open() may wait for the exporting\n"
+     "process (connecting to it, its answer), in seconds (a float; rounded\n"
+     "up to whole milliseconds). Every wait of one open shares a single\n"
+     "deadline, which signals do not extend; past it the open raises\n"
+     "usmipc.IPCTimeoutError (a usmipc.Error and a TimeoutError, code\n"
+     "USMIPC_ETIMEDOUT). 0 restores the default (5 s, or\n"
+     "USMIPC_IPC_TIMEOUT_MS); negative values raise ValueError. Ctrl-C\n"
+     "interrupts a waiting open (KeyboardInterrupt) whatever the timeout."},
     {"_pointer_query", pointer_query, METH_O,
      "_pointer_query(address) -> dict\n\n"
      "What usmipc knows of an address (device, kind, base, size, "
@@ -368,6 +477,65 @@ static PyMethodDef module_methods[] = {
      "strerror(code) -> str: the description of a usmipc error code."},
     {NULL, NULL, 0, NULL},
 };
+
+/* ---- the interrupt hook -------------------------------------------------- */
+
+/* usmipc_ipc_open calls the hook, without the GIL, when a signal interrupts
+ * one of its waits and at least every 50 ms while it waits. The hook runs
+ * the Python signal handlers (PyErr_CheckSignals does so only in the main
+ * thread of the main interpreter; elsewhere it returns 0): if one raised,
+ * KeyboardInterrupt for SIGINT, the exception stays pending on this thread
+ * and the nonzero return abandons the open with USMIPC_EINTR, which
+ * usmipc_raise turns into that exception.
+ *
+ * From the atexit callback on, the hook no longer touches the interpreter:
+ * in a daemon thread still waiting while the interpreter finalizes,
+ * PyGILState_Ensure would end the thread (pthread_exit) inside the C core.
+ * The hook is process-wide (the core has one); the extension is never
+ * unloaded, so the pointer stays valid after the module dies. */
+static int interrupt_hook_off;
+
+static int interrupt_hook(void *arg) {
+  (void)arg;
+  if (__atomic_load_n(&interrupt_hook_off, __ATOMIC_ACQUIRE)) {
+    return 0;
+  }
+  PyGILState_STATE gil = PyGILState_Ensure();
+  int r = PyErr_CheckSignals();
+  PyGILState_Release(gil);
+  return r != 0;
+}
+
+static PyObject *interrupt_hook_at_exit(PyObject *self,
+                                        PyObject *Py_UNUSED(ignored)) {
+  (void)self;
+  __atomic_store_n(&interrupt_hook_off, 1, __ATOMIC_RELEASE);
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef interrupt_hook_at_exit_def = {
+    "_usmipc_interrupt_hook_off", interrupt_hook_at_exit, METH_NOARGS,
+    "Stops usmipc's interrupt hook from entering the interpreter "
+    "(registered with atexit)."};
+
+static int install_interrupt_hook(void) {
+  PyObject *atexit = PyImport_ImportModule("atexit");
+  if (atexit == NULL) {
+    return -1;
+  }
+  PyObject *fn = PyCFunction_New(&interrupt_hook_at_exit_def, NULL);
+  PyObject *r =
+      fn == NULL ? NULL : PyObject_CallMethod(atexit, "register", "O", fn);
+  Py_XDECREF(fn);
+  Py_DECREF(atexit);
+  if (r == NULL) {
+    return -1;
+  }
+  Py_DECREF(r);
+  __atomic_store_n(&interrupt_hook_off, 0, __ATOMIC_RELEASE);
+  usmipc_set_interrupt_handler(interrupt_hook, NULL);
+  return 0;
+}
 
 /* ---- module lifecycle ---------------------------------------------------- */
 
@@ -416,7 +584,25 @@ static int create_error(PyObject *module, usmipc_module_state_t *st) {
   if (st->Error == NULL) {
     return -1;
   }
-  return PyModule_AddObjectRef(module, "Error", st->Error);
+  if (PyModule_AddObjectRef(module, "Error", st->Error) < 0) {
+    return -1;
+  }
+  PyObject *bases = PyTuple_Pack(2, st->Error, PyExc_TimeoutError);
+  if (bases == NULL) {
+    return -1;
+  }
+  st->TimeoutError = PyErr_NewExceptionWithDoc(
+      "usmipc.IPCTimeoutError",
+      "An open waited for the exporting process past its deadline\n"
+      "(USMIPC_ETIMEDOUT; usmipc.set_ipc_timeout()): the exporter is\n"
+      "stopped, stalled or overloaded. Both a usmipc.Error (.code, .name)\n"
+      "and a TimeoutError (an OSError with errno ETIMEDOUT).",
+      bases, NULL);
+  Py_DECREF(bases);
+  if (st->TimeoutError == NULL) {
+    return -1;
+  }
+  return PyModule_AddObjectRef(module, "IPCTimeoutError", st->TimeoutError);
 }
 
 static int usmipc_exec(PyObject *module) {
@@ -438,7 +624,7 @@ static int usmipc_exec(PyObject *module) {
       usmipc_init_queue_type(module, st) < 0 ||
       usmipc_init_memory_types(module, st) < 0 ||
       usmipc_init_ipc_handle_type(module, st) < 0 ||
-      add_error_codes(module) < 0) {
+      add_error_codes(module) < 0 || install_interrupt_hook() < 0) {
     return -1;
   }
   if (PyModule_AddStringConstant(module, "__version__",
@@ -458,6 +644,7 @@ static int usmipc_traverse(PyObject *module, visitproc visit, void *arg) {
     return 0;
   }
   Py_VISIT(st->Error);
+  Py_VISIT(st->TimeoutError);
   Py_VISIT(st->DeviceType);
   Py_VISIT(st->QueueType);
   Py_VISIT(st->MemoryType);
@@ -487,6 +674,7 @@ static int usmipc_clear(PyObject *module) {
   }
   st->nslots = 0;
   Py_CLEAR(st->Error);
+  Py_CLEAR(st->TimeoutError);
   Py_CLEAR(st->IPCMemoryHandleType);
   Py_CLEAR(st->MemoryIPCDeviceType);
   Py_CLEAR(st->MemoryUSMSharedType);
