@@ -754,7 +754,15 @@ PyDoc_STRVAR(handle_doc,
              "the memory alive (a DLPack tensor's deleter runs when the\n"
              "handle dies). Raises TypeError for other memory kinds and objects, "
              "ValueError\nfor strided arrays, usmipc.Error if the device does "
-             "not support IPC.");
+             "not support IPC.\n\n"
+             "Security: the bytes are a capability for the whole allocation, "
+             "not only\nfor [offset, offset + nbytes): a holder can edit "
+             "those fields and open\nall of it. Share separate allocations "
+             "with consumers that must not see\neach other's data. Only "
+             "processes of the exporter's user can open the\nhandle. Another "
+             "library's tensor stays exported while a handle of it\nlives: "
+             "once the last one dies, its bytes are refused everywhere\n"
+             "(docs/security.md).");
 
 static PyType_Slot handle_slots[] = {
     {Py_tp_doc, (void *)handle_doc},
