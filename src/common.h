@@ -192,11 +192,13 @@ int usmipc__foreign_query_unlocked(const void *ptr, usmipc__allocation_t *alloc,
 #define USMIPC__WIRE_VERSION 2
 #define USMIPC__WIRE_FIXED_LEN 212 /* bytes before the payload */
 #define USMIPC__WIRE_EXT_MAX 1024  /* bytes of extension records at most */
-#define USMIPC__NO_SLOT UINT32_MAX /* the allocation has no export-table slot  \
-                                    */
+#define USMIPC__NO_SLOT                                                        \
+  UINT32_MAX /* the allocation has no export-table slot                        \
+              */
 /* flags */
-#define USMIPC__WIRE_FLAG_FD 0x1u /* an fd must be fetched from the exporter   \
-                                   */
+#define USMIPC__WIRE_FLAG_FD                                                   \
+  0x1u /* an fd must be fetched from the exporter                              \
+        */
 #define USMIPC__WIRE_FLAG_REOPENABLE                                           \
   0x2u /* that fd is a memfd, which /proc/<pid>/fd can reopen */
 #define USMIPC__WIRE_FLAG_SOCKET_DIR                                           \

@@ -65,9 +65,9 @@ static const helper_entry_t helpers[] = {
  * longer CTest TIMEOUT; they raise their own alarm): run_all waits up to
  * SLOW_TEST_TIMEOUT for them. */
 #define SLOW_TEST_TIMEOUT 300
-static const char *const slow_tests[] = {
-    "trust_fork_storm", "trust_idle_cache_drop_freed",
-    "trust_idle_cache_byte_cap"};
+static const char *const slow_tests[] = {"trust_fork_storm",
+                                         "trust_idle_cache_drop_freed",
+                                         "trust_idle_cache_byte_cap"};
 
 static int is_slow(const char *name) {
   for (size_t i = 0; i < sizeof(slow_tests) / sizeof(slow_tests[0]); i++)
