@@ -37,6 +37,7 @@
  * USMIPC_FD_TRANSPORT picks: "auto" (default: pidfd, then /proc, then the
  * broker), "socket", "pidfd" or "procfd".
  */
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <semaphore.h>
@@ -445,6 +446,39 @@ static void unlink_dir_socket(void) {
 }
 static void register_unlink_at_exit(void) { atexit(unlink_dir_socket); }
 
+/* A killed exporter leaves its socket file behind. Each new broker removes
+ * the ones of its user that nothing listens on any more (connect refused):
+ * the directory holds about as many files as live exporters. */
+static void remove_stale_sockets(const char *dir) {
+  DIR *d = opendir(dir);
+  if (d == NULL)
+    return;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    size_t n = strlen(e->d_name);
+    if (strncmp(e->d_name, "usmipc.", 7) != 0 || n < 12 ||
+        strcmp(e->d_name + n - 5, ".sock") != 0)
+      continue;
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    int len =
+        snprintf(addr.sun_path, sizeof(addr.sun_path), "%s/%s", dir, e->d_name);
+    struct stat st;
+    if (len < 0 || (size_t)len >= sizeof(addr.sun_path) ||
+        lstat(addr.sun_path, &st) != 0 || !S_ISSOCK(st.st_mode) ||
+        st.st_uid != usmipc__self()->uid ||
+        strcmp(addr.sun_path, dir_socket_path) == 0)
+      continue;
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (s < 0)
+      break;
+    if (connect(s, (struct sockaddr *)&addr, sizeof(addr)) != 0 &&
+        errno == ECONNREFUSED)
+      unlink(addr.sun_path);
+    close(s);
+  }
+  closedir(d);
+}
+
 /* Called with fdx_lock held and the table's liveness mutex in hand. */
 static int start_broker(pthread_mutex_t *alive) {
   const usmipc__process_t *self = usmipc__self();
@@ -470,6 +504,7 @@ static int start_broker(pthread_mutex_t *alive) {
     }
     snprintf(dir_socket_path, sizeof(dir_socket_path), "%s", addr.sun_path);
     dir_socket_owner = getpid();
+    remove_stale_sockets(dir);
     static pthread_once_t atexit_once = PTHREAD_ONCE_INIT;
     pthread_once(&atexit_once, register_unlink_at_exit);
   }

@@ -89,7 +89,9 @@
   X(trust_fd_limit_code)                                                       \
   X(trust_idle_cache_drop_freed)                                               \
   X(trust_idle_cache_byte_cap)                                                 \
-  X(trust_sealed_memfd)
+  X(trust_sealed_memfd)                                                        \
+  X(trust_pid_reuse)                                                           \
+  X(trust_socket_dir_stale_files)
 
 #define HELPER_LIST(X) X(agent)
 

@@ -1269,6 +1269,127 @@ TEST_IMPL(trust_pidns_message) {
   return 0;
 }
 
+/* A killed exporter leaves its socket file in USMIPC_SOCKET_DIR; the next
+ * exporter of the same user that starts a broker there removes it, and
+ * keeps the files of exporters that still listen. */
+static void remove_dir(const char *dir);
+
+static int count_sockets(const char *dir, const char *needle) {
+  DIR *d = opendir(dir);
+  ASSERT_NOT_NULL(d);
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL)
+    if (strstr(e->d_name, ".sock") && (!needle || strstr(e->d_name, needle)))
+      n++;
+  closedir(d);
+  return n;
+}
+
+TEST_IMPL(trust_socket_dir_stale_files) {
+  REQUIRE_HOST();
+  static char dir[] = "/tmp/usmipc-stale-XXXXXX";
+  ASSERT_NOT_NULL(mkdtemp(dir));
+  static char env_dir[256];
+  snprintf(env_dir, sizeof(env_dir), "USMIPC_SOCKET_DIR=%s", dir);
+  const char *const env[] = {env_dir, NULL};
+  static char hex[HEX_MAX];
+  agent_t a, b, c;
+  agent_spawn(&a, env, NULL);
+  agent_spawn(&b, env, NULL);
+  agent_export(&a, MiB, 1, hex, sizeof(hex));
+  agent_export(&b, MiB, 2, hex, sizeof(hex));
+  char pid_a[32], pid_b[32];
+  snprintf(pid_a, sizeof(pid_a), "usmipc.%d.", (int)a.pid);
+  snprintf(pid_b, sizeof(pid_b), "usmipc.%d.", (int)b.pid);
+  ASSERT_EQ(count_sockets(dir, pid_a), 1);
+  ASSERT_EQ(count_sockets(dir, pid_b), 1);
+  agent_kill(&a); /* no atexit: the file stays */
+  ASSERT_EQ(count_sockets(dir, pid_a), 1);
+  agent_spawn(&c, env, NULL);
+  agent_export(&c, MiB, 3, hex, sizeof(hex));
+  ASSERT_EQ(count_sockets(dir, pid_a), 0); /* stale: removed */
+  ASSERT_EQ(count_sockets(dir, pid_b), 1); /* alive: kept */
+  agent_stop_ok(&b); /* a normal exit removes its own file */
+  ASSERT_EQ(count_sockets(dir, pid_b), 0);
+  /* c's own file, and c still serves through it. */
+  ASSERT_EQ(count_sockets(dir, NULL), 1);
+  agent_stop_ok(&c);
+  ASSERT_EQ(count_sockets(dir, NULL), 0);
+  remove_dir(dir);
+  return 0;
+}
+
+/* ---- trust_pid_reuse -----------------------------------------------------
+ * The exporter dies and its pid goes to another process of the same user
+ * that uses usmipc too: it has an export table and memfds, perhaps at the
+ * very descriptor numbers the old handle names. Opening the old handle must
+ * be refused on every path (the pidfd's inode, or start time, and the
+ * table's tag keyed by the handle's process key tell the processes apart),
+ * never map the impostor's memory. The next pid is steered with
+ * /proc/sys/kernel/ns_last_pid (root). */
+
+TEST_IMPL(trust_pid_reuse) {
+  REQUIRE_HOST();
+  REQUIRE_ROOT("to steer the next pid through /proc/sys/kernel/ns_last_pid");
+  static char hex[HEX_MAX], own[HEX_MAX];
+  agent_t ex, imp;
+  agent_start(&ex, NULL);
+  agent_export(&ex, MiB, 901, hex, sizeof(hex));
+  pid_t victim = ex.pid;
+  agent_kill(&ex);
+  int got = 0;
+  for (int attempt = 0; attempt < 50 && !got; attempt++) {
+    int fd = open("/proc/sys/kernel/ns_last_pid", O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+      RETURN_SKIP("cannot open ns_last_pid: %s", strerror(errno));
+    char buf[32];
+    int n = snprintf(buf, sizeof(buf), "%d", (int)victim - 1);
+    ssize_t w = write(fd, buf, (size_t)n);
+    int e = errno;
+    close(fd);
+    if (w != n)
+      RETURN_SKIP("cannot write ns_last_pid: %s", strerror(e));
+    agent_start(&imp, NULL);
+    if (imp.pid == victim)
+      got = 1;
+    else
+      agent_stop_ok(&imp);
+  }
+  if (!got)
+    RETURN_SKIP("pid %d was not handed out again (a busy machine)",
+                (int)victim);
+  /* The impostor exports memory of its own, the same way. */
+  agent_export(&imp, MiB, 902, own, sizeof(own));
+  static uint8_t b[4096], mine[4096];
+  size_t len = hex_bytes(hex, b, sizeof(b));
+  size_t own_len = hex_bytes(own, mine, sizeof(mine));
+  usmipc_ipc_handle_info_t old_info, new_info;
+  ASSERT_OK(usmipc_ipc_handle_inspect(b, len, &old_info));
+  ASSERT_OK(usmipc_ipc_handle_inspect(mine, own_len, &new_info));
+  ASSERT_EQ(old_info.exporter_pid, new_info.exporter_pid);
+  static const char *const transports[] = {"auto", "pidfd", "procfd", "socket"};
+  for (size_t t = 0; t < sizeof(transports) / sizeof(transports[0]); t++) {
+    setenv("USMIPC_FD_TRANSPORT", transports[t], 1);
+    test_error_sentinel();
+    int r = open_here(b, len);
+    printf("%s: %d %s\n", transports[t], r, r ? usmipc_last_error() : "");
+    ASSERT_MSG(r == USMIPC_EEXPORTERGONE || r == USMIPC_EUNTRUSTED,
+               "%s: the old handle of pid %d opened (or failed oddly: %d) "
+               "after the pid went to another process",
+               transports[t], (int)victim, r);
+    /* The impostor's own handle opens: the path works, only the old
+     * handle is refused. */
+    void *p = NULL;
+    ASSERT_OK(usmipc_ipc_open(mine, own_len, NULL, 0, &p, NULL));
+    ASSERT_PATTERN(p, MiB, 902, 0);
+    ASSERT_OK(usmipc_ipc_close(p));
+  }
+  unsetenv("USMIPC_FD_TRANSPORT");
+  agent_stop_ok(&imp);
+  return 0;
+}
+
 static void remove_dir(const char *dir) {
   DIR *d = opendir(dir);
   if (d != NULL) {
