@@ -25,7 +25,9 @@ void usmipc__registry_fork_parent(void) {
 }
 static void forget_export(usmipc__region_t *r) { r->exported = false; }
 void usmipc__registry_fork_child(void) {
-  pthread_mutex_init(&usmipc__registry_lock, NULL);
+  /* The forking thread holds the lock (prepare took it) and is the one
+   * thread of the child: it releases it. */
+  pthread_mutex_unlock(&usmipc__registry_lock);
   /* The parent's grants name the parent's broker; the child publishes its
    * allocations again, under its own pid, on its next export. */
   usmipc__region_foreach(forget_export);

@@ -15,10 +15,13 @@
 #define HOST_HANDLE_MEMFD 1 /* payload-less handle: the memory is the fd */
 
 static size_t page_size(void) {
-  static size_t ps;
-  if (ps == 0)
-    ps = (size_t)sysconf(_SC_PAGESIZE);
-  return ps;
+  static size_t ps; /* threads may race to set it, to the same value */
+  size_t v = __atomic_load_n(&ps, __ATOMIC_RELAXED);
+  if (v == 0) {
+    v = (size_t)sysconf(_SC_PAGESIZE);
+    __atomic_store_n(&ps, v, __ATOMIC_RELAXED);
+  }
+  return v;
 }
 
 static int sys_fail(const char *what) {

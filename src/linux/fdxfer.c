@@ -185,7 +185,7 @@ void usmipc__fdxfer_fork_parent(void) { pthread_mutex_unlock(&fdx_lock); }
  * listening sockets; the socket file stays the parent's) and starts its own
  * broker on its next export. */
 void usmipc__fdxfer_fork_child(void) {
-  pthread_mutex_init(&fdx_lock, NULL);
+  pthread_mutex_unlock(&fdx_lock);
   grant_count = 0; /* the descriptors belong to the inherited allocations */
   for (int i = 0; i < 2; i++) {
     if (listen_fds[i] >= 0)
