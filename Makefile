@@ -6,6 +6,8 @@
 # interpreter to use as it is (PY=python3 on a machine without network, where
 # scikit-build-core and pytest are already installed).
 
+SHELL := /bin/bash
+
 PYTHON ?= python3
 BUILD ?= build
 VENV ?= .venv
@@ -20,7 +22,7 @@ PY := $(VENV)/bin/python
 PY_SETUP := $(VENV)/bin/python
 endif
 
-.PHONY: all build demo test test-c test-python test-asan test-tsan fuzz bench python clean
+.PHONY: all build demo test test-c test-python test-asan test-tsan fuzz fuzz-build fuzz-ci bench python clean
 
 all: build
 
@@ -65,14 +67,37 @@ test-tsan:
 	TSAN_OPTIONS="die_after_fork=0 halt_on_error=1 second_deadlock_stack=1" \
 	    ctest --test-dir $(BUILD)-tsan --output-on-failure -j $(JOBS)
 
-# libFuzzer on the handle decoder for FUZZ_SECONDS (needs clang).
+# libFuzzer on the parsers (needs clang): each target for FUZZ_SECONDS,
+# starting from its committed corpus; new inputs go to $(BUILD)-fuzz/.
 FUZZ_SECONDS ?= 60
-fuzz:
+FUZZ_TARGETS = handle request reply
+fuzz-build:
 	CC=clang cmake -S . -B $(BUILD)-fuzz -DUSMIPC_FUZZ=ON $(CMAKE_FLAGS)
-	cmake --build $(BUILD)-fuzz -j $(JOBS) --target fuzz_handle
-	mkdir -p $(BUILD)-fuzz/corpus
-	$(BUILD)-fuzz/tests/fuzz/fuzz_handle -max_total_time=$(FUZZ_SECONDS) \
-	    $(BUILD)-fuzz/corpus tests/fuzz/corpus
+	cmake --build $(BUILD)-fuzz -j $(JOBS) $(foreach t,$(FUZZ_TARGETS),--target fuzz_$(t))
+
+fuzz: fuzz-build
+	set -e; for t in $(FUZZ_TARGETS); do \
+	  seeds=tests/fuzz/corpus; [ $$t = handle ] || seeds=tests/fuzz/corpus-$$t; \
+	  mkdir -p $(BUILD)-fuzz/corpus-$$t; \
+	  $(BUILD)-fuzz/tests/fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) \
+	      $(BUILD)-fuzz/corpus-$$t $$seeds; \
+	done
+
+# What CI runs: a fixed number of executions per target (the handle parser
+# at ~300k/s, the MAC-checking protocol parsers at ~25k/s), failing on the
+# first crash; the crashing input is left in $(BUILD)-fuzz/.
+FUZZ_RUNS_HANDLE ?= 10000000
+FUZZ_RUNS_PROTOCOL ?= 1000000
+fuzz-ci: fuzz-build
+	set -e; cd $(BUILD)-fuzz; for t in $(FUZZ_TARGETS); do \
+	  seeds=../tests/fuzz/corpus; [ $$t = handle ] || seeds=../tests/fuzz/corpus-$$t; \
+	  runs=$(FUZZ_RUNS_PROTOCOL); [ $$t = handle ] && runs=$(FUZZ_RUNS_HANDLE); \
+	  rm -rf ci-corpus-$$t; mkdir -p ci-corpus-$$t; \
+	  echo "== fuzz_$$t: $$runs executions"; \
+	  ./tests/fuzz/fuzz_$$t -runs=$$runs -print_final_stats=1 ci-corpus-$$t $$seeds 2>&1 \
+	      | grep -E "^(#[0-9]+ +DONE|Done|stat::number_of_executed_units|==[0-9]+==ERROR|SUMMARY|fuzz_)" ; \
+	  test $${PIPESTATUS[0]} -eq 0; \
+	done
 
 bench: build python
 	$(BUILD)/bench/usmipc_bench $(if $(DEVICE),--device $(DEVICE))

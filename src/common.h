@@ -356,6 +356,26 @@ int usmipc__transport_mode(usmipc__transport_t *mode);
  * Received descriptors land in *table_fd / *data_fd (-1 when not asked). */
 int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
                         uint64_t deadline, int *table_fd, int *data_fd);
+/* The broker protocol as pure functions, for the broker, the importer and
+ * the fuzz targets (tests/fuzz/fuzz_request.c, fuzz_reply.c). */
+#define USMIPC__REQUEST_LEN 80
+#define USMIPC__REPLY_LEN 48
+void usmipc__request_build(uint8_t req[USMIPC__REQUEST_LEN],
+                           const usmipc__wire_t *w, unsigned want,
+                           const uint8_t client_nonce[16]);
+/* The broker's judgement of a request for the process (pid, nonce, key):
+ * 0 (ok) with *want and *buffer_id, or the reply status that refuses it. */
+uint32_t usmipc__request_check(const uint8_t *req, size_t len, uint32_t pid,
+                               uint64_t nonce, const uint8_t key[16],
+                               uint32_t *want, uint64_t *buffer_id);
+int usmipc__request_capability_ok(const uint8_t *req, const uint8_t token[16]);
+void usmipc__reply_build(uint8_t rep[USMIPC__REPLY_LEN], const uint8_t *req,
+                         uint32_t status, int nfds, const uint8_t key[16]);
+/* The importer's judgement of an answer of n bytes to req that came with
+ * nfds descriptors: 0 only for an authentic OK with what was asked. */
+int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
+                        const usmipc__wire_t *w, unsigned want, int nfds,
+                        bool truncated, const char *name);
 /* pidfd_getfd(2) of descriptor number n from the process of pidfd. */
 int usmipc__pidfd_take(int pidfd, const usmipc__wire_t *w, uint32_t n,
                        int *out);

@@ -64,8 +64,8 @@
 #define REQUEST_MAGIC 0x32524655u /* "UFR2" */
 #define REPLY_MAGIC 0x32504655u   /* "UFP2" */
 #define PROTOCOL_VERSION 2u
-#define REQUEST_LEN 80
-#define REPLY_LEN 48
+#define REQUEST_LEN USMIPC__REQUEST_LEN
+#define REPLY_LEN USMIPC__REPLY_LEN
 /* How long the broker waits for a connected peer's request. */
 #define CONN_DEADLINE_MS 1000
 /* Connections served at once, and at most per peer process. */
@@ -131,6 +131,60 @@ static void request_capability(const uint8_t *req, const uint8_t token[16],
 static void reply_mac(const uint8_t *rep, const uint8_t key[16],
                       uint64_t buffer_id, uint8_t out[16]) {
   mac_with_label(out, key, "usmipc-reply---2", rep, 32, buffer_id);
+}
+
+/* ---- the protocol as pure functions (fuzzed: tests/fuzz/fuzz_broker.c) ----
+ */
+
+void usmipc__request_build(uint8_t req[USMIPC__REQUEST_LEN],
+                           const usmipc__wire_t *w, unsigned want,
+                           const uint8_t client_nonce[16]) {
+  memset(req, 0, USMIPC__REQUEST_LEN);
+  put32(req, REQUEST_MAGIC);
+  put32(req + 4, PROTOCOL_VERSION);
+  put32(req + 8, w->pid);
+  put32(req + 12, want);
+  put64(req + 16, w->nonce);
+  put64(req + 24, w->buffer_id);
+  memcpy(req + 32, client_nonce, 16);
+  request_proof(req, w->key, req + 48);
+  if (want & USMIPC__WANT_FD)
+    request_capability(req, w->token, req + 64);
+}
+
+uint32_t usmipc__request_check(const uint8_t *req, size_t len, uint32_t pid,
+                               uint64_t nonce, const uint8_t key[16],
+                               uint32_t *want, uint64_t *buffer_id) {
+  if (len != USMIPC__REQUEST_LEN || get32(req) != REQUEST_MAGIC ||
+      get32(req + 4) != PROTOCOL_VERSION)
+    return REPLY_BAD_REQUEST;
+  uint8_t proof[16];
+  request_proof(req, key, proof);
+  *want = get32(req + 12);
+  *buffer_id = get64(req + 24);
+  if (get32(req + 8) != pid || get64(req + 16) != nonce ||
+      !usmipc__ct_equal(proof, req + 48, 16) ||
+      (*want & ~(USMIPC__WANT_TABLE | USMIPC__WANT_FD)) != 0 || *want == 0)
+    return REPLY_BAD_PROOF;
+  return REPLY_OK;
+}
+
+int usmipc__request_capability_ok(const uint8_t *req, const uint8_t token[16]) {
+  uint8_t cap[16];
+  request_capability(req, token, cap);
+  return usmipc__ct_equal(cap, req + 64, 16);
+}
+
+void usmipc__reply_build(uint8_t rep[USMIPC__REPLY_LEN], const uint8_t *req,
+                         uint32_t status, int nfds, const uint8_t key[16]) {
+  memset(rep, 0, USMIPC__REPLY_LEN);
+  put32(rep, REPLY_MAGIC);
+  put32(rep + 4, status);
+  put32(rep + 8, (uint32_t)nfds);
+  put32(rep + 12, req ? get32(req + 12) : 0);
+  if (req)
+    memcpy(rep + 16, req + 32, 16);
+  reply_mac(rep, key, req ? get64(req + 24) : 0, rep + 32);
 }
 
 static socklen_t abstract_address(uint32_t pid, uint64_t nonce,
@@ -224,15 +278,8 @@ typedef struct conn {
 
 static void send_reply(int conn, const uint8_t *req, uint32_t status,
                        const int *fds, int nfds) {
-  const usmipc__process_t *self = usmipc__self();
-  uint8_t rep[REPLY_LEN] = {0};
-  put32(rep, REPLY_MAGIC);
-  put32(rep + 4, status);
-  put32(rep + 8, (uint32_t)nfds);
-  put32(rep + 12, req ? get32(req + 12) : 0);
-  if (req)
-    memcpy(rep + 16, req + 32, 16);
-  reply_mac(rep, self->key, req ? get64(req + 24) : 0, rep + 32);
+  uint8_t rep[USMIPC__REPLY_LEN];
+  usmipc__reply_build(rep, req, status, nfds, usmipc__self()->key);
   struct iovec iov = {.iov_base = rep, .iov_len = sizeof(rep)};
   union {
     struct cmsghdr align;
@@ -259,18 +306,12 @@ static void send_reply(int conn, const uint8_t *req, uint32_t status,
 /* One complete request: check, answer, done. */
 static void serve_request(int conn, const uint8_t *req) {
   const usmipc__process_t *self = usmipc__self();
-  uint8_t proof[16];
-  if (get32(req) != REQUEST_MAGIC || get32(req + 4) != PROTOCOL_VERSION) {
-    send_reply(conn, NULL, REPLY_BAD_REQUEST, NULL, 0);
-    return;
-  }
-  uint32_t want = get32(req + 12);
-  uint64_t buffer_id = get64(req + 24);
-  request_proof(req, self->key, proof);
-  if (get32(req + 8) != self->pid || get64(req + 16) != self->nonce ||
-      !usmipc__ct_equal(proof, req + 48, 16) ||
-      (want & ~(USMIPC__WANT_TABLE | USMIPC__WANT_FD)) != 0 || want == 0) {
-    send_reply(conn, req, REPLY_BAD_PROOF, NULL, 0);
+  uint32_t want = 0;
+  uint64_t buffer_id = 0;
+  uint32_t status = usmipc__request_check(
+      req, REQUEST_LEN, self->pid, self->nonce, self->key, &want, &buffer_id);
+  if (status != REPLY_OK) {
+    send_reply(conn, status == REPLY_BAD_REQUEST ? NULL : req, status, NULL, 0);
     return;
   }
   int fds[2], nfds = 0;
@@ -290,12 +331,9 @@ static void serve_request(int conn, const uint8_t *req) {
    * withdraw cannot close it under us; the send does not wait. */
   pthread_mutex_lock(&fdx_lock);
   grant_entry_t *g = grant_find(buffer_id);
-  uint8_t cap[16];
-  if (g != NULL)
-    request_capability(req, g->token, cap);
   if (g == NULL)
     send_reply(conn, req, REPLY_UNKNOWN_BUFFER, NULL, 0);
-  else if (!usmipc__ct_equal(cap, req + 64, 16))
+  else if (!usmipc__request_capability_ok(req, g->token))
     send_reply(conn, req, REPLY_BAD_CAPABILITY, NULL, 0);
   else {
     fds[nfds++] = g->fd;
@@ -902,6 +940,40 @@ static int reply_error(const usmipc__wire_t *w, uint32_t status) {
   }
 }
 
+int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
+                        const usmipc__wire_t *w, unsigned want, int nfds,
+                        bool truncated, const char *name) {
+  int expect = ((want & USMIPC__WANT_TABLE) ? 1 : 0) +
+               ((want & USMIPC__WANT_FD) ? 1 : 0);
+  uint8_t mac[16];
+  if (n == 0)
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "the broker of process %u closed the connection "
+                        "without answering (it is exiting?)",
+                        w->pid);
+  if (n != REPLY_LEN || get32(rep) != REPLY_MAGIC)
+    return usmipc__fail(USMIPC_EUNTRUSTED,
+                        "malformed answer from %s: not a usmipc broker", name);
+  if (get32(rep + 4) == REPLY_OTHER_USER)
+    return reply_error(w, REPLY_OTHER_USER); /* said before any request */
+  reply_mac(rep, w->key, get64(req + 24), mac);
+  if (memcmp(rep + 16, req + 32, 16) != 0 ||
+      !usmipc__ct_equal(mac, rep + 32, 16))
+    return usmipc__fail(USMIPC_EUNTRUSTED,
+                        "the answer from %s does not prove the exporter's key: "
+                        "it is not the exporter (or the handle is forged); "
+                        "nothing it sent is used",
+                        name);
+  if (get32(rep + 4) != REPLY_OK)
+    return reply_error(w, get32(rep + 4));
+  if (nfds != expect || get32(rep + 8) != (uint32_t)expect || truncated ||
+      get32(rep + 12) != want)
+    return usmipc__fail(USMIPC_ETRANSPORT,
+                        "the broker of process %u sent %d descriptors, not %d",
+                        w->pid, nfds, expect);
+  return 0;
+}
+
 int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
                         uint64_t deadline, int *table_fd, int *data_fd) {
   if (table_fd)
@@ -917,20 +989,12 @@ int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
     close(s);
     return rc;
   }
-  uint8_t req[REQUEST_LEN] = {0};
-  put32(req, REQUEST_MAGIC);
-  put32(req + 4, PROTOCOL_VERSION);
-  put32(req + 8, w->pid);
-  put32(req + 12, want);
-  put64(req + 16, w->nonce);
-  put64(req + 24, w->buffer_id);
-  if ((rc = usmipc__random(req + 32, 16)) != 0) {
+  uint8_t req[REQUEST_LEN], client_nonce[16];
+  if ((rc = usmipc__random(client_nonce, 16)) != 0) {
     close(s);
     return rc;
   }
-  request_proof(req, w->key, req + 48);
-  if (want & USMIPC__WANT_FD)
-    request_capability(req, w->token, req + 64);
+  usmipc__request_build(req, w, want, client_nonce);
   /* A fresh connection's buffer takes 80 bytes at once. */
   ssize_t n = send(s, req, sizeof(req), MSG_NOSIGNAL | MSG_DONTWAIT);
   if (n != (ssize_t)sizeof(req)) {
@@ -972,41 +1036,13 @@ int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
     for (size_t i = 0; i < count && nfds < 4; i++)
       memcpy(&fds[nfds++], CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
   }
-  uint8_t mac[16];
-  if (n == (ssize_t)sizeof(rep))
-    reply_mac(rep, w->key, w->buffer_id, mac);
-  int expect = ((want & USMIPC__WANT_TABLE) ? 1 : 0) +
-               ((want & USMIPC__WANT_FD) ? 1 : 0);
   if (n < 0)
     rc = usmipc__fail_native(USMIPC_ETRANSPORT, e,
                              "no answer from the broker of process %u: %s",
                              w->pid, strerror(e));
-  else if (n == 0)
-    rc = usmipc__fail(USMIPC_EEXPORTERGONE,
-                      "the broker of process %u closed the connection "
-                      "without answering (it is exiting?)",
-                      w->pid);
-  else if (n != (ssize_t)sizeof(rep) || get32(rep) != REPLY_MAGIC)
-    rc = usmipc__fail(USMIPC_EUNTRUSTED,
-                      "malformed answer from %s: not a usmipc broker", name);
-  else if (get32(rep + 4) == REPLY_OTHER_USER)
-    rc = reply_error(w, REPLY_OTHER_USER); /* said before any request */
-  else if (memcmp(rep + 16, req + 32, 16) != 0 ||
-           !usmipc__ct_equal(mac, rep + 32, 16))
-    rc = usmipc__fail(USMIPC_EUNTRUSTED,
-                      "the answer from %s does not prove the exporter's key: "
-                      "it is not the exporter (or the handle is forged); "
-                      "nothing it sent is used",
-                      name);
-  else if (get32(rep + 4) != REPLY_OK)
-    rc = reply_error(w, get32(rep + 4));
-  else if (nfds != expect || get32(rep + 8) != (uint32_t)expect ||
-           (msg.msg_flags & MSG_CTRUNC))
-    rc = usmipc__fail(USMIPC_ETRANSPORT,
-                      "the broker of process %u sent %d descriptors, not %d",
-                      w->pid, nfds, expect);
   else
-    rc = 0;
+    rc = usmipc__reply_check(rep, (size_t)n, req, w, want, nfds,
+                             (msg.msg_flags & MSG_CTRUNC) != 0, name);
   int k = 0;
   if (rc == 0 && (want & USMIPC__WANT_TABLE))
     *table_fd = fds[k++];
