@@ -55,6 +55,10 @@ typedef struct usmipc__process {
 } usmipc__process_t;
 
 const usmipc__process_t *usmipc__self(void);
+/* The same without the proof fields (key, start time, pidfd inode,
+ * namespaces), which cost a dozen system calls the first time: for paths
+ * that need only pid, uid, nonce and boot id. */
+const usmipc__process_t *usmipc__self_basic(void);
 /* The inode of /proc/<pid or "self">/ns/<name>, 0 when unreadable. */
 uint64_t usmipc__ns_inode(const char *pid, const char *name);
 /* Field 22 of /proc/<pid>/stat (start time in clock ticks), 0 on failure. */
@@ -67,8 +71,12 @@ uint64_t usmipc__pidfd_inode(int pidfd);
 int usmipc__errno_code(int e);
 
 /* fork() handlers of each module, run by process.c in lock order: the
- * registry lock is taken first, then the export table's, then the fd
- * transport's (the order in which export nests them). */
+ * registry lock is taken first, then the device probe's (a foreign pointer
+ * query probes under the registry lock), then the export table's, then the
+ * fd transport's (the order in which export nests them). */
+void usmipc__devices_fork_prepare(void);
+void usmipc__devices_fork_parent(void);
+void usmipc__devices_fork_child(void);
 void usmipc__registry_fork_prepare(void);
 void usmipc__registry_fork_parent(void);
 void usmipc__registry_fork_child(void);
@@ -102,7 +110,8 @@ struct usmipc_device {
   int ordinal; /* probe order within the backend */
   int has_ipc;
   uint8_t uuid[16];
-  char name[128];
+  char name[128];  /* empty until ops->device_name fills it, if lazy */
+  int name_ready;  /* read with acquire */
   char filter[48]; /* "host:cpu:0" */
 };
 

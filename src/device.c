@@ -1,22 +1,34 @@
-/* Devices: every backend is probed once, on first use; its devices get
- * stable filter strings ("cuda:gpu:1") and live until the process exits. */
+/* Devices: each backend is probed once, when a device or a handle of its
+ * own is first asked for (a program that selects "host:cpu" never loads a
+ * GPU driver, nor the C++ runtime the Level Zero loader pulls in); its
+ * devices get stable filter strings ("cuda:gpu:1") and live until the
+ * process exits. Listing devices, the default device ("first GPU, else the
+ * host") and "gpu"/"cpu" filters probe every backend. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
 
-#define MAX_DEVICES 64
+#define MAX_BACKENDS 8
+#define MAX_DEVICES_PER_BACKEND 16
 
 typedef struct backend_state {
+  int probed;       /* read with acquire: the fields below are final */
   int status;       /* 0 available, else USMIPC_EUNAVAILABLE */
   char reason[256]; /* why it is unavailable */
+  int count;
+  usmipc_device_t devices[MAX_DEVICES_PER_BACKEND];
 } backend_state_t;
 
-static usmipc_device_t devices[MAX_DEVICES];
-static size_t device_count;
-static backend_state_t backend_states[8];
-static pthread_once_t devices_once = PTHREAD_ONCE_INIT;
+/* Indexed by usmipc_backend_t. Probes are serialised (a driver's probe may
+ * take long, once); lookups of probed backends take no lock. */
+static backend_state_t backend_states[MAX_BACKENDS];
+static pthread_mutex_t probe_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void usmipc__devices_fork_prepare(void) { pthread_mutex_lock(&probe_lock); }
+void usmipc__devices_fork_parent(void) { pthread_mutex_unlock(&probe_lock); }
+void usmipc__devices_fork_child(void) { pthread_mutex_unlock(&probe_lock); }
 
 static const usmipc__backend_ops_t *ops_for(usmipc_backend_t backend) {
   for (size_t i = 0; i < usmipc__backend_count; i++)
@@ -29,48 +41,71 @@ static const char *type_name(usmipc_device_type_t t) {
   return t == USMIPC_DEVICE_GPU ? "gpu" : "cpu";
 }
 
-static void probe_all(void) {
-  for (size_t b = 0; b < usmipc__backend_count; b++) {
-    const usmipc__backend_ops_t *ops = usmipc__backends[b];
-    backend_state_t *st = &backend_states[ops->backend];
-    usmipc__device_desc_t desc[16];
-    memset(desc, 0, sizeof(desc));
-    if (ops->struct_size < sizeof(usmipc__backend_ops_t)) {
-      st->status = USMIPC_EUNAVAILABLE;
-      snprintf(st->reason, sizeof(st->reason),
-               "backend built against an older usmipc backend interface");
-      continue;
-    }
-    int n = ops->probe(desc, (int)USMIPC__ARRAY_SIZE(desc), st->reason,
-                       sizeof(st->reason));
-    if (n <= 0) {
-      st->status = USMIPC_EUNAVAILABLE;
-      if (n == 0 && st->reason[0] == '\0')
-        snprintf(st->reason, sizeof(st->reason),
-                 "the driver reports no devices");
-      continue;
-    }
-    int per_type[3] = {0, 0, 0};
-    for (int i = 0; i < n && device_count < MAX_DEVICES; i++) {
-      usmipc_device_t *d = &devices[device_count++];
-      d->ops = ops;
-      d->native = desc[i].native;
-      d->type = desc[i].type;
-      d->ordinal = i;
-      d->index = per_type[d->type == USMIPC_DEVICE_GPU]++;
-      d->has_ipc = desc[i].supports_ipc;
-      memcpy(d->uuid, desc[i].uuid, 16);
-      snprintf(d->name, sizeof(d->name), "%s", desc[i].name);
-      snprintf(d->filter, sizeof(d->filter), "%s:%s:%d", ops->name,
-               type_name(d->type), d->index);
-    }
+/* Called with probe_lock held. */
+static void probe_one(const usmipc__backend_ops_t *ops, backend_state_t *st) {
+  usmipc__device_desc_t desc[MAX_DEVICES_PER_BACKEND];
+  memset(desc, 0, sizeof(desc));
+  if (ops->struct_size < sizeof(usmipc__backend_ops_t)) {
+    st->status = USMIPC_EUNAVAILABLE;
+    snprintf(st->reason, sizeof(st->reason),
+             "backend built against an older usmipc backend interface");
+    return;
+  }
+  int n = ops->probe(desc, (int)USMIPC__ARRAY_SIZE(desc), st->reason,
+                     sizeof(st->reason));
+  if (n <= 0) {
+    st->status = USMIPC_EUNAVAILABLE;
+    if (n == 0 && st->reason[0] == '\0')
+      snprintf(st->reason, sizeof(st->reason), "the driver reports no devices");
+    return;
+  }
+  int per_type[2] = {0, 0};
+  for (int i = 0; i < n && i < MAX_DEVICES_PER_BACKEND; i++) {
+    usmipc_device_t *d = &st->devices[st->count++];
+    d->ops = ops;
+    d->native = desc[i].native;
+    d->type = desc[i].type;
+    d->ordinal = i;
+    d->index = per_type[d->type == USMIPC_DEVICE_GPU]++;
+    d->has_ipc = desc[i].supports_ipc;
+    memcpy(d->uuid, desc[i].uuid, 16);
+    snprintf(d->name, sizeof(d->name), "%s", desc[i].name);
+    snprintf(d->filter, sizeof(d->filter), "%s:%s:%d", ops->name,
+             type_name(d->type), d->index);
   }
 }
 
+/* The state of one backend, probed on first use; NULL when this build has
+ * no such backend. */
+static backend_state_t *backend_probed(usmipc_backend_t b) {
+  const usmipc__backend_ops_t *ops = ops_for(b);
+  if (ops == NULL || (unsigned)b >= MAX_BACKENDS)
+    return NULL;
+  backend_state_t *st = &backend_states[b];
+  if (!__atomic_load_n(&st->probed, __ATOMIC_ACQUIRE)) {
+    pthread_mutex_lock(&probe_lock);
+    if (!st->probed) {
+      probe_one(ops, st);
+      __atomic_store_n(&st->probed, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&probe_lock);
+  }
+  return st;
+}
+
 int usmipc__devices_init(void) {
-  pthread_once(&devices_once, probe_all);
+  for (size_t i = 0; i < usmipc__backend_count; i++)
+    backend_probed(usmipc__backends[i]->backend);
   return 0;
 }
+
+/* Visits the devices of every backend, in the registry's order. */
+#define FOR_EACH_DEVICE(d)                                                     \
+  for (size_t b_ = 0; b_ < usmipc__backend_count; b_++)                        \
+    for (backend_state_t *st_ = backend_probed(usmipc__backends[b_]->backend); \
+         st_ != NULL; st_ = NULL)                                              \
+      for (usmipc_device_t *d = st_->devices; d < st_->devices + st_->count;   \
+           d++)
 
 const char *usmipc_backend_name(usmipc_backend_t backend) {
   switch (backend) {
@@ -85,10 +120,9 @@ const char *usmipc_backend_name(usmipc_backend_t backend) {
 }
 
 int usmipc_backend_status(usmipc_backend_t backend, const char **reason) {
-  usmipc__devices_init();
   const char *why;
   int rc;
-  if ((unsigned)backend >= USMIPC__ARRAY_SIZE(backend_states) ||
+  if ((unsigned)backend >= MAX_BACKENDS ||
       !strcmp(usmipc_backend_name(backend), "unknown")) {
     why = "no such backend";
     rc = USMIPC_EINVAL;
@@ -96,7 +130,7 @@ int usmipc_backend_status(usmipc_backend_t backend, const char **reason) {
     why = "this build of usmipc does not include the backend";
     rc = USMIPC_EUNAVAILABLE;
   } else {
-    backend_state_t *st = &backend_states[backend];
+    backend_state_t *st = backend_probed(backend);
     why = st->status ? st->reason : NULL;
     rc = st->status;
   }
@@ -109,35 +143,39 @@ int usmipc_backend_status(usmipc_backend_t backend, const char **reason) {
 }
 
 int usmipc_get_devices(usmipc_device_t **out, size_t capacity, size_t *count) {
-  usmipc__devices_init();
   if (out == NULL && capacity > 0)
     return usmipc__fail(USMIPC_EINVAL, "devices is NULL but capacity is %zu",
                         capacity);
-  for (size_t i = 0; i < device_count && i < capacity; i++)
-    out[i] = &devices[i];
+  size_t n = 0;
+  FOR_EACH_DEVICE(d) {
+    if (n < capacity)
+      out[n] = d;
+    n++;
+  }
   if (count != NULL)
-    *count = device_count;
+    *count = n;
   return 0;
 }
 
 /* Parses "backend[:type[:index]]" where each part may also be "*"; a lone
  * "gpu" or "cpu" names a type of any backend. */
 int usmipc_device_select(const char *filter, usmipc_device_t **out) {
-  usmipc__devices_init();
   if (out == NULL)
     return usmipc__fail(USMIPC_EINVAL, "device output pointer is NULL");
   *out = NULL;
   if (filter == NULL || filter[0] == '\0') {
-    for (size_t i = 0; i < device_count; i++)
-      if (devices[i].type == USMIPC_DEVICE_GPU) {
-        *out = &devices[i];
+    FOR_EACH_DEVICE(d) {
+      if (d->type == USMIPC_DEVICE_GPU) {
+        *out = d;
         return 0;
       }
-    for (size_t i = 0; i < device_count; i++)
-      if (devices[i].ops->backend == USMIPC_BACKEND_HOST) {
-        *out = &devices[i];
+    }
+    FOR_EACH_DEVICE(d) {
+      if (d->ops->backend == USMIPC_BACKEND_HOST) {
+        *out = d;
         return 0;
       }
+    }
     return usmipc__fail(USMIPC_ENODEV, "no device is available");
   }
 
@@ -193,18 +231,24 @@ int usmipc_device_select(const char *filter, usmipc_device_t **out) {
                           filter, parts[i0]);
   }
 
+  /* Only the named backend is probed; a filter naming no backend probes
+   * them all. */
   long seen = 0;
-  for (size_t i = 0; i < device_count; i++) {
-    usmipc_device_t *d = &devices[i];
-    if (want_backend && strcmp(want_backend, d->ops->name))
+  for (size_t b = 0; b < usmipc__backend_count; b++) {
+    const usmipc__backend_ops_t *ops = usmipc__backends[b];
+    if (want_backend && strcmp(want_backend, ops->name))
       continue;
-    if (want_type && strcmp(want_type, type_name(d->type)))
-      continue;
-    if (want_index < 0 || seen == want_index) {
-      *out = d;
-      return 0;
+    backend_state_t *st = backend_probed(ops->backend);
+    for (int i = 0; i < st->count; i++) {
+      usmipc_device_t *d = &st->devices[i];
+      if (want_type && strcmp(want_type, type_name(d->type)))
+        continue;
+      if (want_index < 0 || seen == want_index) {
+        *out = d;
+        return 0;
+      }
+      seen++;
     }
-    seen++;
   }
   if (want_backend) {
     const char *reason = NULL;
@@ -229,22 +273,20 @@ malformed:
                       filter);
 }
 
-usmipc_device_t *usmipc__device_by_ordinal(usmipc_backend_t backend,
-                                           int ordinal) {
-  usmipc__devices_init();
-  for (size_t i = 0; i < device_count; i++)
-    if (devices[i].ops->backend == backend && devices[i].ordinal == ordinal)
-      return &devices[i];
+usmipc_device_t *usmipc__device_by_ordinal(usmipc_backend_t b, int ordinal) {
+  backend_state_t *st = backend_probed(b);
+  for (int i = 0; st != NULL && i < st->count; i++)
+    if (st->devices[i].ordinal == ordinal)
+      return &st->devices[i];
   return NULL;
 }
 
-usmipc_device_t *usmipc__device_by_uuid(usmipc_backend_t backend,
+usmipc_device_t *usmipc__device_by_uuid(usmipc_backend_t b,
                                         const uint8_t uuid[16]) {
-  usmipc__devices_init();
-  for (size_t i = 0; i < device_count; i++)
-    if (devices[i].ops->backend == backend &&
-        !memcmp(devices[i].uuid, uuid, 16))
-      return &devices[i];
+  backend_state_t *st = backend_probed(b);
+  for (int i = 0; st != NULL && i < st->count; i++)
+    if (!memcmp(st->devices[i].uuid, uuid, 16))
+      return &st->devices[i];
   return NULL;
 }
 
@@ -257,7 +299,18 @@ void usmipc__uuid_format(const uint8_t u[16], char out[37]) {
 }
 
 const char *usmipc_device_name(const usmipc_device_t *d) {
-  return d ? d->name : "";
+  if (d == NULL)
+    return "";
+  usmipc_device_t *dev = (usmipc_device_t *)d; /* the name is a cache */
+  if (!__atomic_load_n(&dev->name_ready, __ATOMIC_ACQUIRE)) {
+    pthread_mutex_lock(&probe_lock);
+    if (!dev->name_ready && dev->name[0] == '\0' &&
+        dev->ops->device_name != NULL)
+      dev->ops->device_name(dev->native, dev->name, sizeof(dev->name));
+    __atomic_store_n(&dev->name_ready, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&probe_lock);
+  }
+  return d->name;
 }
 usmipc_backend_t usmipc_device_backend(const usmipc_device_t *d) {
   return d ? d->ops->backend : (usmipc_backend_t)0;

@@ -653,7 +653,7 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
   if (rc != 0)
     return rc;
 
-  const usmipc__process_t *self = usmipc__self();
+  const usmipc__process_t *self = usmipc__self_basic();
   if (memcmp(w.boot_id, self->boot_id, 16) != 0)
     return usmipc__fail(USMIPC_EOTHERHOST,
                         "the handle was exported on another machine or before "

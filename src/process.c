@@ -126,14 +126,23 @@ int usmipc__errno_code(int e) {
   }
 }
 
-/* Everything that names this process instance; redone in a fork child. */
-static void draw_identity(void) {
+/* What names this process instance: cheap, needed by every call. */
+static void draw_basic(void) {
   self.pid = (uint32_t)getpid();
   self.uid = (uint32_t)geteuid();
   do {
     if (usmipc__random(&self.nonce, sizeof(self.nonce)) != 0)
       self.nonce = ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&self;
   } while (self.nonce == 0);
+}
+
+/* What proves it: a dozen system calls, needed only once the process
+ * exports or imports (a program that only allocates never pays them).
+ * Called with proof_lock held. */
+static pthread_mutex_t proof_lock = PTHREAD_MUTEX_INITIALIZER;
+static int proof_ready; /* read with acquire: the fields below are final */
+
+static void draw_proof(void) {
   if (usmipc__random(self.key, sizeof(self.key)) != 0)
     abort(); /* no randomness: no secret; never guess one */
   self.start_time = usmipc__start_time("self");
@@ -158,21 +167,30 @@ static void draw_identity(void) {
  * used first, the opposite of the nesting order (a deadlock). */
 static void fork_prepare(void) {
   usmipc__registry_fork_prepare();
+  usmipc__devices_fork_prepare();
   usmipc__exports_fork_prepare();
   usmipc__fdxfer_fork_prepare();
+  pthread_mutex_lock(&proof_lock); /* a leaf: taken under any of them */
 }
 
 static void fork_parent(void) {
+  pthread_mutex_unlock(&proof_lock);
   usmipc__fdxfer_fork_parent();
   usmipc__exports_fork_parent();
+  usmipc__devices_fork_parent();
   usmipc__registry_fork_parent();
 }
 
 static void fork_child(void) {
-  if (self.pid != 0) /* the identity is per process instance */
-    draw_identity();
+  /* The identity is per process instance: a new pid and nonce now, a new
+   * key (and the rest of the proof) when the child first needs them. */
+  if (self.pid != 0)
+    draw_basic();
+  proof_ready = 0;
+  pthread_mutex_unlock(&proof_lock);
   usmipc__fdxfer_fork_child();
   usmipc__exports_fork_child();
+  usmipc__devices_fork_child();
   usmipc__registry_fork_child();
 }
 
@@ -182,10 +200,23 @@ __attribute__((constructor)) static void register_fork_handlers(void) {
 
 static void init_self(void) {
   read_boot_id(self.boot_id);
-  draw_identity();
+  draw_basic();
+}
+
+const usmipc__process_t *usmipc__self_basic(void) {
+  pthread_once(&self_once, init_self);
+  return &self;
 }
 
 const usmipc__process_t *usmipc__self(void) {
   pthread_once(&self_once, init_self);
+  if (!__atomic_load_n(&proof_ready, __ATOMIC_ACQUIRE)) {
+    pthread_mutex_lock(&proof_lock);
+    if (!proof_ready) {
+      draw_proof();
+      __atomic_store_n(&proof_ready, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&proof_lock);
+  }
   return &self;
 }

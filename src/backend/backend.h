@@ -53,6 +53,10 @@ typedef struct usmipc__backend_ops {
    * devices (>= 0), or a negative code with reason filled in. Called once. */
   int (*probe)(usmipc__device_desc_t *devices, int max, char *reason,
                size_t reason_len);
+  /* Optional: the name of a device whose probe left it empty, filled on the
+   * first usmipc_device_name (a name that is costly to learn, such as the
+   * host CPU's, is not paid for by programs that never ask). */
+  void (*device_name)(void *dev, char *out, size_t len);
 
   /* Memory. dev is the device's native state from probe. */
   int (*mem_alloc)(void *dev, usmipc_mem_kind_t kind, size_t nbytes,
