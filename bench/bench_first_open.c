@@ -59,7 +59,8 @@ static void die(const char *what) {
   exit(1);
 }
 
-/* ---- exporters ------------------------------------------------------------- */
+/* ---- exporters -------------------------------------------------------------
+ */
 
 static size_t size;
 
@@ -295,8 +296,8 @@ typedef struct series {
   int n;
 } series_t;
 
-static void report(FILE *json, series_t *s, const char *raw_name,
-                   double target, int last) {
+static void report(FILE *json, series_t *s, const char *raw_name, double target,
+                   int last) {
   double *a = malloc(sizeof(double) * (size_t)s->n);
   double *b = malloc(sizeof(double) * (size_t)s->n);
   memcpy(a, s->ours, sizeof(double) * (size_t)s->n);
@@ -304,9 +305,9 @@ static void report(FILE *json, series_t *s, const char *raw_name,
   double ma = quantile(a, s->n, 0.5), mb = quantile(b, s->n, 0.5);
   printf("| %s | %.2f (%.2f-%.2f) | %s %.2f (%.2f-%.2f) | %.2fx | <= %.2fx: "
          "%s |\n",
-         s->name, ma, quantile(a, s->n, 0.1), quantile(a, s->n, 0.9),
-         raw_name, mb, quantile(b, s->n, 0.1), quantile(b, s->n, 0.9),
-         ma / mb, target, ma / mb <= target ? "met" : "NOT met");
+         s->name, ma, quantile(a, s->n, 0.1), quantile(a, s->n, 0.9), raw_name,
+         mb, quantile(b, s->n, 0.1), quantile(b, s->n, 0.9), ma / mb, target,
+         ma / mb <= target ? "met" : "NOT met");
   if (json) {
     fprintf(json, "  \"%s\": {\"usmipc_us\": [", s->name);
     for (int i = 0; i < s->n; i++)

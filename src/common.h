@@ -408,7 +408,7 @@ int usmipc__peer_get(const usmipc__wire_t *w, uint64_t deadline,
 /* Takes w's descriptor from the verified exporter, checked against the
  * export table before and after. Lock NOT held. */
 int usmipc__peer_fetch_fd(usmipc__peer_t *peer, const usmipc__wire_t *w,
-                          uint64_t deadline, int *fd);
+                          uint64_t tag, uint64_t deadline, int *fd);
 /* 0 when w's allocation is still exported by a living exporter, else
  * EEXPORTERGONE (or EBADHANDLE for a forged size) with a message. Reads
  * shared memory only: the cache-hit path calls it. */

@@ -720,7 +720,7 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
       return rc;
     if ((rc = usmipc__peer_check(peer, &w, tag, NULL)) == 0 && fd < 0 &&
         (w.flags & USMIPC__WIRE_FLAG_FD))
-      rc = usmipc__peer_fetch_fd(peer, &w, deadline, &fd);
+      rc = usmipc__peer_fetch_fd(peer, &w, tag, deadline, &fd);
     if (rc != 0) {
       if (fd >= 0)
         close(fd);
@@ -758,12 +758,11 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
   r->slot_tag = tag;
 
   pthread_mutex_lock(&usmipc__registry_lock);
-  usmipc__region_t *dead = idle_drop_dead(NULL);
   hit = import_find(&key);
   if (hit != NULL) {
     rc = cache_take(hit, &w, ptr);
     pthread_mutex_unlock(&usmipc__registry_lock);
-    r->idle_next = dead;
+    r->idle_next = NULL;
     unmap_list(r);
     return rc;
   }
@@ -771,7 +770,6 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
   if (rc == 0 && (rc = import_insert(r)) != 0)
     usmipc__region_remove(r);
   pthread_mutex_unlock(&usmipc__registry_lock);
-  unmap_list(dead);
   if (rc != 0) {
     r->idle_next = NULL;
     unmap_list(r);

@@ -130,10 +130,12 @@ static int open_exporter_pidfd(const usmipc__wire_t *w, int *out) {
                                "pidfd_open(2) of process %u failed: %s", w->pid,
                                strerror(e));
   }
-  uint64_t ino = usmipc__pidfd_inode(pidfd);
   bool other;
-  if (ino != 0 && w->pidfd_ino != 0) {
-    other = ino != w->pidfd_ino;
+  struct stat st;
+  if (w->pidfd_ino != 0 && fstat(pidfd, &st) == 0) {
+    /* The exporter found pidfs on this kernel (it wrote an inode): ours is
+     * a pidfs inode too, unique to one process. */
+    other = (uint64_t)st.st_ino != w->pidfd_ino;
   } else {
     char pid[16];
     snprintf(pid, sizeof(pid), "%u", w->pid);
@@ -367,19 +369,28 @@ static int recheck(const usmipc__peer_t *p, const usmipc__wire_t *w,
 }
 
 int usmipc__peer_fetch_fd(usmipc__peer_t *p, const usmipc__wire_t *w,
-                          uint64_t deadline, int *out) {
+                          uint64_t tag, uint64_t deadline, int *out) {
   usmipc__transport_t mode;
   uint32_t seq = 0;
   int fd = -1;
   int rc = usmipc__transport_mode(&mode);
-  if (rc != 0 || (rc = usmipc__peer_check(
-                      p, w, usmipc__slot_tag(w->key, w->token), &seq)) != 0)
+  if (rc != 0 || (rc = usmipc__peer_check(p, w, tag, &seq)) != 0)
     return rc;
   if (p->pidfd >= 0 && mode != USMIPC__TRANSPORT_SOCKET &&
       mode != USMIPC__TRANSPORT_PROCFD) {
-    if ((rc = usmipc__pidfd_take(p->pidfd, w, w->fd_number, &fd)) != 0 ||
-        (rc = recheck(p, w, seq, fd)) != 0)
+    /* The slot named this descriptor number, with the handle's buffer id
+     * and tag, before the copy and (same seq) after it: the copy is the
+     * allocation's descriptor; no file identity check is needed (and for
+     * CUDA's descriptors, which share one inode, none could help). */
+    if ((rc = usmipc__pidfd_take(p->pidfd, w, w->fd_number, &fd)) != 0)
       return rc;
+    if (usmipc__table_slot_seq(p->table, w->export_slot) != seq) {
+      close(fd);
+      return usmipc__fail(USMIPC_EEXPORTERGONE,
+                          "process %u freed the memory this handle names "
+                          "while it was being opened",
+                          w->pid);
+    }
     *out = fd;
     return 0;
   }
