@@ -22,6 +22,33 @@
 #define USMIPC__UNLIKELY(x) (x)
 #endif
 
+/* ---- little-endian fields -------------------------------------------------
+ * Everything usmipc puts in bytes another process reads (handles, broker
+ * messages, the export table's header) is written and read field by field,
+ * never as a C struct. */
+static inline void usmipc__put16le(uint8_t *p, uint16_t v) {
+  p[0] = (uint8_t)v;
+  p[1] = (uint8_t)(v >> 8);
+}
+static inline void usmipc__put32le(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void usmipc__put64le(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint16_t usmipc__get16le(const uint8_t *p) {
+  return (uint16_t)(p[0] | p[1] << 8);
+}
+static inline uint32_t usmipc__get32le(const uint8_t *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+         (uint32_t)p[3] << 24;
+}
+static inline uint64_t usmipc__get64le(const uint8_t *p) {
+  return (uint64_t)usmipc__get32le(p) | (uint64_t)usmipc__get32le(p + 4) << 32;
+}
+
 /* ---- error.c ------------------------------------------------------------- */
 
 /* Records a message for usmipc_last_error() on this thread and returns code,
@@ -61,6 +88,10 @@ const usmipc__process_t *usmipc__self(void);
 const usmipc__process_t *usmipc__self_basic(void);
 /* The inode of /proc/<pid or "self">/ns/<name>, 0 when unreadable. */
 uint64_t usmipc__ns_inode(const char *pid, const char *name);
+struct usmipc__wire;
+/* Whether the exporter of w is in this process's PID namespace, where its
+ * pid names it (unknown namespaces count as the same). */
+bool usmipc__same_pid_namespace(const struct usmipc__wire *w);
 /* Field 22 of /proc/<pid>/stat (start time in clock ticks), 0 on failure. */
 uint64_t usmipc__start_time(const char *pid);
 /* st_ino of a pidfd (pidfs), 0 when the kernel has no pidfs. */
@@ -268,7 +299,8 @@ uint32_t usmipc__crc32c(uint32_t crc, const void *data, size_t len);
 #define USMIPC__TABLE_BYTES                                                    \
   ((size_t)USMIPC__TABLE_HEADER_BYTES +                                        \
    (size_t)USMIPC__TABLE_SLOTS * sizeof(usmipc__export_slot_t))
-/* Header fields (native byte order: exporter and importer share a host). */
+/* Header fields: little-endian, but for the liveness offset and word (atomic
+ * words in the host's order; exporter and importer share a host). */
 enum {
   USMIPC__HDR_MAGIC = 0,
   USMIPC__HDR_VERSION = 8,
@@ -385,6 +417,8 @@ void usmipc__reply_build(uint8_t rep[USMIPC__REPLY_LEN], const uint8_t *req,
 int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
                         const usmipc__wire_t *w, unsigned want, int nfds,
                         bool truncated, const char *name);
+/* EEXPORTERGONE for an exporter that has exited (errno e, or 0). */
+int usmipc__fail_exporter_exited(const usmipc__wire_t *w, int e);
 /* pidfd_getfd(2) of descriptor number n from the process of pidfd. */
 int usmipc__pidfd_take(int pidfd, const usmipc__wire_t *w, uint32_t n,
                        int *out);

@@ -126,34 +126,6 @@ uint32_t usmipc__crc32c(uint32_t crc, const void *data, size_t len) {
   return ~crc32c_portable(crc, data, len);
 }
 
-/* ---- little-endian field access ------------------------------------------ */
-
-static void put16(uint8_t *p, uint16_t v) {
-  p[0] = (uint8_t)v;
-  p[1] = (uint8_t)(v >> 8);
-}
-static void put32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-static uint32_t get32(const uint8_t *p) {
-  uint32_t v = 0;
-  for (int i = 3; i >= 0; i--)
-    v = v << 8 | p[i];
-  return v;
-}
-static uint64_t get64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; i--)
-    v = v << 8 | p[i];
-  return v;
-}
-
 size_t usmipc__wire_size(size_t payload_len) {
   return USMIPC__WIRE_FIXED_LEN + payload_len + 4;
 }
@@ -166,39 +138,39 @@ void usmipc__wire_encode(const usmipc__wire_t *w, uint8_t *out) {
   size_t total = usmipc__wire_len(w);
   memset(out, 0, total);
   memcpy(out + OFF_MAGIC, wire_magic, sizeof(wire_magic));
-  put16(out + OFF_VERSION, USMIPC__WIRE_VERSION);
-  put16(out + OFF_LENGTH, (uint16_t)total);
+  usmipc__put16le(out + OFF_VERSION, USMIPC__WIRE_VERSION);
+  usmipc__put16le(out + OFF_LENGTH, (uint16_t)total);
   out[OFF_BACKEND] = (uint8_t)w->backend;
   out[OFF_HANDLE_KIND] = w->payload.handle_kind;
-  put16(out + OFF_FLAGS, w->flags);
-  put32(out + OFF_WRITER_VERSION, w->writer_version);
-  put32(out + OFF_UID, w->uid);
-  put32(out + OFF_PID, w->pid);
-  put32(out + OFF_FD_NUMBER, w->fd_number);
+  usmipc__put16le(out + OFF_FLAGS, w->flags);
+  usmipc__put32le(out + OFF_WRITER_VERSION, w->writer_version);
+  usmipc__put32le(out + OFF_UID, w->uid);
+  usmipc__put32le(out + OFF_PID, w->pid);
+  usmipc__put32le(out + OFF_FD_NUMBER, w->fd_number);
   memcpy(out + OFF_DEVICE_UUID, w->device_uuid, 16);
   memcpy(out + OFF_BOOT_ID, w->boot_id, 16);
-  put64(out + OFF_NONCE, w->nonce);
-  put64(out + OFF_START_TIME, w->start_time);
-  put64(out + OFF_PIDFD_INO, w->pidfd_ino);
-  put64(out + OFF_PID_NS, w->pid_ns);
-  put64(out + OFF_NET_NS, w->net_ns);
-  put64(out + OFF_USER_NS, w->user_ns);
-  put64(out + OFF_BUFFER_ID, w->buffer_id);
-  put64(out + OFF_EXPORTER_BASE, w->exporter_base);
-  put64(out + OFF_ALLOCATION_SIZE, w->allocation_size);
-  put64(out + OFF_OFFSET, w->offset);
-  put64(out + OFF_NBYTES, w->nbytes);
-  put64(out + OFF_FD_DEV, w->fd_dev);
-  put64(out + OFF_FD_INO, w->fd_ino);
+  usmipc__put64le(out + OFF_NONCE, w->nonce);
+  usmipc__put64le(out + OFF_START_TIME, w->start_time);
+  usmipc__put64le(out + OFF_PIDFD_INO, w->pidfd_ino);
+  usmipc__put64le(out + OFF_PID_NS, w->pid_ns);
+  usmipc__put64le(out + OFF_NET_NS, w->net_ns);
+  usmipc__put64le(out + OFF_USER_NS, w->user_ns);
+  usmipc__put64le(out + OFF_BUFFER_ID, w->buffer_id);
+  usmipc__put64le(out + OFF_EXPORTER_BASE, w->exporter_base);
+  usmipc__put64le(out + OFF_ALLOCATION_SIZE, w->allocation_size);
+  usmipc__put64le(out + OFF_OFFSET, w->offset);
+  usmipc__put64le(out + OFF_NBYTES, w->nbytes);
+  usmipc__put64le(out + OFF_FD_DEV, w->fd_dev);
+  usmipc__put64le(out + OFF_FD_INO, w->fd_ino);
   memcpy(out + OFF_KEY, w->key, 16);
   memcpy(out + OFF_TOKEN, w->token, 16);
-  put32(out + OFF_EXPORT_SLOT, w->export_slot);
-  put32(out + OFF_TABLE_FD, w->table_fd_number);
-  put16(out + OFF_PAYLOAD_LEN, w->payload.len);
-  put16(out + OFF_EXT_LEN, w->ext_len);
+  usmipc__put32le(out + OFF_EXPORT_SLOT, w->export_slot);
+  usmipc__put32le(out + OFF_TABLE_FD, w->table_fd_number);
+  usmipc__put16le(out + OFF_PAYLOAD_LEN, w->payload.len);
+  usmipc__put16le(out + OFF_EXT_LEN, w->ext_len);
   memcpy(out + OFF_PAYLOAD, w->payload.bytes, w->payload.len);
   memcpy(out + OFF_PAYLOAD + w->payload.len, w->ext, w->ext_len);
-  put32(out + total - 4, usmipc__crc32c(0, out, total - 4));
+  usmipc__put32le(out + total - 4, usmipc__crc32c(0, out, total - 4));
 }
 
 static int bad(const char *what) {
@@ -229,7 +201,8 @@ static int wrong_version(const uint8_t *p, size_t len, uint16_t version) {
                         mine, USMIPC__WIRE_VERSION);
   char theirs[32] = "an unknown release";
   if (version > USMIPC__WIRE_VERSION && len >= OFF_WRITER_VERSION + 4)
-    version_text(get32(p + OFF_WRITER_VERSION), theirs, sizeof(theirs));
+    version_text(usmipc__get32le(p + OFF_WRITER_VERSION), theirs,
+                 sizeof(theirs));
   return usmipc__fail(USMIPC_EHANDLEVERSION,
                       "the handle uses wire format version %u (written by "
                       "usmipc %s) but this usmipc (%s) reads version %u; use "
@@ -246,7 +219,8 @@ static int check_extensions(const usmipc__wire_t *w) {
   while (at < w->ext_len) {
     if (w->ext_len - at < 4)
       return bad("an extension record is truncated");
-    uint16_t type = get16(w->ext + at), rlen = get16(w->ext + at + 2);
+    uint16_t type = usmipc__get16le(w->ext + at),
+             rlen = usmipc__get16le(w->ext + at + 2);
     if (rlen > w->ext_len - at - 4)
       return bad("an extension record overruns the extension area");
     if (type == 0)
@@ -269,7 +243,8 @@ const uint8_t *usmipc__wire_ext_find(const usmipc__wire_t *w, uint16_t type,
                                      uint16_t *len) {
   size_t at = 0;
   while (at + 4 <= w->ext_len) {
-    uint16_t t = get16(w->ext + at), rlen = get16(w->ext + at + 2);
+    uint16_t t = usmipc__get16le(w->ext + at),
+             rlen = usmipc__get16le(w->ext + at + 2);
     if (rlen > w->ext_len - at - 4)
       return NULL;
     if (t == type) {
@@ -292,17 +267,17 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
   }
   if (memcmp(p, wire_magic, sizeof(wire_magic)) != 0)
     return bad("it does not start with the usmipc magic \\x89USMIPC\\n");
-  uint16_t version = get16(p + OFF_VERSION);
+  uint16_t version = usmipc__get16le(p + OFF_VERSION);
   if (version != USMIPC__WIRE_VERSION)
     return wrong_version(p, len, version);
-  uint16_t declared = get16(p + OFF_LENGTH);
+  uint16_t declared = usmipc__get16le(p + OFF_LENGTH);
   if (len < declared)
     return bad("it is truncated (fewer bytes than its length field)");
   if (len > declared)
     return bad("it has trailing bytes beyond its length field");
   if (len < usmipc__wire_size(0))
     return bad("its length field is too small for the fixed fields");
-  uint32_t crc = get32(p + len - 4);
+  uint32_t crc = usmipc__get32le(p + len - 4);
   if (usmipc__crc32c(0, p, len - 4) != crc)
     return bad("its checksum does not match (the bytes were corrupted)");
 
@@ -313,37 +288,37 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
       w->backend != USMIPC_BACKEND_LEVEL_ZERO)
     return bad("its backend field names no known backend");
   w->payload.handle_kind = p[OFF_HANDLE_KIND];
-  w->flags = get16(p + OFF_FLAGS);
+  w->flags = usmipc__get16le(p + OFF_FLAGS);
   if (w->flags & ~USMIPC__WIRE_FLAGS_KNOWN)
     return bad("it sets unknown flags");
   if ((w->flags & USMIPC__WIRE_FLAG_REOPENABLE) &&
       !(w->flags & USMIPC__WIRE_FLAG_FD))
     return bad("it marks a descriptor reopenable but shares none");
-  w->writer_version = get32(p + OFF_WRITER_VERSION);
-  w->uid = get32(p + OFF_UID);
-  w->pid = get32(p + OFF_PID);
-  w->fd_number = get32(p + OFF_FD_NUMBER);
+  w->writer_version = usmipc__get32le(p + OFF_WRITER_VERSION);
+  w->uid = usmipc__get32le(p + OFF_UID);
+  w->pid = usmipc__get32le(p + OFF_PID);
+  w->fd_number = usmipc__get32le(p + OFF_FD_NUMBER);
   memcpy(w->device_uuid, p + OFF_DEVICE_UUID, 16);
   memcpy(w->boot_id, p + OFF_BOOT_ID, 16);
-  w->nonce = get64(p + OFF_NONCE);
-  w->start_time = get64(p + OFF_START_TIME);
-  w->pidfd_ino = get64(p + OFF_PIDFD_INO);
-  w->pid_ns = get64(p + OFF_PID_NS);
-  w->net_ns = get64(p + OFF_NET_NS);
-  w->user_ns = get64(p + OFF_USER_NS);
-  w->buffer_id = get64(p + OFF_BUFFER_ID);
-  w->exporter_base = get64(p + OFF_EXPORTER_BASE);
-  w->allocation_size = get64(p + OFF_ALLOCATION_SIZE);
-  w->offset = get64(p + OFF_OFFSET);
-  w->nbytes = get64(p + OFF_NBYTES);
-  w->fd_dev = get64(p + OFF_FD_DEV);
-  w->fd_ino = get64(p + OFF_FD_INO);
+  w->nonce = usmipc__get64le(p + OFF_NONCE);
+  w->start_time = usmipc__get64le(p + OFF_START_TIME);
+  w->pidfd_ino = usmipc__get64le(p + OFF_PIDFD_INO);
+  w->pid_ns = usmipc__get64le(p + OFF_PID_NS);
+  w->net_ns = usmipc__get64le(p + OFF_NET_NS);
+  w->user_ns = usmipc__get64le(p + OFF_USER_NS);
+  w->buffer_id = usmipc__get64le(p + OFF_BUFFER_ID);
+  w->exporter_base = usmipc__get64le(p + OFF_EXPORTER_BASE);
+  w->allocation_size = usmipc__get64le(p + OFF_ALLOCATION_SIZE);
+  w->offset = usmipc__get64le(p + OFF_OFFSET);
+  w->nbytes = usmipc__get64le(p + OFF_NBYTES);
+  w->fd_dev = usmipc__get64le(p + OFF_FD_DEV);
+  w->fd_ino = usmipc__get64le(p + OFF_FD_INO);
   memcpy(w->key, p + OFF_KEY, 16);
   memcpy(w->token, p + OFF_TOKEN, 16);
-  w->export_slot = get32(p + OFF_EXPORT_SLOT);
-  w->table_fd_number = get32(p + OFF_TABLE_FD);
-  w->payload.len = get16(p + OFF_PAYLOAD_LEN);
-  w->ext_len = get16(p + OFF_EXT_LEN);
+  w->export_slot = usmipc__get32le(p + OFF_EXPORT_SLOT);
+  w->table_fd_number = usmipc__get32le(p + OFF_TABLE_FD);
+  w->payload.len = usmipc__get16le(p + OFF_PAYLOAD_LEN);
+  w->ext_len = usmipc__get16le(p + OFF_EXT_LEN);
   if (w->payload.len > USMIPC__PAYLOAD_MAX)
     return bad("its payload is longer than any backend's");
   if (w->ext_len > USMIPC__WIRE_EXT_MAX)

@@ -170,18 +170,21 @@ static void idle_push(usmipc__region_t *r) {
   idle_bytes += mapped_bytes(r);
 }
 
-/* Detaches idle mappings beyond the limit; returns them as a list (linked by
- * idle_next) to unmap once the lock is dropped. */
+/* Takes an idle mapping out of the cache and the registry onto a list
+ * (linked by idle_next) to unmap once the lock is dropped. */
+static void idle_detach(usmipc__region_t *r, usmipc__region_t **list) {
+  idle_unlink(r);
+  import_remove(r);
+  usmipc__region_remove(r);
+  r->idle_next = *list;
+  *list = r;
+}
+
+/* Detaches idle mappings beyond the limits, least recently used first. */
 static usmipc__region_t *idle_evict_over_limit(void) {
   usmipc__region_t *evicted = NULL;
-  while (idle_count > idle_limit || idle_bytes > idle_byte_limit) {
-    usmipc__region_t *r = idle_tail;
-    idle_unlink(r);
-    import_remove(r);
-    usmipc__region_remove(r);
-    r->idle_next = evicted;
-    evicted = r;
-  }
+  while (idle_count > idle_limit || idle_bytes > idle_byte_limit)
+    idle_detach(idle_tail, &evicted);
   return evicted;
 }
 
@@ -204,36 +207,30 @@ static usmipc__region_t *idle_drop_dead(usmipc__region_t *evicted) {
     return evicted;
   for (usmipc__region_t *r = idle_head, *next; r; r = next) {
     next = r->idle_next;
-    if (r->peer == NULL || usmipc__peer_slot_live(r->peer, r->export_slot,
-                                                  r->buffer_id, r->slot_tag))
-      continue;
-    idle_unlink(r);
-    import_remove(r);
-    usmipc__region_remove(r);
-    r->idle_next = evicted;
-    evicted = r;
+    if (r->peer != NULL && !usmipc__peer_slot_live(r->peer, r->export_slot,
+                                                   r->buffer_id, r->slot_tag))
+      idle_detach(r, &evicted);
   }
   return evicted;
 }
 
-int usmipc_ipc_set_cache_size(size_t entries) {
+/* Sets one of the cache's bounds and evicts what no longer fits. */
+static int set_cache_limit(size_t *limit, size_t value) {
   pthread_once(&cache_once, cache_init);
   pthread_mutex_lock(&usmipc__registry_lock);
-  idle_limit = entries;
+  *limit = value;
   usmipc__region_t *evicted = idle_evict_over_limit();
   pthread_mutex_unlock(&usmipc__registry_lock);
   unmap_list(evicted);
   return 0;
 }
 
+int usmipc_ipc_set_cache_size(size_t entries) {
+  return set_cache_limit(&idle_limit, entries);
+}
+
 int usmipc_ipc_set_cache_bytes(size_t bytes) {
-  pthread_once(&cache_once, cache_init);
-  pthread_mutex_lock(&usmipc__registry_lock);
-  idle_byte_limit = bytes;
-  usmipc__region_t *evicted = idle_evict_over_limit();
-  pthread_mutex_unlock(&usmipc__registry_lock);
-  unmap_list(evicted);
-  return 0;
+  return set_cache_limit(&idle_byte_limit, bytes);
 }
 
 /* ---- export ---------------------------------------------------------------
@@ -718,9 +715,10 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
      * descriptor (which the broker may have handed over with the proof). */
     if ((rc = usmipc__peer_get(&w, deadline, &peer, &fd)) != 0)
       return rc;
-    if ((rc = usmipc__peer_check(peer, &w, tag, NULL)) == 0 && fd < 0 &&
-        (w.flags & USMIPC__WIRE_FLAG_FD))
+    if (fd < 0 && (w.flags & USMIPC__WIRE_FLAG_FD))
       rc = usmipc__peer_fetch_fd(peer, &w, tag, deadline, &fd);
+    else
+      rc = usmipc__peer_check(peer, &w, tag, NULL);
     if (rc != 0) {
       if (fd >= 0)
         close(fd);

@@ -79,6 +79,11 @@ uint64_t usmipc__ns_inode(const char *pid, const char *name) {
   return stat(path, &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
+bool usmipc__same_pid_namespace(const usmipc__wire_t *w) {
+  uint64_t mine = usmipc__self()->pid_ns;
+  return w->pid_ns == 0 || mine == 0 || w->pid_ns == mine;
+}
+
 uint64_t usmipc__start_time(const char *pid) {
   char path[64], text[1024];
   snprintf(path, sizeof(path), "/proc/%s/stat", pid);

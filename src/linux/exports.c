@@ -78,19 +78,6 @@ void usmipc__exports_fork_child(void) {
   next_unused = 0;
 }
 
-static void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
-static void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
-static uint32_t get32(const uint8_t *p) {
-  uint32_t v;
-  memcpy(&v, p, 4);
-  return v;
-}
-static uint64_t get64(const uint8_t *p) {
-  uint64_t v;
-  memcpy(&v, p, 8);
-  return v;
-}
-
 /* The tag over the header's identity fields [0, HDR_TAG). */
 static void header_tag(const uint8_t *hdr, const uint8_t key[16],
                        uint8_t out[16]) {
@@ -126,13 +113,13 @@ static int table_create(void) {
   }
   uint8_t *hdr = p;
   memcpy(hdr + USMIPC__HDR_MAGIC, USMIPC__TABLE_MAGIC, 8);
-  put32(hdr + USMIPC__HDR_VERSION, 2);
-  put32(hdr + USMIPC__HDR_PID, self->pid);
-  put32(hdr + USMIPC__HDR_UID, self->uid);
-  put64(hdr + USMIPC__HDR_NONCE, self->nonce);
-  put64(hdr + USMIPC__HDR_START_TIME, self->start_time);
+  usmipc__put32le(hdr + USMIPC__HDR_VERSION, 2);
+  usmipc__put32le(hdr + USMIPC__HDR_PID, self->pid);
+  usmipc__put32le(hdr + USMIPC__HDR_UID, self->uid);
+  usmipc__put64le(hdr + USMIPC__HDR_NONCE, self->nonce);
+  usmipc__put64le(hdr + USMIPC__HDR_START_TIME, self->start_time);
   memcpy(hdr + USMIPC__HDR_BOOT_ID, self->boot_id, 16);
-  put64(hdr + USMIPC__HDR_SLOTS, USMIPC__TABLE_SLOTS);
+  usmipc__put64le(hdr + USMIPC__HDR_SLOTS, USMIPC__TABLE_SLOTS);
   header_tag(hdr, self->key, hdr + USMIPC__HDR_TAG);
   /* The liveness mutex: robust (the kernel marks it when the holder dies)
    * and process-shared (importers read its word in their own mapping). */
@@ -185,7 +172,7 @@ uint64_t usmipc__slot_tag(const uint8_t key[16], const uint8_t token[16]) {
   memcpy(msg, "usmipc-slottag-2", 16);
   memcpy(msg + 16, token, 16);
   usmipc__mac(mac, key, msg, sizeof(msg));
-  return get64(mac) | 1; /* never 0, the tag of a free slot */
+  return usmipc__get64le(mac) | 1; /* never 0, the tag of a free slot */
 }
 
 static void slot_write(usmipc__export_slot_t *s, uint64_t buffer_id,
@@ -292,15 +279,15 @@ int usmipc__table_map(int fd, const usmipc__wire_t *w, const uint8_t **out) {
   const uint8_t *hdr = p;
   uint8_t tag[16];
   header_tag(hdr, w->key, tag);
-  uint32_t alive_off = get32(hdr + USMIPC__HDR_ALIVE_OFFSET);
+  uint32_t alive_off = usmipc__get32le(hdr + USMIPC__HDR_ALIVE_OFFSET);
   if (memcmp(hdr + USMIPC__HDR_MAGIC, USMIPC__TABLE_MAGIC, 8) != 0 ||
-      get32(hdr + USMIPC__HDR_VERSION) != 2 ||
-      get32(hdr + USMIPC__HDR_PID) != w->pid ||
-      get32(hdr + USMIPC__HDR_UID) != w->uid ||
-      get64(hdr + USMIPC__HDR_NONCE) != w->nonce ||
-      get64(hdr + USMIPC__HDR_START_TIME) != w->start_time ||
+      usmipc__get32le(hdr + USMIPC__HDR_VERSION) != 2 ||
+      usmipc__get32le(hdr + USMIPC__HDR_PID) != w->pid ||
+      usmipc__get32le(hdr + USMIPC__HDR_UID) != w->uid ||
+      usmipc__get64le(hdr + USMIPC__HDR_NONCE) != w->nonce ||
+      usmipc__get64le(hdr + USMIPC__HDR_START_TIME) != w->start_time ||
       memcmp(hdr + USMIPC__HDR_BOOT_ID, w->boot_id, 16) != 0 ||
-      get64(hdr + USMIPC__HDR_SLOTS) != USMIPC__TABLE_SLOTS ||
+      usmipc__get64le(hdr + USMIPC__HDR_SLOTS) != USMIPC__TABLE_SLOTS ||
       !usmipc__ct_equal(tag, hdr + USMIPC__HDR_TAG, 16)) {
     munmap(p, USMIPC__TABLE_BYTES);
     return usmipc__fail(USMIPC_EUNTRUSTED,
@@ -335,8 +322,7 @@ int usmipc__table_alive(const uint8_t *hdr) {
 
 int usmipc__table_read_slot(const uint8_t *hdr, uint32_t slot,
                             usmipc__export_slot_t *out, uint32_t *seq_out) {
-  const usmipc__export_slot_t *s = &(
-      (const usmipc__export_slot_t *)(hdr + USMIPC__TABLE_HEADER_BYTES))[slot];
+  const usmipc__export_slot_t *s = slots_of((uint8_t *)hdr) + slot;
   uint32_t s1, s2;
   unsigned spins = 0;
   do {
@@ -359,7 +345,6 @@ int usmipc__table_read_slot(const uint8_t *hdr, uint32_t slot,
 }
 
 uint32_t usmipc__table_slot_seq(const uint8_t *hdr, uint32_t slot) {
-  const usmipc__export_slot_t *s = &(
-      (const usmipc__export_slot_t *)(hdr + USMIPC__TABLE_HEADER_BYTES))[slot];
+  const usmipc__export_slot_t *s = slots_of((uint8_t *)hdr) + slot;
   return __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
 }

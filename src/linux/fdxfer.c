@@ -94,29 +94,13 @@ enum reply_status {
  *   32 [16] MAC(process key, "usmipc-reply---2" || bytes[0, 32) || u64 buffer
  *           id), then the descriptors as SCM_RIGHTS: the table first. */
 
-static void put32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint32_t get32(const uint8_t *p) {
-  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-         (uint32_t)p[3] << 24;
-}
-static uint64_t get64(const uint8_t *p) {
-  return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32;
-}
-
 static void mac_with_label(uint8_t out[16], const uint8_t key[16],
                            const char label[16], const uint8_t *data,
                            size_t len, uint64_t extra) {
   uint8_t msg[16 + 48 + 8];
   memcpy(msg, label, 16);
   memcpy(msg + 16, data, len);
-  put64(msg + 16 + len, extra);
+  usmipc__put64le(msg + 16 + len, extra);
   usmipc__mac(out, key, msg, 16 + len + 8);
 }
 
@@ -140,12 +124,12 @@ void usmipc__request_build(uint8_t req[USMIPC__REQUEST_LEN],
                            const usmipc__wire_t *w, unsigned want,
                            const uint8_t client_nonce[16]) {
   memset(req, 0, USMIPC__REQUEST_LEN);
-  put32(req, REQUEST_MAGIC);
-  put32(req + 4, PROTOCOL_VERSION);
-  put32(req + 8, w->pid);
-  put32(req + 12, want);
-  put64(req + 16, w->nonce);
-  put64(req + 24, w->buffer_id);
+  usmipc__put32le(req, REQUEST_MAGIC);
+  usmipc__put32le(req + 4, PROTOCOL_VERSION);
+  usmipc__put32le(req + 8, w->pid);
+  usmipc__put32le(req + 12, want);
+  usmipc__put64le(req + 16, w->nonce);
+  usmipc__put64le(req + 24, w->buffer_id);
   memcpy(req + 32, client_nonce, 16);
   request_proof(req, w->key, req + 48);
   if (want & USMIPC__WANT_FD)
@@ -155,14 +139,14 @@ void usmipc__request_build(uint8_t req[USMIPC__REQUEST_LEN],
 uint32_t usmipc__request_check(const uint8_t *req, size_t len, uint32_t pid,
                                uint64_t nonce, const uint8_t key[16],
                                uint32_t *want, uint64_t *buffer_id) {
-  if (len != USMIPC__REQUEST_LEN || get32(req) != REQUEST_MAGIC ||
-      get32(req + 4) != PROTOCOL_VERSION)
+  if (len != USMIPC__REQUEST_LEN || usmipc__get32le(req) != REQUEST_MAGIC ||
+      usmipc__get32le(req + 4) != PROTOCOL_VERSION)
     return REPLY_BAD_REQUEST;
   uint8_t proof[16];
   request_proof(req, key, proof);
-  *want = get32(req + 12);
-  *buffer_id = get64(req + 24);
-  if (get32(req + 8) != pid || get64(req + 16) != nonce ||
+  *want = usmipc__get32le(req + 12);
+  *buffer_id = usmipc__get64le(req + 24);
+  if (usmipc__get32le(req + 8) != pid || usmipc__get64le(req + 16) != nonce ||
       !usmipc__ct_equal(proof, req + 48, 16) ||
       (*want & ~(USMIPC__WANT_TABLE | USMIPC__WANT_FD)) != 0 || *want == 0)
     return REPLY_BAD_PROOF;
@@ -178,13 +162,13 @@ int usmipc__request_capability_ok(const uint8_t *req, const uint8_t token[16]) {
 void usmipc__reply_build(uint8_t rep[USMIPC__REPLY_LEN], const uint8_t *req,
                          uint32_t status, int nfds, const uint8_t key[16]) {
   memset(rep, 0, USMIPC__REPLY_LEN);
-  put32(rep, REPLY_MAGIC);
-  put32(rep + 4, status);
-  put32(rep + 8, (uint32_t)nfds);
-  put32(rep + 12, req ? get32(req + 12) : 0);
+  usmipc__put32le(rep, REPLY_MAGIC);
+  usmipc__put32le(rep + 4, status);
+  usmipc__put32le(rep + 8, (uint32_t)nfds);
+  usmipc__put32le(rep + 12, req ? usmipc__get32le(req + 12) : 0);
   if (req)
     memcpy(rep + 16, req + 32, 16);
-  reply_mac(rep, key, req ? get64(req + 24) : 0, rep + 32);
+  reply_mac(rep, key, req ? usmipc__get64le(req + 24) : 0, rep + 32);
 }
 
 static socklen_t abstract_address(uint32_t pid, uint64_t nonce,
@@ -690,6 +674,14 @@ int usmipc__transport_mode(usmipc__transport_t *mode) {
   return 0;
 }
 
+int usmipc__fail_exporter_exited(const usmipc__wire_t *w, int e) {
+  return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
+                             "the exporting process %u has exited; mappings "
+                             "opened before it exited stay valid, new opens "
+                             "are impossible",
+                             w->pid);
+}
+
 int usmipc__pidfd_take(int pidfd, const usmipc__wire_t *w, uint32_t n,
                        int *out) {
   int fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)n, 0);
@@ -699,11 +691,7 @@ int usmipc__pidfd_take(int pidfd, const usmipc__wire_t *w, uint32_t n,
   }
   int e = errno;
   if (e == ESRCH)
-    return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
-                               "the exporting process %u has exited; "
-                               "mappings opened before it exited stay valid, "
-                               "new opens are impossible",
-                               w->pid);
+    return usmipc__fail_exporter_exited(w, e);
   if (e == EPERM || e == EACCES)
     return usmipc__fail_native(USMIPC_EACCES, e,
                                "pidfd_getfd(2) may not take descriptors from "
@@ -781,11 +769,9 @@ int usmipc__procfd_reopen(const usmipc__wire_t *w, uint32_t n, int flags,
  * its backlog is full. */
 static int broker_connect(const usmipc__wire_t *w, uint64_t deadline, int *out,
                           char *name, size_t name_len) {
-  const usmipc__process_t *self = usmipc__self();
   uint64_t my_net = usmipc__ns_inode("self", "net");
   bool same_net = w->net_ns == 0 || my_net == 0 || w->net_ns == my_net;
-  bool same_pid =
-      w->pid_ns == 0 || self->pid_ns == 0 || w->pid_ns == self->pid_ns;
+  bool same_pid = usmipc__same_pid_namespace(w);
   const char *dir = socket_dir_env();
   struct sockaddr_un addr;
   socklen_t len;
@@ -868,8 +854,7 @@ static int check_listener(int s, const usmipc__wire_t *w, const char *name) {
                         "the exporter exit and another user take its "
                         "socket's name?); refused before sending anything",
                         name, (unsigned)cred.uid, (unsigned)self->uid);
-  bool same_pid =
-      w->pid_ns == 0 || self->pid_ns == 0 || w->pid_ns == self->pid_ns;
+  bool same_pid = usmipc__same_pid_namespace(w);
   if (same_pid && cred.pid != 0 && (uint32_t)cred.pid != w->pid)
     return usmipc__fail(USMIPC_EUNTRUSTED,
                         "process %d listens on %s, not the exporter %u: "
@@ -951,12 +936,12 @@ int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
                         "the broker of process %u closed the connection "
                         "without answering (it is exiting?)",
                         w->pid);
-  if (n != REPLY_LEN || get32(rep) != REPLY_MAGIC)
+  if (n != REPLY_LEN || usmipc__get32le(rep) != REPLY_MAGIC)
     return usmipc__fail(USMIPC_EUNTRUSTED,
                         "malformed answer from %s: not a usmipc broker", name);
-  if (get32(rep + 4) == REPLY_OTHER_USER)
+  if (usmipc__get32le(rep + 4) == REPLY_OTHER_USER)
     return reply_error(w, REPLY_OTHER_USER); /* said before any request */
-  reply_mac(rep, w->key, get64(req + 24), mac);
+  reply_mac(rep, w->key, usmipc__get64le(req + 24), mac);
   if (memcmp(rep + 16, req + 32, 16) != 0 ||
       !usmipc__ct_equal(mac, rep + 32, 16))
     return usmipc__fail(USMIPC_EUNTRUSTED,
@@ -964,10 +949,10 @@ int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
                         "it is not the exporter (or the handle is forged); "
                         "nothing it sent is used",
                         name);
-  if (get32(rep + 4) != REPLY_OK)
-    return reply_error(w, get32(rep + 4));
-  if (nfds != expect || get32(rep + 8) != (uint32_t)expect || truncated ||
-      get32(rep + 12) != want)
+  if (usmipc__get32le(rep + 4) != REPLY_OK)
+    return reply_error(w, usmipc__get32le(rep + 4));
+  if (nfds != expect || usmipc__get32le(rep + 8) != (uint32_t)expect ||
+      truncated || usmipc__get32le(rep + 12) != want)
     return usmipc__fail(USMIPC_ETRANSPORT,
                         "the broker of process %u sent %d descriptors, not %d",
                         w->pid, nfds, expect);

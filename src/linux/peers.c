@@ -110,22 +110,13 @@ void usmipc__peer_put(usmipc__peer_t *p) {
   }
 }
 
-static bool same_pid_namespace(const usmipc__wire_t *w) {
-  const usmipc__process_t *self = usmipc__self();
-  return w->pid_ns == 0 || self->pid_ns == 0 || w->pid_ns == self->pid_ns;
-}
-
 /* A pidfd of w's pid that is provably the exporter, or an error. */
 static int open_exporter_pidfd(const usmipc__wire_t *w, int *out) {
   int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)w->pid, 0);
   if (pidfd < 0) {
     int e = errno;
     if (e == ESRCH)
-      return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
-                                 "the exporting process %u has exited; "
-                                 "mappings opened before it exited stay "
-                                 "valid, new opens are impossible",
-                                 w->pid);
+      return usmipc__fail_exporter_exited(w, e);
     return usmipc__fail_native(usmipc__errno_code(e), e,
                                "pidfd_open(2) of process %u failed: %s", w->pid,
                                strerror(e));
@@ -185,7 +176,7 @@ static int prove(const usmipc__wire_t *w, uint64_t deadline, usmipc__peer_t *p,
                         "runs as uid %u: IPC memory is shared only between "
                         "processes of the same user",
                         w->uid, self->uid);
-  p->same_pid_ns = same_pid_namespace(w);
+  p->same_pid_ns = usmipc__same_pid_namespace(w);
   if (!p->same_pid_ns &&
       (mode == USMIPC__TRANSPORT_PIDFD || mode == USMIPC__TRANSPORT_PROCFD))
     return usmipc__fail(USMIPC_ENAMESPACE,
@@ -308,11 +299,7 @@ int usmipc__peer_check(const usmipc__peer_t *p, const usmipc__wire_t *w,
                         "of range",
                         w->export_slot);
   if (!usmipc__table_alive(p->table))
-    return usmipc__fail(USMIPC_EEXPORTERGONE,
-                        "the exporting process %u has exited; mappings "
-                        "opened before it exited stay valid, new opens are "
-                        "impossible",
-                        w->pid);
+    return usmipc__fail_exporter_exited(w, 0);
   usmipc__export_slot_t s;
   if (usmipc__table_read_slot(p->table, w->export_slot, &s, seq) != 0)
     return usmipc__fail(USMIPC_EEXPORTERGONE,
@@ -352,17 +339,20 @@ int usmipc__peer_slot_live(const usmipc__peer_t *p, uint32_t slot,
 
 /* The descriptor number named the allocation's descriptor before the copy
  * (checked by the caller) and still does after it (the exporter clears the
- * slot before closing): then the copy is the allocation's. */
+ * slot before closing): then the copy is the allocation's. A copy through
+ * pidfd_getfd needs nothing more (and for CUDA's descriptors, which share
+ * one inode, nothing more could help); a reopen through /proc opens a file
+ * by name, which must also be the handle's file. Closes fd on failure. */
 static int recheck(const usmipc__peer_t *p, const usmipc__wire_t *w,
-                   uint32_t seq, int fd) {
-  if (usmipc__table_slot_seq(p->table, w->export_slot) != seq) {
-    close(fd);
-    return usmipc__fail(USMIPC_EEXPORTERGONE,
-                        "process %u freed the memory this handle names while "
-                        "it was being opened",
-                        w->pid);
-  }
-  int rc = check_identity(fd, w);
+                   uint32_t seq, int fd, bool reopened) {
+  int rc = 0;
+  if (usmipc__table_slot_seq(p->table, w->export_slot) != seq)
+    rc = usmipc__fail(USMIPC_EEXPORTERGONE,
+                      "process %u freed the memory this handle names while "
+                      "it was being opened",
+                      w->pid);
+  else if (reopened)
+    rc = check_identity(fd, w);
   if (rc != 0)
     close(fd);
   return rc;
@@ -378,19 +368,9 @@ int usmipc__peer_fetch_fd(usmipc__peer_t *p, const usmipc__wire_t *w,
     return rc;
   if (p->pidfd >= 0 && mode != USMIPC__TRANSPORT_SOCKET &&
       mode != USMIPC__TRANSPORT_PROCFD) {
-    /* The slot named this descriptor number, with the handle's buffer id
-     * and tag, before the copy and (same seq) after it: the copy is the
-     * allocation's descriptor; no file identity check is needed (and for
-     * CUDA's descriptors, which share one inode, none could help). */
-    if ((rc = usmipc__pidfd_take(p->pidfd, w, w->fd_number, &fd)) != 0)
+    if ((rc = usmipc__pidfd_take(p->pidfd, w, w->fd_number, &fd)) != 0 ||
+        (rc = recheck(p, w, seq, fd, false)) != 0)
       return rc;
-    if (usmipc__table_slot_seq(p->table, w->export_slot) != seq) {
-      close(fd);
-      return usmipc__fail(USMIPC_EEXPORTERGONE,
-                          "process %u freed the memory this handle names "
-                          "while it was being opened",
-                          w->pid);
-    }
     *out = fd;
     return 0;
   }
@@ -402,7 +382,7 @@ int usmipc__peer_fetch_fd(usmipc__peer_t *p, const usmipc__wire_t *w,
   if (p->same_pid_ns && (w->flags & USMIPC__WIRE_FLAG_REOPENABLE) &&
       mode != USMIPC__TRANSPORT_SOCKET) {
     rc = usmipc__procfd_reopen(w, w->fd_number, O_RDWR, &fd);
-    if (rc == 0 && (rc = recheck(p, w, seq, fd)) == 0) {
+    if (rc == 0 && (rc = recheck(p, w, seq, fd, true)) == 0) {
       *out = fd;
       return 0;
     }

@@ -241,6 +241,9 @@ void agent_start(agent_t *a, const char *transport);
  * fails the test. */
 int agent_call(agent_t *a, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
+/* Parses the reply line in a->reply to command cmd (as agent_call does):
+ * 0 for ok, the code for err; a malformed reply fails the test. */
+int agent_parse_reply(agent_t *a, const char *cmd);
 /* agent_call that must succeed. */
 #define AGENT_OK(a, ...)                                                       \
   do {                                                                         \

@@ -225,24 +225,6 @@ static int wrapper_works(const char *const wrapper[]) {
   return exit_code_of(wait_pid_timeout(pid, 20)) == 0;
 }
 
-/* Parses the reply line in a->reply the way agent_call does. */
-static int parse_reply(agent_t *a, const char *cmd) {
-  a->reply[strcspn(a->reply, "\n")] = '\0';
-  if (strncmp(a->reply, "ok", 2) == 0 &&
-      (a->reply[2] == '\0' || a->reply[2] == ' ')) {
-    size_t skip = a->reply[2] ? 3 : 2;
-    memmove(a->reply, a->reply + skip, strlen(a->reply + skip) + 1);
-    return 0;
-  }
-  if (strncmp(a->reply, "err ", 4) == 0) {
-    memmove(a->reply, a->reply + 4, strlen(a->reply + 4) + 1);
-    int code = (int)strtol(a->reply, NULL, 10);
-    return code != 0 ? code : -1;
-  }
-  test_fail(__FILE__, __LINE__, "agent %d: bad reply \"%s\" to \"%s\"",
-            (int)a->pid, a->reply, cmd);
-}
-
 /* agent_call with a deadline. Returns 1 when no reply came within seconds
  * (the agent is then SIGKILLed and reaped, a->pid is 0), else 0 with the
  * agent_call result in *rc. */
@@ -284,7 +266,7 @@ static int agent_call_within(agent_t *a, double seconds, int *rc,
               "agent %d died (status %d) without answering \"%s\"", (int)a->pid,
               exit_code_of(status), cmd);
   }
-  *rc = parse_reply(a, cmd);
+  *rc = agent_parse_reply(a, cmd);
   return 0;
 }
 

@@ -515,6 +515,11 @@ int agent_call(agent_t *a, const char *fmt, ...) {
               "agent %d died (status %d) without answering \"%.*s\"",
               (int)a->pid, exit_code_of(status), n - 1, cmd);
   }
+  cmd[n - 1] = '\0';
+  return agent_parse_reply(a, cmd);
+}
+
+int agent_parse_reply(agent_t *a, const char *cmd) {
   a->reply[strcspn(a->reply, "\n")] = '\0';
   if (strncmp(a->reply, "ok", 2) == 0 &&
       (a->reply[2] == '\0' || a->reply[2] == ' ')) {
@@ -527,8 +532,8 @@ int agent_call(agent_t *a, const char *fmt, ...) {
     int code = (int)strtol(a->reply, NULL, 10);
     return code != 0 ? code : -1;
   }
-  test_fail(__FILE__, __LINE__, "agent %d: bad reply \"%s\" to \"%.*s\"",
-            (int)a->pid, a->reply, n - 1, cmd);
+  test_fail(__FILE__, __LINE__, "agent %d: bad reply \"%s\" to \"%s\"",
+            (int)a->pid, a->reply, cmd);
 }
 
 void agent_check_error(const char *file, int line, const agent_t *a, int r,

@@ -23,15 +23,8 @@
 
 #include "common.h"
 
-#define FUZZ_CHECK(cond, ...)                                                  \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      fprintf(stderr, "fuzz_handle: %s:%d: %s: ", __FILE__, __LINE__, #cond);  \
-      fprintf(stderr, __VA_ARGS__);                                            \
-      fputc('\n', stderr);                                                     \
-      abort();                                                                 \
-    }                                                                          \
-  } while (0)
+#define FUZZ_TARGET "fuzz_handle"
+#include "fuzz.h"
 
 static void check_one(const uint8_t *data, size_t size) {
   usmipc_ipc_handle_info_t info;
@@ -59,19 +52,22 @@ static void check_one(const uint8_t *data, size_t size) {
   FUZZ_CHECK(out != NULL, "malloc");
   usmipc__wire_encode(&w, out);
   for (size_t i = 0; i < n; i++)
-    FUZZ_CHECK(out[i] == data[i], "re-encoding differs at byte %zu: %02x != %02x",
-               i, out[i], data[i]);
+    FUZZ_CHECK(out[i] == data[i],
+               "re-encoding differs at byte %zu: %02x != %02x", i, out[i],
+               data[i]);
   free(out);
 
   /* What decoding promises about a handle it accepts. */
-  FUZZ_CHECK(w.backend == USMIPC_BACKEND_HOST || w.backend == USMIPC_BACKEND_CUDA ||
+  FUZZ_CHECK(w.backend == USMIPC_BACKEND_HOST ||
+                 w.backend == USMIPC_BACKEND_CUDA ||
                  w.backend == USMIPC_BACKEND_LEVEL_ZERO,
              "backend %d", (int)w.backend);
   FUZZ_CHECK(w.nbytes > 0, "zero bytes");
   FUZZ_CHECK(w.allocation_size > 0 && w.offset <= w.allocation_size &&
                  w.nbytes <= w.allocation_size - w.offset,
              "range %llu+%llu of %llu", (unsigned long long)w.offset,
-             (unsigned long long)w.nbytes, (unsigned long long)w.allocation_size);
+             (unsigned long long)w.nbytes,
+             (unsigned long long)w.allocation_size);
   FUZZ_CHECK(w.pid != 0 && w.nonce != 0, "no exporter");
 
   /* Extension records of an accepted handle: well formed, none critical,
@@ -86,7 +82,8 @@ static void check_one(const uint8_t *data, size_t size) {
                type);
     uint16_t flen = 0;
     const uint8_t *rec = usmipc__wire_ext_find(&w, type, &flen);
-    FUZZ_CHECK(rec != NULL && rec >= w.ext + 4 && rec + flen <= w.ext + w.ext_len,
+    FUZZ_CHECK(rec != NULL && rec >= w.ext + 4 &&
+                   rec + flen <= w.ext + w.ext_len,
                "ext_find of type 0x%04x out of bounds", type);
     at += 4u + rlen;
   }

@@ -17,15 +17,8 @@
 #include "blake2s.h"
 #include "common.h"
 
-#define FUZZ_CHECK(cond, ...)                                                  \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      fprintf(stderr, "fuzz_reply: %s:%d: %s: ", __FILE__, __LINE__, #cond);   \
-      fprintf(stderr, __VA_ARGS__);                                            \
-      fputc('\n', stderr);                                                     \
-      abort();                                                                 \
-    }                                                                          \
-  } while (0)
+#define FUZZ_TARGET "fuzz_reply"
+#include "fuzz.h"
 
 static const uint8_t KEY[16] = {1, 2,  3,  4,  5,  6,  7,  8,
                                 9, 10, 11, 12, 13, 14, 15, 16};
