@@ -40,6 +40,13 @@ void usmipc__mac(uint8_t out[16], const uint8_t key[16], const void *data,
 /* 1 when the n bytes at a and b are equal, else 0, taking the same time
  * whatever the bytes are, so a forger cannot learn a tag byte by byte from
  * how long a comparison took (memcmp stops at the first difference). */
+/* The same MAC with the key block compressed once, for many messages under
+ * one key: usmipc__mac_keyed(out, &keyed, data, len) equals
+ * usmipc__mac(out, key, data, len) for len > 0. */
+void usmipc__mac_keyed_init(usmipc__blake2s_t *keyed, const uint8_t key[16]);
+void usmipc__mac_keyed(uint8_t out[16], const usmipc__blake2s_t *keyed,
+                       const void *data, size_t len);
+
 int usmipc__ct_equal(const void *a, const void *b, size_t n);
 
 #endif /* USMIPC_BLAKE2S_H */

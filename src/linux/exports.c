@@ -168,10 +168,22 @@ int usmipc__exports_hold_alive(pthread_mutex_t *m, uint32_t tid) {
 }
 
 uint64_t usmipc__slot_tag(const uint8_t key[16], const uint8_t token[16]) {
+  /* Every open computes one tag, almost always under the key it used last
+   * (one exporter's handles): each thread keeps that key's keyed state. */
+  static __thread struct {
+    uint8_t key[16];
+    bool valid;
+    usmipc__blake2s_t keyed;
+  } last;
+  if (!last.valid || memcmp(last.key, key, 16) != 0) {
+    usmipc__mac_keyed_init(&last.keyed, key);
+    memcpy(last.key, key, 16);
+    last.valid = true;
+  }
   uint8_t msg[32], mac[16];
   memcpy(msg, "usmipc-slottag-2", 16);
   memcpy(msg + 16, token, 16);
-  usmipc__mac(mac, key, msg, sizeof(msg));
+  usmipc__mac_keyed(mac, &last.keyed, msg, sizeof(msg));
   return usmipc__get64le(mac) | 1; /* never 0, the tag of a free slot */
 }
 
