@@ -68,6 +68,8 @@
 #define REPLY_LEN USMIPC__REPLY_LEN
 /* How long the broker waits for a connected peer's request. */
 #define CONN_DEADLINE_MS 1000
+/* How long an answered connection may stay idle for the next request. */
+#define KEEP_MS 5000
 /* Connections served at once, and at most per peer process. */
 #define MAX_CONNS 64
 #define MAX_CONNS_PER_PEER 8
@@ -222,9 +224,12 @@ void usmipc__fdxfer_fork_parent(void) { pthread_mutex_unlock(&fdx_lock); }
  * are the parent's to serve: the child forgets them (and its copies of the
  * listening sockets; the socket file stays the parent's) and starts its own
  * broker on its next export. */
+static void kept_forget_all(void);
+
 void usmipc__fdxfer_fork_child(void) {
   pthread_mutex_unlock(&fdx_lock);
-  grant_count = 0; /* the descriptors belong to the inherited allocations */
+  kept_forget_all(); /* the parent's: a request here would cross its own */
+  grant_count = 0;   /* the descriptors belong to the inherited allocations */
   for (int i = 0; i < 2; i++) {
     if (listen_fds[i] >= 0)
       close(listen_fds[i]);
@@ -256,6 +261,8 @@ typedef struct conn {
   int fd;
   pid_t peer_pid; /* 0 when the peer is in a PID namespace we cannot see */
   uint64_t deadline;
+  uint64_t since; /* accepted, or its last request answered */
+  bool kept;      /* answered before: an importer keeps it for more */
   size_t got;
   uint8_t buf[REQUEST_LEN];
 } conn_t;
@@ -331,10 +338,19 @@ static void conn_close(conn_t *conns, int *count, int i) {
   conns[i] = conns[--*count];
 }
 
+/* Which connection gives way to a new one: a kept idle connection before
+ * one waiting for its first request (its importer reconnects when it finds
+ * it closed), and among those the one idle longest (a legitimate importer
+ * sends its request at once, so the oldest is the likeliest to be idle). */
+static bool evict_before(const conn_t *a, const conn_t *b) {
+  bool a_idle = a->kept && a->got == 0, b_idle = b->kept && b->got == 0;
+  if (a_idle != b_idle)
+    return a_idle;
+  return a->since < b->since;
+}
+
 /* A new connection: refused at once unless it is our user's; admitted
- * within the bounds (the oldest connection of the same peer, or of all,
- * makes room: a legitimate importer sends its request at once, so the
- * oldest is the likeliest to be idle). */
+ * within the bounds (one of the same peer, or of all, makes room). */
 static void admit(conn_t *conns, int *count, int fd) {
   struct ucred cred;
   socklen_t len = sizeof(cred);
@@ -344,24 +360,26 @@ static void admit(conn_t *conns, int *count, int fd) {
     close(fd);
     return;
   }
-  int same = 0, oldest_same = -1, oldest = -1;
+  int same = 0, victim_same = -1, victim = -1;
   for (int i = 0; i < *count; i++) {
-    if (oldest < 0 || conns[i].deadline < conns[oldest].deadline)
-      oldest = i;
+    if (victim < 0 || evict_before(&conns[i], &conns[victim]))
+      victim = i;
     if (conns[i].peer_pid == cred.pid) {
       same++;
-      if (oldest_same < 0 || conns[i].deadline < conns[oldest_same].deadline)
-        oldest_same = i;
+      if (victim_same < 0 || evict_before(&conns[i], &conns[victim_same]))
+        victim_same = i;
     }
   }
   if (same >= MAX_CONNS_PER_PEER)
-    conn_close(conns, count, oldest_same);
+    conn_close(conns, count, victim_same);
   else if (*count >= MAX_CONNS)
-    conn_close(conns, count, oldest);
+    conn_close(conns, count, victim);
   conn_t *c = &conns[(*count)++];
   c->fd = fd;
   c->peer_pid = cred.pid;
-  c->deadline = usmipc__now_ns() + (uint64_t)CONN_DEADLINE_MS * 1000000u;
+  c->since = usmipc__now_ns();
+  c->deadline = c->since + (uint64_t)CONN_DEADLINE_MS * 1000000u;
+  c->kept = false;
   c->got = 0;
 }
 
@@ -417,8 +435,13 @@ static void *broker_main(void *arg) {
         if (got > 0)
           conns[c].got += (size_t)got;
         if (conns[c].got == REQUEST_LEN) {
+          /* Answered, the connection stays for the importer's next open
+           * (it keeps it while it has more to ask), until KEEP_MS idle. */
           serve_request(conns[c].fd, conns[c].buf);
-          conn_close(conns, &count, c);
+          conns[c].got = 0;
+          conns[c].kept = true;
+          conns[c].since = usmipc__now_ns();
+          conns[c].deadline = conns[c].since + (uint64_t)KEEP_MS * 1000000u;
         } else if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) {
           conn_close(conns, &count, c);
         }
@@ -959,6 +982,76 @@ int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
   return 0;
 }
 
+/* ---- connections kept open to brokers already met ------------------------
+ * A connection whose listener passed check_listener stays the exporter's
+ * for its whole life (the kernel fixes a connected socket's peer; if the
+ * exporter dies, the next read sees the end). So after an answer the
+ * importer keeps it, and its next open from that exporter is one request and
+ * one answer: no connect, no credential checks. Each connection serves one
+ * thread at a time (taken out of the list while in use); the broker closes
+ * one idle for KEEP_MS, or to make room, and the importer then reconnects. */
+#define KEPT_MAX 16         /* in all */
+#define KEPT_MAX_PER_PEER 4 /* to one exporter */
+
+typedef struct kept_conn {
+  uint32_t pid;
+  uint64_t nonce;
+  int fd;
+} kept_conn_t;
+
+static kept_conn_t kept[KEPT_MAX]; /* oldest first; guarded by fdx_lock */
+static int kept_count;
+
+static void kept_forget_all(void) {
+  for (int i = 0; i < kept_count; i++)
+    close(kept[i].fd);
+  kept_count = 0;
+}
+
+static int kept_take(const usmipc__wire_t *w) {
+  int fd = -1;
+  pthread_mutex_lock(&fdx_lock);
+  for (int i = kept_count - 1; i >= 0; i--) {
+    if (kept[i].pid == w->pid && kept[i].nonce == w->nonce) {
+      fd = kept[i].fd;
+      memmove(&kept[i], &kept[i + 1],
+              sizeof(kept[0]) * (size_t)(kept_count - i - 1));
+      kept_count--;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&fdx_lock);
+  return fd;
+}
+
+static void kept_put(const usmipc__wire_t *w, int fd) {
+  int dropped = -1, same = 0;
+  pthread_mutex_lock(&fdx_lock);
+  for (int i = 0; i < kept_count; i++)
+    same += kept[i].pid == w->pid && kept[i].nonce == w->nonce;
+  if (same >= KEPT_MAX_PER_PEER) {
+    dropped = fd;
+  } else {
+    if (kept_count == KEPT_MAX) { /* the least recently used goes */
+      dropped = kept[0].fd;
+      memmove(&kept[0], &kept[1], sizeof(kept[0]) * (KEPT_MAX - 1));
+      kept_count--;
+    }
+    kept[kept_count++] =
+        (kept_conn_t){.pid = w->pid, .nonce = w->nonce, .fd = fd};
+  }
+  pthread_mutex_unlock(&fdx_lock);
+  if (dropped >= 0)
+    close(dropped);
+}
+
+/* One request and its answer on connection s. *dropped is set when the
+ * broker had closed the connection before answering (a kept connection that
+ * went idle too long): nothing was served, and a new connection may retry. */
+static int exchange(int s, const usmipc__wire_t *w, unsigned want,
+                    uint64_t deadline, const char *name, int *table_fd,
+                    int *data_fd, bool *dropped);
+
 int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
                         uint64_t deadline, int *table_fd, int *data_fd) {
   if (table_fd)
@@ -966,35 +1059,55 @@ int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
   if (data_fd)
     *data_fd = -1;
   char name[120];
-  int s = -1;
-  int rc = broker_connect(w, deadline, &s, name, sizeof(name));
-  if (rc != 0)
+  snprintf(name, sizeof(name), "the broker socket of process %u", w->pid);
+  int rc, s = kept_take(w);
+  if (s >= 0) {
+    bool dropped = false;
+    rc = exchange(s, w, want, deadline, name, table_fd, data_fd, &dropped);
+    if (rc == 0) {
+      kept_put(w, s);
+      return 0;
+    }
+    close(s);
+    if (!dropped)
+      return rc;
+  }
+  if ((rc = broker_connect(w, deadline, &s, name, sizeof(name))) != 0)
     return rc;
   if ((rc = check_listener(s, w, name)) != 0) {
     close(s);
     return rc;
   }
-  uint8_t req[REQUEST_LEN], client_nonce[16];
-  if ((rc = usmipc__random(client_nonce, 16)) != 0) {
+  bool dropped = false;
+  rc = exchange(s, w, want, deadline, name, table_fd, data_fd, &dropped);
+  if (rc == 0)
+    kept_put(w, s);
+  else
     close(s);
+  return rc;
+}
+
+static int exchange(int s, const usmipc__wire_t *w, unsigned want,
+                    uint64_t deadline, const char *name, int *table_fd,
+                    int *data_fd, bool *dropped) {
+  uint8_t req[REQUEST_LEN], client_nonce[16];
+  int rc = usmipc__random(client_nonce, 16);
+  if (rc != 0)
     return rc;
-  }
   usmipc__request_build(req, w, want, client_nonce);
-  /* A fresh connection's buffer takes 80 bytes at once. */
+  /* An idle connection's buffer takes 80 bytes at once. */
   ssize_t n = send(s, req, sizeof(req), MSG_NOSIGNAL | MSG_DONTWAIT);
   if (n != (ssize_t)sizeof(req)) {
     int e = errno;
-    close(s);
+    *dropped = n < 0 && (e == EPIPE || e == ECONNRESET);
     return usmipc__fail_native(USMIPC_ETRANSPORT, e,
                                "sending the request to process %u failed: %s",
                                w->pid, n < 0 ? strerror(e) : "short write");
   }
   char what[160];
   snprintf(what, sizeof(what), "the broker of process %u (%s)", w->pid, name);
-  if ((rc = usmipc__wait_fd(s, POLLIN, deadline, what)) != 0) {
-    close(s);
+  if ((rc = usmipc__wait_fd(s, POLLIN, deadline, what)) != 0)
     return rc;
-  }
   uint8_t rep[REPLY_LEN];
   struct iovec iov = {.iov_base = rep, .iov_len = sizeof(rep)};
   union {
@@ -1009,7 +1122,7 @@ int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
     n = recvmsg(s, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
   while (n < 0 && errno == EINTR);
   int e = errno;
-  close(s);
+  *dropped = n == 0 || (n < 0 && e == ECONNRESET);
 
   /* Collect whatever descriptors arrived, so none leaks on any path. */
   int fds[4], nfds = 0;

@@ -91,7 +91,9 @@
   X(trust_idle_cache_byte_cap)                                                 \
   X(trust_sealed_memfd)                                                        \
   X(trust_pid_reuse)                                                           \
-  X(trust_socket_dir_stale_files)
+  X(trust_socket_dir_stale_files)                                              \
+  X(trust_kept_connection)                                                     \
+  X(trust_kept_connection_fork)
 
 #define HELPER_LIST(X) X(agent)
 
