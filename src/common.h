@@ -457,4 +457,13 @@ void usmipc__peer_unref(usmipc__peer_t *peer);
 /* Lock NOT held. */
 void usmipc__peer_put(usmipc__peer_t *peer);
 
+/* ---- dma-buf descriptors (linux/dmabuf.c) ------------------------------- */
+/* The size of the dma-buf behind fd: 0, or -EBADFD when fd is not a dma-buf,
+ * or another negative errno. */
+int usmipc__dmabuf_size(int fd, uint64_t *size);
+/* 0 when fd is a dma-buf of at least min_size bytes; otherwise fails with
+ * code and a message that starts with what. */
+int usmipc__dmabuf_check(int fd, uint64_t min_size, int code,
+                         const char *what);
+
 #endif /* USMIPC_COMMON_H */

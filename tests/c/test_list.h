@@ -93,7 +93,9 @@
   X(trust_pid_reuse)                                                           \
   X(trust_socket_dir_stale_files)                                              \
   X(trust_kept_connection)                                                     \
-  X(trust_kept_connection_fork)
+  X(trust_kept_connection_fork)                                                \
+  X(dmabuf_check_refuses_others)                                               \
+  X(dmabuf_check_cuda)
 
 #define HELPER_LIST(X) X(agent)
 

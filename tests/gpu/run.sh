@@ -48,6 +48,10 @@ step demo-cuda python3 -m usmipc demo --device cuda:gpu
 step demo-host python3 -m usmipc demo --device host:cpu
 step pytest-host python3 -m pytest -q -rs tests/python
 step pytest-gpu python3 -m pytest -q -rs -s tests/gpu
+# The transport's first-open and broker-concurrency benches (host memory, all
+# cores of the device machine): cheap, so they run in quick mode too.
+step bench-first build-gpu/bench/usmipc_bench_first --k 60 --json "$OUT/bench_first_h200.json"
+step bench-broker build-gpu/bench/usmipc_bench_broker --json "$OUT/bench_broker_h200.json"
 
 if [ "$mode" != quick ]; then
   step bench-c-cuda-fd env USMIPC_CUDA_IPC=fd build-gpu/bench/usmipc_bench --device cuda:gpu:0 --sizes 4096,1048576,268435456,1073741824 --json "$OUT/bench_c_cuda_fd.json"
