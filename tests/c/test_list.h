@@ -94,6 +94,7 @@
   X(trust_socket_dir_stale_files)                                              \
   X(trust_kept_connection)                                                     \
   X(trust_kept_connection_fork)                                                \
+  X(trust_broker_threads)                                                      \
   X(dmabuf_check_refuses_others)                                               \
   X(dmabuf_check_cuda)
 

@@ -1716,7 +1716,10 @@ TEST_IMPL(trust_kept_connection) {
   enum { N = 12 };
   static char hex[N][HEX_MAX];
   agent_t ex, im;
-  agent_start(&ex, NULL);
+  /* One broker thread: its 64 places are what the flood below fills (each
+   * thread has its own). */
+  static const char *const one_thread[] = {"USMIPC_BROKER_THREADS=1", NULL};
+  agent_spawn(&ex, one_thread, NULL);
   for (int i = 0; i < N; i++) {
     AGENT_OK(&ex, "alloc %d device 65536", i);
     AGENT_OK(&ex, "fill %d %d", i, 500 + i);
@@ -1887,6 +1890,55 @@ TEST_IMPL(trust_kept_connection_fork) {
   ASSERT_EQ(fcntl(kept_fd, F_GETFD) >= 0, 1);
   ASSERT_EQ(usmipc_ipc_close(p0), 0);
   ASSERT_EQ(usmipc_ipc_close(p2), 0);
+  agent_stop_ok(&ex);
+  return 0;
+}
+
+/* ---- trust_broker_threads --------------------------------------------------
+ * Several broker threads (USMIPC_BROKER_THREADS, the default on machines of
+ * 8 CPUs and more) serve importers arriving together: every importer gets
+ * the right bytes, and the exporter runs the threads asked for. */
+static int task_count(pid_t pid) {
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%d/task", (int)pid);
+  DIR *d = opendir(path);
+  ASSERT_NOT_NULL(d);
+  int n = 0;
+  for (struct dirent *e; (e = readdir(d)) != NULL;)
+    n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+TEST_IMPL(trust_broker_threads) {
+  REQUIRE_HOST();
+  enum { BUFFERS = 6, IMPORTERS = 3 };
+  static char hex[BUFFERS][HEX_MAX];
+  static const char *const four[] = {"USMIPC_BROKER_THREADS=4", NULL};
+  agent_t ex, im[IMPORTERS];
+  agent_spawn(&ex, four, NULL);
+  int before = task_count(ex.pid);
+  for (int i = 0; i < BUFFERS; i++) {
+    AGENT_OK(&ex, "alloc %d device 65536", i);
+    AGENT_OK(&ex, "fill %d %d", i, 700 + i);
+    AGENT_OK(&ex, "export %d 0 0", i);
+    snprintf(hex[i], sizeof(hex[i]), "%s", ex.reply);
+  }
+  ASSERT_MSG(task_count(ex.pid) == before + 4,
+             "the exporter runs %d threads after its first export, %d before "
+             "(4 broker threads asked for)",
+             task_count(ex.pid), before);
+  for (int k = 0; k < IMPORTERS; k++)
+    agent_start(&im[k], "socket");
+  /* Interleaved: each importer's requests go to its own kept connection,
+   * on whichever thread accepted it. */
+  for (int i = 0; i < BUFFERS; i++)
+    for (int k = 0; k < IMPORTERS; k++) {
+      AGENT_OK(&im[k], "open %d %s", i, hex[i]);
+      AGENT_OK(&im[k], "check %d %d", i, 700 + i);
+    }
+  for (int k = 0; k < IMPORTERS; k++)
+    agent_stop_ok(&im[k]);
   agent_stop_ok(&ex);
   return 0;
 }
