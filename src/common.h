@@ -287,6 +287,12 @@ void usmipc__wire_encode(const usmipc__wire_t *w, uint8_t *out);
  * with a message naming the defect. */
 int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w);
 /* The extension record of type type in w: its bytes and length, or NULL. */
+/* The same in a bare area of records (a payload's ext). */
+const uint8_t *usmipc__ext_find(const uint8_t *ext, size_t ext_len,
+                                uint16_t type, uint16_t *len);
+/* Sets w's payload and appends the backend's records to w's extension area. */
+int usmipc__wire_set_payload(usmipc__wire_t *w,
+                             const usmipc__payload_t *payload);
 const uint8_t *usmipc__wire_ext_find(const usmipc__wire_t *w, uint16_t type,
                                      uint16_t *len);
 uint32_t usmipc__crc32c(uint32_t crc, const void *data, size_t len);
@@ -372,8 +378,10 @@ typedef struct usmipc__fd_grant {
 int usmipc__fdxfer_serve(void);
 /* Makes fd fetchable by importers that present a capability derived from
  * token (drawn here, returned in grant). fd is borrowed: the caller keeps
- * it open until it has called usmipc__fdxfer_withdraw. */
-int usmipc__fdxfer_publish(int fd, uint64_t buffer_id,
+ * it open until it has called usmipc__fdxfer_withdraw. may_reopen false
+ * keeps importers off /proc/<pid>/fd even for a memfd (a backend whose
+ * descriptors are dma-bufs, which do not reopen as themselves). */
+int usmipc__fdxfer_publish(int fd, uint64_t buffer_id, bool may_reopen,
                            usmipc__fd_grant_t *grant);
 /* Stops serving buffer_id (on return the descriptor is no longer used). */
 void usmipc__fdxfer_withdraw(uint64_t buffer_id);
@@ -463,7 +471,6 @@ void usmipc__peer_put(usmipc__peer_t *peer);
 int usmipc__dmabuf_size(int fd, uint64_t *size);
 /* 0 when fd is a dma-buf of at least min_size bytes; otherwise fails with
  * code and a message that starts with what. */
-int usmipc__dmabuf_check(int fd, uint64_t min_size, int code,
-                         const char *what);
+int usmipc__dmabuf_check(int fd, uint64_t min_size, int code, const char *what);
 
 #endif /* USMIPC_COMMON_H */

@@ -211,10 +211,20 @@ static int wrong_version(const uint8_t *p, size_t len, uint16_t version) {
                       version, theirs, mine, USMIPC__WIRE_VERSION);
 }
 
+/* The range of record types a backend owns (docs/handle-format.md); its
+ * records are handed to the backend in the payload. */
+static bool backend_record(const usmipc__wire_t *w, uint16_t type) {
+  type &= (uint16_t)~USMIPC__EXT_CRITICAL;
+  return w->backend == USMIPC_BACKEND_LEVEL_ZERO && type >= 0x0200 &&
+         type <= 0x02ff;
+}
+
 /* Walks the extension records: each is u16 type, u16 length, then length
  * bytes. Unknown critical records refuse the handle (this library cannot
- * honour what the exporter required); other unknown records are skipped. */
-static int check_extensions(const usmipc__wire_t *w) {
+ * honour what the exporter required); other unknown records are skipped.
+ * The backend's own records are copied to w->payload.ext. */
+static int check_extensions(usmipc__wire_t *w) {
+  w->payload.ext_len = 0;
   size_t at = 0;
   while (at < w->ext_len) {
     if (w->ext_len - at < 4)
@@ -225,7 +235,12 @@ static int check_extensions(const usmipc__wire_t *w) {
       return bad("an extension record overruns the extension area");
     if (type == 0)
       return bad("an extension record has type 0");
-    if (type & USMIPC__EXT_CRITICAL) {
+    if (backend_record(w, type)) {
+      if (4u + rlen > (unsigned)(USMIPC__PAYLOAD_EXT_MAX - w->payload.ext_len))
+        return bad("its backend's extension records are too long");
+      memcpy(w->payload.ext + w->payload.ext_len, w->ext + at, 4u + rlen);
+      w->payload.ext_len = (uint16_t)(w->payload.ext_len + 4u + rlen);
+    } else if (type & USMIPC__EXT_CRITICAL) {
       char mine[16];
       version_text(USMIPC_VERSION_HEX, mine, sizeof(mine));
       return usmipc__fail(USMIPC_EHANDLEVERSION,
@@ -239,21 +254,36 @@ static int check_extensions(const usmipc__wire_t *w) {
   return 0;
 }
 
-const uint8_t *usmipc__wire_ext_find(const usmipc__wire_t *w, uint16_t type,
-                                     uint16_t *len) {
+const uint8_t *usmipc__ext_find(const uint8_t *ext, size_t ext_len,
+                                uint16_t type, uint16_t *len) {
   size_t at = 0;
-  while (at + 4 <= w->ext_len) {
-    uint16_t t = usmipc__get16le(w->ext + at),
-             rlen = usmipc__get16le(w->ext + at + 2);
-    if (rlen > w->ext_len - at - 4)
+  while (at + 4 <= ext_len) {
+    uint16_t t = usmipc__get16le(ext + at),
+             rlen = usmipc__get16le(ext + at + 2);
+    if (rlen > ext_len - at - 4)
       return NULL;
     if (t == type) {
       *len = rlen;
-      return w->ext + at + 4;
+      return ext + at + 4;
     }
     at += 4u + rlen;
   }
   return NULL;
+}
+
+const uint8_t *usmipc__wire_ext_find(const usmipc__wire_t *w, uint16_t type,
+                                     uint16_t *len) {
+  return usmipc__ext_find(w->ext, w->ext_len, type, len);
+}
+
+int usmipc__wire_set_payload(usmipc__wire_t *w,
+                             const usmipc__payload_t *payload) {
+  w->payload = *payload;
+  if (payload->ext_len > USMIPC__WIRE_EXT_MAX - w->ext_len)
+    return usmipc__fail(USMIPC_EINVAL, "too many extension records");
+  memcpy(w->ext + w->ext_len, payload->ext, payload->ext_len);
+  w->ext_len = (uint16_t)(w->ext_len + payload->ext_len);
+  return 0;
 }
 
 int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {

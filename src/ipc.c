@@ -248,7 +248,8 @@ static int export_region(usmipc__region_t *r) {
   r->fd_number = UINT32_MAX;
   if (fd >= 0) {
     usmipc__fd_grant_t grant;
-    rc = usmipc__fdxfer_publish(fd, r->buffer_id, &grant);
+    rc = usmipc__fdxfer_publish(fd, r->buffer_id, !r->alloc.fd_is_device_buffer,
+                                &grant);
     if (rc != 0)
       return rc;
     memcpy(r->token, grant.token, 16);
@@ -346,7 +347,7 @@ static int handle_new(const usmipc__wire_t *w, usmipc_ipc_handle_t **handle) {
  * foreign_export_t). */
 static int export_foreign(const void *ptr, size_t nbytes,
                           usmipc_ipc_handle_t **handle) {
-  usmipc__allocation_t a;
+  usmipc__allocation_t a = {0};
   uint64_t buffer_id;
   usmipc_device_t *device;
   size_t offset;
@@ -398,10 +399,11 @@ static int export_foreign(const void *ptr, size_t nbytes,
   w.export_slot = e->slot;
   w.table_fd_number = e->table_fd_number;
   memcpy(w.token, e->token, 16);
-  w.payload = e->payload;
   if (usmipc__fdxfer_socket_dir())
     w.flags |= USMIPC__WIRE_FLAG_SOCKET_DIR;
-  rc = handle_new(&w, handle);
+  rc = usmipc__wire_set_payload(&w, &e->payload);
+  if (rc == 0)
+    rc = handle_new(&w, handle);
   if (rc == 0) {
     e->owners++;
     (*handle)->foreign_id = e->id;
@@ -461,9 +463,9 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
   memcpy(w.token, r->token, 16); /* every export has one (its slot's tag) */
   if (usmipc__fdxfer_socket_dir())
     w.flags |= USMIPC__WIRE_FLAG_SOCKET_DIR;
-  w.payload = r->payload;
+  rc = usmipc__wire_set_payload(&w, &r->payload);
   pthread_mutex_unlock(&usmipc__registry_lock);
-  return handle_new(&w, handle);
+  return rc != 0 ? rc : handle_new(&w, handle);
 }
 
 int usmipc_ipc_handle_data(const usmipc_ipc_handle_t *handle, const void **data,
@@ -537,7 +539,7 @@ static int open_same_process(const usmipc__wire_t *w, void **ptr) {
   usmipc__region_t *r = usmipc__region_find(base);
   if (r == NULL) {
     /* Perhaps memory of another library that this process exported. */
-    usmipc__allocation_t a;
+    usmipc__allocation_t a = {0};
     uint64_t id;
     usmipc_device_t *device;
     if (usmipc__foreign_query(base, &a, &id, &device) == 0 &&

@@ -259,7 +259,7 @@ int usmipc_pointer_query(const void *ptr, usmipc_pointer_info_t *info) {
   pthread_mutex_unlock(&usmipc__registry_lock);
 
   /* Not ours: ask the drivers (a CUDA pointer from another library). */
-  usmipc__allocation_t a;
+  usmipc__allocation_t a = {0};
   int rc =
       usmipc__foreign_query_unlocked(ptr, &a, &info->buffer_id, &info->device);
   if (rc != 0) {

@@ -9,6 +9,7 @@
 #ifndef USMIPC_BACKEND_H
 #define USMIPC_BACKEND_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -31,17 +32,27 @@ typedef struct usmipc__allocation {
   usmipc_mem_kind_t kind;
   size_t reserved; /* bytes really mapped (page or granularity rounding) */
   int fd;          /* a shareable file descriptor owned by this record, or -1 */
-  unsigned how;    /* backend-specific: how the memory was made or mapped */
+  bool fd_is_device_buffer; /* fd is a dma-buf-like handle: reopening
+                               /proc/<pid>/fd/<n> does not give the same
+                               memory, so importers never try */
+  unsigned how; /* backend-specific: how the memory was made or mapped */
   uint64_t
       native; /* backend's own handle (CUmemGenericAllocationHandle, ...) */
 } usmipc__allocation_t;
 
 /* The backend-specific part of a wire handle (docs/handle-format.md). */
 #define USMIPC__PAYLOAD_MAX 512
+#define USMIPC__PAYLOAD_EXT_MAX 32
 typedef struct usmipc__payload {
   uint8_t handle_kind; /* backend-specific sub-kind */
   uint16_t len;
   uint8_t bytes[USMIPC__PAYLOAD_MAX];
+  /* The backend's own extension records (docs/handle-format.md: u16 type in
+   * its range, u16 length, bytes), at most 32 bytes: written by ipc_export,
+   * found again by ipc_import (the core copies them in and out of the
+   * handle's extension area). */
+  uint16_t ext_len;
+  uint8_t ext[USMIPC__PAYLOAD_EXT_MAX];
 } usmipc__payload_t;
 
 typedef struct usmipc__backend_ops {

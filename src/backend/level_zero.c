@@ -29,10 +29,12 @@
  *    allocation is freed.
  */
 #include <dlfcn.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "../common.h"
@@ -134,6 +136,26 @@ typedef struct {
   uint64_t pageSize;
 } ze_memory_allocation_properties_t;
 
+typedef struct {
+  ze_structure_type_t stype;
+  void *pNext;
+  uint8_t uuid[16];
+  uint32_t driverVersion;
+} ze_driver_properties_t;
+
+#define ZE_MAX_EXTENSION_NAME 256
+typedef struct {
+  char name[ZE_MAX_EXTENSION_NAME];
+  uint32_t version;
+} ze_driver_extension_properties_t;
+
+/* Chained to ze_device_mem_alloc_desc_t: memory meant to be exported. */
+typedef struct {
+  ze_structure_type_t stype;
+  const void *pNext;
+  uint32_t flags; /* ze_external_memory_type_flags_t */
+} ze_external_memory_export_desc_t;
+
 enum {
   ZE_RESULT_SUCCESS = 0,
   ZE_RESULT_ERROR_DEVICE_LOST = 0x70000001,
@@ -161,6 +183,9 @@ enum {
   ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC = 0x15,
   ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC = 0x16,
   ZE_STRUCTURE_TYPE_MEMORY_ALLOCATION_PROPERTIES = 0x17,
+  ZE_STRUCTURE_TYPE_EXTERNAL_MEMORY_EXPORT_DESC = 0x18,
+  ZE_STRUCTURE_TYPE_DRIVER_PROPERTIES = 0x1,
+  ZE_EXTERNAL_MEMORY_TYPE_FLAG_DMA_BUF = 2,
 
   ZE_INIT_FLAG_GPU_ONLY = 1,
   ZE_DEVICE_TYPE_GPU = 1,
@@ -184,6 +209,9 @@ enum {
     (ze_driver_handle_t, ze_driver_ipc_properties_t *))                        \
   X(zeDriverGetExtensionFunctionAddress,                                       \
     (ze_driver_handle_t, const char *, void **))                               \
+  X(zeDriverGetProperties, (ze_driver_handle_t, ze_driver_properties_t *))     \
+  X(zeDriverGetExtensionProperties,                                            \
+    (ze_driver_handle_t, uint32_t *, ze_driver_extension_properties_t *))      \
   X(zeDeviceGet, (ze_driver_handle_t, uint32_t *, ze_device_handle_t *))       \
   X(zeDeviceGetProperties, (ze_device_handle_t, ze_device_properties_t *))     \
   X(zeDeviceGetCommandQueueGroupProperties,                                    \
@@ -236,6 +264,11 @@ typedef ze_result_t (*ze_put_ipc_handle_fn)(ze_context_handle_t,
 typedef ze_result_t (*ze_fd_from_ipc_handle_fn)(ze_context_handle_t,
                                                 ze_ipc_mem_handle_t,
                                                 uint64_t *);
+/* Intel's extension for allocations made of several buffer objects (one
+ * per tile): how many handles an allocation has. */
+typedef ze_result_t (*zex_get_ipc_handles_fn)(ze_context_handle_t, const void *,
+                                              uint32_t *,
+                                              ze_ipc_mem_handle_t *);
 
 /* ---- backend state
  * ------------------------------------------------------------ */
@@ -247,33 +280,48 @@ enum {
   HOW_SHARED = 3,  /* zeMemAllocShared */
   HOW_IPC = 4,     /* zeMemOpenIpcHandle */
   HOW_FOREIGN = 5, /* another library's allocation, seen by pointer_query */
+  HOW_DEVICE_EXPORTABLE = 6, /* zeMemAllocDevice with an export desc (DMA_BUF):
+                                never placed in a driver pool */
 };
 
 /* Handle kinds in the wire payload (docs/handle-format.md). */
 enum {
   LZ_HANDLE_FD_IN_DATA = 1, /* 64 bytes: ze_ipc_mem_handle_t, fd slot zeroed */
   LZ_HANDLE_FD_AND_PID = 2, /* the same, pid slot zeroed too */
+  LZ_HANDLE_DMABUF = 3,     /* usmipc 0.3: no driver bytes at all; the
+                               descriptor and record 0x0201 say everything,
+                               and the importer builds its own driver's
+                               handle (see lz_ipc_import) */
 };
 
-/* Where the descriptor sits in ze_ipc_mem_handle_t.data: a native int at
- * offset 0 (Intel's IpcMemoryData.handle and IpcOpaqueMemoryData.handle.fd
- * both start there). */
-#define LZ_FD_SLOT_OFFSET 0
-#define LZ_FD_SLOT_SIZE sizeof(int)
-/* Intel's pidfd layout (IpcOpaqueMemoryData, the default on GPUs where the
- * driver moves descriptors itself) also names the exporter's pid, a u32 at
- * offset 16, and the importer's driver takes the descriptor from that
- * process with pidfd_getfd. In the default layout the byte at 16 is the
- * memory type (0 for device memory), so the slot never holds a pid. */
-#define LZ_PID_SLOT_OFFSET 16
-#define LZ_PID_SLOT_SIZE sizeof(uint32_t)
+/* Extension record 0x0201 (docs/handle-format.md), 16 bytes: what the
+ * exporter's driver was, so that an importer can refuse what it cannot
+ * translate: u32 driverVersion, u8 layout (LZ_LAYOUT_*), u8 flags
+ * (LZ_REC_*), u16 zero, u64 pool offset. */
+#define LZ_RECORD_DRIVER 0x0201
+#define LZ_RECORD_LEN 16
+enum {
+  LZ_LAYOUT_LEGACY = 1,      /* IpcMemoryData: fd, pool offset, type at 16 */
+  LZ_LAYOUT_OPAQUE = 2,      /* IpcOpaqueMemoryData without the fd copy
+                                (25.35-26.14): pid at 16, type at 20, memory
+                                type at 21, compressed flag at 54 (26.09+) */
+  LZ_LAYOUT_OPAQUE_COPY = 3, /* 26.18+: the fd copied at 22 (opaqueHandle),
+                                compressed flag at 62 */
+};
+enum {
+  LZ_REC_COMPRESSED = 1, /* the driver marked the memory compressed */
+  LZ_REC_UNPOOLED = 2,   /* allocated with an export desc (DMA_BUF) */
+};
 
 typedef struct lz_driver {
   ze_driver_handle_t handle;
   ze_context_handle_t context;
-  int ipc_memory;                              /* ZE_IPC_PROPERTY_FLAG_MEMORY */
+  int ipc_memory;   /* ZE_IPC_PROPERTY_FLAG_MEMORY */
+  uint32_t version; /* driverVersion */
+  bool test_driver; /* usmipc's test driver: its dma-bufs are memfds */
   ze_put_ipc_handle_fn put_ipc_handle;         /* or NULL */
   ze_fd_from_ipc_handle_fn fd_from_ipc_handle; /* or NULL */
+  zex_get_ipc_handles_fn get_ipc_handles;      /* or NULL */
 } lz_driver_t;
 
 typedef struct lz_device {
@@ -288,7 +336,8 @@ typedef struct lz_device {
  * here): the driver's handle, released with zeMemPutIpcHandle at free. */
 typedef struct lz_export {
   ze_ipc_mem_handle_t handle;
-  uint8_t kind; /* LZ_HANDLE_*, decided when the handle was taken */
+  int fd; /* our own duplicate of the handle's dma-buf: what we publish */
+  uint8_t record[LZ_RECORD_LEN]; /* record 0x0201 of every handle */
 } lz_export_t;
 
 typedef struct lz_queue {
@@ -360,6 +409,23 @@ static void *newer_entry_point(void *lib, lz_driver_t *drv, const char *name) {
       ZE_RESULT_SUCCESS)
     return NULL;
   return fn;
+}
+
+/* Whether a driver lists an extension by name. */
+static bool has_extension(ze_driver_handle_t drv, const char *name) {
+  uint32_t count = 0;
+  if (ze.zeDriverGetExtensionProperties(drv, &count, NULL) !=
+          ZE_RESULT_SUCCESS ||
+      count == 0)
+    return false;
+  ze_driver_extension_properties_t *ext = calloc(count, sizeof(*ext));
+  bool found = false;
+  if (ext != NULL &&
+      ze.zeDriverGetExtensionProperties(drv, &count, ext) == ZE_RESULT_SUCCESS)
+    for (uint32_t i = 0; i < count && !found; i++)
+      found = strncmp(ext[i].name, name, sizeof(ext[i].name)) == 0;
+  free(ext);
+  return found;
 }
 
 /* The first command queue group that can copy: copies and fills are the
@@ -442,6 +508,13 @@ static int lz_probe(usmipc__device_desc_t *devices, int max, char *reason,
         newer_entry_point(lib, drv, "zeMemPutIpcHandle");
     *(void **)&drv->fd_from_ipc_handle =
         newer_entry_point(lib, drv, "zeMemGetFileDescriptorFromIpcHandleExp");
+    *(void **)&drv->get_ipc_handles =
+        newer_entry_point(lib, drv, "zexMemGetIpcHandles");
+    ze_driver_properties_t dprops = {.stype =
+                                         ZE_STRUCTURE_TYPE_DRIVER_PROPERTIES};
+    if (ze.zeDriverGetProperties(drv->handle, &dprops) == ZE_RESULT_SUCCESS)
+      drv->version = dprops.driverVersion;
+    drv->test_driver = has_extension(drv->handle, "ZE_usmipc_test_driver");
 
     ze_device_handle_t devs[MAX_LZ_DEVICES];
     uint32_t ndevs = MAX_LZ_DEVICES;
@@ -494,9 +567,28 @@ static int lz_mem_alloc(void *dev, usmipc_mem_kind_t kind, size_t nbytes,
   ze_result_t res;
   const char *what;
   if (kind == USMIPC_MEM_DEVICE) {
+    /* Device memory is what usmipc exports: ask for it exportable as a
+     * dma-buf. Besides saying what it is for, this keeps it out of the
+     * driver's pools of small allocations (compute-runtime 25.40+ on BMG,
+     * LNL, PTL), where the handle would name the whole pool (an importer
+     * would reach the neighbours) and any free in the pool drops the
+     * pool's descriptor. A driver that refuses the desc gets a plain
+     * allocation; ipc_export then refuses it if it was pooled. */
     what = "zeMemAllocDevice";
-    res = ze.zeMemAllocDevice(ctx, &ddesc, nbytes, 0, d->handle, &p);
-    out->how = HOW_DEVICE;
+    ze_external_memory_export_desc_t xdesc = {
+        .stype = ZE_STRUCTURE_TYPE_EXTERNAL_MEMORY_EXPORT_DESC,
+        .flags = ZE_EXTERNAL_MEMORY_TYPE_FLAG_DMA_BUF};
+    ze_device_mem_alloc_desc_t xddesc = ddesc;
+    xddesc.pNext = &xdesc;
+    res = ze.zeMemAllocDevice(ctx, &xddesc, nbytes, 0, d->handle, &p);
+    out->how = HOW_DEVICE_EXPORTABLE;
+    if (res == ZE_RESULT_ERROR_UNSUPPORTED_ENUMERATION ||
+        res == ZE_RESULT_ERROR_INVALID_ENUMERATION ||
+        res == ZE_RESULT_ERROR_UNSUPPORTED_FEATURE ||
+        res == ZE_RESULT_ERROR_INVALID_ARGUMENT) {
+      res = ze.zeMemAllocDevice(ctx, &ddesc, nbytes, 0, d->handle, &p);
+      out->how = HOW_DEVICE;
+    }
   } else if (kind == USMIPC_MEM_HOST) {
     what = "zeMemAllocHost";
     res = ze.zeMemAllocHost(ctx, &hdesc, nbytes, 0, &p);
@@ -518,20 +610,25 @@ static int lz_mem_alloc(void *dev, usmipc_mem_kind_t kind, size_t nbytes,
   out->size = nbytes;
   out->reserved = nbytes;
   out->fd = -1;
+  out->fd_is_device_buffer = true;
   out->native = 0;
   return 0;
 }
 
-/* Releases the IPC handle of an exported allocation. Its descriptor (which
- * alloc->fd only borrowed) is the driver's to close. */
+/* Releases the IPC handle of an exported allocation and closes our
+ * duplicate of its descriptor (the driver closes its own). */
 static void release_export(lz_device_t *d, usmipc__allocation_t *a) {
   lz_export_t *x = (lz_export_t *)(uintptr_t)a->native;
   if (x == NULL)
     return;
-  /* Without zeMemPutIpcHandle (drivers before API 1.6) the handle lives
-   * until zeMemFree, which follows. */
+  /* Without zeMemPutIpcHandle (API 1.4 loaders, and compute-runtime, which
+   * serves it only through the loader's 1.6 table) the handle lives until
+   * zeMemFree, which follows. Errors are ignored: a loader without the
+   * driver's entry answers ZE_RESULT_ERROR_UNINITIALIZED, and nothing is
+   * left to do either way. */
   if (d->driver->put_ipc_handle != NULL)
     d->driver->put_ipc_handle(d->driver->context, x->handle);
+  close(x->fd);
   free(x);
   a->native = 0;
   a->fd = -1;
@@ -660,38 +757,129 @@ static int lz_memset(void *dev, void *queue, void *dst, int value, size_t n) {
 }
 
 /* ---- IPC
- * ---------------------------------------------------------------------- */
+ * ---------------------------------------------------------------------- What
+ * Intel's driver puts in ze_ipc_mem_handle_t has changed with almost every
+ * compute-runtime release from 25.35 to 26.31 (docs/level-zero.md has the
+ * table): a legacy layout, an "opaque" one with the exporter's pid that makes
+ * the importer's driver fetch the descriptor itself (pidfd_getfd, or a socket),
+ * a copy of the descriptor number whose equality with the first one selects
+ * that path (26.18+), and an import cache keyed by descriptor number and pid
+ * that importers never clear. Sending the exporter's bytes and patching them,
+ * as usmipc 0.2 did, steers a current driver into that cache: a later open can
+ * map an earlier allocation and succeed.
+ *
+ * So no driver bytes cross processes. The exporter takes the dma-buf out of
+ * its handle, checks it, keeps a duplicate, and sends what its driver was
+ * (record 0x0201); the core moves the descriptor. The importer writes a
+ * handle of its own that every release reads as a plain local import: the
+ * descriptor at 0 (never 0 itself), zeros where the pid, the handle type,
+ * the memory type (device) and the descriptor copy go, the compression flag
+ * where its own release keeps it. */
 
-static int handle_fd(const ze_ipc_mem_handle_t *h) {
-  int fd;
-  memcpy(&fd, h->data + LZ_FD_SLOT_OFFSET, LZ_FD_SLOT_SIZE);
-  return fd;
+/* A newer loader answers ZE_RESULT_ERROR_UNINITIALIZED for a table entry
+ * the driver does not fill, others UNSUPPORTED_FEATURE: the function is not
+ * really there, and the layout has to do. */
+static bool entry_missing(ze_result_t res) {
+  return res == ZE_RESULT_ERROR_UNINITIALIZED ||
+         res == ZE_RESULT_ERROR_UNSUPPORTED_FEATURE ||
+         res == ZE_RESULT_ERROR_UNSUPPORTED_VERSION;
 }
 
-/* Takes the descriptor out of a fresh handle, or refuses a driver whose
- * handles do not carry one where usmipc expects it. */
-static int extract_fd(lz_driver_t *drv, const ze_ipc_mem_handle_t *h, int *fd) {
-  *fd = handle_fd(h);
-  if (drv->fd_from_ipc_handle != NULL) {
-    uint64_t reported = 0;
-    ze_result_t res = drv->fd_from_ipc_handle(drv->context, *h, &reported);
-    if (res != ZE_RESULT_SUCCESS)
-      return lz_fail(res, "zeMemGetFileDescriptorFromIpcHandleExp");
-    if (reported != (uint64_t)(int64_t)*fd)
-      return usmipc__fail(USMIPC_ENOTSUP,
-                          "this Level Zero driver's IPC handle keeps its file "
-                          "descriptor (%llu) elsewhere than the first 4 bytes "
-                          "(%d); usmipc cannot rebuild such handles in "
-                          "another process",
-                          (unsigned long long)reported, *fd);
+/* What a descriptor from a Level Zero driver must be before usmipc
+ * publishes or imports it: a dma-buf of at least min bytes. usmipc's test
+ * driver, which says so with an extension, stands its dma-bufs in with
+ * memfds of its own name (no udmabuf in the kernels it runs on). */
+static int check_descriptor(const lz_driver_t *drv, int fd, uint64_t min,
+                            int code, const char *what) {
+  if (drv->test_driver) {
+    static const char prefix[] = "/memfd:usmipc-ze-test";
+    char link[64], target[128];
+    struct stat st;
+    snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof(target) - 1);
+    if (n > 0 &&
+        (target[n] = '\0', !strncmp(target, prefix, sizeof(prefix) - 1)) &&
+        fstat(fd, &st) == 0) {
+      if ((uint64_t)st.st_size < min)
+        return usmipc__fail(code,
+                            "%s: the test driver's buffer is %lld bytes, "
+                            "smaller than the %llu-byte allocation",
+                            what, (long long)st.st_size,
+                            (unsigned long long)min);
+      return 0;
+    }
   }
-  if (*fd < 0 || fcntl(*fd, F_GETFD) < 0)
+  return usmipc__dmabuf_check(fd, min, code, what);
+}
+
+/* The descriptor in a fresh handle: the driver's word where it answers,
+ * else the first 4 bytes (where every Intel layout keeps it). */
+static int handle_descriptor(lz_driver_t *drv, const ze_ipc_mem_handle_t *h,
+                             int *fd) {
+  memcpy(fd, h->data, sizeof(*fd));
+  if (drv->fd_from_ipc_handle == NULL)
+    return 0;
+  uint64_t reported = 0;
+  ze_result_t res = drv->fd_from_ipc_handle(drv->context, *h, &reported);
+  if (entry_missing(res))
+    return 0;
+  if (res != ZE_RESULT_SUCCESS)
+    return lz_fail(res, "zeMemGetFileDescriptorFromIpcHandleExp");
+  if (reported != (uint64_t)(int64_t)*fd)
     return usmipc__fail(USMIPC_ENOTSUP,
-                        "this Level Zero driver's IPC handle does not start "
-                        "with a file descriptor of this process (found %d); "
-                        "usmipc cannot rebuild such handles in another "
-                        "process",
-                        *fd);
+                        "this Level Zero driver's IPC handle keeps its file "
+                        "descriptor (%llu) elsewhere than the first 4 bytes "
+                        "(%d); usmipc cannot share memory through such "
+                        "handles",
+                        (unsigned long long)reported, *fd);
+  return 0;
+}
+
+/* Reads an exporter's fresh handle (fd is its descriptor) into record
+ * 0x0201, or refuses what usmipc cannot share faithfully. */
+static int describe_handle(const lz_driver_t *drv, const ze_ipc_mem_handle_t *h,
+                           int fd, unsigned how,
+                           uint8_t record[LZ_RECORD_LEN]) {
+  const uint8_t *b = (const uint8_t *)h->data;
+  uint32_t pid, copy;
+  uint64_t pool_offset;
+  memcpy(&pid, b + 16, 4);
+  memcpy(&copy, b + 22, 4);
+  memcpy(&pool_offset, b + 8, 8);
+  uint8_t layout, flags = how == HOW_DEVICE_EXPORTABLE ? LZ_REC_UNPOOLED : 0;
+  if (pid == (uint32_t)getpid()) {
+    /* IpcOpaqueMemoryData: handle type at 20 (0: a descriptor, not a
+     * Windows handle), memory type at 21 (0: device). */
+    if (b[20] != 0 || b[21] != 0)
+      return usmipc__fail(USMIPC_ENOTSUP,
+                          "the Level Zero driver's handle is of type %u for "
+                          "memory of type %u; usmipc shares device memory "
+                          "through descriptors (type 0) only",
+                          b[20], b[21]);
+    layout = (int)copy == fd ? LZ_LAYOUT_OPAQUE_COPY : LZ_LAYOUT_OPAQUE;
+    if (b[layout == LZ_LAYOUT_OPAQUE_COPY ? 62 : 54] != 0)
+      flags |= LZ_REC_COMPRESSED;
+  } else {
+    if (b[16] != 0) /* IpcMemoryData's memory type */
+      return usmipc__fail(USMIPC_ENOTSUP,
+                          "the Level Zero driver's handle describes memory of "
+                          "type %u, not device memory",
+                          b[16]);
+    layout = LZ_LAYOUT_LEGACY;
+  }
+  if (pool_offset != 0)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "the Level Zero driver placed this allocation at "
+                        "offset %llu of a pool it shares with other "
+                        "allocations: its handle would give importers the "
+                        "neighbours too. usmipc asks for unpooled memory "
+                        "(an export desc), which this driver ignored",
+                        (unsigned long long)pool_offset);
+  memset(record, 0, LZ_RECORD_LEN);
+  memcpy(record, &drv->version, 4);
+  record[4] = layout;
+  record[5] = flags;
+  memcpy(record + 8, &pool_offset, 8);
   return 0;
 }
 
@@ -707,65 +895,128 @@ static int lz_ipc_export(void *dev, usmipc__allocation_t *a,
                         "descriptor that usmipc would have to keep and "
                         "release with the allocation; allocate it with "
                         "usmipc_malloc");
-  if (a->how != HOW_DEVICE)
+  if (a->how != HOW_DEVICE && a->how != HOW_DEVICE_EXPORTABLE)
     return usmipc__fail(USMIPC_EMEMKIND,
                         "only device memory can be exported, not host or "
                         "shared memory");
   lz_export_t *x = (lz_export_t *)(uintptr_t)a->native;
   if (x == NULL) {
+    /* zeMemGetIpcHandle shares only the first buffer object of an
+     * allocation that spans several (one per tile, with implicit scaling):
+     * an importer would see part of it. */
+    uint32_t objects = 0;
+    if (drv->get_ipc_handles != NULL &&
+        drv->get_ipc_handles(drv->context, a->base, &objects, NULL) ==
+            ZE_RESULT_SUCCESS &&
+        objects > 1)
+      return usmipc__fail(USMIPC_ENOTSUP,
+                          "this allocation spans %u buffer objects (one per "
+                          "tile); a Level Zero IPC handle shares only the "
+                          "first. Allocate on one tile (a sub-device, or "
+                          "ZE_FLAT_DEVICE_HIERARCHY=FLAT) to share it",
+                          objects);
     x = calloc(1, sizeof(*x));
     if (x == NULL)
       return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+    x->fd = -1;
     ze_result_t res = ze.zeMemGetIpcHandle(drv->context, a->base, &x->handle);
     if (res != ZE_RESULT_SUCCESS) {
       free(x);
       return lz_fail(res, "zeMemGetIpcHandle");
     }
-    int fd;
-    int rc = extract_fd(drv, &x->handle, &fd);
+    int fd = -1;
+    int rc = handle_descriptor(drv, &x->handle, &fd);
+    if (rc == 0)
+      rc = check_descriptor(drv, fd, a->size, USMIPC_ENOTSUP,
+                            "the descriptor in the driver's IPC handle");
+    if (rc == 0)
+      rc = describe_handle(drv, &x->handle, fd, a->how, x->record);
+    /* Our own duplicate is what importers get: the driver closes its
+     * descriptor at zeMemFree (and, in a pool, at any neighbour's free),
+     * and compute-runtime's zeMemPutIpcHandle closes whatever descriptor
+     * has the number it is given. */
+    if (rc == 0 && (x->fd = fcntl(fd, F_DUPFD_CLOEXEC, 3)) < 0)
+      rc = usmipc__fail_native(usmipc__errno_code(errno), errno,
+                               "cannot duplicate the driver's descriptor: %s",
+                               strerror(errno));
     if (rc != 0) {
       if (drv->put_ipc_handle != NULL)
         drv->put_ipc_handle(drv->context, x->handle);
       free(x);
       return rc;
     }
-    uint32_t pid_slot;
-    memcpy(&pid_slot, x->handle.data + LZ_PID_SLOT_OFFSET, LZ_PID_SLOT_SIZE);
-    x->kind = pid_slot == (uint32_t)getpid() ? LZ_HANDLE_FD_AND_PID
-                                             : LZ_HANDLE_FD_IN_DATA;
     a->native = (uint64_t)(uintptr_t)x;
-    a->fd = fd; /* borrowed from the handle; see release_export */
+    a->fd = x->fd; /* owned by x; see release_export */
+    a->fd_is_device_buffer = true;
   }
-  payload->handle_kind = x->kind;
-  payload->len = ZE_MAX_IPC_HANDLE_SIZE;
-  memcpy(payload->bytes, x->handle.data, ZE_MAX_IPC_HANDLE_SIZE);
-  /* The exporter's descriptor number and pid mean nothing elsewhere. */
-  memset(payload->bytes + LZ_FD_SLOT_OFFSET, 0, LZ_FD_SLOT_SIZE);
-  if (x->kind == LZ_HANDLE_FD_AND_PID)
-    memset(payload->bytes + LZ_PID_SLOT_OFFSET, 0, LZ_PID_SLOT_SIZE);
-  *fd_to_share = a->fd;
+  payload->handle_kind = LZ_HANDLE_DMABUF;
+  payload->len = 0;
+  usmipc__put16le(payload->ext, LZ_RECORD_DRIVER);
+  usmipc__put16le(payload->ext + 2, LZ_RECORD_LEN);
+  memcpy(payload->ext + 4, x->record, LZ_RECORD_LEN);
+  payload->ext_len = 4 + LZ_RECORD_LEN;
+  *fd_to_share = x->fd;
   return 0;
+}
+
+/* This process's own driver layout, learnt once from a handle of a small
+ * allocation of its own (only needed to place the compression flag). */
+static uint8_t own_layout(lz_device_t *d) {
+  static uint8_t layout; /* under the caller's serialization: see below */
+  if (__atomic_load_n(&layout, __ATOMIC_ACQUIRE) != 0)
+    return layout;
+  usmipc__allocation_t a = {0};
+  uint8_t found = 0;
+  if (lz_mem_alloc(d, USMIPC_MEM_DEVICE, 4096, 0, &a) == 0) {
+    ze_ipc_mem_handle_t h;
+    memset(&h, 0, sizeof(h));
+    if (ze.zeMemGetIpcHandle(d->driver->context, a.base, &h) ==
+        ZE_RESULT_SUCCESS) {
+      int fd;
+      uint8_t record[LZ_RECORD_LEN];
+      memcpy(&fd, h.data, sizeof(fd));
+      if (describe_handle(d->driver, &h, fd, a.how, record) == 0)
+        found = record[4];
+      if (d->driver->put_ipc_handle != NULL)
+        d->driver->put_ipc_handle(d->driver->context, h);
+    }
+    ze.zeMemFree(d->driver->context, a.base);
+  }
+  /* Racing threads learn the same answer. */
+  __atomic_store_n(&layout, found, __ATOMIC_RELEASE);
+  return found;
 }
 
 static int lz_ipc_import(void *dev, void *owner_dev,
                          const usmipc__payload_t *payload, int fd,
                          uint64_t allocation_size, usmipc__allocation_t *out) {
   lz_device_t *d = dev, *owner = owner_dev;
-  static const uint8_t zero_slot[4];
-  int with_pid = payload->handle_kind == LZ_HANDLE_FD_AND_PID;
-  if ((payload->handle_kind != LZ_HANDLE_FD_IN_DATA && !with_pid) ||
-      payload->len != ZE_MAX_IPC_HANDLE_SIZE)
+  if (payload->handle_kind == LZ_HANDLE_FD_IN_DATA ||
+      payload->handle_kind == LZ_HANDLE_FD_AND_PID)
+    return usmipc__fail(USMIPC_EHANDLEVERSION,
+                        "a Level Zero handle of usmipc 0.2, which sent the "
+                        "exporter's driver bytes; current Intel drivers can "
+                        "map the wrong memory from those. Export it again "
+                        "with this usmipc");
+  uint16_t rlen = 0;
+  const uint8_t *rec =
+      usmipc__ext_find(payload->ext, payload->ext_len, LZ_RECORD_DRIVER, &rlen);
+  if (payload->handle_kind != LZ_HANDLE_DMABUF || payload->len != 0 ||
+      rec == NULL || rlen != LZ_RECORD_LEN)
     return usmipc__fail(USMIPC_EBADHANDLE,
                         "Level Zero handle of unknown kind %u (payload %u "
-                        "bytes)",
-                        payload->handle_kind, payload->len);
-  if (memcmp(payload->bytes + LZ_FD_SLOT_OFFSET, zero_slot, LZ_FD_SLOT_SIZE) !=
-          0 ||
-      (with_pid && memcmp(payload->bytes + LZ_PID_SLOT_OFFSET, zero_slot,
-                          LZ_PID_SLOT_SIZE) != 0))
+                        "bytes, %s driver record)",
+                        payload->handle_kind, payload->len,
+                        rec ? "a malformed" : "no");
+  uint8_t layout = rec[4], flags = rec[5];
+  uint64_t pool_offset;
+  memcpy(&pool_offset, rec + 8, 8);
+  if (layout < LZ_LAYOUT_LEGACY || layout > LZ_LAYOUT_OPAQUE_COPY ||
+      (flags & ~(LZ_REC_COMPRESSED | LZ_REC_UNPOOLED)) != 0 || pool_offset != 0)
     return usmipc__fail(USMIPC_EBADHANDLE,
-                        "Level Zero handle payload has a non-zero descriptor "
-                        "or pid slot");
+                        "the Level Zero driver record is invalid (layout %u, "
+                        "flags 0x%x, pool offset %llu)",
+                        layout, flags, (unsigned long long)pool_offset);
   if (fd < 0)
     return usmipc__fail(USMIPC_EBADHANDLE,
                         "Level Zero handle carries no descriptor");
@@ -782,21 +1033,47 @@ static int lz_ipc_import(void *dev, void *owner_dev,
                           "%d (no peer access); open the handle on GPU %d",
                           d->ordinal, owner->ordinal, owner->ordinal);
   }
-  /* Rebuild the exporter's handle around this process's descriptor. The
-   * driver imports the memory (a dma-buf import on Intel) and does not keep
-   * fd, which the caller closes. In the pidfd layout the handle names this
-   * process, so the driver's pidfd_getfd copies fd from ourselves, which
-   * needs no ptrace rights. */
-  ze_ipc_mem_handle_t h;
-  memcpy(h.data, payload->bytes, ZE_MAX_IPC_HANDLE_SIZE);
-  memcpy(h.data + LZ_FD_SLOT_OFFSET, &fd, LZ_FD_SLOT_SIZE);
-  if (with_pid) {
-    uint32_t self = (uint32_t)getpid();
-    memcpy(h.data + LZ_PID_SLOT_OFFSET, &self, LZ_PID_SLOT_SIZE);
+  int rc = check_descriptor(d->driver, fd, allocation_size, USMIPC_EUNTRUSTED,
+                            "the descriptor the exporter sent");
+  if (rc != 0)
+    return rc;
+  /* Compressed memory opens only where this process's driver has a place
+   * for the flag (26.09+ layouts); elsewhere it would read as plain. */
+  int flag_at = -1;
+  if (flags & LZ_REC_COMPRESSED) {
+    uint8_t mine = own_layout(d);
+    if (mine != LZ_LAYOUT_OPAQUE && mine != LZ_LAYOUT_OPAQUE_COPY)
+      return usmipc__fail(USMIPC_ENOTSUP,
+                          "the exporter's driver (version 0x%x) shares this "
+                          "memory compressed, and this process's Level Zero "
+                          "driver (version 0x%x) has no way to open "
+                          "compressed memory; upgrade it",
+                          (unsigned)(rec[0] | rec[1] << 8 | rec[2] << 16 |
+                                     (unsigned)rec[3] << 24),
+                          (unsigned)d->driver->version);
+    flag_at = mine == LZ_LAYOUT_OPAQUE_COPY ? 62 : 54;
   }
+  /* The descriptor is never 0 in the handle: 26.18+ would take a 0 equal
+   * to the cleared copy at 22 for an opaque handle. */
+  int local = fd, dup0 = -1;
+  if (local == 0) {
+    if ((dup0 = fcntl(fd, F_DUPFD_CLOEXEC, 3)) < 0)
+      return usmipc__fail_native(usmipc__errno_code(errno), errno,
+                                 "cannot duplicate the received descriptor: "
+                                 "%s",
+                                 strerror(errno));
+    local = dup0;
+  }
+  ze_ipc_mem_handle_t h;
+  memset(&h, 0, sizeof(h));
+  memcpy(h.data, &local, sizeof(local));
+  if (flag_at >= 0)
+    h.data[flag_at] = 1;
   ze_context_handle_t ctx = d->driver->context;
   void *p = NULL;
   ze_result_t res = ze.zeMemOpenIpcHandle(ctx, d->handle, h, 0, &p);
+  if (dup0 >= 0)
+    close(dup0);
   if (res == ZE_RESULT_ERROR_INVALID_ARGUMENT)
     return usmipc__fail_native(USMIPC_EBADHANDLE, res,
                                "zeMemOpenIpcHandle refused the handle (%s): "

@@ -659,7 +659,7 @@ bool usmipc__fdxfer_socket_dir(void) {
   return on;
 }
 
-int usmipc__fdxfer_publish(int fd, uint64_t buffer_id,
+int usmipc__fdxfer_publish(int fd, uint64_t buffer_id, bool may_reopen,
                            usmipc__fd_grant_t *grant) {
   uint8_t token[16];
   int rc = usmipc__random(token, sizeof(token));
@@ -700,7 +700,7 @@ int usmipc__fdxfer_publish(int fd, uint64_t buffer_id,
   grant_count++;
   memcpy(grant->token, token, 16);
   grant->fd_number = (uint32_t)fd;
-  grant->reopenable = fcntl(fd, F_GET_SEALS) >= 0;
+  grant->reopenable = may_reopen && fcntl(fd, F_GET_SEALS) >= 0;
   grant->dev = (uint64_t)st.st_dev;
   grant->ino = (uint64_t)st.st_ino;
 out:

@@ -41,11 +41,12 @@ static void reply_query(const agent_t *a, size_t *size, uint64_t *buffer_id,
 }
 
 /* pidfd_getfd(2) may be missing or not permitted; /proc reopening works
- * only for memfd-backed memory (host, the Level Zero test driver), not for
- * CUDA's descriptors, whose handles do not carry the REOPENABLE flag. */
+ * only for host memory (memfds), not for CUDA's or Level Zero's descriptors
+ * (dma-bufs; the test driver's stand-ins are marked the same way), whose
+ * handles do not carry the REOPENABLE flag. */
 static int skip_without_pidfd(const char *transport) {
   if (transport && strcmp(transport, "procfd") == 0)
-    return usmipc_device_backend(test_device()) == USMIPC_BACKEND_CUDA;
+    return usmipc_device_backend(test_device()) != USMIPC_BACKEND_HOST;
   return transport && strcmp(transport, "pidfd") == 0 && !pidfd_supported();
 }
 
