@@ -199,8 +199,25 @@ USMIPC_API int usmipc_ipc_revoke(const void *ptr);
 USMIPC_API int usmipc_ipc_open(const void *data, size_t len,
                                usmipc_device_t *device, size_t nbytes,
                                void **ptr, size_t *mapped_nbytes);
-/* Drops one reference taken by usmipc_ipc_open on ptr. */
+/* Drops one reference taken by usmipc_ipc_open (or _open_sycl) on ptr. */
 USMIPC_API int usmipc_ipc_close(void *ptr);
+
+/* Opens memory that a SYCL program exported on a Level Zero GPU: the bytes
+ * of dpctl's IPCMemoryHandle.to_bytes() or of sycl::ext::oneapi::
+ * experimental::ipc::memory::get() (a Unified Memory Framework blob of 108
+ * or 120 bytes), never a usmipc handle. Opt-in, and weaker than
+ * usmipc_ipc_open (docs/level-zero.md): the blob proves nothing about its
+ * exporter, and a freed allocation is not detected (its descriptor number
+ * may by then name another buffer of the exporter). The descriptor is
+ * taken with pidfd_getfd(2) from the pid in the blob, which must be in this
+ * process's PID namespace (Intel's driver lets any process of the user do
+ * so, PR_SET_PTRACER_ANY, from compute-runtime 26.09 on Xe2 GPUs and 26.31
+ * everywhere). device: a level_zero device (NULL: level_zero:gpu:0).
+ * nbytes == 0 maps from the exported pointer to the end of its allocation.
+ * Every call maps anew; usmipc_ipc_close unmaps. */
+USMIPC_API int usmipc_ipc_open_sycl(const void *data, size_t len,
+                                    usmipc_device_t *device, size_t nbytes,
+                                    void **ptr, size_t *mapped_nbytes);
 
 typedef struct usmipc_ipc_handle_info {
   usmipc_backend_t backend;

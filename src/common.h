@@ -168,6 +168,8 @@ typedef enum usmipc__origin {
   USMIPC__IMPORTED = 2,      /* usmipc_ipc_open of another process's handle */
   USMIPC__FOREIGN_ALIAS = 3, /* this process's own export of memory another
                                 library allocated, opened here as an alias */
+  USMIPC__IMPORTED_SYCL = 4, /* usmipc_ipc_open_sycl: unmapped at its last
+                                close, never cached */
 } usmipc__origin_t;
 
 typedef struct usmipc__import_key {
@@ -472,5 +474,21 @@ int usmipc__dmabuf_size(int fd, uint64_t *size);
 /* 0 when fd is a dma-buf of at least min_size bytes; otherwise fails with
  * code and a message that starts with what. */
 int usmipc__dmabuf_check(int fd, uint64_t min_size, int code, const char *what);
+
+/* ---- SYCL/UMF IPC blobs (umf_blob.c) ---------------------------------- */
+typedef struct usmipc__umf_blob {
+  uint32_t form; /* 108 or 120: its length */
+  uint32_t pid;  /* the exporter's, in its PID namespace */
+  uint64_t handle_id, base, base_size, offset;
+  uint64_t provider_size; /* the 120-byte form's, else 0 */
+  uint8_t ze_handle[64];  /* the exporter's driver handle */
+  uint32_t fd_number;     /* the dma-buf's number in the exporter */
+  uint64_t pool_offset;   /* the driver's, from the handle */
+  bool opaque;            /* IpcOpaqueMemoryData (the exporter's pid at 16) */
+  uint8_t memory_type;    /* 0: device */
+} usmipc__umf_blob_t;
+/* Parses a blob: 0, or USMIPC_EBADHANDLE / USMIPC_EMEMKIND with a message. */
+int usmipc__umf_blob_parse(const void *data, size_t len,
+                           usmipc__umf_blob_t *out);
 
 #endif /* USMIPC_COMMON_H */

@@ -12,11 +12,22 @@
  * The cache key is (exporter pid, exporter nonce, buffer id). Buffer ids are
  * never reused within an exporter, so a stale entry (the exporter freed and
  * reallocated at the same address) can never match a new handle. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "common.h"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
 
 struct usmipc_ipc_handle {
   uint64_t foreign_id; /* the foreign export this handle holds, or 0 */
@@ -797,6 +808,12 @@ int usmipc_ipc_close(void *ptr) {
       usmipc__region_remove(r);
       free(r); /* the memory belongs to another library */
     }
+  } else if (r != NULL && r->origin == USMIPC__IMPORTED_SYCL) {
+    if (--r->open_refs == 0) {
+      usmipc__region_remove(r);
+      r->idle_next = NULL;
+      evicted = r; /* unmapped below, once the lock is dropped */
+    }
   } else if (r != NULL && r->origin == USMIPC__IMPORTED && r->open_refs > 0) {
     if (--r->open_refs == 0) {
       idle_push(r);
@@ -813,4 +830,132 @@ int usmipc_ipc_close(void *ptr) {
   if (release)
     usmipc__region_release_local(release);
   return rc;
+}
+
+/* ---- memory a SYCL program exported ---------------------------------------
+ * The blob names the exporter by pid only; its dma-buf is taken with
+ * pidfd_getfd by its number there. What can be checked is: the pid is in
+ * this PID namespace (else it names another process), the descriptor is a
+ * dma-buf large enough for the allocation (the backend checks), the memory
+ * is device memory. */
+static int sycl_take_fd(const usmipc__umf_blob_t *b, int *out) {
+  *out = -1;
+  if (b->pid == (uint32_t)getpid()) {
+    int fd = fcntl((int)b->fd_number, F_DUPFD_CLOEXEC, 3);
+    if (fd < 0)
+      return usmipc__fail_native(USMIPC_EEXPORTERGONE, errno,
+                                 "this process holds no descriptor %u: the "
+                                 "SYCL allocation was freed",
+                                 b->fd_number);
+    *out = fd;
+    return 0;
+  }
+  char pid[16];
+  snprintf(pid, sizeof(pid), "%u", b->pid);
+  uint64_t theirs = usmipc__ns_inode(pid, "pid"),
+           mine = usmipc__ns_inode("self", "pid");
+  if (theirs == 0)
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "no process %u here: the SYCL exporter exited, or it "
+                        "runs in another PID namespace (a container), where "
+                        "its pid names another process",
+                        b->pid);
+  if (mine == 0 || theirs != mine)
+    return usmipc__fail(USMIPC_ENAMESPACE,
+                        "process %u is in another PID namespace than this "
+                        "process: the pid in a SYCL handle is the exporter's "
+                        "own, which this process cannot trust to name it; "
+                        "run both in one PID namespace",
+                        b->pid);
+  int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)b->pid, 0);
+  if (pidfd < 0)
+    return usmipc__fail_native(
+        errno == ESRCH ? USMIPC_EEXPORTERGONE : USMIPC_ETRANSPORT, errno,
+        "pidfd_open(%u) failed: %s", b->pid, strerror(errno));
+  int fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)b->fd_number, 0);
+  int e = errno;
+  close(pidfd);
+  if (fd >= 0) {
+    *out = fd;
+    return 0;
+  }
+  if (e == EPERM || e == EACCES)
+    return usmipc__fail_native(
+        USMIPC_EACCES, e,
+        "pidfd_getfd(2) may not take the descriptor from the SYCL exporter %u: "
+        "it needs ptrace rights, which Intel's driver grants every process of "
+        "the user (PR_SET_PTRACER_ANY) only from compute-runtime 26.09 (Xe2) "
+        "or 26.31; under Yama ptrace_scope=1 the exporter must allow it",
+        b->pid);
+  if (e == EBADF)
+    return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
+                               "process %u holds no descriptor %u: the SYCL "
+                               "allocation was freed",
+                               b->pid, b->fd_number);
+  if (e == ESRCH)
+    return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
+                               "the SYCL exporter %u is gone", b->pid);
+  return usmipc__fail_native(USMIPC_ETRANSPORT, e, "pidfd_getfd failed: %s",
+                             strerror(e));
+}
+
+int usmipc_ipc_open_sycl(const void *data, size_t len, usmipc_device_t *device,
+                         size_t nbytes, void **ptr, size_t *mapped_nbytes) {
+  if (ptr == NULL)
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_open_sycl: ptr is NULL");
+  *ptr = NULL;
+  usmipc__umf_blob_t b;
+  int rc = usmipc__umf_blob_parse(data, len, &b);
+  if (rc != 0)
+    return rc;
+  if (device == NULL &&
+      (rc = usmipc_device_select("level_zero:gpu:0", &device)) != 0) {
+    usmipc__error_prefix("opening a SYCL handle: ");
+    return rc;
+  }
+  if (device->ops->ipc_import_sycl == NULL)
+    return usmipc__fail(USMIPC_EWRONGDEVICE,
+                        "a SYCL handle holds Level Zero memory; open it on a "
+                        "level_zero device, not on %s",
+                        device->filter);
+  uint64_t avail = b.base_size - b.offset;
+  if (nbytes == 0)
+    nbytes = (size_t)avail;
+  else if (nbytes > avail)
+    return usmipc__fail(USMIPC_ERANGE,
+                        "cannot open %zu bytes: the SYCL allocation has %llu "
+                        "bytes from the exported pointer on",
+                        nbytes, (unsigned long long)avail);
+  int fd;
+  if ((rc = sycl_take_fd(&b, &fd)) != 0)
+    return rc;
+  usmipc__region_t *r = calloc(1, sizeof(*r));
+  if (r == NULL) {
+    close(fd);
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  }
+  r->alloc.fd = -1;
+  rc = device->ops->ipc_import_sycl(device->native, &b, fd, &r->alloc);
+  close(fd);
+  if (rc != 0) {
+    free(r);
+    usmipc__error_prefix("opening the SYCL handle of process %u: ", b.pid);
+    return rc;
+  }
+  r->device = device;
+  r->origin = USMIPC__IMPORTED_SYCL;
+  r->buffer_id = b.handle_id;
+  r->open_refs = 1;
+  pthread_mutex_lock(&usmipc__registry_lock);
+  rc = usmipc__region_insert(r);
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  if (rc != 0) {
+    r->idle_next = NULL;
+    unmap_list(r);
+    return rc;
+  }
+  *ptr = (uint8_t *)r->alloc.base + b.offset;
+  if (mapped_nbytes != NULL)
+    *mapped_nbytes = nbytes;
+  return 0;
 }

@@ -40,6 +40,8 @@ typedef struct usmipc__allocation {
       native; /* backend's own handle (CUmemGenericAllocationHandle, ...) */
 } usmipc__allocation_t;
 
+struct usmipc__umf_blob; /* common.h */
+
 /* The backend-specific part of a wire handle (docs/handle-format.md). */
 #define USMIPC__PAYLOAD_MAX 512
 #define USMIPC__PAYLOAD_EXT_MAX 32
@@ -100,6 +102,12 @@ typedef struct usmipc__backend_ops {
                     int fd, uint64_t allocation_size,
                     usmipc__allocation_t *out);
   int (*ipc_unmap)(void *dev, usmipc__allocation_t *mapping);
+  /* Optional (Level Zero): maps memory a SYCL program exported, from its
+   * parsed UMF blob (struct usmipc__umf_blob, common.h) and the dma-buf fd
+   * taken from the exporter (owned by the caller); out->base is the
+   * provider allocation's base in this process. */
+  int (*ipc_import_sycl)(void *dev, const struct usmipc__umf_blob *blob, int fd,
+                         usmipc__allocation_t *out);
 } usmipc__backend_ops_t;
 
 /* The backends the core knows, in probe order; a new backend adds itself to

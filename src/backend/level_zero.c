@@ -838,7 +838,7 @@ static int handle_descriptor(lz_driver_t *drv, const ze_ipc_mem_handle_t *h,
 /* Reads an exporter's fresh handle (fd is its descriptor) into record
  * 0x0201, or refuses what usmipc cannot share faithfully. */
 static int describe_handle(const lz_driver_t *drv, const ze_ipc_mem_handle_t *h,
-                           int fd, unsigned how,
+                           int fd, uint32_t exporter, unsigned how,
                            uint8_t record[LZ_RECORD_LEN]) {
   const uint8_t *b = (const uint8_t *)h->data;
   uint32_t pid, copy;
@@ -847,7 +847,7 @@ static int describe_handle(const lz_driver_t *drv, const ze_ipc_mem_handle_t *h,
   memcpy(&copy, b + 22, 4);
   memcpy(&pool_offset, b + 8, 8);
   uint8_t layout, flags = how == HOW_DEVICE_EXPORTABLE ? LZ_REC_UNPOOLED : 0;
-  if (pid == (uint32_t)getpid()) {
+  if (pid == exporter) {
     /* IpcOpaqueMemoryData: handle type at 20 (0: a descriptor, not a
      * Windows handle), memory type at 21 (0: device). */
     if (b[20] != 0 || b[21] != 0)
@@ -867,7 +867,7 @@ static int describe_handle(const lz_driver_t *drv, const ze_ipc_mem_handle_t *h,
                           b[16]);
     layout = LZ_LAYOUT_LEGACY;
   }
-  if (pool_offset != 0)
+  if (pool_offset != 0 && how != HOW_FOREIGN)
     return usmipc__fail(USMIPC_ENOTSUP,
                         "the Level Zero driver placed this allocation at "
                         "offset %llu of a pool it shares with other "
@@ -930,7 +930,8 @@ static int lz_ipc_export(void *dev, usmipc__allocation_t *a,
       rc = check_descriptor(drv, fd, a->size, USMIPC_ENOTSUP,
                             "the descriptor in the driver's IPC handle");
     if (rc == 0)
-      rc = describe_handle(drv, &x->handle, fd, a->how, x->record);
+      rc = describe_handle(drv, &x->handle, fd, (uint32_t)getpid(), a->how,
+                           x->record);
     /* Our own duplicate is what importers get: the driver closes its
      * descriptor at zeMemFree (and, in a pool, at any neighbour's free),
      * and compute-runtime's zeMemPutIpcHandle closes whatever descriptor
@@ -975,7 +976,8 @@ static uint8_t own_layout(lz_device_t *d) {
       int fd;
       uint8_t record[LZ_RECORD_LEN];
       memcpy(&fd, h.data, sizeof(fd));
-      if (describe_handle(d->driver, &h, fd, a.how, record) == 0)
+      if (describe_handle(d->driver, &h, fd, (uint32_t)getpid(), a.how,
+                          record) == 0)
         found = record[4];
       if (d->driver->put_ipc_handle != NULL)
         d->driver->put_ipc_handle(d->driver->context, h);
@@ -986,6 +988,10 @@ static uint8_t own_layout(lz_device_t *d) {
   __atomic_store_n(&layout, found, __ATOMIC_RELEASE);
   return found;
 }
+
+static int import_dmabuf(lz_device_t *d, lz_device_t *owner,
+                         const uint8_t rec[LZ_RECORD_LEN], int fd,
+                         uint64_t allocation_size, usmipc__allocation_t *out);
 
 static int lz_ipc_import(void *dev, void *owner_dev,
                          const usmipc__payload_t *payload, int fd,
@@ -1017,6 +1023,17 @@ static int lz_ipc_import(void *dev, void *owner_dev,
                         "the Level Zero driver record is invalid (layout %u, "
                         "flags 0x%x, pool offset %llu)",
                         layout, flags, (unsigned long long)pool_offset);
+  return import_dmabuf(d, owner, rec, fd, allocation_size, out);
+}
+
+/* Opens a dma-buf that another process's driver exported, described by
+ * record 0x0201: a handle of this process's own making around fd. */
+static int import_dmabuf(lz_device_t *d, lz_device_t *owner,
+                         const uint8_t rec[LZ_RECORD_LEN], int fd,
+                         uint64_t allocation_size, usmipc__allocation_t *out) {
+  uint8_t flags = rec[5];
+  uint64_t pool_offset;
+  memcpy(&pool_offset, rec + 8, 8);
   if (fd < 0)
     return usmipc__fail(USMIPC_EBADHANDLE,
                         "Level Zero handle carries no descriptor");
@@ -1033,8 +1050,9 @@ static int lz_ipc_import(void *dev, void *owner_dev,
                           "%d (no peer access); open the handle on GPU %d",
                           d->ordinal, owner->ordinal, owner->ordinal);
   }
-  int rc = check_descriptor(d->driver, fd, allocation_size, USMIPC_EUNTRUSTED,
-                            "the descriptor the exporter sent");
+  int rc =
+      check_descriptor(d->driver, fd, pool_offset + allocation_size,
+                       USMIPC_EUNTRUSTED, "the descriptor the exporter sent");
   if (rc != 0)
     return rc;
   /* Compressed memory opens only where this process's driver has a place
@@ -1067,6 +1085,7 @@ static int lz_ipc_import(void *dev, void *owner_dev,
   ze_ipc_mem_handle_t h;
   memset(&h, 0, sizeof(h));
   memcpy(h.data, &local, sizeof(local));
+  memcpy(h.data + 8, &pool_offset, 8); /* the driver maps the pool, adds it */
   if (flag_at >= 0)
     h.data[flag_at] = 1;
   ze_context_handle_t ctx = d->driver->context;
@@ -1108,6 +1127,22 @@ static int lz_ipc_import(void *dev, void *owner_dev,
   return 0;
 }
 
+/* Memory a SYCL program exported (usmipc_ipc_open_sycl): the exporter's
+ * driver handle, read in its own layout, says where the pool offset and the
+ * compression flag are; then the same import as for usmipc's handles. */
+static int lz_ipc_import_sycl(void *dev, const usmipc__umf_blob_t *blob, int fd,
+                              usmipc__allocation_t *out) {
+  lz_device_t *d = dev;
+  ze_ipc_mem_handle_t h;
+  memcpy(h.data, blob->ze_handle, sizeof(h.data));
+  uint8_t rec[LZ_RECORD_LEN];
+  int rc = describe_handle(d->driver, &h, (int)blob->fd_number, blob->pid,
+                           HOW_FOREIGN, rec);
+  if (rc != 0)
+    return rc;
+  return import_dmabuf(d, d, rec, fd, blob->base_size, out);
+}
+
 static int lz_ipc_unmap(void *dev, usmipc__allocation_t *m) {
   lz_device_t *d = dev;
   ze_result_t res = ze.zeMemCloseIpcHandle(d->driver->context, m->base);
@@ -1130,4 +1165,5 @@ const usmipc__backend_ops_t usmipc__level_zero_backend = {
     .ipc_export = lz_ipc_export,
     .ipc_import = lz_ipc_import,
     .ipc_unmap = lz_ipc_unmap,
+    .ipc_import_sycl = lz_ipc_import_sycl,
 };

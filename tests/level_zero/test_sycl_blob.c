@@ -1,0 +1,267 @@
+/* usmipc_ipc_open_sycl against blobs laid out exactly as SYCL's (the
+ * Unified Memory Framework's umf_ipc_data_t and its Level Zero provider's
+ * data, src/umf_blob.c), around real Level Zero IPC handles of the test
+ * driver: an exporter process allocates through the loader as a SYCL
+ * runtime would, builds the 108- and 120-byte blobs, and this process opens
+ * them with usmipc. Run with ZE_ENABLE_ALT_DRIVERS naming the test driver
+ * (CTest: level_zero.sycl_blob). */
+#include <dlfcn.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <level_zero/ze_api.h>
+
+#include "usmipc.h"
+#include "ze_test_driver.h"
+
+static int failures;
+#define CHECK(cond, ...)                                                       \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      fprintf(stderr, "    %s:%d: %s: ", __FILE__, __LINE__, #cond);           \
+      fprintf(stderr, __VA_ARGS__);                                            \
+      fputc('\n', stderr);                                                     \
+      failures++;                                                              \
+      return 1;                                                                \
+    }                                                                          \
+  } while (0)
+
+#define SIZE (256 * 1024)
+#define OFFSET (4096 + 3)
+
+static uint8_t pattern(size_t i) { return (uint8_t)(i * 7 + 11); }
+
+static void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+
+/* The blob SYCL would make for ptr = base + offset (form 108 or 120). */
+static size_t make_blob(uint8_t *out, int form, uint64_t handle_id,
+                        const void *base, uint64_t size, uint64_t offset,
+                        const ze_ipc_mem_handle_t *h) {
+  memset(out, 0xee, 120); /* padding is whatever memory held */
+  put64(out, handle_id);
+  put64(out + 8, (uint64_t)(uintptr_t)base);
+  put32(out + 16, (uint32_t)getpid());
+  put64(out + 24, size);
+  put64(out + 32, offset);
+  put32(out + 40, (uint32_t)getpid());
+  if (form == 108) {
+    memcpy(out + 44, h->data, 64);
+    return 108;
+  }
+  put64(out + 48, size);
+  memcpy(out + 56, h->data, 64);
+  return 120;
+}
+
+/* The exporter: allocates and fills through the loader, writes the blobs
+ * (hex, one per line: 120, 108, a host-memory one), then serves "free"
+ * (frees the allocation) and "exit" on its stdin. */
+static void exporter(int out, int in) {
+  ze_driver_handle_t drv;
+  ze_device_handle_t dev;
+  ze_context_handle_t ctx;
+  uint32_t n = 1;
+  if (zeInit(ZE_INIT_FLAG_GPU_ONLY) || zeDriverGet(&n, &drv) ||
+      (n = 1, zeDeviceGet(drv, &n, &dev)))
+    _exit(2);
+  ze_context_desc_t cd = {.stype = ZE_STRUCTURE_TYPE_CONTEXT_DESC};
+  ze_device_mem_alloc_desc_t dd = {.stype =
+                                       ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC};
+  void *p = NULL;
+  if (zeContextCreate(drv, &cd, &ctx) ||
+      zeMemAllocDevice(ctx, &dd, SIZE, 0, dev, &p))
+    _exit(3);
+  for (size_t i = 0; i < SIZE; i++) /* the test device's memory is host's */
+    ((uint8_t *)p)[i] = pattern(i);
+  ze_ipc_mem_handle_t h;
+  memset(&h, 0, sizeof(h));
+  if (zeMemGetIpcHandle(ctx, p, &h))
+    _exit(4);
+  FILE *f = fdopen(out, "w");
+  uint8_t blob[120];
+  for (int k = 0; k < 3; k++) {
+    size_t len = make_blob(blob, k == 1 ? 108 : 120, 7 + (uint64_t)k, p, SIZE,
+                           OFFSET, &h);
+    if (k == 2) /* host memory: the memory-type byte of the layout */
+      blob[56 + (h.data[16] == 0 && blob[56 + 16] == 0 ? 16 : 21)] = 1;
+    for (size_t i = 0; i < len; i++)
+      fprintf(f, "%02x", blob[i]);
+    fputc('\n', f);
+  }
+  fflush(f);
+  FILE *g = fdopen(in, "r");
+  char line[64];
+  while (fgets(line, sizeof(line), g) != NULL) {
+    if (!strncmp(line, "free", 4)) {
+      zeMemFree(ctx, p);
+      fputs("freed\n", f);
+      fflush(f);
+    } else {
+      break;
+    }
+  }
+  _exit(0);
+}
+
+static size_t unhex(const char *s, uint8_t *out, size_t cap) {
+  size_t n = 0;
+  while (n < cap && s[2 * n] && s[2 * n] != '\n') {
+    unsigned v;
+    sscanf(s + 2 * n, "%2x", &v);
+    out[n++] = (uint8_t)v;
+  }
+  return n;
+}
+
+static usmipc_ze_test_stats_t stats(void) {
+  usmipc_ze_test_stats_t s;
+  memset(&s, 0, sizeof(s));
+  void *lib = dlopen(getenv("ZE_ENABLE_ALT_DRIVERS"), RTLD_NOW | RTLD_NOLOAD);
+  usmipc_ze_test_get_stats_fn get =
+      lib ? (usmipc_ze_test_get_stats_fn)dlsym(lib, USMIPC_ZE_TEST_GET_STATS)
+          : NULL;
+  if (get)
+    get(&s);
+  return s;
+}
+
+static int expect_error(const uint8_t *b, size_t len, usmipc_device_t *dev,
+                        size_t nbytes, int code, const char *words) {
+  void *p = NULL;
+  int rc = usmipc_ipc_open_sycl(b, len, dev, nbytes, &p, NULL);
+  CHECK(rc == code, "got %s (%s), want %s", usmipc_err_name(rc),
+        usmipc_last_error(), usmipc_err_name(code));
+  CHECK(p == NULL, "a failed open left a pointer");
+  CHECK(words == NULL || strstr(usmipc_last_error(), words) != NULL,
+        "message lacks \"%s\": %s", words, usmipc_last_error());
+  return 0;
+}
+
+static int run(const char *layout_env) {
+  int to[2], from[2];
+  if (pipe(to) || pipe(from))
+    return 1;
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid == 0) {
+    if (layout_env)
+      putenv((char *)layout_env);
+    /* Without zeMemPutIpcHandle the test driver closes the handle's
+     * descriptor at zeMemFree, as Intel's does (else it leaks it). */
+    putenv((char *)"USMIPC_ZE_TEST_NO_PUT=1");
+    close(to[1]);
+    close(from[0]);
+    exporter(from[1], to[0]);
+  }
+  close(to[0]);
+  close(from[1]);
+  FILE *f = fdopen(from[0], "r");
+  static char line[3][512];
+  uint8_t blob[3][128];
+  size_t len[3];
+  for (int k = 0; k < 3; k++) {
+    CHECK(fgets(line[k], sizeof(line[k]), f) != NULL, "exporter died");
+    len[k] = unhex(line[k], blob[k], sizeof(blob[k]));
+  }
+  usmipc_device_t *dev;
+  CHECK(usmipc_device_select("level_zero:gpu:0", &dev) == 0, "%s",
+        usmipc_last_error());
+  usmipc_ze_test_stats_t s0 = stats();
+  /* Both forms, from the exported pointer to the end of the allocation. */
+  void *p[2] = {NULL, NULL};
+  for (int k = 0; k < 2; k++) {
+    size_t mapped = 0;
+    int rc = usmipc_ipc_open_sycl(blob[k], len[k], k ? NULL : dev, 0, &p[k],
+                                  &mapped);
+    CHECK(rc == 0, "open of the %zu-byte blob: %s", len[k],
+          usmipc_last_error());
+    CHECK(mapped == SIZE - OFFSET, "mapped %zu", mapped);
+    for (size_t i = 0; i < mapped; i += 997)
+      CHECK(((uint8_t *)p[k])[i] == pattern(OFFSET + i),
+            "byte %zu of the %zu-byte blob's mapping", i, len[k]);
+    CHECK(((uint8_t *)p[k])[mapped - 1] == pattern(SIZE - 1), "last byte");
+  }
+  /* Writes reach the exporter's memory: the other mapping sees them. */
+  ((uint8_t *)p[0])[5] = 0xa5;
+  CHECK(((uint8_t *)p[1])[5] == 0xa5, "the two mappings are not one memory");
+  usmipc_ze_test_stats_t s1 = stats();
+  CHECK(s1.live_mappings == s0.live_mappings + 2, "live mappings %llu",
+        (unsigned long long)s1.live_mappings);
+  CHECK(usmipc_ipc_close(p[0]) == 0 && usmipc_ipc_close(p[1]) == 0, "%s",
+        usmipc_last_error());
+  CHECK(usmipc_ipc_close(p[0]) == USMIPC_ENOTMAPPED, "closed twice");
+  CHECK(stats().live_mappings == s0.live_mappings, "a mapping outlived close");
+
+  /* What is refused, and how. */
+  uint8_t bad[128];
+  if (expect_error(blob[0], 107, dev, 0, USMIPC_EBADHANDLE, "108"))
+    return 1;
+  memcpy(bad, blob[0], 120);
+  put32(bad + 40, (uint32_t)pid + 1);
+  if (expect_error(bad, 120, dev, 0, USMIPC_EBADHANDLE, "pids disagree"))
+    return 1;
+  memcpy(bad, blob[0], 120);
+  put64(bad + 32, SIZE);
+  if (expect_error(bad, 120, dev, 0, USMIPC_EBADHANDLE, "offset"))
+    return 1;
+  if (expect_error(blob[2], len[2], dev, 0, USMIPC_EMEMKIND, "host memory"))
+    return 1;
+  if (expect_error(blob[0], len[0], dev, SIZE - OFFSET + 1, USMIPC_ERANGE,
+                   NULL))
+    return 1;
+  usmipc_device_t *host;
+  CHECK(usmipc_device_select("host:cpu", &host) == 0, "host");
+  if (expect_error(blob[0], len[0], host, 0, USMIPC_EWRONGDEVICE, "level_zero"))
+    return 1;
+  /* A usmipc handle is not a SYCL blob. */
+  void *mine;
+  usmipc_ipc_handle_t *h;
+  const void *hd;
+  size_t hl;
+  CHECK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &mine) == 0 &&
+            usmipc_ipc_get_handle(mine, 0, &h) == 0 &&
+            usmipc_ipc_handle_data(h, &hd, &hl) == 0,
+        "%s", usmipc_last_error());
+  if (expect_error(hd, hl, dev, 0, USMIPC_EBADHANDLE, "usmipc_ipc_open"))
+    return 1;
+  usmipc_ipc_free_handle(h);
+  usmipc_free(mine);
+  /* Freed by the exporter: its descriptor is gone. */
+  if (write(to[1], "free\n", 5) != 5)
+    return 1;
+  char ack[64];
+  CHECK(fgets(ack, sizeof(ack), f) != NULL && !strncmp(ack, "freed", 5),
+        "exporter did not free");
+  if (expect_error(blob[0], len[0], dev, 0, USMIPC_EEXPORTERGONE, "freed"))
+    return 1;
+  close(to[1]);
+  fclose(f);
+  int status;
+  waitpid(pid, &status, 0);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "exporter status %d",
+        status);
+  /* The exporter is gone: no such process. */
+  if (expect_error(blob[0], len[0], dev, 0, USMIPC_EEXPORTERGONE, NULL))
+    return 1;
+  return 0;
+}
+
+int main(void) {
+  if (getenv("ZE_ENABLE_ALT_DRIVERS") == NULL) {
+    printf("skipped: ZE_ENABLE_ALT_DRIVERS does not name the test driver\n");
+    return 77;
+  }
+  static const char *const layouts[] = {NULL, "USMIPC_ZE_TEST_PIDFD_HANDLE=1"};
+  for (int i = 0; i < 2; i++) {
+    int r = run(layouts[i]);
+    printf("%s sycl_blob %s\n", r ? "FAIL" : "ok",
+           layouts[i] ? layouts[i] : "(legacy layout)");
+  }
+  return failures ? 1 : 0;
+}
