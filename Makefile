@@ -34,6 +34,9 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q scikit-build-core pytest numpy
+	# UMF (the library SYCL and dpctl make IPC handles with) and its hwloc:
+	# tests/level_zero/test_sycl_umf.c opens blobs that UMF itself makes.
+	$(VENV)/bin/python -m pip install -q umf==1.2.0 tcmlib
 
 # Builds the wheel's extension and installs the package into $(PY).
 python: $(PY_SETUP)
@@ -46,7 +49,7 @@ demo: python
 
 test: test-c test-python
 
-test-c: build
+test-c: build $(PY_SETUP)
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
 
 test-python: python
