@@ -326,10 +326,11 @@ static void handle_dealloc(PyObject *op) {
 
 /* ---- the importer's side ------------------------------------------------- */
 
-static PyObject *handle_open(PyObject *cls, PyTypeObject *defining_class,
+/* open() and open_sycl(): the same arguments; sycl selects
+ * usmipc_ipc_open_sycl (bytes of a SYCL program's IPC handle). */
+static PyObject *open_common(PyTypeObject *defining_class,
                              PyObject *const *args, Py_ssize_t nargs,
-                             PyObject *kwnames) {
-  (void)cls;
+                             PyObject *kwnames, int sycl) {
   static const char *const names[] = {"handle", "device", "nbytes"};
   PyObject *a[3];
   usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
@@ -337,8 +338,8 @@ static PyObject *handle_open(PyObject *cls, PyTypeObject *defining_class,
     a[0] = args[0];
     a[1] = nargs > 1 ? args[1] : NULL;
     a[2] = nargs > 2 ? args[2] : NULL;
-  } else if (usmipc_parse_fastcall("open", args, nargs, kwnames, names, 3, 3,
-                                   a) < 0) {
+  } else if (usmipc_parse_fastcall(sycl ? "open_sycl" : "open", args, nargs,
+                                   kwnames, names, 3, 3, a) < 0) {
     return NULL;
   }
   if (a[0] == NULL) {
@@ -392,7 +393,10 @@ static PyObject *handle_open(PyObject *cls, PyTypeObject *defining_class,
   int query_failed = 0;
   char query_message[256];
   Py_BEGIN_ALLOW_THREADS
-  rc = usmipc_ipc_open(data, (size_t)len, device, nbytes, &ptr, &mapped);
+  rc = sycl ? usmipc_ipc_open_sycl(data, (size_t)len, device, nbytes, &ptr,
+                                   &mapped)
+            : usmipc_ipc_open(data, (size_t)len, device, nbytes, &ptr,
+                              &mapped);
   if (rc == 0 && device == NULL) {
     usmipc_pointer_info_t info;
     int qrc = usmipc_pointer_query(ptr, &info);
@@ -448,6 +452,20 @@ fail:
   usmipc_ipc_close(ptr);
   Py_END_ALLOW_THREADS
   return NULL;
+}
+
+static PyObject *handle_open(PyObject *cls, PyTypeObject *defining_class,
+                             PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames) {
+  (void)cls;
+  return open_common(defining_class, args, nargs, kwnames, 0);
+}
+
+static PyObject *handle_open_sycl(PyObject *cls, PyTypeObject *defining_class,
+                                  PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames) {
+  (void)cls;
+  return open_common(defining_class, args, nargs, kwnames, 1);
 }
 
 static PyObject *handle_close_mapping(PyObject *cls,
@@ -691,6 +709,16 @@ static PyMethodDef handle_methods[] = {
      "the\nhandle names). nbytes=None maps the exported size; more is "
      "refused with\nValueError. Opening the same allocation again is cheap "
      "(mappings are\nshared and cached)."},
+    {"open_sycl", CMETHOD(handle_open_sycl), CLASS_FLAGS,
+     "open_sycl($cls, /, handle, device=None, nbytes=None)\n--\n\n"
+     "Returns a MemoryIPCDevice mapping memory that a SYCL program "
+     "exported:\nthe bytes of dpctl's IPCMemoryHandle.to_bytes() (a UMF "
+     "blob of 108 or\n120 bytes over a Level Zero handle), never usmipc "
+     "handle bytes. device:\na level_zero device (None: level_zero:gpu:0). "
+     "nbytes=None maps from the\nexported pointer to the end of its "
+     "allocation. Weaker than open(): the\nblob does not prove who exported "
+     "it, and a freed allocation is not\ndetected (docs/level-zero.md). "
+     "Each call maps anew; close with\nclose_mapping()."},
     {"close_mapping", CMETHOD(handle_close_mapping), CLASS_FLAGS,
      "close_mapping($cls, /, memory)\n--\n\nCloses a mapping returned by "
      "open(); "
