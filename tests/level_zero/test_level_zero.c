@@ -2,6 +2,10 @@
  * driver (ze_test_driver.c), across real processes.
  *
  *   test_level_zero              every test, each in a forked process
+ *   test_level_zero --base       the tests of the backend as a whole, under
+ *                                the profile of USMIPC_ZE_TEST_PROFILE
+ *   test_level_zero --cr         the tests of Intel's releases (cr_*), each
+ *                                under the profiles it names
  *   test_level_zero NAME         one test, in this process
  *   test_level_zero --helper ... a helper role (started by the tests)
  *
@@ -16,6 +20,8 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,8 +67,23 @@
 
 /* ---- shared helpers ---------------------------------------------------------- */
 
-/* The byte every test expects at offset i of an exported allocation. */
-static uint8_t pattern_at(size_t i) { return (uint8_t)(i * 7 + 1); }
+/* The byte every test expects at offset i of an exported allocation, and
+ * of allocation number `seed` where a test exports several. */
+static uint8_t pattern_seed(size_t i, unsigned seed) {
+  return (uint8_t)(i * 7 + 1 + seed * 53);
+}
+static uint8_t pattern_at(size_t i) { return pattern_seed(i, 0); }
+
+/* The driver profile this process runs under (ze_test_driver.h). */
+static const char *profile_name(void) {
+  const char *p = getenv("USMIPC_ZE_TEST_PROFILE");
+  return p != NULL && p[0] != '\0' ? p : "ideal";
+}
+
+/* True under a profile of Intel's releases (cr-*): no zeMemPutIpcHandle
+ * (CR serves it through no path the loader 1.8 reaches), zeMemFree closes
+ * the exported descriptor, handles in Intel's layouts of that release. */
+static bool cr_profile(void) { return !strncmp(profile_name(), "cr-", 3); }
 
 static usmipc_device_t *gpu(void) {
   usmipc_device_t *d = NULL;
@@ -98,13 +119,15 @@ static int count_fds(void) {
   return n;
 }
 
-/* Device memory of nbytes holding pattern_at(i), filled through a queue. */
-static int alloc_pattern(usmipc_device_t *dev, size_t nbytes, void **out) {
+/* Device memory of nbytes holding pattern_seed(i, seed), filled through a
+ * queue. */
+static int alloc_pattern_seed(usmipc_device_t *dev, size_t nbytes,
+                              unsigned seed, void **out) {
   uint8_t *host = malloc(nbytes);
   usmipc_queue_t *q = NULL;
   int rc = host ? 0 : USMIPC_ENOMEM;
   for (size_t i = 0; host && i < nbytes; i++)
-    host[i] = pattern_at(i);
+    host[i] = pattern_seed(i, seed);
   if (rc == 0)
     rc = usmipc_malloc(dev, USMIPC_MEM_DEVICE, nbytes, out);
   if (rc == 0)
@@ -118,6 +141,11 @@ static int alloc_pattern(usmipc_device_t *dev, size_t nbytes, void **out) {
   return rc;
 }
 
+/* Device memory of nbytes holding pattern_at(i). */
+static int alloc_pattern(usmipc_device_t *dev, size_t nbytes, void **out) {
+  return alloc_pattern_seed(dev, nbytes, 0, out);
+}
+
 /* First offset in [from, from + len) whose byte is not want(i), or -1. */
 static long first_mismatch(const uint8_t *p, size_t from, size_t len, int fill) {
   for (size_t i = 0; i < len; i++) {
@@ -126,6 +154,74 @@ static long first_mismatch(const uint8_t *p, size_t from, size_t len, int fill) 
       return (long)(from + i);
   }
   return -1;
+}
+
+/* The same for pattern_seed(i, seed). */
+static long first_mismatch_seed(const uint8_t *p, size_t from, size_t len,
+                                unsigned seed) {
+  for (size_t i = 0; i < len; i++)
+    if (p[i] != pattern_seed(from + i, seed))
+      return (long)(from + i);
+  return -1;
+}
+
+/* The driver's counters as "stats name=value ..." (every field), for
+ * helpers to report, and one of them back out of such a line. */
+#define STAT_FIELD(name)                                                       \
+  { #name, offsetof(usmipc_ze_test_stats_t, name) }
+static const struct {
+  const char *name;
+  size_t offset;
+} stat_fields[] = {
+    STAT_FIELD(ipc_gets),
+    STAT_FIELD(ipc_puts),
+    STAT_FIELD(ipc_opens),
+    STAT_FIELD(ipc_closes),
+    STAT_FIELD(live_ipc_handles),
+    STAT_FIELD(freed_with_live_handle),
+    STAT_FIELD(live_allocations),
+    STAT_FIELD(live_mappings),
+    STAT_FIELD(fd_queries),
+    STAT_FIELD(pidfd_self_fetches),
+    STAT_FIELD(profile),
+    STAT_FIELD(exported_fd_closed_by_free),
+    STAT_FIELD(pooled_allocations),
+    STAT_FIELD(pool_refs_dropped_by_unexported_free),
+    STAT_FIELD(pool_fd_closed_while_exported),
+    STAT_FIELD(opaque_opens),
+    STAT_FIELD(legacy_opens),
+    STAT_FIELD(pidfd_fetches),
+    STAT_FIELD(socket_fetches),
+    STAT_FIELD(raw_fallbacks),
+    STAT_FIELD(import_cache_hits),
+    STAT_FIELD(import_cache_stale_hits),
+    STAT_FIELD(import_fds_kept),
+    STAT_FIELD(ptracer_any_set),
+    STAT_FIELD(zex_get_ipc_handles),
+    STAT_FIELD(uninitialized_stub_calls),
+    STAT_FIELD(socket_requests_served),
+};
+
+static void format_stats(const usmipc_ze_test_stats_t *s, char *out,
+                         size_t cap) {
+  size_t n = (size_t)snprintf(out, cap, "stats");
+  for (size_t i = 0; i < sizeof(stat_fields) / sizeof(stat_fields[0]); i++) {
+    uint64_t v;
+    memcpy(&v, (const char *)s + stat_fields[i].offset, sizeof(v));
+    if (n < cap)
+      n += (size_t)snprintf(out + n, cap - n, " %s=%llu", stat_fields[i].name,
+                            (unsigned long long)v);
+  }
+}
+
+/* The value of name in a "stats ..." line, or ~0 when it is not there. */
+static unsigned long long stat_of(const char *line, const char *name) {
+  size_t len = strlen(name);
+  for (const char *at = strstr(line, name); at != NULL;
+       at = strstr(at + 1, name))
+    if (at[-1] == ' ' && at[len] == '=')
+      return strtoull(at + len + 1, NULL, 10);
+  return ~0ull;
 }
 
 static void to_hex(const void *data, size_t len, char *out) {
@@ -346,6 +442,227 @@ static int helper_import(int argc, char **argv) {
   }
 }
 
+/* exporter: exports several allocations, for the cr_* tests. Serves
+ * "alloc NBYTES SEED" -> "id K" (device memory holding pattern_seed(i,
+ * SEED)), "export K" -> "handle HEX" (the whole allocation) or "error
+ * ERRNAME message", "check K OFF LEN BYTE" -> "ok" or "mismatch at OFF",
+ * "free K" -> "freed", "stats" -> "stats name=value ...", "exit". */
+#define MAX_HELPER_ALLOCS 256
+static int helper_exporter(void) {
+  usmipc_device_t *dev = gpu();
+  void *p[MAX_HELPER_ALLOCS];
+  int count = 0;
+  for (;;) {
+    const char *cmd = hear();
+    size_t nbytes, off, n;
+    unsigned seed;
+    int k, byte;
+    if (sscanf(cmd, "alloc %zu %u", &nbytes, &seed) == 2) {
+      int rc = dev == NULL ? USMIPC_ENODEV
+               : count == MAX_HELPER_ALLOCS
+                   ? USMIPC_ENOMEM
+                   : alloc_pattern_seed(dev, nbytes, seed, &p[count]);
+      if (rc != 0)
+        say("error %s %s", usmipc_err_name(rc), usmipc_last_error());
+      else
+        say("id %d", count++);
+    } else if (sscanf(cmd, "export %d", &k) == 1 && k >= 0 && k < count) {
+      usmipc_ipc_handle_t *h = NULL;
+      const void *data;
+      size_t len;
+      int rc = usmipc_ipc_get_handle(p[k], 0, &h);
+      if (rc == 0)
+        rc = usmipc_ipc_handle_data(h, &data, &len);
+      if (rc != 0) {
+        say("error %s %s", usmipc_err_name(rc), usmipc_last_error());
+      } else {
+        char hex[1024];
+        to_hex(data, len, hex);
+        say("handle %s", hex);
+      }
+      usmipc_ipc_free_handle(h);
+    } else if (sscanf(cmd, "check %d %zu %zu %d", &k, &off, &n, &byte) == 4 &&
+               k >= 0 && k < count) {
+      long bad = first_mismatch((uint8_t *)p[k] + off, off, n, byte);
+      say(bad < 0 ? "ok" : "mismatch at %ld", bad);
+    } else if (sscanf(cmd, "free %d", &k) == 1 && k >= 0 && k < count) {
+      int rc = usmipc_free(p[k]);
+      say(rc == 0 ? "freed" : "error %s", usmipc_last_error());
+    } else if (!strcmp(cmd, "stats")) {
+      usmipc_ze_test_stats_t st;
+      char line[2048];
+      if (get_stats(&st) != 0) {
+        say("error no driver stats");
+      } else {
+        format_stats(&st, line, sizeof(line));
+        say("%s", line);
+      }
+    } else {
+      return 0;
+    }
+  }
+}
+
+/* importer: opens handles one after another, for the cr_* tests. Serves
+ * "open SEED HEX" -> "ok" (the mapping holds pattern_seed(i, SEED) over
+ * all its bytes), "mismatch at OFF: got G, want W (pattern of SEED2)" or
+ * "error ERRNAME message"; "write LEN BYTE" (to the newest mapping) ->
+ * "written"; "close" (the newest mapping) -> "closed"; "fds" -> "fds N";
+ * "stats"; "exit". */
+static int helper_importer(void) {
+  uint8_t *maps[MAX_HELPER_ALLOCS];
+  int count = 0;
+  for (;;) {
+    const char *cmd = hear();
+    unsigned seed;
+    size_t n;
+    int byte, used = 0;
+    if (sscanf(cmd, "open %u %n", &seed, &used) == 1 && used > 0) {
+      uint8_t data[1024];
+      size_t len = from_hex(cmd + used, data, sizeof(data)), mapped = 0;
+      usmipc_ipc_handle_info_t info;
+      uint8_t *p = NULL;
+      int rc = usmipc_ipc_handle_inspect(data, len, &info);
+      if (rc == 0 && count == MAX_HELPER_ALLOCS)
+        rc = USMIPC_ENOMEM;
+      if (rc == 0)
+        rc = usmipc_ipc_open(data, len, NULL, 0, (void **)&p, &mapped);
+      if (rc != 0) {
+        say("error %s %s", usmipc_err_name(rc), usmipc_last_error());
+        continue;
+      }
+      maps[count++] = p;
+      long bad = first_mismatch_seed(p, (size_t)info.offset, mapped, seed);
+      if (bad < 0) {
+        say("ok");
+        continue;
+      }
+      /* Whose data is it? The tests' seeds are small. */
+      unsigned other = 0;
+      while (other < 1000 &&
+             first_mismatch_seed(p, (size_t)info.offset, 64, other) >= 0)
+        other++;
+      char whose[64] = "no test pattern";
+      if (other < 1000)
+        snprintf(whose, sizeof(whose), "the pattern of allocation %u", other);
+      say("mismatch at %ld: got 0x%02x, want 0x%02x (%s)", bad,
+          p[bad - (long)info.offset], pattern_seed((size_t)bad, seed), whose);
+    } else if (sscanf(cmd, "write %zu %d", &n, &byte) == 2 && count > 0) {
+      memset(maps[count - 1], byte, n);
+      say("written");
+    } else if (!strcmp(cmd, "close") && count > 0) {
+      int rc = usmipc_ipc_close(maps[--count]);
+      say(rc == 0 ? "closed" : "error %s", usmipc_last_error());
+    } else if (!strcmp(cmd, "fds")) {
+      say("fds %d", count_fds());
+    } else if (!strcmp(cmd, "stats")) {
+      usmipc_ze_test_stats_t st;
+      char line[2048];
+      if (get_stats(&st) != 0) {
+        say("error no driver stats");
+      } else {
+        format_stats(&st, line, sizeof(line));
+        say("%s", line);
+      }
+    } else {
+      return 0;
+    }
+  }
+}
+
+/* zeprobe: the test driver through the loader alone, no usmipc, for
+ * cr_driver_profiles. Prints "facts VERSION EXTENSION PUT FD FROMFD ZEX"
+ * (driverVersion, the first extension's name, the result of looking up
+ * zeMemPutIpcHandle, zeMemGetFileDescriptorFromIpcHandleExp,
+ * zeMemGetIpcHandleFromFileDescriptorExp and zexMemGetIpcHandles), then
+ * serves "export" (two 64 KiB device allocations filled with 0x5a, the
+ * second's raw ze_ipc_mem_handle_t: "handle HEX COUNT", COUNT from
+ * zexMemGetIpcHandles or -1), "open HEX" (zeMemOpenIpcHandle of raw bytes:
+ * "opened RESULT FIRSTBYTE"), "stats", "exit". */
+static int helper_zeprobe(void) {
+  ze_driver_handle_t driver = NULL;
+  ze_device_handle_t device = NULL;
+  ze_context_handle_t ctx = NULL;
+  uint32_t one = 1;
+  ze_context_desc_t cdesc = {.stype = ZE_STRUCTURE_TYPE_CONTEXT_DESC};
+  if (zeInit(ZE_INIT_FLAG_GPU_ONLY) != ZE_RESULT_SUCCESS ||
+      zeDriverGet(&one, &driver) != ZE_RESULT_SUCCESS ||
+      zeDeviceGet(driver, &one, &device) != ZE_RESULT_SUCCESS ||
+      zeContextCreate(driver, &cdesc, &ctx) != ZE_RESULT_SUCCESS) {
+    say("error no driver");
+    return 1;
+  }
+  ze_driver_properties_t props = {.stype = ZE_STRUCTURE_TYPE_DRIVER_PROPERTIES};
+  ze_driver_extension_properties_t ext[4];
+  uint32_t next = 4;
+  memset(ext, 0, sizeof(ext));
+  zeDriverGetProperties(driver, &props);
+  if (zeDriverGetExtensionProperties(driver, &next, ext) != ZE_RESULT_SUCCESS)
+    next = 0;
+  static const char *const names[] = {
+      "zeMemPutIpcHandle", "zeMemGetFileDescriptorFromIpcHandleExp",
+      "zeMemGetIpcHandleFromFileDescriptorExp", "zexMemGetIpcHandles"};
+  ze_result_t found[4];
+  void *zex = NULL;
+  for (int i = 0; i < 4; i++) {
+    void *fn = NULL;
+    found[i] = zeDriverGetExtensionFunctionAddress(driver, names[i], &fn);
+    if (i == 3 && found[i] == ZE_RESULT_SUCCESS)
+      zex = fn;
+  }
+  say("facts 0x%x %s 0x%x 0x%x 0x%x 0x%x", props.driverVersion,
+      next ? ext[0].name : "-", found[0], found[1], found[2], found[3]);
+  typedef ze_result_t (*zex_fn)(ze_context_handle_t, const void *, uint32_t *,
+                                ze_ipc_mem_handle_t *);
+  for (;;) {
+    const char *cmd = hear();
+    if (!strcmp(cmd, "export")) {
+      ze_device_mem_alloc_desc_t dd = {
+          .stype = ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC};
+      void *p[2] = {NULL, NULL};
+      ze_ipc_mem_handle_t h;
+      memset(&h, 0, sizeof(h));
+      uint32_t count = 0;
+      int rc = 0;
+      for (int i = 0; i < 2 && rc == 0; i++)
+        rc = zeMemAllocDevice(ctx, &dd, 65536, 0, device, &p[i]);
+      if (rc == 0) {
+        memset(p[0], 0x11, 65536);
+        memset(p[1], 0x5a, 65536);
+        rc = zeMemGetIpcHandle(ctx, p[1], &h);
+      }
+      if (rc == 0 && zex != NULL &&
+          ((zex_fn)zex)(ctx, p[1], &count, NULL) != ZE_RESULT_SUCCESS)
+        count = 0;
+      char hex[2 * ZE_MAX_IPC_HANDLE_SIZE + 1];
+      to_hex(h.data, sizeof(h.data), hex);
+      if (rc != 0)
+        say("error 0x%x", (unsigned)rc);
+      else
+        say("handle %s %d", hex, zex != NULL ? (int)count : -1);
+    } else if (!strncmp(cmd, "open ", 5)) {
+      ze_ipc_mem_handle_t h;
+      memset(&h, 0, sizeof(h));
+      from_hex(cmd + 5, (uint8_t *)h.data, sizeof(h.data));
+      void *p = NULL;
+      ze_result_t rc = zeMemOpenIpcHandle(ctx, device, h, 0, &p);
+      say("opened 0x%x 0x%02x", (unsigned)rc,
+          rc == ZE_RESULT_SUCCESS ? *(uint8_t *)p : 0);
+    } else if (!strcmp(cmd, "stats")) {
+      usmipc_ze_test_stats_t st;
+      char line[2048];
+      if (get_stats(&st) != 0) {
+        say("error no driver stats");
+      } else {
+        format_stats(&st, line, sizeof(line));
+        say("%s", line);
+      }
+    } else {
+      return 0;
+    }
+  }
+}
+
 /* status: prints "status ERRNAME REASON" for the level_zero backend. */
 static int helper_status(void) {
   const char *reason = NULL;
@@ -366,6 +683,12 @@ static int helper_main(int argc, char **argv) {
     return helper_import(argc - 1, argv + 1);
   if (!strcmp(argv[0], "status"))
     return helper_status();
+  if (!strcmp(argv[0], "exporter"))
+    return helper_exporter();
+  if (!strcmp(argv[0], "importer"))
+    return helper_importer();
+  if (!strcmp(argv[0], "zeprobe"))
+    return helper_zeprobe();
   return 2;
 }
 
@@ -521,6 +844,7 @@ static int test_export_refusals(void) {
   CHECK_ERR(usmipc_ipc_open(data, len, NULL, 5001, &p, NULL), USMIPC_ERANGE);
   usmipc_ipc_handle_info_t info;
   CHECK_OK(usmipc_ipc_handle_inspect(data, len, &info));
+  /* Kind 3 under every driver and profile: no driver bytes in the handle. */
   CHECK(info.backend == USMIPC_BACKEND_LEVEL_ZERO && info.offset == 5000 &&
             info.nbytes == 5000 && info.allocation_size == 10000 &&
             info.handle_kind == 3,
@@ -545,12 +869,24 @@ static int test_export_refusals(void) {
   CHECK_OK(usmipc_free(dev));
   usmipc_ze_test_stats_t s;
   CHECK(get_stats(&s) == 0, "no driver stats");
-  CHECK(s.ipc_gets == 1 && s.ipc_puts == 1 && s.live_ipc_handles == 0 &&
-            s.freed_with_live_handle == 0,
-        "gets %llu puts %llu live %llu leaked %llu",
-        (unsigned long long)s.ipc_gets, (unsigned long long)s.ipc_puts,
-        (unsigned long long)s.live_ipc_handles,
-        (unsigned long long)s.freed_with_live_handle);
+  /* Under cr-* nothing can put the handle back (CR's zeMemPutIpcHandle is a
+   * DDI entry the loader 1.8 does not route, and CR's extension lookup
+   * refuses it): zeMemFree closes the exported descriptor, as CR's does. */
+  if (cr_profile())
+    CHECK(s.ipc_gets == 1 && s.ipc_puts == 0 && s.live_ipc_handles == 0 &&
+              s.freed_with_live_handle == 1 &&
+              s.exported_fd_closed_by_free == 1,
+          "cr: gets %llu puts %llu live %llu freed with the handle %llu",
+          (unsigned long long)s.ipc_gets, (unsigned long long)s.ipc_puts,
+          (unsigned long long)s.live_ipc_handles,
+          (unsigned long long)s.freed_with_live_handle);
+  else
+    CHECK(s.ipc_gets == 1 && s.ipc_puts == 1 && s.live_ipc_handles == 0 &&
+              s.freed_with_live_handle == 0,
+          "gets %llu puts %llu live %llu leaked %llu",
+          (unsigned long long)s.ipc_gets, (unsigned long long)s.ipc_puts,
+          (unsigned long long)s.live_ipc_handles,
+          (unsigned long long)s.freed_with_live_handle);
   return PASS;
 }
 
@@ -610,6 +946,19 @@ static int export_here_import_there(const char *transport) {
   CHECK_OK(usmipc_free(p));
   usmipc_ze_test_stats_t s;
   CHECK(get_stats(&s) == 0, "no driver stats");
+  /* cr-*: no put and no fd query reach the driver (export_refusals);
+   * zeMemFree closed the descriptor. */
+  if (cr_profile())
+    CHECK(s.ipc_gets == 1 && s.ipc_puts == 0 && s.live_ipc_handles == 0 &&
+              s.freed_with_live_handle == 1 && s.fd_queries == 0,
+          "cr: gets %llu puts %llu live %llu freed with the handle %llu fd "
+          "queries %llu",
+          (unsigned long long)s.ipc_gets, (unsigned long long)s.ipc_puts,
+          (unsigned long long)s.live_ipc_handles,
+          (unsigned long long)s.freed_with_live_handle,
+          (unsigned long long)s.fd_queries);
+  if (cr_profile())
+    return PASS;
   CHECK(s.ipc_gets == 1 && s.ipc_puts == 1 && s.live_ipc_handles == 0 &&
             s.freed_with_live_handle == 0,
         "zeMemPutIpcHandle not called at free: gets %llu puts %llu live %llu "
@@ -651,6 +1000,12 @@ static const expect_t usual = {.puts = 1, .fd_queries = 1};
 static int import_from_helper(const char *transport,
                               const char *const *exporter_env,
                               const expect_t *want) {
+  /* cr-*: whatever the knobs (they are the ideal driver's), the exporter's
+   * driver sees no put and no fd query, and zeMemFree closes the handle's
+   * descriptor (export_refusals). */
+  static const expect_t cr_want = {.leaked = 1};
+  if (cr_profile())
+    want = &cr_want;
   if (gpu() == NULL)
     return FAIL;
   setenv("USMIPC_FD_TRANSPORT", transport, 1);
@@ -760,8 +1115,12 @@ static int test_ipc_without_put(void) {
  * of Intel's driver sends to its pidfd path or its import cache), so the
  * driver never fetches anything. */
 static int test_ipc_pidfd_layout(void) {
+  /* The knob is the ideal driver's imitation of the layout; the cr-*
+   * profiles have Intel's own (the cr_* tests), so this test pins ideal. */
+  setenv("USMIPC_ZE_TEST_PROFILE", "ideal", 1);
   setenv("USMIPC_ZE_TEST_PIDFD_HANDLE", "1", 1); /* this process's driver */
-  const char *env[] = {"USMIPC_ZE_TEST_PIDFD_HANDLE=1", NULL};
+  const char *env[] = {"USMIPC_ZE_TEST_PIDFD_HANDLE=1",
+                       "USMIPC_ZE_TEST_PROFILE=ideal", NULL};
   const expect_t want = {.puts = 1, .fd_queries = 1};
   int rc = import_from_helper("socket", env, &want);
   if (rc != PASS)
@@ -813,9 +1172,14 @@ static int test_exporter_killed(void) {
  * (the importer could not rebuild the handle), with the extension's answer
  * or without it, and the refused handle is put back. */
 static int test_unknown_layout_refused(void) {
-  const char *cases[][3] = {
-      {"USMIPC_ZE_TEST_UNKNOWN_LAYOUT=1", NULL, NULL},
-      {"USMIPC_ZE_TEST_UNKNOWN_LAYOUT=1", "USMIPC_ZE_TEST_NO_FD_EXT=1", NULL},
+  /* A layout of the ideal driver's knobs (no Intel release has it), and
+   * its put-back needs zeMemPutIpcHandle, which cr-* lack: pinned to
+   * ideal. */
+  const char *cases[][4] = {
+      {"USMIPC_ZE_TEST_UNKNOWN_LAYOUT=1", "USMIPC_ZE_TEST_PROFILE=ideal", NULL,
+       NULL},
+      {"USMIPC_ZE_TEST_UNKNOWN_LAYOUT=1", "USMIPC_ZE_TEST_NO_FD_EXT=1",
+       "USMIPC_ZE_TEST_PROFILE=ideal", NULL},
   };
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
     const char *args[] = {"export", "65536", "0", "0", NULL};
@@ -862,25 +1226,473 @@ static int test_unavailable(void) {
   return PASS;
 }
 
+/* ---- Intel's releases (cr_*) --------------------------------------------- */
+
+/* Each test below runs its helpers under the driver profiles that have the
+ * behaviour it is about (ze_test_driver.h, whose source cites CR's),
+ * whatever profile this process runs under, and asserts what an application
+ * would see: the bytes it reads, the descriptors it holds, the error it
+ * gets. Several fail against a backend that does not handle those releases
+ * yet: they document its defects. */
+
+/* The environment of a helper: the profile ("USMIPC_ZE_TEST_PROFILE=..."),
+ * the knobs given after it, and none of the other knobs this process may
+ * have been started with. (A name given twice reaches the helper twice,
+ * and getenv reads the first: a profile known only at run time goes in
+ * with CR_ENV_WITH.) */
+/* clang-format off */
+#define CR_ENV(profile, ...)                                                   \
+  CR_ENV_WITH("USMIPC_ZE_TEST_PROFILE=" profile, __VA_ARGS__)
+#define CR_ENV_WITH(profile_entry, ...)                                        \
+  {profile_entry,                                                              \
+   "USMIPC_ZE_TEST_NEWER_LOADER=",                                             \
+   "USMIPC_ZE_TEST_MULTI_BO=",                                                 \
+   "USMIPC_ZE_TEST_HANDLE_FD=",                                                \
+   "USMIPC_IPC_CACHE_BYTES=",                                                  \
+   __VA_ARGS__,                                                                \
+   NULL}
+/* clang-format on */
+
+/* Sends one command to a helper and returns its answer (valid until the
+ * next one). */
+static const char *ask(child_t *c, const char *fmt, ...) USMIPC__FORMAT(2, 3);
+static const char *ask(child_t *c, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vfprintf(c->in, fmt, ap);
+  va_end(ap);
+  fputc('\n', c->in);
+  fflush(c->in);
+  return child_hear(c);
+}
+
+static int start_helper(child_t *c, const char *role, const char *const *env) {
+  const char *args[] = {role, NULL};
+  return spawn(c, env, args);
+}
+
+/* Allocates nbytes holding pattern_seed(i, seed) in the exporter helper and
+ * exports it: its id, with the handle in hex (or the exporter's answer,
+ * "error ...") in out; -1 when the allocation failed. */
+static int export_one(child_t *ex, size_t nbytes, unsigned seed, char *out,
+                      size_t cap) {
+  int id = -1;
+  const char *line = ask(ex, "alloc %zu %u", nbytes, seed);
+  if (sscanf(line, "id %d", &id) != 1) {
+    snprintf(out, cap, "%s", line);
+    return -1;
+  }
+  line = ask(ex, "export %d", id);
+  snprintf(out, cap, "%s", !strncmp(line, "handle ", 7) ? line + 7 : line);
+  return id;
+}
+
+static bool is_hex_handle(const char *s) {
+  return strncmp(s, "error", 5) != 0 && s[0] != '\0';
+}
+
+/* One helper's driver counters, as a line (for failure messages). */
+static void helper_stats(child_t *c, char *out, size_t cap) {
+  snprintf(out, cap, "%s", ask(c, "stats"));
+}
+
+/* stale_cache_2609: CR 26.09's import cache keys a descriptor by (fd
+ * number, pool offset, pid, ...) and keeps it after zeMemCloseIpcHandle
+ * (research §2). Exporter and importer on 26.09; the importer opens A,
+ * checks and closes it, then opens B, and must read B. With usmipc's own
+ * import cache on, and off (USMIPC_IPC_CACHE_BYTES=0) so that it cannot
+ * hide what the driver does. */
+static int test_cr_stale_cache_2609(void) {
+  char failures[2][1400] = {"", ""};
+  for (int variant = 0; variant < 2; variant++) {
+    const char *ex_env[] = CR_ENV("cr-26.09", NULL);
+    const char *im_env[] =
+        CR_ENV("cr-26.09", variant ? "USMIPC_IPC_CACHE_BYTES=0" : NULL);
+    const char *what = variant ? "USMIPC_IPC_CACHE_BYTES=0" : "default cache";
+    child_t ex, im;
+    char a[1024], b[1024], st[2048];
+    CHECK(start_helper(&ex, "exporter", ex_env) == 0 &&
+              start_helper(&im, "importer", im_env) == 0,
+          "spawn");
+    /* 2 MiB each: outside the pools, so both have pool offset 0. */
+    CHECK(export_one(&ex, 2 << 20, 1, a, sizeof(a)) >= 0 && is_hex_handle(a),
+          "%s: export A: %s", what, a);
+    CHECK(export_one(&ex, 2 << 20, 2, b, sizeof(b)) >= 0 && is_hex_handle(b),
+          "%s: export B: %s", what, b);
+    const char *line = ask(&im, "open 1 %s", a);
+    CHECK(!strcmp(line, "ok"), "%s: open A: %s", what, line);
+    line = ask(&im, "close");
+    CHECK(!strcmp(line, "closed"), "%s: close A: %s", what, line);
+    char got[1024];
+    snprintf(got, sizeof(got), "%s", ask(&im, "open 2 %s", b));
+    helper_stats(&im, st, sizeof(st));
+    if (strcmp(got, "ok") != 0)
+      snprintf(failures[variant], sizeof(failures[variant]),
+               "%s: opening B after A read: %s [importer's driver: %llu "
+               "cache hits, %llu stale]",
+               what, got, stat_of(st, "import_cache_hits"),
+               stat_of(st, "import_cache_stale_hits"));
+    child_say(&im, "exit");
+    child_say(&ex, "exit");
+    CHECK(child_end(&im) == 0 && child_end(&ex) == 0, "a helper failed");
+  }
+  CHECK(!failures[0][0] && !failures[1][0], "%s%s%s", failures[0],
+        failures[0][0] && failures[1][0] ? "; " : "", failures[1]);
+  return PASS;
+}
+
+/* pool_free_neighbour: CR 26.09 carves device allocations of up to 1 MiB
+ * from 2 MiB pools; a handle names the pool's descriptor, whose count
+ * zeMemFree of any allocation of the pool decrements, closing it at 0
+ * (research §3). The exporter allocates A and B (64 KiB each), exports
+ * only B and frees A; B must still open elsewhere, both ways. */
+static int test_cr_pool_free_neighbour(void) {
+  const char *env[] = CR_ENV("cr-26.09", NULL);
+  child_t ex, im;
+  char b[1024], st[2048];
+  CHECK(start_helper(&ex, "exporter", env) == 0 &&
+            start_helper(&im, "importer", env) == 0,
+        "spawn");
+  const char *line = ask(&ex, "alloc 65536 1");
+  CHECK(!strcmp(line, "id 0"), "alloc A: %s", line);
+  CHECK(export_one(&ex, 65536, 2, b, sizeof(b)) == 1 && is_hex_handle(b),
+        "export B: %s", b);
+  line = ask(&ex, "free 0");
+  CHECK(!strcmp(line, "freed"), "free A: %s", line);
+  char got[1024];
+  snprintf(got, sizeof(got), "%s", ask(&im, "open 2 %s", b));
+  helper_stats(&ex, st, sizeof(st));
+  CHECK(!strcmp(got, "ok"),
+        "opening B after the exporter freed A: %s [exporter's driver: pooled "
+        "%llu, pool descriptor closed while exported %llu]",
+        got, stat_of(st, "pooled_allocations"),
+        stat_of(st, "pool_fd_closed_while_exported"));
+  line = ask(&im, "write 4096 107");
+  CHECK(!strcmp(line, "written"), "importer: %s", line);
+  line = ask(&ex, "check 1 0 4096 107");
+  CHECK(!strcmp(line, "ok"), "the exporter does not see the write: %s", line);
+  child_say(&im, "exit");
+  child_say(&ex, "exit");
+  CHECK(child_end(&im) == 0 && child_end(&ex) == 0, "a helper failed");
+  return PASS;
+}
+
+/* Exports nbytes (seed) under ex_env and opens it under im_env; the data
+ * is checked both ways. */
+static int export_and_open(const char *const *ex_env, const char *const *im_env,
+                           size_t nbytes, const char *what) {
+  child_t ex, im;
+  char h[1024], st[2048];
+  CHECK(start_helper(&ex, "exporter", ex_env) == 0 &&
+            start_helper(&im, "importer", im_env) == 0,
+        "spawn");
+  /* A first allocation, so that a pooled one sits at a non-zero offset. */
+  const char *line = ask(&ex, "alloc 65536 4");
+  CHECK(!strcmp(line, "id 0"), "%s: alloc: %s", what, line);
+  CHECK(export_one(&ex, nbytes, 5, h, sizeof(h)) == 1 && is_hex_handle(h),
+        "%s: export: %s", what, h);
+  char got[1024];
+  snprintf(got, sizeof(got), "%s", ask(&im, "open 5 %s", h));
+  helper_stats(&im, st, sizeof(st));
+  CHECK(!strcmp(got, "ok"),
+        "%s: open: %s [importer's driver: %llu opaque opens, %llu legacy]",
+        what, got, stat_of(st, "opaque_opens"), stat_of(st, "legacy_opens"));
+  line = ask(&im, "write 4096 92");
+  CHECK(!strcmp(line, "written"), "%s: importer: %s", what, line);
+  line = ask(&ex, "check 1 0 4096 92");
+  CHECK(!strcmp(line, "ok"),
+        "%s: the exporter does not see the importer's write: %s", what, line);
+  child_say(&im, "exit");
+  child_say(&ex, "exit");
+  CHECK(child_end(&im) == 0 && child_end(&ex) == 0, "%s: a helper failed",
+        what);
+  return PASS;
+}
+
+/* newer_loader_uninitialized: a loader >= 1.10 whose intercept layer
+ * answers ZE_RESULT_ERROR_UNINITIALIZED for zeMemPutIpcHandle and
+ * zeMemGetFileDescriptorFromIpcHandleExp, which CR 26.18 does not provide
+ * (research §4): export and cross-process open must still work. */
+static int test_cr_newer_loader_uninitialized(void) {
+  const char *env[] =
+      CR_ENV("cr-26.18", "USMIPC_ZE_TEST_NEWER_LOADER=uninitialized");
+  return export_and_open(env, env, 256 << 10,
+                         "cr-26.18, NEWER_LOADER=uninitialized");
+}
+
+/* handle_fd_devnode: a driver whose handle carries, where Intel's layouts
+ * have the dma-buf, a descriptor of another kind (here /dev/null): the
+ * export must be refused, saying it is not a dma-buf, instead of
+ * publishing that descriptor. */
+static int test_cr_handle_fd_devnode(void) {
+  const char *env[] = CR_ENV("cr-26.31", "USMIPC_ZE_TEST_HANDLE_FD=devnode");
+  child_t ex;
+  char h[1024];
+  CHECK(start_helper(&ex, "exporter", env) == 0, "spawn");
+  int id = export_one(&ex, 256 << 10, 6, h, sizeof(h));
+  child_say(&ex, "exit");
+  CHECK(child_end(&ex) == 0, "exporter failed");
+  CHECK(id == 0, "alloc: %s", h);
+  CHECK(!strncmp(h, "error USMIPC_ENOTSUP", 20) && strstr(h, "dma-buf"),
+        "export of a handle naming /dev/null: %s",
+        is_hex_handle(h) ? "succeeded (published /dev/null)" : h);
+  fprintf(stderr, "    refused as expected: %s\n", h + 6);
+  return PASS;
+}
+
+/* multi_bo_refused: an allocation split over two buffer objects
+ * (zexMemGetIpcHandles reports 2; zeMemGetIpcHandle names the first only,
+ * research §6) cannot be shared with one handle: refused; one with a
+ * single buffer object still exports and opens. PVC, where such
+ * allocations exist, keeps the legacy layout and no pools: cr-25.35. */
+static int test_cr_multi_bo_refused(void) {
+  const char *env[] = CR_ENV("cr-25.35", "USMIPC_ZE_TEST_MULTI_BO=1");
+  int rc = export_and_open(env, env, 64 << 10, "64 KiB, MULTI_BO=1");
+  if (rc != PASS)
+    return rc;
+  child_t ex;
+  char h[1024];
+  CHECK(start_helper(&ex, "exporter", env) == 0, "spawn");
+  int id = export_one(&ex, 4 << 20, 7, h, sizeof(h));
+  child_say(&ex, "exit");
+  CHECK(child_end(&ex) == 0, "exporter failed");
+  CHECK(id == 0, "alloc: %s", h);
+  CHECK(!strncmp(h, "error USMIPC_ENOTSUP", 20),
+        "export of a 4 MiB allocation of two buffer objects: %s",
+        is_hex_handle(h) ? "succeeded (its handle names half the memory)" : h);
+  fprintf(stderr, "    refused as expected: %s\n", h + 6);
+  return PASS;
+}
+
+/* mixed_*: exporter and importer on different releases (each parses the
+ * handle by its own layout, research §1.2). */
+static int mixed_pair(const char *ex_profile, const char *im_profile) {
+  char ex_p[64], im_p[64], what[128];
+  snprintf(ex_p, sizeof(ex_p), "USMIPC_ZE_TEST_PROFILE=%s", ex_profile);
+  snprintf(im_p, sizeof(im_p), "USMIPC_ZE_TEST_PROFILE=%s", im_profile);
+  snprintf(what, sizeof(what), "%s -> %s", ex_profile, im_profile);
+  const char *ex_env[] = CR_ENV_WITH(ex_p, NULL);
+  const char *im_env[] = CR_ENV_WITH(im_p, NULL);
+  /* 256 KiB: pooled (at offset 64 KiB) where the exporter pools. */
+  return export_and_open(ex_env, im_env, 256 << 10, what);
+}
+
+static int test_cr_mixed_2609_to_2535(void) {
+  return mixed_pair("cr-26.09", "cr-25.35");
+}
+static int test_cr_mixed_2535_to_2618(void) {
+  return mixed_pair("cr-25.35", "cr-26.18");
+}
+static int test_cr_mixed_2618_to_2609(void) {
+  return mixed_pair("cr-26.18", "cr-26.09");
+}
+static int test_cr_mixed_2605o_to_2618(void) {
+  return mixed_pair("cr-26.05-opaque", "cr-26.18");
+}
+
+/* importer_fd_leak: CR's opaque path takes a descriptor (pidfd_getfd, a
+ * cache dup) for every import and never closes it (intel/compute-runtime
+ * #974, research §2). The importer opens and closes 50 different exported
+ * buffers, usmipc's cache off: its descriptor count may grow by 2 at most
+ * (what usmipc keeps per exporter). */
+static int importer_fd_leak(const char *profile) {
+  char p[64];
+  snprintf(p, sizeof(p), "USMIPC_ZE_TEST_PROFILE=%s", profile);
+  const char *ex_env[] = CR_ENV_WITH(p, NULL);
+  const char *im_env[] = CR_ENV_WITH(p, "USMIPC_IPC_CACHE_BYTES=0");
+  enum { N = 50 };
+  static char handles[N][1024];
+  child_t ex, im;
+  CHECK(start_helper(&ex, "exporter", ex_env) == 0 &&
+            start_helper(&im, "importer", im_env) == 0,
+        "spawn");
+  for (int i = 0; i < N; i++)
+    CHECK(export_one(&ex, 64 << 10, (unsigned)i + 1, handles[i],
+                     sizeof(handles[i])) == i &&
+              is_hex_handle(handles[i]),
+          "%s: export %d: %s", profile, i, handles[i]);
+  int before = -1, after = -1, bad = 0;
+  char first_bad[1024] = "";
+  CHECK(sscanf(ask(&im, "fds"), "fds %d", &before) == 1, "importer fds");
+  for (int i = 0; i < N; i++) {
+    const char *line = ask(&im, "open %d %s", i + 1, handles[i]);
+    if (strcmp(line, "ok") != 0) {
+      if (bad++ == 0)
+        snprintf(first_bad, sizeof(first_bad), "open %d: %s", i, line);
+      if (strncmp(line, "mismatch", 8) != 0)
+        continue; /* not opened: nothing to close */
+    }
+    line = ask(&im, "close");
+    CHECK(!strcmp(line, "closed"), "%s: close %d: %s", profile, i, line);
+  }
+  CHECK(sscanf(ask(&im, "fds"), "fds %d", &after) == 1, "importer fds");
+  char st[2048];
+  helper_stats(&im, st, sizeof(st));
+  CHECK(after - before <= 2 && bad == 0,
+        "%s: after %d opens and closes the importer holds %d more "
+        "descriptors (2 allowed); %d opens failed or read other data%s%s "
+        "[importer's driver: %llu descriptors kept, %llu cache hits, %llu "
+        "stale]",
+        profile, N, after - before, bad, bad ? ", first: " : "", first_bad,
+        stat_of(st, "import_fds_kept"), stat_of(st, "import_cache_hits"),
+        stat_of(st, "import_cache_stale_hits"));
+  child_say(&im, "exit");
+  child_say(&ex, "exit");
+  CHECK(child_end(&im) == 0 && child_end(&ex) == 0, "a helper failed");
+  return PASS;
+}
+
+static int test_cr_importer_fd_leak(void) {
+  int rc = importer_fd_leak("cr-26.09");
+  int rc2 = importer_fd_leak("cr-26.18");
+  return rc != PASS ? rc : rc2;
+}
+
+/* cr_driver_profiles: the test driver itself, through the loader alone,
+ * keeps the contract that ze_test_driver.h states for each profile: its
+ * driverVersion and extension, which extension functions it serves, the
+ * bytes of its handles (layout, pid, opaqueHandle copy, pool offset), and
+ * what an unmodified handle does in another process of the same profile
+ * (opaque releases fetch the descriptor themselves, from the cache on the
+ * second open; the legacy layout names a descriptor of the exporter). */
+static int test_cr_driver_profiles(void) {
+  static const struct {
+    const char *name;
+    unsigned version;
+    unsigned layout; /* bytes the driver writes: 0 ideal */
+    bool pooled, opaque, socket;
+    unsigned second_open_hits;
+  } profiles[] = {
+      {"ideal", 1, 0, false, false, false, 0},
+      {"cr-25.35", 0x19238918, 17, false, false, false, 0},
+      {"cr-26.05-opaque", 0x1a05909c, 22, false, true, false, 0},
+      {"cr-26.09", 0x1a09923b, 55, true, true, false, 1},
+      {"cr-26.14", 0x1a0e93c9, 55, true, true, false, 1},
+      {"cr-26.18", 0x1a1295a4, 63, true, true, false, 1},
+      {"cr-26.31", 0x1a1f99e3, 63, true, true, false, 1},
+      {"cr-sockets", 0x1a1f99e3, 63, true, true, true, 1},
+  };
+  for (size_t i = 0; i < sizeof(profiles) / sizeof(profiles[0]); i++) {
+    const char *name = profiles[i].name;
+    bool cr = profiles[i].layout != 0;
+    char p[64];
+    snprintf(p, sizeof(p), "USMIPC_ZE_TEST_PROFILE=%s", name);
+    const char *env[] = CR_ENV_WITH(p, NULL);
+    child_t a, b;
+    CHECK(start_helper(&a, "zeprobe", env) == 0 &&
+              start_helper(&b, "zeprobe", env) == 0,
+          "spawn");
+    unsigned version, put, fd, fromfd, zex;
+    char ext[256];
+    const char *line = child_hear(&a);
+    CHECK(sscanf(line, "facts %x %255s %x %x %x %x", &version, ext, &put, &fd,
+                 &fromfd, &zex) == 6,
+          "%s: %s", name, line);
+    child_hear(&b);
+    CHECK(version == profiles[i].version, "%s: driverVersion 0x%x", name,
+          version);
+    CHECK(!strcmp(ext, USMIPC_ZE_TEST_EXTENSION_NAME), "%s: extension %s", name,
+          ext);
+    /* CR serves none of the three API 1.6 IPC entries and does serve
+     * zexMemGetIpcHandles; ideal the other way round (research §4). */
+    const unsigned ia = ZE_RESULT_ERROR_INVALID_ARGUMENT;
+    CHECK(cr ? put == ia && fd == ia && fromfd == ia && zex == 0
+             : put == 0 && fd == 0 && fromfd == ia && zex == ia,
+          "%s: lookups put 0x%x fd 0x%x fromfd 0x%x zex 0x%x", name, put, fd,
+          fromfd, zex);
+    char hex[256];
+    int count = 0;
+    line = ask(&a, "export");
+    CHECK(sscanf(line, "handle %255s %d", hex, &count) == 2, "%s: %s", name,
+          line);
+    uint8_t h[64];
+    CHECK(from_hex(hex, h, sizeof(h)) == 64, "%s: handle %s", name, hex);
+    CHECK(count == (cr ? 1 : -1), "%s: zexMemGetIpcHandles counts %d", name,
+          count);
+    int32_t fd0, copy;
+    uint64_t wide, offset;
+    uint32_t pid;
+    memcpy(&fd0, h, 4);
+    memcpy(&wide, h, 8);
+    memcpy(&offset, h + 8, 8);
+    memcpy(&pid, h + 16, 4);
+    memcpy(&copy, h + 22, 4);
+    CHECK(offset == (profiles[i].pooled ? 65536 : 0), "%s: pool offset %llu",
+          name, (unsigned long long)offset);
+    CHECK(fd0 > 2 && wide == (uint64_t)fd0, "%s: fd 0x%llx", name,
+          (unsigned long long)wide);
+    if (profiles[i].layout == 17)
+      CHECK(h[16] == 0 && pid == 0, "%s: legacy type byte %u", name, h[16]);
+    if (profiles[i].layout > 17)
+      CHECK(pid == (uint32_t)a.pid && h[20] == 0 && h[21] == 0,
+            "%s: pid %u (exporter %d), handle type %u, memory type %u", name,
+            pid, (int)a.pid, h[20], h[21]);
+    if (profiles[i].layout == 63)
+      CHECK(copy == fd0, "%s: opaqueHandle %d, fd %d", name, copy, fd0);
+    for (unsigned k = profiles[i].layout == 63 ? 26 : 22;
+         cr && k < profiles[i].layout; k++)
+      CHECK(h[k] == 0, "%s: byte %u is 0x%02x", name, k, h[k]);
+    for (int k = 0; k < 2; k++) {
+      unsigned rc, byte;
+      line = ask(&b, "open %s", hex);
+      CHECK(sscanf(line, "opened %x %x", &rc, &byte) == 2, "%s: %s", name,
+            line);
+      if (profiles[i].opaque)
+        CHECK(rc == 0 && byte == 0x5a, "%s: open %d: 0x%x, byte 0x%02x", name,
+              k, rc, byte);
+      else
+        CHECK(rc == ia, "%s: open %d of an unmoved descriptor: 0x%x", name, k,
+              rc);
+    }
+    char st[2048];
+    helper_stats(&b, st, sizeof(st));
+    if (profiles[i].opaque)
+      CHECK(stat_of(st,
+                    profiles[i].socket ? "socket_fetches" : "pidfd_fetches") ==
+                    2 - profiles[i].second_open_hits &&
+                stat_of(st, "import_cache_hits") ==
+                    profiles[i].second_open_hits &&
+                stat_of(st, "opaque_opens") == 2,
+            "%s: importer's driver: %s", name, st);
+    child_say(&a, "exit");
+    child_say(&b, "exit");
+    CHECK(child_end(&a) == 0 && child_end(&b) == 0, "%s: a helper failed",
+          name);
+  }
+  return PASS;
+}
+
 /* ---- runner ------------------------------------------------------------------------- */
 
 static const struct {
   const char *name;
   int (*fn)(void);
+  bool cr; /* a test of Intel's releases (--cr), else of the backend (--base) */
 } tests[] = {
-    {"device_listed", test_device_listed},
-    {"alloc_copy_fill", test_alloc_copy_fill},
-    {"foreign_pointer", test_foreign_pointer},
-    {"export_refusals", test_export_refusals},
-    {"ipc_socket", test_ipc_socket},
-    {"ipc_pidfd", test_ipc_pidfd},
-    {"ipc_layout_only", test_ipc_layout_only},
-    {"ipc_without_put", test_ipc_without_put},
-    {"ipc_pidfd_layout", test_ipc_pidfd_layout},
-    {"ipc_loader_intercept", test_ipc_loader_intercept},
-    {"exporter_killed", test_exporter_killed},
-    {"unknown_layout_refused", test_unknown_layout_refused},
-    {"unavailable", test_unavailable},
+    {"device_listed", test_device_listed, false},
+    {"alloc_copy_fill", test_alloc_copy_fill, false},
+    {"foreign_pointer", test_foreign_pointer, false},
+    {"export_refusals", test_export_refusals, false},
+    {"ipc_socket", test_ipc_socket, false},
+    {"ipc_pidfd", test_ipc_pidfd, false},
+    {"ipc_layout_only", test_ipc_layout_only, false},
+    {"ipc_without_put", test_ipc_without_put, false},
+    {"ipc_pidfd_layout", test_ipc_pidfd_layout, false},
+    {"ipc_loader_intercept", test_ipc_loader_intercept, false},
+    {"exporter_killed", test_exporter_killed, false},
+    {"unknown_layout_refused", test_unknown_layout_refused, false},
+    {"unavailable", test_unavailable, false},
+    {"cr_stale_cache_2609", test_cr_stale_cache_2609, true},
+    {"cr_pool_free_neighbour", test_cr_pool_free_neighbour, true},
+    {"cr_newer_loader_uninitialized", test_cr_newer_loader_uninitialized, true},
+    {"cr_handle_fd_devnode", test_cr_handle_fd_devnode, true},
+    {"cr_multi_bo_refused", test_cr_multi_bo_refused, true},
+    {"cr_mixed_2609_to_2535", test_cr_mixed_2609_to_2535, true},
+    {"cr_mixed_2535_to_2618", test_cr_mixed_2535_to_2618, true},
+    {"cr_mixed_2618_to_2609", test_cr_mixed_2618_to_2609, true},
+    {"cr_mixed_2605o_to_2618", test_cr_mixed_2605o_to_2618, true},
+    {"cr_importer_fd_leak", test_cr_importer_fd_leak, true},
+    {"cr_driver_profiles", test_cr_driver_profiles, true},
 };
 #define NTESTS (sizeof(tests) / sizeof(tests[0]))
 
@@ -890,6 +1702,12 @@ int main(int argc, char **argv) {
   if (getenv("ZE_ENABLE_ALT_DRIVERS") == NULL) {
     fprintf(stderr, "set ZE_ENABLE_ALT_DRIVERS to the test driver's path\n");
     return 2;
+  }
+  /* --base / --cr: one group; no argument: both. */
+  int group = -1;
+  if (argc > 1 && (!strcmp(argv[1], "--base") || !strcmp(argv[1], "--cr"))) {
+    group = !strcmp(argv[1], "--cr");
+    argc = 1;
   }
   if (argc > 1) {
     for (size_t i = 0; i < NTESTS; i++)
@@ -902,6 +1720,8 @@ int main(int argc, char **argv) {
    * usmipc, so that no state (devices, caches, the broker) is shared. */
   int passed = 0, failed = 0, skipped = 0;
   for (size_t i = 0; i < NTESTS; i++) {
+    if (group >= 0 && tests[i].cr != (group == 1))
+      continue;
     fflush(stdout);
     pid_t pid = fork();
     if (pid == 0) {

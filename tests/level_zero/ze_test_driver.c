@@ -9,8 +9,9 @@
  * machine; only the device behind the driver is pretend.
  *
  * What it imitates, because the backend depends on it:
- *  - device allocations are memfd-backed MAP_SHARED mappings, host and
- *    shared allocations are private anonymous ones;
+ *  - device allocations are memfd-backed MAP_SHARED mappings (memfds named
+ *    "usmipc-ze-test", standing for dma-bufs), host and shared allocations
+ *    are private anonymous ones;
  *  - zeMemGetIpcHandle returns a handle laid out like Intel's
  *    (IpcMemoryData: u64 fd, u64 pool offset, u8 memory type; or, on
  *    request, IpcOpaqueMemoryData, which adds the exporter's pid) whose fd,
@@ -23,6 +24,17 @@
  *    reachable through zeDriverGetExtensionFunctionAddress, since the
  *    loader 1.8 predates them (API 1.4) and routes neither;
  *  - errors are ze_result_t codes, as the specification lists them.
+ * That is the "ideal" profile. The cr-* profiles (USMIPC_ZE_TEST_PROFILE,
+ * ze_test_driver.h) behave instead like releases of Intel's compute-runtime
+ * (CR) as its source reads: handle layouts, how zeMemOpenIpcHandle picks
+ * the opaque or the legacy path, the import cache, device USM pools and
+ * their per-descriptor reference count, zeMemFree closing exported
+ * descriptors, the extension functions CR serves. Every such rule cites
+ * CR@<tag>:<file>:<lines> (intel/compute-runtime at that release tag;
+ * "..." abbreviates the directory of the previous citation). "Research §N"
+ * names the section of the project's study of CR's source
+ * (notes/l0-research.md, kept outside this repository) that the rule
+ * comes from.
  * It counts IPC calls for the tests (ze_test_driver.h).
  *
  * It builds against the loader's own headers (libze-dev), so its structures
@@ -34,12 +46,17 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/time.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <level_zero/ze_api.h>
@@ -55,13 +72,142 @@
 #ifndef SYS_pidfd_getfd
 #define SYS_pidfd_getfd 438
 #endif
+#ifndef PR_SET_PTRACER
+#define PR_SET_PTRACER 0x59616d61
+#endif
+#ifndef PR_SET_PTRACER_ANY
+#define PR_SET_PTRACER_ANY ((unsigned long)-1)
+#endif
 
 #define EXPORT __attribute__((visibility("default")))
-#define MEMFD_NAME "usmipc-ze-test"
+#define MEMFD_NAME USMIPC_ZE_TEST_MEMFD_NAME
 #define HANDLE_MAGIC 0x7473747a656d7375ull /* "usmzetst" */
 #define MAGIC_OFFSET 56 /* past both of Intel's layouts */
 #define IPC_TYPE_DEVICE 0 /* InternalIpcMemoryType::deviceUnifiedMemory */
+#define IPC_TYPE_HOST 1   /* InternalIpcMemoryType::hostUnifiedMemory */
 #define MAX_FILL_PATTERN 128
+
+/* ---- profiles ------------------------------------------------------------ */
+
+/* How a cr-* profile's zeMemOpenIpcHandle decides that a handle takes the
+ * opaque path (research §1.3). */
+enum {
+  RULE_LEGACY, /* never: opaque handles are off (25.35 to 26.05 defaults) */
+  RULE_PID,    /* processId != 0: CR@26.05.37020.3:level_zero/core/source/
+                  context/context_imp_drm/context_imp_drm.cpp:70,
+                  CR@26.09.37435.12:.../context_imp_drm.cpp:86,
+                  CR@26.14.37833.4:.../context_drm/context_drm.cpp:90 */
+  RULE_COPY,   /* normalized fd (bytes 0-3) == normalized opaqueHandle (bytes
+                  22-25); the pid is not consulted:
+                  CR@26.18.38308.4:.../context_drm/context_drm.cpp:131-135,
+                  CR@26.31.39395.13:.../context/linux/context_linux.cpp:
+                  156-172 (commit 0e12aefdbe, first in 26.18.38308.1) */
+};
+
+/* How the opaque path gets the exporter's descriptor when the import cache
+ * has none. */
+enum {
+  FETCH_2605,    /* pidfd_open + pidfd_getfd; if either fails, the socket
+                    fallback (EnableIpcSocketFallback defaults to true,
+                    CR@26.05.37020.3:shared/source/debug_settings/
+                    debug_variables_base.inl:84); if that fails too, no
+                    import: CR@26.05.37020.3:level_zero/core/source/context/
+                    context_imp_drm/context_imp_drm.cpp:72-117 */
+  FETCH_2609,    /* pidfd_open + pidfd_getfd; if either fails, the raw number
+                    is imported as a local descriptor (the socket fallback
+                    runs only in sockets mode):
+                    CR@26.09.37435.12:.../context_imp_drm.cpp:102-124, 127,
+                    159-160; CR@26.14.37833.4:.../context_drm.cpp the same */
+  FETCH_2618,    /* pidfd_open fails: the raw number is imported;
+                    pidfd_getfd fails: no import:
+                    CR@26.18.38308.4:.../context_drm/context_drm.cpp:208-227;
+                    CR@26.31.39395.13:.../linux/context_linux.cpp:83-104 */
+  FETCH_SOCKETS, /* "\0neo_ipc_<pid>" only; failure: no import:
+                    CR@26.31.39395.13:.../linux/context_linux.cpp:107-138 */
+};
+
+/* Import cache (research §2). */
+enum {
+  CACHE_NONE,
+  CACHE_CONTEXT, /* per context, cacheID -> the fetched descriptor number
+                    itself: CR@26.09.37435.12:level_zero/core/source/context/
+                    context_imp.h:217-228, 334; context_imp.cpp:1868-1880 */
+  CACHE_DRIVER,  /* per driver, cacheID -> {dup, refCount}; a hit returns a
+                    new dup: CR@26.18.38308.4:level_zero/core/source/driver/
+                    driver_handle.cpp:1024-1045 */
+};
+
+typedef struct profile {
+  const char *name;
+  unsigned major, minor, build; /* driverVersion, this driver's convention */
+  unsigned layout_bytes; /* 0: ideal; else bytes setIPCHandleData writes */
+  int rule, fetch, cache;
+  bool pools;  /* device USM pools (research §3) */
+  bool prctl;  /* prctl(PR_SET_PTRACER_ANY) in zeContextCreate (§7) */
+  bool server; /* the exporter serves "\0neo_ipc_<pid>" */
+} profile_t;
+
+/* Layout sizes (research §1.1):
+ *  17: IpcMemoryData, CR@25.35.35096.9:level_zero/core/source/context/
+ *      context.h:34-40 (identical up to CR@26.31.39395.13:.../context.h:55-62)
+ *  22: IpcOpaqueMemoryData, CR@26.05.37020.3:.../context/context.h:44-56
+ *  55: + reservedHandleData[32], compressedMemory,
+ *      CR@26.09.37435.12:.../context/context.h:44-60
+ *  63: + opaqueHandle at 22, CR@26.18.38308.4:.../context/context.h:64-81,
+ *      CR@26.31.39395.13:.../context/context.h:64-82 */
+#define LEGACY_BYTES 17
+static const profile_t profiles[] = {
+    [USMIPC_ZE_TEST_PROFILE_IDEAL] = {"ideal", 0, 0, 1, 0, RULE_LEGACY,
+                                      FETCH_2609, CACHE_NONE, false, false,
+                                      false},
+    /* Opaque handles off on every product before 26.09 unless the debug key
+     * EnablePidFdOrSocketsForIpc is set (CR@25.35.35096.9:shared/source/
+     * os_interface/product_helper_xe2_and_later.inl:66-71,
+     * product_helper_before_xe2.inl:62-67); no L0 device pools on BMG and
+     * LNL at 25.35 (research §3). prctl only with opaque handles. */
+    [USMIPC_ZE_TEST_PROFILE_CR_25_35] = {"cr-25.35", 25, 35, 35096,
+                                         LEGACY_BYTES, RULE_LEGACY, FETCH_2609,
+                                         CACHE_NONE, false, false, false},
+    /* Opaque by EnablePidFdOrSocketsForIpc=1 (CR@26.05.37020.3:shared/
+     * source/debug_settings/debug_variables_base.inl:321), decided in the
+     * Context constructor, which calls prctl (CR@26.05.37020.3:level_zero/
+     * core/source/context/context_imp.cpp:82 -> context_imp_drm/
+     * context_imp_drm.cpp:44); the exporter starts the socket server at
+     * each new export (context_imp.h:276-287). No import cache yet. Pools
+     * are left out: the research places 26.05 with the "no pools" defaults
+     * and pooling needs a BMG or LNL product (§3). */
+    [USMIPC_ZE_TEST_PROFILE_CR_26_05_OPAQUE] = {"cr-26.05-opaque", 26, 5, 37020,
+                                                22, RULE_PID, FETCH_2605,
+                                                CACHE_NONE, false, true, true},
+    /* Opaque on by default on Xe2+ (CR@26.09.37435.12:shared/source/
+     * os_interface/product_helper_xe2_and_later.inl:66-71); prctl in the
+     * Context constructor (context_imp.cpp:82 -> context_imp_drm/
+     * context_imp_drm.cpp:44); device pools on BMG from 25.40 and LNL from
+     * 25.44 (research §3). */
+    [USMIPC_ZE_TEST_PROFILE_CR_26_09] = {"cr-26.09", 26, 9, 37435, 55, RULE_PID,
+                                         FETCH_2609, CACHE_CONTEXT, true, true,
+                                         false},
+    [USMIPC_ZE_TEST_PROFILE_CR_26_14] = {"cr-26.14", 26, 14, 37833, 55,
+                                         RULE_PID, FETCH_2609, CACHE_CONTEXT,
+                                         true, true, false},
+    [USMIPC_ZE_TEST_PROFILE_CR_26_18] = {"cr-26.18", 26, 18, 38308, 63,
+                                         RULE_COPY, FETCH_2618, CACHE_DRIVER,
+                                         true, true, false},
+    /* prctl at every zeContextCreate on every DRM GPU
+     * (CR@26.31.39395.13:level_zero/core/source/context/linux/
+     * context_linux.cpp:39, from context.cpp:89). */
+    [USMIPC_ZE_TEST_PROFILE_CR_26_31] = {"cr-26.31", 26, 31, 39395, 63,
+                                         RULE_COPY, FETCH_2618, CACHE_DRIVER,
+                                         true, true, false},
+    /* ForceIpcSocketFallback returns "sockets" before prctl is called
+     * (CR@26.31.39395.13:.../linux/context_linux.cpp:34-38); the exporter
+     * starts its server at the first export and registers each exported
+     * descriptor (context.cpp:810-822, 2234-2236). */
+    [USMIPC_ZE_TEST_PROFILE_CR_SOCKETS] = {"cr-sockets", 26, 31, 39395, 63,
+                                           RULE_COPY, FETCH_SOCKETS,
+                                           CACHE_DRIVER, true, false, true},
+};
+#define NPROFILES (sizeof(profiles) / sizeof(profiles[0]))
 
 /* ---- objects -------------------------------------------------------------- */
 
@@ -69,6 +215,18 @@
  * wrong kind or a dangling one is refused instead of followed. */
 enum { MAGIC_DRIVER = 0x44525652, MAGIC_DEVICE = 0x44455643,
        MAGIC_CONTEXT = 0x43545854, MAGIC_LIST = 0x4c495354 };
+
+/* An import cache entry: cacheID -> descriptor (and, per driver, a count). */
+typedef struct cache_entry {
+  uint64_t id;
+  int fd;
+  unsigned refs;
+} cache_entry_t;
+
+typedef struct cache {
+  cache_entry_t *entries;
+  size_t count, capacity;
+} cache_t;
 
 struct _ze_driver_handle_t {
   uint32_t magic;
@@ -78,6 +236,7 @@ struct _ze_device_handle_t {
 };
 struct _ze_context_handle_t {
   uint32_t magic;
+  cache_t cache; /* CACHE_CONTEXT */
 };
 struct _ze_command_list_handle_t {
   uint32_t magic;
@@ -87,15 +246,35 @@ struct _ze_command_list_handle_t {
 static struct _ze_driver_handle_t the_driver = {MAGIC_DRIVER};
 static struct _ze_device_handle_t the_device = {MAGIC_DEVICE};
 
+/* A buffer object: one memfd (the "dma-buf") and its IPC export, which CR
+ * tracks per descriptor number in the driver (research §3). */
+typedef struct bo {
+  int memfd;
+  size_t size;
+  int ipc_fd;    /* the exported descriptor (a dup of memfd), or -1 */
+  int handle_fd; /* the number handles carry: ipc_fd, or with
+                    USMIPC_ZE_TEST_HANDLE_FD=devnode a /dev/null */
+  unsigned ipc_refs;
+} bo_t;
+
+/* A device USM pool (cr-26.09 and later): one memfd, carved sequentially. */
+typedef struct pool {
+  bo_t bo;
+  uint8_t *base;
+  size_t used;
+} pool_t;
+
 typedef struct allocation {
   void *base;
   size_t size;     /* as requested */
   size_t mapped;   /* page-rounded */
   ze_memory_type_t type;
   uint64_t id;
-  int memfd;       /* device memory: the backing memfd, else -1 */
-  int ipc_fd;      /* the fd inside this allocation's IPC handle, or -1 */
-  unsigned ipc_refs;
+  bo_t bo[2];   /* device memory outside a pool: its buffer objects */
+  unsigned nbo; /* 1, or 2 with USMIPC_ZE_TEST_MULTI_BO */
+  pool_t *pool; /* the pool it was carved from, or NULL */
+  size_t pool_offset;
+  bool exported;   /* an IPC handle was taken of it */
   bool imported;   /* a mapping opened with zeMemOpenIpcHandle */
 } allocation_t;
 
@@ -106,7 +285,17 @@ static uint64_t next_id = 1;
 static usmipc_ze_test_stats_t stats;
 static bool initialized, no_fd_ext, no_put;
 
-/* How IPC handles are laid out (ze_test_driver.h, knobs). */
+#define MAX_POOLS 1024
+static pool_t *pools[MAX_POOLS];
+static size_t pool_count;
+static cache_t driver_cache; /* CACHE_DRIVER */
+
+/* The profile and the cr-* knobs (ze_test_driver.h). */
+static const profile_t *prof = &profiles[USMIPC_ZE_TEST_PROFILE_IDEAL];
+static enum { LOADER_1_8, LOADER_ROUTED, LOADER_UNINITIALIZED } newer_loader;
+static bool multi_bo, handle_devnode;
+
+/* How IPC handles are laid out in the ideal profile (knobs). */
 static enum {
   LAYOUT_INTEL,   /* IpcMemoryData: u64 fd, u64 pool offset, u8 type */
   LAYOUT_PIDFD,   /* IpcOpaqueMemoryData: the importer's driver fetches the
@@ -114,9 +303,59 @@ static enum {
   LAYOUT_UNKNOWN, /* fd at offset 40, an opaque number at 0 */
 } layout;
 
+static bool is_cr(void) { return prof->layout_bytes != 0; }
+
 static bool env_on(const char *name) {
   const char *v = getenv(name);
   return v != NULL && v[0] != '\0' && strcmp(v, "0") != 0;
+}
+
+/* Reads USMIPC_ZE_TEST_PROFILE and the knobs; false (with a message) for a
+ * value this driver does not know, so that a typo fails instead of testing
+ * another driver. */
+static bool read_config(void) {
+  const char *name = getenv("USMIPC_ZE_TEST_PROFILE");
+  prof = NULL;
+  for (size_t i = 0; i < NPROFILES; i++)
+    if (name == NULL || name[0] == '\0' ? i == 0
+                                        : !strcmp(name, profiles[i].name))
+      prof = &profiles[i];
+  if (prof == NULL) {
+    fprintf(stderr, "ze_test_driver: unknown USMIPC_ZE_TEST_PROFILE '%s'\n",
+            name);
+    prof = &profiles[USMIPC_ZE_TEST_PROFILE_IDEAL];
+    return false;
+  }
+  const char *loader = getenv("USMIPC_ZE_TEST_NEWER_LOADER");
+  if (loader == NULL || loader[0] == '\0')
+    newer_loader = LOADER_1_8;
+  else if (!strcmp(loader, "routed"))
+    newer_loader = LOADER_ROUTED;
+  else if (!strcmp(loader, "uninitialized"))
+    newer_loader = LOADER_UNINITIALIZED;
+  else {
+    fprintf(stderr,
+            "ze_test_driver: USMIPC_ZE_TEST_NEWER_LOADER is 'routed' or "
+            "'uninitialized', not '%s'\n",
+            loader);
+    return false;
+  }
+  const char *hfd = getenv("USMIPC_ZE_TEST_HANDLE_FD");
+  handle_devnode = hfd != NULL && !strcmp(hfd, "devnode");
+  if (hfd != NULL && hfd[0] != '\0' && !handle_devnode) {
+    fprintf(stderr,
+            "ze_test_driver: USMIPC_ZE_TEST_HANDLE_FD is 'devnode', not "
+            "'%s'\n",
+            hfd);
+    return false;
+  }
+  multi_bo = env_on("USMIPC_ZE_TEST_MULTI_BO");
+  no_fd_ext = env_on("USMIPC_ZE_TEST_NO_FD_EXT");
+  no_put = env_on("USMIPC_ZE_TEST_NO_PUT");
+  layout = env_on("USMIPC_ZE_TEST_PIDFD_HANDLE")     ? LAYOUT_PIDFD
+           : env_on("USMIPC_ZE_TEST_UNKNOWN_LAYOUT") ? LAYOUT_UNKNOWN
+                                                     : LAYOUT_INTEL;
+  return true;
 }
 
 static size_t page_round(size_t n) {
@@ -159,6 +398,66 @@ static bool good_context(ze_context_handle_t c) {
 }
 static bool good_device(ze_device_handle_t d) { return d == &the_device; }
 
+static bo_t bo_new(int memfd, size_t size) {
+  bo_t b = {.memfd = memfd, .size = size, .ipc_fd = -1, .handle_fd = -1};
+  return b;
+}
+
+/* The buffer object whose export handles name by `number` (CR's IPC map is
+ * keyed by that number, research §3); lock held. */
+static bo_t *bo_by_handle_number(int64_t number) {
+  if (number < 0 || number > INT32_MAX)
+    return NULL;
+  for (size_t i = 0; i < alloc_count; i++)
+    for (unsigned k = 0; k < allocs[i].nbo && !allocs[i].imported; k++)
+      if (allocs[i].bo[k].ipc_refs > 0 &&
+          allocs[i].bo[k].handle_fd == (int)number)
+        return &allocs[i].bo[k];
+  for (size_t i = 0; i < pool_count; i++)
+    if (pools[i]->bo.ipc_refs > 0 && pools[i]->bo.handle_fd == (int)number)
+      return &pools[i]->bo;
+  return NULL;
+}
+
+/* Closes an exported descriptor (CR: closeInternalHandle); lock held. */
+static void bo_unexport(bo_t *b) {
+  if (b->handle_fd >= 0 && b->handle_fd != b->ipc_fd)
+    close(b->handle_fd);
+  close(b->ipc_fd);
+  b->ipc_fd = b->handle_fd = -1;
+  b->ipc_refs = 0;
+  stats.live_ipc_handles--;
+}
+
+static void start_server_locked(void);
+
+/* Takes a reference on the export of b, exporting it first if needed (a
+ * dma-buf export: a new descriptor for the same memory, cached by the
+ * allocation: CR@26.31.39395.13:shared/source/os_interface/linux/
+ * drm_allocation.cpp:117-131; context.cpp:2217-2219); lock held. */
+static ze_result_t bo_export(bo_t *b) {
+  if (b->ipc_fd < 0) {
+    b->ipc_fd = fcntl(b->memfd, F_DUPFD_CLOEXEC, 0);
+    if (b->ipc_fd < 0)
+      return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
+    b->handle_fd = b->ipc_fd;
+    if (handle_devnode && is_cr()) {
+      b->handle_fd = open("/dev/null", O_RDWR | O_CLOEXEC);
+      if (b->handle_fd < 0) {
+        close(b->ipc_fd);
+        b->ipc_fd = -1;
+        return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
+      }
+    }
+    stats.live_ipc_handles++;
+    b->ipc_refs = 0;
+  }
+  b->ipc_refs++;
+  if (prof->server)
+    start_server_locked();
+  return ZE_RESULT_SUCCESS;
+}
+
 /* ---- global, driver, device ----------------------------------------------- */
 
 static ze_result_t ZE_APICALL drv_init(ze_init_flags_t flags) {
@@ -169,14 +468,11 @@ static ze_result_t ZE_APICALL drv_init(ze_init_flags_t flags) {
   if (flags & ZE_INIT_FLAG_VPU_ONLY && !(flags & ZE_INIT_FLAG_GPU_ONLY))
     return ZE_RESULT_ERROR_UNINITIALIZED; /* no VPU here */
   pthread_mutex_lock(&lock);
-  no_fd_ext = env_on("USMIPC_ZE_TEST_NO_FD_EXT");
-  no_put = env_on("USMIPC_ZE_TEST_NO_PUT");
-  layout = env_on("USMIPC_ZE_TEST_PIDFD_HANDLE")     ? LAYOUT_PIDFD
-           : env_on("USMIPC_ZE_TEST_UNKNOWN_LAYOUT") ? LAYOUT_UNKNOWN
-                                                     : LAYOUT_INTEL;
-  initialized = true;
+  bool ok = read_config();
+  stats.profile = (uint64_t)(prof - profiles);
+  initialized = ok;
   pthread_mutex_unlock(&lock);
-  return ZE_RESULT_SUCCESS;
+  return ok ? ZE_RESULT_SUCCESS : ZE_RESULT_ERROR_UNINITIALIZED;
 }
 
 static ze_result_t ZE_APICALL drv_driver_get(uint32_t *count,
@@ -209,7 +505,10 @@ static ze_result_t ZE_APICALL drv_properties(ze_driver_handle_t d,
   if (p == NULL)
     return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
   memcpy(p->uuid.id, "usmipc-ze-driver", ZE_MAX_DRIVER_UUID_SIZE);
-  p->driverVersion = 1;
+  /* ideal: 1; cr-*: the release as (major << 24) | (minor << 16) |
+   * (build & 0xffff), this driver's convention (ze_test_driver.h). */
+  p->driverVersion =
+      (prof->major << 24) | (prof->minor << 16) | (prof->build & 0xffff);
   return ZE_RESULT_SUCCESS;
 }
 
@@ -223,22 +522,23 @@ static ze_result_t ZE_APICALL drv_ipc_properties(ze_driver_handle_t d,
   return ZE_RESULT_SUCCESS;
 }
 
-static ze_result_t ZE_APICALL drv_ext_properties(ze_driver_handle_t d,
-                                                 uint32_t *count,
-                                                 ze_driver_extension_properties_t *p) {
+/* One extension in every profile: ZE_usmipc_test_driver, which tells a
+ * backend that this driver's "dma-bufs" are memfds (ze_test_driver.h). */
+static ze_result_t ZE_APICALL
+drv_ext_properties(ze_driver_handle_t d, uint32_t *count,
+                   ze_driver_extension_properties_t *p) {
   if (d != &the_driver)
     return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
   if (count == NULL)
     return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
-  /* One extension: that this is usmipc's test driver, whose dma-bufs are
-   * memfds named MEMFD_NAME (the backend checks descriptors by kind). */
   if (*count == 0 || p == NULL) {
     *count = 1;
     return ZE_RESULT_SUCCESS;
   }
   *count = 1;
-  snprintf(p[0].name, sizeof(p[0].name), "ZE_usmipc_test_driver");
-  p[0].version = 1;
+  memset(p[0].name, 0, sizeof(p[0].name));
+  snprintf(p[0].name, sizeof(p[0].name), "%s", USMIPC_ZE_TEST_EXTENSION_NAME);
+  p[0].version = USMIPC_ZE_TEST_EXTENSION_VERSION;
   return ZE_RESULT_SUCCESS;
 }
 
@@ -247,6 +547,34 @@ static ze_result_t ZE_APICALL mem_put_ipc_handle(ze_context_handle_t,
 static ze_result_t ZE_APICALL mem_fd_from_ipc_handle(ze_context_handle_t,
                                                      ze_ipc_mem_handle_t,
                                                      uint64_t *);
+static ze_result_t ZE_APICALL zex_mem_get_ipc_handles(ze_context_handle_t,
+                                                      const void *, uint32_t *,
+                                                      ze_ipc_mem_handle_t *);
+
+/* USMIPC_ZE_TEST_NEWER_LOADER=uninitialized: what a loader >= 1.10 answers
+ * for a DDI entry the driver left empty, in its intercept layer
+ * (oneapi-src/level-zero@v1.32.0:source/loader/ze_ldrddi.cpp:4299-4311). */
+static ze_result_t ZE_APICALL stub_put_ipc_handle(ze_context_handle_t c,
+                                                  ze_ipc_mem_handle_t h) {
+  (void)c;
+  (void)h;
+  pthread_mutex_lock(&lock);
+  stats.uninitialized_stub_calls++;
+  pthread_mutex_unlock(&lock);
+  return ZE_RESULT_ERROR_UNINITIALIZED;
+}
+
+static ze_result_t ZE_APICALL stub_fd_from_ipc_handle(ze_context_handle_t c,
+                                                      ze_ipc_mem_handle_t h,
+                                                      uint64_t *out) {
+  (void)c;
+  (void)h;
+  (void)out;
+  pthread_mutex_lock(&lock);
+  stats.uninitialized_stub_calls++;
+  pthread_mutex_unlock(&lock);
+  return ZE_RESULT_ERROR_UNINITIALIZED;
+}
 
 static ze_result_t ZE_APICALL drv_ext_function(ze_driver_handle_t d,
                                                const char *name, void **fn) {
@@ -255,11 +583,31 @@ static ze_result_t ZE_APICALL drv_ext_function(ze_driver_handle_t d,
   if (name == NULL || fn == NULL)
     return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
   *fn = NULL;
-  if (!strcmp(name, "zeMemPutIpcHandle") && !no_put)
-    *fn = (void *)mem_put_ipc_handle;
+  if (!is_cr()) {
+    if (!strcmp(name, "zeMemPutIpcHandle") && !no_put)
+      *fn = (void *)mem_put_ipc_handle;
+    else if (!strcmp(name, "zeMemGetFileDescriptorFromIpcHandleExp") &&
+             !no_fd_ext)
+      *fn = (void *)mem_fd_from_ipc_handle;
+    return *fn ? ZE_RESULT_SUCCESS : ZE_RESULT_ERROR_INVALID_ARGUMENT;
+  }
+  /* CR serves zexMemGetIpcHandles but none of zeMemPutIpcHandle,
+   * zeMemGetFileDescriptorFromIpcHandleExp and
+   * zeMemGetIpcHandleFromFileDescriptorExp, which are DDI entries (API 1.6)
+   * that the loader 1.8 neither exports nor routes; an unknown name is
+   * ZE_RESULT_ERROR_INVALID_ARGUMENT (CR@26.31.39395.13:level_zero/core/
+   * source/driver/driver_handle.cpp:156-162; the list:
+   * extension_function_address.cpp:43-171; the same IPC names at 25.35 and
+   * 26.09, research §4). NEWER_LOADER stands for the loader's side. */
+  if (!strcmp(name, USMIPC_ZE_TEST_ZEX_GET_IPC_HANDLES))
+    *fn = (void *)zex_mem_get_ipc_handles;
+  else if (!strcmp(name, "zeMemPutIpcHandle") && newer_loader != LOADER_1_8)
+    *fn = newer_loader == LOADER_ROUTED ? (void *)mem_put_ipc_handle
+                                        : (void *)stub_put_ipc_handle;
   else if (!strcmp(name, "zeMemGetFileDescriptorFromIpcHandleExp") &&
-           !no_fd_ext)
-    *fn = (void *)mem_fd_from_ipc_handle;
+           newer_loader != LOADER_1_8)
+    *fn = newer_loader == LOADER_ROUTED ? (void *)mem_fd_from_ipc_handle
+                                        : (void *)stub_fd_from_ipc_handle;
   return *fn ? ZE_RESULT_SUCCESS : ZE_RESULT_ERROR_INVALID_ARGUMENT;
 }
 
@@ -371,10 +719,23 @@ static ze_result_t ZE_APICALL ctx_create(ze_driver_handle_t d,
   static size_t used;
   pthread_mutex_lock(&lock);
   ze_context_handle_t c = used < 64 ? &contexts[used++] : NULL;
+  /* CR makes the whole process ptrace-attachable by any process of the
+   * user when the context decides on opaque handles (research §7):
+   * CR@26.09.37435.12:level_zero/core/source/context/context_imp.cpp:82 ->
+   * context_imp_drm/context_imp_drm.cpp:44; CR@26.31.39395.13:level_zero/
+   * core/source/context/linux/context_linux.cpp:39. Where prctl fails (a
+   * kernel without Yama) CR 26.05+ would switch to sockets mode
+   * (context_linux.cpp:39-46); this driver keeps the profile's mode, so
+   * that a profile means the same on every machine (cr-sockets is that
+   * mode). */
+  if (c != NULL && prof->prctl &&
+      prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) == 0)
+    stats.ptracer_any_set++;
   pthread_mutex_unlock(&lock);
   if (c == NULL)
     return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
   c->magic = MAGIC_CONTEXT;
+  memset(&c->cache, 0, sizeof(c->cache));
   *out = c;
   return ZE_RESULT_SUCCESS;
 }
@@ -383,6 +744,12 @@ static ze_result_t ZE_APICALL ctx_destroy(ze_context_handle_t c) {
   if (!good_context(c))
     return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
   c->magic = 0;
+  /* CR's per-context cache goes with the context; the descriptors in it
+   * stay open (nothing closes them, research §2). */
+  pthread_mutex_lock(&lock);
+  free(c->cache.entries);
+  memset(&c->cache, 0, sizeof(c->cache));
+  pthread_mutex_unlock(&lock);
   return ZE_RESULT_SUCCESS;
 }
 
@@ -453,8 +820,81 @@ static ze_result_t ZE_APICALL list_fill(ze_command_list_handle_t l, void *ptr,
 
 /* ---- memory ----------------------------------------------------------------- */
 
+/* Carves a device allocation out of the newest pool, or a new one (research
+ * §3: device allocations of at most 1 MB come from 2 MB pools,
+ * CR@26.31.39395.13:level_zero/core/source/driver/driver_handle.cpp:417-439,
+ * shared/source/dll/usm_pool_size.cpp:13-15; CR@25.35.35096.9:level_zero/
+ * core/source/driver/driver_handle_imp.cpp:391-414). Pools live as long as
+ * the process, as CR's live as long as the driver; lock held. */
+static ze_result_t pool_carve(allocation_t *a) {
+  pool_t *p = pool_count ? pools[pool_count - 1] : NULL;
+  if (p == NULL || p->used + a->mapped > USMIPC_ZE_TEST_POOL_SIZE) {
+    if (pool_count == MAX_POOLS)
+      return ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY;
+    p = calloc(1, sizeof(*p));
+    int memfd = memfd_create(MEMFD_NAME, MFD_CLOEXEC);
+    if (p == NULL || memfd < 0 ||
+        ftruncate(memfd, (off_t)USMIPC_ZE_TEST_POOL_SIZE) != 0 ||
+        (p->base = mmap(NULL, USMIPC_ZE_TEST_POOL_SIZE, PROT_READ | PROT_WRITE,
+                        MAP_SHARED, memfd, 0)) == MAP_FAILED) {
+      if (memfd >= 0)
+        close(memfd);
+      free(p);
+      return ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY;
+    }
+    p->bo = bo_new(memfd, USMIPC_ZE_TEST_POOL_SIZE);
+    pools[pool_count++] = p;
+  }
+  a->pool = p;
+  a->pool_offset = p->used;
+  a->base = p->base + p->used;
+  p->used += a->mapped;
+  stats.pooled_allocations++;
+  return ZE_RESULT_SUCCESS;
+}
+
+/* Device memory outside a pool: one memfd, or two buffer objects side by
+ * side (USMIPC_ZE_TEST_MULTI_BO: one BO per memory bank, research §6). */
+static ze_result_t device_memory(allocation_t *a) {
+  unsigned nbo =
+      is_cr() && multi_bo && a->size >= USMIPC_ZE_TEST_MULTI_BO_MIN ? 2 : 1;
+  size_t first = nbo == 2 ? page_round(a->mapped / 2) : a->mapped;
+  size_t sizes[2] = {first, a->mapped - first};
+  uint8_t *base =
+      nbo == 1 ? NULL
+               : mmap(NULL, a->mapped, PROT_NONE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED)
+    return ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY;
+  size_t at = 0;
+  for (unsigned k = 0; k < nbo; k++) {
+    int memfd = memfd_create(MEMFD_NAME, MFD_CLOEXEC);
+    void *p = MAP_FAILED;
+    if (memfd >= 0 && ftruncate(memfd, (off_t)sizes[k]) == 0)
+      p = mmap(base ? base + at : NULL, sizes[k], PROT_READ | PROT_WRITE,
+               MAP_SHARED | (base ? MAP_FIXED : 0), memfd, 0);
+    if (p == MAP_FAILED) {
+      if (memfd >= 0)
+        close(memfd);
+      for (unsigned j = 0; j < k; j++)
+        close(a->bo[j].memfd);
+      if (base != NULL)
+        munmap(base, a->mapped);
+      return ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY;
+    }
+    if (base == NULL)
+      base = p;
+    a->bo[k] = bo_new(memfd, sizes[k]);
+    at += sizes[k];
+  }
+  a->nbo = nbo;
+  a->base = base;
+  return ZE_RESULT_SUCCESS;
+}
+
 static ze_result_t alloc_common(ze_context_handle_t c, ze_memory_type_t type,
-                                size_t size, size_t alignment, void **out) {
+                                size_t size, size_t alignment, bool exported,
+                                void **out) {
   if (!good_context(c))
     return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
   if (out == NULL)
@@ -466,27 +906,32 @@ static ze_result_t alloc_common(ze_context_handle_t c, ze_memory_type_t type,
   if ((alignment & (alignment - 1)) != 0 ||
       alignment > (size_t)sysconf(_SC_PAGESIZE))
     return ZE_RESULT_ERROR_UNSUPPORTED_ALIGNMENT;
-  allocation_t a = {.size = size, .mapped = page_round(size), .type = type,
-                    .memfd = -1, .ipc_fd = -1};
+  allocation_t a = {.size = size, .mapped = page_round(size), .type = type};
+  /* An allocation with an export descriptor is never pooled
+   * (CR@26.09.37435.12:level_zero/core/source/context/context_imp.cpp:327;
+   * CR@26.31.39395.13:.../context.cpp:352-356). */
+  if (type == ZE_MEMORY_TYPE_DEVICE && prof->pools && !exported &&
+      size <= USMIPC_ZE_TEST_POOLED_MAX) {
+    pthread_mutex_lock(&lock);
+    ze_result_t res = pool_carve(&a);
+    if (res == ZE_RESULT_SUCCESS)
+      res = add(&a);
+    if (res == ZE_RESULT_SUCCESS)
+      stats.live_allocations++;
+    pthread_mutex_unlock(&lock);
+    if (res == ZE_RESULT_SUCCESS)
+      *out = a.base;
+    return res;
+  }
   if (type == ZE_MEMORY_TYPE_DEVICE) {
-    a.memfd = memfd_create(MEMFD_NAME, MFD_CLOEXEC);
-    if (a.memfd < 0)
-      return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
-    if (ftruncate(a.memfd, (off_t)a.mapped) != 0) {
-      close(a.memfd);
-      return ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY;
-    }
-    a.base = mmap(NULL, a.mapped, PROT_READ | PROT_WRITE, MAP_SHARED, a.memfd,
-                  0);
+    ze_result_t res = device_memory(&a);
+    if (res != ZE_RESULT_SUCCESS)
+      return res;
   } else {
     a.base = mmap(NULL, a.mapped, PROT_READ | PROT_WRITE,
                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  }
-  if (a.base == MAP_FAILED) {
-    if (a.memfd >= 0)
-      close(a.memfd);
-    return type == ZE_MEMORY_TYPE_DEVICE ? ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY
-                                         : ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
+    if (a.base == MAP_FAILED)
+      return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
   }
   pthread_mutex_lock(&lock);
   ze_result_t res = add(&a);
@@ -495,8 +940,8 @@ static ze_result_t alloc_common(ze_context_handle_t c, ze_memory_type_t type,
   pthread_mutex_unlock(&lock);
   if (res != ZE_RESULT_SUCCESS) {
     munmap(a.base, a.mapped);
-    if (a.memfd >= 0)
-      close(a.memfd);
+    for (unsigned k = 0; k < a.nbo; k++)
+      close(a.bo[k].memfd);
     return res;
   }
   *out = a.base;
@@ -513,7 +958,23 @@ static ze_result_t ZE_APICALL mem_alloc_device(ze_context_handle_t c,
     return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
   if (dd->stype != ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC)
     return ZE_RESULT_ERROR_INVALID_ARGUMENT;
-  return alloc_common(c, ZE_MEMORY_TYPE_DEVICE, size, alignment, out);
+  /* ze_external_memory_export_desc_t with DMA_BUF, OPAQUE_FD or
+   * OPAQUE_WIN32 sets exportMemory, any other flags are refused
+   * (CR@26.09.37435.12:level_zero/core/source/helpers/
+   * properties_parser.h:158-166). */
+  bool exported = false;
+  for (const ze_base_desc_t *x = dd->pNext; x != NULL; x = x->pNext) {
+    if (x->stype != ZE_STRUCTURE_TYPE_EXTERNAL_MEMORY_EXPORT_DESC)
+      continue;
+    const ze_external_memory_export_desc_t *e = (const void *)x;
+    if (e->flags & (ZE_EXTERNAL_MEMORY_TYPE_FLAG_DMA_BUF |
+                    ZE_EXTERNAL_MEMORY_TYPE_FLAG_OPAQUE_FD |
+                    ZE_EXTERNAL_MEMORY_TYPE_FLAG_OPAQUE_WIN32))
+      exported = true;
+    else if (is_cr())
+      return ZE_RESULT_ERROR_UNSUPPORTED_ENUMERATION;
+  }
+  return alloc_common(c, ZE_MEMORY_TYPE_DEVICE, size, alignment, exported, out);
 }
 
 static ze_result_t ZE_APICALL mem_alloc_host(ze_context_handle_t c,
@@ -524,7 +985,7 @@ static ze_result_t ZE_APICALL mem_alloc_host(ze_context_handle_t c,
     return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
   if (hd->stype != ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC)
     return ZE_RESULT_ERROR_INVALID_ARGUMENT;
-  return alloc_common(c, ZE_MEMORY_TYPE_HOST, size, alignment, out);
+  return alloc_common(c, ZE_MEMORY_TYPE_HOST, size, alignment, false, out);
 }
 
 static ze_result_t ZE_APICALL mem_alloc_shared(ze_context_handle_t c,
@@ -539,7 +1000,66 @@ static ze_result_t ZE_APICALL mem_alloc_shared(ze_context_handle_t c,
   if (dd->stype != ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC ||
       hd->stype != ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC)
     return ZE_RESULT_ERROR_INVALID_ARGUMENT;
-  return alloc_common(c, ZE_MEMORY_TYPE_SHARED, size, alignment, out);
+  return alloc_common(c, ZE_MEMORY_TYPE_SHARED, size, alignment, false, out);
+}
+
+/* What zeMemFree does to the IPC export of a freed allocation a (already
+ * dropped from the table); lock held. */
+static void free_exports(const allocation_t *a) {
+  if (!is_cr()) {
+    bo_t b = a->bo[0];
+    if (a->nbo == 0 || b.ipc_fd < 0)
+      return;
+    if (no_put) {
+      /* Without zeMemPutIpcHandle (API 1.4) the handle lives as long as the
+       * allocation, so freeing releases it. */
+      bo_unexport(&b);
+    } else {
+      /* An IPC handle nobody put: its fd stays open (leaked) until the
+       * process exits, the worst case of a driver that keeps handles until
+       * they are put. The tests check that usmipc never gets here. */
+      stats.freed_with_live_handle++;
+    }
+    return;
+  }
+  /* CR: the IPC entry of the allocation's base (for pooled memory, the
+   * pool's) loses a reference, and its descriptor is closed when the count
+   * reaches 0 or the allocation is not pooled
+   * (CR@26.09.37435.12:level_zero/core/source/context/context_imp.cpp:
+   * 542-565, `refcnt == 0 || nullptr == usmPool` at 558;
+   * CR@26.31.39395.13:.../context.cpp:571-597; CR@25.35.35096.9:.../
+   * context_imp.cpp:544-559). So freeing any allocation of a pool drops
+   * the count that another allocation's export holds (research §3). */
+  if (a->pool != NULL) {
+    bo_t *b = &a->pool->bo;
+    if (b->ipc_fd < 0)
+      return;
+    if (a->exported)
+      stats.freed_with_live_handle++;
+    else
+      stats.pool_refs_dropped_by_unexported_free++;
+    if (--b->ipc_refs > 0)
+      return;
+    for (size_t i = 0; i < alloc_count; i++)
+      if (allocs[i].pool == a->pool && allocs[i].exported) {
+        stats.pool_fd_closed_while_exported++;
+        break;
+      }
+    bo_unexport(b);
+    stats.exported_fd_closed_by_free++;
+    return;
+  }
+  bool live = false;
+  for (unsigned k = 0; k < a->nbo; k++) {
+    bo_t b = a->bo[k];
+    if (b.ipc_fd < 0)
+      continue;
+    live = true;
+    bo_unexport(&b);
+    stats.exported_fd_closed_by_free++;
+  }
+  if (live)
+    stats.freed_with_live_handle++;
 }
 
 static ze_result_t ZE_APICALL mem_free(ze_context_handle_t c, void *ptr) {
@@ -556,23 +1076,13 @@ static ze_result_t ZE_APICALL mem_free(ze_context_handle_t c, void *ptr) {
   allocation_t copy = *a;
   drop(a);
   stats.live_allocations--;
-  if (copy.ipc_fd >= 0) {
-    if (no_put) {
-      /* Without zeMemPutIpcHandle (API 1.4) the handle lives as long as the
-       * allocation, so freeing releases it. */
-      close(copy.ipc_fd);
-      stats.live_ipc_handles--;
-    } else {
-      /* An IPC handle nobody put: its fd stays open (leaked) until the
-       * process exits, the worst case of a driver that keeps handles until
-       * they are put. The tests check that usmipc never gets here. */
-      stats.freed_with_live_handle++;
-    }
-  }
+  free_exports(&copy);
   pthread_mutex_unlock(&lock);
+  if (copy.pool != NULL)
+    return ZE_RESULT_SUCCESS; /* the pool keeps the memory */
   munmap(copy.base, copy.mapped);
-  if (copy.memfd >= 0)
-    close(copy.memfd);
+  for (unsigned k = 0; k < copy.nbo; k++)
+    close(copy.bo[k].memfd);
   return ZE_RESULT_SUCCESS;
 }
 
@@ -596,6 +1106,8 @@ static ze_result_t ZE_APICALL mem_alloc_properties(
   return ZE_RESULT_SUCCESS;
 }
 
+/* For pooled memory the allocation's own range, as CR answers
+ * (CR@26.09.37435.12:.../context_imp.cpp:735-746). */
 static ze_result_t ZE_APICALL mem_address_range(ze_context_handle_t c,
                                                 const void *ptr, void **base,
                                                 size_t *size) {
@@ -615,13 +1127,16 @@ static ze_result_t ZE_APICALL mem_address_range(ze_context_handle_t c,
   return a ? ZE_RESULT_SUCCESS : ZE_RESULT_ERROR_UNKNOWN;
 }
 
+/* ---- IPC: handles -------------------------------------------------------- */
+
 /* The handle, in one of Intel's two layouts (packed, little-endian):
  *   IpcMemoryData        0: u64 fd  8: u64 pool offset  16: u8 type
  *   IpcOpaqueMemoryData  0: int fd (in a u64)  8: u64 pool offset
  *                        16: u32 processId  20: u8 handle type (0: fd)
  *                        21: u8 memory type  22: 32 reserved bytes
  * or, for USMIPC_ZE_TEST_UNKNOWN_LAYOUT, with the fd at offset 40 and an
- * opaque number at 0. This driver's magic sits at offset 56 in all. */
+ * opaque number at 0. This driver's magic sits at offset 56 in all. (The
+ * ideal profile; cr_encode writes the cr-* profiles' handles.) */
 #define UNKNOWN_FD_OFFSET 40
 static void handle_encode(ze_ipc_mem_handle_t *h, int fd, uint64_t id) {
   uint64_t fd64 = (uint64_t)fd, offset = 0, magic = HANDLE_MAGIC;
@@ -645,6 +1160,80 @@ static void handle_encode(ze_ipc_mem_handle_t *h, int fd, uint64_t id) {
   memcpy(h->data + MAGIC_OFFSET, &magic, 8);
 }
 
+/* A cr-* handle, as setIPCHandleData writes it
+ * (CR@26.31.39395.13:level_zero/core/source/context/context.cpp:2182-2214;
+ * CR@25.35.35096.9:.../context_imp.h:215-235): the layout's own bytes are
+ * zeroed first (`ipcData = {}`), bytes past it keep what the caller had.
+ *   17 bytes (legacy): u64 fd, u64 poolOffset, u8 type (0: device)
+ *   22, 55, 63 bytes (opaque): int fd (4-7 zero), u64 poolOffset,
+ *     u32 processId = getpid(), u8 handle type (0: fd), u8 memory type;
+ *     55: reservedHandleData 22-53 (filled only for fabric handles,
+ *     context.cpp:1063-1067) and compressedMemory 54, zero;
+ *     63: opaqueHandle at 22 (a copy of the fd, 26-29 zero), reserved
+ *     30-61, compressedMemory 62. */
+static void cr_encode(ze_ipc_mem_handle_t *h, int fd, uint64_t pool_offset) {
+  memset(h->data, 0, prof->layout_bytes);
+  if (prof->layout_bytes == LEGACY_BYTES) {
+    uint64_t fd64 = (uint64_t)fd;
+    memcpy(h->data, &fd64, 8);
+    memcpy(h->data + 8, &pool_offset, 8);
+    h->data[16] = IPC_TYPE_DEVICE;
+    return;
+  }
+  uint32_t pid = (uint32_t)getpid();
+  memcpy(h->data, &fd, 4);
+  memcpy(h->data + 8, &pool_offset, 8);
+  memcpy(h->data + 16, &pid, 4);
+  h->data[20] = 0; /* IpcHandleType::fdHandle */
+  h->data[21] = IPC_TYPE_DEVICE;
+  if (prof->layout_bytes == 63)
+    memcpy(h->data + 22, &fd, 4);
+}
+
+/* The number CR's IPC map knows a handle by: bytes 0-3 (opaque) or 0-7
+ * (legacy) (CR@26.31.39395.13:.../context.cpp:832-869, 932-978). */
+static int64_t cr_handle_number(const ze_ipc_mem_handle_t *h) {
+  if (prof->layout_bytes == LEGACY_BYTES) {
+    uint64_t n;
+    memcpy(&n, h->data, 8);
+    return (int64_t)n;
+  }
+  int32_t n;
+  memcpy(&n, h->data, 4);
+  return n;
+}
+
+/* Exports the buffer objects of the allocation at ptr into handles (at most
+ * *count of them); lock held. zeMemGetIpcHandle is this with one handle:
+ * it exports BO 0 only (CR@26.31.39395.13:level_zero/core/source/context/
+ * context.cpp:1110-1114, the loop at 1058-1087). A pooled allocation's
+ * handle names the pool's descriptor and the offset in the pool
+ * (context.cpp:980-1089, 2211-2237). */
+static ze_result_t export_handles(const void *ptr, uint32_t *count,
+                                  ze_ipc_mem_handle_t *handles) {
+  allocation_t *a = find(ptr);
+  if (a == NULL || a->imported)
+    return ZE_RESULT_ERROR_INVALID_ARGUMENT;
+  if (a->type != ZE_MEMORY_TYPE_DEVICE)
+    return ZE_RESULT_ERROR_UNSUPPORTED_FEATURE; /* anonymous: not shareable */
+  uint32_t n = a->pool != NULL ? 1 : a->nbo;
+  if (*count > n)
+    *count = n;
+  for (uint32_t k = 0; k < *count; k++) {
+    bo_t *b = a->pool != NULL ? &a->pool->bo : &a->bo[k];
+    ze_result_t res = bo_export(b);
+    if (res != ZE_RESULT_SUCCESS)
+      return res;
+    a->exported = true;
+    stats.ipc_gets++;
+    if (is_cr())
+      cr_encode(&handles[k], b->handle_fd, a->pool ? a->pool_offset : 0);
+    else
+      handle_encode(&handles[k], b->ipc_fd, a->id);
+  }
+  return ZE_RESULT_SUCCESS;
+}
+
 static ze_result_t ZE_APICALL mem_get_ipc_handle(ze_context_handle_t c,
                                                  const void *ptr,
                                                  ze_ipc_mem_handle_t *h) {
@@ -652,25 +1241,35 @@ static ze_result_t ZE_APICALL mem_get_ipc_handle(ze_context_handle_t c,
     return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
   if (ptr == NULL || h == NULL)
     return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
+  uint32_t one = 1;
   pthread_mutex_lock(&lock);
-  allocation_t *a = find(ptr);
-  ze_result_t res = ZE_RESULT_SUCCESS;
-  if (a == NULL || a->imported)
-    res = ZE_RESULT_ERROR_INVALID_ARGUMENT;
-  else if (a->type != ZE_MEMORY_TYPE_DEVICE)
-    res = ZE_RESULT_ERROR_UNSUPPORTED_FEATURE; /* anonymous: not shareable */
-  else if (a->ipc_fd < 0) {
-    /* Like a dma-buf export: a new descriptor for the same memory. */
-    a->ipc_fd = fcntl(a->memfd, F_DUPFD_CLOEXEC, 0);
-    if (a->ipc_fd < 0)
-      res = ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
-    else
-      stats.live_ipc_handles++;
-  }
-  if (res == ZE_RESULT_SUCCESS) {
-    a->ipc_refs++;
-    stats.ipc_gets++;
-    handle_encode(h, a->ipc_fd, a->id);
+  ze_result_t res = export_handles(ptr, &one, h);
+  pthread_mutex_unlock(&lock);
+  return res;
+}
+
+/* zexMemGetIpcHandles (cr-* profiles, through the extension lookup):
+ * *numIpcHandles == 0 or pIpcHandles NULL asks for the count. */
+static ze_result_t ZE_APICALL zex_mem_get_ipc_handles(
+    ze_context_handle_t c, const void *ptr, uint32_t *numIpcHandles,
+    ze_ipc_mem_handle_t *pIpcHandles) {
+  if (!good_context(c))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  if (ptr == NULL || numIpcHandles == NULL)
+    return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
+  pthread_mutex_lock(&lock);
+  stats.zex_get_ipc_handles++;
+  ze_result_t res;
+  if (*numIpcHandles == 0 || pIpcHandles == NULL) {
+    allocation_t *a = find(ptr);
+    res = a == NULL || a->imported ? ZE_RESULT_ERROR_INVALID_ARGUMENT
+          : a->type != ZE_MEMORY_TYPE_DEVICE
+              ? ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
+              : ZE_RESULT_SUCCESS;
+    if (res == ZE_RESULT_SUCCESS)
+      *numIpcHandles = a->pool != NULL ? 1 : a->nbo;
+  } else {
+    res = export_handles(ptr, numIpcHandles, pIpcHandles);
   }
   pthread_mutex_unlock(&lock);
   return res;
@@ -683,29 +1282,33 @@ static int handle_fd(const ze_ipc_mem_handle_t *h) {
   return fd;
 }
 
+/* ideal: by the handle's fd. cr-* (NEWER_LOADER=routed): by the number in
+ * bytes 0-3 (0-7 legacy), refcount-- of whichever export has that number,
+ * closed at 0, and an unknown number is a success
+ * (CR@26.31.39395.13:level_zero/core/source/context/context.cpp:832-869;
+ * CR@26.09.37435.12:.../context_imp.cpp:780-800; research §3). */
 static ze_result_t ZE_APICALL mem_put_ipc_handle(ze_context_handle_t c,
                                                  ze_ipc_mem_handle_t h) {
   if (!good_context(c))
     return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
-  int fd = handle_fd(&h);
+  int64_t number = is_cr() ? cr_handle_number(&h) : handle_fd(&h);
   pthread_mutex_lock(&lock);
-  for (size_t i = 0; i < alloc_count; i++) {
-    allocation_t *a = &allocs[i];
-    if (a->ipc_fd == fd && fd >= 0 && a->ipc_refs > 0) {
-      stats.ipc_puts++;
-      if (--a->ipc_refs == 0) {
-        close(a->ipc_fd);
-        a->ipc_fd = -1;
-        stats.live_ipc_handles--;
-      }
-      break;
-    }
+  bo_t *b = bo_by_handle_number(number);
+  if (b != NULL) {
+    stats.ipc_puts++;
+    if (--b->ipc_refs == 0)
+      bo_unexport(b);
   }
   pthread_mutex_unlock(&lock);
   /* Intel's driver answers success for a handle it does not know, too. */
   return ZE_RESULT_SUCCESS;
 }
 
+/* Only numbers this process exported are known (CR@26.31.39395.13:
+ * .../context.cpp:932-978): an unknown one is
+ * ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY up to 26.14 (CR@25.35.35096.9:
+ * .../context_imp.cpp:751-795) and ZE_RESULT_ERROR_INVALID_ARGUMENT from
+ * 26.18 (research §4). */
 static ze_result_t ZE_APICALL mem_fd_from_ipc_handle(ze_context_handle_t c,
                                                      ze_ipc_mem_handle_t h,
                                                      uint64_t *out) {
@@ -713,20 +1316,155 @@ static ze_result_t ZE_APICALL mem_fd_from_ipc_handle(ze_context_handle_t c,
     return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
   if (out == NULL)
     return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
-  int fd = handle_fd(&h);
-  bool known = false;
+  int64_t number = is_cr() ? cr_handle_number(&h) : handle_fd(&h);
   pthread_mutex_lock(&lock);
-  for (size_t i = 0; i < alloc_count && !known; i++)
-    known = allocs[i].ipc_fd == fd && fd >= 0;
+  bool known;
+  if (is_cr()) {
+    known = bo_by_handle_number(number) != NULL;
+  } else {
+    known = false;
+    for (size_t i = 0; i < alloc_count && !known; i++)
+      known =
+          allocs[i].nbo > 0 && allocs[i].bo[0].ipc_fd == number && number >= 0;
+  }
   if (known)
     stats.fd_queries++;
   pthread_mutex_unlock(&lock);
-  /* Like Intel's: only handles this process exported are known. */
   if (!known)
-    return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
-  *out = (uint64_t)fd;
+    return is_cr() && prof->major * 100 + prof->minor >= 2618
+               ? ZE_RESULT_ERROR_INVALID_ARGUMENT
+               : ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
+  *out = (uint64_t)number;
   return ZE_RESULT_SUCCESS;
 }
+
+/* ---- IPC: the neo_ipc socket (cr-26.05-opaque, cr-sockets) --------------- */
+
+/* "\0neo_ipc_<pid>", abstract, its length without a terminating NUL
+ * (CR@26.31.39395.13:shared/source/os_interface/linux/
+ * ipc_socket_client.cpp:48-52). The request (the handle's number, a u64)
+ * and the reply (one status byte, the descriptor as SCM_RIGHTS) are this
+ * driver's: CR's wire format is not modelled. */
+static socklen_t neo_ipc_address(pid_t pid, struct sockaddr_un *addr) {
+  memset(addr, 0, sizeof(*addr));
+  addr->sun_family = AF_UNIX;
+  int n = snprintf(addr->sun_path + 1, sizeof(addr->sun_path) - 1, "neo_ipc_%d",
+                   (int)pid);
+  return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+static int server_fd = -1;
+
+/* Answers one request per connection with the descriptor of a registered
+ * export (one whose IPC entry is live) of that number, or none. */
+static void *server_main(void *arg) {
+  int s = (int)(intptr_t)arg;
+  for (;;) {
+    int conn = accept4(s, NULL, NULL, SOCK_CLOEXEC);
+    if (conn < 0) {
+      if (errno == EINTR || errno == ECONNABORTED)
+        continue;
+      return NULL;
+    }
+    struct timeval tv = {.tv_sec = 2};
+    setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    uint64_t number;
+    if (recv(conn, &number, sizeof(number), MSG_WAITALL) ==
+        (ssize_t)sizeof(number)) {
+      union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int))];
+      } u;
+      memset(&u, 0, sizeof(u));
+      pthread_mutex_lock(&lock);
+      bo_t *b =
+          number <= INT32_MAX ? bo_by_handle_number((int64_t)number) : NULL;
+      uint8_t ok = b != NULL;
+      struct iovec iov = {.iov_base = &ok, .iov_len = 1};
+      struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1};
+      if (ok) {
+        m.msg_control = u.buf;
+        m.msg_controllen = sizeof(u.buf);
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &b->handle_fd, sizeof(int));
+      }
+      /* Sent under the lock: the descriptor cannot be closed meanwhile. */
+      if (sendmsg(conn, &m, MSG_NOSIGNAL) == 1 && ok)
+        stats.socket_requests_served++;
+      pthread_mutex_unlock(&lock);
+    }
+    close(conn);
+  }
+}
+
+/* Starts this process's server at its first export; lock held. */
+static void start_server_locked(void) {
+  if (server_fd >= 0)
+    return;
+  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0)
+    return;
+  struct sockaddr_un addr;
+  socklen_t len = neo_ipc_address(getpid(), &addr);
+  pthread_attr_t attr;
+  pthread_t thread;
+  if (bind(s, (struct sockaddr *)&addr, len) != 0 || listen(s, 64) != 0 ||
+      pthread_attr_init(&attr) != 0) {
+    close(s);
+    return;
+  }
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  if (pthread_create(&thread, &attr, server_main, (void *)(intptr_t)s) == 0)
+    server_fd = s;
+  else
+    close(s);
+  pthread_attr_destroy(&attr);
+}
+
+/* The descriptor `number` of process pid, from its server; -1 if none. */
+static int socket_fetch(uint32_t pid, int64_t number) {
+  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0)
+    return -1;
+  struct timeval tv = {.tv_sec = 2};
+  setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  struct sockaddr_un addr;
+  socklen_t len = neo_ipc_address((pid_t)pid, &addr);
+  int fd = -1;
+  uint64_t request = (uint64_t)number;
+  if (connect(s, (struct sockaddr *)&addr, len) == 0 &&
+      send(s, &request, sizeof(request), MSG_NOSIGNAL) ==
+          (ssize_t)sizeof(request)) {
+    union {
+      struct cmsghdr h;
+      char buf[CMSG_SPACE(sizeof(int))];
+    } u;
+    uint8_t ok = 0;
+    struct iovec iov = {.iov_base = &ok, .iov_len = 1};
+    struct msghdr m = {.msg_iov = &iov,
+                       .msg_iovlen = 1,
+                       .msg_control = u.buf,
+                       .msg_controllen = sizeof(u.buf)};
+    if (recvmsg(s, &m, MSG_CMSG_CLOEXEC) == 1) {
+      struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+      if (cm != NULL && cm->cmsg_level == SOL_SOCKET &&
+          cm->cmsg_type == SCM_RIGHTS)
+        memcpy(&fd, CMSG_DATA(cm), sizeof(int));
+      if (!ok && fd >= 0) {
+        close(fd);
+        fd = -1;
+      }
+    }
+  }
+  close(s);
+  return fd;
+}
+
+/* ---- IPC: opening -------------------------------------------------------- */
 
 /* True when fd is open here and is one of this driver's memfds. */
 static bool is_driver_memfd(int fd) {
@@ -740,18 +1478,45 @@ static bool is_driver_memfd(int fd) {
          0;
 }
 
-static ze_result_t ZE_APICALL mem_open_ipc_handle(ze_context_handle_t c,
-                                                  ze_device_handle_t d,
-                                                  ze_ipc_mem_handle_t h,
-                                                  ze_ipc_memory_flags_t flags,
-                                                  void **out) {
-  if (!good_context(c) || !good_device(d))
-    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
-  if (out == NULL)
-    return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
-  if (flags & ~(ze_ipc_memory_flags_t)(ZE_IPC_MEMORY_FLAG_BIAS_CACHED |
-                                       ZE_IPC_MEMORY_FLAG_BIAS_UNCACHED))
-    return ZE_RESULT_ERROR_INVALID_ENUMERATION;
+/* Maps the whole memory behind fd (for pooled memory, the whole pool) and
+ * returns base + offset (CR@26.31.39395.13:level_zero/core/source/context/
+ * context.cpp:1161), or INVALID_ARGUMENT when fd is not memory of this
+ * driver (a failed dma-buf import, context.cpp:1157-1159). An offset past
+ * the memory is refused too, where CR would return a pointer past its
+ * mapping. The caller keeps fd. */
+static ze_result_t map_import(int fd, uint64_t offset, bool from_self,
+                              void **out) {
+  struct stat st;
+  /* The handle's fd must exist in this process: the exporter's number means
+   * nothing here unless someone moved the descriptor. */
+  if (fd < 0 || fstat(fd, &st) != 0 || !is_driver_memfd(fd) ||
+      st.st_size <= 0 || offset >= (uint64_t)st.st_size)
+    return ZE_RESULT_ERROR_INVALID_ARGUMENT;
+  allocation_t a = {.size = (size_t)st.st_size,
+                    .mapped = (size_t)st.st_size,
+                    .type = ZE_MEMORY_TYPE_DEVICE,
+                    .imported = true};
+  a.base = mmap(NULL, a.mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (a.base == MAP_FAILED)
+    return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
+  pthread_mutex_lock(&lock);
+  ze_result_t res = add(&a);
+  if (res == ZE_RESULT_SUCCESS) {
+    stats.ipc_opens++;
+    stats.live_mappings++;
+    if (from_self)
+      stats.pidfd_self_fetches++;
+  }
+  pthread_mutex_unlock(&lock);
+  if (res != ZE_RESULT_SUCCESS) {
+    munmap(a.base, a.mapped);
+    return res;
+  }
+  *out = (uint8_t *)a.base + offset;
+  return ZE_RESULT_SUCCESS;
+}
+
+static ze_result_t ideal_open(ze_ipc_mem_handle_t h, void **out) {
   uint64_t offset, magic;
   memcpy(&offset, h.data + 8, 8);
   memcpy(&magic, h.data + MAGIC_OFFSET, 8);
@@ -779,39 +1544,241 @@ static ze_result_t ZE_APICALL mem_open_ipc_handle(ze_context_handle_t c,
       fd = fetched;
     }
   }
-  struct stat st;
-  /* The handle's fd must exist in this process: the exporter's number means
-   * nothing here unless someone moved the descriptor. */
-  if (fd < 0 || fstat(fd, &st) != 0 || !is_driver_memfd(fd) ||
-      st.st_size <= 0 || offset >= (uint64_t)st.st_size) {
-    if (fetched >= 0)
-      close(fetched);
-    return ZE_RESULT_ERROR_INVALID_ARGUMENT;
-  }
-  allocation_t a = {.size = (size_t)st.st_size, .mapped = (size_t)st.st_size,
-                    .type = ZE_MEMORY_TYPE_DEVICE, .memfd = -1, .ipc_fd = -1,
-                    .imported = true};
-  a.base = mmap(NULL, a.mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ze_result_t res = map_import(fd, offset, from_self, out);
+  /* The mapping keeps the memory; the caller still owns (and closes) fd. */
   if (fetched >= 0)
     close(fetched);
-  if (a.base == MAP_FAILED)
-    return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
+  return res;
+}
+
+/* std::hash of an integer is the integer (libstdc++); CR combines the
+ * fields boost-style (CR@26.09.37435.12:level_zero/core/source/context/
+ * context.h:66-69). */
+static void hash_combine(uint64_t *seed, uint64_t v) {
+  *seed ^= v + 0x9e3779b97f4a7c15ull + (*seed << 6) + (*seed >> 2);
+}
+
+/* cacheID = hash(normalized fd, poolOffset, processId, handle type, memory
+ * type) (CR@26.09.37435.12:.../context_imp.cpp:943-955;
+ * CR@26.31.39395.13:.../context.cpp:1091-1108). */
+static uint64_t cache_id(uint64_t normalized, uint64_t offset, uint32_t pid,
+                         uint8_t htype, uint8_t mtype) {
+  uint64_t h = 0;
+  hash_combine(&h, normalized);
+  hash_combine(&h, offset);
+  hash_combine(&h, pid);
+  hash_combine(&h, htype);
+  hash_combine(&h, mtype);
+  return h;
+}
+
+static cache_entry_t *cache_find(cache_t *c, uint64_t id) {
+  for (size_t i = 0; i < c->count; i++)
+    if (c->entries[i].id == id)
+      return &c->entries[i];
+  return NULL;
+}
+
+static void cache_set(cache_t *c, uint64_t id, int fd) {
+  cache_entry_t *e = cache_find(c, id);
+  if (e == NULL && c->count == c->capacity) {
+    size_t cap = c->capacity ? c->capacity * 2 : 16;
+    cache_entry_t *grown = realloc(c->entries, cap * sizeof(*grown));
+    if (grown == NULL)
+      return;
+    c->entries = grown;
+    c->capacity = cap;
+  }
+  if (e == NULL)
+    e = &c->entries[c->count++];
+  *e = (cache_entry_t){.id = id, .fd = fd, .refs = 1};
+}
+
+/* A cache hit is stale when the descriptor it gives is another file than
+ * the one the handle's (pid, number) names now; unknown (false) when that
+ * cannot be looked at. */
+static bool cache_hit_is_stale(int fd, uint32_t pid, int64_t number) {
+  char path[64];
+  struct stat now, cached;
+  snprintf(path, sizeof(path), "/proc/%u/fd/%lld", pid, (long long)number);
+  if (stat(path, &now) != 0 || fstat(fd, &cached) != 0)
+    return false;
+  return now.st_dev != cached.st_dev || now.st_ino != cached.st_ino;
+}
+
+/* The opaque path's descriptor: the import cache, then pidfd_getfd or the
+ * exporter's socket, as the profile's release does (FETCH_*, CACHE_*
+ * above). Returns false for "no import" (ZE_RESULT_ERROR_INVALID_ARGUMENT).
+ * Whatever descriptor it takes, the driver never closes: imported
+ * allocations skip the close (CR@26.31.39395.13:shared/source/os_interface/
+ * linux/drm_memory_manager.cpp:1670-1672; memory_manager.cpp:1502-1503),
+ * and the cache is cleared only for handles this process exported
+ * (context.cpp:590, 863), never by zeMemCloseIpcHandle (= freeMem,
+ * context.cpp:806-808): intel/compute-runtime#974 (research §2). */
+static bool opaque_fd(ze_context_handle_t c, int64_t number, uint64_t id,
+                      uint32_t pid, int *out) {
+  cache_t *cache = prof->cache == CACHE_CONTEXT  ? &c->cache
+                   : prof->cache == CACHE_DRIVER ? &driver_cache
+                                                 : NULL;
   pthread_mutex_lock(&lock);
-  ze_result_t res = add(&a);
-  if (res == ZE_RESULT_SUCCESS) {
-    stats.ipc_opens++;
-    stats.live_mappings++;
-    if (from_self)
-      stats.pidfd_self_fetches++;
+  cache_entry_t *e = cache ? cache_find(cache, id) : NULL;
+  int fd = -1;
+  if (e != NULL) {
+    /* 26.09: the number itself; 26.18: a new dup, refCount++ (a failed dup
+     * is a miss). */
+    fd =
+        prof->cache == CACHE_CONTEXT ? e->fd : fcntl(e->fd, F_DUPFD_CLOEXEC, 0);
+    if (fd >= 0) {
+      stats.import_cache_hits++;
+      if (prof->cache == CACHE_DRIVER) {
+        e->refs++;
+        stats.import_fds_kept++;
+      }
+      if (cache_hit_is_stale(fd, pid, number))
+        stats.import_cache_stale_hits++;
+    }
   }
   pthread_mutex_unlock(&lock);
-  if (res != ZE_RESULT_SUCCESS) {
-    munmap(a.base, a.mapped);
-    return res;
+  if (fd >= 0) {
+    *out = fd;
+    return true;
   }
-  /* The mapping keeps the memory; the caller still owns (and closes) fd. */
-  *out = (uint8_t *)a.base + offset;
-  return ZE_RESULT_SUCCESS;
+  bool open_failed = false, by_socket = false;
+  if (prof->fetch != FETCH_SOCKETS) {
+    int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
+    open_failed = pidfd < 0;
+    if (pidfd >= 0) {
+      fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)number, 0);
+      close(pidfd);
+    }
+  }
+  if (fd < 0) {
+    switch (prof->fetch) {
+    case FETCH_2609:
+      *out = (int)number; /* the raw number, as a local descriptor */
+      pthread_mutex_lock(&lock);
+      stats.raw_fallbacks++;
+      pthread_mutex_unlock(&lock);
+      return true;
+    case FETCH_2618:
+      if (!open_failed)
+        return false;
+      *out = (int)number;
+      pthread_mutex_lock(&lock);
+      stats.raw_fallbacks++;
+      pthread_mutex_unlock(&lock);
+      return true;
+    default: /* FETCH_2605, FETCH_SOCKETS */
+      fd = socket_fetch(pid, number);
+      if (fd < 0)
+        return false;
+      by_socket = true;
+    }
+  }
+  pthread_mutex_lock(&lock);
+  if (by_socket)
+    stats.socket_fetches++;
+  else
+    stats.pidfd_fetches++;
+  stats.import_fds_kept++;
+  if (!by_socket && pid == (uint32_t)getpid())
+    stats.pidfd_self_fetches++;
+  if (prof->cache == CACHE_CONTEXT) {
+    cache_set(cache, id, fd);
+  } else if (prof->cache == CACHE_DRIVER) {
+    int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (dup_fd >= 0) {
+      cache_set(cache, id, dup_fd);
+      stats.import_fds_kept++;
+    }
+  }
+  pthread_mutex_unlock(&lock);
+  *out = fd;
+  return true;
+}
+
+/* zeMemOpenIpcHandle of a cr-* profile: the handle is read by this
+ * process's own profile, whatever the exporter's was. */
+static ze_result_t cr_open(ze_context_handle_t c, ze_ipc_mem_handle_t h,
+                           void **out) {
+  const uint8_t *d = (const uint8_t *)h.data;
+  uint64_t offset, wide;
+  memcpy(&offset, d + 8, 8);
+  memcpy(&wide, d, 8);
+  int64_t number;
+  uint32_t pid = 0;
+  uint8_t htype = 0, mtype;
+  bool opaque = false;
+  if (prof->layout_bytes == LEGACY_BYTES) {
+    /* IpcMemoryData: handle (u64), poolOffset, type at 16
+     * (CR@25.35.35096.9:level_zero/core/source/context/context_imp_drm/
+     * context_imp_drm.cpp:65-81, the legacy branch). */
+    number = (int64_t)wide;
+    mtype = d[16];
+  } else {
+    /* IpcOpaqueMemoryData, read whenever the context is in opaque mode:
+     * fd, poolOffset, processId, type, memoryType at 21
+     * (CR@26.09.37435.12:.../context_imp_drm/context_imp_drm.cpp:175-190;
+     * CR@26.31.39395.13:.../linux/context_linux.cpp:143-172). */
+    int32_t fd32;
+    memcpy(&fd32, d, 4);
+    number = fd32;
+    memcpy(&pid, d + 16, 4);
+    htype = d[20];
+    mtype = d[21];
+    if (prof->rule == RULE_PID) {
+      opaque = pid != 0;
+    } else if (prof->rule == RULE_COPY) {
+      /* normalizeIPCHandle: the fd sign-extended for fdHandle, the u64 for
+       * ntHandle, 0 for another type (CR@26.18.38308.4:level_zero/core/
+       * source/context/context.h:92-101); the copy is read the same way
+       * (context_drm/context_drm.cpp:131-135). */
+      int32_t copy32;
+      uint64_t copy_wide;
+      memcpy(&copy32, d + 22, 4);
+      memcpy(&copy_wide, d + 22, 8);
+      uint64_t normalized = htype == 0   ? (uint64_t)(int64_t)fd32
+                            : htype == 1 ? wide
+                                         : 0;
+      uint64_t normalized_copy =
+          htype == 1 ? copy_wide : (uint64_t)(int64_t)copy32;
+      opaque = normalized == normalized_copy;
+    }
+  }
+  /* Memory type 0 (device) or 1 (host), else INVALID_ARGUMENT
+   * (CR@26.31.39395.13:level_zero/core/source/context/context.cpp:
+   * 1138-1144; CR@25.35.35096.9:.../context_imp.cpp:867-899). */
+  if (mtype != IPC_TYPE_DEVICE && mtype != IPC_TYPE_HOST)
+    return ZE_RESULT_ERROR_INVALID_ARGUMENT;
+  int fd = (int)number;
+  if (opaque) {
+    uint64_t normalized = htype == 0 ? (uint64_t)number : htype == 1 ? wide : 0;
+    uint64_t id = cache_id(normalized, offset, pid, htype, mtype);
+    if (!opaque_fd(c, number, id, pid, &fd))
+      return ZE_RESULT_ERROR_INVALID_ARGUMENT;
+  }
+  pthread_mutex_lock(&lock);
+  if (opaque)
+    stats.opaque_opens++;
+  else
+    stats.legacy_opens++;
+  pthread_mutex_unlock(&lock);
+  return map_import(fd, offset, false, out);
+}
+
+static ze_result_t ZE_APICALL mem_open_ipc_handle(ze_context_handle_t c,
+                                                  ze_device_handle_t d,
+                                                  ze_ipc_mem_handle_t h,
+                                                  ze_ipc_memory_flags_t flags,
+                                                  void **out) {
+  if (!good_context(c) || !good_device(d))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  if (out == NULL)
+    return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
+  if (flags & ~(ze_ipc_memory_flags_t)(ZE_IPC_MEMORY_FLAG_BIAS_CACHED |
+                                       ZE_IPC_MEMORY_FLAG_BIAS_UNCACHED))
+    return ZE_RESULT_ERROR_INVALID_ENUMERATION;
+  return is_cr() ? cr_open(c, h, out) : ideal_open(h, out);
 }
 
 static ze_result_t ZE_APICALL mem_close_ipc_handle(ze_context_handle_t c,
@@ -919,8 +1886,12 @@ EXPORT ze_result_t ZE_APICALL zeGetMemProcAddrTable(ze_api_version_t v,
   t->pfnOpenIpcHandle = mem_open_ipc_handle;
   t->pfnCloseIpcHandle = mem_close_ipc_handle;
 #ifdef USMIPC_ZE_DDI_HAS_PUT
-  /* Loaders of API 1.6+ route zeMemPutIpcHandle through this table. */
-  if (!env_on("USMIPC_ZE_TEST_NO_PUT"))
+  /* Loaders of API 1.6+ route zeMemPutIpcHandle through this table; CR
+   * fills it (CR@26.31.39395.13:level_zero/api/core/ze_core_loader.cpp:59),
+   * which the cr-* profiles model with NEWER_LOADER=routed. */
+  read_config();
+  if (is_cr() ? newer_loader == LOADER_ROUTED
+              : !env_on("USMIPC_ZE_TEST_NO_PUT"))
     t->pfnPutIpcHandle = mem_put_ipc_handle;
 #endif
   return r;
@@ -930,7 +1901,9 @@ EXPORT ze_result_t ZE_APICALL zeGetMemProcAddrTable(ze_api_version_t v,
 EXPORT ze_result_t ZE_APICALL zeGetMemExpProcAddrTable(ze_api_version_t v,
                                                        ze_mem_exp_dditable_t *t) {
   ze_result_t r = check_version(v, t);
-  if (r == ZE_RESULT_SUCCESS && !env_on("USMIPC_ZE_TEST_NO_FD_EXT"))
+  read_config();
+  if (r == ZE_RESULT_SUCCESS && (is_cr() ? newer_loader == LOADER_ROUTED
+                                         : !env_on("USMIPC_ZE_TEST_NO_FD_EXT")))
     t->pfnGetFileDescriptorFromIpcHandleExp = mem_fd_from_ipc_handle;
   return r;
 }
