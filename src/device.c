@@ -329,5 +329,11 @@ void usmipc_device_uuid(const usmipc_device_t *d, uint8_t uuid[16]) {
     memset(uuid, 0, 16);
 }
 int usmipc_device_has_ipc(const usmipc_device_t *d) {
-  return d ? d->has_ipc : 0;
+  if (d == NULL || !d->has_ipc)
+    return 0;
+  /* The aspect is the truth, not the driver's claim: a backend that checks
+   * its IPC once (Level Zero's self-test) does it now if it has not. */
+  if (d->ops->ipc_check != NULL && d->ops->ipc_check(d->native) != 0)
+    return 0;
+  return d->has_ipc;
 }

@@ -436,8 +436,21 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
   if (handle == NULL)
     return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_get_handle: handle is NULL");
   *handle = NULL;
+  /* A first export asks the backend whether its IPC may be used (Level
+   * Zero's self-test runs then: it spawns a process and opens its memory,
+   * so never under the registry lock). */
   pthread_mutex_lock(&usmipc__registry_lock);
   usmipc__region_t *r = usmipc__region_find(ptr);
+  usmipc_device_t *first = r != NULL && r->origin == USMIPC__LOCAL &&
+                                   !r->exported && r->device->ops->ipc_check
+                               ? r->device
+                               : NULL;
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  int rc0 = first != NULL ? first->ops->ipc_check(first->native) : 0;
+  if (rc0 != 0)
+    return rc0;
+  pthread_mutex_lock(&usmipc__registry_lock);
+  r = usmipc__region_find(ptr);
   if (r == NULL || r->origin == USMIPC__FOREIGN_ALIAS) {
     pthread_mutex_unlock(&usmipc__registry_lock);
     return export_foreign(ptr, nbytes, handle);
@@ -688,6 +701,9 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
   }
   if (device == NULL)
     device = owner;
+  if (device->ops->ipc_check != NULL &&
+      (rc = device->ops->ipc_check(device->native)) != 0)
+    return rc;
   if (nbytes == 0)
     nbytes = w.nbytes;
   else if (nbytes > w.nbytes)
@@ -918,6 +934,9 @@ int usmipc_ipc_open_sycl(const void *data, size_t len, usmipc_device_t *device,
                         "a SYCL handle holds Level Zero memory; open it on a "
                         "level_zero device, not on %s",
                         device->filter);
+  if (device->ops->ipc_check != NULL &&
+      (rc = device->ops->ipc_check(device->native)) != 0)
+    return rc;
   uint64_t avail = b.base_size - b.offset;
   if (nbytes == 0)
     nbytes = (size_t)avail;

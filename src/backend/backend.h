@@ -106,6 +106,11 @@ typedef struct usmipc__backend_ops {
    * parsed UMF blob (struct usmipc__umf_blob, common.h) and the dma-buf fd
    * taken from the exporter (owned by the caller); out->base is the
    * provider allocation's base in this process. */
+  /* Optional: 0 when the device's IPC may be used now, else a code and a
+   * message. Called without locks before a first export of an allocation,
+   * before every open, and by usmipc_device_has_ipc; it must be cheap once
+   * decided (Level Zero's self-test runs on its first call). */
+  int (*ipc_check)(void *dev);
   int (*ipc_import_sycl)(void *dev, const struct usmipc__umf_blob *blob, int fd,
                          usmipc__allocation_t *out);
 } usmipc__backend_ops_t;

@@ -31,10 +31,15 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "../common.h"
@@ -322,10 +327,17 @@ typedef struct lz_driver {
   ze_put_ipc_handle_fn put_ipc_handle;         /* or NULL */
   ze_fd_from_ipc_handle_fn fd_from_ipc_handle; /* or NULL */
   zex_get_ipc_handles_fn get_ipc_handles;      /* or NULL */
+  /* The self-test on first IPC use (lz_ipc_check): 0 untested, 1 passed,
+   * -1 failed (selftest_reason says why). */
+  int selftest_state;
+  pid_t selftest_owner; /* the thread running it, else 0 */
+  pthread_mutex_t selftest_lock;
+  char selftest_reason[512];
 } lz_driver_t;
 
 typedef struct lz_device {
   lz_driver_t *driver;
+  uint8_t uuid[16];
   ze_device_handle_t handle;
   int ordinal;         /* probe order, the core's ordinal */
   uint32_t copy_group; /* command queue group ordinal that can copy */
@@ -515,6 +527,7 @@ static int lz_probe(usmipc__device_desc_t *devices, int max, char *reason,
     if (ze.zeDriverGetProperties(drv->handle, &dprops) == ZE_RESULT_SUCCESS)
       drv->version = dprops.driverVersion;
     drv->test_driver = has_extension(drv->handle, "ZE_usmipc_test_driver");
+    pthread_mutex_init(&drv->selftest_lock, NULL);
 
     ze_device_handle_t devs[MAX_LZ_DEVICES];
     uint32_t ndevs = MAX_LZ_DEVICES;
@@ -540,6 +553,7 @@ static int lz_probe(usmipc__device_desc_t *devices, int max, char *reason,
       memcpy(desc->name, props.name, name_len);
       desc->name[name_len] = '\0';
       memcpy(desc->uuid, props.uuid, 16);
+      memcpy(d->uuid, props.uuid, 16);
       desc->supports_ipc = drv->ipc_memory;
       desc->native = d;
       count++;
@@ -1143,6 +1157,324 @@ static int lz_ipc_import_sycl(void *dev, const usmipc__umf_blob_t *blob, int fd,
   return import_dmabuf(d, d, rec, fd, blob->base_size, out);
 }
 
+/* ---- the self-test --------------------------------------------------------
+ * Everything above is read from Intel's source, not observed on its GPUs.
+ * So the first time a process shares Level Zero memory on a real driver
+ * (export, import, or asking the device's IPC aspect), usmipc checks that it
+ * works end to end, in a way the driver cannot short-circuit: a helper
+ * process (usmipc-helper ze-selftest) allocates, fills and exports 1 MiB;
+ * this process opens it through the whole usmipc path with the descriptor
+ * at another number than in the exporter, and compares every byte. If that
+ * fails, Level Zero IPC is unavailable on this driver, with the reason. The
+ * verdict is kept for the process and, per user, driver version, device
+ * and boot, in $XDG_RUNTIME_DIR (or ~/.cache): a later process reads it.
+ *
+ * USMIPC_ZE_SELFTEST=0 skips it, =1 forces it (even on usmipc's test
+ * driver, where it is otherwise skipped); USMIPC_HELPER names the helper
+ * (default: beside the library, or ../libexec/usmipc/). */
+#define SELFTEST_BYTES (1u << 20)
+
+static uint8_t selftest_byte(size_t i) {
+  return (uint8_t)(i * 31 + (i >> 12) + 7); /* as usmipc-helper writes */
+}
+
+/* Where usmipc-helper is: USMIPC_HELPER, else next to the object that holds
+ * this code (libusmipc.so, or the Python extension), else in
+ * ../libexec/usmipc/ from it. */
+static int helper_path(char *out, size_t len) {
+  const char *env = getenv("USMIPC_HELPER");
+  if (env != NULL && *env != '\0') {
+    snprintf(out, len, "%s", env);
+    return access(out, X_OK) == 0 ? 0 : -1;
+  }
+  Dl_info info;
+  if (dladdr((void *)helper_path, &info) == 0 || info.dli_fname == NULL)
+    return -1;
+  char dir[PATH_MAX];
+  snprintf(dir, sizeof(dir), "%s", info.dli_fname);
+  char *slash = strrchr(dir, '/');
+  if (slash == NULL)
+    return -1;
+  *slash = '\0';
+  static const char *const places[] = {"%s/usmipc-helper",
+                                       "%s/../libexec/usmipc/usmipc-helper"};
+  for (size_t i = 0; i < sizeof(places) / sizeof(places[0]); i++) {
+    snprintf(out, len, places[i], dir);
+    if (access(out, X_OK) == 0)
+      return 0;
+  }
+  return -1;
+}
+
+static void selftest_cache_path(const lz_device_t *d, char *out, size_t len) {
+  const char *runtime = getenv("XDG_RUNTIME_DIR"), *home = getenv("HOME");
+  char dir[PATH_MAX];
+  if (runtime != NULL && *runtime == '/')
+    snprintf(dir, sizeof(dir), "%s", runtime);
+  else if (home != NULL && *home == '/')
+    snprintf(dir, sizeof(dir), "%s/.cache", home);
+  else {
+    out[0] = '\0';
+    return;
+  }
+  char uuid[33], boot[33];
+  for (int i = 0; i < 16; i++) {
+    snprintf(uuid + 2 * i, 3, "%02x", d->uuid[i]);
+    snprintf(boot + 2 * i, 3, "%02x", usmipc__self_basic()->boot_id[i]);
+  }
+  snprintf(out, len, "%s/usmipc-ze-selftest-%08x-%s-%s", dir,
+           d->driver->version, uuid, boot);
+}
+
+/* A verdict another process of this user left: 1 ok, -1 failed (reason
+ * filled), 0 none. Only a file of this user that nobody else may write. */
+static int selftest_cached(const char *path, char *reason, size_t len) {
+  if (path[0] == '\0')
+    return 0;
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0)
+    return 0;
+  struct stat st;
+  char buf[600];
+  ssize_t n = -1;
+  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+      st.st_uid == usmipc__self_basic()->uid && (st.st_mode & 022) == 0)
+    n = read(fd, buf, sizeof(buf) - 1);
+  close(fd);
+  if (n < 2)
+    return 0;
+  buf[n] = '\0';
+  buf[strcspn(buf, "\n")] = '\0';
+  if (strcmp(buf, "ok") == 0)
+    return 1;
+  if (strncmp(buf, "fail ", 5) == 0) {
+    snprintf(reason, len, "%.300s (cached in %.150s)", buf + 5, path);
+    return -1;
+  }
+  return 0;
+}
+
+static void selftest_remember(const char *path, int ok, const char *reason) {
+  if (path[0] == '\0')
+    return;
+  char tmp[PATH_MAX + 16];
+  snprintf(tmp, sizeof(tmp), "%s.%d", path, (int)getpid());
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0)
+    return;
+  char buf[600];
+  int n = snprintf(buf, sizeof(buf), ok ? "ok\n" : "fail %s\n", reason);
+  bool written = n > 0 && write(fd, buf, (size_t)n) == n;
+  close(fd);
+  if (!written || rename(tmp, path) != 0)
+    unlink(tmp);
+}
+
+/* Reads one line from fd within timeout_ms. */
+static int read_line(int fd, char *buf, size_t len, int timeout_ms) {
+  size_t got = 0;
+  uint64_t deadline = usmipc__now_ns() + (uint64_t)timeout_ms * 1000000u;
+  while (got + 1 < len) {
+    uint64_t now = usmipc__now_ns();
+    if (now >= deadline)
+      return -1;
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    int r = poll(&p, 1, (int)((deadline - now) / 1000000u) + 1);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      return -1;
+    ssize_t n = read(fd, buf + got, 1);
+    if (n <= 0)
+      return -1;
+    if (buf[got] == '\n')
+      break;
+    got++;
+  }
+  buf[got] = '\0';
+  return 0;
+}
+
+/* The test itself: 0 when the bytes came through, else a reason. */
+static int selftest_run(lz_device_t *d, char *reason, size_t len) {
+  char helper[PATH_MAX];
+  if (helper_path(helper, sizeof(helper)) != 0) {
+    snprintf(reason, len,
+             "the self-test's helper (usmipc-helper) is not installed beside "
+             "the library; set USMIPC_HELPER to it, or USMIPC_ZE_SELFTEST=0 "
+             "to share without the test");
+    return -1;
+  }
+  usmipc_device_t *dev =
+      usmipc__device_by_uuid(USMIPC_BACKEND_LEVEL_ZERO, d->uuid);
+  char uuid[33];
+  for (int i = 0; i < 16; i++)
+    snprintf(uuid + 2 * i, 3, "%02x", d->uuid[i]);
+  int to[2] = {-1, -1}, from[2] = {-1, -1};
+  if (dev == NULL || pipe2(to, O_CLOEXEC) != 0 || pipe2(from, O_CLOEXEC) != 0) {
+    snprintf(reason, len, "cannot set up the self-test: %s", strerror(errno));
+    return -1;
+  }
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, to[0], 0);
+  posix_spawn_file_actions_adddup2(&fa, from[1], 1);
+  /* The environment as it is (the driver's settings), the test off. */
+  extern char **environ;
+  size_t n_env = 0;
+  while (environ[n_env] != NULL)
+    n_env++;
+  char **env = calloc(n_env + 2, sizeof(*env));
+  pid_t pid = -1;
+  int spawned = ENOMEM;
+  if (env != NULL) {
+    size_t k = 0;
+    for (size_t i = 0; i < n_env; i++)
+      if (strncmp(environ[i], "USMIPC_ZE_SELFTEST=", 19) != 0)
+        env[k++] = environ[i];
+    env[k++] = (char *)"USMIPC_ZE_SELFTEST=0";
+    env[k] = NULL;
+    char *argv[] = {helper, (char *)"ze-selftest", uuid, NULL};
+    spawned = posix_spawn(&pid, helper, &fa, NULL, argv, env);
+    free(env);
+  }
+  posix_spawn_file_actions_destroy(&fa);
+  close(to[0]);
+  close(from[1]);
+  int rc = -1;
+  char line[2048];
+  uint8_t *bytes = NULL, *copy = NULL;
+  void *p = NULL;
+  usmipc_queue_t *q = NULL;
+  int hold = -1;
+  if (spawned != 0) {
+    snprintf(reason, len, "cannot start %.300s: %s", helper, strerror(spawned));
+    goto out;
+  }
+  if (read_line(from[0], line, sizeof(line), 60000) != 0) {
+    snprintf(reason, len, "the self-test's exporter (%.300s) did not answer",
+             helper);
+    goto out;
+  }
+  if (strncmp(line, "handle ", 7) != 0) {
+    snprintf(reason, len, "the self-test's exporter failed: %.400s", line);
+    goto out;
+  }
+  size_t hlen = strlen(line + 7) / 2;
+  bytes = malloc(hlen + 1);
+  copy = malloc(SELFTEST_BYTES);
+  if (bytes == NULL || copy == NULL) {
+    snprintf(reason, len, "out of memory");
+    goto out;
+  }
+  for (size_t i = 0; i < hlen; i++) {
+    unsigned v = 0;
+    sscanf(line + 7 + 2 * i, "%2x", &v);
+    bytes[i] = (uint8_t)v;
+  }
+  /* The descriptor must arrive at another number than the exporter's: hold
+   * the exporter's number here if it is the next free one. */
+  usmipc__wire_t w;
+  if (usmipc__wire_decode(bytes, hlen, &w) == 0) {
+    hold = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (hold >= 0 && (uint32_t)hold != w.fd_number) {
+      close(hold);
+      hold = -1;
+    }
+  }
+  int orc = usmipc_ipc_open(bytes, hlen, dev, 0, &p, NULL);
+  if (orc != 0) {
+    snprintf(reason, len, "opening the self-test's memory failed: %.400s",
+             usmipc_last_error());
+    goto out;
+  }
+  if (usmipc_queue_create(dev, &q) != 0 ||
+      usmipc_memcpy(q, copy, p, SELFTEST_BYTES) != 0 ||
+      usmipc_queue_synchronize(q) != 0) {
+    snprintf(reason, len, "reading the self-test's memory failed: %.400s",
+             usmipc_last_error());
+    goto out;
+  }
+  for (size_t i = 0; i < SELFTEST_BYTES; i++)
+    if (copy[i] != selftest_byte(i)) {
+      snprintf(reason, len,
+               "the memory another process exported read back wrong (byte "
+               "%zu is 0x%02x, not 0x%02x): this driver's IPC maps other "
+               "memory than it was given",
+               i, copy[i], selftest_byte(i));
+      goto out;
+    }
+  rc = 0;
+out:
+  if (q != NULL)
+    usmipc_queue_destroy(q);
+  if (p != NULL)
+    usmipc_ipc_close(p);
+  if (hold >= 0)
+    close(hold);
+  free(bytes);
+  free(copy);
+  if (write(to[1], "done\n", 5) != 5) { /* the helper exits anyway */
+  }
+  close(to[1]);
+  close(from[0]);
+  if (pid > 0)
+    waitpid(pid, NULL, 0);
+  return rc;
+}
+
+/* 0 when Level Zero IPC may be used on d's driver, else USMIPC_ENOTSUP
+ * with the reason. Cheap once decided. */
+static int lz_ipc_check(void *dev) {
+  lz_device_t *d = dev;
+  lz_driver_t *drv = d->driver;
+  int state = __atomic_load_n(&drv->selftest_state, __ATOMIC_ACQUIRE);
+  if (state == 1)
+    return 0;
+  if (state < 0)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "Level Zero IPC is unavailable on this driver: its "
+                        "self-test failed: %s",
+                        drv->selftest_reason);
+  /* The test's own export and open come back here: let them through. */
+  pid_t me = (pid_t)syscall(SYS_gettid);
+  if (__atomic_load_n(&drv->selftest_owner, __ATOMIC_ACQUIRE) == me)
+    return 0;
+  pthread_mutex_lock(&drv->selftest_lock);
+  if (drv->selftest_state == 0) {
+    const char *env = getenv("USMIPC_ZE_SELFTEST");
+    bool wanted =
+        env != NULL && *env != '\0' ? strcmp(env, "0") != 0 : !drv->test_driver;
+    char path[PATH_MAX + 200], reason[sizeof(drv->selftest_reason)];
+    int verdict = 1;
+    if (wanted) {
+      selftest_cache_path(d, path, sizeof(path));
+      verdict = selftest_cached(path, reason, sizeof(reason));
+      if (verdict == 0) {
+        __atomic_store_n(&drv->selftest_owner, me, __ATOMIC_RELEASE);
+        verdict = selftest_run(d, reason, sizeof(reason)) == 0 ? 1 : -1;
+        __atomic_store_n(&drv->selftest_owner, 0, __ATOMIC_RELEASE);
+        selftest_remember(path, verdict > 0, reason);
+      }
+    }
+    if (verdict < 0) {
+      snprintf(drv->selftest_reason, sizeof(drv->selftest_reason), "%s",
+               reason);
+      /* The IPC aspect of the driver's devices says so from now on. */
+      for (int i = 0; i < lz_device_count; i++)
+        if (lz_devices[i].driver == drv) {
+          usmipc_device_t *core = usmipc__device_by_uuid(
+              USMIPC_BACKEND_LEVEL_ZERO, lz_devices[i].uuid);
+          if (core != NULL)
+            core->has_ipc = 0;
+        }
+    }
+    __atomic_store_n(&drv->selftest_state, verdict, __ATOMIC_RELEASE);
+  }
+  pthread_mutex_unlock(&drv->selftest_lock);
+  return lz_ipc_check(dev);
+}
+
 static int lz_ipc_unmap(void *dev, usmipc__allocation_t *m) {
   lz_device_t *d = dev;
   ze_result_t res = ze.zeMemCloseIpcHandle(d->driver->context, m->base);
@@ -1166,4 +1498,5 @@ const usmipc__backend_ops_t usmipc__level_zero_backend = {
     .ipc_import = lz_ipc_import,
     .ipc_unmap = lz_ipc_unmap,
     .ipc_import_sycl = lz_ipc_import_sycl,
+    .ipc_check = lz_ipc_check,
 };

@@ -1496,7 +1496,13 @@ static ze_result_t map_import(int fd, uint64_t offset, bool from_self,
                     .mapped = (size_t)st.st_size,
                     .type = ZE_MEMORY_TYPE_DEVICE,
                     .imported = true};
-  a.base = mmap(NULL, a.mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  /* USMIPC_ZE_TEST_BROKEN_OPEN=1: a driver that maps the wrong memory and
+   * says it succeeded (what the self-test on first IPC use must catch). */
+  if (env_on("USMIPC_ZE_TEST_BROKEN_OPEN"))
+    a.base = mmap(NULL, a.mapped, PROT_READ | PROT_WRITE,
+                  MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  else
+    a.base = mmap(NULL, a.mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (a.base == MAP_FAILED)
     return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
   pthread_mutex_lock(&lock);
