@@ -396,6 +396,8 @@ typedef struct broker_start {
  * MAX_CONNS_PER_PEER) hold per thread. */
 static void *broker_loop(void *arg) {
   (void)arg;
+  /* Named, so that ps, top and gdb tell usmipc's threads apart. */
+  pthread_setname_np(pthread_self(), "usmipc-broker");
   conn_t conns[MAX_CONNS];
   int count = 0;
   bool backoff = false;

@@ -73,8 +73,12 @@ static void exporter(int out, int in) {
   ze_context_desc_t cd = {.stype = ZE_STRUCTURE_TYPE_CONTEXT_DESC};
   ze_device_mem_alloc_desc_t dd = {.stype =
                                        ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC};
-  void *p = NULL;
+  void *p = NULL, *neighbour = NULL;
+  /* A neighbour first: where the driver pools small allocations (cr-26.09
+   * and later profiles), p then sits at a non-zero offset of its pool, as
+   * SYCL's memory may (SYCL allocates without an export desc). */
   if (zeContextCreate(drv, &cd, &ctx) ||
+      zeMemAllocDevice(ctx, &dd, 65536, 0, dev, &neighbour) ||
       zeMemAllocDevice(ctx, &dd, SIZE, 0, dev, &p))
     _exit(3);
   for (size_t i = 0; i < SIZE; i++) /* the test device's memory is host's */
@@ -169,6 +173,16 @@ static int run(const char *layout_env) {
     CHECK(fgets(line[k], sizeof(line[k]), f) != NULL, "exporter died");
     len[k] = unhex(line[k], blob[k], sizeof(blob[k]));
   }
+  /* Under the profiles that pool (cr-26.09 and later), the allocation sits
+   * past its neighbour in a pool: the driver's pool offset is not 0. */
+  const char *profile = getenv("USMIPC_ZE_TEST_PROFILE");
+  uint64_t pool_offset;
+  memcpy(&pool_offset, blob[1] + 44 + 8, 8);
+  if (profile != NULL &&
+      (strstr(profile, "26.09") || strstr(profile, "26.14") ||
+       strstr(profile, "26.18") || strstr(profile, "26.31") ||
+       strstr(profile, "sockets")))
+    CHECK(pool_offset != 0, "the allocation is not pooled under %s", profile);
   usmipc_device_t *dev;
   CHECK(usmipc_device_select("level_zero:gpu:0", &dev) == 0, "%s",
         usmipc_last_error());
