@@ -212,9 +212,11 @@ static int wrong_version(const uint8_t *p, size_t len, uint16_t version) {
 }
 
 /* The range of record types a backend owns (docs/handle-format.md); its
- * records are handed to the backend in the payload. */
+ * records are handed to the backend in the payload. They are never
+ * critical: a backend that needs an importer to understand something uses
+ * a handle kind of its own, which older importers refuse. A critical
+ * record of that range is an unknown critical record like any other. */
 static bool backend_record(const usmipc__wire_t *w, uint16_t type) {
-  type &= (uint16_t)~USMIPC__EXT_CRITICAL;
   return w->backend == USMIPC_BACKEND_LEVEL_ZERO && type >= 0x0200 &&
          type <= 0x02ff;
 }

@@ -1295,7 +1295,10 @@ static int read_line(int fd, char *buf, size_t len, int timeout_ms) {
   return 0;
 }
 
-/* The test itself: 0 when the bytes came through, else a reason. */
+/* The test itself: 0 when the bytes came through; -2 when sharing itself
+ * failed (the open, or the bytes: a verdict on the driver); -1 when the
+ * test could not run (no helper, the helper failed, a timeout), which is not
+ * remembered beyond this process. reason says why. */
 static int selftest_run(lz_device_t *d, char *reason, size_t len) {
   char helper[PATH_MAX];
   if (helper_path(helper, sizeof(helper)) != 0) {
@@ -1386,6 +1389,7 @@ static int selftest_run(lz_device_t *d, char *reason, size_t len) {
   if (orc != 0) {
     snprintf(reason, len, "opening the self-test's memory failed: %.400s",
              usmipc_last_error());
+    rc = -2;
     goto out;
   }
   if (usmipc_queue_create(dev, &q) != 0 ||
@@ -1402,6 +1406,7 @@ static int selftest_run(lz_device_t *d, char *reason, size_t len) {
                "%zu is 0x%02x, not 0x%02x): this driver's IPC maps other "
                "memory than it was given",
                i, copy[i], selftest_byte(i));
+      rc = -2;
       goto out;
     }
   rc = 0;
@@ -1452,9 +1457,11 @@ static int lz_ipc_check(void *dev) {
       verdict = selftest_cached(path, reason, sizeof(reason));
       if (verdict == 0) {
         __atomic_store_n(&drv->selftest_owner, me, __ATOMIC_RELEASE);
-        verdict = selftest_run(d, reason, sizeof(reason)) == 0 ? 1 : -1;
+        int ran = selftest_run(d, reason, sizeof(reason));
         __atomic_store_n(&drv->selftest_owner, 0, __ATOMIC_RELEASE);
-        selftest_remember(path, verdict > 0, reason);
+        verdict = ran == 0 ? 1 : -1;
+        if (ran != -1) /* a verdict on the driver, not a failure to test */
+          selftest_remember(path, verdict > 0, reason);
       }
     }
     if (verdict < 0) {

@@ -266,6 +266,16 @@ TEST_IMPL(handle_extension_records) {
   len = encode(&w, b);
   ASSERT_ALL_REFUSE(b, len, USMIPC_EHANDLEVERSION);
   ASSERT_MSG(strstr(usmipc_last_error(), "0x9234"), "%s", usmipc_last_error());
+  /* A backend's record marked critical (Level Zero's driver record 0x0201
+   * as 0x8201): backend records are never critical, so it is an unknown
+   * critical record, whatever the backend (the fuzzer found it accepted). */
+  w = w0;
+  uint8_t crit[4 + 16] = {0x01, 0x82, 16, 0};
+  memcpy(w.ext + w.ext_len, crit, sizeof(crit));
+  w.ext_len = (uint16_t)(w.ext_len + sizeof(crit));
+  len = encode(&w, b);
+  ASSERT_ALL_REFUSE(b, len, USMIPC_EHANDLEVERSION);
+  ASSERT_MSG(strstr(usmipc_last_error(), "0x8201"), "%s", usmipc_last_error());
   /* Truncated record headers, overrunning lengths, type 0. */
   static const uint8_t bad1[] = {0x34, 0x12, 9, 0, 'a'};
   static const uint8_t bad2[] = {0x34, 0x12};
