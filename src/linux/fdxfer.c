@@ -599,6 +599,8 @@ static int start_broker(pthread_mutex_t *alive) {
   listen_fds[0] = fds[0];
   listen_fds[1] = fds[1];
   int err = pthread_create(&thread, &attr, broker_main, &start);
+  if (err == 0) /* named here too, so it is named when the export returns */
+    pthread_setname_np(thread, "usmipc-broker");
   pthread_attr_destroy(&attr);
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   if (err == 0) {
@@ -628,7 +630,8 @@ static int start_broker(pthread_mutex_t *alive) {
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     pthread_attr_setstacksize(&attr, 256 * 1024);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    pthread_create(&thread, &attr, broker_loop, NULL);
+    if (pthread_create(&thread, &attr, broker_loop, NULL) == 0)
+      pthread_setname_np(thread, "usmipc-broker");
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     pthread_attr_destroy(&attr);
   }
