@@ -186,10 +186,11 @@ typedef struct usmipc__region {
   uint64_t buffer_id; /* LOCAL: drawn at allocation; IMPORTED: the exporter's */
 
   /* LOCAL and FOREIGN_ALIAS */
-  unsigned alias_refs; /* same-process opens not yet closed */
-  bool user_freed;     /* usmipc_free called while aliases were open */
-  bool exported;       /* payload and fd grant below are valid */
-  usmipc__payload_t payload;
+  unsigned alias_refs;        /* same-process opens not yet closed */
+  bool user_freed;            /* usmipc_free called while aliases were open */
+  bool exported;              /* payload and fd grant below are valid */
+  usmipc__payload_t *payload; /* allocated at the first export: imports never
+                                 need one */
   uint8_t token[16];  /* LOCAL: capability importers present to the broker;
                          IMPORTED: the token of the handle first opened,
                          which later opens of the same allocation match */

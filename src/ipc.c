@@ -252,8 +252,11 @@ int usmipc_ipc_set_cache_bytes(size_t bytes) {
  * the first is only an encode. Called with the registry lock held. */
 static int export_region(usmipc__region_t *r) {
   int fd = -1;
-  int rc = r->device->ops->ipc_export(r->device->native, &r->alloc, &r->payload,
-                                      &fd);
+  if (r->payload == NULL &&
+      (r->payload = calloc(1, sizeof(*r->payload))) == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  int rc =
+      r->device->ops->ipc_export(r->device->native, &r->alloc, r->payload, &fd);
   if (rc != 0)
     return rc;
   r->fd_number = UINT32_MAX;
@@ -487,7 +490,7 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
   memcpy(w.token, r->token, 16); /* every export has one (its slot's tag) */
   if (usmipc__fdxfer_socket_dir())
     w.flags |= USMIPC__WIRE_FLAG_SOCKET_DIR;
-  rc = usmipc__wire_set_payload(&w, &r->payload);
+  rc = usmipc__wire_set_payload(&w, r->payload);
   pthread_mutex_unlock(&usmipc__registry_lock);
   return rc != 0 ? rc : handle_new(&w, handle);
 }

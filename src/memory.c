@@ -177,6 +177,7 @@ int usmipc_malloc_flags(usmipc_device_t *device, usmipc_mem_kind_t kind,
 
 void usmipc__region_release_local(usmipc__region_t *r) {
   r->device->ops->mem_free(r->device->native, &r->alloc);
+  free(r->payload);
   free(r);
 }
 
