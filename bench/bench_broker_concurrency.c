@@ -58,6 +58,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "usmipc.h"
 
 #ifndef PR_SET_PTRACER
@@ -68,12 +69,6 @@
 #define ERR_LEN 512
 #define BARRIER_TIMEOUT_S 60
 #define ALIGN64(x) (((x) + 63) & ~(size_t)63)
-
-static double now_us(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec * 1e6 + (double)t.tv_nsec / 1e3;
-}
 
 __attribute__((noreturn)) static void die(const char *what) {
   fprintf(stderr, "usmipc_bench_broker: %s: %s\n", what, strerror(errno));
@@ -233,21 +228,10 @@ static void importer_main(pid_t parent, int index, const char *transport) {
 
 /* ---- one run ------------------------------------------------------------- */
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-/* The q-quantile of v[0, n), sorting v. */
-static double quantile(double *v, int n, double q) {
-  qsort(v, (size_t)n, sizeof(*v), cmp_double);
-  return v[(int)(q * (n - 1) + 0.5)];
-}
-
 static double median_of(const double *v, int n) {
   double *c = malloc(sizeof(double) * (size_t)n);
   memcpy(c, v, sizeof(double) * (size_t)n);
-  double m = quantile(c, n, 0.5);
+  double m = quantile_nearest(c, n, 0.5);
   free(c);
   return m;
 }
@@ -359,9 +343,9 @@ static int run_once(int n, const char *transport, run_stats_t *s, char *err) {
   }
   double *all = malloc(sizeof(double) * total);
   memcpy(all, s->samples, sizeof(double) * total);
-  s->median_us = quantile(all, (int)total, 0.5);
-  s->p90_us = quantile(all, (int)total, 0.9);
-  s->worst_median_us = quantile(per, n, 1.0);
+  s->median_us = quantile_nearest(all, (int)total, 0.5);
+  s->p90_us = quantile_nearest(all, (int)total, 0.9);
+  s->worst_median_us = quantile_nearest(per, n, 1.0);
   s->first_median_us = median_of(s->first_us, n);
   s->wall_s = (last - released) / 1e6;
   s->opens_per_s = (double)total / s->wall_s;

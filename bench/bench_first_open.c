@@ -36,6 +36,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "usmipc.h"
 
 #ifndef SYS_pidfd_open
@@ -46,12 +47,6 @@
 #endif
 
 #define HANDLE_MAX 2048
-
-static double now_us(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec * 1e6 + (double)t.tv_nsec / 1e3;
-}
 
 static void die(const char *what) {
   fprintf(stderr, "usmipc_bench_first: %s: %s (%s)\n", what,
@@ -280,16 +275,6 @@ static double raw_socket_sample(const exporter_t *e, void **out) {
   return t;
 }
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double quantile(double *v, int n, double q) {
-  qsort(v, (size_t)n, sizeof(*v), cmp_double);
-  return v[(int)(q * (n - 1) + 0.5)];
-}
-
 typedef struct series {
   const char *name;
   double *ours, *raw;
@@ -302,12 +287,14 @@ static void report(FILE *json, series_t *s, const char *raw_name, double target,
   double *b = malloc(sizeof(double) * (size_t)s->n);
   memcpy(a, s->ours, sizeof(double) * (size_t)s->n);
   memcpy(b, s->raw, sizeof(double) * (size_t)s->n);
-  double ma = quantile(a, s->n, 0.5), mb = quantile(b, s->n, 0.5);
+  double ma = quantile_nearest(a, s->n, 0.5),
+         mb = quantile_nearest(b, s->n, 0.5);
   printf("| %s | %.2f (%.2f-%.2f) | %s %.2f (%.2f-%.2f) | %.2fx | <= %.2fx: "
          "%s |\n",
-         s->name, ma, quantile(a, s->n, 0.1), quantile(a, s->n, 0.9), raw_name,
-         mb, quantile(b, s->n, 0.1), quantile(b, s->n, 0.9), ma / mb, target,
-         ma / mb <= target ? "met" : "NOT met");
+         s->name, ma, quantile_nearest(a, s->n, 0.1),
+         quantile_nearest(a, s->n, 0.9), raw_name, mb,
+         quantile_nearest(b, s->n, 0.1), quantile_nearest(b, s->n, 0.9),
+         ma / mb, target, ma / mb <= target ? "met" : "NOT met");
   if (json) {
     fprintf(json, "  \"%s\": {\"usmipc_us\": [", s->name);
     for (int i = 0; i < s->n; i++)

@@ -67,18 +67,13 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "usmipc.h"
 
 extern char **environ;
 
 #define MAX_SIZES 16
 #define MAX_TRANSPORTS 4
-
-static double now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
-}
 
 static void die(const char *what, int rc) {
   fprintf(stderr, "usmipc_bench: %s: %s (%s)\n", what,
@@ -115,7 +110,8 @@ static int read_full(int fd, void *buf, size_t len) {
   return 0;
 }
 
-/* ---- statistics ----------------------------------------------------------- */
+/* ---- statistics -----------------------------------------------------------
+ */
 
 typedef struct samples {
   double *v;
@@ -137,11 +133,6 @@ static void add(samples_t *s, double x) {
       die("out of memory", 0);
   }
   s->v[s->n++] = x;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
 }
 
 static double quantile(const double *sorted, size_t n, double q) {
@@ -336,30 +327,30 @@ enum {
 /* Versioned names spelled out: cuda.h maps some names by macro. */
 #define RAW_CUDA_SYMBOLS(X)                                                    \
   X(cuInit, "cuInit", (unsigned))                                              \
-  X(cuDeviceGet, "cuDeviceGet", (CUdevice *, int))                            \
-  X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain",                     \
+  X(cuDeviceGet, "cuDeviceGet", (CUdevice *, int))                             \
+  X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain",                      \
     (CUcontext *, CUdevice))                                                   \
-  X(cuCtxPushCurrent, "cuCtxPushCurrent_v2", (CUcontext))                     \
-  X(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2",                              \
+  X(cuCtxPushCurrent, "cuCtxPushCurrent_v2", (CUcontext))                      \
+  X(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2",                               \
     (CUdeviceptr *, CUipcMemHandle, unsigned))                                 \
-  X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle", (CUdeviceptr))                \
-  X(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle",         \
+  X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle", (CUdeviceptr))                 \
+  X(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle",          \
     (CUmemGenericAllocationHandle *, void *, int))                             \
-  X(cuMemAddressReserve, "cuMemAddressReserve",                               \
-    (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))         \
-  X(cuMemMap, "cuMemMap",                                                     \
-    (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,               \
+  X(cuMemAddressReserve, "cuMemAddressReserve",                                \
+    (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))          \
+  X(cuMemMap, "cuMemMap",                                                      \
+    (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,                \
      unsigned long long))                                                      \
-  X(cuMemRelease, "cuMemRelease", (CUmemGenericAllocationHandle))             \
-  X(cuMemSetAccess, "cuMemSetAccess",                                         \
-    (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))                   \
-  X(cuMemUnmap, "cuMemUnmap", (CUdeviceptr, size_t))                          \
-  X(cuMemAddressFree, "cuMemAddressFree", (CUdeviceptr, size_t))              \
-  X(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity",           \
+  X(cuMemRelease, "cuMemRelease", (CUmemGenericAllocationHandle))              \
+  X(cuMemSetAccess, "cuMemSetAccess",                                          \
+    (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))                    \
+  X(cuMemUnmap, "cuMemUnmap", (CUdeviceptr, size_t))                           \
+  X(cuMemAddressFree, "cuMemAddressFree", (CUdeviceptr, size_t))               \
+  X(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity",            \
     (size_t *, const CUmemAllocationProp *, int))
 
 static struct {
-#define X(field, symbol, args) CUresult (*field) args;
+#define X(field, symbol, args) CUresult(*field) args;
   RAW_CUDA_SYMBOLS(X)
 #undef X
   CUresult (*cuGetErrorName)(CUresult, const char **); /* optional */
@@ -494,7 +485,8 @@ static int raw_open(const raw_ctx_t *c, const uint8_t *h, unsigned kind,
         rawcu.cuIpcOpenMemHandle(&p, ih, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
     double t1 = now_us();
     if (res != CUDA_SUCCESS) {
-      snprintf(msg, len, "raw: cuIpcOpenMemHandle_v2 failed: %s (CUDA error %d)",
+      snprintf(msg, len,
+               "raw: cuIpcOpenMemHandle_v2 failed: %s (CUDA error %d)",
                cu_name(res), res);
       return RAW_STATUS_FAIL;
     }
@@ -560,8 +552,8 @@ static int raw_open(const raw_ctx_t *c, const uint8_t *h, unsigned kind,
     return RAW_STATUS_FAIL;
   }
   if (res != CUDA_SUCCESS) {
-    snprintf(msg, len, "raw: %s failed: %s (CUDA error %d)", what,
-             cu_name(res), res);
+    snprintf(msg, len, "raw: %s failed: %s (CUDA error %d)", what, cu_name(res),
+             res);
     return RAW_STATUS_FAIL;
   }
   m->p = p;
@@ -594,8 +586,8 @@ static int raw_close(unsigned kind, const raw_mapping_t *m, double *us,
 /* stdin:  u32 n (2K + 2), u32 CUDA device ordinal, u32 order (RAW_ORDER_*),
  *         u32 seed of the order plan, then n x (u32 len, bytes)
  * stdout: i32 status, u32 number of timed buffers that shared a 2 MiB
- *         block with an earlier one, then 4 x K doubles: usmipc first opens, raw first
- *         opens, usmipc closes, raw closes, K each in buffer order (pair i is
+ *         block with an earlier one, then 4 x K doubles: usmipc first opens,
+ * raw first opens, usmipc closes, raw closes, K each in buffer order (pair i is
  *         buffers 2 + 2i through usmipc and 3 + 2i raw); on failure, status
  *         < 0 and a 256-byte message instead. */
 static int raw_importer_main(void) {
@@ -706,8 +698,8 @@ static int raw_importer_main(void) {
    * extra once). */
   if (status == 0) {
     double ignored;
-    status = raw_open(&c, handles[1], kind, &maps[1], &ignored, msg,
-                      sizeof(msg));
+    status =
+        raw_open(&c, handles[1], kind, &maps[1], &ignored, msg, sizeof(msg));
     if (status == 0)
       status = raw_close(kind, &maps[1], &ignored, msg, sizeof(msg));
   }
@@ -763,8 +755,9 @@ static int raw_importer_main(void) {
     uint64_t *blocks = calloc(n, sizeof(uint64_t));
     if (blocks != NULL) {
       for (uint32_t i = 2; i < n; i++)
-        blocks[i - 2] = (i % 2 == 0 ? (uint64_t)(uintptr_t)ptrs[i]
-                                    : (uint64_t)maps[i].p) >> 21;
+        blocks[i - 2] =
+            (i % 2 == 0 ? (uint64_t)(uintptr_t)ptrs[i] : (uint64_t)maps[i].p) >>
+            21;
       qsort(blocks, n - 2, sizeof(uint64_t), cmp_u64);
       for (uint32_t i = 1; i < n - 2; i++)
         shared += blocks[i] == blocks[i - 1];
@@ -798,7 +791,8 @@ static int raw_importer_main(void) {
   return 0;
 }
 
-/* ---- the exporter: this process ------------------------------------------- */
+/* ---- the exporter: this process -------------------------------------------
+ */
 
 typedef struct options {
   const char *device;
@@ -1001,15 +995,16 @@ static void bench_size(const options_t *o, usmipc_device_t *dev,
     free(s[m].v);
 }
 
-/* ---- the raw-driver baseline's exporter ----------------------------------- */
+/* ---- the raw-driver baseline's exporter -----------------------------------
+ */
 
 #define RAW_BLOCK ((size_t)2 << 20)
 
 typedef struct raw_result {
   size_t size;
-  unsigned handle_kind;  /* CUDA_KIND_NATIVE or CUDA_KIND_FD */
+  unsigned handle_kind; /* CUDA_KIND_NATIVE or CUDA_KIND_FD */
   int valid;
-  char note[96];         /* why there are no numbers */
+  char note[96]; /* why there are no numbers */
   size_t pairs;
   size_t shared_blocks; /* see raw_importer_main; should stay 0 */
   /* Per pair, in buffer order (not sorted), for --json. */
@@ -1276,7 +1271,8 @@ static void bench_raw_size(const options_t *o, usmipc_device_t *dev,
   free(dcl.v);
 }
 
-/* ---- output --------------------------------------------------------------- */
+/* ---- output ---------------------------------------------------------------
+ */
 
 static void size_label(size_t size, char *out, size_t len) {
   if (size >= (1u << 30) && size % (1u << 30) == 0)
@@ -1355,7 +1351,8 @@ static void write_json(const options_t *o, usmipc_device_t *dev,
   }
   struct utsname u;
   uname(&u);
-  fprintf(f, "{\n  \"tool\": \"usmipc_bench\",\n  \"usmipc_version\": \"%s\",\n",
+  fprintf(f,
+          "{\n  \"tool\": \"usmipc_bench\",\n  \"usmipc_version\": \"%s\",\n",
           usmipc_version_string());
   fprintf(f, "  \"device\": \"%s\",\n  \"device_name\": \"%s\",\n",
           usmipc_device_filter_string(dev), usmipc_device_name(dev));
@@ -1386,7 +1383,8 @@ static void write_json(const options_t *o, usmipc_device_t *dev,
   fclose(f);
 }
 
-/* ---- output of --raw ------------------------------------------------------ */
+/* ---- output of --raw ------------------------------------------------------
+ */
 
 static int read_yama(char *buf, size_t len) {
   snprintf(buf, len, "absent");
@@ -1455,7 +1453,8 @@ static void print_raw_table(const options_t *o, const raw_result_t *res) {
   }
   printf("\nTimes in microseconds: median (p10–p90). ratio: usmipc median / "
          "raw median. paired ratio and paired Δ: median [95%% bootstrap "
-         "confidence interval] over blocks of consecutive pairs (a pair: one usmipc and one raw call, "
+         "confidence interval] over blocks of consecutive pairs (a pair: one "
+         "usmipc and one raw call, "
          "one right after the other in the same importer; a block: %s) of "
          "sum(usmipc) / sum(raw) and of (sum(usmipc) − sum(raw)) / pairs, in "
          "us. 1.05 means usmipc takes 5%% longer.\n",
@@ -1515,8 +1514,7 @@ static void write_json_raw(const options_t *o, usmipc_device_t *dev,
           usmipc_device_filter_string(dev), usmipc_device_name(dev));
   fprintf(f, "  \"kernel\": \"%s\",\n  \"unit\": \"us\",\n", u.release);
   fprintf(f, "  \"k\": %u,\n  \"rounds\": %u,\n", o->k, o->rounds);
-  fprintf(f, "  \"kind_requested\": \"%s\",\n",
-          o->kind ? o->kind : "default");
+  fprintf(f, "  \"kind_requested\": \"%s\",\n", o->kind ? o->kind : "default");
   fprintf(f, "  \"fd_transport\": \"%s\",\n", o->transports[0]);
   fprintf(f, "  \"order\": \"%s\",\n", raw_order_names[o->order]);
   fprintf(f, "  \"import_cache_size\": 0,\n");
@@ -1562,38 +1560,50 @@ static void write_json_raw(const options_t *o, usmipc_device_t *dev,
   fclose(f);
 }
 
-/* ---- arguments ------------------------------------------------------------ */
+/* ---- arguments ------------------------------------------------------------
+ */
 
 static size_t parse_size(const char *s) {
   char *end;
   unsigned long long v = strtoull(s, &end, 10);
   switch (*end) {
-  case 'k': case 'K': v <<= 10; break;
-  case 'm': case 'M': v <<= 20; break;
-  case 'g': case 'G': v <<= 30; break;
-  default: break;
+  case 'k':
+  case 'K':
+    v <<= 10;
+    break;
+  case 'm':
+  case 'M':
+    v <<= 20;
+    break;
+  case 'g':
+  case 'G':
+    v <<= 30;
+    break;
+  default:
+    break;
   }
   return (size_t)v;
 }
 
 static void usage(void) {
-  fprintf(stderr,
-          "usage: usmipc_bench [--device FILTER] [--sizes 4K,1M,64M,256M]\n"
-          "                    [--k 40] [--rounds 3] [--iters 2000]\n"
-          "                    [--transports socket,pidfd] [--kind fd|native]\n"
-          "                    [--json FILE]\n"
-          "       usmipc_bench --raw --device cuda[:gpu[:N]] [--kind fd|native]\n"
-          "                    [--sizes 4K,1M,64M,256M] [--k 100] [--rounds 3]\n"
-          "                    [--transports pidfd] [--order abba] [--json FILE]\n"
-          "  --raw   usmipc's first open and close against the bare CUDA\n"
-          "          driver calls, paired and interleaved in one importer\n"
-          "          (2K + 2 buffers of each size at once)\n"
-          "  --order which call of a --raw pair goes first: abba (default:\n"
-          "          blocks usmipc raw raw usmipc or the reverse, at random),\n"
-          "          usmipc-first or raw-first\n"
-          "  --kind  how CUDA memory is allocated and shared: fd (cuMemCreate,\n"
-          "          POSIX fd) or native (cuMemAlloc + cuIpcGetMemHandle);\n"
-          "          default: the backend's, which USMIPC_CUDA_IPC changes\n");
+  fprintf(
+      stderr,
+      "usage: usmipc_bench [--device FILTER] [--sizes 4K,1M,64M,256M]\n"
+      "                    [--k 40] [--rounds 3] [--iters 2000]\n"
+      "                    [--transports socket,pidfd] [--kind fd|native]\n"
+      "                    [--json FILE]\n"
+      "       usmipc_bench --raw --device cuda[:gpu[:N]] [--kind fd|native]\n"
+      "                    [--sizes 4K,1M,64M,256M] [--k 100] [--rounds 3]\n"
+      "                    [--transports pidfd] [--order abba] [--json FILE]\n"
+      "  --raw   usmipc's first open and close against the bare CUDA\n"
+      "          driver calls, paired and interleaved in one importer\n"
+      "          (2K + 2 buffers of each size at once)\n"
+      "  --order which call of a --raw pair goes first: abba (default:\n"
+      "          blocks usmipc raw raw usmipc or the reverse, at random),\n"
+      "          usmipc-first or raw-first\n"
+      "  --kind  how CUDA memory is allocated and shared: fd (cuMemCreate,\n"
+      "          POSIX fd) or native (cuMemAlloc + cuIpcGetMemHandle);\n"
+      "          default: the backend's, which USMIPC_CUDA_IPC changes\n");
   exit(2);
 }
 
@@ -1661,8 +1671,9 @@ int main(int argc, char **argv) {
       while (m < 3 && strcmp(v, raw_order_names[m]) != 0)
         m++;
       if (m == 3) {
-        fprintf(stderr, "usmipc_bench: --order takes usmipc-first, raw-first "
-                        "or abba, not '%s'\n",
+        fprintf(stderr,
+                "usmipc_bench: --order takes usmipc-first, raw-first "
+                "or abba, not '%s'\n",
                 v);
         return 2;
       }
@@ -1676,8 +1687,9 @@ int main(int argc, char **argv) {
         o.alloc_flags = 0;
         v = NULL;
       } else {
-        fprintf(stderr, "usmipc_bench: --kind takes fd, native or default, "
-                        "not '%s'\n",
+        fprintf(stderr,
+                "usmipc_bench: --kind takes fd, native or default, "
+                "not '%s'\n",
                 v);
         return 2;
       }

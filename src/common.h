@@ -431,8 +431,7 @@ int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
 /* EEXPORTERGONE for an exporter that has exited (errno e, or 0). */
 int usmipc__fail_exporter_exited(const usmipc__wire_t *w, int e);
 /* pidfd_getfd(2) of descriptor number n from the process of pidfd. */
-int usmipc__pidfd_take(int pidfd, const usmipc__wire_t *w, uint32_t n,
-                       int *out);
+int usmipc__pidfd_take(int pidfd, uint32_t pid, uint32_t n, int *out);
 /* Reopens /proc/<pid>/fd/<n> without blocking on what it finds: opened
  * O_PATH, required to be a regular file, then reopened with flags. */
 int usmipc__procfd_reopen(const usmipc__wire_t *w, uint32_t n, int flags,

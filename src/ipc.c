@@ -25,9 +25,6 @@
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
 #endif
-#ifndef SYS_pidfd_getfd
-#define SYS_pidfd_getfd 438
-#endif
 
 struct usmipc_ipc_handle {
   uint64_t foreign_id; /* the foreign export this handle holds, or 0 */
@@ -439,21 +436,21 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
   if (handle == NULL)
     return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_get_handle: handle is NULL");
   *handle = NULL;
-  /* A first export asks the backend whether its IPC may be used (Level
-   * Zero's self-test runs then: it spawns a process and opens its memory,
-   * so never under the registry lock). */
   pthread_mutex_lock(&usmipc__registry_lock);
   usmipc__region_t *r = usmipc__region_find(ptr);
-  usmipc_device_t *first = r != NULL && r->origin == USMIPC__LOCAL &&
-                                   !r->exported && r->device->ops->ipc_check
-                               ? r->device
-                               : NULL;
-  pthread_mutex_unlock(&usmipc__registry_lock);
-  int rc0 = first != NULL ? first->ops->ipc_check(first->native) : 0;
-  if (rc0 != 0)
-    return rc0;
-  pthread_mutex_lock(&usmipc__registry_lock);
-  r = usmipc__region_find(ptr);
+  if (r != NULL && r->origin == USMIPC__LOCAL && !r->exported &&
+      r->device->ops->ipc_check != NULL) {
+    /* A first export asks the backend whether its IPC may be used (Level
+     * Zero's self-test runs then: it spawns a process and opens its
+     * memory, so never under the registry lock). Later exports skip this. */
+    usmipc_device_t *dev = r->device;
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    int rc = dev->ops->ipc_check(dev->native);
+    if (rc != 0)
+      return rc;
+    pthread_mutex_lock(&usmipc__registry_lock);
+    r = usmipc__region_find(ptr);
+  }
   if (r == NULL || r->origin == USMIPC__FOREIGN_ALIAS) {
     pthread_mutex_unlock(&usmipc__registry_lock);
     return export_foreign(ptr, nbytes, handle);
@@ -891,31 +888,17 @@ static int sycl_take_fd(const usmipc__umf_blob_t *b, int *out) {
     return usmipc__fail_native(
         errno == ESRCH ? USMIPC_EEXPORTERGONE : USMIPC_ETRANSPORT, errno,
         "pidfd_open(%u) failed: %s", b->pid, strerror(errno));
-  int fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)b->fd_number, 0);
-  int e = errno;
+  int rc = usmipc__pidfd_take(pidfd, b->pid, b->fd_number, out);
   close(pidfd);
-  if (fd >= 0) {
-    *out = fd;
-    return 0;
-  }
-  if (e == EPERM || e == EACCES)
-    return usmipc__fail_native(
-        USMIPC_EACCES, e,
+  if (rc == USMIPC_EACCES) /* the transport's advice does not apply here */
+    return usmipc__fail(
+        USMIPC_EACCES,
         "pidfd_getfd(2) may not take the descriptor from the SYCL exporter %u: "
         "it needs ptrace rights, which Intel's driver grants every process of "
         "the user (PR_SET_PTRACER_ANY) only from compute-runtime 26.09 (Xe2) "
         "or 26.31; under Yama ptrace_scope=1 the exporter must allow it",
         b->pid);
-  if (e == EBADF)
-    return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
-                               "process %u holds no descriptor %u: the SYCL "
-                               "allocation was freed",
-                               b->pid, b->fd_number);
-  if (e == ESRCH)
-    return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
-                               "the SYCL exporter %u is gone", b->pid);
-  return usmipc__fail_native(USMIPC_ETRANSPORT, e, "pidfd_getfd failed: %s",
-                             strerror(e));
+  return rc;
 }
 
 int usmipc_ipc_open_sycl(const void *data, size_t len, usmipc_device_t *device,

@@ -744,16 +744,19 @@ int usmipc__transport_mode(usmipc__transport_t *mode) {
   return 0;
 }
 
-int usmipc__fail_exporter_exited(const usmipc__wire_t *w, int e) {
+static int fail_exited(uint32_t pid, int e) {
   return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
                              "the exporting process %u has exited; mappings "
                              "opened before it exited stay valid, new opens "
                              "are impossible",
-                             w->pid);
+                             pid);
 }
 
-int usmipc__pidfd_take(int pidfd, const usmipc__wire_t *w, uint32_t n,
-                       int *out) {
+int usmipc__fail_exporter_exited(const usmipc__wire_t *w, int e) {
+  return fail_exited(w->pid, e);
+}
+
+int usmipc__pidfd_take(int pidfd, uint32_t pid, uint32_t n, int *out) {
   int fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)n, 0);
   if (fd >= 0) {
     *out = fd;
@@ -761,25 +764,25 @@ int usmipc__pidfd_take(int pidfd, const usmipc__wire_t *w, uint32_t n,
   }
   int e = errno;
   if (e == ESRCH)
-    return usmipc__fail_exporter_exited(w, e);
+    return fail_exited(pid, e);
   if (e == EPERM || e == EACCES)
     return usmipc__fail_native(USMIPC_EACCES, e,
                                "pidfd_getfd(2) may not take descriptors from "
                                "process %u: it needs ptrace access (Yama "
                                "ptrace_scope, containers); use "
                                "USMIPC_FD_TRANSPORT=socket or auto",
-                               w->pid);
+                               pid);
   if (e == EBADF)
     return usmipc__fail_native(USMIPC_EEXPORTERGONE, e,
                                "process %u no longer holds the memory this "
                                "handle names (the allocation was freed)",
-                               w->pid);
+                               pid);
   if (e == EMFILE || e == ENFILE)
     return usmipc__fail_native(USMIPC_EMFILE, e,
                                "this process has no free file descriptor "
                                "for the memory of process %u: close some or "
                                "raise the limit (ulimit -n)",
-                               w->pid);
+                               pid);
   return usmipc__fail_native(USMIPC_ETRANSPORT, e,
                              "pidfd_getfd(2) failed: %s (needs Linux 5.6; set "
                              "USMIPC_FD_TRANSPORT=socket)",

@@ -190,7 +190,7 @@ static int prove(const usmipc__wire_t *w, uint64_t deadline, usmipc__peer_t *p,
     if ((rc = open_exporter_pidfd(w, &pidfd)) != 0)
       return rc;
     if (mode != USMIPC__TRANSPORT_PROCFD) {
-      rc = usmipc__pidfd_take(pidfd, w, w->table_fd_number, &tfd);
+      rc = usmipc__pidfd_take(pidfd, w->pid, w->table_fd_number, &tfd);
       if (rc == 0) {
         p->pidfd = pidfd;
         return map_table_fd(tfd, w, p);
@@ -368,7 +368,7 @@ int usmipc__peer_fetch_fd(usmipc__peer_t *p, const usmipc__wire_t *w,
     return rc;
   if (p->pidfd >= 0 && mode != USMIPC__TRANSPORT_SOCKET &&
       mode != USMIPC__TRANSPORT_PROCFD) {
-    if ((rc = usmipc__pidfd_take(p->pidfd, w, w->fd_number, &fd)) != 0 ||
+    if ((rc = usmipc__pidfd_take(p->pidfd, w->pid, w->fd_number, &fd)) != 0 ||
         (rc = recheck(p, w, seq, fd, false)) != 0)
       return rc;
     *out = fd;
