@@ -35,6 +35,7 @@ extern "C" {
 typedef struct usmipc_device usmipc_device_t;
 typedef struct usmipc_queue usmipc_queue_t;
 typedef struct usmipc_ipc_handle usmipc_ipc_handle_t;
+typedef struct usmipc_event usmipc_event_t;
 
 typedef enum usmipc_backend {
   USMIPC_BACKEND_HOST = 1,       /* the CPU; device memory is memfd-backed */
@@ -123,6 +124,15 @@ USMIPC_API int usmipc_memcpy(usmipc_queue_t *queue, void *dst, const void *src,
                              size_t nbytes);
 USMIPC_API int usmipc_memset(usmipc_queue_t *queue, void *dst, int value,
                              size_t nbytes);
+/* Wraps a queue another library owns, without taking ownership: a CUstream
+ * on a cuda device (NULL is the legacy default stream; (void *)2 the
+ * per-thread default stream), an immediate ze_command_list_handle_t on a
+ * level_zero device, NULL on the host. usmipc_queue_destroy frees the
+ * wrapper only; the native queue must outlive it. */
+USMIPC_API int usmipc_queue_from_native(usmipc_device_t *device, void *native,
+                                        usmipc_queue_t **queue);
+/* The native queue (CUstream, ze_command_list_handle_t; NULL on the host). */
+USMIPC_API void *usmipc_queue_native(const usmipc_queue_t *queue);
 
 /* ---- memory -------------------------------------------------------------- */
 
@@ -219,6 +229,87 @@ USMIPC_API int usmipc_ipc_open_sycl(const void *data, size_t len,
                                     usmipc_device_t *device, size_t nbytes,
                                     void **ptr, size_t *mapped_nbytes);
 
+/* ---- events: ordering work across queues and processes --------------------
+ *
+ * An event marks a point in a queue's work. usmipc_event_record marks what
+ * the queue has been given so far; usmipc_event_wait makes later work on a
+ * queue wait for it on the device (the host does not block);
+ * usmipc_event_synchronize makes the host wait. Every event can be shared:
+ * its handle names one record (the latest when the handle is made), and the
+ * importer's waits are for that record. The data path of an ordered
+ * handoff (docs/events.md):
+ *   producer: launch work on q -> usmipc_ipc_get_handle ->
+ *             usmipc_ipc_handle_order(handle, q) -> send the bytes
+ *   consumer: usmipc_ipc_open_ex(bytes, ..., its queue) -> launch work
+ * On the host device queue work completes before returning, so events there
+ * are complete when recorded; they still order, signal and cross processes
+ * like the others, so the same program runs everywhere. */
+
+USMIPC_API int usmipc_event_create(usmipc_device_t *device, unsigned flags,
+                                   usmipc_event_t **event);
+/* Destroys an event (created or opened). Importers of a destroyed event's
+ * handles are refused from then on. NULL is accepted. */
+USMIPC_API int usmipc_event_destroy(usmipc_event_t *event);
+USMIPC_API usmipc_device_t *usmipc_event_device(const usmipc_event_t *event);
+/* Marks the work submitted to queue so far (a queue of the event's
+ * device). Only created events can be recorded, not opened ones. */
+USMIPC_API int usmipc_event_record(usmipc_event_t *event,
+                                   usmipc_queue_t *queue);
+/* Work submitted to queue after this call waits, on the device, until the
+ * event's record completes. queue may be of another device of the same
+ * backend. An event never recorded is complete. */
+USMIPC_API int usmipc_event_wait(usmipc_event_t *event, usmipc_queue_t *queue);
+/* The host waits until the record completes, for at most the event timeout
+ * (usmipc_event_set_timeout; USMIPC_ETIMEDOUT past it); the interrupt
+ * handler (usmipc_set_interrupt_handler) can abandon the wait
+ * (USMIPC_EINTR). An event whose exporter exited before its record was
+ * known complete fails with USMIPC_EEXPORTERGONE: a process's pending
+ * device work dies with it. */
+USMIPC_API int usmipc_event_synchronize(usmipc_event_t *event);
+/* 0 when the record has completed, USMIPC_ENOTREADY while it has not; never
+ * blocks. */
+USMIPC_API int usmipc_event_query(usmipc_event_t *event);
+/* The limit of every host wait on an event, in milliseconds; 0 (the
+ * default, or USMIPC_EVENT_TIMEOUT_MS) waits without limit: device work may
+ * legitimately take minutes. Separate from usmipc_ipc_set_timeout, which
+ * bounds only the talk with an exporter. */
+USMIPC_API int usmipc_event_set_timeout(unsigned long long timeout_ms);
+
+/* The handle of the event's latest record (none yet: a handle that is
+ * complete at once). Same wire format family as memory handles
+ * (docs/handle-format.md); free it with usmipc_ipc_free_handle. */
+USMIPC_API int usmipc_ipc_get_event_handle(usmipc_event_t *event,
+                                           usmipc_ipc_handle_t **handle);
+/* Opens an event handle on device (NULL: the device that recorded it; or
+ * another device of its backend). Re-opening an event of the same exporter
+ * is a lookup; opening in the exporting process gives a view of its own
+ * event. The result waits for the record the handle names, and cannot be
+ * recorded. Destroy it with usmipc_event_destroy. */
+USMIPC_API int usmipc_ipc_open_event(const void *data, size_t len,
+                                     usmipc_device_t *device,
+                                     usmipc_event_t **event);
+
+/* Orders the handle: records a fresh interprocess event on queue (after the
+ * work queue has been given so far) and puts it in the handle's bytes, so
+ * that importers wait for that work before they use the memory. Call it
+ * before every handoff (each call records anew, from a per-process ring of
+ * events, so a consumer never waits for later producer work). The bytes
+ * from usmipc_ipc_handle_data change; a handle is ordered by one thread at
+ * a time. queue NULL removes the ordering. */
+USMIPC_API int usmipc_ipc_handle_order(usmipc_ipc_handle_t *handle,
+                                       usmipc_queue_t *queue);
+
+/* usmipc_ipc_open with ordering: when the handle is ordered, later work on
+ * queue waits for the producer's work on the device, or, with queue NULL,
+ * the host waits (usmipc_event_synchronize's rules). usmipc_ipc_open is
+ * usmipc_ipc_open_ex(..., NULL, 0, ...). USMIPC_OPEN_UNORDERED skips the
+ * wait, for callers that order the work themselves. */
+#define USMIPC_OPEN_UNORDERED 0x1u
+USMIPC_API int usmipc_ipc_open_ex(const void *data, size_t len,
+                                  usmipc_device_t *device, size_t nbytes,
+                                  usmipc_queue_t *queue, unsigned flags,
+                                  void **ptr, size_t *mapped_nbytes);
+
 typedef struct usmipc_ipc_handle_info {
   usmipc_backend_t backend;
   uint8_t device_uuid[16];
@@ -232,6 +323,9 @@ typedef struct usmipc_ipc_handle_info {
   uint64_t exporter_nonce; /* random per process instance */
   unsigned wire_version;   /* of the handle's format */
   uint32_t writer_version; /* USMIPC_VERSION_HEX of the exporter's library */
+  int is_event;            /* an event handle (usmipc_ipc_get_event_handle) */
+  int is_ordered;       /* a memory handle that carries an event to wait for */
+  uint64_t event_point; /* the record an event handle (or ordering) names */
 } usmipc_ipc_handle_info_t;
 
 /* Validates handle bytes (as untrusted input) without opening them. */

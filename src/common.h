@@ -130,6 +130,8 @@ uint64_t usmipc__deadline_after_timeout(void);
  * awaited. */
 int usmipc__wait_fd(int fd, short events, uint64_t deadline_ns,
                     const char *waiting_for);
+/* Whether the binding's interrupt handler says to abandon a wait. */
+int usmipc__interrupted(void);
 
 /* ---- devices (device.c) -------------------------------------------------- */
 
@@ -149,6 +151,7 @@ struct usmipc_device {
 struct usmipc_queue {
   usmipc_device_t *device;
   void *native;
+  bool wrapped; /* usmipc_queue_from_native: the native queue is not ours */
 };
 
 int usmipc__devices_init(void);
@@ -250,6 +253,18 @@ int usmipc__foreign_query_unlocked(const void *ptr, usmipc__allocation_t *alloc,
 /* Extension records: type bit 15 marks a record an importer must
  * understand (critical); others it may skip. */
 #define USMIPC__EXT_CRITICAL 0x8000u
+/* Events (docs/handle-format.md, "Event handles and ordering"). */
+#define USMIPC__HANDLE_KIND_EVENT 128 /* an event handle, of any backend */
+#define USMIPC__EXT_EVENT 0x8001u     /* in event handles: the record */
+#define USMIPC__EXT_ORDER 0x8002u     /* in memory handles: the event */
+#define USMIPC__EVENT_RECORD_LEN 16
+#define USMIPC__ORDER_FIXED_LEN 68
+/* Event flags (both records). */
+#define USMIPC__EVENT_FLAG_RING                                                \
+  0x1u /* re-recorded only after its previous record completed */
+#define USMIPC__EVENT_FLAG_HOST                                                \
+  0x2u /* no device event: a record is complete when it is made */
+#define USMIPC__EVENT_FLAGS_KNOWN 0x3u
 
 typedef struct usmipc__wire {
   usmipc_backend_t backend;
@@ -278,7 +293,44 @@ typedef struct usmipc__wire {
   usmipc__payload_t payload;
   uint16_t ext_len; /* extension records, as on the wire */
   uint8_t ext[USMIPC__WIRE_EXT_MAX];
+  /* Events, from records 0x8001 / 0x8002 (checked by the decoder). */
+  bool is_event;        /* handle kind 128 */
+  uint64_t event_point; /* the record named (event handles and orders) */
+  uint32_t event_flags;
+  uint8_t event_kind; /* the backend's event sub-kind (event handles) */
+  uint16_t order_at;  /* offset in ext of the 0x8002 record's body, */
+  uint16_t order_len; /* and its length; 0 when not ordered */
 } usmipc__wire_t;
+
+/* The wire of the event an ordered memory handle carries (identity from
+ * the memory handle, the rest from its 0x8002 record). */
+void usmipc__wire_order_event(const usmipc__wire_t *mem, usmipc__wire_t *ev);
+/* Writes record 0x8002 naming event ev (an event wire) at its point into
+ * out, which holds at least 4 + USMIPC__ORDER_FIXED_LEN +
+ * USMIPC__EVENT_PAYLOAD_MAX bytes; returns the record's length. */
+size_t usmipc__order_record(const usmipc__wire_t *ev, uint8_t *out);
+/* Replaces the 0x8002 record of encoded handle bytes buf (len bytes, of
+ * which base_len are the handle without one) by record (rec_len bytes, or
+ * none): fixes the lengths and the checksum. Returns the new length. */
+size_t usmipc__wire_reorder(uint8_t *out, const uint8_t *base, size_t base_len,
+                            const uint8_t *rec, size_t rec_len);
+
+/* ---- events (event.c) -----------------------------------------------------
+ */
+/* A handle holding the encoding of w (ipc.c). */
+int usmipc__handle_from_wire(const usmipc__wire_t *w,
+                             usmipc_ipc_handle_t **handle);
+/* Waits (on queue's device, or the host when queue is NULL) for the record
+ * that event wire ew names, opening the event on device (cached). */
+int usmipc__event_wait_wire(const usmipc__wire_t *ew, usmipc_device_t *device,
+                            usmipc_queue_t *queue);
+/* Records a fresh ring event of queue's device on queue and writes the
+ * ordering record (0x8002) naming it into out (see usmipc__order_record);
+ * returns its length in *len. */
+int usmipc__event_order(usmipc_queue_t *queue, uint8_t *out, size_t *len);
+void usmipc__events_fork_prepare(void);
+void usmipc__events_fork_parent(void);
+void usmipc__events_fork_child(void);
 
 /* Encoded length of w (fixed part, payload, extension records, checksum). */
 size_t usmipc__wire_len(const usmipc__wire_t *w);
@@ -344,6 +396,8 @@ int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint64_t size,
                         uint64_t tag, uint32_t *slot,
                         uint32_t *table_fd_number);
 void usmipc__exports_remove(uint32_t slot);
+/* Rewrites a slot's size field: an event's slot counts its records there. */
+void usmipc__exports_set_size(uint32_t slot, uint64_t size);
 int usmipc__exports_table_fd(void);
 /* The table's liveness mutex (the table is created if need be), which the
  * broker thread locks for the life of the process. */
@@ -461,6 +515,8 @@ int usmipc__peer_check(const usmipc__peer_t *peer, const usmipc__wire_t *w,
 /* The same, quietly, for an idle mapping: 1 while its allocation is live. */
 int usmipc__peer_slot_live(const usmipc__peer_t *peer, uint32_t slot,
                            uint64_t buffer_id, uint64_t tag);
+/* The verified export table of the peer (valid while a reference is held). */
+const uint8_t *usmipc__peer_table(const usmipc__peer_t *peer);
 /* Registry lock held. */
 void usmipc__peer_ref(usmipc__peer_t *peer);
 void usmipc__peer_unref(usmipc__peer_t *peer);

@@ -221,6 +221,66 @@ static bool backend_record(const usmipc__wire_t *w, uint16_t type) {
          type <= 0x02ff;
 }
 
+/* Record 0x8001 (event handles): u64 point, u32 flags, u8 the backend's
+ * event kind, 3 zero bytes. */
+static int check_event_record(usmipc__wire_t *w, const uint8_t *r,
+                              uint16_t rlen) {
+  if (w->payload.handle_kind != USMIPC__HANDLE_KIND_EVENT)
+    return bad("a memory handle carries an event record (0x8001)");
+  if (rlen != USMIPC__EVENT_RECORD_LEN || w->is_event)
+    return bad("its event record (0x8001) is malformed or repeated");
+  w->event_point = usmipc__get64le(r);
+  w->event_flags = usmipc__get32le(r + 8);
+  w->event_kind = r[12];
+  if ((w->event_flags & ~USMIPC__EVENT_FLAGS_KNOWN) || r[13] || r[14] || r[15])
+    return bad("its event record (0x8001) sets unknown flags");
+  w->is_event = true;
+  return 0;
+}
+
+/* Record 0x8002 (ordered memory handles), USMIPC__ORDER_FIXED_LEN bytes and
+ * the event's payload:
+ *   0 u64 event id     8 u64 point        16 u32 slot     20 u32 flags
+ *  24 16 token        40 u32 fd number    44 u16 wire flags of its fd
+ *  46 u8 event kind   47 u8 0             48 u64 fd st_dev 56 u64 fd st_ino
+ *  64 u16 payload length  66 u16 0        68 payload */
+static int check_order_record(usmipc__wire_t *w, const uint8_t *r,
+                              uint16_t rlen, size_t at) {
+  if (w->payload.handle_kind == USMIPC__HANDLE_KIND_EVENT)
+    return bad("an event handle carries an ordering record (0x8002)");
+  if (w->order_len != 0)
+    return bad("it carries two ordering records (0x8002)");
+  if (rlen < USMIPC__ORDER_FIXED_LEN)
+    return bad("its ordering record (0x8002) is truncated");
+  uint16_t plen = usmipc__get16le(r + 64);
+  uint16_t eflags = usmipc__get16le(r + 44);
+  uint32_t flags = usmipc__get32le(r + 20);
+  if (plen > USMIPC__EVENT_PAYLOAD_MAX ||
+      rlen != USMIPC__ORDER_FIXED_LEN + plen)
+    return bad("its ordering record's payload length is wrong");
+  if (usmipc__get64le(r) == 0 || usmipc__get64le(r + 8) == 0)
+    return bad("its ordering record names no event or no record");
+  if ((flags & ~USMIPC__EVENT_FLAGS_KNOWN) || r[47] != 0 ||
+      usmipc__get16le(r + 66) != 0 ||
+      (eflags & ~(USMIPC__WIRE_FLAG_FD | USMIPC__WIRE_FLAG_REOPENABLE)))
+    return bad("its ordering record (0x8002) sets unknown flags");
+  if ((eflags & USMIPC__WIRE_FLAG_REOPENABLE) &&
+      !(eflags & USMIPC__WIRE_FLAG_FD))
+    return bad("its ordering record marks a descriptor reopenable but "
+               "shares none");
+  if (usmipc__get32le(r + 16) >= USMIPC__TABLE_SLOTS)
+    return bad("its ordering record's export slot is out of range");
+  if ((eflags & USMIPC__WIRE_FLAG_FD) && usmipc__get32le(r + 40) > INT32_MAX)
+    return bad("its ordering record's descriptor number is out of range");
+  if (w->export_slot == USMIPC__NO_SLOT || w->table_fd_number > INT32_MAX)
+    return bad("it is ordered but names no export table");
+  w->order_at = (uint16_t)(at + 4);
+  w->order_len = rlen;
+  w->event_point = usmipc__get64le(r + 8);
+  w->event_flags = flags;
+  return 0;
+}
+
 /* Walks the extension records: each is u16 type, u16 length, then length
  * bytes. Unknown critical records refuse the handle (this library cannot
  * honour what the exporter required); other unknown records are skipped.
@@ -237,7 +297,12 @@ static int check_extensions(usmipc__wire_t *w) {
       return bad("an extension record overruns the extension area");
     if (type == 0)
       return bad("an extension record has type 0");
-    if (backend_record(w, type)) {
+    int rc = 0;
+    if (type == USMIPC__EXT_EVENT)
+      rc = check_event_record(w, w->ext + at + 4, rlen);
+    else if (type == USMIPC__EXT_ORDER)
+      rc = check_order_record(w, w->ext + at + 4, rlen, at);
+    else if (backend_record(w, type)) {
       if (4u + rlen > (unsigned)(USMIPC__PAYLOAD_EXT_MAX - w->payload.ext_len))
         return bad("its backend's extension records are too long");
       memcpy(w->payload.ext + w->payload.ext_len, w->ext + at, 4u + rlen);
@@ -251,9 +316,78 @@ static int check_extensions(usmipc__wire_t *w) {
                           "importing process",
                           type, mine);
     }
+    if (rc != 0)
+      return rc;
     at += 4u + rlen;
   }
+  if (w->payload.handle_kind == USMIPC__HANDLE_KIND_EVENT && !w->is_event)
+    return bad("it is an event handle without its event record (0x8001)");
   return 0;
+}
+
+void usmipc__wire_order_event(const usmipc__wire_t *mem, usmipc__wire_t *ev) {
+  const uint8_t *r = mem->ext + mem->order_at;
+  /* Everything but the extension area: the event's identity is the
+   * memory's exporter. */
+  memcpy(ev, mem, offsetof(usmipc__wire_t, ext));
+  ev->ext_len = 0;
+  ev->payload.ext_len = 0;
+  ev->payload.handle_kind = USMIPC__HANDLE_KIND_EVENT;
+  ev->buffer_id = usmipc__get64le(r);
+  ev->event_point = usmipc__get64le(r + 8);
+  ev->export_slot = usmipc__get32le(r + 16);
+  ev->event_flags = usmipc__get32le(r + 20);
+  memcpy(ev->token, r + 24, 16);
+  ev->fd_number = usmipc__get32le(r + 40);
+  ev->flags = (uint16_t)((mem->flags & USMIPC__WIRE_FLAG_SOCKET_DIR) |
+                         usmipc__get16le(r + 44));
+  ev->event_kind = r[46];
+  ev->fd_dev = usmipc__get64le(r + 48);
+  ev->fd_ino = usmipc__get64le(r + 56);
+  ev->payload.len = usmipc__get16le(r + 64);
+  memcpy(ev->payload.bytes, r + USMIPC__ORDER_FIXED_LEN, ev->payload.len);
+  ev->exporter_base = ev->allocation_size = ev->offset = ev->nbytes = 0;
+  ev->is_event = true;
+  ev->order_at = ev->order_len = 0;
+}
+
+size_t usmipc__order_record(const usmipc__wire_t *ev, uint8_t *out) {
+  uint8_t *r = out + 4;
+  memset(r, 0, USMIPC__ORDER_FIXED_LEN);
+  usmipc__put64le(r, ev->buffer_id);
+  usmipc__put64le(r + 8, ev->event_point);
+  usmipc__put32le(r + 16, ev->export_slot);
+  usmipc__put32le(r + 20, ev->event_flags);
+  memcpy(r + 24, ev->token, 16);
+  usmipc__put32le(r + 40, ev->fd_number);
+  usmipc__put16le(r + 44,
+                  (uint16_t)(ev->flags & (USMIPC__WIRE_FLAG_FD |
+                                          USMIPC__WIRE_FLAG_REOPENABLE)));
+  r[46] = ev->event_kind;
+  usmipc__put64le(r + 48, ev->fd_dev);
+  usmipc__put64le(r + 56, ev->fd_ino);
+  usmipc__put16le(r + 64, ev->payload.len);
+  memcpy(r + USMIPC__ORDER_FIXED_LEN, ev->payload.bytes, ev->payload.len);
+  size_t rlen = USMIPC__ORDER_FIXED_LEN + ev->payload.len;
+  usmipc__put16le(out, USMIPC__EXT_ORDER);
+  usmipc__put16le(out + 2, (uint16_t)rlen);
+  return 4 + rlen;
+}
+
+size_t usmipc__wire_reorder(uint8_t *buf, const uint8_t *base, size_t base_len,
+                            const uint8_t *rec, size_t rec_len) {
+  /* The base handle's records end right before its checksum; the ordering
+   * record goes last. */
+  size_t body = base_len - 4;
+  memcpy(buf, base, body);
+  if (rec_len > 0)
+    memcpy(buf + body, rec, rec_len);
+  size_t len = body + rec_len + 4;
+  usmipc__put16le(buf + OFF_LENGTH, (uint16_t)len);
+  usmipc__put16le(buf + OFF_EXT_LEN,
+                  (uint16_t)(usmipc__get16le(buf + OFF_EXT_LEN) + rec_len));
+  usmipc__put32le(buf + len - 4, usmipc__crc32c(0, buf, len - 4));
+  return len;
 }
 
 const uint8_t *usmipc__ext_find(const uint8_t *ext, size_t ext_len,
@@ -362,11 +496,27 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
   memcpy(w->ext, p + OFF_PAYLOAD + w->payload.len, w->ext_len);
   if (w->pid == 0 || w->nonce == 0)
     return bad("it names no exporting process");
-  if (w->nbytes == 0)
+  w->is_event = false;
+  w->event_point = 0;
+  w->event_flags = 0;
+  w->event_kind = 0;
+  w->order_at = w->order_len = 0;
+  if (w->payload.handle_kind == USMIPC__HANDLE_KIND_EVENT) {
+    /* An event handle names no memory. */
+    if (w->nbytes != 0 || w->allocation_size != 0 || w->offset != 0 ||
+        w->exporter_base != 0)
+      return bad("it is an event handle but names memory");
+    if (w->export_slot == USMIPC__NO_SLOT ||
+        w->export_slot >= USMIPC__TABLE_SLOTS)
+      return bad("it is an event handle without an export-table slot");
+    if (w->buffer_id == 0)
+      return bad("it is an event handle that names no event");
+  } else if (w->nbytes == 0) {
     return bad("it exports zero bytes");
-  if (w->allocation_size == 0 || w->offset > w->allocation_size ||
-      w->nbytes > w->allocation_size - w->offset)
+  } else if (w->allocation_size == 0 || w->offset > w->allocation_size ||
+             w->nbytes > w->allocation_size - w->offset) {
     return bad("its offset and size lie outside the exported allocation");
+  }
   if (w->exporter_base + w->allocation_size < w->exporter_base)
     return bad("its exporter address range wraps around");
   if ((w->flags & USMIPC__WIRE_FLAG_FD) && w->fd_number > INT32_MAX)
@@ -398,6 +548,9 @@ int usmipc_ipc_handle_inspect(const void *data, size_t len,
     info->exporter_nonce = w.nonce;
     info->wire_version = USMIPC__WIRE_VERSION;
     info->writer_version = w.writer_version;
+    info->is_event = w.is_event;
+    info->is_ordered = w.order_len != 0;
+    info->event_point = w.event_point;
   }
   return 0;
 }

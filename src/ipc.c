@@ -26,9 +26,17 @@
 #define SYS_pidfd_open 434
 #endif
 
+/* A handle's bytes are data[0, len). An ordered handle's bytes are its base
+ * bytes (kept at base, base_len) with an ordering record appended, redone
+ * at every usmipc_ipc_handle_order; data has room for the largest one. */
+#define ORDER_RECORD_MAX                                                       \
+  (4 + USMIPC__ORDER_FIXED_LEN + USMIPC__EVENT_PAYLOAD_MAX)
 struct usmipc_ipc_handle {
   uint64_t foreign_id; /* the foreign export this handle holds, or 0 */
-  size_t len;
+  usmipc_backend_t backend;
+  bool is_event;
+  size_t len, base_len;
+  uint8_t *base;
   uint8_t data[];
 };
 
@@ -343,13 +351,52 @@ static void wire_fill(usmipc__wire_t *w, usmipc_device_t *device,
 
 static int handle_new(const usmipc__wire_t *w, usmipc_ipc_handle_t **handle) {
   size_t len = usmipc__wire_len(w);
-  usmipc_ipc_handle_t *h = malloc(sizeof(*h) + len);
+  size_t room = w->is_event ? len : len + ORDER_RECORD_MAX;
+  usmipc_ipc_handle_t *h = malloc(sizeof(*h) + room + len);
   if (h == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
   h->foreign_id = 0;
-  h->len = len;
+  h->backend = w->backend;
+  h->is_event = w->is_event;
+  h->len = h->base_len = len;
+  h->base = h->data + room;
   usmipc__wire_encode(w, h->data);
+  memcpy(h->base, h->data, len);
   *handle = h;
+  return 0;
+}
+
+int usmipc__handle_from_wire(const usmipc__wire_t *w,
+                             usmipc_ipc_handle_t **handle) {
+  return handle_new(w, handle);
+}
+
+int usmipc_ipc_handle_order(usmipc_ipc_handle_t *handle,
+                            usmipc_queue_t *queue) {
+  if (handle == NULL)
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_handle_order: NULL handle");
+  if (handle->is_event)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_ipc_handle_order: an event handle cannot be "
+                        "ordered");
+  if (queue == NULL) {
+    handle->len = usmipc__wire_reorder(handle->data, handle->base,
+                                       handle->base_len, NULL, 0);
+    return 0;
+  }
+  if (queue->device->ops->backend != handle->backend)
+    return usmipc__fail(USMIPC_EWRONGDEVICE,
+                        "usmipc_ipc_handle_order: the handle is of %s memory "
+                        "but the queue is on %s",
+                        usmipc_backend_name(handle->backend),
+                        queue->device->filter);
+  uint8_t rec[ORDER_RECORD_MAX];
+  size_t rec_len;
+  int rc = usmipc__event_order(queue, rec, &rec_len);
+  if (rc != 0)
+    return rc;
+  handle->len = usmipc__wire_reorder(handle->data, handle->base,
+                                     handle->base_len, rec, rec_len);
   return 0;
 }
 
@@ -665,39 +712,82 @@ static int cache_take(usmipc__region_t *r, const usmipc__wire_t *w,
   return 0;
 }
 
+static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
+                        size_t nbytes, void **ptr, size_t *mapped_nbytes);
+
 int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
                     size_t nbytes, void **ptr, size_t *mapped_nbytes) {
+  return usmipc_ipc_open_ex(data, len, device, nbytes, NULL, 0, ptr,
+                            mapped_nbytes);
+}
+
+int usmipc_ipc_open_ex(const void *data, size_t len, usmipc_device_t *device,
+                       size_t nbytes, usmipc_queue_t *queue, unsigned flags,
+                       void **ptr, size_t *mapped_nbytes) {
   if (ptr == NULL)
     return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_open: ptr is NULL");
   *ptr = NULL;
-  pthread_once(&cache_once, cache_init);
+  if (flags & ~USMIPC_OPEN_UNORDERED)
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_open_ex: unknown flags 0x%x",
+                        flags);
   usmipc__wire_t w;
   int rc = usmipc__wire_decode(data, len, &w);
   if (rc != 0)
     return rc;
+  if (w.is_event)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "these are the bytes of an event handle, not of "
+                        "memory; open them with usmipc_ipc_open_event");
+  if (queue != NULL && device != NULL && queue->device != device)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_ipc_open_ex: the queue is on %s, not on the "
+                        "target device %s",
+                        queue->device->filter, device->filter);
+  if (device == NULL && queue != NULL)
+    device = queue->device;
+  if ((rc = open_mapping(&w, device, nbytes, ptr, mapped_nbytes)) != 0 ||
+      w.order_len == 0 || (flags & USMIPC_OPEN_UNORDERED))
+    return rc;
+  /* Ordered: the consumer's work (or the host) waits for the producer's.
+   * The mapping is made first, so that a slow producer overlaps it. */
+  usmipc__wire_t ev;
+  usmipc__wire_order_event(&w, &ev);
+  rc = usmipc__event_wait_wire(&ev, device, queue);
+  if (rc != 0) {
+    usmipc__error_prefix("waiting for the producer's work: ");
+    usmipc_ipc_close(*ptr);
+    *ptr = NULL;
+  }
+  return rc;
+}
+
+static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
+                        size_t nbytes, void **ptr, size_t *mapped_nbytes) {
+  pthread_once(&cache_once, cache_init);
+  int rc;
 
   const usmipc__process_t *self = usmipc__self_basic();
-  if (memcmp(w.boot_id, self->boot_id, 16) != 0)
+  if (memcmp(w->boot_id, self->boot_id, 16) != 0)
     return usmipc__fail(USMIPC_EOTHERHOST,
                         "the handle was exported on another machine or before "
                         "this machine rebooted (boot id differs); IPC handles "
                         "only work between processes of one running host");
   /* The device that exported the memory, as this process sees it. */
-  usmipc_device_t *owner = usmipc__device_by_uuid(w.backend, w.device_uuid);
-  if (device != NULL && device->ops->backend != w.backend)
+  usmipc_device_t *owner = usmipc__device_by_uuid(w->backend, w->device_uuid);
+  if (device != NULL && device->ops->backend != w->backend)
     return usmipc__fail(USMIPC_EWRONGDEVICE,
                         "the handle holds %s memory but the target device %s "
                         "is a %s device; open it on a %s device",
-                        usmipc_backend_name(w.backend), device->filter,
-                        device->ops->name, usmipc_backend_name(w.backend));
+                        usmipc_backend_name(w->backend), device->filter,
+                        device->ops->name, usmipc_backend_name(w->backend));
   if (owner == NULL) {
     char uuid[37];
-    usmipc__uuid_format(w.device_uuid, uuid);
+    usmipc__uuid_format(w->device_uuid, uuid);
     return usmipc__fail(USMIPC_EWRONGDEVICE,
                         "the handle was exported on %s device %s, which this "
                         "process cannot see (check CUDA_VISIBLE_DEVICES / "
                         "ZE_AFFINITY_MASK)",
-                        usmipc_backend_name(w.backend), uuid);
+                        usmipc_backend_name(w->backend), uuid);
   }
   if (device == NULL)
     device = owner;
@@ -705,25 +795,25 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
       (rc = device->ops->ipc_check(device->native)) != 0)
     return rc;
   if (nbytes == 0)
-    nbytes = w.nbytes;
-  else if (nbytes > w.nbytes)
+    nbytes = w->nbytes;
+  else if (nbytes > w->nbytes)
     return usmipc__fail(USMIPC_ERANGE,
                         "cannot open %zu bytes: the handle exports only %llu",
-                        nbytes, (unsigned long long)w.nbytes);
+                        nbytes, (unsigned long long)w->nbytes);
   if (mapped_nbytes != NULL)
     *mapped_nbytes = nbytes;
 
-  if (w.nonce == self->nonce && w.pid == self->pid)
-    return open_same_process(&w, ptr);
+  if (w->nonce == self->nonce && w->pid == self->pid)
+    return open_same_process(w, ptr);
 
-  usmipc__import_key_t key = {.nonce = w.nonce,
-                              .buffer_id = w.buffer_id,
-                              .pid = w.pid,
+  usmipc__import_key_t key = {.nonce = w->nonce,
+                              .buffer_id = w->buffer_id,
+                              .pid = w->pid,
                               .device = device};
   pthread_mutex_lock(&usmipc__registry_lock);
   usmipc__region_t *hit = import_find(&key);
   if (hit != NULL) {
-    rc = cache_take(hit, &w, ptr);
+    rc = cache_take(hit, w, ptr);
     pthread_mutex_unlock(&usmipc__registry_lock);
     return rc;
   }
@@ -736,18 +826,18 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
    * handle (a bearer token) may be accepted by the driver after a free, and
    * the sizes in the handle are only as true as whoever wrote it. */
   uint64_t deadline = usmipc__deadline_after_timeout();
-  uint64_t tag = usmipc__slot_tag(w.key, w.token);
+  uint64_t tag = usmipc__slot_tag(w->key, w->token);
   usmipc__peer_t *peer = NULL;
   int fd = -1;
-  if (w.export_slot != USMIPC__NO_SLOT) {
+  if (w->export_slot != USMIPC__NO_SLOT) {
     /* The exporter, proven once per exporter; then the slot; then the
      * descriptor (which the broker may have handed over with the proof). */
-    if ((rc = usmipc__peer_get(&w, deadline, &peer, &fd)) != 0)
+    if ((rc = usmipc__peer_get(w, deadline, &peer, &fd)) != 0)
       return rc;
-    if (fd < 0 && (w.flags & USMIPC__WIRE_FLAG_FD))
-      rc = usmipc__peer_fetch_fd(peer, &w, tag, deadline, &fd);
+    if (fd < 0 && (w->flags & USMIPC__WIRE_FLAG_FD))
+      rc = usmipc__peer_fetch_fd(peer, w, tag, deadline, &fd);
     else
-      rc = usmipc__peer_check(peer, &w, tag, NULL);
+      rc = usmipc__peer_check(peer, w, tag, NULL);
     if (rc != 0) {
       if (fd >= 0)
         close(fd);
@@ -763,31 +853,31 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
   }
   r->alloc.fd = -1;
-  rc = device->ops->ipc_import(device->native, owner->native, &w.payload, fd,
-                               w.allocation_size, &r->alloc);
+  rc = device->ops->ipc_import(device->native, owner->native, &w->payload, fd,
+                               w->allocation_size, &r->alloc);
   if (fd >= 0)
     close(fd);
   if (rc != 0) {
     free(r);
     usmipc__peer_put(peer);
-    usmipc__error_prefix("opening the handle of process %u: ", w.pid);
+    usmipc__error_prefix("opening the handle of process %u: ", w->pid);
     return rc;
   }
   r->device = device;
   r->origin = USMIPC__IMPORTED;
-  r->buffer_id = w.buffer_id;
+  r->buffer_id = w->buffer_id;
   r->key = key;
   r->open_refs = 1;
   r->peer = peer;
-  r->export_slot = w.export_slot;
-  memcpy(r->token, w.token, 16);
-  memcpy(r->process_key, w.key, 16);
+  r->export_slot = w->export_slot;
+  memcpy(r->token, w->token, 16);
+  memcpy(r->process_key, w->key, 16);
   r->slot_tag = tag;
 
   pthread_mutex_lock(&usmipc__registry_lock);
   hit = import_find(&key);
   if (hit != NULL) {
-    rc = cache_take(hit, &w, ptr);
+    rc = cache_take(hit, w, ptr);
     pthread_mutex_unlock(&usmipc__registry_lock);
     r->idle_next = NULL;
     unmap_list(r);
@@ -802,7 +892,7 @@ int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
     unmap_list(r);
     return rc;
   }
-  *ptr = (uint8_t *)r->alloc.base + w.offset;
+  *ptr = (uint8_t *)r->alloc.base + w->offset;
   return 0;
 }
 

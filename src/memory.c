@@ -332,11 +332,58 @@ int usmipc_queue_create(usmipc_device_t *device, usmipc_queue_t **queue) {
   return 0;
 }
 
+int usmipc_queue_from_native(usmipc_device_t *device, void *native,
+                             usmipc_queue_t **queue) {
+  if (device == NULL || queue == NULL)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_queue_from_native: NULL argument");
+  *queue = NULL;
+  if (device->ops->backend == USMIPC_BACKEND_HOST && native != NULL)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_queue_from_native: %s has no native queues "
+                        "(its work completes at once); pass NULL",
+                        device->filter);
+  if (device->ops->backend != USMIPC_BACKEND_HOST &&
+      device->ops->queue_wrap == NULL)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "usmipc_queue_from_native: %s devices cannot wrap "
+                        "native queues yet",
+                        device->ops->name);
+  usmipc_queue_t *q = calloc(1, sizeof(*q));
+  if (q == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  q->device = device;
+  q->wrapped = true;
+  q->native = native;
+  if (device->ops->queue_wrap != NULL) {
+    int rc = device->ops->queue_wrap(device->native, native, &q->native);
+    if (rc != 0) {
+      free(q);
+      return rc;
+    }
+  }
+  *queue = q;
+  return 0;
+}
+
+void *usmipc_queue_native(const usmipc_queue_t *queue) {
+  if (queue == NULL)
+    return NULL;
+  const usmipc__backend_ops_t *ops = queue->device->ops;
+  return ops->queue_native
+             ? ops->queue_native(queue->device->native, queue->native)
+             : queue->native;
+}
+
 int usmipc_queue_destroy(usmipc_queue_t *queue) {
   if (queue == NULL)
     return 0;
-  int rc =
-      queue->device->ops->queue_destroy(queue->device->native, queue->native);
+  int rc = 0;
+  const usmipc__backend_ops_t *ops = queue->device->ops;
+  if (!queue->wrapped)
+    rc = ops->queue_destroy(queue->device->native, queue->native);
+  else if (ops->queue_unwrap != NULL)
+    rc = ops->queue_unwrap(queue->device->native, queue->native);
   free(queue);
   return rc;
 }

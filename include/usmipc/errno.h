@@ -35,7 +35,8 @@
   XX(EINTR, -EINTR, "interrupted")                                             \
   XX(EMFILE, -EMFILE, "too many open files")                                   \
   XX(ENAMESPACE, -30012, "exporter in another PID or network namespace")      \
-  XX(EUNTRUSTED, -30013, "peer failed authentication")
+  XX(EUNTRUSTED, -30013, "peer failed authentication")                       \
+  XX(ENOTREADY, -30014, "event not complete yet")
 
 typedef enum usmipc_errno {
 #define XX(name, value, text) USMIPC_##name = (value),

@@ -113,7 +113,40 @@ typedef struct usmipc__backend_ops {
   int (*ipc_check)(void *dev);
   int (*ipc_import_sycl)(void *dev, const struct usmipc__umf_blob *blob, int fd,
                          usmipc__allocation_t *out);
+
+  /* Events, all or none; NULL for a backend whose queue work completes
+   * before the call returns (the host), where the core's counters are the
+   * whole event. The core (event.c) keeps the counters that name records
+   * across processes; a backend event holds one record at a time.
+   * event_record marks the work queue has so far; recording again replaces
+   * the mark (the backend resets what it must first). event_query: 1 when
+   * the last record completed (or there was none), 0 not yet, < 0 an
+   * error. event_wait: later work on queue (of dev) waits on the device.
+   * event_export fills payload (at most USMIPC__EVENT_PAYLOAD_MAX bytes, no
+   * extension records) and *fd_to_share (borrowed from the event, or -1);
+   * the core calls it once per event. event_import opens on dev an event
+   * exported on owner (fd received, owned by the caller; -1 if none);
+   * event_close releases an imported one. */
+  int (*event_create)(void *dev, void **event);
+  int (*event_destroy)(void *dev, void *event);
+  int (*event_record)(void *dev, void *event, void *queue);
+  int (*event_query)(void *dev, void *event);
+  int (*event_wait)(void *dev, void *event, void *queue);
+  int (*event_export)(void *dev, void *event, usmipc__payload_t *payload,
+                      int *fd_to_share);
+  int (*event_import)(void *dev, void *owner, const usmipc__payload_t *payload,
+                      int fd, void **event);
+  int (*event_close)(void *dev, void *event);
+  /* Optional: wrap a native queue another library owns (a CUstream, an
+   * immediate command list) as *queue, and release the wrapper without
+   * touching the native queue. NULL: the native pointer is the queue. */
+  int (*queue_wrap)(void *dev, void *native, void **queue);
+  int (*queue_unwrap)(void *dev, void *queue);
+  /* Optional: the native queue of a queue (NULL: the queue itself). */
+  void *(*queue_native)(void *dev, void *queue);
 } usmipc__backend_ops_t;
+
+#define USMIPC__EVENT_PAYLOAD_MAX 128
 
 /* The backends the core knows, in probe order; a new backend adds itself to
  * the table in backend/registry.c and nothing else in the core changes. */

@@ -29,6 +29,10 @@ typedef int CUresult;
 typedef int CUdevice;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+typedef struct {
+  char reserved[64];
+} CUipcEventHandle;
 typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemGenericAllocationHandle;
 typedef struct {
@@ -86,7 +90,12 @@ enum {
   CU_MEM_ATTACH_GLOBAL = 1,
   CU_MEMHOSTALLOC_PORTABLE = 1,
   CU_STREAM_NON_BLOCKING = 1,
+  CU_EVENT_DISABLE_TIMING = 0x2,
+  CU_EVENT_INTERPROCESS = 0x4,
+  CUDA_ERROR_NOT_READY = 600,
 };
+
+#define CUDA_EVENT_IPC 1 /* event payload: the 64-byte CUipcEventHandle */
 
 /* One list of driver entry points drives the typedefs, the function
  * pointers and the dlsym loop (libfabric's habit). Versioned names are
@@ -119,6 +128,14 @@ enum {
   X(cuStreamCreate, "cuStreamCreate", (CUstream *, unsigned))                  \
   X(cuStreamDestroy, "cuStreamDestroy_v2", (CUstream))                         \
   X(cuStreamSynchronize, "cuStreamSynchronize", (CUstream))                    \
+  X(cuStreamWaitEvent, "cuStreamWaitEvent", (CUstream, CUevent, unsigned))     \
+  X(cuEventCreate, "cuEventCreate", (CUevent *, unsigned))                     \
+  X(cuEventDestroy, "cuEventDestroy_v2", (CUevent))                            \
+  X(cuEventRecord, "cuEventRecord", (CUevent, CUstream))                       \
+  X(cuEventQuery, "cuEventQuery", (CUevent))                                   \
+  X(cuIpcGetEventHandle, "cuIpcGetEventHandle", (CUipcEventHandle *, CUevent)) \
+  X(cuIpcOpenEventHandle, "cuIpcOpenEventHandle",                              \
+    (CUevent *, CUipcEventHandle))                                             \
   X(cuMemcpyAsync, "cuMemcpyAsync",                                            \
     (CUdeviceptr, CUdeviceptr, size_t, CUstream))                              \
   X(cuMemsetD8Async, "cuMemsetD8Async",                                        \
@@ -531,6 +548,115 @@ static int cuda_memset(void *dev, void *queue, void *dst, int value, size_t n) {
   return res == CUDA_SUCCESS ? 0 : cu_fail(res, "cuMemsetD8Async");
 }
 
+/* ---- events ---------------------------------------------------------------
+ * Interprocess events (CU_EVENT_INTERPROCESS needs DISABLE_TIMING). An
+ * imported event is a CUevent like a local one: cuEventDestroy closes it.
+ * The stream of a wrapped queue is whatever the caller passed (NULL is the
+ * legacy default stream). */
+
+static int cuda_event_create(void *dev, void **event) {
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  CUevent ev;
+  CUresult res =
+      cu.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
+  ctx_leave();
+  if (res != CUDA_SUCCESS)
+    return cu_fail(res, "cuEventCreate");
+  *event = ev;
+  return 0;
+}
+
+static int cuda_event_destroy(void *dev, void *event) {
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  CUresult res = cu.cuEventDestroy(event);
+  ctx_leave();
+  return res == CUDA_SUCCESS ? 0 : cu_fail(res, "cuEventDestroy");
+}
+
+static int cuda_event_record(void *dev, void *event, void *queue) {
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  CUresult res = cu.cuEventRecord(event, queue);
+  ctx_leave();
+  return res == CUDA_SUCCESS ? 0 : cu_fail(res, "cuEventRecord");
+}
+
+static int cuda_event_query(void *dev, void *event) {
+  (void)dev; /* cuEventQuery needs no current context */
+  CUresult res = cu.cuEventQuery(event);
+  if (res == CUDA_SUCCESS)
+    return 1;
+  return res == CUDA_ERROR_NOT_READY ? 0 : cu_fail(res, "cuEventQuery");
+}
+
+static int cuda_event_wait(void *dev, void *event, void *queue) {
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  CUresult res = cu.cuStreamWaitEvent(queue, event, 0);
+  ctx_leave();
+  return res == CUDA_SUCCESS ? 0 : cu_fail(res, "cuStreamWaitEvent");
+}
+
+static int cuda_event_export(void *dev, void *event, usmipc__payload_t *payload,
+                             int *fd_to_share) {
+  *fd_to_share = -1;
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  CUipcEventHandle h;
+  CUresult res = cu.cuIpcGetEventHandle(&h, event);
+  ctx_leave();
+  if (res != CUDA_SUCCESS)
+    return cu_fail(res, "cuIpcGetEventHandle");
+  payload->handle_kind = CUDA_EVENT_IPC;
+  payload->len = sizeof(h);
+  memcpy(payload->bytes, &h, sizeof(h));
+  return 0;
+}
+
+static int cuda_event_import(void *dev, void *owner,
+                             const usmipc__payload_t *payload, int fd,
+                             void **event) {
+  (void)owner; /* the event opens in the waiting device's context */
+  (void)fd;
+  if (payload->len != sizeof(CUipcEventHandle))
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "not a valid usmipc event handle: a CUDA event "
+                        "payload has 64 bytes, this one %u",
+                        (unsigned)payload->len);
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  CUipcEventHandle h;
+  memcpy(&h, payload->bytes, sizeof(h));
+  CUevent ev;
+  CUresult res = cu.cuIpcOpenEventHandle(&ev, h);
+  ctx_leave();
+  if (res != CUDA_SUCCESS)
+    return cu_fail(res, "cuIpcOpenEventHandle");
+  *event = ev;
+  return 0;
+}
+
+/* A wrapped stream is the CUstream itself: nothing to make or release. */
+static int cuda_queue_wrap(void *dev, void *native, void **queue) {
+  (void)dev;
+  *queue = native;
+  return 0;
+}
+
+static int cuda_queue_unwrap(void *dev, void *queue) {
+  (void)dev;
+  (void)queue;
+  return 0;
+}
+
 /* ---- IPC ------------------------------------------------------------------
  */
 
@@ -714,4 +840,14 @@ const usmipc__backend_ops_t usmipc__cuda_backend = {
     .ipc_export = cuda_ipc_export,
     .ipc_import = cuda_ipc_import,
     .ipc_unmap = cuda_ipc_unmap,
+    .event_create = cuda_event_create,
+    .event_destroy = cuda_event_destroy,
+    .event_record = cuda_event_record,
+    .event_query = cuda_event_query,
+    .event_wait = cuda_event_wait,
+    .event_export = cuda_event_export,
+    .event_import = cuda_event_import,
+    .event_close = cuda_event_destroy,
+    .queue_wrap = cuda_queue_wrap,
+    .queue_unwrap = cuda_queue_unwrap,
 };

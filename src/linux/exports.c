@@ -228,6 +228,15 @@ int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint64_t size,
   return rc;
 }
 
+void usmipc__exports_set_size(uint32_t slot, uint64_t size) {
+  pthread_mutex_lock(&table_lock);
+  if (table != NULL && slot < next_unused) {
+    usmipc__export_slot_t *s = &slots_of(table)[slot];
+    slot_write(s, s->buffer_id, s->fd_number, size, s->tag);
+  }
+  pthread_mutex_unlock(&table_lock);
+}
+
 void usmipc__exports_remove(uint32_t slot) {
   pthread_mutex_lock(&table_lock);
   if (table != NULL && slot < next_unused) {

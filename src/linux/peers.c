@@ -320,7 +320,7 @@ int usmipc__peer_check(const usmipc__peer_t *p, const usmipc__wire_t *w,
                         "its token is forged; ask the exporter for a current "
                         "handle",
                         w->pid);
-  if (s.size != w->allocation_size)
+  if (!w->is_event && s.size != w->allocation_size)
     return usmipc__fail(USMIPC_EBADHANDLE,
                         "not a valid usmipc IPC handle: it claims a %llu-byte "
                         "allocation, but process %u exported %llu bytes",
@@ -328,6 +328,8 @@ int usmipc__peer_check(const usmipc__peer_t *p, const usmipc__wire_t *w,
                         (unsigned long long)s.size);
   return 0;
 }
+
+const uint8_t *usmipc__peer_table(const usmipc__peer_t *p) { return p->table; }
 
 int usmipc__peer_slot_live(const usmipc__peer_t *p, uint32_t slot,
                            uint64_t buffer_id, uint64_t tag) {

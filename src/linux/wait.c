@@ -61,7 +61,7 @@ uint64_t usmipc__deadline_after_timeout(void) {
   return usmipc__now_ns() + (uint64_t)usmipc__ipc_timeout_ms() * 1000000u;
 }
 
-static int interrupted(void) {
+int usmipc__interrupted(void) {
   pthread_mutex_lock(&interrupt_lock);
   usmipc_interrupt_fn fn = interrupt_fn;
   void *arg = interrupt_arg;
@@ -90,7 +90,7 @@ int usmipc__wait_fd(int fd, short events, uint64_t deadline_ns,
       return usmipc__fail_native(USMIPC_ETRANSPORT, errno,
                                  "poll(2) failed waiting for %s: %s",
                                  waiting_for, strerror(errno));
-    if (interrupted())
+    if (usmipc__interrupted())
       return usmipc__fail(USMIPC_EINTR, "interrupted while waiting for %s",
                           waiting_for);
   }

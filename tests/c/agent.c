@@ -28,6 +28,7 @@ typedef struct slot {
 
 static slot_t slots[AGENT_SLOTS];
 static usmipc_queue_t *queue;
+static usmipc_event_t *events[AGENT_SLOTS];
 
 static void reply_ok(const char *fmt, ...)
     __attribute__((format(printf, 1, 2)));
@@ -236,6 +237,113 @@ static void do_nofile(const char *arg) {
   reply_ok("%llu %zu", (unsigned long long)limit, open_now);
 }
 
+static int agent_queue(void) {
+  return queue != NULL ? 0 : usmipc_queue_create(test_device(), &queue);
+}
+
+static void reply_hex(const void *data, size_t len) {
+  char *hex = malloc(2 * len + 1);
+  hex_encode(data, len, hex);
+  reply_ok("%s", hex);
+  free(hex);
+}
+
+/* Event commands (task.h): evcreate, evrecord, evhandle, evopen, evsync,
+ * evquery, evwait, evdestroy on event slot E; exportord S exports slot S
+ * ordered on the agent's queue; openord S HEX opens it with a host wait. */
+static int do_event_command(const char *cmd, const char *a1, const char *a2) {
+  long i = a1 ? strtol(a1, NULL, 10) : -1;
+  if (strncmp(cmd, "ev", 2) != 0 && strcmp(cmd, "exportord") != 0 &&
+      strcmp(cmd, "openord") != 0)
+    return 0;
+  if (i < 0 || i >= AGENT_SLOTS) {
+    reply_err(USMIPC_EINVAL, "bad slot");
+    return 1;
+  }
+  usmipc_event_t **ev = &events[i];
+  int r = 0;
+  if (strcmp(cmd, "evcreate") == 0) {
+    r = usmipc_event_create(test_device(), 0, ev);
+  } else if (strcmp(cmd, "evrecord") == 0) {
+    if ((r = agent_queue()) == 0)
+      r = usmipc_event_record(*ev, queue);
+  } else if (strcmp(cmd, "evhandle") == 0) {
+    usmipc_ipc_handle_t *h = NULL;
+    const void *data;
+    size_t len;
+    if ((r = usmipc_ipc_get_event_handle(*ev, &h)) == 0 &&
+        (r = usmipc_ipc_handle_data(h, &data, &len)) == 0)
+      reply_hex(data, len);
+    usmipc_ipc_free_handle(h);
+    if (r == 0)
+      return 1;
+  } else if (strcmp(cmd, "evopen") == 0) {
+    uint8_t data[4096];
+    ssize_t len = a2 ? hex_decode(a2, data, sizeof(data)) : -1;
+    if (len < 0) {
+      reply_err(USMIPC_EINVAL, "bad hex");
+      return 1;
+    }
+    usmipc_event_t *opened = NULL;
+    if ((r = usmipc_ipc_open_event(data, (size_t)len, NULL, &opened)) == 0) {
+      usmipc_event_destroy(*ev);
+      *ev = opened;
+    }
+  } else if (strcmp(cmd, "evsync") == 0) {
+    r = usmipc_event_synchronize(*ev);
+  } else if (strcmp(cmd, "evquery") == 0) {
+    r = usmipc_event_query(*ev);
+  } else if (strcmp(cmd, "evwait") == 0) {
+    if ((r = agent_queue()) == 0 && (r = usmipc_event_wait(*ev, queue)) == 0)
+      r = usmipc_queue_synchronize(queue);
+  } else if (strcmp(cmd, "evdestroy") == 0) {
+    r = usmipc_event_destroy(*ev);
+    *ev = NULL;
+  } else if (strcmp(cmd, "exportord") == 0) {
+    slot_t *s = &slots[i];
+    usmipc_ipc_handle_t *h = NULL;
+    const void *data;
+    size_t len;
+    if ((r = agent_queue()) == 0 &&
+        (r = usmipc_ipc_get_handle(s->ptr, 0, &h)) == 0 &&
+        (r = usmipc_ipc_handle_order(h, queue)) == 0 &&
+        (r = usmipc_ipc_handle_data(h, &data, &len)) == 0) {
+      int k = 0;
+      while (k < AGENT_HANDLES - 1 && s->handles[k])
+        k++;
+      usmipc_ipc_free_handle(s->handles[k]);
+      s->handles[k] = h;
+      reply_hex(data, len);
+      return 1;
+    }
+    usmipc_ipc_free_handle(h);
+  } else if (strcmp(cmd, "openord") == 0) {
+    slot_t *s = &slots[i];
+    uint8_t data[4096];
+    ssize_t len = a2 ? hex_decode(a2, data, sizeof(data)) : -1;
+    void *p = NULL;
+    size_t mapped = 0;
+    if (len < 0) {
+      reply_err(USMIPC_EINVAL, "bad hex");
+      return 1;
+    }
+    r = usmipc_ipc_open_ex(data, (size_t)len, NULL, 0, NULL, 0, &p, &mapped);
+    if (r == 0) {
+      s->ptr = p;
+      s->size = mapped;
+      s->origin = 0;
+    }
+  } else {
+    reply_err(USMIPC_EINVAL, "unknown command");
+    return 1;
+  }
+  if (r)
+    reply_usmipc_err(r);
+  else
+    reply_ok(NULL);
+  return 1;
+}
+
 static void do_command(char *line) {
   char *save = NULL;
   char *cmd = strtok_r(line, " \n", &save);
@@ -247,6 +355,8 @@ static void do_command(char *line) {
 
   if (cmd == NULL) {
     reply_err(USMIPC_EINVAL, "empty command");
+  } else if (do_event_command(cmd, a1, a2)) {
+    return;
   } else if (strcmp(cmd, "exit") == 0) {
     fflush(stdout);
     exit(0);

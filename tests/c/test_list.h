@@ -96,7 +96,17 @@
   X(trust_kept_connection_fork)                                                \
   X(trust_broker_threads)                                                      \
   X(dmabuf_check_refuses_others)                                               \
-  X(dmabuf_check_cuda)
+  X(dmabuf_check_cuda)                                                         \
+  X(event_local)                                                               \
+  X(event_queue_from_native)                                                   \
+  X(event_same_process)                                                        \
+  X(event_cross_process)                                                       \
+  X(event_exporter_gone)                                                       \
+  X(event_ordered_handoff)                                                     \
+  X(event_ordered_same_process)                                                \
+  X(event_bad_handles)                                                         \
+  X(event_forged_cross_process)                                                \
+  X(event_fork_child)
 
 #define HELPER_LIST(X) X(agent)
 
