@@ -305,6 +305,13 @@ USMIPC_API int usmipc_ipc_handle_order(usmipc_ipc_handle_t *handle,
  * usmipc_ipc_open_ex(..., NULL, 0, ...). USMIPC_OPEN_UNORDERED skips the
  * wait, for callers that order the work themselves. */
 #define USMIPC_OPEN_UNORDERED 0x1u
+/* The event an ordered memory handle carries, opened on device like
+ * usmipc_ipc_open_event (for a consumer that waits later, on other
+ * queues: DLPack's stream argument); *event is NULL when the handle is not
+ * ordered. */
+USMIPC_API int usmipc_ipc_open_handle_event(const void *data, size_t len,
+                                            usmipc_device_t *device,
+                                            usmipc_event_t **event);
 USMIPC_API int usmipc_ipc_open_ex(const void *data, size_t len,
                                   usmipc_device_t *device, size_t nbytes,
                                   usmipc_queue_t *queue, unsigned flags,

@@ -849,6 +849,43 @@ int usmipc__event_wait_wire(const usmipc__wire_t *ew, usmipc_device_t *device,
   return rc;
 }
 
+/* A view of the record that event wire w names, on device. */
+static int open_event_wire(const usmipc__wire_t *w, usmipc_device_t *device,
+                           usmipc_event_t **event) {
+  usmipc_device_t *owner;
+  int rc = check_target(w, &device, &owner);
+  if (rc != 0)
+    return rc;
+  if (device->ops->ipc_check != NULL &&
+      (rc = device->ops->ipc_check(device->native)) != 0)
+    return rc;
+  usmipc_event_t *view = calloc(1, sizeof(*view));
+  if (view == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  view->device = device;
+  view->point = w->event_point;
+  const usmipc__process_t *self = usmipc__self_basic();
+  if (w->nonce == self->nonce && w->pid == self->pid) {
+    pthread_mutex_lock(&events_lock);
+    rc = find_local(w, &view->local);
+    if (rc == 0)
+      view->local->refs++;
+    pthread_mutex_unlock(&events_lock);
+    view->kind = EV_VIEW_LOCAL;
+    if (rc == 0)
+      view->device = view->local->device;
+  } else {
+    view->kind = EV_IMPORTED;
+    rc = import_get(w, device, owner, &view->src);
+  }
+  if (rc != 0) {
+    free(view);
+    return rc;
+  }
+  *event = view;
+  return 0;
+}
+
 int usmipc_ipc_open_event(const void *data, size_t len, usmipc_device_t *device,
                           usmipc_event_t **event) {
   if (event == NULL)
@@ -862,37 +899,30 @@ int usmipc_ipc_open_event(const void *data, size_t len, usmipc_device_t *device,
     return usmipc__fail(USMIPC_EINVAL,
                         "usmipc_ipc_open_event: these are the bytes of a "
                         "memory handle; open them with usmipc_ipc_open");
-  usmipc_device_t *owner;
-  if ((rc = check_target(&w, &device, &owner)) != 0)
+  return open_event_wire(&w, device, event);
+}
+
+int usmipc_ipc_open_handle_event(const void *data, size_t len,
+                                 usmipc_device_t *device,
+                                 usmipc_event_t **event) {
+  if (event == NULL)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_ipc_open_handle_event: NULL event");
+  *event = NULL;
+  usmipc__wire_t w;
+  int rc = usmipc__wire_decode(data, len, &w);
+  if (rc != 0)
     return rc;
-  if (device->ops->ipc_check != NULL &&
-      (rc = device->ops->ipc_check(device->native)) != 0)
-    return rc;
-  usmipc_event_t *view = calloc(1, sizeof(*view));
-  if (view == NULL)
-    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
-  view->device = device;
-  view->point = w.event_point;
-  const usmipc__process_t *self = usmipc__self_basic();
-  if (w.nonce == self->nonce && w.pid == self->pid) {
-    pthread_mutex_lock(&events_lock);
-    rc = find_local(&w, &view->local);
-    if (rc == 0)
-      view->local->refs++;
-    pthread_mutex_unlock(&events_lock);
-    view->kind = EV_VIEW_LOCAL;
-    if (rc == 0)
-      view->device = view->local->device;
-  } else {
-    view->kind = EV_IMPORTED;
-    rc = import_get(&w, device, owner, &view->src);
-  }
-  if (rc != 0) {
-    free(view);
-    return rc;
-  }
-  *event = view;
-  return 0;
+  if (w.is_event)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_ipc_open_handle_event: these are the bytes "
+                        "of an event handle; open them with "
+                        "usmipc_ipc_open_event");
+  if (w.order_len == 0)
+    return 0;
+  usmipc__wire_t ev;
+  usmipc__wire_order_event(&w, &ev);
+  return open_event_wire(&ev, device, event);
 }
 
 int usmipc_event_destroy(usmipc_event_t *event) {

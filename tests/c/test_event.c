@@ -266,6 +266,12 @@ TEST_IMPL(event_ordered_same_process) {
   ASSERT_OK(usmipc_ipc_handle_order(h, q));
   ASSERT_OK(usmipc_ipc_handle_data(h, &data, &len));
   ASSERT_GT(len, base_len);
+  usmipc_event_t *carried;
+  ASSERT_OK(usmipc_ipc_open_handle_event(data, len, NULL, &carried));
+  ASSERT_NOT_NULL(carried);
+  ASSERT_OK(usmipc_event_wait(carried, q));
+  ASSERT_OK(usmipc_event_synchronize(carried));
+  ASSERT_OK(usmipc_event_destroy(carried));
   for (int i = 0; i < 3; i++) {
     ASSERT_OK(usmipc_ipc_open_ex(data, len, NULL, 0, q, 0, &m, NULL));
     ASSERT_PTR_EQ(m, p);
@@ -279,6 +285,8 @@ TEST_IMPL(event_ordered_same_process) {
   ASSERT_OK(usmipc_ipc_handle_order(h, NULL));
   ASSERT_OK(usmipc_ipc_handle_data(h, &data, &len));
   ASSERT_EQ(len, base_len);
+  ASSERT_OK(usmipc_ipc_open_handle_event(data, len, NULL, &carried));
+  ASSERT_PTR_EQ(carried, NULL);
   ASSERT_OK(usmipc_ipc_free_handle(h));
   ASSERT_OK(usmipc_free(p));
   ASSERT_OK(usmipc_queue_destroy(q));
