@@ -62,12 +62,38 @@ static void check_one(const uint8_t *data, size_t size) {
                  w.backend == USMIPC_BACKEND_CUDA ||
                  w.backend == USMIPC_BACKEND_LEVEL_ZERO,
              "backend %d", (int)w.backend);
-  FUZZ_CHECK(w.nbytes > 0, "zero bytes");
-  FUZZ_CHECK(w.allocation_size > 0 && w.offset <= w.allocation_size &&
-                 w.nbytes <= w.allocation_size - w.offset,
-             "range %llu+%llu of %llu", (unsigned long long)w.offset,
-             (unsigned long long)w.nbytes,
-             (unsigned long long)w.allocation_size);
+  if (w.is_event) {
+    /* An event handle names no memory, and its record. */
+    FUZZ_CHECK(w.payload.handle_kind == USMIPC__HANDLE_KIND_EVENT &&
+                   w.nbytes == 0 && w.allocation_size == 0 && w.offset == 0 &&
+                   w.order_len == 0 && w.export_slot < USMIPC__TABLE_SLOTS &&
+                   w.buffer_id != 0,
+               "event handle fields");
+    FUZZ_CHECK((w.event_flags & ~USMIPC__EVENT_FLAGS_KNOWN) == 0,
+               "event flags 0x%x", w.event_flags);
+  } else {
+    FUZZ_CHECK(w.payload.handle_kind != USMIPC__HANDLE_KIND_EVENT,
+               "kind 128 without an event record");
+    FUZZ_CHECK(w.nbytes > 0, "zero bytes");
+    FUZZ_CHECK(w.allocation_size > 0 && w.offset <= w.allocation_size &&
+                   w.nbytes <= w.allocation_size - w.offset,
+               "range %llu+%llu of %llu", (unsigned long long)w.offset,
+               (unsigned long long)w.nbytes,
+               (unsigned long long)w.allocation_size);
+  }
+  if (w.order_len != 0) {
+    /* The ordering record lies inside the area and names an event the
+     * importer can rebuild; rebuilding must not read past it. */
+    FUZZ_CHECK(w.order_at >= 4 && w.order_at + w.order_len <= w.ext_len,
+               "order record at %u+%u of %u", (unsigned)w.order_at,
+               (unsigned)w.order_len, (unsigned)w.ext_len);
+    usmipc__wire_t ev;
+    usmipc__wire_order_event(&w, &ev);
+    FUZZ_CHECK(ev.is_event && ev.payload.len <= USMIPC__EVENT_PAYLOAD_MAX &&
+                   ev.export_slot < USMIPC__TABLE_SLOTS && ev.buffer_id != 0 &&
+                   ev.event_point != 0,
+               "rebuilt ordering event");
+  }
   FUZZ_CHECK(w.pid != 0 && w.nonce != 0, "no exporter");
 
   /* Extension records of an accepted handle: well formed, none critical,
@@ -78,8 +104,10 @@ static void check_one(const uint8_t *data, size_t size) {
     uint16_t type = (uint16_t)(w.ext[at] | w.ext[at + 1] << 8);
     uint16_t rlen = (uint16_t)(w.ext[at + 2] | w.ext[at + 3] << 8);
     FUZZ_CHECK(rlen <= w.ext_len - at - 4, "record overruns at %zu", at);
-    FUZZ_CHECK(type != 0 && !(type & USMIPC__EXT_CRITICAL), "type 0x%04x",
-               type);
+    FUZZ_CHECK(type != 0 &&
+                   (!(type & USMIPC__EXT_CRITICAL) ||
+                    type == USMIPC__EXT_EVENT || type == USMIPC__EXT_ORDER),
+               "type 0x%04x", type);
     uint16_t flen = 0;
     const uint8_t *rec = usmipc__wire_ext_find(&w, type, &flen);
     FUZZ_CHECK(rec != NULL && rec >= w.ext + 4 &&
@@ -277,6 +305,53 @@ int fuzz_make_corpus(void) {
   for (w.ext_len = 0; w.ext_len + 6 <= 240; w.ext_len += 6)
     memcpy(w.ext + w.ext_len, ext_ok, sizeof(ext_ok));
   write_forged("ext-many", &w);
+
+  /* Events: an event handle and an ordered memory handle, valid, then with
+   * the critical records broken. */
+  usmipc_queue_t *q;
+  usmipc_event_t *ev;
+  usmipc_ipc_handle_t *eh;
+  const void *edata;
+  size_t elen;
+  if (usmipc_queue_create(dev, &q) != 0 ||
+      usmipc_event_create(dev, 0, &ev) != 0 ||
+      usmipc_event_record(ev, q) != 0 ||
+      usmipc_ipc_get_event_handle(ev, &eh) != 0 ||
+      usmipc_ipc_handle_data(eh, &edata, &elen) != 0 ||
+      usmipc_ipc_handle_order(handles[1], q) != 0) {
+    fprintf(stderr, "fuzz_replay: events failed: %s\n", usmipc_last_error());
+    return 2;
+  }
+  fuzz_write_seed("valid-event", edata, elen);
+  const void *odata;
+  size_t olen;
+  usmipc_ipc_handle_data(handles[1], &odata, &olen);
+  fuzz_write_seed("valid-ordered", odata, olen);
+  usmipc__wire_t we, wo;
+  if (usmipc__wire_decode(edata, elen, &we) != 0 ||
+      usmipc__wire_decode(odata, olen, &wo) != 0)
+    return 2;
+  w = we;
+  w.nbytes = w.allocation_size = 4096;
+  write_forged("event-names-memory", &w);
+  w = we;
+  w.ext[4 + 8] = 0x80; /* unknown event flag */
+  write_forged("event-flag-unknown", &w);
+  w = we;
+  w.ext_len = 0; /* kind 128 without its record */
+  write_forged("event-no-record", &w);
+  w = wo;
+  w.ext[w.order_at + 64] = 0xff; /* payload length beyond the record */
+  write_forged("order-payload-len", &w);
+  w = wo;
+  memset(w.ext + w.order_at, 0, 16); /* no event, no point */
+  write_forged("order-no-event", &w);
+  w = wo;
+  w.payload.handle_kind = USMIPC__HANDLE_KIND_EVENT; /* order in an event */
+  write_forged("order-in-event-handle", &w);
+  usmipc_ipc_free_handle(eh);
+  usmipc_event_destroy(ev);
+  usmipc_queue_destroy(q);
 
   for (int i = 0; i < 4; i++) {
     usmipc_ipc_free_handle(handles[i]);

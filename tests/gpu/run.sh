@@ -52,6 +52,11 @@ step pytest-gpu python3 -m pytest -q -rs -s tests/gpu
 # cores of the device machine): cheap, so they run in quick mode too.
 step bench-first build-gpu/bench/usmipc_bench_first --k 60 --json "$OUT/bench_first_h200.json"
 step bench-broker build-gpu/bench/usmipc_bench_broker --json "$OUT/bench_broker_h200.json"
+# Events (issue 10): their C costs against the bare driver, and the handoff
+# latency against torch.multiprocessing and a CuPy host synchronize.
+step bench-event env USMIPC_CUDA_IPC=native build-gpu/bench/usmipc_bench_event --device cuda:gpu:0 --k 400 --json "$OUT/bench_event_h200.json"
+step bench-event-host build-gpu/bench/usmipc_bench_event --device host:cpu
+step bench-handoff python3 bench/bench_events.py --trials 100 --json "$OUT/bench_handoff_h200.json"
 
 if [ "$mode" != quick ]; then
   step bench-c-cuda-fd env USMIPC_CUDA_IPC=fd build-gpu/bench/usmipc_bench --device cuda:gpu:0 --sizes 4096,1048576,268435456,1073741824 --json "$OUT/bench_c_cuda_fd.json"
