@@ -945,9 +945,10 @@ int usmipc_event_destroy(usmipc_event_t *event) {
     free(event);
     return 0;
   }
-  usmipc_event_t *local = event->kind == EV_LOCAL ? event : event->local;
+  bool is_view = event->kind == EV_VIEW_LOCAL;
+  usmipc_event_t *local = is_view ? event->local : event;
   pthread_mutex_lock(&events_lock);
-  if (event->kind == EV_LOCAL) {
+  if (!is_view) {
     if (local->ring) { /* rings belong to the library */
       pthread_mutex_unlock(&events_lock);
       return usmipc__fail(USMIPC_EINVAL, "usmipc_event_destroy: not yours");
@@ -959,8 +960,8 @@ int usmipc_event_destroy(usmipc_event_t *event) {
     local_unlink(local);
   pthread_mutex_unlock(&events_lock);
   if (last)
-    local_free(local);
-  if (event->kind == EV_VIEW_LOCAL)
+    local_free(local); /* may be event itself */
+  if (is_view)
     free(event);
   return 0;
 }

@@ -3,6 +3,7 @@
  * backend a record is complete when made, so what these tests prove there
  * is the protocol (identity, slots, points, errors); the Level Zero test
  * driver (tests/level_zero) and the GPU suite (tests/gpu) prove waits. */
+#include <pthread.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -135,7 +136,8 @@ TEST_IMPL(event_same_process) {
   ASSERT_ERR(usmipc_ipc_open(b, len, NULL, 0, &p, NULL), USMIPC_EINVAL);
   ASSERT_OK(usmipc_event_destroy(ev));
   ASSERT_ERR(usmipc_event_synchronize(view), USMIPC_EEXPORTERGONE);
-  ASSERT_ERR(usmipc_ipc_open_event(b, len, NULL, &view), USMIPC_EEXPORTERGONE);
+  usmipc_event_t *late;
+  ASSERT_ERR(usmipc_ipc_open_event(b, len, NULL, &late), USMIPC_EEXPORTERGONE);
   ASSERT_OK(usmipc_event_destroy(view));
   ASSERT_OK(usmipc_event_destroy(view2));
   ASSERT_OK(usmipc_ipc_free_handle(h));
@@ -471,5 +473,54 @@ TEST_IMPL(event_fork_child) {
   ASSERT_OK(usmipc_event_record(ev, q));
   ASSERT_OK(usmipc_event_destroy(ev));
   ASSERT_OK(usmipc_queue_destroy(q));
+  return 0;
+}
+
+/* Threads ordering handles, recording, opening and waiting at once (for
+ * ThreadSanitizer): each thread its own queue, events and handles of one
+ * shared allocation. */
+static void *event_thread(void *arg) {
+  void *p = arg;
+  usmipc_device_t *dev = test_device();
+  usmipc_queue_t *q;
+  ASSERT_OK(usmipc_queue_create(dev, &q));
+  usmipc_ipc_handle_t *h;
+  ASSERT_OK(usmipc_ipc_get_handle(p, 0, &h));
+  for (int i = 0; i < 200; i++) {
+    usmipc_event_t *ev, *view;
+    uint8_t b[1024];
+    size_t len;
+    const void *data;
+    size_t dlen;
+    void *m;
+    ASSERT_OK(usmipc_event_create(dev, 0, &ev));
+    ASSERT_OK(usmipc_event_record(ev, q));
+    usmipc_ipc_handle_t *eh = event_handle(ev, b, &len);
+    ASSERT_OK(usmipc_ipc_open_event(b, len, NULL, &view));
+    ASSERT_OK(usmipc_event_wait(view, q));
+    ASSERT_OK(usmipc_event_destroy(ev));
+    ASSERT_OK(usmipc_event_destroy(view));
+    ASSERT_OK(usmipc_ipc_free_handle(eh));
+    ASSERT_OK(usmipc_ipc_handle_order(h, q));
+    ASSERT_OK(usmipc_ipc_handle_data(h, &data, &dlen));
+    ASSERT_OK(usmipc_ipc_open_ex(data, dlen, NULL, 0, q, 0, &m, NULL));
+    ASSERT_OK(usmipc_ipc_close(m));
+  }
+  ASSERT_OK(usmipc_ipc_free_handle(h));
+  ASSERT_OK(usmipc_queue_synchronize(q));
+  ASSERT_OK(usmipc_queue_destroy(q));
+  return NULL;
+}
+
+TEST_IMPL(event_threads) {
+  SKIP_WITHOUT_EVENTS();
+  void *p;
+  ASSERT_OK(usmipc_malloc(test_device(), USMIPC_MEM_DEVICE, 4096, &p));
+  pthread_t t[4];
+  for (int i = 0; i < 4; i++)
+    ASSERT_EQ(pthread_create(&t[i], NULL, event_thread, p), 0);
+  for (int i = 0; i < 4; i++)
+    pthread_join(t[i], NULL);
+  ASSERT_OK(usmipc_free(p));
   return 0;
 }
