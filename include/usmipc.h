@@ -299,6 +299,35 @@ USMIPC_API int usmipc_ipc_open_event(const void *data, size_t len,
 USMIPC_API int usmipc_ipc_handle_order(usmipc_ipc_handle_t *handle,
                                        usmipc_queue_t *queue);
 
+/* ---- release signals: the consumer tells the producer it is done --------
+ *
+ * A producer that will overwrite or free memory it handed over must know
+ * that its consumers are done with it (PyTorch keeps a shared reference
+ * count for this). usmipc_ipc_handle_order_ex with USMIPC_ORDER_RELEASE
+ * puts a release ticket in the bytes (one per call); a consumer returns it
+ * with usmipc_ipc_release after its work on its queue; the producer's
+ * usmipc_ipc_handle_wait_released waits until every ticket handed out so
+ * far came back, then makes its queue wait on the device for the consumers'
+ * work (or waits on the host, queue NULL). A ticket counts once, however
+ * often it is returned; a consumer that never returns its ticket (it died,
+ * or it is not usmipc) makes the producer wait until the event timeout
+ * (usmipc_event_set_timeout). */
+#define USMIPC_ORDER_RELEASE 0x1u
+USMIPC_API int usmipc_ipc_handle_order_ex(usmipc_ipc_handle_t *handle,
+                                          usmipc_queue_t *queue,
+                                          unsigned flags);
+/* Consumer: returns the ticket of handle bytes data (as opened) to their
+ * producer, after the work submitted to queue so far (NULL: now, from the
+ * host). USMIPC_EEXPORTERGONE when the producer is gone or no longer waits
+ * for it (its handle was freed). */
+USMIPC_API int usmipc_ipc_release(const void *data, size_t len,
+                                  usmipc_queue_t *queue);
+/* Producer: tickets handed out and come back so far. */
+USMIPC_API int usmipc_ipc_handle_releases(const usmipc_ipc_handle_t *handle,
+                                          uint64_t *sent, uint64_t *released);
+USMIPC_API int usmipc_ipc_handle_wait_released(usmipc_ipc_handle_t *handle,
+                                               usmipc_queue_t *queue);
+
 /* usmipc_ipc_open with ordering: when the handle is ordered, later work on
  * queue waits for the producer's work on the device, or, with queue NULL,
  * the host waits (usmipc_event_synchronize's rules). usmipc_ipc_open is

@@ -257,6 +257,8 @@ int usmipc__foreign_query_unlocked(const void *ptr, usmipc__allocation_t *alloc,
 #define USMIPC__HANDLE_KIND_EVENT 128 /* an event handle, of any backend */
 #define USMIPC__EXT_EVENT 0x8001u     /* in event handles: the record */
 #define USMIPC__EXT_ORDER 0x8002u     /* in memory handles: the event */
+#define USMIPC__EXT_RELEASE 0x8003u   /* in memory handles: a release ticket */
+#define USMIPC__RELEASE_RECORD_LEN 32
 #define USMIPC__EVENT_RECORD_LEN 16
 #define USMIPC__ORDER_FIXED_LEN 68
 /* Event flags (both records). */
@@ -300,6 +302,10 @@ typedef struct usmipc__wire {
   uint8_t event_kind; /* the backend's event sub-kind (event handles) */
   uint16_t order_at;  /* offset in ext of the 0x8002 record's body, */
   uint16_t order_len; /* and its length; 0 when not ordered */
+  /* Record 0x8003: the producer asks for a release signal. */
+  bool has_release;
+  uint64_t release_id, release_ticket;
+  uint8_t release_token[16];
 } usmipc__wire_t;
 
 /* The wire of the event an ordered memory handle carries (identity from
@@ -328,6 +334,35 @@ int usmipc__event_wait_wire(const usmipc__wire_t *ew, usmipc_device_t *device,
  * ordering record (0x8002) naming it into out (see usmipc__order_record);
  * returns its length in *len. */
 int usmipc__event_order(usmipc_queue_t *queue, uint8_t *out, size_t *len);
+/* A standalone event handle's bytes (kind 128) of a fresh ring event of
+ * queue's device recorded on queue; *len is at most USMIPC__EVENT_HANDLE_MAX.
+ */
+#define USMIPC__EVENT_HANDLE_MAX                                               \
+  (USMIPC__WIRE_FIXED_LEN + USMIPC__EVENT_PAYLOAD_MAX + 4 +                    \
+   USMIPC__EVENT_RECORD_LEN + 4)
+int usmipc__event_ring_handle(usmipc_queue_t *queue, uint8_t *out, size_t *len);
+
+/* Release signals (event.c): a producer's handle hands out tickets (record
+ * 0x8003); consumers return them through the producer's broker with an
+ * event of their own, which the producer waits for. */
+typedef struct usmipc__release usmipc__release_t;
+int usmipc__release_new(usmipc__release_t **rel);
+void usmipc__release_free(usmipc__release_t *rel);
+/* A new ticket: writes record 0x8003 (4 + 32 bytes) into out. */
+size_t usmipc__release_ticket(usmipc__release_t *rel, uint8_t *out);
+void usmipc__release_counts(usmipc__release_t *rel, uint64_t *sent,
+                            uint64_t *released);
+int usmipc__release_wait(usmipc__release_t *rel, usmipc_queue_t *queue);
+/* The broker's side: a release request (header req, body of len bytes)
+ * for this process; returns the reply status (0 accepted). */
+uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
+                                 size_t len);
+/* A release request's body: u64 ticket, u16 length, an event handle of that
+ * length (or none). 0 when well formed, with the parts. */
+int usmipc__release_body_parse(const uint8_t *body, size_t len,
+                               uint64_t *ticket, const uint8_t **event,
+                               size_t *event_len);
+#define USMIPC__RELEASE_BODY_MAX (10 + USMIPC__EVENT_HANDLE_MAX)
 void usmipc__events_fork_prepare(void);
 void usmipc__events_fork_parent(void);
 void usmipc__events_fork_child(void);
@@ -456,12 +491,21 @@ int usmipc__transport_mode(usmipc__transport_t *mode);
 
 #define USMIPC__WANT_TABLE 0x1u
 #define USMIPC__WANT_FD 0x2u
+#define USMIPC__WANT_RELEASE 0x4u /* alone: a release signal, with a body */
 /* Asks the exporter's broker for its table and/or the handle's descriptor,
  * after checking that the listener is the exporter (its credentials, its
  * pidfd) and before trusting an answer, that it proved the handle's key.
  * Received descriptors land in *table_fd / *data_fd (-1 when not asked). */
 int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
                         uint64_t deadline, int *table_fd, int *data_fd);
+/* Sends a release signal (body: see usmipc__release_body_parse) to the
+ * broker of w's exporter for w's release record, and awaits its answer. */
+int usmipc__broker_release(const usmipc__wire_t *w, const uint8_t *body,
+                           size_t len, uint64_t deadline);
+/* The release request's capability: MAC(token, label || req[0,48) || body). */
+void usmipc__release_capability(const uint8_t *req, const uint8_t token[16],
+                                const uint8_t *body, size_t len,
+                                uint8_t out[16]);
 /* The broker protocol as pure functions, for the broker, the importer and
  * the fuzz targets (tests/fuzz/fuzz_request.c, fuzz_reply.c). */
 #define USMIPC__REQUEST_LEN 80

@@ -87,6 +87,8 @@ struct usmipc_event {
 };
 
 static pthread_mutex_t events_lock = PTHREAD_MUTEX_INITIALIZER;
+#define RELEASE_BUCKETS 64
+static usmipc__release_t *releases[RELEASE_BUCKETS]; /* under events_lock */
 static usmipc_event_t *locals; /* every live local event */
 static imported_t *imports[IMPORT_BUCKETS];
 static unsigned long long event_timeout_ms; /* 0: no limit */
@@ -110,6 +112,7 @@ void usmipc__events_fork_child(void) {
   locals = NULL;
   rings = NULL;
   memset(imports, 0, sizeof(imports));
+  memset(releases, 0, sizeof(releases)); /* the parent's handles' */
   pthread_mutex_unlock(&events_lock);
 }
 
@@ -963,5 +966,265 @@ int usmipc_event_destroy(usmipc_event_t *event) {
     local_free(local); /* may be event itself */
   if (is_view)
     free(event);
+  return 0;
+}
+
+/* ---- release signals --------------------------------------------------------
+ * The other direction: a consumer tells the producer it is done with what a
+ * handoff gave it. The producer's handle hands out tickets (record 0x8003,
+ * one per ordered handoff); a consumer returns its ticket to the producer's
+ * broker (usmipc__broker_release) with the handle of an event of its own,
+ * recorded after its work on its queue (none for the host, or when it
+ * releases from the host). The broker checks the capability (a MAC keyed by
+ * the release's token, which only holders of the handle know) and files
+ * the ticket; the producer's usmipc_ipc_handle_wait_released waits until
+ * every ticket came back, then for the consumers' events, on the device
+ * where it can. Each ticket counts once, however often it is returned. */
+
+struct usmipc__release {
+  uint64_t id;
+  uint8_t token[16];
+  uint64_t sent, released;
+  uint8_t *returned; /* bit t-1: ticket t came back */
+  size_t returned_bytes;
+  struct pending {
+    uint8_t *bytes; /* a consumer's event handle */
+    size_t len;
+  } * pending;
+  size_t npending, cap_pending;
+  pthread_cond_t cond;
+  struct usmipc__release *next;
+};
+
+int usmipc__release_new(usmipc__release_t **out) {
+  usmipc__release_t *r = calloc(1, sizeof(*r));
+  if (r == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  int rc = usmipc__random(r->token, 16);
+  if (rc == 0)
+    rc = usmipc__fdxfer_serve(); /* consumers return tickets to the broker */
+  if (rc != 0) {
+    free(r);
+    return rc;
+  }
+  pthread_condattr_t attr;
+  pthread_condattr_init(&attr);
+  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  pthread_cond_init(&r->cond, &attr);
+  pthread_condattr_destroy(&attr);
+  r->id = usmipc__new_buffer_id();
+  pthread_mutex_lock(&events_lock);
+  r->next = releases[r->id % RELEASE_BUCKETS];
+  releases[r->id % RELEASE_BUCKETS] = r;
+  pthread_mutex_unlock(&events_lock);
+  *out = r;
+  return 0;
+}
+
+static void pending_clear(struct pending *p, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    free(p[i].bytes);
+}
+
+void usmipc__release_free(usmipc__release_t *r) {
+  if (r == NULL)
+    return;
+  pthread_mutex_lock(&events_lock);
+  for (usmipc__release_t **l = &releases[r->id % RELEASE_BUCKETS]; *l;
+       l = &(*l)->next)
+    if (*l == r) {
+      *l = r->next;
+      break;
+    }
+  pthread_mutex_unlock(&events_lock);
+  pending_clear(r->pending, r->npending);
+  free(r->pending);
+  free(r->returned);
+  pthread_cond_destroy(&r->cond);
+  free(r);
+}
+
+size_t usmipc__release_ticket(usmipc__release_t *r, uint8_t *out) {
+  pthread_mutex_lock(&events_lock);
+  uint64_t ticket = ++r->sent;
+  pthread_mutex_unlock(&events_lock);
+  usmipc__put16le(out, USMIPC__EXT_RELEASE);
+  usmipc__put16le(out + 2, USMIPC__RELEASE_RECORD_LEN);
+  usmipc__put64le(out + 4, r->id);
+  usmipc__put64le(out + 12, ticket);
+  memcpy(out + 20, r->token, 16);
+  return 4 + USMIPC__RELEASE_RECORD_LEN;
+}
+
+void usmipc__release_counts(usmipc__release_t *r, uint64_t *sent,
+                            uint64_t *released) {
+  pthread_mutex_lock(&events_lock);
+  if (sent)
+    *sent = r->sent;
+  if (released)
+    *released = r->released;
+  pthread_mutex_unlock(&events_lock);
+}
+
+int usmipc__release_body_parse(const uint8_t *body, size_t len,
+                               uint64_t *ticket, const uint8_t **event,
+                               size_t *event_len) {
+  if (len < 10 || len > USMIPC__RELEASE_BODY_MAX)
+    return -1;
+  *ticket = usmipc__get64le(body);
+  *event_len = usmipc__get16le(body + 8);
+  *event = *event_len ? body + 10 : NULL;
+  return *ticket != 0 && *event_len == len - 10 ? 0 : -1;
+}
+
+uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
+                                 size_t len) {
+  enum { OK = 0, UNKNOWN = 1, BAD_CAPABILITY = 2, BAD_REQUEST = 4 };
+  uint64_t ticket;
+  const uint8_t *ev;
+  size_t ev_len;
+  if (usmipc__release_body_parse(body, len, &ticket, &ev, &ev_len) != 0)
+    return BAD_REQUEST;
+  /* The consumer's event handle is checked when the producer opens it (its
+   * identity is proven then); here only that it is one. */
+  usmipc__wire_t w;
+  if (ev != NULL && (usmipc__wire_decode(ev, ev_len, &w) != 0 || !w.is_event))
+    return BAD_REQUEST;
+  uint8_t *copy = NULL;
+  if (ev != NULL && (copy = malloc(ev_len)) == NULL)
+    return BAD_REQUEST;
+  if (copy)
+    memcpy(copy, ev, ev_len);
+  uint64_t id = usmipc__get64le(req + 24);
+  uint32_t status = UNKNOWN;
+  pthread_mutex_lock(&events_lock);
+  usmipc__release_t *r = releases[id % RELEASE_BUCKETS];
+  while (r != NULL && r->id != id)
+    r = r->next;
+  uint8_t cap[16];
+  if (r != NULL)
+    usmipc__release_capability(req, r->token, body, len, cap);
+  if (r == NULL) {
+    status = UNKNOWN;
+  } else if (!usmipc__ct_equal(cap, req + 64, 16)) {
+    status = BAD_CAPABILITY;
+  } else if (ticket > r->sent) {
+    status = BAD_REQUEST;
+  } else {
+    status = OK;
+    size_t byte = (size_t)((ticket - 1) / 8);
+    if (byte >= r->returned_bytes) {
+      size_t n =
+          byte + 1 > 2 * r->returned_bytes ? byte + 1 : 2 * r->returned_bytes;
+      uint8_t *grown = realloc(r->returned, n);
+      if (grown == NULL) {
+        status = BAD_REQUEST;
+        goto out;
+      }
+      memset(grown + r->returned_bytes, 0, n - r->returned_bytes);
+      r->returned = grown;
+      r->returned_bytes = n;
+    }
+    uint8_t bit = (uint8_t)(1u << ((ticket - 1) % 8));
+    if (!(r->returned[byte] & bit)) {
+      if (copy != NULL) {
+        if (r->npending == r->cap_pending) {
+          size_t n = r->cap_pending ? 2 * r->cap_pending : 8;
+          struct pending *grown = realloc(r->pending, n * sizeof(*grown));
+          if (grown == NULL) {
+            status = BAD_REQUEST;
+            goto out;
+          }
+          r->pending = grown;
+          r->cap_pending = n;
+        }
+        r->pending[r->npending++] = (struct pending){copy, ev_len};
+        copy = NULL;
+      }
+      r->returned[byte] |= bit;
+      r->released++;
+      pthread_cond_broadcast(&r->cond);
+    }
+  }
+out:
+  pthread_mutex_unlock(&events_lock);
+  free(copy);
+  return status;
+}
+
+int usmipc__release_wait(usmipc__release_t *r, usmipc_queue_t *queue) {
+  unsigned long long limit_ms = timeout_now();
+  uint64_t start = usmipc__now_ns();
+  pthread_mutex_lock(&events_lock);
+  while (r->released < r->sent) {
+    uint64_t now = usmipc__now_ns();
+    if (limit_ms != 0 && now - start >= limit_ms * 1000000ull) {
+      uint64_t sent = r->sent, released = r->released;
+      pthread_mutex_unlock(&events_lock);
+      return usmipc__fail(USMIPC_ETIMEDOUT,
+                          "timed out after %llu ms waiting for releases: "
+                          "%llu of %llu handoffs came back (a consumer that "
+                          "exits or drops a mapping without releasing it "
+                          "never returns its ticket)",
+                          limit_ms, (unsigned long long)released,
+                          (unsigned long long)sent);
+    }
+    struct timespec ts;
+    uint64_t until = now + 50000000u;
+    ts.tv_sec = (time_t)(until / 1000000000u);
+    ts.tv_nsec = (long)(until % 1000000000u);
+    pthread_cond_timedwait(&r->cond, &events_lock, &ts);
+    if (r->released < r->sent && usmipc__interrupted()) {
+      pthread_mutex_unlock(&events_lock);
+      return usmipc__fail(USMIPC_EINTR, "interrupted while waiting for "
+                                        "releases");
+    }
+  }
+  struct pending *p = r->pending;
+  size_t n = r->npending;
+  r->pending = NULL;
+  r->npending = r->cap_pending = 0;
+  pthread_mutex_unlock(&events_lock);
+  /* Every ticket is back: now the consumers' own work, on the device where
+   * the producer gave a queue. */
+  int rc = 0;
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    usmipc_event_t *ev;
+    usmipc_device_t *dev = queue ? queue->device : NULL;
+    rc = usmipc_ipc_open_event(p[i].bytes, p[i].len, dev, &ev);
+    if (rc == 0) {
+      rc = queue ? usmipc_event_wait(ev, queue) : usmipc_event_synchronize(ev);
+      usmipc_event_destroy(ev);
+    }
+    if (rc != 0)
+      usmipc__error_prefix("waiting for a consumer's release: ");
+  }
+  pending_clear(p, n);
+  free(p);
+  return rc;
+}
+
+int usmipc__event_ring_handle(usmipc_queue_t *queue, uint8_t *out,
+                              size_t *len) {
+  usmipc_event_t *ev = NULL;
+  usmipc__wire_t w;
+  pthread_mutex_lock(&events_lock);
+  int rc = ring_take(queue->device, &ev);
+  if (rc == 0 && (rc = export_local(ev)) == 0 &&
+      (rc = record_local(ev, queue)) == 0)
+    local_wire(ev, ev->points, &w);
+  pthread_mutex_unlock(&events_lock);
+  if (rc != 0)
+    return rc;
+  uint8_t *r = w.ext;
+  usmipc__put16le(r, USMIPC__EXT_EVENT);
+  usmipc__put16le(r + 2, USMIPC__EVENT_RECORD_LEN);
+  memset(r + 4, 0, USMIPC__EVENT_RECORD_LEN);
+  usmipc__put64le(r + 4, w.event_point);
+  usmipc__put32le(r + 12, w.event_flags);
+  r[16] = w.event_kind;
+  w.ext_len = 4 + USMIPC__EVENT_RECORD_LEN;
+  *len = usmipc__wire_len(&w);
+  usmipc__wire_encode(&w, out);
   return 0;
 }

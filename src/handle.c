@@ -281,6 +281,24 @@ static int check_order_record(usmipc__wire_t *w, const uint8_t *r,
   return 0;
 }
 
+/* Record 0x8003 (memory handles): u64 release id, u64 ticket, 16 token. */
+static int check_release_record(usmipc__wire_t *w, const uint8_t *r,
+                                uint16_t rlen) {
+  if (w->payload.handle_kind == USMIPC__HANDLE_KIND_EVENT)
+    return bad("an event handle carries a release record (0x8003)");
+  if (rlen != USMIPC__RELEASE_RECORD_LEN || w->has_release)
+    return bad("its release record (0x8003) is malformed or repeated");
+  w->release_id = usmipc__get64le(r);
+  w->release_ticket = usmipc__get64le(r + 8);
+  memcpy(w->release_token, r + 16, 16);
+  if (w->release_id == 0 || w->release_ticket == 0)
+    return bad("its release record names no release or no ticket");
+  if (w->export_slot == USMIPC__NO_SLOT)
+    return bad("it asks for a release but names no export table");
+  w->has_release = true;
+  return 0;
+}
+
 /* Walks the extension records: each is u16 type, u16 length, then length
  * bytes. Unknown critical records refuse the handle (this library cannot
  * honour what the exporter required); other unknown records are skipped.
@@ -302,6 +320,8 @@ static int check_extensions(usmipc__wire_t *w) {
       rc = check_event_record(w, w->ext + at + 4, rlen);
     else if (type == USMIPC__EXT_ORDER)
       rc = check_order_record(w, w->ext + at + 4, rlen, at);
+    else if (type == USMIPC__EXT_RELEASE)
+      rc = check_release_record(w, w->ext + at + 4, rlen);
     else if (backend_record(w, type)) {
       if (4u + rlen > (unsigned)(USMIPC__PAYLOAD_EXT_MAX - w->payload.ext_len))
         return bad("its backend's extension records are too long");
@@ -349,6 +369,7 @@ void usmipc__wire_order_event(const usmipc__wire_t *mem, usmipc__wire_t *ev) {
   ev->exporter_base = ev->allocation_size = ev->offset = ev->nbytes = 0;
   ev->is_event = true;
   ev->order_at = ev->order_len = 0;
+  ev->has_release = false;
 }
 
 size_t usmipc__order_record(const usmipc__wire_t *ev, uint8_t *out) {
@@ -501,6 +522,8 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
   w->event_flags = 0;
   w->event_kind = 0;
   w->order_at = w->order_len = 0;
+  w->has_release = false;
+  w->release_id = w->release_ticket = 0;
   if (w->payload.handle_kind == USMIPC__HANDLE_KIND_EVENT) {
     /* An event handle names no memory. */
     if (w->nbytes != 0 || w->allocation_size != 0 || w->offset != 0 ||

@@ -27,14 +27,17 @@
 #endif
 
 /* A handle's bytes are data[0, len). An ordered handle's bytes are its base
- * bytes (kept at base, base_len) with an ordering record appended, redone
- * at every usmipc_ipc_handle_order; data has room for the largest one. */
+ * bytes (kept at base, base_len) with an ordering record (and a release
+ * ticket) appended, redone at every usmipc_ipc_handle_order; data has room
+ * for the largest. */
 #define ORDER_RECORD_MAX                                                       \
-  (4 + USMIPC__ORDER_FIXED_LEN + USMIPC__EVENT_PAYLOAD_MAX)
+  (4 + USMIPC__ORDER_FIXED_LEN + USMIPC__EVENT_PAYLOAD_MAX + 4 +               \
+   USMIPC__RELEASE_RECORD_LEN)
 struct usmipc_ipc_handle {
   uint64_t foreign_id; /* the foreign export this handle holds, or 0 */
   usmipc_backend_t backend;
   bool is_event;
+  usmipc__release_t *release; /* tickets handed out, or NULL */
   size_t len, base_len;
   uint8_t *base;
   uint8_t data[];
@@ -356,6 +359,7 @@ static int handle_new(const usmipc__wire_t *w, usmipc_ipc_handle_t **handle) {
   if (h == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
   h->foreign_id = 0;
+  h->release = NULL;
   h->backend = w->backend;
   h->is_event = w->is_event;
   h->len = h->base_len = len;
@@ -373,31 +377,111 @@ int usmipc__handle_from_wire(const usmipc__wire_t *w,
 
 int usmipc_ipc_handle_order(usmipc_ipc_handle_t *handle,
                             usmipc_queue_t *queue) {
+  return usmipc_ipc_handle_order_ex(handle, queue, 0);
+}
+
+int usmipc_ipc_handle_order_ex(usmipc_ipc_handle_t *handle,
+                               usmipc_queue_t *queue, unsigned flags) {
   if (handle == NULL)
     return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_handle_order: NULL handle");
+  if (flags & ~USMIPC_ORDER_RELEASE)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_ipc_handle_order_ex: unknown flags 0x%x",
+                        flags);
   if (handle->is_event)
     return usmipc__fail(USMIPC_EINVAL,
                         "usmipc_ipc_handle_order: an event handle cannot be "
                         "ordered");
-  if (queue == NULL) {
-    handle->len = usmipc__wire_reorder(handle->data, handle->base,
-                                       handle->base_len, NULL, 0);
-    return 0;
-  }
-  if (queue->device->ops->backend != handle->backend)
+  if (queue != NULL && queue->device->ops->backend != handle->backend)
     return usmipc__fail(USMIPC_EWRONGDEVICE,
                         "usmipc_ipc_handle_order: the handle is of %s memory "
                         "but the queue is on %s",
                         usmipc_backend_name(handle->backend),
                         queue->device->filter);
   uint8_t rec[ORDER_RECORD_MAX];
-  size_t rec_len;
-  int rc = usmipc__event_order(queue, rec, &rec_len);
-  if (rc != 0)
+  size_t rec_len = 0;
+  int rc;
+  if (queue != NULL && (rc = usmipc__event_order(queue, rec, &rec_len)) != 0)
     return rc;
+  if (flags & USMIPC_ORDER_RELEASE) {
+    if (handle->release == NULL &&
+        (rc = usmipc__release_new(&handle->release)) != 0)
+      return rc;
+    rec_len += usmipc__release_ticket(handle->release, rec + rec_len);
+  }
   handle->len = usmipc__wire_reorder(handle->data, handle->base,
                                      handle->base_len, rec, rec_len);
   return 0;
+}
+
+int usmipc_ipc_handle_releases(const usmipc_ipc_handle_t *handle,
+                               uint64_t *sent, uint64_t *released) {
+  if (handle == NULL)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_ipc_handle_releases: NULL handle");
+  if (handle->release == NULL) {
+    if (sent)
+      *sent = 0;
+    if (released)
+      *released = 0;
+    return 0;
+  }
+  usmipc__release_counts(handle->release, sent, released);
+  return 0;
+}
+
+int usmipc_ipc_handle_wait_released(usmipc_ipc_handle_t *handle,
+                                    usmipc_queue_t *queue) {
+  if (handle == NULL)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_ipc_handle_wait_released: NULL handle");
+  return handle->release ? usmipc__release_wait(handle->release, queue) : 0;
+}
+
+int usmipc_ipc_release(const void *data, size_t len, usmipc_queue_t *queue) {
+  usmipc__wire_t w;
+  int rc = usmipc__wire_decode(data, len, &w);
+  if (rc != 0)
+    return rc;
+  if (!w.has_release)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_ipc_release: the handle asks for no release "
+                        "(its producer did not order it with "
+                        "USMIPC_ORDER_RELEASE)");
+  const usmipc__process_t *self = usmipc__self_basic();
+  if (memcmp(w.boot_id, self->boot_id, 16) != 0)
+    return usmipc__fail(USMIPC_EOTHERHOST,
+                        "the handle was exported on another machine or boot");
+  /* The body: the ticket and, when the consumer's work is on a device
+   * queue, the handle of an event recorded after it. */
+  uint8_t body[USMIPC__RELEASE_BODY_MAX];
+  size_t ev_len = 0;
+  usmipc__put64le(body, w.release_ticket);
+  if (queue != NULL && queue->device->ops->event_create != NULL &&
+      (rc = usmipc__event_ring_handle(queue, body + 10, &ev_len)) != 0)
+    return rc;
+  usmipc__put16le(body + 8, (uint16_t)ev_len);
+  if (w.nonce == self->nonce && w.pid == self->pid) {
+    /* Our own handoff: file the ticket directly, as the broker would. */
+    uint8_t req[USMIPC__REQUEST_LEN], nonce[16] = {0};
+    usmipc__wire_t named = w;
+    named.buffer_id = w.release_id;
+    usmipc__request_build(req, &named, USMIPC__WANT_RELEASE, nonce);
+    usmipc__release_capability(req, w.release_token, body, 10 + ev_len,
+                               req + 64);
+    uint32_t status = usmipc__release_arrived(req, body, 10 + ev_len);
+    if (status == 0)
+      return 0;
+    return usmipc__fail(status == 1 ? USMIPC_EEXPORTERGONE : USMIPC_EACCES,
+                        "usmipc_ipc_release: this process no longer waits "
+                        "for that release (its handle was freed), or the "
+                        "ticket is forged");
+  }
+  rc = usmipc__broker_release(&w, body, 10 + ev_len,
+                              usmipc__deadline_after_timeout());
+  if (rc != 0)
+    usmipc__error_prefix("returning a release ticket to process %u: ", w.pid);
+  return rc;
 }
 
 /* Memory another library allocated: the driver names its allocation and
@@ -553,6 +637,8 @@ int usmipc_ipc_free_handle(usmipc_ipc_handle_t *handle) {
    * handle: bytes already sent stay openable until the allocation is freed
    * (or revoked). A foreign export belongs to its handles: the last one
    * revokes it. */
+  if (handle != NULL)
+    usmipc__release_free(handle->release);
   if (handle != NULL && handle->foreign_id != 0) {
     pthread_mutex_lock(&usmipc__registry_lock);
     for (foreign_export_t **e = &foreign_exports; *e; e = &(*e)->next)

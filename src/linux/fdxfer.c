@@ -108,6 +108,16 @@ static void mac_with_label(uint8_t out[16], const uint8_t key[16],
   usmipc__mac(out, key, msg, 16 + len + 8);
 }
 
+void usmipc__release_capability(const uint8_t *req, const uint8_t token[16],
+                                const uint8_t *body, size_t len,
+                                uint8_t out[16]) {
+  uint8_t msg[16 + 48 + USMIPC__RELEASE_BODY_MAX];
+  memcpy(msg, "usmipc-release-2", 16);
+  memcpy(msg + 16, req, 48);
+  memcpy(msg + 64, body, len);
+  usmipc__mac(out, token, msg, 64 + len);
+}
+
 static void request_proof(const uint8_t *req, const uint8_t key[16],
                           uint8_t out[16]) {
   mac_with_label(out, key, "usmipc-request-2", req, 48, 0);
@@ -152,7 +162,9 @@ uint32_t usmipc__request_check(const uint8_t *req, size_t len, uint32_t pid,
   *buffer_id = usmipc__get64le(req + 24);
   if (usmipc__get32le(req + 8) != pid || usmipc__get64le(req + 16) != nonce ||
       !usmipc__ct_equal(proof, req + 48, 16) ||
-      (*want & ~(USMIPC__WANT_TABLE | USMIPC__WANT_FD)) != 0 || *want == 0)
+      ((*want & ~(USMIPC__WANT_TABLE | USMIPC__WANT_FD)) != 0 &&
+       *want != USMIPC__WANT_RELEASE) ||
+      *want == 0)
     return REPLY_BAD_PROOF;
   return REPLY_OK;
 }
@@ -266,8 +278,22 @@ typedef struct conn {
   uint64_t since; /* accepted, or its last request answered */
   bool kept;      /* answered before: an importer keeps it for more */
   size_t got;
-  uint8_t buf[REQUEST_LEN];
+  /* A request, or a release: request, u16 body length, body. */
+  uint8_t buf[REQUEST_LEN + 2 + USMIPC__RELEASE_BODY_MAX];
 } conn_t;
+
+/* How many bytes the message in c->buf has in all, as far as its first
+ * bytes tell; 0 for a release body of an impossible length. */
+static size_t message_len(const conn_t *c) {
+  if (c->got < REQUEST_LEN ||
+      usmipc__get32le(c->buf + 12) != USMIPC__WANT_RELEASE)
+    return REQUEST_LEN;
+  if (c->got < REQUEST_LEN + 2)
+    return REQUEST_LEN + 2;
+  size_t body = usmipc__get16le(c->buf + REQUEST_LEN);
+  return body < 10 || body > USMIPC__RELEASE_BODY_MAX ? 0
+                                                      : REQUEST_LEN + 2 + body;
+}
 
 static void send_reply(int conn, const uint8_t *req, uint32_t status,
                        const int *fds, int nfds) {
@@ -296,8 +322,10 @@ static void send_reply(int conn, const uint8_t *req, uint32_t status,
   }
 }
 
-/* One complete request: check, answer, done. */
-static void serve_request(int conn, const uint8_t *req) {
+/* One complete request: check, answer, done. A release carries its body
+ * after the request (body_len bytes). */
+static void serve_request(int conn, const uint8_t *req, const uint8_t *body,
+                          size_t body_len) {
   const usmipc__process_t *self = usmipc__self();
   uint32_t want = 0;
   uint64_t buffer_id = 0;
@@ -305,6 +333,11 @@ static void serve_request(int conn, const uint8_t *req) {
       req, REQUEST_LEN, self->pid, self->nonce, self->key, &want, &buffer_id);
   if (status != REPLY_OK) {
     send_reply(conn, status == REPLY_BAD_REQUEST ? NULL : req, status, NULL, 0);
+    return;
+  }
+  if (want == USMIPC__WANT_RELEASE) {
+    send_reply(conn, req, usmipc__release_arrived(req, body, body_len), NULL,
+               0);
     return;
   }
   int fds[2], nfds = 0;
@@ -429,14 +462,22 @@ static void *broker_loop(void *arg) {
     for (int i = n - 1; i >= listeners; i--) {
       int c = i - listeners;
       if (pfd[i].revents) {
-        ssize_t got = recv(conns[c].fd, conns[c].buf + conns[c].got,
-                           REQUEST_LEN - conns[c].got, MSG_DONTWAIT);
-        if (got > 0)
+        size_t need = message_len(&conns[c]);
+        ssize_t got = need == 0 ? -1
+                                : recv(conns[c].fd, conns[c].buf + conns[c].got,
+                                       need - conns[c].got, MSG_DONTWAIT);
+        if (got > 0) {
           conns[c].got += (size_t)got;
-        if (conns[c].got == REQUEST_LEN) {
+          need = message_len(&conns[c]); /* a release's length is known now */
+        }
+        if (need == 0) {
+          conn_close(conns, &count, c); /* a release body too long */
+        } else if (conns[c].got == need && need != REQUEST_LEN + 2) {
           /* Answered, the connection stays for the importer's next open
            * (it keeps it while it has more to ask), until KEEP_MS idle. */
-          serve_request(conns[c].fd, conns[c].buf);
+          serve_request(conns[c].fd, conns[c].buf,
+                        conns[c].buf + REQUEST_LEN + 2,
+                        need > REQUEST_LEN ? need - REQUEST_LEN - 2 : 0);
           conns[c].got = 0;
           conns[c].kept = true;
           conns[c].since = usmipc__now_ns();
@@ -1022,8 +1063,27 @@ int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
                         "it is not the exporter (or the handle is forged); "
                         "nothing it sent is used",
                         name);
-  if (usmipc__get32le(rep + 4) != REPLY_OK)
-    return reply_error(w, usmipc__get32le(rep + 4));
+  uint32_t status = usmipc__get32le(rep + 4);
+  if (status != REPLY_OK && want == USMIPC__WANT_RELEASE) {
+    if (status == REPLY_UNKNOWN_BUFFER)
+      return usmipc__fail(USMIPC_EEXPORTERGONE,
+                          "process %u no longer waits for this release (the "
+                          "producer freed its handle)",
+                          w->pid);
+    if (status == REPLY_BAD_CAPABILITY)
+      return usmipc__fail(USMIPC_EACCES,
+                          "process %u refused the release ticket: its token "
+                          "is wrong (forged or corrupted handle)",
+                          w->pid);
+    if (status == REPLY_BAD_REQUEST)
+      return usmipc__fail(USMIPC_EBADHANDLE,
+                          "process %u refused the release: its ticket was "
+                          "never handed out (forged), or the consumer's "
+                          "event handle is malformed",
+                          w->pid);
+  }
+  if (status != REPLY_OK)
+    return reply_error(w, status);
   if (nfds != expect || usmipc__get32le(rep + 8) != (uint32_t)expect ||
       truncated || usmipc__get32le(rep + 12) != want)
     return usmipc__fail(USMIPC_ETRANSPORT,
@@ -1099,11 +1159,27 @@ static void kept_put(const usmipc__wire_t *w, int fd) {
  * broker had closed the connection before answering (a kept connection that
  * went idle too long): nothing was served, and a new connection may retry. */
 static int exchange(int s, const usmipc__wire_t *w, unsigned want,
-                    uint64_t deadline, const char *name, int *table_fd,
-                    int *data_fd, bool *dropped);
+                    const uint8_t *body, size_t body_len, uint64_t deadline,
+                    const char *name, int *table_fd, int *data_fd,
+                    bool *dropped);
+
+static int call(const usmipc__wire_t *w, unsigned want, const uint8_t *body,
+                size_t body_len, uint64_t deadline, int *table_fd,
+                int *data_fd);
 
 int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
                         uint64_t deadline, int *table_fd, int *data_fd) {
+  return call(w, want, NULL, 0, deadline, table_fd, data_fd);
+}
+
+int usmipc__broker_release(const usmipc__wire_t *w, const uint8_t *body,
+                           size_t len, uint64_t deadline) {
+  return call(w, USMIPC__WANT_RELEASE, body, len, deadline, NULL, NULL);
+}
+
+static int call(const usmipc__wire_t *w, unsigned want, const uint8_t *body,
+                size_t body_len, uint64_t deadline, int *table_fd,
+                int *data_fd) {
   if (table_fd)
     *table_fd = -1;
   if (data_fd)
@@ -1113,7 +1189,8 @@ int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
   int rc, s = kept_take(w);
   if (s >= 0) {
     bool dropped = false;
-    rc = exchange(s, w, want, deadline, name, table_fd, data_fd, &dropped);
+    rc = exchange(s, w, want, body, body_len, deadline, name, table_fd, data_fd,
+                  &dropped);
     if (rc == 0) {
       kept_put(w, s);
       return 0;
@@ -1129,7 +1206,8 @@ int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
     return rc;
   }
   bool dropped = false;
-  rc = exchange(s, w, want, deadline, name, table_fd, data_fd, &dropped);
+  rc = exchange(s, w, want, body, body_len, deadline, name, table_fd, data_fd,
+                &dropped);
   if (rc == 0)
     kept_put(w, s);
   else
@@ -1138,16 +1216,31 @@ int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
 }
 
 static int exchange(int s, const usmipc__wire_t *w, unsigned want,
-                    uint64_t deadline, const char *name, int *table_fd,
-                    int *data_fd, bool *dropped) {
-  uint8_t req[REQUEST_LEN], client_nonce[16];
+                    const uint8_t *body, size_t body_len, uint64_t deadline,
+                    const char *name, int *table_fd, int *data_fd,
+                    bool *dropped) {
+  uint8_t msg_out[REQUEST_LEN + 2 + USMIPC__RELEASE_BODY_MAX], client_nonce[16];
+  uint8_t *req = msg_out;
+  size_t msg_len = REQUEST_LEN;
   int rc = usmipc__random(client_nonce, 16);
   if (rc != 0)
     return rc;
-  usmipc__request_build(req, w, want, client_nonce);
-  /* An idle connection's buffer takes 80 bytes at once. */
-  ssize_t n = send(s, req, sizeof(req), MSG_NOSIGNAL | MSG_DONTWAIT);
-  if (n != (ssize_t)sizeof(req)) {
+  if (want == USMIPC__WANT_RELEASE) {
+    /* A release names the release (its id in the buffer id field) and
+     * proves its token over the header and the body. */
+    usmipc__wire_t named = *w;
+    named.buffer_id = w->release_id;
+    usmipc__request_build(req, &named, want, client_nonce);
+    usmipc__release_capability(req, w->release_token, body, body_len, req + 64);
+    usmipc__put16le(msg_out + REQUEST_LEN, (uint16_t)body_len);
+    memcpy(msg_out + REQUEST_LEN + 2, body, body_len);
+    msg_len = REQUEST_LEN + 2 + body_len;
+  } else {
+    usmipc__request_build(req, w, want, client_nonce);
+  }
+  /* An idle connection's buffer takes the message at once. */
+  ssize_t n = send(s, msg_out, msg_len, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (n != (ssize_t)msg_len) {
     int e = errno;
     *dropped = n < 0 && (e == EPIPE || e == ECONNRESET);
     return usmipc__fail_native(USMIPC_ETRANSPORT, e,

@@ -250,12 +250,21 @@ static void reply_hex(const void *data, size_t len) {
 
 /* Event commands (task.h): evcreate, evrecord, evhandle, evopen, evsync,
  * evquery, evwait, evdestroy on event slot E; exportord S exports slot S
- * ordered on the agent's queue; openord S HEX opens it with a host wait. */
+ * ordered on the agent's queue; openord S HEX opens it with a host wait;
+ * exportrel S orders slot S's release handle again (a new ticket);
+ * release 0 HEX returns a ticket after the agent's queue; relcount S ->
+ * ok SENT RELEASED; relwait S; evtimeout MS sets the event timeout. */
 static int do_event_command(const char *cmd, const char *a1, const char *a2) {
   long i = a1 ? strtol(a1, NULL, 10) : -1;
   if (strncmp(cmd, "ev", 2) != 0 && strcmp(cmd, "exportord") != 0 &&
-      strcmp(cmd, "openord") != 0)
+      strcmp(cmd, "openord") != 0 && strncmp(cmd, "rel", 3) != 0 &&
+      strcmp(cmd, "exportrel") != 0)
     return 0;
+  if (strcmp(cmd, "evtimeout") == 0) {
+    usmipc_event_set_timeout((unsigned long long)i);
+    reply_ok(NULL);
+    return 1;
+  }
   if (i < 0 || i >= AGENT_SLOTS) {
     reply_err(USMIPC_EINVAL, "bad slot");
     return 1;
@@ -299,6 +308,44 @@ static int do_event_command(const char *cmd, const char *a1, const char *a2) {
   } else if (strcmp(cmd, "evdestroy") == 0) {
     r = usmipc_event_destroy(*ev);
     *ev = NULL;
+  } else if (strcmp(cmd, "release") == 0) {
+    uint8_t data[4096];
+    ssize_t len = a2 ? hex_decode(a2, data, sizeof(data)) : -1;
+    if (len < 0) {
+      reply_err(USMIPC_EINVAL, "bad hex");
+      return 1;
+    }
+    if ((r = agent_queue()) == 0)
+      r = usmipc_ipc_release(data, (size_t)len, queue);
+  } else if (strcmp(cmd, "relcount") == 0 || strcmp(cmd, "relwait") == 0) {
+    slot_t *s = &slots[i];
+    const int k = 0; /* the handle of exportrel */
+    uint64_t sent = 0, back = 0;
+    if (cmd[3] == 'c') {
+      r = usmipc_ipc_handle_releases(s->handles[k], &sent, &back);
+      if (r == 0) {
+        reply_ok("%llu %llu", (unsigned long long)sent,
+                 (unsigned long long)back);
+        return 1;
+      }
+    } else if ((r = agent_queue()) == 0 && (r = usmipc_ipc_handle_wait_released(
+                                                s->handles[k], queue)) == 0) {
+      r = usmipc_queue_synchronize(queue);
+    }
+  } else if (strcmp(cmd, "exportrel") == 0) {
+    /* One handle per slot, ordered again (a new ticket) at every call. */
+    slot_t *s = &slots[i];
+    const void *data;
+    size_t len;
+    if ((r = agent_queue()) == 0 &&
+        (s->handles[0] != NULL ||
+         (r = usmipc_ipc_get_handle(s->ptr, 0, &s->handles[0])) == 0) &&
+        (r = usmipc_ipc_handle_order_ex(s->handles[0], queue,
+                                        USMIPC_ORDER_RELEASE)) == 0 &&
+        (r = usmipc_ipc_handle_data(s->handles[0], &data, &len)) == 0) {
+      reply_hex(data, len);
+      return 1;
+    }
   } else if (strcmp(cmd, "exportord") == 0) {
     slot_t *s = &slots[i];
     usmipc_ipc_handle_t *h = NULL;

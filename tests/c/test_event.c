@@ -524,3 +524,110 @@ TEST_IMPL(event_threads) {
   ASSERT_OK(usmipc_free(p));
   return 0;
 }
+
+/* Release signals between unrelated processes: tickets come back once
+ * each, the producer's wait ends only when all did, a forged or stale
+ * ticket is refused. */
+TEST_IMPL(event_release_cross_process) {
+  SKIP_WITHOUT_EVENTS();
+  agent_t ex, im;
+  static char hex[3][HEX_MAX];
+  agent_start(&ex, NULL);
+  agent_start(&im, NULL);
+  AGENT_OK(&ex, "alloc 0 device 8192");
+  AGENT_OK(&ex, "evtimeout 300");
+  for (int i = 0; i < 3; i++) {
+    AGENT_OK(&ex, "fill 0 %d", 10 + i);
+    AGENT_OK(&ex, "exportrel 0");
+    snprintf(hex[i], sizeof(hex[i]), "%s", ex.reply);
+    AGENT_OK(&im, "openord 1 %s", hex[i]);
+    AGENT_OK(&im, "check 1 %d", 10 + i);
+    AGENT_OK(&im, "close 1");
+  }
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "3 0");
+  AGENT_OK(&im, "release 0 %s", hex[0]);
+  AGENT_OK(&im, "release 0 %s", hex[2]);
+  AGENT_OK(&im, "release 0 %s", hex[2]); /* counts once */
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "3 2");
+  /* One ticket is still out: the producer's wait times out, saying so. */
+  AGENT_ERR(&ex, USMIPC_ETIMEDOUT, "relwait 0");
+  ASSERT_MSG(strstr(ex.reply, "2 of 3") != NULL, "%s", ex.reply);
+  AGENT_OK(&im, "release 0 %s", hex[1]);
+  AGENT_OK(&ex, "relwait 0");
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "3 3");
+
+  /* Forged: a ticket never handed out, a wrong token. */
+  uint8_t b[4096];
+  size_t len = hex_to_bytes(hex[0], b, sizeof(b));
+  uint8_t *rel = record_of(b, len, USMIPC__EXT_RELEASE);
+  ASSERT_NOT_NULL(rel);
+  usmipc__put64le(rel + 8, 99);
+  reseal(b, len);
+  static char forged[HEX_MAX];
+  hex_encode(b, len, forged);
+  AGENT_ERR(&im, USMIPC_EBADHANDLE, "release 0 %s", forged);
+  usmipc__put64le(rel + 8, 1);
+  rel[16] ^= 1;
+  reseal(b, len);
+  hex_encode(b, len, forged);
+  AGENT_ERR(&im, USMIPC_EACCES, "release 0 %s", forged);
+  /* A handle that asks for no release. */
+  AGENT_OK(&ex, "exportord 0");
+  AGENT_ERR(&im, USMIPC_EINVAL, "release 0 %s", ex.reply);
+  /* The producer freed its handle: nobody waits any more. */
+  AGENT_OK(&ex, "free 0");
+  AGENT_ERR(&im, USMIPC_EEXPORTERGONE, "release 0 %s", hex[1]);
+  agent_stop_ok(&ex);
+  AGENT_ERR2(&im, USMIPC_EEXPORTERGONE, USMIPC_ETRANSPORT, "release 0 %s",
+             hex[1]);
+  agent_stop_ok(&im);
+  return 0;
+}
+
+/* In one process: the ticket is filed without the broker. */
+TEST_IMPL(event_release_same_process) {
+  SKIP_WITHOUT_EVENTS();
+  usmipc_device_t *dev = test_device();
+  usmipc_queue_t *q;
+  void *p, *m;
+  ASSERT_OK(usmipc_queue_create(dev, &q));
+  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &p));
+  usmipc_ipc_handle_t *h;
+  const void *data;
+  size_t len;
+  uint64_t sent, back;
+  ASSERT_OK(usmipc_ipc_get_handle(p, 0, &h));
+  ASSERT_OK(usmipc_ipc_handle_releases(h, &sent, &back));
+  ASSERT_UEQ(sent, 0);
+  ASSERT_OK(usmipc_ipc_handle_wait_released(h, q)); /* nothing handed out */
+  ASSERT_ERR(usmipc_ipc_handle_order_ex(h, q, 0x40), USMIPC_EINVAL);
+  ASSERT_OK(usmipc_ipc_handle_order_ex(h, q, USMIPC_ORDER_RELEASE));
+  ASSERT_OK(usmipc_ipc_handle_data(h, &data, &len));
+  uint8_t b[1024];
+  memcpy(b, data, len);
+  ASSERT_OK(usmipc_ipc_open_ex(b, len, NULL, 0, q, 0, &m, NULL));
+  ASSERT_OK(usmipc_ipc_release(b, len, q));
+  ASSERT_OK(usmipc_ipc_close(m));
+  ASSERT_OK(usmipc_ipc_handle_releases(h, &sent, &back));
+  ASSERT_UEQ(sent, 1);
+  ASSERT_UEQ(back, 1);
+  ASSERT_OK(usmipc_ipc_handle_wait_released(h, q));
+  ASSERT_OK(usmipc_ipc_handle_wait_released(h, NULL));
+  /* Host-only producer: a ticket without an ordering event. */
+  ASSERT_OK(usmipc_ipc_handle_order_ex(h, NULL, USMIPC_ORDER_RELEASE));
+  ASSERT_OK(usmipc_ipc_handle_data(h, &data, &len));
+  usmipc_ipc_handle_info_t info;
+  ASSERT_OK(usmipc_ipc_handle_inspect(data, len, &info));
+  ASSERT_EQ(info.is_ordered, 0);
+  memcpy(b, data, len);
+  ASSERT_OK(usmipc_ipc_release(b, len, NULL));
+  ASSERT_OK(usmipc_ipc_handle_wait_released(h, NULL));
+  ASSERT_OK(usmipc_ipc_free_handle(h));
+  ASSERT_ERR(usmipc_ipc_release(b, len, NULL), USMIPC_EEXPORTERGONE);
+  ASSERT_OK(usmipc_free(p));
+  ASSERT_OK(usmipc_queue_destroy(q));
+  return 0;
+}

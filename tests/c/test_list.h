@@ -107,7 +107,9 @@
   X(event_bad_handles)                                                         \
   X(event_forged_cross_process)                                                \
   X(event_fork_child)                                                          \
-  X(event_threads)
+  X(event_threads)                                                             \
+  X(event_release_cross_process)                                               \
+  X(event_release_same_process)
 
 #define HELPER_LIST(X) X(agent)
 
