@@ -362,6 +362,7 @@ typedef struct usmipc_ipc_handle_info {
   int is_event;            /* an event handle (usmipc_ipc_get_event_handle) */
   int is_ordered;       /* a memory handle that carries an event to wait for */
   uint64_t event_point; /* the record an event handle (or ordering) names */
+  uint64_t release_ticket; /* the ticket to return (usmipc_ipc_release), or 0 */
 } usmipc_ipc_handle_info_t;
 
 /* Validates handle bytes (as untrusted input) without opening them. */

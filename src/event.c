@@ -410,6 +410,19 @@ static void local_wire(const usmipc_event_t *ev, uint64_t point,
   w->is_event = true;
 }
 
+/* An event handle's record 0x8001 (its point, flags and kind) as w's only
+ * extension record. */
+static void put_event_record(usmipc__wire_t *w) {
+  uint8_t *r = w->ext;
+  usmipc__put16le(r, USMIPC__EXT_EVENT);
+  usmipc__put16le(r + 2, USMIPC__EVENT_RECORD_LEN);
+  memset(r + 4, 0, USMIPC__EVENT_RECORD_LEN);
+  usmipc__put64le(r + 4, w->event_point);
+  usmipc__put32le(r + 12, w->event_flags);
+  r[16] = w->event_kind;
+  w->ext_len = 4 + USMIPC__EVENT_RECORD_LEN;
+}
+
 /* ---- the ring of ordering events ------------------------------------------
  */
 
@@ -515,15 +528,7 @@ int usmipc_ipc_get_event_handle(usmipc_event_t *event,
   usmipc__wire_t w;
   if (rc == 0) {
     local_wire(event, event->points, &w);
-    /* The event record (0x8001) carries the point. */
-    uint8_t *r = w.ext;
-    usmipc__put16le(r, USMIPC__EXT_EVENT);
-    usmipc__put16le(r + 2, USMIPC__EVENT_RECORD_LEN);
-    memset(r + 4, 0, USMIPC__EVENT_RECORD_LEN);
-    usmipc__put64le(r + 4, w.event_point);
-    usmipc__put32le(r + 12, w.event_flags);
-    r[16] = w.event_kind;
-    w.ext_len = 4 + USMIPC__EVENT_RECORD_LEN;
+    put_event_record(&w);
   }
   pthread_mutex_unlock(&events_lock);
   if (rc != 0)
@@ -1216,14 +1221,7 @@ int usmipc__event_ring_handle(usmipc_queue_t *queue, uint8_t *out,
   pthread_mutex_unlock(&events_lock);
   if (rc != 0)
     return rc;
-  uint8_t *r = w.ext;
-  usmipc__put16le(r, USMIPC__EXT_EVENT);
-  usmipc__put16le(r + 2, USMIPC__EVENT_RECORD_LEN);
-  memset(r + 4, 0, USMIPC__EVENT_RECORD_LEN);
-  usmipc__put64le(r + 4, w.event_point);
-  usmipc__put32le(r + 12, w.event_flags);
-  r[16] = w.event_kind;
-  w.ext_len = 4 + USMIPC__EVENT_RECORD_LEN;
+  put_event_record(&w);
   *len = usmipc__wire_len(&w);
   usmipc__wire_encode(&w, out);
   return 0;

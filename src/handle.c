@@ -574,6 +574,7 @@ int usmipc_ipc_handle_inspect(const void *data, size_t len,
     info->is_event = w.is_event;
     info->is_ordered = w.order_len != 0;
     info->event_point = w.event_point;
+    info->release_ticket = w.has_release ? w.release_ticket : 0;
   }
   return 0;
 }
