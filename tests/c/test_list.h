@@ -106,7 +106,8 @@
   X(event_ordered_same_process)                                                \
   X(event_bad_handles)                                                         \
   X(event_forged_cross_process)                                                \
-  X(event_fork_child)
+  X(event_fork_child)                                                          \
+  X(event_import_sweep)
 
 #define HELPER_LIST(X) X(agent)
 
