@@ -481,6 +481,11 @@ TEST_IMPL(event_fork_child) {
  * exporter ever imported from kept its pidfd, its export table mapped and
  * (on a device) its opened event. */
 TEST_IMPL(event_import_sweep) {
+#if defined(__SANITIZE_THREAD__)
+  /* Each agent takes about a second to start and stop under TSan. */
+  RETURN_SKIP("150 exporter processes take minutes under ThreadSanitizer; "
+              "the plain and ASan builds run this test");
+#endif
   SKIP_WITHOUT_EVENTS();
   usmipc_device_t *dev = test_device();
   static char hex[HEX_MAX];
