@@ -496,7 +496,7 @@ def _memory_importer(conn, handles, nbytes):
             reads = []
             for kwargs in ({}, {"ordered": False}, {"stream": 0},
                            {"stream": Queue("host:cpu")},
-                           {"stream": Queue.from_stream(0)}):
+                           {"stream": Queue.from_stream(0, "host:cpu")}):
                 with IPCMemoryHandle.open(h, **kwargs) as m:
                     reads.append(m.copy_to_host() == pattern(nbytes, 1))
             out.append((info["is_ordered"], info["event_point"], reads))
@@ -585,7 +585,7 @@ def test_open_with_a_stream(host):
     mem.copy_from_host(pattern(4096, 4))
     h = IPCMemoryHandle(mem)
     q = Queue(host)
-    for stream in (q, 0, Queue.from_stream(0), None):
+    for stream in (q, 0, Queue.from_stream(0, host), None):
         with IPCMemoryHandle.open(h.to_bytes(), stream=stream) as m:
             assert m.device is host
             assert m.copy_to_host() == pattern(4096, 4)
