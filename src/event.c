@@ -611,8 +611,46 @@ static int check_target(const usmipc__wire_t *w, usmipc_device_t **device,
   return 0;
 }
 
+/* Unlinks the imported events that nobody holds and that can never be
+ * waited for again (their exporter exited, or destroyed the event);
+ * events_lock held. The caller frees them after unlocking (import_free):
+ * an entry pins its exporter's peer (a pidfd, the mapped export table)
+ * and, on a device, the opened backend event, so without this sweep every
+ * exporter an importer ever took an event from stayed pinned for good
+ * (idle peers are otherwise bounded by the registry's LRU). */
+static imported_t *import_sweep(void) {
+  imported_t *dead = NULL;
+  for (size_t b = 0; b < IMPORT_BUCKETS; b++)
+    for (imported_t **pp = &imports[b]; *pp != NULL;) {
+      imported_t *e = *pp;
+      if (e->refs == 0 &&
+          !usmipc__peer_slot_live(e->peer, e->slot, e->id, e->tag)) {
+        *pp = e->next;
+        e->next = dead;
+        dead = e;
+      } else {
+        pp = &e->next;
+      }
+    }
+  return dead;
+}
+
+/* Frees what import_sweep unlinked; events_lock NOT held. */
+static void import_free(imported_t *dead) {
+  while (dead != NULL) {
+    imported_t *next = dead->next;
+    if (dead->native != NULL)
+      dead->device->ops->event_close(dead->device->native, dead->native);
+    usmipc__peer_put(dead->peer);
+    free(dead);
+    dead = next;
+  }
+}
+
 /* Finds or opens the imported event of w on device, with a reference;
- * events_lock NOT held. */
+ * events_lock NOT held. A miss first sweeps the dead entries out of the
+ * cache (a walk of its buckets, next to the exporter round trip a miss
+ * costs). */
 static int import_get(const usmipc__wire_t *w, usmipc_device_t *device,
                       usmipc_device_t *owner, imported_t **out) {
   uint64_t tag = usmipc__slot_tag(w->key, w->token);
@@ -643,7 +681,9 @@ static int import_get(const usmipc__wire_t *w, usmipc_device_t *device,
     *out = rc == 0 ? e : NULL;
     return rc;
   }
+  imported_t *dead = import_sweep();
   pthread_mutex_unlock(&events_lock);
+  import_free(dead);
 
   uint64_t deadline = usmipc__deadline_after_timeout();
   usmipc__peer_t *peer = NULL;

@@ -1,6 +1,6 @@
 """usmipc: zero-copy sharing of accelerator memory between processes.
 
-Devices, queues and errors live here; memory and IPC handles in
+Devices, queues, events and errors live here; memory and IPC handles in
 :mod:`usmipc.memory` (the layout of dpctl, whose Python API usmipc mirrors)::
 
     import usmipc
@@ -11,6 +11,13 @@ Devices, queues and errors live here; memory and IPC handles in
     raw = IPCMemoryHandle(mem).to_bytes()      # send to another process
     m2 = IPCMemoryHandle.open(raw, d)          # ... which maps the memory
     IPCMemoryHandle.close_mapping(m2)
+
+Handles are ordered by default: each ``to_bytes()`` records a fresh event on
+the producer's queue, and ``open()`` waits for it (on the host, or on the
+device with ``stream=``), so the importer never sees the data before the
+producer's work on it is done. ``Event`` and ``IPCEventHandle`` order work
+across processes by hand; ``Queue.from_stream()`` wraps a torch, CuPy or
+``__cuda_stream__`` stream (every ``stream=`` argument takes the same).
 """
 
 from usmipc._usmipc import (
@@ -18,12 +25,15 @@ from usmipc._usmipc import (
     VERSION_HEX,
     Device,
     Error,
+    Event,
+    IPCEventHandle,
     IPCTimeoutError,
     Queue,
     __version__,
     backends,
     errorcode,
     get_devices,
+    set_event_timeout,
     set_ipc_cache_bytes,
     set_ipc_cache_size,
     set_ipc_timeout,
@@ -49,6 +59,8 @@ globals().update({name: getattr(_usmipc, name)
 __all__ = [
     "Device",
     "Error",
+    "Event",
+    "IPCEventHandle",
     "IPCTimeoutError",
     "Queue",
     "__version__",
@@ -56,6 +68,7 @@ __all__ = [
     "errorcode",
     "get_devices",
     "memory",
+    "set_event_timeout",
     "set_ipc_cache_bytes",
     "set_ipc_cache_size",
     "set_ipc_timeout",

@@ -2,13 +2,16 @@
 
 ``MemoryUSMDevice``, ``MemoryUSMHost`` and ``MemoryUSMShared`` allocate USM
 memory of the three kinds; ``IPCMemoryHandle`` exports device memory and maps
-it in another process as a ``MemoryIPCDevice``. All are C types from
-``usmipc._usmipc``; this module only gathers them (dpctl's ``dpctl.memory``
-layout).
+it in another process as a ``MemoryIPCDevice``; its bytes are ordered by
+default (importers wait for the producer's work before the handoff).
+``IPCEventHandle`` (also ``usmipc.IPCEventHandle``) shares a ``usmipc.Event``
+the same way. All are C types from ``usmipc._usmipc``; this module only
+gathers them (dpctl's ``dpctl.memory`` layout).
 """
 
 from usmipc._usmipc import (
     Device,
+    IPCEventHandle,
     IPCMemoryHandle,
     MemoryIPCDevice,
     MemoryUSMDevice,
@@ -18,6 +21,7 @@ from usmipc._usmipc import (
 )
 
 __all__ = [
+    "IPCEventHandle",
     "IPCMemoryHandle",
     "MemoryIPCDevice",
     "MemoryUSMDevice",

@@ -631,3 +631,45 @@ TEST_IMPL(event_release_same_process) {
   ASSERT_OK(usmipc_queue_destroy(q));
   return 0;
 }
+
+/* Events imported from exporters that exited do not stay pinned: the
+ * import cache drops such entries at its next miss, so an importer that
+ * takes events from many short-lived processes keeps no more descriptors
+ * than the registry's idle peers (64), as memory imports do. Before, each
+ * exporter ever imported from kept its pidfd, its export table mapped and
+ * (on a device) its opened event. */
+TEST_IMPL(event_import_sweep) {
+#if defined(__SANITIZE_THREAD__)
+  /* Each agent takes about a second to start and stop under TSan. */
+  RETURN_SKIP("150 exporter processes take minutes under ThreadSanitizer; "
+              "the plain and ASan builds run this test");
+#endif
+  SKIP_WITHOUT_EVENTS();
+  usmipc_device_t *dev = test_device();
+  static char hex[HEX_MAX];
+  const int exporters = 150;
+  size_t fds0 = 0;
+  for (int i = 0; i < exporters; i++) {
+    agent_t ex;
+    agent_start(&ex, NULL);
+    AGENT_OK(&ex, "evcreate 0");
+    AGENT_OK(&ex, "evrecord 0");
+    AGENT_OK(&ex, "evhandle 0");
+    snprintf(hex, sizeof(hex), "%s", ex.reply);
+    uint8_t b[4096];
+    size_t len = hex_to_bytes(hex, b, sizeof(b));
+    usmipc_event_t *view;
+    ASSERT_OK(usmipc_ipc_open_event(b, len, dev, &view));
+    ASSERT_OK(usmipc_event_synchronize(view));
+    ASSERT_OK(usmipc_event_destroy(view));
+    agent_stop_ok(&ex);
+    if (i == 0)
+      fds0 = count_fds();
+  }
+  size_t fds = count_fds();
+  ASSERT_MSG(fds < fds0 + 80,
+             "%zu descriptors after importing from %d exporters that exited "
+             "(%zu after the first): imports pin dead exporters",
+             fds, exporters, fds0);
+  return 0;
+}

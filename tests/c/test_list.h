@@ -109,7 +109,8 @@
   X(event_fork_child)                                                          \
   X(event_threads)                                                             \
   X(event_release_cross_process)                                               \
-  X(event_release_same_process)
+  X(event_release_same_process)                                                \
+  X(event_import_sweep)
 
 #define HELPER_LIST(X) X(agent)
 

@@ -38,7 +38,9 @@ def test_demo_on_the_host(transport, host):
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert out.rstrip().endswith("demo OK")
-    assert "handle size:  216 bytes" in out
+    # ordered by default: the 216 bytes of a host handle and the 72-byte
+    # record of the event importers wait for
+    assert "handle size:  288 bytes" in out
     assert f"opened size:  100000 bytes on {host.name}" in out
     assert f"fd transport: {transport or 'auto'}" in out
     for label in ("export:", "open:", "re-open:", "close:"):
@@ -71,7 +73,7 @@ def test_seed_example_on_the_host(host):
     result = run_python(SEED_EXAMPLE)
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout.decode().splitlines() == [
-        "IPC handle: 216 bytes",
+        "IPC handle: 288 bytes",  # 216 + the ordering record
         f"Opened: 4096 bytes on {host.name}",
         "close OK",
     ]

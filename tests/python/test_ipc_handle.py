@@ -40,7 +40,8 @@ def test_only_device_memory_can_be_exported(make, host):
 
 
 def test_handle_metadata(exported, host):
-    mem, h = exported
+    mem, _ = exported
+    h = IPCMemoryHandle(mem, ordered=False)  # stable bytes, no event
     raw = h.to_bytes()
     assert isinstance(raw, bytes) and bytes(h) == raw
     assert raw.startswith(MAGIC)
@@ -57,7 +58,10 @@ def test_handle_metadata(exported, host):
     assert info["nbytes"] == 4096 and info["offset"] == 0
     assert info["device_uuid"] == host.uuid and info["length"] == len(raw)
     assert info["buffer_id"] == h.buffer_id
-    assert "4096 bytes" in repr(h)
+    assert info["is_ordered"] is False and info["is_event"] is False
+    assert info["event_point"] == 0
+    assert "4096 bytes" in repr(h) and "ordered" not in repr(h)
+    assert h.ordered is False and h.queue is None
 
 
 def test_handle_keeps_the_memory_alive(host):
@@ -101,12 +105,18 @@ def test_availability(host):
 # ---- pickling --------------------------------------------------------------
 
 
-def test_pickle_round_trip(exported, host):
-    mem, h = exported
+@pytest.mark.parametrize("ordered", [True, False])
+def test_pickle_round_trip(ordered, exported, host):
+    mem, _ = exported
+    h = IPCMemoryHandle(mem, ordered=ordered)
     for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
         h2 = pickle.loads(pickle.dumps(h, protocol=protocol))
         assert type(h2) is IPCMemoryHandle
-        assert h2.to_bytes() == h.to_bytes()
+        assert h2.ordered is ordered
+        # an ordered handle pickles a fresh handoff each time; the copy
+        # carries those bytes as they are
+        assert h2.to_bytes() == h2.to_bytes()
+        assert (h2.to_bytes() == h.to_bytes()) is not ordered
         assert h2 == h and hash(h2) == hash(h)
         assert h2.memory is None  # only the bytes travel
         assert h2.nbytes == 4096 and h2.device is host

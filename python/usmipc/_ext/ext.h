@@ -2,8 +2,9 @@
  *
  * One C file per Python type (python-zstandard's layout): module.c (module
  * state, errors, module functions), device.c, queue.c, memory.c,
- * ipc_handle.c. Each type file has an init function that creates its heap
- * type with PyType_FromModuleAndSpec and stores it in the module state.
+ * ipc_handle.c, event.c (Event and IPCEventHandle). Each type file has an init
+ * function that creates its heap type with PyType_FromModuleAndSpec and stores
+ * it in the module state.
  *
  * The extension is built against the limited API of CPython 3.11
  * (Py_LIMITED_API=0x030B0000, abi3): no struct access to PyTypeObject, no
@@ -25,8 +26,9 @@
  * and the device's default Queue, created on first use. */
 typedef struct usmipc_device_slot {
   usmipc_device_t *device;
-  PyObject *device_obj; /* strong: usmipc.Device */
-  PyObject *queue_obj;  /* strong or NULL: usmipc.Queue, the default queue */
+  PyObject *device_obj;   /* strong: usmipc.Device */
+  PyObject *queue_obj;    /* strong or NULL: usmipc.Queue, the default queue */
+  signed char has_events; /* -1 not probed yet, else 0 or 1 */
 } usmipc_device_slot_t;
 
 typedef struct usmipc_module_state {
@@ -40,6 +42,8 @@ typedef struct usmipc_module_state {
   PyTypeObject *MemoryUSMSharedType;
   PyTypeObject *MemoryIPCDeviceType;
   PyTypeObject *IPCMemoryHandleType;
+  PyTypeObject *EventType;
+  PyTypeObject *IPCEventHandleType;
 
   usmipc_device_slot_t *slots;
   Py_ssize_t nslots;
@@ -75,6 +79,10 @@ PyObject *usmipc_device_object(usmipc_module_state_t *st,
                                usmipc_device_t *device);
 /* The default Queue of a Device object, created on first use (new ref). */
 PyObject *usmipc_default_queue(usmipc_module_state_t *st, PyObject *device_obj);
+/* 1 if the device's backend has events (so memory handles can be ordered),
+ * 0 if not (USMIPC_ENOTSUP: Level Zero for now), -1 with an exception set.
+ * Probed once per device with an event created and destroyed. */
+int usmipc_device_has_events(usmipc_module_state_t *st, PyObject *device_obj);
 
 /* A minimal parser for METH_FASTCALL | METH_KEYWORDS arguments (the limited
  * API has no _PyArg_Parser): fills out[0..nnames) with borrowed references
@@ -107,11 +115,36 @@ PyObject *usmipc_device_from_arg(usmipc_module_state_t *st, PyObject *arg);
 typedef struct usmipc_queue_object {
   PyObject_HEAD usmipc_queue_t *queue;
   PyObject *device; /* usmipc.Device */
+  /* For a queue wrapping another library's stream (Queue.from_stream): the
+   * Python object owning that stream, kept alive as long as the wrapper
+   * (the wrapper does not own the native stream). NULL otherwise. */
+  PyObject *stream;
 } usmipc_queue_object_t;
 
 int usmipc_init_queue_type(PyObject *module, usmipc_module_state_t *st);
 /* A new Queue on a Device object. */
 PyObject *usmipc_queue_new(usmipc_module_state_t *st, PyObject *device_obj);
+/* The one resolver behind every stream= argument and Queue.from_stream:
+ * obj is a usmipc.Queue (returned as is), a torch.cuda.Stream, a CuPy
+ * stream, an object with __cuda_stream__, or an int (a native stream
+ * handle: a CUstream on CUDA, 0 the legacy default stream). device (a
+ * Device object, or NULL) is the device= the caller gave: it overrides the
+ * CUDA ordinal a stream object names. fallback (a Device object, or NULL)
+ * is the device of the operation (the event, the memory), used for ints
+ * and for stream objects that do not name their GPU. what names the
+ * caller in messages ("Event.record()"). A new reference, or NULL with an
+ * exception set. Imports nothing: torch and CuPy objects are recognized
+ * by their type's module. */
+PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
+                                   PyObject *device, PyObject *fallback,
+                                   const char *what);
+/* 1 if the module of obj's type is package or one of its submodules
+ * ("torch" for torch.cuda.streams.Stream); never imports anything. */
+int usmipc_type_module_is(PyObject *obj, const char *package);
+/* A Queue wrapping the native stream handle native on device_obj, keeping
+ * keep (or NULL) alive; ValueError for a non-zero handle on the host. */
+PyObject *usmipc_queue_wrap(usmipc_module_state_t *st, PyObject *device_obj,
+                            void *native, PyObject *keep, const char *what);
 
 /* ---- memory.c ------------------------------------------------------------ */
 
@@ -129,6 +162,13 @@ typedef struct usmipc_memory_object {
   Py_ssize_t exports;
   PyObject *device; /* usmipc.Device */
   PyObject *queue;  /* usmipc.Queue, or NULL until first needed (mappings) */
+  /* Mappings opened with a device-side wait (IPCMemoryHandle.open with a
+   * stream, ordered): the handle bytes, from which __dlpack__(stream=...)
+   * opens the producer's event on first need (order_event) to make the
+   * consumer's stream wait for it too. Both NULL otherwise, and
+   * order_handle is dropped once known to carry no event. */
+  PyObject *order_handle;
+  usmipc_event_t *order_event;
 } usmipc_memory_object_t;
 
 int usmipc_init_memory_types(PyObject *module, usmipc_module_state_t *st);
@@ -147,6 +187,10 @@ int usmipc_mapping_close(usmipc_module_state_t *st,
 int usmipc_memory_begin(usmipc_memory_object_t *mem);
 /* Ends it, performing a close requested meanwhile. 0 or -1. */
 int usmipc_memory_end(usmipc_memory_object_t *mem);
+/* The Queue object the memory's copies use (its own, or for a mapping its
+ * device's default queue, made on first use). Borrowed; NULL with an
+ * exception set. */
+PyObject *usmipc_memory_queue_object(usmipc_memory_object_t *mem);
 
 /* ---- interop.c ----------------------------------------------------------- */
 
@@ -172,5 +216,29 @@ int usmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
 /* ---- ipc_handle.c -------------------------------------------------------- */
 
 int usmipc_init_ipc_handle_type(PyObject *module, usmipc_module_state_t *st);
+/* The Device object a handle's info names, if this process has it (new
+ * reference); Py_None (new reference) if not; NULL with an exception. */
+PyObject *usmipc_device_of_info(usmipc_module_state_t *st,
+                                const usmipc_ipc_handle_info_t *info);
+/* The info dict of IPCMemoryHandle.inspect() (shared with IPCEventHandle). */
+PyObject *usmipc_handle_info_dict(const usmipc_ipc_handle_info_t *info,
+                                  Py_ssize_t len);
+/* The raw bytes of handle bytes given as bytes or any buffer: 1 with
+ * *data and *len set (and, for a buffer, *view filled and *have_view set:
+ * release it), 0 if obj is neither, -1 with an exception set. */
+int usmipc_buffer_bytes(PyObject *obj, const char **data, Py_ssize_t *len,
+                        Py_buffer *view, int *have_view);
+
+/* ---- event.c ------------------------------------------------------------- */
+
+typedef struct usmipc_event_object {
+  PyObject_HEAD usmipc_event_t *event;
+  PyObject *device; /* usmipc.Device */
+  char opened;      /* opened from a handle: waits only, cannot record */
+} usmipc_event_object_t;
+
+int usmipc_init_event_types(PyObject *module, usmipc_module_state_t *st);
+/* usmipc.set_event_timeout(seconds) (module.c's method table). */
+PyObject *usmipc_set_event_timeout(PyObject *module, PyObject *arg);
 
 #endif /* USMIPC_PY_EXT_H */

@@ -17,6 +17,14 @@
  * managed tensor moved into an internal capsule whose destructor calls the
  * producer's deleter).
  *
+ * A mapping opened with a device-side wait (IPCMemoryHandle.open with a
+ * stream) keeps its handle bytes: __dlpack__(stream=...) then makes the
+ * consumer's stream wait for the producer's event as well, as the DLPack
+ * protocol asks of a producer (the event is opened on first need). Other
+ * memory needs no synchronization: usmipc's own copies and fills have
+ * completed when they return, and a mapping opened with a host wait was
+ * complete when open() returned.
+ *
  * The DLPack structures below are copied from dlpack.h (v1.0; its ABI is
  * stable), so the build needs no extra header.
  */
@@ -177,6 +185,113 @@ static void dl_capsule_destructor(PyObject *capsule) {
   PyErr_Restore(type, value, traceback);
 }
 
+/* The consumer's stream of __dlpack__ as a Queue (new reference), or
+ * Py_None when no synchronization is asked for. On CUDA (DLPack's
+ * device-specific notes): None is the legacy default stream, as is 1; 2 the
+ * per-thread default stream; -1 asks for no synchronization; other ints
+ * are CUstreams (0, which the protocol disallows as ambiguous, is taken as
+ * the legacy default stream). Elsewhere None asks for nothing and other
+ * values go through the stream resolver (a usmipc.Queue, ...). */
+static PyObject *dlpack_stream_queue(usmipc_memory_object_t *mem,
+                                     PyObject *stream, int32_t device_type) {
+  usmipc_module_state_t *st = usmipc_state_from_device(mem->device);
+  int is_int = stream != NULL && PyLong_Check(stream) && !PyBool_Check(stream);
+  if (is_int) {
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(stream, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+      return NULL;
+    }
+    if (overflow == 0 && v == -1) {
+      Py_RETURN_NONE;
+    }
+    if (overflow < 0 || (overflow == 0 && v < -1)) {
+      PyErr_Format(PyExc_BufferError,
+                   "__dlpack__: stream must be None, -1 or a positive int "
+                   "(DLPack), not %R",
+                   stream);
+      return NULL;
+    }
+  }
+  if (device_type == kDLCUDA || device_type == kDLCUDAManaged) {
+    if (stream == NULL || stream == Py_None) {
+      return usmipc_queue_wrap(st, mem->device, NULL, NULL, "__dlpack__()");
+    }
+    if (is_int) {
+      unsigned long long v = PyLong_AsUnsignedLongLong(stream);
+      if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+      }
+      void *native = v <= 1 ? NULL : (void *)(uintptr_t)v;
+      return usmipc_queue_wrap(st, mem->device, native, NULL, "__dlpack__()");
+    }
+  } else if (stream == NULL || stream == Py_None) {
+    Py_RETURN_NONE;
+  }
+  return usmipc_queue_from_stream(st, stream, NULL, mem->device,
+                                  "__dlpack__()");
+}
+
+/* Makes the consumer's stream wait for the producer's event of an ordered
+ * mapping opened with a device-side wait; the event is opened on the first
+ * call that needs it. 0, or -1 with an exception set. */
+static int dlpack_sync(usmipc_memory_object_t *mem, PyObject *stream,
+                       int32_t device_type) {
+  PyObject *queue_obj = dlpack_stream_queue(mem, stream, device_type);
+  if (queue_obj == NULL) {
+    return -1;
+  }
+  if (queue_obj == Py_None) {
+    Py_DECREF(queue_obj);
+    return 0;
+  }
+  usmipc_module_state_t *st = usmipc_state_from_device(mem->device);
+  usmipc_device_t *device = ((usmipc_device_object_t *)mem->device)->device;
+  int rc = 0;
+  if (mem->order_event == NULL && mem->order_handle != NULL) {
+    PyObject *bytes = Py_NewRef(mem->order_handle);
+    char *data;
+    Py_ssize_t len;
+    if (PyBytes_AsStringAndSize(bytes, &data, &len) < 0) {
+      Py_DECREF(bytes);
+      Py_DECREF(queue_obj);
+      return -1;
+    }
+    usmipc_event_t *event = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = usmipc_ipc_open_handle_event(data, (size_t)len, device, &event);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(bytes);
+    if (rc < 0) {
+      Py_DECREF(queue_obj);
+      usmipc_raise(st, rc);
+      return -1;
+    }
+    if (mem->order_event != NULL) {
+      /* another thread opened it meanwhile */
+      Py_BEGIN_ALLOW_THREADS
+      usmipc_event_destroy(event);
+      Py_END_ALLOW_THREADS
+    } else {
+      mem->order_event = event; /* NULL: the handle was not ordered */
+      Py_CLEAR(mem->order_handle);
+    }
+  }
+  usmipc_event_t *event = mem->order_event;
+  if (event != NULL) {
+    usmipc_queue_t *queue = ((usmipc_queue_object_t *)queue_obj)->queue;
+    Py_BEGIN_ALLOW_THREADS
+    rc = usmipc_event_wait(event, queue);
+    Py_END_ALLOW_THREADS
+  }
+  Py_DECREF(queue_obj);
+  if (rc < 0) {
+    usmipc_raise(st, rc);
+    return -1;
+  }
+  return 0;
+}
+
 static int parse_int_pair(PyObject *obj, const char *what, long *a, long *b) {
   if (!PyTuple_Check(obj) || PyTuple_Size(obj) != 2) {
     PyErr_Format(PyExc_TypeError, "%s must be a tuple of two ints", what);
@@ -243,10 +358,14 @@ PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
                     "stream must be None for memory on the CPU");
     return NULL;
   }
-  /* Other streams need no synchronization: every copy and fill of usmipc's
-   * memory objects has completed when the call returns. */
-
   if (usmipc_memory_begin(mem) < 0) {
+    return NULL;
+  }
+  /* Only mappings opened with a device-side wait need synchronization. */
+  if ((mem->order_handle != NULL || mem->order_event != NULL) &&
+      dev.device_type != kDLCPU &&
+      dlpack_sync(mem, a[0], dev.device_type) < 0) {
+    (void)usmipc_memory_end(mem);
     return NULL;
   }
   dl_context_t *ctx = malloc(sizeof(*ctx));

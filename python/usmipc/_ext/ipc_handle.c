@@ -1,6 +1,16 @@
 /* usmipc.memory.IPCMemoryHandle: the exporter's side (IPCMemoryHandle(mem),
  * to_bytes(), pickling) and the importer's (open, close_mapping).
  *
+ * Ordering (the default where the device's backend has events): the handle
+ * keeps the queue the producer's work runs on (stream=, else the memory's
+ * own queue, a torch tensor's current stream, a CuPy array's current
+ * stream), and every handoff (to_bytes(), pickling, open() of the handle
+ * object) records a fresh event there with usmipc_ipc_handle_order, so
+ * the importer waits for the work submitted before that handoff. The
+ * ordering runs without the GIL, one thread at a time per handle (the
+ * library's handle is ordered by one thread at a time). ordered=False
+ * keeps the old path: to_bytes() returns the same bytes object each time.
+ *
  * An exported handle holds the memory object it was taken from, so the
  * allocation outlives the handle's bytes for as long as the handle lives,
  * and keeps the library's handle until it dies. Another library's tensor
@@ -17,14 +27,25 @@
 #include <stddef.h>
 #include <structmember.h>
 
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct handle_object {
   PyObject_HEAD PyObject *memory; /* the exported memory object, or NULL */
   PyObject *tensor; /* capsule owning a consumed DLPack tensor, or NULL */
-  PyObject *data;   /* bytes: the serialized handle */
+  /* bytes: the serialized handle, unordered for an exported handle; the
+   * bytes given for one made from bytes */
+  PyObject *data;
   usmipc_ipc_handle_t *handle; /* the library's handle, or NULL */
+  /* Ordered exported handles: the usmipc.Queue each handoff records on,
+   * the bytes of the latest handoff (or NULL), and the lock that makes one
+   * thread at a time order the library's handle (taken without the GIL). */
+  PyObject *order_queue;
+  PyObject *last;
+  pthread_mutex_t order_lock;
+  char lock_ready;
   usmipc_ipc_handle_info_t info;
 } Handle;
 
@@ -114,15 +135,168 @@ static PyObject *export_memory(PyTypeObject *type, usmipc_module_state_t *st,
   return (PyObject *)self;
 }
 
+/* The current stream of another library's array, for ordering its
+ * handoffs: torch.cuda.current_stream(tensor.device) for a torch tensor,
+ * cupy.cuda.get_current_stream() for a CuPy array (modules already
+ * imported, since the array exists). New reference; Py_None for other
+ * arrays; NULL with an exception set. */
+static PyObject *foreign_current_stream(PyObject *obj) {
+  if (usmipc_type_module_is(obj, "torch")) {
+    PyObject *device = PyObject_GetAttrString(obj, "device");
+    if (device == NULL) {
+      return NULL;
+    }
+    PyObject *kind = PyObject_GetAttrString(device, "type");
+    int is_cuda = kind != NULL && PyUnicode_Check(kind) &&
+                  PyUnicode_CompareWithASCIIString(kind, "cuda") == 0;
+    Py_XDECREF(kind);
+    if (!is_cuda) {
+      Py_DECREF(device);
+      if (PyErr_Occurred()) {
+        return NULL;
+      }
+      Py_RETURN_NONE;
+    }
+    PyObject *torch = PyImport_ImportModule("torch");
+    PyObject *cuda = torch ? PyObject_GetAttrString(torch, "cuda") : NULL;
+    PyObject *stream =
+        cuda ? PyObject_CallMethod(cuda, "current_stream", "O", device) : NULL;
+    Py_XDECREF(cuda);
+    Py_XDECREF(torch);
+    Py_DECREF(device);
+    return stream;
+  }
+  if (usmipc_type_module_is(obj, "cupy")) {
+    PyObject *cupy = PyImport_ImportModule("cupy");
+    PyObject *cuda = cupy ? PyObject_GetAttrString(cupy, "cuda") : NULL;
+    PyObject *get =
+        cuda ? PyObject_GetAttrString(cuda, "get_current_stream") : NULL;
+    Py_XDECREF(cuda);
+    Py_XDECREF(cupy);
+    if (get == NULL) {
+      return NULL;
+    }
+    /* The array's device's current stream where CuPy takes a device id. */
+    PyObject *stream = NULL;
+    PyObject *device = PyObject_GetAttrString(obj, "device");
+    PyObject *id = device ? PyObject_GetAttrString(device, "id") : NULL;
+    Py_XDECREF(device);
+    if (id != NULL) {
+      stream = PyObject_CallFunctionObjArgs(get, id, NULL);
+      Py_DECREF(id);
+      if (stream == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+      }
+    } else {
+      PyErr_Clear();
+    }
+    if (stream == NULL && !PyErr_Occurred()) {
+      stream = PyObject_CallNoArgs(get);
+    }
+    Py_DECREF(get);
+    return stream;
+  }
+  Py_RETURN_NONE;
+}
+
+/* Makes a new exported handle ordered (or leaves it unordered): ordered is
+ * 1 (asked for), 0 (ordered=False) or -1 (the default: ordered where the
+ * device's backend has events). device is the memory's Device; mem the
+ * usmipc memory object, or NULL for another library's array obj. 0 or -1. */
+static int setup_order(usmipc_module_state_t *st, Handle *self,
+                       PyObject *stream, int ordered, PyObject *device,
+                       usmipc_memory_object_t *mem, PyObject *obj) {
+  if (ordered == 0) {
+    if (stream != NULL) {
+      PyErr_SetString(PyExc_ValueError,
+                      "IPCMemoryHandle(): stream= is the queue each handoff "
+                      "is ordered on, so it cannot go with ordered=False; "
+                      "drop one of them");
+      return -1;
+    }
+    return 0;
+  }
+  if (stream != NULL) {
+    ordered = 1; /* a stream asks for ordering */
+  }
+  int has = usmipc_device_has_events(st, device);
+  if (has < 0) {
+    return -1;
+  }
+  if (!has) {
+    if (ordered < 0) {
+      return 0; /* no events on this backend: plain handles, as before */
+    }
+    usmipc_device_t *d = ((usmipc_device_object_t *)device)->device;
+    char message[320];
+    snprintf(message, sizeof(message),
+             "IPCMemoryHandle(): %s devices do not support events yet, so "
+             "the handle cannot make importers wait for the producer's "
+             "work; pass ordered=False and synchronize that work before "
+             "sending the bytes",
+             usmipc_backend_name(usmipc_device_backend(d)));
+    usmipc_raise_msg(st, USMIPC_ENOTSUP, message);
+    return -1;
+  }
+  PyObject *queue = NULL;
+  if (stream != NULL) {
+    queue =
+        usmipc_queue_from_stream(st, stream, NULL, device, "IPCMemoryHandle()");
+  } else if (mem != NULL) {
+    queue = Py_XNewRef(usmipc_memory_queue_object(mem));
+  } else {
+    PyObject *current = foreign_current_stream(obj);
+    if (current == NULL) {
+      return -1;
+    }
+    if (current != Py_None) {
+      queue = usmipc_queue_from_stream(st, current, NULL, device,
+                                       "IPCMemoryHandle()");
+    } else if (usmipc_device_backend(
+                   ((usmipc_device_object_t *)device)->device) ==
+               USMIPC_BACKEND_CUDA) {
+      /* An array of a library whose streams usmipc does not know: the
+       * legacy default stream, which waits for the work of every blocking
+       * stream of the context. */
+      queue = usmipc_queue_wrap(st, device, NULL, NULL, "IPCMemoryHandle()");
+    } else {
+      queue = usmipc_default_queue(st, device);
+    }
+    Py_DECREF(current);
+  }
+  if (queue == NULL) {
+    return -1;
+  }
+  if (pthread_mutex_init(&self->order_lock, NULL) != 0) {
+    Py_DECREF(queue);
+    PyErr_SetString(PyExc_RuntimeError,
+                    "IPCMemoryHandle(): could not initialize a mutex");
+    return -1;
+  }
+  self->lock_ready = 1;
+  self->order_queue = queue;
+  return 0;
+}
+
 static PyObject *handle_new(PyTypeObject *type, PyObject *args,
                             PyObject *kwds) {
-  static char *kwlist[] = {"memory", "offset", "nbytes", NULL};
+  static char *kwlist[] = {"memory", "offset",  "nbytes",
+                           "stream", "ordered", NULL};
   PyObject *mem_obj;
   Py_ssize_t offset = 0;
   PyObject *nbytes_obj = Py_None;
+  PyObject *stream = NULL, *ordered_obj = NULL;
   Py_ssize_t nbytes;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$nO:IPCMemoryHandle", kwlist,
-                                   &mem_obj, &offset, &nbytes_obj)) {
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|nO$OO:IPCMemoryHandle",
+                                   kwlist, &mem_obj, &offset, &nbytes_obj,
+                                   &stream, &ordered_obj)) {
+    return NULL;
+  }
+  if (stream == Py_None) {
+    stream = NULL;
+  }
+  int ordered = -1;
+  if (ordered_obj != NULL && (ordered = PyObject_IsTrue(ordered_obj)) < 0) {
     return NULL;
   }
   usmipc_module_state_t *st = usmipc_state_from_type(type);
@@ -159,6 +333,22 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
                              (const char *)ptr + offset, nbytes);
     }
     Py_XDECREF(tensor); /* on failure, gives the tensor back to its producer */
+    if (handle != NULL && ordered != 0) {
+      PyObject *device = usmipc_device_of_info(st, &((Handle *)handle)->info);
+      int rc = device == NULL ? -1
+               : device == Py_None
+                   ? 0 /* exported, yet not a device of ours: unordered */
+                   : setup_order(st, (Handle *)handle, stream, ordered, device,
+                                 NULL, mem_obj);
+      Py_XDECREF(device);
+      if (rc < 0) {
+        Py_CLEAR(handle);
+      }
+    } else if (handle != NULL && stream != NULL) {
+      if (setup_order(st, (Handle *)handle, stream, 0, NULL, NULL, NULL) < 0) {
+        Py_CLEAR(handle);
+      }
+    }
     return handle;
   }
 
@@ -195,16 +385,63 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
   if (export_range(mem->nbytes, offset, nbytes_obj, &nbytes) < 0) {
     return NULL;
   }
-  return export_memory(type, st, mem_obj, NULL, mem,
-                       (const char *)mem->ptr + offset, nbytes);
+  PyObject *handle = export_memory(type, st, mem_obj, NULL, mem,
+                                   (const char *)mem->ptr + offset, nbytes);
+  if (handle != NULL && setup_order(st, (Handle *)handle, stream, ordered,
+                                    mem->device, mem, mem_obj) < 0) {
+    Py_CLEAR(handle);
+  }
+  return handle;
 }
 
-/* Borrowed pointer and length of handle bytes given as bytes, an
- * IPCMemoryHandle or any buffer; *view is filled (and must be released)
- * only in the last case, *have_view says so. */
-static int handle_bytes(usmipc_module_state_t *st, PyObject *obj,
-                        const char **data, Py_ssize_t *len, Py_buffer *view,
-                        int *have_view) {
+/* The bytes of the next handoff (new reference): for an ordered exported
+ * handle, freshly ordered on its queue (without the GIL); otherwise the
+ * handle's bytes, the same object each time. */
+static PyObject *handle_current_bytes(Handle *self) {
+  if (self->order_queue == NULL || self->handle == NULL) {
+    return Py_NewRef(self->data);
+  }
+  PyObject *queue_obj = Py_NewRef(self->order_queue);
+  usmipc_queue_t *queue = ((usmipc_queue_object_t *)queue_obj)->queue;
+  usmipc_ipc_handle_t *handle = self->handle;
+  char *copy = NULL;
+  size_t len = 0;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  pthread_mutex_lock(&self->order_lock);
+  const void *data = NULL;
+  rc = usmipc_ipc_handle_order(handle, queue);
+  if (rc == 0) {
+    rc = usmipc_ipc_handle_data(handle, &data, &len);
+  }
+  if (rc == 0) {
+    copy = malloc(len);
+    if (copy != NULL) {
+      memcpy(copy, data, len);
+    }
+  }
+  pthread_mutex_unlock(&self->order_lock);
+  Py_END_ALLOW_THREADS
+  Py_DECREF(queue_obj);
+  if (rc < 0) {
+    PyObject *device = ((usmipc_queue_object_t *)self->order_queue)->device;
+    return usmipc_raise(usmipc_state_from_device(device), rc);
+  }
+  if (copy == NULL) {
+    return PyErr_NoMemory();
+  }
+  PyObject *bytes = PyBytes_FromStringAndSize(copy, (Py_ssize_t)len);
+  free(copy);
+  if (bytes != NULL) {
+    PyObject *old = self->last;
+    self->last = Py_NewRef(bytes);
+    Py_XDECREF(old);
+  }
+  return bytes;
+}
+
+int usmipc_buffer_bytes(PyObject *obj, const char **data, Py_ssize_t *len,
+                        Py_buffer *view, int *have_view) {
   *have_view = 0;
   if (PyBytes_Check(obj)) {
     char *p;
@@ -212,15 +449,7 @@ static int handle_bytes(usmipc_module_state_t *st, PyObject *obj,
       return -1;
     }
     *data = p;
-    return 0;
-  }
-  if (Py_IS_TYPE(obj, st->IPCMemoryHandleType)) {
-    char *p;
-    if (PyBytes_AsStringAndSize(((Handle *)obj)->data, &p, len) < 0) {
-      return -1;
-    }
-    *data = p;
-    return 0;
+    return 1;
   }
   if (PyObject_CheckBuffer(obj)) {
     if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) {
@@ -229,7 +458,48 @@ static int handle_bytes(usmipc_module_state_t *st, PyObject *obj,
     *have_view = 1;
     *data = view->buf;
     *len = view->len;
+    return 1;
+  }
+  return 0;
+}
+
+/* Pointer and length of handle bytes given as bytes, an IPCMemoryHandle or
+ * any buffer; *view is filled (and must be released) only in the last
+ * case, *have_view says so. For an IPCMemoryHandle, fresh != 0 takes the
+ * bytes of a new handoff (ordered afresh), fresh == 0 the bytes it last
+ * gave out; *keep (else NULL) then holds a reference to release. */
+static int handle_bytes(usmipc_module_state_t *st, PyObject *obj,
+                        const char **data, Py_ssize_t *len, Py_buffer *view,
+                        int *have_view, PyObject **keep, int fresh) {
+  *keep = NULL;
+  *have_view = 0;
+  if (Py_IS_TYPE(obj, st->IPCMemoryHandleType)) {
+    Handle *h = (Handle *)obj;
+    PyObject *bytes = fresh ? handle_current_bytes(h)
+                            : Py_NewRef(h->last ? h->last : h->data);
+    if (bytes == NULL) {
+      return -1;
+    }
+    char *p;
+    if (PyBytes_AsStringAndSize(bytes, &p, len) < 0) {
+      Py_DECREF(bytes);
+      return -1;
+    }
+    *data = p;
+    *keep = bytes;
     return 0;
+  }
+  int found = usmipc_buffer_bytes(obj, data, len, view, have_view);
+  if (found != 0) {
+    return found < 0 ? -1 : 0;
+  }
+  if (st->IPCEventHandleType != NULL &&
+      Py_IS_TYPE(obj, st->IPCEventHandleType)) {
+    PyErr_SetString(PyExc_TypeError,
+                    "expected the bytes of a memory handle or an "
+                    "IPCMemoryHandle, not an IPCEventHandle (open it with "
+                    "IPCEventHandle.open())");
+    return -1;
   }
   PyErr_Format(PyExc_TypeError,
                "expected handle bytes or an IPCMemoryHandle, not %R",
@@ -260,7 +530,8 @@ static PyObject *handle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
   Py_ssize_t len;
   Py_buffer view;
   int have_view;
-  if (handle_bytes(st, raw, &data, &len, &view, &have_view) < 0) {
+  PyObject *keep;
+  if (handle_bytes(st, raw, &data, &len, &view, &have_view, &keep, 1) < 0) {
     return NULL;
   }
   allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
@@ -270,6 +541,14 @@ static PyObject *handle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
     if (rc < 0) {
       usmipc_raise(st, rc);
       Py_CLEAR(self);
+    } else if (self->info.is_event) {
+      usmipc_raise_msg(st, USMIPC_EINVAL,
+                       "IPCMemoryHandle.from_bytes(): these are the bytes of "
+                       "an event handle, not of memory; use "
+                       "IPCEventHandle.from_bytes()");
+      Py_CLEAR(self);
+    } else if (keep != NULL) {
+      self->data = Py_NewRef(keep);
     } else if (PyBytes_CheckExact(raw)) {
       self->data = Py_NewRef(raw);
     } else {
@@ -282,6 +561,7 @@ static PyObject *handle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
   if (have_view) {
     PyBuffer_Release(&view);
   }
+  Py_XDECREF(keep);
   return (PyObject *)self;
 }
 
@@ -292,6 +572,8 @@ static int handle_traverse(PyObject *op, visitproc visit, void *arg) {
   Py_VISIT(Py_TYPE(op));
   Py_VISIT(self->memory);
   Py_VISIT(self->data);
+  Py_VISIT(self->order_queue);
+  Py_VISIT(self->last);
   return 0;
 }
 
@@ -299,6 +581,8 @@ static int handle_clear(PyObject *op) {
   Handle *self = (Handle *)op;
   Py_CLEAR(self->memory);
   Py_CLEAR(self->data);
+  Py_CLEAR(self->order_queue);
+  Py_CLEAR(self->last);
   return 0;
 }
 
@@ -319,6 +603,10 @@ static void handle_dealloc(PyObject *op) {
    * before (the capsule is no GC object and takes part in no cycle). */
   Py_CLEAR(self->tensor);
   handle_clear(op);
+  if (self->lock_ready) {
+    pthread_mutex_destroy(&self->order_lock);
+    self->lock_ready = 0;
+  }
   freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
   tp_free(op);
   Py_DECREF(tp);
@@ -326,26 +614,84 @@ static void handle_dealloc(PyObject *op) {
 
 /* ---- the importer's side ------------------------------------------------- */
 
-/* open() and open_sycl(): the same arguments; sycl selects
- * usmipc_ipc_open_sycl (bytes of a SYCL program's IPC handle). */
+/* After a failed open with code rc: when the bytes are an event handle's,
+ * a Python message naming the right call; otherwise the library's. */
+static PyObject *raise_open_error(usmipc_module_state_t *st, int rc,
+                                  const char *data, Py_ssize_t len) {
+  if (rc != USMIPC_EINVAL) {
+    return usmipc_raise(st, rc);
+  }
+  char message[512];
+  snprintf(message, sizeof(message), "%s", usmipc_last_error());
+  usmipc_ipc_handle_info_t info;
+  if (data != NULL &&
+      usmipc_ipc_handle_inspect(data, (size_t)len, &info) == 0 &&
+      info.is_event) {
+    return usmipc_raise_msg(
+        st, rc,
+        "IPCMemoryHandle.open(): these are the bytes of an event handle "
+        "(IPCEventHandle), not of memory; open them with "
+        "IPCEventHandle.open()");
+  }
+  return usmipc_raise_msg(st, rc, message);
+}
+
+/* open() and open_sycl(): the same first arguments; sycl selects
+ * usmipc_ipc_open_sycl (bytes of a SYCL program's IPC handle), which has
+ * no ordering (stream, ordered). handle= is the old name of handle_bytes.
+ * The positional call without keywords is the benchmarked re-open path: it
+ * parses nothing more than before and costs one library call. */
 static PyObject *open_common(PyTypeObject *defining_class,
                              PyObject *const *args, Py_ssize_t nargs,
                              PyObject *kwnames, int sycl) {
-  static const char *const names[] = {"handle", "device", "nbytes"};
-  PyObject *a[3];
+  /* ordered first among the keywords: open(raw, ordered=False) is the
+   * re-open loop of callers that order their work themselves. */
+  static const char *const names[] = {"handle_bytes", "device", "nbytes",
+                                      "ordered",      "stream", "handle"};
+  static const char *const sycl_names[] = {"handle_bytes", "device", "nbytes",
+                                           "handle"};
+  const char *funcname = sycl ? "open_sycl" : "open";
+  PyObject *a[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
   usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
   if (kwnames == NULL && nargs >= 1 && nargs <= 3) {
     a[0] = args[0];
     a[1] = nargs > 1 ? args[1] : NULL;
     a[2] = nargs > 2 ? args[2] : NULL;
-  } else if (usmipc_parse_fastcall(sycl ? "open_sycl" : "open", args, nargs,
-                                   kwnames, names, 3, 3, a) < 0) {
+  } else if (sycl) {
+    if (usmipc_parse_fastcall(funcname, args, nargs, kwnames, sycl_names, 4, 3,
+                              a) < 0) {
+      return NULL;
+    }
+    a[5] = a[3];
+    a[3] = NULL;
+  } else if (usmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 6, 3,
+                                   a) < 0) {
     return NULL;
   }
+  if (a[5] != NULL) {
+    if (a[0] != NULL) {
+      PyErr_Format(PyExc_TypeError,
+                   "%s() got handle_bytes and its old name handle; give one",
+                   funcname);
+      return NULL;
+    }
+    a[0] = a[5];
+  }
   if (a[0] == NULL) {
-    PyErr_SetString(PyExc_TypeError,
-                    "open() missing required argument 'handle'");
+    PyErr_Format(PyExc_TypeError,
+                 "%s() missing required argument 'handle_bytes'", funcname);
     return NULL;
+  }
+  PyObject *stream = a[4] == Py_None ? NULL : a[4];
+  unsigned flags = 0;
+  if (a[3] != NULL) {
+    int ordered = a[3] == Py_False ? 0 : PyObject_IsTrue(a[3]);
+    if (ordered < 0) {
+      return NULL;
+    }
+    if (!ordered) {
+      flags = USMIPC_OPEN_UNORDERED;
+    }
   }
 
   size_t nbytes = 0;
@@ -382,9 +728,40 @@ static PyObject *open_common(PyTypeObject *defining_class,
   Py_ssize_t len;
   Py_buffer view;
   int have_view;
-  if (handle_bytes(st, a[0], &data, &len, &view, &have_view) < 0) {
+  PyObject *keep;
+  if (handle_bytes(st, a[0], &data, &len, &view, &have_view, &keep, 1) < 0) {
     Py_XDECREF(device_obj);
     return NULL;
+  }
+
+  /* The consumer's stream: its work waits for the producer's on the
+   * device. An int or a stream that does not name its GPU is taken on the
+   * target device, else on the device the handle names. */
+  PyObject *queue_obj = NULL;
+  usmipc_queue_t *queue = NULL;
+  if (stream != NULL) {
+    PyObject *fallback = device_obj ? Py_NewRef(device_obj) : NULL;
+    if (fallback == NULL && !PyObject_TypeCheck(stream, st->QueueType)) {
+      usmipc_ipc_handle_info_t info;
+      int rc = usmipc_ipc_handle_inspect(data, (size_t)len, &info);
+      if (rc < 0) {
+        raise_open_error(st, rc, NULL, 0);
+      } else {
+        fallback = usmipc_device_of_info(st, &info);
+        if (fallback == Py_None) {
+          Py_CLEAR(fallback);
+        }
+      }
+    }
+    if (!PyErr_Occurred()) {
+      queue_obj = usmipc_queue_from_stream(st, stream, NULL, fallback,
+                                           "IPCMemoryHandle.open()");
+    }
+    Py_XDECREF(fallback);
+    if (queue_obj == NULL) {
+      goto fail_args;
+    }
+    queue = ((usmipc_queue_object_t *)queue_obj)->queue;
   }
 
   void *ptr = NULL;
@@ -395,9 +772,11 @@ static PyObject *open_common(PyTypeObject *defining_class,
   Py_BEGIN_ALLOW_THREADS
   rc = sycl ? usmipc_ipc_open_sycl(data, (size_t)len, device, nbytes, &ptr,
                                    &mapped)
-            : usmipc_ipc_open(data, (size_t)len, device, nbytes, &ptr,
-                              &mapped);
-  if (rc == 0 && device == NULL) {
+            : usmipc_ipc_open_ex(data, (size_t)len, device, nbytes, queue,
+                                 flags, &ptr, &mapped);
+  if (rc == 0 && device == NULL && queue != NULL) {
+    device = usmipc_queue_device(queue);
+  } else if (rc == 0 && device == NULL) {
     usmipc_pointer_info_t info;
     int qrc = usmipc_pointer_query(ptr, &info);
     if (qrc == 0) {
@@ -412,27 +791,28 @@ static PyObject *open_common(PyTypeObject *defining_class,
     }
   }
   Py_END_ALLOW_THREADS
-  if (have_view) {
-    PyBuffer_Release(&view);
-  }
-  /* The open may wait on the exporting process; the interrupt hook
-   * (module.c) runs signal handlers meanwhile. If one raised (Ctrl-C), the
-   * core gave up with USMIPC_EINTR and that exception, KeyboardInterrupt,
-   * is pending on this thread: propagate it rather than a usmipc.Error. */
+  /* The open may wait on the exporting process, or (ordered) for the
+   * producer's work; the interrupt hook (module.c) runs signal handlers
+   * meanwhile. If one raised (Ctrl-C), the core gave up with USMIPC_EINTR
+   * and that exception, KeyboardInterrupt, is pending on this thread:
+   * propagate it rather than a usmipc.Error. */
   if (rc == USMIPC_EINTR && PyErr_Occurred()) {
-    Py_XDECREF(device_obj);
-    return NULL;
+    goto fail_args;
   }
   if (rc == 0 && PyErr_Occurred()) {
     /* A handler raised but the open completed anyway: the exception wins,
      * and the mapping must not leak. */
-    Py_XDECREF(device_obj);
     goto fail;
   }
   if (rc < 0) {
-    Py_XDECREF(device_obj);
-    return query_failed ? usmipc_raise_msg(st, rc, query_message)
-                        : usmipc_raise(st, rc);
+    if (query_failed) {
+      usmipc_raise_msg(st, rc, query_message);
+    } else if (sycl) {
+      usmipc_raise(st, rc);
+    } else {
+      raise_open_error(st, rc, data, len);
+    }
+    goto fail_args;
   }
   if (device_obj == NULL) {
     device_obj = usmipc_device_object(st, device);
@@ -441,16 +821,44 @@ static PyObject *open_common(PyTypeObject *defining_class,
     }
   }
   PyObject *mem = usmipc_mapping_new(st, device_obj, ptr, mapped);
-  Py_DECREF(device_obj);
   if (mem == NULL) {
     goto fail;
   }
+  /* Waited on the device: keep the bytes, so that __dlpack__(stream=...)
+   * can make another stream wait for the producer too (the host has no
+   * streams: nothing to keep there). */
+  if (queue != NULL && flags == 0 &&
+      usmipc_device_backend(device) != USMIPC_BACKEND_HOST) {
+    PyObject *bytes = keep ? Py_NewRef(keep)
+                      : PyBytes_CheckExact(a[0])
+                          ? Py_NewRef(a[0])
+                          : PyBytes_FromStringAndSize(data, len);
+    if (bytes == NULL) {
+      Py_DECREF(mem); /* closes the mapping */
+      ptr = NULL;
+      goto fail_args;
+    }
+    ((usmipc_memory_object_t *)mem)->order_handle = bytes;
+  }
+  if (have_view) {
+    PyBuffer_Release(&view);
+  }
+  Py_XDECREF(keep);
+  Py_XDECREF(queue_obj);
+  Py_DECREF(device_obj);
   return mem;
 
 fail:
   Py_BEGIN_ALLOW_THREADS
   usmipc_ipc_close(ptr);
   Py_END_ALLOW_THREADS
+fail_args:
+  if (have_view) {
+    PyBuffer_Release(&view);
+  }
+  Py_XDECREF(keep);
+  Py_XDECREF(queue_obj);
+  Py_XDECREF(device_obj);
   return NULL;
 }
 
@@ -559,17 +967,21 @@ static PyObject *handle_set_cache_size(PyObject *cls,
   Py_RETURN_NONE;
 }
 
-static PyObject *info_dict(const usmipc_ipc_handle_info_t *info,
-                           Py_ssize_t len) {
-  return Py_BuildValue(
-      "{sssy#sksKsKsKsKsIsn}", "backend", usmipc_backend_name(info->backend),
-      "device_uuid", (const char *)info->device_uuid, (Py_ssize_t)16,
-      "exporter_pid", (unsigned long)info->exporter_pid, "buffer_id",
-      (unsigned long long)info->buffer_id, "allocation_size",
-      (unsigned long long)info->allocation_size, "offset",
-      (unsigned long long)info->offset, "nbytes",
-      (unsigned long long)info->nbytes, "handle_kind",
-      (unsigned int)info->handle_kind, "length", len);
+PyObject *usmipc_handle_info_dict(const usmipc_ipc_handle_info_t *info,
+                                  Py_ssize_t len) {
+  return Py_BuildValue("{sssy#sksKsKsKsKsIsnsOsOsK}", "backend",
+                       usmipc_backend_name(info->backend), "device_uuid",
+                       (const char *)info->device_uuid, (Py_ssize_t)16,
+                       "exporter_pid", (unsigned long)info->exporter_pid,
+                       "buffer_id", (unsigned long long)info->buffer_id,
+                       "allocation_size",
+                       (unsigned long long)info->allocation_size, "offset",
+                       (unsigned long long)info->offset, "nbytes",
+                       (unsigned long long)info->nbytes, "handle_kind",
+                       (unsigned int)info->handle_kind, "length", len,
+                       "is_event", info->is_event ? Py_True : Py_False,
+                       "is_ordered", info->is_ordered ? Py_True : Py_False,
+                       "event_point", (unsigned long long)info->event_point);
 }
 
 static PyObject *handle_inspect(PyObject *cls, PyTypeObject *defining_class,
@@ -591,7 +1003,21 @@ static PyObject *handle_inspect(PyObject *cls, PyTypeObject *defining_class,
   Py_ssize_t len;
   Py_buffer view;
   int have_view;
-  if (handle_bytes(st, raw, &data, &len, &view, &have_view) < 0) {
+  PyObject *keep = NULL;
+  if (st->IPCEventHandleType != NULL &&
+      Py_IS_TYPE(raw, st->IPCEventHandleType)) {
+    /* Any handle's bytes can be inspected: take the event handle's. */
+    keep = PyObject_CallMethod(raw, "to_bytes", NULL);
+    if (keep == NULL) {
+      return NULL;
+    }
+    raw = keep;
+  }
+  PyObject *keep2;
+  int failed =
+      handle_bytes(st, raw, &data, &len, &view, &have_view, &keep2, 0) < 0;
+  if (failed) {
+    Py_XDECREF(keep);
     return NULL;
   }
   usmipc_ipc_handle_info_t info;
@@ -599,16 +1025,18 @@ static PyObject *handle_inspect(PyObject *cls, PyTypeObject *defining_class,
   if (have_view) {
     PyBuffer_Release(&view);
   }
+  Py_XDECREF(keep2);
+  Py_XDECREF(keep);
   if (rc < 0) {
     return usmipc_raise(st, rc);
   }
-  return info_dict(&info, len);
+  return usmipc_handle_info_dict(&info, len);
 }
 
 /* ---- instance methods and getters ---------------------------------------- */
 
 static PyObject *handle_to_bytes(PyObject *self, PyObject *Py_UNUSED(ignored)) {
-  return Py_NewRef(((Handle *)self)->data);
+  return handle_current_bytes((Handle *)self);
 }
 
 static PyObject *handle_reduce(PyObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -617,8 +1045,25 @@ static PyObject *handle_reduce(PyObject *self, PyObject *Py_UNUSED(ignored)) {
   if (from_bytes == NULL) {
     return NULL;
   }
-  PyObject *r = Py_BuildValue("(N(O))", from_bytes, ((Handle *)self)->data);
-  return r;
+  PyObject *bytes = handle_current_bytes((Handle *)self);
+  if (bytes == NULL) {
+    Py_DECREF(from_bytes);
+    return NULL;
+  }
+  return Py_BuildValue("(N(N))", from_bytes, bytes);
+}
+
+static PyObject *handle_get_ordered(PyObject *op, void *closure) {
+  (void)closure;
+  Handle *self = (Handle *)op;
+  return PyBool_FromLong(self->handle != NULL ? self->order_queue != NULL
+                                              : self->info.is_ordered);
+}
+
+static PyObject *handle_get_queue(PyObject *op, void *closure) {
+  (void)closure;
+  PyObject *queue = ((Handle *)op)->order_queue;
+  return Py_NewRef(queue ? queue : Py_None);
 }
 
 static PyObject *handle_get_backend(PyObject *self, void *closure) {
@@ -651,6 +1096,11 @@ static PyObject *handle_get_device(PyObject *op, void *closure) {
       return Py_NewRef(device);
     }
   }
+  return usmipc_device_of_info(st, &self->info);
+}
+
+PyObject *usmipc_device_of_info(usmipc_module_state_t *st,
+                                const usmipc_ipc_handle_info_t *info) {
   usmipc_device_t *devices[64];
   size_t count = 0;
   int rc = usmipc_get_devices(devices, 64, &count);
@@ -663,8 +1113,8 @@ static PyObject *handle_get_device(PyObject *op, void *closure) {
   for (size_t i = 0; i < count; i++) {
     uint8_t uuid[16];
     usmipc_device_uuid(devices[i], uuid);
-    if (usmipc_device_backend(devices[i]) == self->info.backend &&
-        memcmp(uuid, self->info.device_uuid, 16) == 0) {
+    if (usmipc_device_backend(devices[i]) == info->backend &&
+        memcmp(uuid, info->device_uuid, 16) == 0) {
       return usmipc_device_object(st, devices[i]);
     }
   }
@@ -681,21 +1131,48 @@ static PyObject *handle_repr(PyObject *op) {
            (unsigned long long)self->info.offset,
            usmipc_backend_name(self->info.backend),
            (unsigned)self->info.exporter_pid);
+  int ordered =
+      self->handle != NULL ? self->order_queue != NULL : self->info.is_ordered;
   return PyUnicode_FromFormat("<usmipc.memory.IPCMemoryHandle: %s; %zd-byte "
-                              "handle>",
-                              text, self->data ? PyBytes_Size(self->data) : 0);
+                              "handle%s>",
+                              text, self->data ? PyBytes_Size(self->data) : 0,
+                              ordered ? ", ordered" : "");
+}
+
+/* Handles are equal when they name the same exported range of the same
+ * export: the ordering record differs at every handoff and is ignored, so
+ * that a pickled handle equals the one it came from. */
+static int same_export(const usmipc_ipc_handle_info_t *a,
+                       const usmipc_ipc_handle_info_t *b) {
+  return a->backend == b->backend &&
+         memcmp(a->device_uuid, b->device_uuid, 16) == 0 &&
+         a->exporter_pid == b->exporter_pid &&
+         a->exporter_nonce == b->exporter_nonce &&
+         a->exporter_uid == b->exporter_uid && a->buffer_id == b->buffer_id &&
+         a->allocation_size == b->allocation_size && a->offset == b->offset &&
+         a->nbytes == b->nbytes && a->handle_kind == b->handle_kind;
 }
 
 static PyObject *handle_richcompare(PyObject *self, PyObject *other, int op) {
   if ((op != Py_EQ && op != Py_NE) || !Py_IS_TYPE(other, Py_TYPE(self))) {
     Py_RETURN_NOTIMPLEMENTED;
   }
-  return PyObject_RichCompare(((Handle *)self)->data, ((Handle *)other)->data,
-                              op);
+  int equal = same_export(&((Handle *)self)->info, &((Handle *)other)->info);
+  return PyBool_FromLong(op == Py_EQ ? equal : !equal);
 }
 
 static Py_hash_t handle_hash(PyObject *self) {
-  return PyObject_Hash(((Handle *)self)->data);
+  const usmipc_ipc_handle_info_t *info = &((Handle *)self)->info;
+  PyObject *key = Py_BuildValue(
+      "(KKKK)", (unsigned long long)info->exporter_nonce,
+      (unsigned long long)info->buffer_id, (unsigned long long)info->offset,
+      (unsigned long long)info->nbytes);
+  if (key == NULL) {
+    return -1;
+  }
+  Py_hash_t h = PyObject_Hash(key);
+  Py_DECREF(key);
+  return h;
 }
 
 #define CMETHOD(f) (PyCFunction)(void (*)(void))(f)
@@ -703,14 +1180,24 @@ static Py_hash_t handle_hash(PyObject *self) {
 
 static PyMethodDef handle_methods[] = {
     {"open", CMETHOD(handle_open), CLASS_FLAGS,
-     "open($cls, /, handle, device=None, nbytes=None)\n--\n\n"
+     "open($cls, /, handle_bytes, device=None, nbytes=None, *, stream=None, "
+     "ordered=True)\n--\n\n"
      "Returns a MemoryIPCDevice. "
      "Maps handle bytes (or an IPCMemoryHandle) on device (None: the device "
-     "the\nhandle names). nbytes=None maps the exported size; more is "
-     "refused with\nValueError. Opening the same allocation again is cheap "
-     "(mappings are\nshared and cached)."},
+     "the\nhandle names, or stream's). nbytes=None maps the exported size; "
+     "more is\nrefused with ValueError. Opening the same allocation again "
+     "is cheap\n(mappings are shared and cached). handle= is the old name "
+     "of handle_bytes.\n\n"
+     "When the bytes are ordered (the exporter's default), the producer's "
+     "work\nbefore the handoff is waited for: with stream (a usmipc.Queue, "
+     "a torch or\nCuPy stream, an object with __cuda_stream__, an int "
+     "CUstream) later work\non that stream waits on the device, and "
+     "__dlpack__(stream=...) of the\nmapping makes the consumer's stream "
+     "wait too; without, the host waits\n(set_event_timeout(), Ctrl-C). "
+     "ordered=False skips the wait, for callers\nthat order the work "
+     "themselves. Event handle bytes raise ValueError."},
     {"open_sycl", CMETHOD(handle_open_sycl), CLASS_FLAGS,
-     "open_sycl($cls, /, handle, device=None, nbytes=None)\n--\n\n"
+     "open_sycl($cls, /, handle_bytes, device=None, nbytes=None)\n--\n\n"
      "Returns a MemoryIPCDevice mapping memory that a SYCL program "
      "exported:\nthe bytes of dpctl's IPCMemoryHandle.to_bytes() (a UMF "
      "blob of 108 or\n120 bytes over a Level Zero handle), never usmipc "
@@ -730,7 +1217,9 @@ static PyMethodDef handle_methods[] = {
      "inspect($cls, /, handle)\n--\n\nValidates handle bytes without opening "
      "them "
      "and returns their metadata\n(backend, device_uuid, exporter_pid, "
-     "buffer_id, allocation_size, offset,\nnbytes, handle_kind, length)."},
+     "buffer_id, allocation_size, offset,\nnbytes, handle_kind, length, "
+     "is_event, is_ordered, event_point). Takes\nmemory and event handle "
+     "bytes; for an IPCMemoryHandle object, the bytes\nit last gave out."},
     {"set_cache_size", CMETHOD(handle_set_cache_size), CLASS_FLAGS,
      "set_cache_size($cls, /, entries)\n--\n\n"
      "How many closed mappings this process keeps for cheap re-opens\n"
@@ -738,9 +1227,13 @@ static PyMethodDef handle_methods[] = {
      "The same as usmipc.set_ipc_cache_size()."},
     {"from_bytes", CMETHOD(handle_from_bytes), CLASS_FLAGS,
      "from_bytes($cls, /, data)\n--\n\nAn IPCMemoryHandle carrying only the "
-     "given bytes (validated), as after unpickling."},
+     "given bytes (validated), as after unpickling: its to_bytes() returns "
+     "them\nas they are."},
     {"to_bytes", handle_to_bytes, METH_NOARGS,
-     "to_bytes() -> bytes: the serialized handle, for any channel."},
+     "to_bytes() -> bytes: the serialized handle, for any channel. An "
+     "ordered\nhandle records a fresh event on its queue at every call (and "
+     "every\npickling), so each call gives new bytes naming the work "
+     "submitted so far."},
     {"__bytes__", handle_to_bytes, METH_NOARGS, NULL},
     {"__reduce__", handle_reduce, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
@@ -769,28 +1262,53 @@ static PyGetSetDef handle_getset[] = {
      "The exporting Device, or None if this process does not see it.", NULL},
     {"memory", handle_get_memory, NULL,
      "The exported memory object (None for a handle made from bytes).", NULL},
+    {"ordered", handle_get_ordered, NULL,
+     "True if the handle's bytes make importers wait for the producer's "
+     "work.",
+     NULL},
+    {"queue", handle_get_queue, NULL,
+     "The usmipc.Queue each handoff of an ordered handle is recorded on "
+     "(None\nfor an unordered handle or one made from bytes).",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-PyDoc_STRVAR(handle_doc,
-             "IPCMemoryHandle(memory, *, offset=0, nbytes=None)\n--\n\n"
-             "Exports device memory allocated by usmipc (MemoryUSMDevice), or "
-             "another\nlibrary's C-contiguous CUDA array with "
-             "__cuda_array_interface__ or\n__dlpack__ (torch, CuPy, JAX), for "
-             "other processes: send to_bytes() (or\npickle the handle) by any "
-             "channel and call IPCMemoryHandle.open() there.\nThe handle keeps "
-             "the memory alive (a DLPack tensor's deleter runs when the\n"
-             "handle dies). Raises TypeError for other memory kinds and objects, "
-             "ValueError\nfor strided arrays, usmipc.Error if the device does "
-             "not support IPC.\n\n"
-             "Security: the bytes are a capability for the whole allocation, "
-             "not only\nfor [offset, offset + nbytes): a holder can edit "
-             "those fields and open\nall of it. Share separate allocations "
-             "with consumers that must not see\neach other's data. Only "
-             "processes of the exporter's user can open the\nhandle. Another "
-             "library's tensor stays exported while a handle of it\nlives: "
-             "once the last one dies, its bytes are refused everywhere\n"
-             "(docs/security.md).");
+PyDoc_STRVAR(
+    handle_doc,
+    "IPCMemoryHandle(memory, offset=0, nbytes=None, *, stream=None, "
+    "ordered=True)\n--\n\n"
+    "Exports device memory allocated by usmipc (MemoryUSMDevice), or "
+    "another\nlibrary's C-contiguous CUDA array with "
+    "__cuda_array_interface__ or\n__dlpack__ (torch, CuPy, JAX), for "
+    "other processes: send to_bytes() (or\npickle the handle) by any "
+    "channel and call IPCMemoryHandle.open() there.\nThe handle keeps "
+    "the memory alive (a DLPack tensor's deleter runs when the\n"
+    "handle dies). Raises TypeError for other memory kinds and objects, "
+    "ValueError\nfor strided arrays, usmipc.Error if the device does "
+    "not support IPC.\n\n"
+    "Ordering (correct by default): every to_bytes() and every "
+    "pickling records\na fresh event on the producer's queue, "
+    "carried in the bytes, and\nIPCMemoryHandle.open() waits for it "
+    "(on the importer's stream, or on the\nhost), so the importer "
+    "never reads before the work submitted before the\nhandoff is "
+    "done. The queue: stream (a usmipc.Queue, a torch or CuPy\n"
+    "stream, an object with __cuda_stream__, an int CUstream) if "
+    "given; else\nthe memory's own queue (usmipc memory), "
+    "torch.cuda.current_stream() of a\ntorch tensor's device, "
+    "cupy.cuda.get_current_stream() for a CuPy array,\nthe legacy "
+    "default stream for other CUDA arrays; taken at construction.\n"
+    "ordered=False makes plain handles (the same bytes at every "
+    "call, no\nevent). On backends without events (Level Zero, for "
+    "now) handles are\nunordered unless ordered=True is given, "
+    "which raises usmipc.Error there.\n\n"
+    "Security: the bytes are a capability for the whole allocation, "
+    "not only\nfor [offset, offset + nbytes): a holder can edit "
+    "those fields and open\nall of it. Share separate allocations "
+    "with consumers that must not see\neach other's data. Only "
+    "processes of the exporter's user can open the\nhandle. Another "
+    "library's tensor stays exported while a handle of it\nlives: "
+    "once the last one dies, its bytes are refused everywhere\n"
+    "(docs/security.md).");
 
 static PyType_Slot handle_slots[] = {
     {Py_tp_doc, (void *)handle_doc},

@@ -112,6 +112,17 @@ static usmipc_queue_t *memory_queue(Mem *self) {
   return ((usmipc_queue_object_t *)self->queue)->queue;
 }
 
+PyObject *usmipc_memory_queue_object(Mem *self) {
+  if (self->device == NULL) {
+    PyErr_SetString(PyExc_ValueError, "memory object is not initialized");
+    return NULL;
+  }
+  if (memory_queue(self) == NULL) {
+    return NULL;
+  }
+  return self->queue;
+}
+
 /* ---- construction -------------------------------------------------------- */
 
 static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
@@ -300,6 +311,7 @@ static int memory_clear(PyObject *op) {
   Mem *self = (Mem *)op;
   Py_CLEAR(self->queue);
   Py_CLEAR(self->device);
+  Py_CLEAR(self->order_handle);
   return 0;
 }
 
@@ -310,6 +322,13 @@ static void memory_dealloc(PyObject *op) {
   /* No export can be alive: each holds a reference to this object. Errors
    * cannot be reported from here; a failed free leaks, nothing worse. */
   (void)release_memory(self);
+  if (self->order_event != NULL) {
+    usmipc_event_t *event = self->order_event;
+    self->order_event = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    usmipc_event_destroy(event);
+    Py_END_ALLOW_THREADS
+  }
   memory_clear(op);
   freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
   tp_free(op);

@@ -1,8 +1,8 @@
 /* usmipc._usmipc: module initialization (PEP 489 multi-phase), module state,
  * the mapping of usmipc error codes to Python exceptions, the interrupt hook
- * that lets Ctrl-C end an open waiting on another process, and the module
- * functions get_devices(), backends(), set_ipc_cache_size(),
- * set_ipc_cache_bytes() and set_ipc_timeout(). */
+ * that lets Ctrl-C end an open or an event wait, and the module functions
+ * get_devices(), backends(), set_ipc_cache_size(), set_ipc_cache_bytes(),
+ * set_ipc_timeout() and set_event_timeout() (event.c). */
 #include "ext.h"
 
 #include <errno.h>
@@ -174,6 +174,7 @@ PyObject *usmipc_device_object(usmipc_module_state_t *st,
   slot->device = device;
   slot->device_obj = Py_NewRef(obj);
   slot->queue_obj = NULL;
+  slot->has_events = -1;
   return obj;
 }
 
@@ -195,6 +196,32 @@ PyObject *usmipc_default_queue(usmipc_module_state_t *st,
     slot->queue_obj = Py_NewRef(queue);
   }
   return queue;
+}
+
+int usmipc_device_has_events(usmipc_module_state_t *st, PyObject *device_obj) {
+  usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
+  usmipc_device_slot_t *slot = find_slot(st, device);
+  if (slot != NULL && slot->has_events >= 0) {
+    return slot->has_events;
+  }
+  usmipc_event_t *event = NULL;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_event_create(device, 0, &event);
+  if (rc == 0) {
+    usmipc_event_destroy(event);
+  }
+  Py_END_ALLOW_THREADS
+  if (rc < 0 && rc != USMIPC_ENOTSUP) {
+    usmipc_raise(st, rc);
+    return -1;
+  }
+  int has = rc == 0;
+  slot = find_slot(st, device); /* the GIL was released: look again */
+  if (slot != NULL) {
+    slot->has_events = (signed char)has;
+  }
+  return has;
 }
 
 /* ---- argument parsing ---------------------------------------------------- */
@@ -468,6 +495,16 @@ static PyMethodDef module_methods[] = {
      "USMIPC_ETIMEDOUT). 0 restores the default (5 s, or\n"
      "USMIPC_IPC_TIMEOUT_MS); negative values raise ValueError. Ctrl-C\n"
      "interrupts a waiting open (KeyboardInterrupt) whatever the timeout."},
+    {"set_event_timeout", usmipc_set_event_timeout, METH_O,
+     "set_event_timeout(seconds)\n\n"
+     "The limit of every host wait on an event (Event.synchronize(),\n"
+     "Event.wait() without a stream, IPCMemoryHandle.open() of an ordered\n"
+     "handle without a stream), in seconds (a float; rounded up to whole\n"
+     "milliseconds). None or 0 waits without limit (the default, or\n"
+     "USMIPC_EVENT_TIMEOUT_MS): device work may legitimately take minutes.\n"
+     "Past it the wait raises usmipc.IPCTimeoutError (USMIPC_ETIMEDOUT).\n"
+     "Separate from set_ipc_timeout(), which bounds only the talk with an\n"
+     "exporter. Ctrl-C interrupts a waiting event (KeyboardInterrupt)."},
     {"_pointer_query", pointer_query, METH_O,
      "_pointer_query(address) -> dict\n\n"
      "What usmipc knows of an address (device, kind, base, size, "
@@ -480,8 +517,9 @@ static PyMethodDef module_methods[] = {
 
 /* ---- the interrupt hook -------------------------------------------------- */
 
-/* usmipc_ipc_open calls the hook, without the GIL, when a signal interrupts
- * one of its waits and at least every 50 ms while it waits. The hook runs
+/* usmipc_ipc_open (and an event's host wait, usmipc_event_synchronize) calls
+ * the hook, without the GIL, when a signal interrupts one of its waits and
+ * at least every 50 ms while it waits. The hook runs
  * the Python signal handlers (PyErr_CheckSignals does so only in the main
  * thread of the main interpreter; elsewhere it returns 0): if one raised,
  * KeyboardInterrupt for SIGINT, the exception stays pending on this thread
@@ -595,7 +633,8 @@ static int create_error(PyObject *module, usmipc_module_state_t *st) {
       "usmipc.IPCTimeoutError",
       "An open waited for the exporting process past its deadline\n"
       "(USMIPC_ETIMEDOUT; usmipc.set_ipc_timeout()): the exporter is\n"
-      "stopped, stalled or overloaded. Both a usmipc.Error (.code, .name)\n"
+      "stopped, stalled or overloaded; or a host wait on an event ran past\n"
+      "usmipc.set_event_timeout(). Both a usmipc.Error (.code, .name)\n"
       "and a TimeoutError (an OSError with errno ETIMEDOUT).",
       bases, NULL);
   Py_DECREF(bases);
@@ -624,7 +663,8 @@ static int usmipc_exec(PyObject *module) {
       usmipc_init_queue_type(module, st) < 0 ||
       usmipc_init_memory_types(module, st) < 0 ||
       usmipc_init_ipc_handle_type(module, st) < 0 ||
-      add_error_codes(module) < 0 || install_interrupt_hook() < 0) {
+      usmipc_init_event_types(module, st) < 0 || add_error_codes(module) < 0 ||
+      install_interrupt_hook() < 0) {
     return -1;
   }
   if (PyModule_AddStringConstant(module, "__version__",
@@ -653,6 +693,8 @@ static int usmipc_traverse(PyObject *module, visitproc visit, void *arg) {
   Py_VISIT(st->MemoryUSMSharedType);
   Py_VISIT(st->MemoryIPCDeviceType);
   Py_VISIT(st->IPCMemoryHandleType);
+  Py_VISIT(st->EventType);
+  Py_VISIT(st->IPCEventHandleType);
   for (Py_ssize_t i = 0; i < st->nslots; i++) {
     Py_VISIT(st->slots[i].device_obj);
     Py_VISIT(st->slots[i].queue_obj);
@@ -675,6 +717,8 @@ static int usmipc_clear(PyObject *module) {
   st->nslots = 0;
   Py_CLEAR(st->Error);
   Py_CLEAR(st->TimeoutError);
+  Py_CLEAR(st->IPCEventHandleType);
+  Py_CLEAR(st->EventType);
   Py_CLEAR(st->IPCMemoryHandleType);
   Py_CLEAR(st->MemoryIPCDeviceType);
   Py_CLEAR(st->MemoryUSMSharedType);

@@ -1,0 +1,830 @@
+/* usmipc.Event and usmipc.IPCEventHandle: ordering device work across queues
+ * and processes (include/usmipc.h, "events").
+ *
+ * An Event is created on a device and recorded on a queue (record), or
+ * opened from another process's handle (IPCEventHandle.open), which gives an
+ * Event that only waits: for the record the handle names. wait(stream)
+ * makes later work on a stream wait on the device; synchronize() (and
+ * wait() without a stream) make the host wait, without the GIL, for at
+ * most set_event_timeout(); Ctrl-C ends the wait with KeyboardInterrupt
+ * through the interrupt hook of module.c.
+ *
+ * IPCEventHandle mirrors IPCMemoryHandle: IPCEventHandle(event) holds the
+ * event (importers are refused once it is destroyed) and the library's
+ * handle; its bytes name the event's latest record when the handle was
+ * made (a later record is waited for instead: usmipc_event_wait's rule for
+ * events recorded again), travel by any channel or by pickle, and
+ * IPCEventHandle.open() turns them into an Event in another process. A
+ * re-open of an event already open in this process is a lookup in the
+ * library's import cache.
+ */
+#include "ext.h"
+
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+typedef usmipc_event_object_t Event;
+
+typedef struct event_handle_object {
+  PyObject_HEAD PyObject *event; /* the exported Event, or NULL */
+  PyObject *data;                /* bytes: the serialized handle */
+  usmipc_ipc_handle_t *handle;   /* the library's handle, or NULL */
+  usmipc_ipc_handle_info_t info;
+} EventHandle;
+
+static usmipc_module_state_t *event_state(PyObject *self) {
+  /* Both types are final and made by this module. */
+  return (usmipc_module_state_t *)PyType_GetModuleState(Py_TYPE(self));
+}
+
+/* Raises unless the Event is usable (dealloc-time clearing aside). */
+static int event_check(Event *self) {
+  if (self->event == NULL || self->device == NULL) {
+    PyErr_SetString(PyExc_ValueError, "event is not initialized");
+    return -1;
+  }
+  return 0;
+}
+
+/* A new Event object around event on device_obj (steals event: destroyed
+ * on failure). */
+static PyObject *event_wrap(usmipc_module_state_t *st, PyObject *device_obj,
+                            usmipc_event_t *event, int opened) {
+  if (st->EventType == NULL) {
+    usmipc_event_destroy(event);
+    return usmipc_state_cleared();
+  }
+  allocfunc alloc = (allocfunc)PyType_GetSlot(st->EventType, Py_tp_alloc);
+  Event *self = (Event *)alloc(st->EventType, 0);
+  if (self == NULL) {
+    usmipc_event_destroy(event);
+    return NULL;
+  }
+  self->event = event;
+  self->device = Py_NewRef(device_obj);
+  self->opened = (char)opened;
+  return (PyObject *)self;
+}
+
+/* ---- Event --------------------------------------------------------------- */
+
+static PyObject *event_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"device", NULL};
+  PyObject *arg = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:Event", kwlist, &arg)) {
+    return NULL;
+  }
+  usmipc_module_state_t *st = usmipc_state_from_type(type);
+  if (st == NULL) {
+    return NULL;
+  }
+  PyObject *device_obj = usmipc_device_from_arg(st, arg);
+  if (device_obj == NULL) {
+    return NULL;
+  }
+  usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
+  usmipc_event_t *event = NULL;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_event_create(device, 0, &event);
+  Py_END_ALLOW_THREADS
+  if (rc < 0) {
+    Py_DECREF(device_obj);
+    return usmipc_raise(st, rc);
+  }
+  PyObject *self = event_wrap(st, device_obj, event, 0);
+  Py_DECREF(device_obj);
+  return self;
+}
+
+static int event_traverse(PyObject *op, visitproc visit, void *arg) {
+  Py_VISIT(Py_TYPE(op));
+  Py_VISIT(((Event *)op)->device);
+  return 0;
+}
+
+static int event_clear(PyObject *op) {
+  Py_CLEAR(((Event *)op)->device);
+  return 0;
+}
+
+static void event_dealloc(PyObject *op) {
+  Event *self = (Event *)op;
+  PyTypeObject *tp = Py_TYPE(op);
+  PyObject_GC_UnTrack(op);
+  if (self->event != NULL) {
+    usmipc_event_t *event = self->event;
+    self->event = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    usmipc_event_destroy(event);
+    Py_END_ALLOW_THREADS
+  }
+  event_clear(op);
+  freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+  tp_free(op);
+  Py_DECREF(tp);
+}
+
+/* The queue of a stream= argument (new reference): the event's device's
+ * default queue for None, else the resolved stream. */
+static PyObject *event_queue(usmipc_module_state_t *st, Event *self,
+                             PyObject *stream, const char *what) {
+  if (stream == NULL || stream == Py_None) {
+    return usmipc_default_queue(st, self->device);
+  }
+  return usmipc_queue_from_stream(st, stream, NULL, self->device, what);
+}
+
+static PyObject *event_record(PyObject *op, PyTypeObject *defining_class,
+                              PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames) {
+  static const char *const names[] = {"stream"};
+  PyObject *stream;
+  Event *self = (Event *)op;
+  usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
+  if (usmipc_parse_fastcall("record", args, nargs, kwnames, names, 1, 1,
+                            &stream) < 0 ||
+      event_check(self) < 0) {
+    return NULL;
+  }
+  if (self->opened) {
+    return usmipc_raise_msg(
+        st, USMIPC_EINVAL,
+        "Event.record(): this Event was opened from an IPCEventHandle; it "
+        "waits for the exporting process's record and cannot be recorded "
+        "itself. Record an Event created in this process (usmipc.Event()) "
+        "and send IPCEventHandle(event) instead");
+  }
+  PyObject *queue_obj = event_queue(st, self, stream, "Event.record()");
+  if (queue_obj == NULL) {
+    return NULL;
+  }
+  usmipc_queue_t *queue = ((usmipc_queue_object_t *)queue_obj)->queue;
+  usmipc_event_t *event = self->event;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_event_record(event, queue);
+  Py_END_ALLOW_THREADS
+  Py_DECREF(queue_obj);
+  if (rc < 0) {
+    return usmipc_raise(st, rc);
+  }
+  Py_RETURN_NONE;
+}
+
+/* The host waits for the event (usmipc_event_synchronize) without the GIL.
+ * A Ctrl-C meanwhile: the interrupt hook left KeyboardInterrupt pending and
+ * the wait ended with USMIPC_EINTR, which usmipc_raise propagates. */
+static PyObject *event_host_wait(usmipc_module_state_t *st, Event *self) {
+  usmipc_event_t *event = self->event;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_event_synchronize(event);
+  Py_END_ALLOW_THREADS
+  if (rc < 0) {
+    return usmipc_raise(st, rc);
+  }
+  if (PyErr_Occurred()) {
+    return NULL; /* a signal handler raised, yet the wait completed */
+  }
+  Py_RETURN_NONE;
+}
+
+static PyObject *event_wait(PyObject *op, PyTypeObject *defining_class,
+                            PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames) {
+  static const char *const names[] = {"stream"};
+  PyObject *stream;
+  Event *self = (Event *)op;
+  usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
+  if (usmipc_parse_fastcall("wait", args, nargs, kwnames, names, 1, 1,
+                            &stream) < 0 ||
+      event_check(self) < 0) {
+    return NULL;
+  }
+  if (stream == NULL || stream == Py_None) {
+    return event_host_wait(st, self);
+  }
+  PyObject *queue_obj =
+      usmipc_queue_from_stream(st, stream, NULL, self->device, "Event.wait()");
+  if (queue_obj == NULL) {
+    return NULL;
+  }
+  usmipc_queue_t *queue = ((usmipc_queue_object_t *)queue_obj)->queue;
+  usmipc_event_t *event = self->event;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_event_wait(event, queue);
+  Py_END_ALLOW_THREADS
+  Py_DECREF(queue_obj);
+  if (rc < 0) {
+    return usmipc_raise(st, rc);
+  }
+  Py_RETURN_NONE;
+}
+
+static PyObject *event_synchronize(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  Event *self = (Event *)op;
+  if (event_check(self) < 0) {
+    return NULL;
+  }
+  return event_host_wait(event_state(op), self);
+}
+
+static PyObject *event_query(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  Event *self = (Event *)op;
+  if (event_check(self) < 0) {
+    return NULL;
+  }
+  int rc = usmipc_event_query(self->event); /* never blocks */
+  if (rc == 0) {
+    Py_RETURN_TRUE;
+  }
+  if (rc == USMIPC_ENOTREADY) {
+    Py_RETURN_FALSE;
+  }
+  return usmipc_raise(event_state(op), rc);
+}
+
+static PyObject *event_get_device(PyObject *op, void *closure) {
+  (void)closure;
+  PyObject *device = ((Event *)op)->device;
+  return Py_NewRef(device ? device : Py_None);
+}
+
+static PyObject *event_get_is_opened(PyObject *op, void *closure) {
+  (void)closure;
+  return PyBool_FromLong(((Event *)op)->opened);
+}
+
+static PyObject *event_repr(PyObject *op) {
+  Event *self = (Event *)op;
+  if (self->device == NULL) {
+    return PyUnicode_FromString("<usmipc.Event (cleared)>");
+  }
+  return PyUnicode_FromFormat(
+      "<usmipc.Event %s on [%s] at %p>",
+      self->opened ? "opened from a handle" : "created here",
+      usmipc_device_filter_string(
+          ((usmipc_device_object_t *)self->device)->device),
+      (void *)self);
+}
+
+static PyObject *event_reduce(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  (void)op;
+  PyErr_SetString(PyExc_TypeError,
+                  "usmipc.Event cannot be pickled; send "
+                  "usmipc.IPCEventHandle(event) (or its to_bytes()) and open "
+                  "it with IPCEventHandle.open() in the other process");
+  return NULL;
+}
+
+#define CMETHOD(f) (PyCFunction)(void (*)(void))(f)
+#define METHOD_FLAGS (METH_METHOD | METH_FASTCALL | METH_KEYWORDS)
+#define CLASS_FLAGS (METH_CLASS | METHOD_FLAGS)
+
+static PyMethodDef event_methods[] = {
+    {"record", CMETHOD(event_record), METHOD_FLAGS,
+     "record($self, /, stream=None)\n--\n\n"
+     "Marks the work submitted to stream so far (None: the default queue "
+     "of\nthe event's device). stream: a usmipc.Queue, a torch or CuPy "
+     "stream, an\nobject with __cuda_stream__, or an int (a native stream "
+     "handle). Each\nrecord replaces the previous one. Raises usmipc.Error "
+     "(ValueError) for an\nEvent opened from a handle: those only wait."},
+    {"wait", CMETHOD(event_wait), METHOD_FLAGS,
+     "wait($self, /, stream=None)\n--\n\n"
+     "With a stream, work submitted to it later waits for the event's "
+     "record\non the device (the host does not block); without, the same "
+     "as\nsynchronize()."},
+    {"synchronize", event_synchronize, METH_NOARGS,
+     "synchronize($self, /)\n--\n\n"
+     "The host waits until the record has completed (without the GIL), for "
+     "at\nmost usmipc.set_event_timeout() (then usmipc.IPCTimeoutError). "
+     "Ctrl-C\nraises KeyboardInterrupt. An event whose exporter exited "
+     "before its record\nwas known complete raises usmipc.Error "
+     "USMIPC_EEXPORTERGONE. An event never\nrecorded is complete."},
+    {"query", event_query, METH_NOARGS,
+     "query($self, /) -> bool\n--\n\n"
+     "True if the record has completed (never blocks)."},
+    {"__reduce__", event_reduce, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef event_getset[] = {
+    {"device", event_get_device, NULL, "The event's Device.", NULL},
+    {"is_opened", event_get_is_opened, NULL,
+     "True for an Event opened from an IPCEventHandle (it waits only).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(event_doc,
+             "Event(device=None)\n--\n\n"
+             "An event on device (a Device, a filter string, or None for the "
+             "default\ndevice): record() marks the work a stream has been "
+             "given so far,\nwait(stream) makes a stream wait for it on the "
+             "device, synchronize() makes\nthe host wait. Share it with "
+             "IPCEventHandle(event). On the host backend\nwork completes "
+             "when submitted, so events are complete when recorded; they\n"
+             "still travel between processes and fail like the others.");
+
+static PyType_Slot event_slots[] = {
+    {Py_tp_doc, (void *)event_doc},
+    {Py_tp_new, event_new},
+    {Py_tp_dealloc, event_dealloc},
+    {Py_tp_traverse, event_traverse},
+    {Py_tp_clear, event_clear},
+    {Py_tp_repr, event_repr},
+    {Py_tp_methods, event_methods},
+    {Py_tp_getset, event_getset},
+    {0, NULL},
+};
+
+static PyType_Spec event_spec = {
+    .name = "usmipc.Event",
+    .basicsize = sizeof(Event),
+    .itemsize = 0,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = event_slots,
+};
+
+/* ---- IPCEventHandle ------------------------------------------------------ */
+
+static PyObject *ehandle_new(PyTypeObject *type, PyObject *args,
+                             PyObject *kwds) {
+  static char *kwlist[] = {"event", NULL};
+  PyObject *event_obj;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:IPCEventHandle", kwlist,
+                                   &event_obj)) {
+    return NULL;
+  }
+  usmipc_module_state_t *st = usmipc_state_from_type(type);
+  if (st == NULL) {
+    return NULL;
+  }
+  if (st->EventType == NULL || !Py_IS_TYPE(event_obj, st->EventType)) {
+    PyErr_Format(
+        PyExc_TypeError, "IPCEventHandle() shares a usmipc.Event, not %R%s",
+        (PyObject *)Py_TYPE(event_obj),
+        st->MemoryType != NULL && PyObject_TypeCheck(event_obj, st->MemoryType)
+            ? " (share memory with IPCMemoryHandle)"
+            : "");
+    return NULL;
+  }
+  Event *event = (Event *)event_obj;
+  if (event_check(event) < 0) {
+    return NULL;
+  }
+  if (event->opened) {
+    return usmipc_raise_msg(
+        st, USMIPC_EINVAL,
+        "IPCEventHandle(): this Event was opened from a handle; forward the "
+        "original handle bytes instead");
+  }
+  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+  EventHandle *self = (EventHandle *)alloc(type, 0);
+  if (self == NULL) {
+    return NULL;
+  }
+  usmipc_event_t *ev = event->event;
+  usmipc_ipc_handle_t *handle = NULL;
+  const void *data = NULL;
+  size_t len = 0;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_ipc_get_event_handle(ev, &handle);
+  if (rc == 0) {
+    rc = usmipc_ipc_handle_data(handle, &data, &len);
+  }
+  if (rc == 0) {
+    rc = usmipc_ipc_handle_inspect(data, len, &self->info);
+  }
+  Py_END_ALLOW_THREADS
+  self->handle = handle; /* freed by dealloc, even after a failure */
+  if (rc < 0) {
+    usmipc_raise(st, rc);
+    Py_DECREF(self);
+    return NULL;
+  }
+  self->data = PyBytes_FromStringAndSize(data, (Py_ssize_t)len);
+  if (self->data == NULL) {
+    Py_DECREF(self);
+    return NULL;
+  }
+  self->event = Py_NewRef(event_obj);
+  return (PyObject *)self;
+}
+
+/* Pointer and length of event handle bytes: bytes, an IPCEventHandle or
+ * any buffer (*view filled and *have_view set then: release it). */
+static int ehandle_bytes(usmipc_module_state_t *st, PyObject *obj,
+                         const char **data, Py_ssize_t *len, Py_buffer *view,
+                         int *have_view) {
+  *have_view = 0;
+  if (st->IPCEventHandleType != NULL &&
+      Py_IS_TYPE(obj, st->IPCEventHandleType)) {
+    char *p;
+    if (PyBytes_AsStringAndSize(((EventHandle *)obj)->data, &p, len) < 0) {
+      return -1;
+    }
+    *data = p;
+    return 0;
+  }
+  int found = usmipc_buffer_bytes(obj, data, len, view, have_view);
+  if (found != 0) {
+    return found < 0 ? -1 : 0;
+  }
+  if (st->IPCMemoryHandleType != NULL &&
+      Py_IS_TYPE(obj, st->IPCMemoryHandleType)) {
+    PyErr_SetString(PyExc_TypeError,
+                    "expected the bytes of an event handle or an "
+                    "IPCEventHandle, not an IPCMemoryHandle (open it with "
+                    "IPCMemoryHandle.open())");
+    return -1;
+  }
+  PyErr_Format(PyExc_TypeError,
+               "expected event handle bytes or an IPCEventHandle, not %R",
+               (PyObject *)Py_TYPE(obj));
+  return -1;
+}
+
+/* Memory handle bytes given where event handle bytes belong: 1 (and the
+ * error raised) if info says so. */
+static int refuse_memory_handle(usmipc_module_state_t *st,
+                                const usmipc_ipc_handle_info_t *info,
+                                const char *what) {
+  if (info->is_event) {
+    return 0;
+  }
+  char message[256];
+  snprintf(message, sizeof(message),
+           "%s: these are the bytes of a memory handle, not of an event; "
+           "open them with IPCMemoryHandle.open()",
+           what);
+  usmipc_raise_msg(st, USMIPC_EINVAL, message);
+  return 1;
+}
+
+static PyObject *ehandle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
+                                    PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames) {
+  (void)cls;
+  static const char *const names[] = {"data"};
+  PyObject *raw;
+  usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
+  if (usmipc_parse_fastcall("from_bytes", args, nargs, kwnames, names, 1, 1,
+                            &raw) < 0) {
+    return NULL;
+  }
+  if (raw == NULL) {
+    PyErr_SetString(PyExc_TypeError, "from_bytes() missing argument 'data'");
+    return NULL;
+  }
+  PyTypeObject *type = st->IPCEventHandleType;
+  if (type == NULL) {
+    return usmipc_state_cleared();
+  }
+  const char *data;
+  Py_ssize_t len;
+  Py_buffer view;
+  int have_view;
+  if (ehandle_bytes(st, raw, &data, &len, &view, &have_view) < 0) {
+    return NULL;
+  }
+  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+  EventHandle *self = (EventHandle *)alloc(type, 0);
+  if (self != NULL) {
+    int rc = usmipc_ipc_handle_inspect(data, (size_t)len, &self->info);
+    if (rc < 0) {
+      usmipc_raise(st, rc);
+      Py_CLEAR(self);
+    } else if (refuse_memory_handle(st, &self->info,
+                                    "IPCEventHandle.from_bytes()")) {
+      Py_CLEAR(self);
+    } else if (PyBytes_CheckExact(raw)) {
+      self->data = Py_NewRef(raw);
+    } else {
+      self->data = PyBytes_FromStringAndSize(data, len);
+      if (self->data == NULL) {
+        Py_CLEAR(self);
+      }
+    }
+  }
+  if (have_view) {
+    PyBuffer_Release(&view);
+  }
+  return (PyObject *)self;
+}
+
+static PyObject *ehandle_open(PyObject *cls, PyTypeObject *defining_class,
+                              PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames) {
+  (void)cls;
+  static const char *const names[] = {"handle_bytes", "device"};
+  PyObject *a[2];
+  usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
+  if (usmipc_parse_fastcall("open", args, nargs, kwnames, names, 2, 2, a) < 0) {
+    return NULL;
+  }
+  if (a[0] == NULL) {
+    PyErr_SetString(PyExc_TypeError,
+                    "open() missing required argument 'handle_bytes'");
+    return NULL;
+  }
+  PyObject *device_obj = NULL;
+  usmipc_device_t *device = NULL;
+  if (a[1] != NULL && a[1] != Py_None) {
+    device_obj = usmipc_device_from_arg(st, a[1]);
+    if (device_obj == NULL) {
+      return NULL;
+    }
+    device = ((usmipc_device_object_t *)device_obj)->device;
+  }
+  const char *data;
+  Py_ssize_t len;
+  Py_buffer view;
+  int have_view;
+  if (ehandle_bytes(st, a[0], &data, &len, &view, &have_view) < 0) {
+    Py_XDECREF(device_obj);
+    return NULL;
+  }
+  usmipc_event_t *event = NULL;
+  int rc;
+  /* Opening may talk to the exporting process (the first time). */
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_ipc_open_event(data, (size_t)len, device, &event);
+  Py_END_ALLOW_THREADS
+  if (rc < 0) {
+    if (rc == USMIPC_EINTR && PyErr_Occurred()) {
+      /* Ctrl-C while it waited: KeyboardInterrupt propagates */
+    } else if (rc == USMIPC_EINVAL) {
+      char message[512];
+      snprintf(message, sizeof(message), "%s", usmipc_last_error());
+      usmipc_ipc_handle_info_t info;
+      if (usmipc_ipc_handle_inspect(data, (size_t)len, &info) != 0 ||
+          !refuse_memory_handle(st, &info, "IPCEventHandle.open()")) {
+        usmipc_raise_msg(st, rc, message);
+      }
+    } else {
+      usmipc_raise(st, rc);
+    }
+    if (have_view) {
+      PyBuffer_Release(&view);
+    }
+    Py_XDECREF(device_obj);
+    return NULL;
+  }
+  if (have_view) {
+    PyBuffer_Release(&view);
+  }
+  if (PyErr_Occurred()) { /* a signal handler raised; the open completed */
+    usmipc_event_destroy(event);
+    Py_XDECREF(device_obj);
+    return NULL;
+  }
+  /* The device the library opened it on (the exporter's own event, for a
+   * handle opened in the process that made it). */
+  Py_XDECREF(device_obj);
+  device_obj = usmipc_device_object(st, usmipc_event_device(event));
+  if (device_obj == NULL) {
+    usmipc_event_destroy(event);
+    return NULL;
+  }
+  PyObject *result = event_wrap(st, device_obj, event, 1);
+  Py_DECREF(device_obj);
+  return result;
+}
+
+static int ehandle_traverse(PyObject *op, visitproc visit, void *arg) {
+  EventHandle *self = (EventHandle *)op;
+  Py_VISIT(Py_TYPE(op));
+  Py_VISIT(self->event);
+  Py_VISIT(self->data);
+  return 0;
+}
+
+static int ehandle_clear(PyObject *op) {
+  EventHandle *self = (EventHandle *)op;
+  Py_CLEAR(self->event);
+  Py_CLEAR(self->data);
+  return 0;
+}
+
+static void ehandle_dealloc(PyObject *op) {
+  EventHandle *self = (EventHandle *)op;
+  PyTypeObject *tp = Py_TYPE(op);
+  PyObject_GC_UnTrack(op);
+  if (self->handle != NULL) {
+    usmipc_ipc_handle_t *handle = self->handle;
+    self->handle = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    usmipc_ipc_free_handle(handle);
+    Py_END_ALLOW_THREADS
+  }
+  ehandle_clear(op);
+  freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+  tp_free(op);
+  Py_DECREF(tp);
+}
+
+static PyObject *ehandle_to_bytes(PyObject *self,
+                                  PyObject *Py_UNUSED(ignored)) {
+  return Py_NewRef(((EventHandle *)self)->data);
+}
+
+static PyObject *ehandle_reduce(PyObject *self, PyObject *Py_UNUSED(ignored)) {
+  PyObject *from_bytes =
+      PyObject_GetAttrString((PyObject *)Py_TYPE(self), "from_bytes");
+  if (from_bytes == NULL) {
+    return NULL;
+  }
+  return Py_BuildValue("(N(O))", from_bytes, ((EventHandle *)self)->data);
+}
+
+static PyObject *ehandle_inspect(PyObject *self, PyObject *Py_UNUSED(ignored)) {
+  EventHandle *h = (EventHandle *)self;
+  return usmipc_handle_info_dict(&h->info, PyBytes_Size(h->data));
+}
+
+static PyObject *ehandle_get_event(PyObject *self, void *closure) {
+  (void)closure;
+  PyObject *event = ((EventHandle *)self)->event;
+  return Py_NewRef(event ? event : Py_None);
+}
+
+static PyObject *ehandle_get_backend(PyObject *self, void *closure) {
+  (void)closure;
+  return PyUnicode_FromString(
+      usmipc_backend_name(((EventHandle *)self)->info.backend));
+}
+
+static PyObject *ehandle_get_device_uuid(PyObject *self, void *closure) {
+  (void)closure;
+  return PyBytes_FromStringAndSize(
+      (const char *)((EventHandle *)self)->info.device_uuid, 16);
+}
+
+static PyObject *ehandle_get_exporter_pid(PyObject *self, void *closure) {
+  (void)closure;
+  return PyLong_FromUnsignedLong(((EventHandle *)self)->info.exporter_pid);
+}
+
+static PyObject *ehandle_get_event_point(PyObject *self, void *closure) {
+  (void)closure;
+  return PyLong_FromUnsignedLongLong(((EventHandle *)self)->info.event_point);
+}
+
+static PyObject *ehandle_get_device(PyObject *self, void *closure) {
+  (void)closure;
+  EventHandle *h = (EventHandle *)self;
+  if (h->event != NULL && ((Event *)h->event)->device != NULL) {
+    return Py_NewRef(((Event *)h->event)->device);
+  }
+  return usmipc_device_of_info(event_state(self), &h->info);
+}
+
+static PyObject *ehandle_repr(PyObject *op) {
+  EventHandle *self = (EventHandle *)op;
+  return PyUnicode_FromFormat(
+      "<usmipc.IPCEventHandle: record %llu of a %s event, exported by pid "
+      "%u; %zd-byte handle>",
+      (unsigned long long)self->info.event_point,
+      usmipc_backend_name(self->info.backend),
+      (unsigned)self->info.exporter_pid,
+      self->data ? PyBytes_Size(self->data) : 0);
+}
+
+static PyObject *ehandle_richcompare(PyObject *self, PyObject *other, int op) {
+  if ((op != Py_EQ && op != Py_NE) || !Py_IS_TYPE(other, Py_TYPE(self))) {
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  return PyObject_RichCompare(((EventHandle *)self)->data,
+                              ((EventHandle *)other)->data, op);
+}
+
+static Py_hash_t ehandle_hash(PyObject *self) {
+  return PyObject_Hash(((EventHandle *)self)->data);
+}
+
+static PyMethodDef ehandle_methods[] = {
+    {"open", CMETHOD(ehandle_open), CLASS_FLAGS,
+     "open($cls, /, handle_bytes, device=None)\n--\n\n"
+     "Returns an Event that waits for the record the handle names (bytes, "
+     "an\nIPCEventHandle or any buffer), opened on device (None: the device "
+     "that\nrecorded it). It cannot be recorded. Re-opening an event already "
+     "open in\nthis process is a cheap lookup. Memory handle bytes raise "
+     "ValueError; a\ndestroyed event or a dead exporter usmipc.Error "
+     "USMIPC_EEXPORTERGONE."},
+    {"from_bytes", CMETHOD(ehandle_from_bytes), CLASS_FLAGS,
+     "from_bytes($cls, /, data)\n--\n\nAn IPCEventHandle carrying only the "
+     "given bytes (validated), as after\nunpickling."},
+    {"to_bytes", ehandle_to_bytes, METH_NOARGS,
+     "to_bytes() -> bytes: the serialized handle, for any channel."},
+    {"__bytes__", ehandle_to_bytes, METH_NOARGS, NULL},
+    {"__reduce__", ehandle_reduce, METH_NOARGS, NULL},
+    {"inspect", ehandle_inspect, METH_NOARGS,
+     "inspect() -> dict: the handle's metadata, as "
+     "IPCMemoryHandle.inspect()."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef ehandle_getset[] = {
+    {"event", ehandle_get_event, NULL,
+     "The shared Event (None for a handle made from bytes).", NULL},
+    {"backend", ehandle_get_backend, NULL, "The backend's name.", NULL},
+    {"device_uuid", ehandle_get_device_uuid, NULL,
+     "UUID of the recording device.", NULL},
+    {"device", ehandle_get_device, NULL,
+     "The recording Device, or None if this process does not see it.", NULL},
+    {"exporter_pid", ehandle_get_exporter_pid, NULL,
+     "Process id of the exporter.", NULL},
+    {"event_point", ehandle_get_event_point, NULL,
+     "The record the handle names (1 for the first; 0: none yet).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(
+    ehandle_doc,
+    "IPCEventHandle(event)\n--\n\n"
+    "Shares an Event created in this process with other processes: send "
+    "to_bytes()\n(or pickle the handle) by any channel and call "
+    "IPCEventHandle.open() there.\nThe bytes name the event's latest record "
+    "when the handle is made (if the\nevent is recorded again, importers "
+    "wait for the newer record). The handle\nkeeps the event alive; once the "
+    "event is destroyed its handles are refused.\nOnly processes of the "
+    "exporter's user can open it.");
+
+static PyType_Slot ehandle_slots[] = {
+    {Py_tp_doc, (void *)ehandle_doc},
+    {Py_tp_new, ehandle_new},
+    {Py_tp_dealloc, ehandle_dealloc},
+    {Py_tp_traverse, ehandle_traverse},
+    {Py_tp_clear, ehandle_clear},
+    {Py_tp_repr, ehandle_repr},
+    {Py_tp_richcompare, ehandle_richcompare},
+    {Py_tp_hash, ehandle_hash},
+    {Py_tp_methods, ehandle_methods},
+    {Py_tp_getset, ehandle_getset},
+    {0, NULL},
+};
+
+static PyType_Spec ehandle_spec = {
+    .name = "usmipc.IPCEventHandle",
+    .basicsize = sizeof(EventHandle),
+    .itemsize = 0,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = ehandle_slots,
+};
+
+/* ---- set_event_timeout --------------------------------------------------- */
+
+PyObject *usmipc_set_event_timeout(PyObject *module, PyObject *arg) {
+  usmipc_module_state_t *st = PyModule_GetState(module);
+  unsigned long long timeout_ms = 0;
+  if (arg != Py_None) {
+    double seconds = PyFloat_AsDouble(arg); /* any real number */
+    if (seconds == -1.0 && PyErr_Occurred()) {
+      return NULL;
+    }
+    if (isnan(seconds) || seconds < 0.0) {
+      PyErr_Format(PyExc_ValueError,
+                   "timeout must be None or >= 0 seconds (None and 0 wait "
+                   "without limit), not %R",
+                   arg);
+      return NULL;
+    }
+    /* Whole milliseconds, rounded up (set_ipc_timeout's rule); a positive
+     * timeout never becomes 0, which would mean no limit. */
+    double ms = ceil(seconds * 1000.0 - 1e-6);
+    if (ms >= 1.8e19) {
+      PyErr_Format(PyExc_ValueError, "timeout %R is too large", arg);
+      return NULL;
+    }
+    timeout_ms = (unsigned long long)ms;
+    if (seconds > 0.0 && timeout_ms == 0) {
+      timeout_ms = 1;
+    }
+  }
+  int rc = usmipc_event_set_timeout(timeout_ms);
+  if (rc < 0) {
+    return usmipc_raise(st, rc);
+  }
+  Py_RETURN_NONE;
+}
+
+/* ---- types --------------------------------------------------------------- */
+
+int usmipc_init_event_types(PyObject *module, usmipc_module_state_t *st) {
+  st->EventType =
+      (PyTypeObject *)PyType_FromModuleAndSpec(module, &event_spec, NULL);
+  if (st->EventType == NULL || PyModule_AddType(module, st->EventType) < 0) {
+    return -1;
+  }
+  st->IPCEventHandleType =
+      (PyTypeObject *)PyType_FromModuleAndSpec(module, &ehandle_spec, NULL);
+  if (st->IPCEventHandleType == NULL) {
+    return -1;
+  }
+  return PyModule_AddType(module, st->IPCEventHandleType);
+}
