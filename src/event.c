@@ -862,7 +862,8 @@ int usmipc_event_query(usmipc_event_t *event) {
   usmipc_device_t *dev = event->device;
   int rc;
   if (event->kind == EV_LOCAL)
-    rc = local_status(event, event->points, &native);
+    rc = local_status(event, __atomic_load_n(&event->points, __ATOMIC_ACQUIRE),
+                      &native);
   else if (event->kind == EV_VIEW_LOCAL)
     rc = local_status(event->local, event->point, &native);
   else

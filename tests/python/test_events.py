@@ -774,3 +774,91 @@ def test_level_zero_handles_are_unordered_by_default():
     assert result.returncode == 0, out + result.stderr.decode()
     assert out.splitlines()[-1] == "OK"
     assert "ordered=False" in out  # the advice of the refusal
+
+
+# ---- release signals ---------------------------------------------------------
+
+
+def _releasing_consumer(conn, raws, how):
+    """Opens every handoff, then returns the tickets: close_mapping, the
+    explicit release() (twice: counted once), or by letting the mapping be
+    collected; keeps the last one out until told."""
+    import gc
+    dev = usmipc.Device("host:cpu")
+    maps = [IPCMemoryHandle.open(raw, dev) for raw in raws]
+    conn.send([bytes(memoryview(m)[:1])[0] for m in maps])
+    for m in maps[:-1]:
+        if how == "close":
+            IPCMemoryHandle.close_mapping(m)
+        elif how == "release":
+            IPCMemoryHandle.release(m, stream=Queue(dev))
+            IPCMemoryHandle.release(m)
+        else:
+            pass
+    if how == "gc":
+        del m
+        maps = maps[-1:]
+        gc.collect()
+    conn.send("some")
+    conn.recv()
+    IPCMemoryHandle.close_mapping(maps[-1])
+    conn.send("all")
+    conn.recv()
+
+
+@pytest.mark.parametrize("how", ["close", "release", "gc"])
+def test_release_tickets_come_back_from_a_spawned_process(host, how):
+    mem = MemoryUSMDevice(4096, device=host)
+    h = IPCMemoryHandle(mem, release=True)
+    raws = []
+    for i in range(3):
+        mem.memset(i + 1)
+        raws.append(h.to_bytes())
+    assert h.releases == (3, 0)
+    assert len({IPCMemoryHandle.inspect(r)["length"] for r in raws}) == 1
+    conn, proc = _spawn(_releasing_consumer, raws, how)
+    try:
+        assert _recv(conn, proc) == [3, 3, 3]  # one memory, the last fill
+        assert _recv(conn, proc) == "some"
+        assert h.releases == (3, 2)
+        usmipc.set_event_timeout(0.3)
+        with pytest.raises(usmipc.Error) as e:
+            h.wait_released()
+        assert e.value.name == "USMIPC_ETIMEDOUT"
+        assert "2 of 3" in str(e.value)
+        usmipc.set_event_timeout(None)
+        conn.send("go")
+        assert _recv(conn, proc) == "all"
+        h.wait_released()
+        h.wait_released(stream=Queue(host))
+        assert h.releases == (3, 3)
+        conn.send("done")
+        _join(proc)
+    finally:
+        usmipc.set_event_timeout(None)
+
+
+def test_release_arguments(host):
+    mem = MemoryUSMDevice(4096, device=host)
+    h = IPCMemoryHandle(mem, ordered=False, release=True)
+    raw = h.to_bytes()
+    assert IPCMemoryHandle.inspect(raw)["is_ordered"] is False
+    m = IPCMemoryHandle.open(raw, host)
+    IPCMemoryHandle.release(m)
+    IPCMemoryHandle.release(m)  # once only
+    assert h.releases == (1, 1)
+    IPCMemoryHandle.close_mapping(m)
+    assert h.releases == (1, 1)
+    plain = IPCMemoryHandle(mem)
+    assert plain.releases == (0, 0)
+    plain.wait_released()  # nothing handed out
+    with pytest.raises(ValueError, match="made from bytes"):
+        IPCMemoryHandle.from_bytes(raw).wait_released()
+    with pytest.raises(TypeError):
+        IPCMemoryHandle.release(mem)
+    # A producer that freed its handle: the consumer's return is no error.
+    raw2 = h.to_bytes()
+    m2 = IPCMemoryHandle.open(raw2, host)
+    del h
+    gc.collect()
+    IPCMemoryHandle.close_mapping(m2)

@@ -169,7 +169,18 @@ typedef struct usmipc_memory_object {
    * order_handle is dropped once known to carry no event. */
   PyObject *order_handle;
   usmipc_event_t *order_event;
+  /* Mappings whose handle bytes carry a release ticket (the producer asked
+   * for one): the bytes, until the ticket is returned (release(), or
+   * close_mapping / close, which return it from the host). */
+  PyObject *release_handle;
 } usmipc_memory_object_t;
+
+/* Returns a mapping's release ticket, if it has one not returned yet, after
+ * the work submitted to queue (NULL: now). A producer that no longer waits
+ * (gone, or its handle freed) is not an error. 0, or -1 with an exception
+ * set. ipc_handle.c. */
+int usmipc_mapping_release(usmipc_module_state_t *st, usmipc_memory_object_t *m,
+                           usmipc_queue_t *queue);
 
 int usmipc_init_memory_types(PyObject *module, usmipc_module_state_t *st);
 /* Wraps an open IPC mapping in a new MemoryIPCDevice (steals nothing; on

@@ -43,6 +43,7 @@ typedef struct handle_object {
    * the bytes of the latest handoff (or NULL), and the lock that makes one
    * thread at a time order the library's handle (taken without the GIL). */
   PyObject *order_queue;
+  char release; /* release=True: every handoff carries a release ticket */
   PyObject *last;
   pthread_mutex_t order_lock;
   char lock_ready;
@@ -278,18 +279,37 @@ static int setup_order(usmipc_module_state_t *st, Handle *self,
   return 0;
 }
 
+/* release=True: every handoff also carries a release ticket, ordered or
+ * not (the lock that orders the library's handle guards tickets too). */
+static int setup_release(Handle *self, int release) {
+  if (!release) {
+    return 0;
+  }
+  if (!self->lock_ready) {
+    if (pthread_mutex_init(&self->order_lock, NULL) != 0) {
+      PyErr_SetString(PyExc_RuntimeError,
+                      "IPCMemoryHandle(): could not initialize a mutex");
+      return -1;
+    }
+    self->lock_ready = 1;
+  }
+  self->release = 1;
+  return 0;
+}
+
 static PyObject *handle_new(PyTypeObject *type, PyObject *args,
                             PyObject *kwds) {
-  static char *kwlist[] = {"memory", "offset",  "nbytes",
-                           "stream", "ordered", NULL};
+  static char *kwlist[] = {"memory",  "offset",  "nbytes", "stream",
+                           "ordered", "release", NULL};
   PyObject *mem_obj;
   Py_ssize_t offset = 0;
   PyObject *nbytes_obj = Py_None;
   PyObject *stream = NULL, *ordered_obj = NULL;
+  int release = 0;
   Py_ssize_t nbytes;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|nO$OO:IPCMemoryHandle",
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|nO$OOp:IPCMemoryHandle",
                                    kwlist, &mem_obj, &offset, &nbytes_obj,
-                                   &stream, &ordered_obj)) {
+                                   &stream, &ordered_obj, &release)) {
     return NULL;
   }
   if (stream == Py_None) {
@@ -349,6 +369,9 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
         Py_CLEAR(handle);
       }
     }
+    if (handle != NULL && setup_release((Handle *)handle, release) < 0) {
+      Py_CLEAR(handle);
+    }
     return handle;
   }
 
@@ -387,8 +410,10 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
   }
   PyObject *handle = export_memory(type, st, mem_obj, NULL, mem,
                                    (const char *)mem->ptr + offset, nbytes);
-  if (handle != NULL && setup_order(st, (Handle *)handle, stream, ordered,
-                                    mem->device, mem, mem_obj) < 0) {
+  if (handle != NULL &&
+      (setup_order(st, (Handle *)handle, stream, ordered, mem->device, mem,
+                   mem_obj) < 0 ||
+       setup_release((Handle *)handle, release) < 0)) {
     Py_CLEAR(handle);
   }
   return handle;
@@ -398,11 +423,13 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
  * handle, freshly ordered on its queue (without the GIL); otherwise the
  * handle's bytes, the same object each time. */
 static PyObject *handle_current_bytes(Handle *self) {
-  if (self->order_queue == NULL || self->handle == NULL) {
+  if ((self->order_queue == NULL && !self->release) || self->handle == NULL) {
     return Py_NewRef(self->data);
   }
-  PyObject *queue_obj = Py_NewRef(self->order_queue);
-  usmipc_queue_t *queue = ((usmipc_queue_object_t *)queue_obj)->queue;
+  PyObject *queue_obj = Py_XNewRef(self->order_queue);
+  usmipc_queue_t *queue =
+      queue_obj ? ((usmipc_queue_object_t *)queue_obj)->queue : NULL;
+  unsigned flags = self->release ? USMIPC_ORDER_RELEASE : 0;
   usmipc_ipc_handle_t *handle = self->handle;
   char *copy = NULL;
   size_t len = 0;
@@ -410,7 +437,7 @@ static PyObject *handle_current_bytes(Handle *self) {
   Py_BEGIN_ALLOW_THREADS
   pthread_mutex_lock(&self->order_lock);
   const void *data = NULL;
-  rc = usmipc_ipc_handle_order(handle, queue);
+  rc = usmipc_ipc_handle_order_ex(handle, queue, flags);
   if (rc == 0) {
     rc = usmipc_ipc_handle_data(handle, &data, &len);
   }
@@ -422,10 +449,9 @@ static PyObject *handle_current_bytes(Handle *self) {
   }
   pthread_mutex_unlock(&self->order_lock);
   Py_END_ALLOW_THREADS
-  Py_DECREF(queue_obj);
+  Py_XDECREF(queue_obj);
   if (rc < 0) {
-    PyObject *device = ((usmipc_queue_object_t *)self->order_queue)->device;
-    return usmipc_raise(usmipc_state_from_device(device), rc);
+    return usmipc_raise(handle_state((PyObject *)self), rc);
   }
   if (copy == NULL) {
     return PyErr_NoMemory();
@@ -636,6 +662,43 @@ static PyObject *raise_open_error(usmipc_module_state_t *st, int rc,
   return usmipc_raise_msg(st, rc, message);
 }
 
+/* Whether handle bytes carry a release ticket: the record is always the
+ * last one (usmipc_ipc_handle_order_ex appends it), so a look at the tail
+ * spares the common case a decode. */
+static int carries_release_ticket(const char *data, Py_ssize_t len) {
+  static const unsigned char tail[4] = {0x03, 0x80, 0x20, 0x00};
+  if (len < 216 + 36 || memcmp(data + len - 40, tail, 4) != 0) {
+    return 0;
+  }
+  usmipc_ipc_handle_info_t info;
+  return usmipc_ipc_handle_inspect(data, (size_t)len, &info) == 0 &&
+         info.release_ticket != 0;
+}
+
+int usmipc_mapping_release(usmipc_module_state_t *st, usmipc_memory_object_t *m,
+                           usmipc_queue_t *queue) {
+  PyObject *bytes = m->release_handle;
+  if (bytes == NULL) {
+    return 0;
+  }
+  m->release_handle = NULL; /* once, even if it fails */
+  const char *data = PyBytes_AsString(bytes);
+  size_t len = (size_t)PyBytes_Size(bytes);
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_ipc_release(data, len, queue);
+  Py_END_ALLOW_THREADS
+  Py_DECREF(bytes);
+  if (rc == USMIPC_EEXPORTERGONE) {
+    return 0; /* nobody waits for it any more */
+  }
+  if (rc < 0) {
+    usmipc_raise(st, rc);
+    return -1;
+  }
+  return 0;
+}
+
 /* open() and open_sycl(): the same first arguments; sycl selects
  * usmipc_ipc_open_sycl (bytes of a SYCL program's IPC handle), which has
  * no ordering (stream, ordered). handle= is the old name of handle_bytes.
@@ -840,6 +903,22 @@ static PyObject *open_common(PyTypeObject *defining_class,
     }
     ((usmipc_memory_object_t *)mem)->order_handle = bytes;
   }
+  if (!sycl && carries_release_ticket(data, len)) {
+    PyObject *bytes = keep ? Py_NewRef(keep)
+                      : PyBytes_CheckExact(a[0])
+                          ? Py_NewRef(a[0])
+                          : PyBytes_FromStringAndSize(data, len);
+    if (bytes == NULL || !PyBytes_Check(bytes)) {
+      Py_XDECREF(bytes);
+      Py_DECREF(mem);
+      ptr = NULL;
+      if (!PyErr_Occurred()) {
+        PyErr_SetString(PyExc_TypeError, "handle bytes are not bytes");
+      }
+      goto fail_args;
+    }
+    ((usmipc_memory_object_t *)mem)->release_handle = bytes;
+  }
   if (have_view) {
     PyBuffer_Release(&view);
   }
@@ -876,35 +955,73 @@ static PyObject *handle_open_sycl(PyObject *cls, PyTypeObject *defining_class,
   return open_common(defining_class, args, nargs, kwnames, 1);
 }
 
+/* close_mapping(memory, stream=None) and release(memory, stream=None):
+ * both return the mapping's release ticket (if the producer asked for one
+ * and it was not returned yet) after the work submitted to stream (None:
+ * now); close_mapping then closes the mapping. */
+static PyObject *mapping_release_or_close(PyTypeObject *defining_class,
+                                          PyObject *const *args,
+                                          Py_ssize_t nargs, PyObject *kwnames,
+                                          int close) {
+  static const char *const names[] = {"memory", "stream"};
+  const char *funcname = close ? "close_mapping" : "release";
+  PyObject *a[2] = {NULL, NULL};
+  usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
+  if (kwnames == NULL && nargs == 1) {
+    a[0] = args[0];
+  } else if (usmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 2, 1,
+                                   a) < 0) {
+    return NULL;
+  }
+  if (a[0] == NULL) {
+    PyErr_Format(PyExc_TypeError, "%s() missing required argument 'memory'",
+                 funcname);
+    return NULL;
+  }
+  PyObject *mem = a[0];
+  if (!PyObject_TypeCheck(mem, st->MemoryIPCDeviceType)) {
+    PyErr_Format(PyExc_TypeError,
+                 "%s() takes a MemoryIPCDevice returned by "
+                 "IPCMemoryHandle.open(), not %R",
+                 funcname, (PyObject *)Py_TYPE(mem));
+    return NULL;
+  }
+  usmipc_memory_object_t *m = (usmipc_memory_object_t *)mem;
+  if (a[1] != NULL && a[1] != Py_None && m->release_handle != NULL) {
+    PyObject *queue_obj = usmipc_queue_from_stream(
+        st, a[1], NULL, m->device,
+        close ? "IPCMemoryHandle.close_mapping()" : "IPCMemoryHandle.release()");
+    if (queue_obj == NULL) {
+      return NULL;
+    }
+    int rc = usmipc_mapping_release(
+        st, m, ((usmipc_queue_object_t *)queue_obj)->queue);
+    Py_DECREF(queue_obj);
+    if (rc < 0) {
+      return NULL;
+    }
+  } else if (!close && usmipc_mapping_release(st, m, NULL) < 0) {
+    return NULL;
+  }
+  if (close && usmipc_mapping_close(st, m) < 0) {
+    return NULL;
+  }
+  Py_RETURN_NONE;
+}
+
 static PyObject *handle_close_mapping(PyObject *cls,
                                       PyTypeObject *defining_class,
                                       PyObject *const *args, Py_ssize_t nargs,
                                       PyObject *kwnames) {
   (void)cls;
-  static const char *const names[] = {"memory"};
-  PyObject *mem;
-  usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
-  if (kwnames == NULL && nargs == 1) {
-    mem = args[0];
-  } else if (usmipc_parse_fastcall("close_mapping", args, nargs, kwnames, names,
-                                   1, 1, &mem) < 0) {
-    return NULL;
-  } else if (mem == NULL) {
-    PyErr_SetString(PyExc_TypeError,
-                    "close_mapping() missing required argument 'memory'");
-    return NULL;
-  }
-  if (!PyObject_TypeCheck(mem, st->MemoryIPCDeviceType)) {
-    PyErr_Format(PyExc_TypeError,
-                 "close_mapping() takes a MemoryIPCDevice returned by "
-                 "IPCMemoryHandle.open(), not %R",
-                 (PyObject *)Py_TYPE(mem));
-    return NULL;
-  }
-  if (usmipc_mapping_close(st, (usmipc_memory_object_t *)mem) < 0) {
-    return NULL;
-  }
-  Py_RETURN_NONE;
+  return mapping_release_or_close(defining_class, args, nargs, kwnames, 1);
+}
+
+static PyObject *handle_release(PyObject *cls, PyTypeObject *defining_class,
+                                PyObject *const *args, Py_ssize_t nargs,
+                                PyObject *kwnames) {
+  (void)cls;
+  return mapping_release_or_close(defining_class, args, nargs, kwnames, 0);
 }
 
 static PyObject *handle_is_available(PyObject *cls,
@@ -1060,6 +1177,70 @@ static PyObject *handle_get_ordered(PyObject *op, void *closure) {
                                               : self->info.is_ordered);
 }
 
+static PyObject *handle_get_releases(PyObject *op, void *closure) {
+  (void)closure;
+  Handle *self = (Handle *)op;
+  uint64_t sent = 0, back = 0;
+  if (self->handle != NULL) {
+    int rc = usmipc_ipc_handle_releases(self->handle, &sent, &back);
+    if (rc < 0) {
+      return usmipc_raise(handle_state(op), rc);
+    }
+  }
+  return Py_BuildValue("(KK)", (unsigned long long)sent,
+                       (unsigned long long)back);
+}
+
+/* wait_released(stream=None): every release ticket handed out so far came
+ * back; then stream waits for the consumers' work on the device, or the
+ * host waits. */
+static PyObject *handle_wait_released(PyObject *op, PyObject *const *args,
+                                      Py_ssize_t nargs, PyObject *kwnames) {
+  static const char *const names[] = {"stream"};
+  PyObject *stream = NULL;
+  Handle *self = (Handle *)op;
+  usmipc_module_state_t *st = handle_state(op);
+  if (usmipc_parse_fastcall("wait_released", args, nargs, kwnames, names, 1,
+                            0, &stream) < 0) {
+    return NULL;
+  }
+  if (self->handle == NULL) {
+    PyErr_SetString(PyExc_ValueError,
+                    "wait_released(): this handle was made from bytes; only "
+                    "the exporter's own handle hands out release tickets");
+    return NULL;
+  }
+  PyObject *queue_obj = NULL;
+  usmipc_queue_t *queue = NULL;
+  if (stream != NULL && stream != Py_None) {
+    PyObject *device = usmipc_device_of_info(st, &self->info);
+    if (device == NULL) {
+      return NULL;
+    }
+    queue_obj = usmipc_queue_from_stream(
+        st, stream, NULL, device == Py_None ? NULL : device,
+        "IPCMemoryHandle.wait_released()");
+    Py_DECREF(device);
+    if (queue_obj == NULL) {
+      return NULL;
+    }
+    queue = ((usmipc_queue_object_t *)queue_obj)->queue;
+  }
+  usmipc_ipc_handle_t *handle = self->handle;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_ipc_handle_wait_released(handle, queue);
+  Py_END_ALLOW_THREADS
+  Py_XDECREF(queue_obj);
+  if (rc == USMIPC_EINTR && PyErr_Occurred()) {
+    return NULL; /* KeyboardInterrupt from the interrupt hook */
+  }
+  if (rc < 0) {
+    return usmipc_raise(st, rc);
+  }
+  Py_RETURN_NONE;
+}
+
 static PyObject *handle_get_queue(PyObject *op, void *closure) {
   (void)closure;
   PyObject *queue = ((Handle *)op)->order_queue;
@@ -1207,10 +1388,22 @@ static PyMethodDef handle_methods[] = {
      "it, and a freed allocation is not\ndetected (docs/level-zero.md). "
      "Each call maps anew; close with\nclose_mapping()."},
     {"close_mapping", CMETHOD(handle_close_mapping), CLASS_FLAGS,
-     "close_mapping($cls, /, memory)\n--\n\nCloses a mapping returned by "
-     "open(); "
-     "idempotent. While memoryviews of it are\nalive the unmap waits for "
-     "the last one."},
+     "close_mapping($cls, /, memory, stream=None)\n--\n\nCloses a mapping "
+     "returned by open(); idempotent. While memoryviews of it are\nalive the "
+     "unmap waits for the last one. If the producer asked for a\nrelease "
+     "(IPCMemoryHandle(..., release=True)), its ticket is returned first,\n"
+     "after the work submitted to stream (None: now)."},
+    {"release", CMETHOD(handle_release), CLASS_FLAGS,
+     "release($cls, /, memory, stream=None)\n--\n\nTells the producer "
+     "that this consumer is done with the mapping, after the\nwork "
+     "submitted to stream (None: now), without closing it. Does nothing\n"
+     "when the producer asked for no release or was told already."},
+    {"wait_released", (PyCFunction)(void (*)(void))handle_wait_released,
+     METH_FASTCALL | METH_KEYWORDS,
+     "wait_released($self, /, stream=None)\n--\n\nWaits until every "
+     "release ticket handed out so far came back (the\nevent timeout "
+     "applies), then makes stream wait on the device for the\nconsumers' "
+     "work, or (stream None) waits on the host."},
     {"is_available", CMETHOD(handle_is_available), CLASS_FLAGS,
      "is_available($cls, /)\n--\n\nTrue if any available device supports IPC."},
     {"inspect", CMETHOD(handle_inspect), CLASS_FLAGS,
@@ -1262,6 +1455,10 @@ static PyGetSetDef handle_getset[] = {
      "The exporting Device, or None if this process does not see it.", NULL},
     {"memory", handle_get_memory, NULL,
      "The exported memory object (None for a handle made from bytes).", NULL},
+    {"releases", handle_get_releases, NULL,
+     "(sent, returned): release tickets handed out (one per handoff of a "
+     "handle made\nwith release=True) and returned by consumers so far.",
+     NULL},
     {"ordered", handle_get_ordered, NULL,
      "True if the handle's bytes make importers wait for the producer's "
      "work.",
@@ -1276,7 +1473,7 @@ static PyGetSetDef handle_getset[] = {
 PyDoc_STRVAR(
     handle_doc,
     "IPCMemoryHandle(memory, offset=0, nbytes=None, *, stream=None, "
-    "ordered=True)\n--\n\n"
+    "ordered=True,\nrelease=False)\n--\n\n"
     "Exports device memory allocated by usmipc (MemoryUSMDevice), or "
     "another\nlibrary's C-contiguous CUDA array with "
     "__cuda_array_interface__ or\n__dlpack__ (torch, CuPy, JAX), for "
@@ -1301,6 +1498,10 @@ PyDoc_STRVAR(
     "call, no\nevent). On backends without events (Level Zero, for "
     "now) handles are\nunordered unless ordered=True is given, "
     "which raises usmipc.Error there.\n\n"
+    "release=True: every handoff also carries a release ticket, which the\n"
+    "consumer returns when it closes the mapping (or with release()); "
+    "the\nproducer's wait_released() waits for all of them, and then "
+    "for the\nconsumers' work; releases says how many are out.\n\n"
     "Security: the bytes are a capability for the whole allocation, "
     "not only\nfor [offset, offset + nbytes): a holder can edit "
     "those fields and open\nall of it. Share separate allocations "

@@ -285,6 +285,13 @@ int usmipc_mapping_close(usmipc_module_state_t *st, Mem *self) {
   if (self->closed) {
     return 0;
   }
+  /* A producer that asked for a release learns of the close (from the
+   * host: work still queued on the mapping should be released with
+   * IPCMemoryHandle.release(m, stream=...) first). */
+  if (self->release_handle != NULL &&
+      usmipc_mapping_release(st, self, NULL) < 0) {
+    return -1;
+  }
   self->closed = 1;
   if (self->exports > 0) {
     return 0; /* the last buffer release or operation unmaps */
@@ -312,6 +319,7 @@ static int memory_clear(PyObject *op) {
   Py_CLEAR(self->queue);
   Py_CLEAR(self->device);
   Py_CLEAR(self->order_handle);
+  Py_CLEAR(self->release_handle);
   return 0;
 }
 
@@ -322,6 +330,15 @@ static void memory_dealloc(PyObject *op) {
   /* No export can be alive: each holds a reference to this object. Errors
    * cannot be reported from here; a failed free leaks, nothing worse. */
   (void)release_memory(self);
+  if (self->release_handle != NULL && PyBytes_Check(self->release_handle)) {
+    /* Collected without a close: the producer still learns of it (best
+     * effort; nothing can be reported from here). */
+    const char *data = PyBytes_AsString(self->release_handle);
+    size_t len = (size_t)PyBytes_Size(self->release_handle);
+    Py_BEGIN_ALLOW_THREADS
+    (void)usmipc_ipc_release(data, len, NULL);
+    Py_END_ALLOW_THREADS
+  }
   if (self->order_event != NULL) {
     usmipc_event_t *event = self->order_event;
     self->order_event = NULL;
