@@ -251,3 +251,48 @@ def test_wait_on_event_of_killed_exporter():
     exporter.wait()
     out, _ = w.communicate(timeout=60)
     assert out.startswith("USMIPC_EEXPORTERGONE"), out
+
+
+def test_release_signal_orders_producer_after_consumer():
+    """The consumer writes on its stream after a long kernel and returns
+    its release ticket at once (no synchronize); the producer's
+    wait_released(stream) makes its stream wait on the device for that
+    work, so its read sees the consumer's write every time."""
+    torch = pytest.importorskip("torch")
+    x = torch.zeros(N, dtype=torch.int32, device="cuda:0")
+    h = IPCMemoryHandle(x, release=True)
+    consumer = textwrap.dedent("""
+        import sys, torch, usmipc
+        from usmipc.memory import IPCMemoryHandle
+        s = torch.cuda.Stream()
+        for line in sys.stdin:
+            raw = bytes.fromhex(line.strip())
+            m = IPCMemoryHandle.open(raw, None, stream=s)
+            with torch.cuda.stream(s):
+                y = torch.from_dlpack(m).view(torch.int32)
+                torch.cuda._sleep(int(1980000 * 100))   # ~100 ms
+                y.fill_(y[0] + 1)
+            IPCMemoryHandle.release(m, stream=s)       # no synchronize
+            print("released", flush=True)
+            s.synchronize()
+            del y
+            IPCMemoryHandle.close_mapping(m)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", consumer], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        ps = torch.cuda.current_stream()
+        for trial in range(10):
+            x.fill_(trial * 10)
+            p.stdin.write(h.to_bytes().hex() + "\n")
+            p.stdin.flush()
+            assert p.stdout.readline().strip() == "released"
+            t0 = time.perf_counter()
+            h.wait_released(stream=ps)          # returns at once: device wait
+            waited = time.perf_counter() - t0
+            assert int(x[0].item()) == trial * 10 + 1, trial
+            assert waited < 0.05, waited
+        assert h.releases == (10, 10)
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)
