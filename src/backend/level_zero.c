@@ -305,6 +305,7 @@ enum {
   X(zeEventCreate,                                                             \
     (ze_event_pool_handle_t, const ze_event_desc_t *, ze_event_handle_t *))    \
   X(zeEventDestroy, (ze_event_handle_t))                                       \
+  X(zeEventHostSignal, (ze_event_handle_t))                                    \
   X(zeEventHostSynchronize, (ze_event_handle_t, uint64_t))                     \
   X(zeEventQueryStatus, (ze_event_handle_t))                                   \
   X(zeEventHostReset, (ze_event_handle_t))
@@ -438,7 +439,6 @@ typedef struct lz_event {
   ze_event_pool_handle_t pool;
   ze_event_handle_t event;
   bool imported; /* opened from another process's pool */
-  bool recorded; /* a signal has been appended at least once */
   int fd;        /* exported: our duplicate of the pool's dma-buf, or -1 */
 } lz_event_t;
 
@@ -1901,11 +1901,20 @@ static int lz_event_create(void *dev, void **event) {
                            .index = 0,
                            .signal = ZE_EVENT_SCOPE_FLAG_HOST,
                            .wait = ZE_EVENT_SCOPE_FLAG_HOST};
+  const char *what = "zeEventCreate";
   res = ze.zeEventCreate(e->pool, &edesc, &e->event);
+  /* Born complete, as a CUDA event is: a handle made before the first
+   * record (point 0) has nothing to wait for, in any process. */
+  if (res == ZE_RESULT_SUCCESS) {
+    what = "zeEventHostSignal";
+    res = ze.zeEventHostSignal(e->event);
+    if (res != ZE_RESULT_SUCCESS)
+      ze.zeEventDestroy(e->event);
+  }
   if (res != ZE_RESULT_SUCCESS) {
     ze.zeEventPoolDestroy(e->pool);
     free(e);
-    return lz_fail(res, "zeEventCreate");
+    return lz_fail(res, what);
   }
   *event = e;
   return 0;
@@ -1936,26 +1945,22 @@ static int lz_event_record(void *dev, void *event, void *queue) {
   ze_result_t res = ZE_RESULT_SUCCESS;
   const char *what = "zeEventQueryStatus";
   pthread_mutex_lock(&q->lock);
-  if (e->recorded) {
-    res = ze.zeEventQueryStatus(e->event);
+  res = ze.zeEventQueryStatus(e->event);
+  if (res == ZE_RESULT_SUCCESS) {
+    what = "zeEventHostReset";
+    res = ze.zeEventHostReset(e->event);
+  } else if (res == ZE_RESULT_NOT_READY) {
+    what = "zeCommandListAppendWaitOnEvents";
+    res = ze.zeCommandListAppendWaitOnEvents(q->list, 1, &e->event);
     if (res == ZE_RESULT_SUCCESS) {
-      what = "zeEventHostReset";
-      res = ze.zeEventHostReset(e->event);
-    } else if (res == ZE_RESULT_NOT_READY) {
-      what = "zeCommandListAppendWaitOnEvents";
-      res = ze.zeCommandListAppendWaitOnEvents(q->list, 1, &e->event);
-      if (res == ZE_RESULT_SUCCESS) {
-        what = "zeCommandListAppendEventReset";
-        res = ze.zeCommandListAppendEventReset(q->list, e->event);
-      }
+      what = "zeCommandListAppendEventReset";
+      res = ze.zeCommandListAppendEventReset(q->list, e->event);
     }
   }
   if (res == ZE_RESULT_SUCCESS) {
     what = "zeCommandListAppendBarrier";
     res = ze.zeCommandListAppendBarrier(q->list, e->event, 0, NULL);
   }
-  if (res == ZE_RESULT_SUCCESS)
-    e->recorded = true;
   pthread_mutex_unlock(&q->lock);
   return res == ZE_RESULT_SUCCESS ? 0 : lz_fail(res, what);
 }
