@@ -35,6 +35,12 @@
  * names the section of the project's study of CR's source
  * (notes/l0-research.md, kept outside this repository) that the rule
  * comes from.
+ * Events: event pools keep their events' state in a memfd that an opened
+ * pool maps (a signal crosses processes), with CR's IPC handle layouts,
+ * open paths and descriptor ownership per profile (section "events: pools,
+ * events, IPC"); immediate lists are synchronous or, as CR's default,
+ * asynchronous (a thread per list runs its commands in order), and
+ * usmipcZeTestDriverAppendDelay appends a command that takes time.
  * It counts IPC calls for the tests (ze_test_driver.h).
  *
  * It builds against the loader's own headers (libze-dev), so its structures
