@@ -955,9 +955,10 @@ int usmipc_event_destroy(usmipc_event_t *event) {
     free(event);
     return 0;
   }
-  usmipc_event_t *local = event->kind == EV_LOCAL ? event : event->local;
+  int kind = event->kind; /* event may be local, freed below */
+  usmipc_event_t *local = kind == EV_LOCAL ? event : event->local;
   pthread_mutex_lock(&events_lock);
-  if (event->kind == EV_LOCAL) {
+  if (kind == EV_LOCAL) {
     if (local->ring) { /* rings belong to the library */
       pthread_mutex_unlock(&events_lock);
       return usmipc__fail(USMIPC_EINVAL, "usmipc_event_destroy: not yours");
@@ -970,7 +971,7 @@ int usmipc_event_destroy(usmipc_event_t *event) {
   pthread_mutex_unlock(&events_lock);
   if (last)
     local_free(local);
-  if (event->kind == EV_VIEW_LOCAL)
+  if (kind == EV_VIEW_LOCAL)
     free(event);
   return 0;
 }

@@ -869,7 +869,8 @@ static int helper_evagent(void) {
       if (rc != 0)
         say_rc(rc);
       else
-        say(bad < 0 ? "ok" : "mismatch at %ld: 0x%02x", bad, host[bad]);
+        say(bad < 0 ? "ok" : "mismatch at %ld: 0x%02x", bad,
+            bad < 0 ? 0 : host[bad]);
       free(host);
     } else if (!strcmp(cmd, "fds")) {
       say("fds %d", count_fds());
@@ -920,6 +921,7 @@ static int helper_evprobe(void) {
   }
   ze_event_pool_handle_t pools[4] = {0};
   ze_event_handle_t events[4] = {0};
+  bool opened[4] = {false};
   ze_event_desc_t edesc = {.stype = ZE_STRUCTURE_TYPE_EVENT_DESC,
                            .signal = ZE_EVENT_SCOPE_FLAG_HOST,
                            .wait = ZE_EVENT_SCOPE_FLAG_HOST};
@@ -950,6 +952,7 @@ static int helper_evprobe(void) {
       memset(&h, 0, sizeof(h));
       from_hex(cmd + used, (uint8_t *)h.data, sizeof(h.data));
       ze_result_t r = zeEventPoolOpenIpcHandle(ctx, h, &pools[k]);
+      opened[k] = r == ZE_RESULT_SUCCESS;
       if (r == ZE_RESULT_SUCCESS)
         r = zeEventCreate(pools[k], &edesc, &events[k]);
       say("opened 0x%x", (unsigned)r);
@@ -962,9 +965,19 @@ static int helper_evprobe(void) {
       format_stats(&st, line, sizeof(line));
       say("%s", line);
     } else {
-      return 0;
+      break;
     }
   }
+  for (int k = 0; k < 4; k++) {
+    if (events[k] != NULL)
+      zeEventDestroy(events[k]);
+    if (pools[k] != NULL && opened[k])
+      zeEventPoolCloseIpcHandle(pools[k]);
+    else if (pools[k] != NULL)
+      zeEventPoolDestroy(pools[k]);
+  }
+  zeContextDestroy(ctx);
+  return 0;
 }
 
 /* status: prints "status ERRNAME REASON" for the level_zero backend. */
