@@ -2042,7 +2042,11 @@ static int lz_event_export(void *dev, void *event, usmipc__payload_t *payload,
                         "shares pools of 1 byte to 1 GiB",
                         (unsigned long long)size);
   /* Our own duplicate is what importers get: before 26.31 the driver
-   * never closes its descriptor, from 26.31 at zeEventPoolDestroy. */
+   * never closes its descriptor, from 26.31 at zeEventPoolDestroy. (A
+   * second export, after the core failed to publish the first, replaces
+   * it.) */
+  if (e->fd >= 0)
+    close(e->fd);
   if ((e->fd = fcntl(evh.fd, F_DUPFD_CLOEXEC, 3)) < 0)
     return usmipc__fail_native(usmipc__errno_code(errno), errno,
                                "cannot duplicate the event pool's descriptor: "
