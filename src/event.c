@@ -565,6 +565,24 @@ static int find_local(const usmipc__wire_t *w, usmipc_event_t **out) {
                             "event has been recorded only %llu times: forged",
                             (unsigned long long)w->event_point,
                             (unsigned long long)ev->points);
+      /* Everything else the handle says must be what this process wrote:
+       * another process would check the payload and descriptor through its
+       * backend and transport, this one opens its own event directly. */
+      bool fd = ev->fd_number != UINT32_MAX;
+      uint32_t flags = (ev->ring ? USMIPC__EVENT_FLAG_RING : 0) |
+                       (ev->native == NULL ? USMIPC__EVENT_FLAG_HOST : 0);
+      if (w->event_flags != flags || w->fd_number != ev->fd_number ||
+          ((w->flags & USMIPC__WIRE_FLAG_FD) != 0) != fd ||
+          (w->flags & USMIPC__WIRE_FLAG_REOPENABLE) ||
+          (fd && (w->fd_dev != ev->fd_dev || w->fd_ino != ev->fd_ino)) ||
+          w->event_kind != ev->payload->handle_kind ||
+          w->payload.len != ev->payload->len ||
+          memcmp(w->payload.bytes, ev->payload->bytes, ev->payload->len) != 0)
+        return usmipc__fail(USMIPC_EBADHANDLE,
+                            "the event handle names an event of this process "
+                            "but does not describe it as this process "
+                            "exported it (flags, descriptor or payload "
+                            "differ): forged or corrupted");
       *out = ev;
       return 0;
     }
@@ -698,9 +716,13 @@ static int import_get(const usmipc__wire_t *w, usmipc_device_t *device,
   imported_t *made = NULL;
   if (rc == 0 && (made = calloc(1, sizeof(*made))) == NULL)
     rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
-  if (rc == 0 && device->ops->event_import != NULL)
-    rc = device->ops->event_import(device->native, owner->native, &w->payload,
-                                   fd, &made->native);
+  if (rc == 0 && device->ops->event_import != NULL) {
+    /* The backend sees its own event kind, not the handle's (128). */
+    usmipc__payload_t payload = w->payload;
+    payload.handle_kind = w->event_kind;
+    rc = device->ops->event_import(device->native, owner->native, &payload, fd,
+                                   &made->native);
+  }
   if (fd >= 0)
     close(fd);
   if (rc != 0) {

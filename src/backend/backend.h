@@ -125,8 +125,9 @@ typedef struct usmipc__backend_ops {
    * event_export fills payload (at most USMIPC__EVENT_PAYLOAD_MAX bytes, no
    * extension records) and *fd_to_share (borrowed from the event, or -1);
    * the core calls it once per event. event_import opens on dev an event
-   * exported on owner (fd received, owned by the caller; -1 if none);
-   * event_close releases an imported one. */
+   * exported on owner (fd received, owned by the caller; -1 if none) from
+   * the payload event_export made, whose handle_kind is the exporter's
+   * (untrusted) payload kind; event_close releases an imported one. */
   int (*event_create)(void *dev, void **event);
   int (*event_destroy)(void *dev, void *event);
   int (*event_record)(void *dev, void *event, void *queue);

@@ -7,7 +7,11 @@
  *
  * Devices are the GPU root devices of every driver (level_zero:gpu:N), with
  * one context per driver. Copies and fills go through a synchronous
- * immediate command list per queue. Device memory is shared with
+ * immediate command list per queue (or a list another library owns,
+ * wrapped). Events are IPC event pools of one event each, shared like
+ * memory: the pool's dma-buf through the core's transport, the importer's
+ * own driver handle built around it (section "events"). Device memory is
+ * shared with
  * zeMemGetIpcHandle / zeMemOpenIpcHandle (docs/level-zero.md):
  *
  *  - A Level Zero IPC handle holds a file descriptor that is only valid in
@@ -57,6 +61,7 @@ typedef struct _ze_device_handle_t *ze_device_handle_t;
 typedef struct _ze_context_handle_t *ze_context_handle_t;
 typedef struct _ze_command_list_handle_t *ze_command_list_handle_t;
 typedef struct _ze_event_handle_t *ze_event_handle_t;
+typedef struct _ze_event_pool_handle_t *ze_event_pool_handle_t;
 
 #define ZE_MAX_IPC_HANDLE_SIZE 64
 #define ZE_MAX_DEVICE_UUID_SIZE 16
@@ -67,10 +72,29 @@ typedef struct {
 } ze_ipc_mem_handle_t;
 
 typedef struct {
+  char data[ZE_MAX_IPC_HANDLE_SIZE];
+} ze_ipc_event_pool_handle_t;
+
+typedef struct {
   ze_structure_type_t stype;
   void *pNext;
   uint32_t flags; /* ze_ipc_property_flags_t */
 } ze_driver_ipc_properties_t;
+
+typedef struct {
+  ze_structure_type_t stype;
+  const void *pNext;
+  uint32_t flags; /* ze_event_pool_flags_t */
+  uint32_t count;
+} ze_event_pool_desc_t;
+
+typedef struct {
+  ze_structure_type_t stype;
+  const void *pNext;
+  uint32_t index;
+  uint32_t signal; /* ze_event_scope_flags_t */
+  uint32_t wait;
+} ze_event_desc_t;
 
 typedef struct {
   ze_structure_type_t stype;
@@ -163,6 +187,7 @@ typedef struct {
 
 enum {
   ZE_RESULT_SUCCESS = 0,
+  ZE_RESULT_NOT_READY = 1,
   ZE_RESULT_ERROR_DEVICE_LOST = 0x70000001,
   ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY = 0x70000002,
   ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY = 0x70000003,
@@ -184,6 +209,8 @@ enum {
   ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES = 0x3,
   ZE_STRUCTURE_TYPE_COMMAND_QUEUE_GROUP_PROPERTIES = 0x6,
   ZE_STRUCTURE_TYPE_CONTEXT_DESC = 0xd,
+  ZE_STRUCTURE_TYPE_EVENT_POOL_DESC = 0x10,
+  ZE_STRUCTURE_TYPE_EVENT_DESC = 0x11,
   ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC = 0xe,
   ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC = 0x15,
   ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC = 0x16,
@@ -195,6 +222,10 @@ enum {
   ZE_INIT_FLAG_GPU_ONLY = 1,
   ZE_DEVICE_TYPE_GPU = 1,
   ZE_IPC_PROPERTY_FLAG_MEMORY = 1,
+  ZE_IPC_PROPERTY_FLAG_EVENT_POOL = 2,
+  ZE_EVENT_POOL_FLAG_HOST_VISIBLE = 1,
+  ZE_EVENT_POOL_FLAG_IPC = 2,
+  ZE_EVENT_SCOPE_FLAG_HOST = 4,
   ZE_COMMAND_QUEUE_GROUP_PROPERTY_FLAG_COPY = 2,
   ZE_COMMAND_QUEUE_MODE_SYNCHRONOUS = 1,
   ZE_COMMAND_QUEUE_PRIORITY_NORMAL = 0,
@@ -254,7 +285,30 @@ enum {
      ze_event_handle_t, uint32_t, ze_event_handle_t *))                        \
   X(zeCommandListAppendMemoryFill,                                             \
     (ze_command_list_handle_t, void *, const void *, size_t, size_t,           \
-     ze_event_handle_t, uint32_t, ze_event_handle_t *))
+     ze_event_handle_t, uint32_t, ze_event_handle_t *))                        \
+  X(zeCommandListAppendBarrier, (ze_command_list_handle_t, ze_event_handle_t,  \
+                                 uint32_t, ze_event_handle_t *))               \
+  X(zeCommandListAppendWaitOnEvents,                                           \
+    (ze_command_list_handle_t, uint32_t, ze_event_handle_t *))                 \
+  X(zeCommandListAppendEventReset,                                             \
+    (ze_command_list_handle_t, ze_event_handle_t))                             \
+  X(zeEventPoolCreate,                                                         \
+    (ze_context_handle_t, const ze_event_pool_desc_t *, uint32_t,              \
+     ze_device_handle_t *, ze_event_pool_handle_t *))                          \
+  X(zeEventPoolDestroy, (ze_event_pool_handle_t))                              \
+  X(zeEventPoolGetIpcHandle,                                                   \
+    (ze_event_pool_handle_t, ze_ipc_event_pool_handle_t *))                    \
+  X(zeEventPoolOpenIpcHandle,                                                  \
+    (ze_context_handle_t, ze_ipc_event_pool_handle_t,                          \
+     ze_event_pool_handle_t *))                                                \
+  X(zeEventPoolCloseIpcHandle, (ze_event_pool_handle_t))                       \
+  X(zeEventCreate,                                                             \
+    (ze_event_pool_handle_t, const ze_event_desc_t *, ze_event_handle_t *))    \
+  X(zeEventDestroy, (ze_event_handle_t))                                       \
+  X(zeEventHostSignal, (ze_event_handle_t))                                    \
+  X(zeEventHostSynchronize, (ze_event_handle_t, uint64_t))                     \
+  X(zeEventQueryStatus, (ze_event_handle_t))                                   \
+  X(zeEventHostReset, (ze_event_handle_t))
 
 static struct {
 #define X(name, args) ze_result_t(*name) args;
@@ -322,6 +376,7 @@ typedef struct lz_driver {
   ze_driver_handle_t handle;
   ze_context_handle_t context;
   int ipc_memory;   /* ZE_IPC_PROPERTY_FLAG_MEMORY */
+  int ipc_events;   /* ZE_IPC_PROPERTY_FLAG_EVENT_POOL */
   uint32_t version; /* driverVersion */
   bool test_driver; /* usmipc's test driver: its dma-bufs are memfds */
   ze_put_ipc_handle_fn put_ipc_handle;         /* or NULL */
@@ -335,6 +390,19 @@ typedef struct lz_driver {
   char selftest_reason[512];
 } lz_driver_t;
 
+/* What this process's own driver writes in an event pool's IPC handle,
+ * learnt once per device from a pool of its own (lz_event_template): the
+ * importer hands its driver these bytes with only the descriptor (and the
+ * fields that would send the driver after another process's) replaced. */
+typedef struct lz_event_template {
+  int state; /* 0 not learnt, 1 learnt, < 0 the code it failed with */
+  uint8_t bytes[ZE_MAX_IPC_HANDLE_SIZE];
+  uint8_t layout;       /* LZ_EVL_* */
+  uint8_t flags;        /* LZ_EVF_* */
+  uint32_t max_packets; /* maxEventPackets */
+  char reason[400];     /* why it failed */
+} lz_event_template_t;
+
 typedef struct lz_device {
   lz_driver_t *driver;
   uint8_t uuid[16];
@@ -342,6 +410,8 @@ typedef struct lz_device {
   int ordinal;         /* probe order, the core's ordinal */
   uint32_t copy_group; /* command queue group ordinal that can copy */
   uint64_t max_alloc;  /* maxMemAllocSize */
+  pthread_mutex_t template_lock;
+  lz_event_template_t event_template;
 } lz_device_t;
 
 /* What an exported allocation keeps (usmipc__allocation_t.native points
@@ -355,7 +425,22 @@ typedef struct lz_export {
 typedef struct lz_queue {
   ze_command_list_handle_t list;
   pthread_mutex_t lock; /* a command list is not safe for concurrent use */
+  bool wrapped;         /* another library's list (usmipc_queue_from_native) */
+  /* A wrapped list may be asynchronous: queue_synchronize appends a barrier
+   * that signals this private event and waits for it on the host. */
+  ze_event_pool_handle_t sync_pool;
+  ze_event_handle_t sync_event;
 } lz_queue_t;
+
+/* An event (usmipc__backend_ops_t.event_*): one event in an event pool of
+ * its own (docs/level-zero.md, "Events"). */
+typedef struct lz_event {
+  lz_device_t *dev;
+  ze_event_pool_handle_t pool;
+  ze_event_handle_t event;
+  bool imported; /* opened from another process's pool */
+  int fd;        /* exported: our duplicate of the pool's dma-buf, or -1 */
+} lz_event_t;
 
 #define MAX_LZ_DRIVERS 8
 #define MAX_LZ_DEVICES 16
@@ -370,6 +455,7 @@ static const char *result_name(ze_result_t res) {
   case name:                                                                   \
     return #name;
     R(ZE_RESULT_SUCCESS)
+    R(ZE_RESULT_NOT_READY)
     R(ZE_RESULT_ERROR_DEVICE_LOST)
     R(ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY)
     R(ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY)
@@ -506,8 +592,10 @@ static int lz_probe(usmipc__device_desc_t *devices, int max, char *reason,
     drv->handle = handles[k];
     ze_driver_ipc_properties_t ipc = {
         .stype = ZE_STRUCTURE_TYPE_DRIVER_IPC_PROPERTIES};
-    if (ze.zeDriverGetIpcProperties(drv->handle, &ipc) == ZE_RESULT_SUCCESS)
+    if (ze.zeDriverGetIpcProperties(drv->handle, &ipc) == ZE_RESULT_SUCCESS) {
       drv->ipc_memory = (ipc.flags & ZE_IPC_PROPERTY_FLAG_MEMORY) != 0;
+      drv->ipc_events = (ipc.flags & ZE_IPC_PROPERTY_FLAG_EVENT_POOL) != 0;
+    }
     ze_context_desc_t cdesc = {.stype = ZE_STRUCTURE_TYPE_CONTEXT_DESC};
     res = ze.zeContextCreate(drv->handle, &cdesc, &drv->context);
     if (res != ZE_RESULT_SUCCESS) {
@@ -548,6 +636,7 @@ static int lz_probe(usmipc__device_desc_t *devices, int max, char *reason,
       d->ordinal = count;
       d->copy_group = copy_group_of(devs[i]);
       d->max_alloc = props.maxMemAllocSize;
+      pthread_mutex_init(&d->template_lock, NULL);
       desc->type = USMIPC_DEVICE_GPU;
       size_t name_len = strnlen(props.name, sizeof(desc->name) - 1);
       memcpy(desc->name, props.name, name_len);
@@ -729,19 +818,102 @@ static int lz_queue_create(void *dev, void **queue) {
   return 0;
 }
 
+/* Frees what usmipc made for a queue: its sync event, the wrapper. */
+static void queue_release(lz_queue_t *q) {
+  if (q->sync_event != NULL)
+    ze.zeEventDestroy(q->sync_event);
+  if (q->sync_pool != NULL)
+    ze.zeEventPoolDestroy(q->sync_pool);
+  pthread_mutex_destroy(&q->lock);
+  free(q);
+}
+
 static int lz_queue_destroy(void *dev, void *queue) {
   (void)dev;
   lz_queue_t *q = queue;
   ze_result_t res = ze.zeCommandListDestroy(q->list);
-  pthread_mutex_destroy(&q->lock);
-  free(q);
+  queue_release(q);
   return res == ZE_RESULT_SUCCESS ? 0 : lz_fail(res, "zeCommandListDestroy");
 }
 
-static int lz_queue_synchronize(void *dev, void *queue) {
+/* A command list another library owns (an immediate list: SYCL's, PyTorch
+ * XPU's), wrapped without taking it: usmipc appends to it under its own
+ * lock (which orders usmipc's appends, not the owner's: the owner must not
+ * append concurrently, as with any command list), and destroying the
+ * wrapper leaves the list alone. */
+static int lz_queue_wrap(void *dev, void *native, void **queue) {
   (void)dev;
-  (void)queue;
+  if (native == NULL)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_queue_from_native: a level_zero queue is an "
+                        "immediate ze_command_list_handle_t, not NULL");
+  lz_queue_t *q = calloc(1, sizeof(*q));
+  if (q == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  q->list = native;
+  q->wrapped = true;
+  pthread_mutex_init(&q->lock, NULL);
+  *queue = q;
   return 0;
+}
+
+static int lz_queue_unwrap(void *dev, void *queue) {
+  (void)dev;
+  queue_release(queue);
+  return 0;
+}
+
+static void *lz_queue_native(void *dev, void *queue) {
+  (void)dev;
+  return ((lz_queue_t *)queue)->list;
+}
+
+/* usmipc's own lists are synchronous: nothing is pending. A wrapped list
+ * may be asynchronous: a barrier that signals a private event marks all its
+ * work so far, and the host waits for that event (the API 1.0 way; the
+ * list's own host synchronization is API 1.6). */
+static int lz_queue_synchronize(void *dev, void *queue) {
+  lz_device_t *d = dev;
+  lz_queue_t *q = queue;
+  if (!q->wrapped)
+    return 0;
+  pthread_mutex_lock(&q->lock);
+  ze_result_t res = ZE_RESULT_SUCCESS;
+  const char *what = "zeEventPoolCreate";
+  if (q->sync_pool == NULL) {
+    ze_event_pool_desc_t pdesc = {.stype = ZE_STRUCTURE_TYPE_EVENT_POOL_DESC,
+                                  .flags = ZE_EVENT_POOL_FLAG_HOST_VISIBLE,
+                                  .count = 1};
+    res = ze.zeEventPoolCreate(d->driver->context, &pdesc, 1, &d->handle,
+                               &q->sync_pool);
+    if (res != ZE_RESULT_SUCCESS)
+      q->sync_pool = NULL;
+  }
+  if (res == ZE_RESULT_SUCCESS && q->sync_event == NULL) {
+    ze_event_desc_t edesc = {.stype = ZE_STRUCTURE_TYPE_EVENT_DESC,
+                             .index = 0,
+                             .signal = ZE_EVENT_SCOPE_FLAG_HOST,
+                             .wait = ZE_EVENT_SCOPE_FLAG_HOST};
+    what = "zeEventCreate";
+    res = ze.zeEventCreate(q->sync_pool, &edesc, &q->sync_event);
+    if (res != ZE_RESULT_SUCCESS)
+      q->sync_event = NULL;
+  }
+  if (res == ZE_RESULT_SUCCESS) {
+    what = "zeEventHostReset";
+    res = ze.zeEventHostReset(q->sync_event);
+  }
+  if (res == ZE_RESULT_SUCCESS) {
+    what = "zeCommandListAppendBarrier";
+    res = ze.zeCommandListAppendBarrier(q->list, q->sync_event, 0, NULL);
+  }
+  ze_event_handle_t ev = q->sync_event;
+  pthread_mutex_unlock(&q->lock);
+  if (res == ZE_RESULT_SUCCESS) {
+    what = "zeEventHostSynchronize";
+    res = ze.zeEventHostSynchronize(ev, UINT64_MAX);
+  }
+  return res == ZE_RESULT_SUCCESS ? 0 : lz_fail(res, what);
 }
 
 static int lz_memcpy(void *dev, void *queue, void *dst, const void *src,
@@ -803,25 +975,36 @@ static bool entry_missing(ze_result_t res) {
  * publishes or imports it: a dma-buf of at least min bytes. usmipc's test
  * driver, which says so with an extension, stands its dma-bufs in with
  * memfds of its own name (no udmabuf in the kernels it runs on). */
+/* The size of fd when it is one of usmipc's test driver's memfds (its
+ * stand-ins for dma-bufs, which it names; the driver says so with an
+ * extension), else false. */
+static bool test_driver_buffer(const lz_driver_t *drv, int fd, uint64_t *size) {
+  static const char prefix[] = "/memfd:usmipc-ze-test";
+  char link[64], target[128];
+  struct stat st;
+  if (!drv->test_driver)
+    return false;
+  snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
+  ssize_t n = readlink(link, target, sizeof(target) - 1);
+  if (n <= 0 ||
+      (target[n] = '\0', strncmp(target, prefix, sizeof(prefix) - 1)) != 0 ||
+      fstat(fd, &st) != 0)
+    return false;
+  *size = (uint64_t)st.st_size;
+  return true;
+}
+
 static int check_descriptor(const lz_driver_t *drv, int fd, uint64_t min,
                             int code, const char *what) {
-  if (drv->test_driver) {
-    static const char prefix[] = "/memfd:usmipc-ze-test";
-    char link[64], target[128];
-    struct stat st;
-    snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
-    ssize_t n = readlink(link, target, sizeof(target) - 1);
-    if (n > 0 &&
-        (target[n] = '\0', !strncmp(target, prefix, sizeof(prefix) - 1)) &&
-        fstat(fd, &st) == 0) {
-      if ((uint64_t)st.st_size < min)
-        return usmipc__fail(code,
-                            "%s: the test driver's buffer is %lld bytes, "
-                            "smaller than the %llu-byte allocation",
-                            what, (long long)st.st_size,
-                            (unsigned long long)min);
-      return 0;
-    }
+  uint64_t size;
+  if (test_driver_buffer(drv, fd, &size)) {
+    if (size < min)
+      return usmipc__fail(code,
+                          "%s: the test driver's buffer is %llu bytes, "
+                          "smaller than the %llu-byte allocation",
+                          what, (unsigned long long)size,
+                          (unsigned long long)min);
+    return 0;
   }
   return usmipc__dmabuf_check(fd, min, code, what);
 }
@@ -1488,6 +1671,608 @@ static int lz_ipc_unmap(void *dev, usmipc__allocation_t *m) {
   return res == ZE_RESULT_SUCCESS ? 0 : lz_fail(res, "zeMemCloseIpcHandle");
 }
 
+/* ---- events ---------------------------------------------------------------
+ * (docs/level-zero.md, "Events".) An event is the only event of an event
+ * pool of its own, made with ZE_EVENT_POOL_FLAG_IPC |
+ * ZE_EVENT_POOL_FLAG_HOST_VISIBLE: an importer opens exactly the event it
+ * was given (a pool shared by several events would give every importer of
+ * one the others too, to wait on, signal or reset), and a pool's life is
+ * its event's. Recording appends a barrier that signals the event (a plain
+ * appended signal orders nothing before it on a list that is not in
+ * order), after a reset: on the host when the previous record completed,
+ * else on the list behind a wait for it, so that a record never completes
+ * early. Counter-based events are not used: their IPC handle carries the
+ * counter value of one record (one handle per record, where the core
+ * exports an event once), they need in-order lists (a wrapped list may not
+ * be), an IPC pool cannot be counter-based (CR@26.31.39395.13:level_zero/
+ * core/source/event/event.cpp:47-49), and from 26.18 their handle carries
+ * a communication allocation whose driver handles the importer's driver
+ * fetches itself (pidfd, sockets): what usmipc avoids for memory.
+ *
+ * What the driver puts in ze_ipc_event_pool_handle_t changed with the
+ * releases (the layouts below; the docs cite compute-runtime's lines). As
+ * for memory, no driver bytes cross processes: the exporter sends the
+ * pool's dma-buf (through the core's transport) and a payload of its own
+ * (LZ_EVENT_POOL); the importer checks the dma-buf, and hands its driver
+ * the handle that its own driver writes for a pool of its own (learnt once
+ * per device) with the descriptor replaced and the exporter-naming fields
+ * (pid, descriptor copy) cleared, which every release reads as a plain
+ * import of a local descriptor. zeEventPoolOpenIpcHandle takes ownership
+ * of that descriptor on every release (it closes it at once from 26.09,
+ * at zeEventPoolCloseIpcHandle before), so it is given a duplicate. */
+
+enum { LZ_EVENT_POOL = 1 }; /* the backend's event kind (docs) */
+
+/* Layouts of ze_ipc_event_pool_handle_t, packed, host order. */
+enum {
+  LZ_EVL_33 = 1, /* IpcEventPoolData, 25.35-25.44: u64 fd, u64 numEvents,
+                    u32 rootDeviceIndex, u32 maxEventPackets, u32
+                    numDevices, 5 bools at 28-32 */
+  LZ_EVL_27 = 2, /* IpcEventPoolData, 25.48+: ... u16 numDevices at 24,
+                    flag bits at 26 (an opaque struct's type at 27 is 2,
+                    maxHandle, when the context is not in opaque mode) */
+  LZ_EVL_32 = 3, /* IpcOpaqueEventPoolData, 25.48-26.14: type 0 at 27, the
+                    exporter's pid at 28-31 */
+  LZ_EVL_40 = 4, /* 26.18-26.31: and opaqueHandle, a copy of the fd, at 32 */
+  LZ_EVL_62 = 5, /* after 26.31 (unreleased): u64 fd, u64 opaqueHandle, u32
+                    numEvents, u32 pid, u16 rootDeviceIndex, u8
+                    maxEventPackets, u8 numDevices, flag bits at 28, type at
+                    29, reservedHandleData 30-61 */
+};
+/* Flag bits, as 25.48+ packs them (isDeviceEventPoolAllocation first). */
+enum {
+  LZ_EVF_DEVICE = 1,
+  LZ_EVF_HOST_VISIBLE = 2,
+  LZ_EVF_IMPLICIT_SCALING = 4,
+  LZ_EVF_KERNEL_MAPPED_TS = 8,
+  LZ_EVF_TS = 16,
+  LZ_EVF_KNOWN = 31,
+};
+
+/* The payload (LZ_EVENT_POOL, docs/handle-format.md), little-endian:
+ *   0 u8 version (1)   1 u8 the exporter's layout (LZ_EVL_*)
+ *   2 u8 flags (LZ_EVF_*)   3 u8 0   4 u32 the exporter's driverVersion
+ *   8 u32 numEvents (1)   12 u32 maxEventPackets   16 u32 event index (0)
+ *  20 u32 0   24 u64 the pool's size (bytes of its dma-buf) */
+#define LZ_EVENT_PAYLOAD_LEN 32
+#define LZ_EVENT_PAYLOAD_VERSION 1
+#define LZ_EVENT_POOL_MAX ((uint64_t)1 << 30)
+
+static int64_t get_i64(const uint8_t *p) {
+  int64_t v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+static uint32_t get_u32(const uint8_t *p) {
+  uint32_t v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+typedef struct lz_evh {
+  uint8_t layout, flags;
+  uint32_t max_packets, num_devices;
+  uint64_t num_events;
+  int fd;
+} lz_evh_t;
+
+static bool all_zero(const uint8_t *p, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (p[i] != 0)
+      return false;
+  return true;
+}
+
+/* Reads an event pool handle that this process's driver wrote (for a pool
+ * of one host-visible event): 0, or -1 with why filled for a layout usmipc
+ * does not know. */
+static int event_handle_parse(const uint8_t h[ZE_MAX_IPC_HANDLE_SIZE],
+                              uint32_t self, lz_evh_t *out, char *why,
+                              size_t why_len) {
+  memset(out, 0, sizeof(*out));
+  int32_t fd;
+  memcpy(&fd, h, 4);
+  out->fd = fd;
+  if (fd < 0 || get_u32(h + 4) != 0) {
+    snprintf(why, why_len,
+             "its first 8 bytes (0x%016llx) are not a file "
+             "descriptor",
+             (unsigned long long)get_i64(h));
+    return -1;
+  }
+  if (get_i64(h + 8) == 1) {
+    out->num_events = 1;
+    out->max_packets = get_u32(h + 20);
+    if (h[26] == 0 && h[27] == 0 && h[29] == 1) {
+      /* 25.35-25.44: five bools. */
+      out->layout = LZ_EVL_33;
+      out->num_devices = get_u32(h + 24);
+      for (int i = 0; i < 5; i++) {
+        if (h[28 + i] > 1) {
+          snprintf(why, why_len,
+                   "byte %d (a bool of the 33-byte layout) is "
+                   "%u",
+                   28 + i, h[28 + i]);
+          return -1;
+        }
+        out->flags |= (uint8_t)(h[28 + i] << i);
+      }
+      if (!all_zero(h + 33, ZE_MAX_IPC_HANDLE_SIZE - 33)) {
+        snprintf(why, why_len, "bytes past the 33-byte layout are set");
+        return -1;
+      }
+      return 0;
+    }
+    uint16_t ndev;
+    memcpy(&ndev, h + 24, 2);
+    out->num_devices = ndev;
+    out->flags = h[26];
+    uint8_t type = h[27];
+    uint32_t pid = get_u32(h + 28);
+    int64_t copy = get_i64(h + 32);
+    if (out->flags & ~LZ_EVF_KNOWN) {
+      snprintf(why, why_len, "its flag byte (26) is 0x%02x", out->flags);
+      return -1;
+    }
+    if (type == 2 && pid == 0 && copy == 0)
+      out->layout = LZ_EVL_27;
+    else if (type == 0 && pid == self && copy == 0)
+      out->layout = LZ_EVL_32;
+    else if (type == 0 && pid == self && copy == fd)
+      out->layout = LZ_EVL_40;
+    else {
+      snprintf(why, why_len,
+               "handle type %u, process %u (this one is %u) and descriptor "
+               "copy %lld match no release's layout",
+               type, pid, self, (long long)copy);
+      return -1;
+    }
+    if (!all_zero(h + 40, ZE_MAX_IPC_HANDLE_SIZE - 40)) {
+      snprintf(why, why_len, "bytes past the 40-byte layout are set");
+      return -1;
+    }
+    return 0;
+  }
+  int64_t copy = get_i64(h + 8);
+  if (get_u32(h + 16) == 1 && (copy == 0 || copy == fd)) {
+    /* After 26.31: IpcOpaqueEventPoolData is the only layout. */
+    uint32_t pid = get_u32(h + 20);
+    uint8_t type = h[29];
+    out->layout = LZ_EVL_62;
+    out->num_events = 1;
+    out->max_packets = h[26];
+    out->num_devices = h[27];
+    out->flags = h[28];
+    if (!((type == 2 && pid == 0 && copy == 0) ||
+          (type == 0 && pid == self && copy == fd)) ||
+        (out->flags & ~LZ_EVF_KNOWN) || h[62] != 0 || h[63] != 0) {
+      snprintf(why, why_len,
+               "handle type %u, process %u, descriptor copy %lld and flags "
+               "0x%02x do not fit the post-26.31 layout",
+               type, pid, (long long)copy, out->flags);
+      return -1;
+    }
+    return 0;
+  }
+  snprintf(why, why_len,
+           "bytes 8-15 (0x%016llx) hold neither the pool's event count nor "
+           "a copy of its descriptor",
+           (unsigned long long)copy);
+  return -1;
+}
+
+/* What usmipc requires of a pool of one event. */
+static int event_handle_usable(const lz_evh_t *e, char *why, size_t why_len) {
+  if (e->num_events != 1 || e->num_devices != 1)
+    snprintf(why, why_len, "it describes %llu events on %u devices, not 1 on 1",
+             (unsigned long long)e->num_events, e->num_devices);
+  else if (!(e->flags & LZ_EVF_HOST_VISIBLE) ||
+           (e->flags & (LZ_EVF_TS | LZ_EVF_KERNEL_MAPPED_TS)))
+    snprintf(why, why_len,
+             "its flags (0x%02x) are not those of a host-visible pool "
+             "without timestamps",
+             e->flags);
+  else if (e->max_packets == 0 || e->max_packets > 0xffff)
+    snprintf(why, why_len, "it says %u packets per event", e->max_packets);
+  else
+    return 0;
+  return -1;
+}
+
+static int lz_event_create(void *dev, void **event) {
+  lz_device_t *d = dev;
+  lz_event_t *e = calloc(1, sizeof(*e));
+  if (e == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  e->dev = d;
+  e->fd = -1;
+  ze_event_pool_desc_t pdesc = {
+      .stype = ZE_STRUCTURE_TYPE_EVENT_POOL_DESC,
+      .flags = ZE_EVENT_POOL_FLAG_HOST_VISIBLE |
+               (d->driver->ipc_events ? ZE_EVENT_POOL_FLAG_IPC : 0),
+      .count = 1};
+  ze_result_t res =
+      ze.zeEventPoolCreate(d->driver->context, &pdesc, 1, &d->handle, &e->pool);
+  if (res != ZE_RESULT_SUCCESS) {
+    free(e);
+    return lz_fail(res, "zeEventPoolCreate");
+  }
+  ze_event_desc_t edesc = {.stype = ZE_STRUCTURE_TYPE_EVENT_DESC,
+                           .index = 0,
+                           .signal = ZE_EVENT_SCOPE_FLAG_HOST,
+                           .wait = ZE_EVENT_SCOPE_FLAG_HOST};
+  const char *what = "zeEventCreate";
+  res = ze.zeEventCreate(e->pool, &edesc, &e->event);
+  /* Born complete, as a CUDA event is: a handle made before the first
+   * record (point 0) has nothing to wait for, in any process. */
+  if (res == ZE_RESULT_SUCCESS) {
+    what = "zeEventHostSignal";
+    res = ze.zeEventHostSignal(e->event);
+    if (res != ZE_RESULT_SUCCESS)
+      ze.zeEventDestroy(e->event);
+  }
+  if (res != ZE_RESULT_SUCCESS) {
+    ze.zeEventPoolDestroy(e->pool);
+    free(e);
+    return lz_fail(res, what);
+  }
+  *event = e;
+  return 0;
+}
+
+static int lz_event_destroy(void *dev, void *event) {
+  (void)dev;
+  lz_event_t *e = event;
+  ze_result_t res = ze.zeEventDestroy(e->event);
+  ze_result_t res2 = ze.zeEventPoolDestroy(e->pool);
+  if (e->fd >= 0)
+    close(e->fd);
+  free(e);
+  if (res != ZE_RESULT_SUCCESS)
+    return lz_fail(res, "zeEventDestroy");
+  return res2 == ZE_RESULT_SUCCESS ? 0 : lz_fail(res2, "zeEventPoolDestroy");
+}
+
+/* Marks what queue has been given so far. The core re-records an event of
+ * its ring only once its previous record completed; a user's event may be
+ * re-recorded at any time, and then the new record also waits for the old
+ * one, so that the old one's signal, landing after a reset, can never make
+ * the new one look complete. */
+static int lz_event_record(void *dev, void *event, void *queue) {
+  (void)dev;
+  lz_event_t *e = event;
+  lz_queue_t *q = queue;
+  ze_result_t res = ZE_RESULT_SUCCESS;
+  const char *what = "zeEventQueryStatus";
+  pthread_mutex_lock(&q->lock);
+  res = ze.zeEventQueryStatus(e->event);
+  if (res == ZE_RESULT_SUCCESS) {
+    what = "zeEventHostReset";
+    res = ze.zeEventHostReset(e->event);
+  } else if (res == ZE_RESULT_NOT_READY) {
+    what = "zeCommandListAppendWaitOnEvents";
+    res = ze.zeCommandListAppendWaitOnEvents(q->list, 1, &e->event);
+    if (res == ZE_RESULT_SUCCESS) {
+      what = "zeCommandListAppendEventReset";
+      res = ze.zeCommandListAppendEventReset(q->list, e->event);
+    }
+  }
+  if (res == ZE_RESULT_SUCCESS) {
+    what = "zeCommandListAppendBarrier";
+    res = ze.zeCommandListAppendBarrier(q->list, e->event, 0, NULL);
+  }
+  pthread_mutex_unlock(&q->lock);
+  return res == ZE_RESULT_SUCCESS ? 0 : lz_fail(res, what);
+}
+
+static int lz_event_query(void *dev, void *event) {
+  (void)dev;
+  ze_result_t res = ze.zeEventQueryStatus(((lz_event_t *)event)->event);
+  if (res == ZE_RESULT_SUCCESS)
+    return 1;
+  return res == ZE_RESULT_NOT_READY ? 0 : lz_fail(res, "zeEventQueryStatus");
+}
+
+/* Later work on queue waits on the device. On usmipc's own queues
+ * (synchronous lists) the append itself returns once the event completed. */
+static int lz_event_wait(void *dev, void *event, void *queue) {
+  (void)dev;
+  lz_event_t *e = event;
+  lz_queue_t *q = queue;
+  pthread_mutex_lock(&q->lock);
+  ze_result_t res = ze.zeCommandListAppendWaitOnEvents(q->list, 1, &e->event);
+  pthread_mutex_unlock(&q->lock);
+  return res == ZE_RESULT_SUCCESS
+             ? 0
+             : lz_fail(res, "zeCommandListAppendWaitOnEvents");
+}
+
+/* The size of a descriptor a Level Zero driver gave or an exporter sent:
+ * a dma-buf (or the test driver's stand-in), else code with a message. */
+static int descriptor_size(const lz_driver_t *drv, int fd, uint64_t *size,
+                           int code, const char *what) {
+  if (test_driver_buffer(drv, fd, size))
+    return 0;
+  int e = usmipc__dmabuf_size(fd, size);
+  if (e == -EBADFD)
+    return usmipc__fail(code, "%s: descriptor %d is not a dma-buf; refused",
+                        what, fd);
+  if (e != 0)
+    return usmipc__fail_native(code, -e, "%s: cannot inspect descriptor %d: %s",
+                               what, fd, strerror(-e));
+  return 0;
+}
+
+static int lz_event_export(void *dev, void *event, usmipc__payload_t *payload,
+                           int *fd_to_share) {
+  lz_device_t *d = dev;
+  lz_driver_t *drv = d->driver;
+  lz_event_t *e = event;
+  *fd_to_share = -1;
+  if (!drv->ipc_events)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "this Level Zero driver does not share event pools "
+                        "between processes (no ZE_IPC_PROPERTY_FLAG_EVENT_POOL)"
+                        ", so its events cannot be shared");
+  if (e->imported)
+    return usmipc__fail(USMIPC_EINVAL, "an opened event cannot be exported");
+  ze_ipc_event_pool_handle_t h;
+  memset(&h, 0, sizeof(h));
+  ze_result_t res = ze.zeEventPoolGetIpcHandle(e->pool, &h);
+  if (res != ZE_RESULT_SUCCESS)
+    return lz_fail(res, "zeEventPoolGetIpcHandle");
+  lz_evh_t evh;
+  char why[200];
+  if (event_handle_parse((const uint8_t *)h.data, (uint32_t)getpid(), &evh, why,
+                         sizeof(why)) != 0 ||
+      event_handle_usable(&evh, why, sizeof(why)) != 0)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "this Level Zero driver (version 0x%x) writes an event "
+                        "pool IPC handle that usmipc cannot read (%s); its "
+                        "events cannot be shared",
+                        (unsigned)drv->version, why);
+  uint64_t size = 0;
+  int rc = descriptor_size(drv, evh.fd, &size, USMIPC_ENOTSUP,
+                           "the descriptor in the driver's event pool handle");
+  if (rc != 0)
+    return rc;
+  if (size == 0 || size > LZ_EVENT_POOL_MAX)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "the driver's event pool buffer is %llu bytes; usmipc "
+                        "shares pools of 1 byte to 1 GiB",
+                        (unsigned long long)size);
+  /* Our own duplicate is what importers get: before 26.31 the driver
+   * never closes its descriptor, from 26.31 at zeEventPoolDestroy. (A
+   * second export, after the core failed to publish the first, replaces
+   * it.) */
+  if (e->fd >= 0)
+    close(e->fd);
+  if ((e->fd = fcntl(evh.fd, F_DUPFD_CLOEXEC, 3)) < 0)
+    return usmipc__fail_native(usmipc__errno_code(errno), errno,
+                               "cannot duplicate the event pool's descriptor: "
+                               "%s",
+                               strerror(errno));
+  uint8_t *p = payload->bytes;
+  memset(p, 0, LZ_EVENT_PAYLOAD_LEN);
+  p[0] = LZ_EVENT_PAYLOAD_VERSION;
+  p[1] = evh.layout;
+  p[2] = evh.flags;
+  usmipc__put32le(p + 4, drv->version);
+  usmipc__put32le(p + 8, (uint32_t)evh.num_events);
+  usmipc__put32le(p + 12, evh.max_packets);
+  usmipc__put32le(p + 16, 0);
+  usmipc__put64le(p + 24, size);
+  payload->handle_kind = LZ_EVENT_POOL;
+  payload->len = LZ_EVENT_PAYLOAD_LEN;
+  payload->ext_len = 0;
+  *fd_to_share = e->fd;
+  return 0;
+}
+
+/* This process's own driver's handle for a pool of one host-visible event
+ * on d, learnt once (the pool is destroyed again). */
+static int event_template(lz_device_t *d, const lz_event_template_t **out) {
+  lz_event_template_t *t = &d->event_template;
+  int rc = 0;
+  pthread_mutex_lock(&d->template_lock);
+  if (t->state == 0) {
+    ze_event_pool_desc_t pdesc = {.stype = ZE_STRUCTURE_TYPE_EVENT_POOL_DESC,
+                                  .flags = ZE_EVENT_POOL_FLAG_HOST_VISIBLE |
+                                           ZE_EVENT_POOL_FLAG_IPC,
+                                  .count = 1};
+    ze_event_pool_handle_t pool = NULL;
+    ze_ipc_event_pool_handle_t h;
+    memset(&h, 0, sizeof(h));
+    ze_result_t res =
+        ze.zeEventPoolCreate(d->driver->context, &pdesc, 1, &d->handle, &pool);
+    const char *what = "zeEventPoolCreate";
+    if (res == ZE_RESULT_SUCCESS) {
+      what = "zeEventPoolGetIpcHandle";
+      res = ze.zeEventPoolGetIpcHandle(pool, &h);
+      ze.zeEventPoolDestroy(pool);
+    }
+    lz_evh_t evh;
+    char why[200];
+    if (res != ZE_RESULT_SUCCESS) {
+      rc = lz_fail(res, what); /* not kept: may pass */
+    } else if (event_handle_parse((const uint8_t *)h.data, (uint32_t)getpid(),
+                                  &evh, why, sizeof(why)) != 0 ||
+               event_handle_usable(&evh, why, sizeof(why)) != 0) {
+      t->state = USMIPC_ENOTSUP;
+      snprintf(t->reason, sizeof(t->reason),
+               "this process's Level Zero driver (version 0x%x) writes event "
+               "pool IPC handles that usmipc cannot read (%s), so it cannot "
+               "open another process's events",
+               (unsigned)d->driver->version, why);
+    } else {
+      memcpy(t->bytes, h.data, sizeof(t->bytes));
+      t->layout = evh.layout;
+      t->flags = evh.flags;
+      t->max_packets = evh.max_packets;
+      t->state = 1;
+    }
+  }
+  if (t->state < 0)
+    rc = usmipc__fail(t->state, "%s", t->reason);
+  pthread_mutex_unlock(&d->template_lock);
+  *out = t;
+  return rc;
+}
+
+/* Checks an exporter's payload (untrusted bytes); 0 or USMIPC_EBADHANDLE. */
+static int event_payload_check(const usmipc__payload_t *payload,
+                               uint64_t *pool_size) {
+  const uint8_t *p = payload->bytes;
+  if (payload->handle_kind != LZ_EVENT_POOL ||
+      payload->len != LZ_EVENT_PAYLOAD_LEN)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "not a valid usmipc event handle: a Level Zero event "
+                        "is of kind %u with a %u-byte payload, this one of "
+                        "kind %u with %u bytes (forged or corrupted)",
+                        LZ_EVENT_POOL, LZ_EVENT_PAYLOAD_LEN,
+                        payload->handle_kind, payload->len);
+  if (p[0] != LZ_EVENT_PAYLOAD_VERSION)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "not a valid usmipc event handle: Level Zero event "
+                        "payload version %u (this usmipc reads %u)",
+                        p[0], LZ_EVENT_PAYLOAD_VERSION);
+  *pool_size = usmipc__get64le(p + 24);
+  uint32_t packets = usmipc__get32le(p + 12);
+  if (p[1] < LZ_EVL_33 || p[1] > LZ_EVL_62 || (p[2] & ~LZ_EVF_KNOWN) ||
+      !(p[2] & LZ_EVF_HOST_VISIBLE) ||
+      (p[2] & (LZ_EVF_TS | LZ_EVF_KERNEL_MAPPED_TS)) || p[3] != 0 ||
+      usmipc__get32le(p + 8) != 1 || usmipc__get32le(p + 16) != 0 ||
+      usmipc__get32le(p + 20) != 0 || packets == 0 || packets > 0xffff ||
+      *pool_size == 0 || *pool_size > LZ_EVENT_POOL_MAX)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "not a valid usmipc event handle: its Level Zero "
+                        "event payload is inconsistent (layout %u, flags "
+                        "0x%02x, %u events, index %u, %u packets, a %llu-byte "
+                        "pool): forged or corrupted",
+                        p[1], p[2], usmipc__get32le(p + 8),
+                        usmipc__get32le(p + 16), packets,
+                        (unsigned long long)*pool_size);
+  return 0;
+}
+
+static int lz_event_import(void *dev, void *owner_dev,
+                           const usmipc__payload_t *payload, int fd,
+                           void **event) {
+  lz_device_t *d = dev, *owner = owner_dev;
+  uint64_t pool_size = 0, size = 0;
+  int rc = event_payload_check(payload, &pool_size);
+  if (rc != 0)
+    return rc;
+  if (fd < 0)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "not a valid usmipc event handle: a Level Zero event "
+                        "handle must share its pool's descriptor");
+  if (d->driver != owner->driver)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "the event belongs to another Level Zero driver than "
+                        "the target device's; open it on the recording "
+                        "device");
+  if ((rc = descriptor_size(d->driver, fd, &size, USMIPC_EBADHANDLE,
+                            "the event pool descriptor the exporter sent")) !=
+      0)
+    return rc;
+  if (size != pool_size)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "the event pool descriptor the exporter sent holds "
+                        "%llu bytes, but its handle says %llu: forged or the "
+                        "wrong descriptor",
+                        (unsigned long long)size,
+                        (unsigned long long)pool_size);
+  const lz_event_template_t *t;
+  if ((rc = event_template(d, &t)) != 0)
+    return rc;
+  const uint8_t *p = payload->bytes;
+  uint32_t packets = usmipc__get32le(p + 12);
+  if (packets != t->max_packets || p[2] != t->flags)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "the exporter's Level Zero driver (version 0x%x) lays "
+                        "its event pools out with %u packets per event and "
+                        "flags 0x%02x, this process's driver (version 0x%x) "
+                        "with %u and 0x%02x: events cannot be shared between "
+                        "them",
+                        (unsigned)usmipc__get32le(p + 4), packets, p[2],
+                        (unsigned)d->driver->version, t->max_packets, t->flags);
+  /* The driver takes the descriptor it is given (see above): a duplicate,
+   * never 0 (a 0 would equal the cleared descriptor copy of 26.18+). */
+  int mine = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+  if (mine < 0)
+    return usmipc__fail_native(usmipc__errno_code(errno), errno,
+                               "cannot duplicate the received descriptor: %s",
+                               strerror(errno));
+  ze_ipc_event_pool_handle_t h;
+  memcpy(h.data, t->bytes, sizeof(h.data));
+  uint8_t *b = (uint8_t *)h.data;
+  uint64_t wide = (uint64_t)mine;
+  memcpy(b, &wide, 8);
+  switch (t->layout) {
+  case LZ_EVL_40:
+    memset(b + 32, 0, 8); /* no descriptor copy: not the opaque path */
+    /* fall through */
+  case LZ_EVL_32:
+    memset(b + 28, 0, 4); /* no process to fetch from */
+    break;
+  case LZ_EVL_62:
+    memset(b + 8, 0, 8);
+    memset(b + 20, 0, 4);
+    memset(b + 30, 0, 32);
+    break;
+  default:
+    break;
+  }
+  lz_event_t *e = calloc(1, sizeof(*e));
+  if (e == NULL) {
+    close(mine);
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  }
+  e->dev = d;
+  e->fd = -1;
+  e->imported = true;
+  /* From here on the descriptor is the driver's, even when it fails
+   * (releases before 26.09 may then leave it open). */
+  ze_result_t res =
+      ze.zeEventPoolOpenIpcHandle(d->driver->context, h, &e->pool);
+  if (res != ZE_RESULT_SUCCESS) {
+    free(e);
+    return usmipc__fail_native(
+        res == ZE_RESULT_ERROR_INVALID_ARGUMENT ? USMIPC_EBADHANDLE
+                                                : USMIPC_EBACKEND,
+        res,
+        "zeEventPoolOpenIpcHandle refused the exporter's event pool (%s, "
+        "0x%x): the descriptor received is not an event pool this driver "
+        "can import",
+        result_name(res), (unsigned)res);
+  }
+  ze_event_desc_t edesc = {.stype = ZE_STRUCTURE_TYPE_EVENT_DESC,
+                           .index = 0,
+                           .signal = ZE_EVENT_SCOPE_FLAG_HOST,
+                           .wait = ZE_EVENT_SCOPE_FLAG_HOST};
+  res = ze.zeEventCreate(e->pool, &edesc, &e->event);
+  if (res != ZE_RESULT_SUCCESS) {
+    ze.zeEventPoolCloseIpcHandle(e->pool);
+    free(e);
+    return lz_fail(res, "zeEventCreate (in an opened event pool)");
+  }
+  *event = e;
+  return 0;
+}
+
+static int lz_event_close(void *dev, void *event) {
+  (void)dev;
+  lz_event_t *e = event;
+  ze_result_t res = ze.zeEventDestroy(e->event);
+  ze_result_t res2 = ze.zeEventPoolCloseIpcHandle(e->pool);
+  free(e);
+  if (res != ZE_RESULT_SUCCESS)
+    return lz_fail(res, "zeEventDestroy");
+  return res2 == ZE_RESULT_SUCCESS ? 0
+                                   : lz_fail(res2, "zeEventPoolCloseIpcHandle");
+}
+
 const usmipc__backend_ops_t usmipc__level_zero_backend = {
     .struct_size = sizeof(usmipc__backend_ops_t),
     .backend = USMIPC_BACKEND_LEVEL_ZERO,
@@ -1506,4 +2291,15 @@ const usmipc__backend_ops_t usmipc__level_zero_backend = {
     .ipc_unmap = lz_ipc_unmap,
     .ipc_import_sycl = lz_ipc_import_sycl,
     .ipc_check = lz_ipc_check,
+    .event_create = lz_event_create,
+    .event_destroy = lz_event_destroy,
+    .event_record = lz_event_record,
+    .event_query = lz_event_query,
+    .event_wait = lz_event_wait,
+    .event_export = lz_event_export,
+    .event_import = lz_event_import,
+    .event_close = lz_event_close,
+    .queue_wrap = lz_queue_wrap,
+    .queue_unwrap = lz_queue_unwrap,
+    .queue_native = lz_queue_native,
 };

@@ -136,8 +136,9 @@ TEST_IMPL(event_same_process) {
   ASSERT_ERR(usmipc_ipc_open(b, len, NULL, 0, &p, NULL), USMIPC_EINVAL);
   ASSERT_OK(usmipc_event_destroy(ev));
   ASSERT_ERR(usmipc_event_synchronize(view), USMIPC_EEXPORTERGONE);
-  usmipc_event_t *late;
-  ASSERT_ERR(usmipc_ipc_open_event(b, len, NULL, &late), USMIPC_EEXPORTERGONE);
+  usmipc_event_t *none;
+  ASSERT_ERR(usmipc_ipc_open_event(b, len, NULL, &none), USMIPC_EEXPORTERGONE);
+  ASSERT_PTR_EQ(none, NULL);
   ASSERT_OK(usmipc_event_destroy(view));
   ASSERT_OK(usmipc_event_destroy(view2));
   ASSERT_OK(usmipc_ipc_free_handle(h));

@@ -25,11 +25,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <level_zero/ze_api.h>
 
+#include "common.h" /* usmipc__wire_t, the backend ops (event payloads) */
 #include "usmipc.h"
 #include "ze_test_driver.h"
 
@@ -61,11 +64,12 @@
     int rc_ = (call);                                                          \
     CHECK(rc_ == (code), "returned %s, expected %s (%s)",                      \
           usmipc_err_name(rc_), usmipc_err_name(code), usmipc_last_error());   \
-    CHECK(strcmp(usmipc_last_error(), "no error recorded on this thread"),    \
+    CHECK(strcmp(usmipc_last_error(), "no error recorded on this thread"),     \
           "failed without a message");                                         \
   } while (0)
 
-/* ---- shared helpers ---------------------------------------------------------- */
+/* ---- shared helpers
+ * ---------------------------------------------------------- */
 
 /* The byte every test expects at offset i of an exported allocation, and
  * of allocation number `seed` where a test exports several. */
@@ -147,7 +151,8 @@ static int alloc_pattern(usmipc_device_t *dev, size_t nbytes, void **out) {
 }
 
 /* First offset in [from, from + len) whose byte is not want(i), or -1. */
-static long first_mismatch(const uint8_t *p, size_t from, size_t len, int fill) {
+static long first_mismatch(const uint8_t *p, size_t from, size_t len,
+                           int fill) {
   for (size_t i = 0; i < len; i++) {
     uint8_t want = fill >= 0 ? (uint8_t)fill : pattern_at(from + i);
     if (p[i] != want)
@@ -200,6 +205,24 @@ static const struct {
     STAT_FIELD(zex_get_ipc_handles),
     STAT_FIELD(uninitialized_stub_calls),
     STAT_FIELD(socket_requests_served),
+    STAT_FIELD(event_pools_created),
+    STAT_FIELD(live_event_pools),
+    STAT_FIELD(live_events),
+    STAT_FIELD(event_pool_ipc_gets),
+    STAT_FIELD(event_pool_opens),
+    STAT_FIELD(event_pool_closes),
+    STAT_FIELD(event_pool_open_failures),
+    STAT_FIELD(event_pool_opaque_opens),
+    STAT_FIELD(event_pool_cache_hits),
+    STAT_FIELD(event_pool_stale_hits),
+    STAT_FIELD(event_fds_taken),
+    STAT_FIELD(exported_event_fds_leaked),
+    STAT_FIELD(event_signals),
+    STAT_FIELD(event_resets),
+    STAT_FIELD(event_waits),
+    STAT_FIELD(wait_timeouts),
+    STAT_FIELD(delays),
+    STAT_FIELD(async_commands),
 };
 
 static void format_stats(const usmipc_ze_test_stats_t *s, char *out,
@@ -239,7 +262,8 @@ static size_t from_hex(const char *s, uint8_t *out, size_t cap) {
   return n;
 }
 
-/* ---- child processes ----------------------------------------------------------- */
+/* ---- child processes
+ * ----------------------------------------------------------- */
 
 typedef struct child {
   pid_t pid;
@@ -324,7 +348,8 @@ static int child_end(child_t *c) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-/* ---- helper roles ----------------------------------------------------------------- */
+/* ---- helper roles
+ * ----------------------------------------------------------------- */
 
 static int say(const char *fmt, ...) USMIPC__FORMAT(1, 2);
 static int say(const char *fmt, ...) {
@@ -415,8 +440,9 @@ static int helper_import(int argc, char **argv) {
   int fds_before = count_fds();
   if (usmipc_ipc_handle_inspect(data, len, &info) != 0 ||
       usmipc_ipc_open(data, len, NULL, 0, (void **)&p, &mapped) != 0) {
-    say("error %s %s", usmipc_err_name(usmipc_ipc_open(data, len, NULL, 0,
-                                                       (void **)&p, &mapped)),
+    say("error %s %s",
+        usmipc_err_name(
+            usmipc_ipc_open(data, len, NULL, 0, (void **)&p, &mapped)),
         usmipc_last_error());
     return 1;
   }
@@ -663,6 +689,297 @@ static int helper_zeprobe(void) {
   }
 }
 
+/* ---- events: the helper ----------------------------------------------------
+ */
+
+/* A command list made through the loader directly, as SYCL or PyTorch XPU
+ * make theirs: an asynchronous immediate list, whose commands the test
+ * driver runs in order on a thread of its own. (It belongs to a context of
+ * the caller's, not usmipc's; the test driver does not mind.) */
+typedef struct foreign_list {
+  ze_context_handle_t ctx;
+  ze_command_list_handle_t list;
+} foreign_list_t;
+
+static int foreign_list_create(foreign_list_t *f) {
+  ze_driver_handle_t driver = NULL;
+  ze_device_handle_t device = NULL;
+  uint32_t one = 1;
+  ze_context_desc_t cdesc = {.stype = ZE_STRUCTURE_TYPE_CONTEXT_DESC};
+  ze_command_queue_desc_t qdesc = {.stype =
+                                       ZE_STRUCTURE_TYPE_COMMAND_QUEUE_DESC,
+                                   .mode = ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS};
+  memset(f, 0, sizeof(*f));
+  if (zeDriverGet(&one, &driver) != ZE_RESULT_SUCCESS ||
+      zeDeviceGet(driver, &one, &device) != ZE_RESULT_SUCCESS ||
+      zeContextCreate(driver, &cdesc, &f->ctx) != ZE_RESULT_SUCCESS ||
+      zeCommandListCreateImmediate(f->ctx, device, &qdesc, &f->list) !=
+          ZE_RESULT_SUCCESS)
+    return -1;
+  return 0;
+}
+
+static void foreign_list_destroy(foreign_list_t *f) {
+  if (f->list != NULL)
+    zeCommandListDestroy(f->list); /* finishes what is queued first */
+  if (f->ctx != NULL)
+    zeContextDestroy(f->ctx);
+  memset(f, 0, sizeof(*f));
+}
+
+/* usmipcZeTestDriverAppendDelay: a command of ms milliseconds on list. */
+static int append_delay(ze_command_list_handle_t list, unsigned ms) {
+  const char *path = getenv("ZE_ENABLE_ALT_DRIVERS");
+  void *lib = path ? dlopen(path, RTLD_NOW | RTLD_NOLOAD) : NULL;
+  usmipc_ze_test_append_delay_fn fn =
+      lib ? (usmipc_ze_test_append_delay_fn)dlsym(lib,
+                                                  USMIPC_ZE_TEST_APPEND_DELAY)
+          : NULL;
+  int rc = fn ? fn(list, ms) : -1;
+  if (lib)
+    dlclose(lib);
+  return rc;
+}
+
+static uint64_t mono_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static void say_handle(int rc, const usmipc_ipc_handle_t *h) {
+  const void *data;
+  size_t len;
+  if (rc == 0)
+    rc = usmipc_ipc_handle_data(h, &data, &len);
+  if (rc != 0) {
+    say("error %s %s", usmipc_err_name(rc), usmipc_last_error());
+    return;
+  }
+  static char hex[4096];
+  to_hex(data, len, hex);
+  say("handle %s", hex);
+}
+
+static void say_rc(int rc) {
+  if (rc == 0)
+    say("ok");
+  else
+    say("error %s %s", usmipc_err_name(rc), usmipc_last_error());
+}
+
+/* evagent: a producer or consumer of events, for the event_* tests. Its
+ * queue is the asynchronous foreign list once "asyncq" made it, else a
+ * queue of its own (a synchronous list). Answers "ok", "handle HEX" or
+ * "error ERRNAME message" to:
+ *   alloc N BYTE      device memory of N bytes holding BYTE
+ *   asyncq            the asynchronous foreign list, wrapped
+ *   delay MS          usmipcZeTestDriverAppendDelay on it
+ *   fill BYTE         usmipc_memset of the memory on the queue
+ *   export            a handle of the memory (kept for order)
+ *   order             usmipc_ipc_handle_order of it on the queue -> handle
+ *   evcreate K, evrecord K, evhandle K, evdestroy K    local events
+ *   evopen K HEX, evsync K, evquery K, evwait K        opened events
+ *   sync              usmipc_queue_synchronize of the queue -> "ok MS"
+ *   check BYTE        the memory copied to the host holds BYTE
+ *   fds               "fds N"
+ *   stats             the driver's counters
+ *   exit */
+#define EVAGENT_EVENTS 8
+static int helper_evagent(void) {
+  usmipc_device_t *dev = gpu();
+  usmipc_queue_t *own = NULL, *wrapped = NULL;
+  foreign_list_t fl = {0};
+  usmipc_event_t *ev[EVAGENT_EVENTS] = {0};
+  usmipc_ipc_handle_t *h = NULL;
+  void *p = NULL;
+  size_t n = 0;
+  if (dev == NULL || usmipc_queue_create(dev, &own) != 0) {
+    say("error no device");
+    return 1;
+  }
+  for (;;) {
+    const char *cmd = hear();
+    int byte, k, used = 0;
+    unsigned ms;
+    usmipc_queue_t *q = wrapped ? wrapped : own;
+    if (sscanf(cmd, "alloc %zu %d", &n, &byte) == 2) {
+      int rc = usmipc_malloc(dev, USMIPC_MEM_DEVICE, n, &p);
+      if (rc == 0)
+        rc = usmipc_memset(own, p, byte, n);
+      say_rc(rc);
+    } else if (!strcmp(cmd, "asyncq")) {
+      int rc = foreign_list_create(&fl) != 0
+                   ? USMIPC_EBACKEND
+                   : usmipc_queue_from_native(dev, fl.list, &wrapped);
+      if (rc == 0 && usmipc_queue_native(wrapped) != (void *)fl.list)
+        rc = USMIPC_EINVAL;
+      say_rc(rc);
+    } else if (sscanf(cmd, "delay %u", &ms) == 1) {
+      say(fl.list && append_delay(fl.list, ms) == 0 ? "ok" : "error delay");
+    } else if (sscanf(cmd, "fill %d", &byte) == 1) {
+      say_rc(usmipc_memset(q, p, byte, n));
+    } else if (!strcmp(cmd, "export")) {
+      int rc = usmipc_ipc_get_handle(p, 0, &h);
+      say_handle(rc, h);
+    } else if (!strcmp(cmd, "order")) {
+      int rc = usmipc_ipc_handle_order(h, q);
+      say_handle(rc, h);
+    } else if (sscanf(cmd, "evcreate %d", &k) == 1 && k >= 0 &&
+               k < EVAGENT_EVENTS) {
+      say_rc(usmipc_event_create(dev, 0, &ev[k]));
+    } else if (sscanf(cmd, "evrecord %d", &k) == 1 && k >= 0 &&
+               k < EVAGENT_EVENTS) {
+      say_rc(usmipc_event_record(ev[k], q));
+    } else if (sscanf(cmd, "evhandle %d", &k) == 1 && k >= 0 &&
+               k < EVAGENT_EVENTS) {
+      usmipc_ipc_handle_t *eh = NULL;
+      int rc = usmipc_ipc_get_event_handle(ev[k], &eh);
+      say_handle(rc, eh);
+      usmipc_ipc_free_handle(eh);
+    } else if (sscanf(cmd, "evdestroy %d", &k) == 1 && k >= 0 &&
+               k < EVAGENT_EVENTS) {
+      say_rc(usmipc_event_destroy(ev[k]));
+      ev[k] = NULL;
+    } else if (sscanf(cmd, "evopen %d %n", &k, &used) == 1 && used > 0 &&
+               k >= 0 && k < EVAGENT_EVENTS) {
+      uint8_t b[2048];
+      size_t len = from_hex(cmd + used, b, sizeof(b));
+      say_rc(usmipc_ipc_open_event(b, len, NULL, &ev[k]));
+    } else if (sscanf(cmd, "evsync %d", &k) == 1 && k >= 0 &&
+               k < EVAGENT_EVENTS) {
+      say_rc(usmipc_event_synchronize(ev[k]));
+    } else if (sscanf(cmd, "evquery %d", &k) == 1 && k >= 0 &&
+               k < EVAGENT_EVENTS) {
+      say_rc(usmipc_event_query(ev[k]));
+    } else if (sscanf(cmd, "evwait %d", &k) == 1 && k >= 0 &&
+               k < EVAGENT_EVENTS) {
+      say_rc(usmipc_event_wait(ev[k], q));
+    } else if (!strcmp(cmd, "sync")) {
+      uint64_t t0 = mono_ms();
+      int rc = usmipc_queue_synchronize(q);
+      if (rc == 0)
+        say("ok %llu", (unsigned long long)(mono_ms() - t0));
+      else
+        say_rc(rc);
+    } else if (sscanf(cmd, "check %d", &byte) == 1) {
+      uint8_t *host = malloc(n);
+      int rc = host ? usmipc_memcpy(own, host, p, n) : USMIPC_ENOMEM;
+      long bad = rc == 0 ? first_mismatch(host, 0, n, byte) : -2;
+      if (rc != 0)
+        say_rc(rc);
+      else
+        say(bad < 0 ? "ok" : "mismatch at %ld: 0x%02x", bad,
+            bad < 0 ? 0 : host[bad]);
+      free(host);
+    } else if (!strcmp(cmd, "fds")) {
+      say("fds %d", count_fds());
+    } else if (!strcmp(cmd, "stats")) {
+      usmipc_ze_test_stats_t st;
+      char line[4096];
+      if (get_stats(&st) != 0) {
+        say("error no driver stats");
+      } else {
+        format_stats(&st, line, sizeof(line));
+        say("%s", line);
+      }
+    } else {
+      break;
+    }
+  }
+  if (wrapped != NULL) {
+    usmipc_queue_synchronize(wrapped);
+    usmipc_queue_destroy(wrapped);
+  }
+  for (int k = 0; k < EVAGENT_EVENTS; k++)
+    usmipc_event_destroy(ev[k]);
+  usmipc_ipc_free_handle(h);
+  if (p != NULL)
+    usmipc_free(p);
+  foreign_list_destroy(&fl);
+  usmipc_queue_destroy(own);
+  return 0;
+}
+
+/* evprobe: event pools through the loader alone, for
+ * cr_event_pool_cache_2618. "pool K" makes IPC pool K with one event,
+ * "raw K" prints its zeEventPoolGetIpcHandle bytes ("handle HEX"), "signal
+ * K" signals it on the host, "open K HEX" opens raw bytes as pool K
+ * ("opened RESULT"), "query K" prints "status RESULT", "stats", "exit". */
+static int helper_evprobe(void) {
+  ze_driver_handle_t driver = NULL;
+  ze_device_handle_t device = NULL;
+  ze_context_handle_t ctx = NULL;
+  uint32_t one = 1;
+  ze_context_desc_t cdesc = {.stype = ZE_STRUCTURE_TYPE_CONTEXT_DESC};
+  if (zeInit(ZE_INIT_FLAG_GPU_ONLY) != ZE_RESULT_SUCCESS ||
+      zeDriverGet(&one, &driver) != ZE_RESULT_SUCCESS ||
+      zeDeviceGet(driver, &one, &device) != ZE_RESULT_SUCCESS ||
+      zeContextCreate(driver, &cdesc, &ctx) != ZE_RESULT_SUCCESS) {
+    say("error no driver");
+    return 1;
+  }
+  ze_event_pool_handle_t pools[4] = {0};
+  ze_event_handle_t events[4] = {0};
+  bool opened[4] = {false};
+  ze_event_desc_t edesc = {.stype = ZE_STRUCTURE_TYPE_EVENT_DESC,
+                           .signal = ZE_EVENT_SCOPE_FLAG_HOST,
+                           .wait = ZE_EVENT_SCOPE_FLAG_HOST};
+  for (;;) {
+    const char *cmd = hear();
+    int k, used = 0;
+    if (sscanf(cmd, "pool %d", &k) == 1 && k >= 0 && k < 4) {
+      ze_event_pool_desc_t pdesc = {.stype = ZE_STRUCTURE_TYPE_EVENT_POOL_DESC,
+                                    .flags = ZE_EVENT_POOL_FLAG_HOST_VISIBLE |
+                                             ZE_EVENT_POOL_FLAG_IPC,
+                                    .count = 1};
+      ze_result_t r = zeEventPoolCreate(ctx, &pdesc, 1, &device, &pools[k]);
+      if (r == ZE_RESULT_SUCCESS)
+        r = zeEventCreate(pools[k], &edesc, &events[k]);
+      say("pool 0x%x", (unsigned)r);
+    } else if (sscanf(cmd, "raw %d", &k) == 1 && k >= 0 && k < 4) {
+      ze_ipc_event_pool_handle_t h;
+      memset(&h, 0, sizeof(h));
+      ze_result_t r = zeEventPoolGetIpcHandle(pools[k], &h);
+      char hex[200];
+      to_hex(h.data, sizeof(h.data), hex);
+      say(r == ZE_RESULT_SUCCESS ? "handle %s" : "error %s", hex);
+    } else if (sscanf(cmd, "signal %d", &k) == 1 && k >= 0 && k < 4) {
+      say("signal 0x%x", (unsigned)zeEventHostSignal(events[k]));
+    } else if (sscanf(cmd, "open %d %n", &k, &used) == 1 && used > 0 &&
+               k >= 0 && k < 4) {
+      ze_ipc_event_pool_handle_t h;
+      memset(&h, 0, sizeof(h));
+      from_hex(cmd + used, (uint8_t *)h.data, sizeof(h.data));
+      ze_result_t r = zeEventPoolOpenIpcHandle(ctx, h, &pools[k]);
+      opened[k] = r == ZE_RESULT_SUCCESS;
+      if (r == ZE_RESULT_SUCCESS)
+        r = zeEventCreate(pools[k], &edesc, &events[k]);
+      say("opened 0x%x", (unsigned)r);
+    } else if (sscanf(cmd, "query %d", &k) == 1 && k >= 0 && k < 4) {
+      say("status 0x%x", (unsigned)zeEventQueryStatus(events[k]));
+    } else if (!strcmp(cmd, "stats")) {
+      usmipc_ze_test_stats_t st;
+      char line[4096];
+      get_stats(&st);
+      format_stats(&st, line, sizeof(line));
+      say("%s", line);
+    } else {
+      break;
+    }
+  }
+  for (int k = 0; k < 4; k++) {
+    if (events[k] != NULL)
+      zeEventDestroy(events[k]);
+    if (pools[k] != NULL && opened[k])
+      zeEventPoolCloseIpcHandle(pools[k]);
+    else if (pools[k] != NULL)
+      zeEventPoolDestroy(pools[k]);
+  }
+  zeContextDestroy(ctx);
+  return 0;
+}
+
 /* status: prints "status ERRNAME REASON" for the level_zero backend. */
 static int helper_status(void) {
   const char *reason = NULL;
@@ -689,10 +1006,15 @@ static int helper_main(int argc, char **argv) {
     return helper_importer();
   if (!strcmp(argv[0], "zeprobe"))
     return helper_zeprobe();
+  if (!strcmp(argv[0], "evagent"))
+    return helper_evagent();
+  if (!strcmp(argv[0], "evprobe"))
+    return helper_evprobe();
   return 2;
 }
 
-/* ---- tests ------------------------------------------------------------------------- */
+/* ---- tests
+ * ------------------------------------------------------------------------- */
 
 static int test_device_listed(void) {
   const char *reason = NULL;
@@ -796,8 +1118,8 @@ static int test_foreign_pointer(void) {
   void *p = NULL;
   uint32_t one = 1;
   ze_context_desc_t cdesc = {.stype = ZE_STRUCTURE_TYPE_CONTEXT_DESC};
-  ze_device_mem_alloc_desc_t ddesc = {.stype =
-                                          ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC};
+  ze_device_mem_alloc_desc_t ddesc = {
+      .stype = ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC};
   CHECK(zeDriverGet(&one, &driver) == ZE_RESULT_SUCCESS, "zeDriverGet");
   CHECK(zeDeviceGet(driver, &one, &device) == ZE_RESULT_SUCCESS, "zeDeviceGet");
   CHECK(zeContextCreate(driver, &cdesc, &ctx) == ZE_RESULT_SUCCESS,
@@ -848,9 +1170,9 @@ static int test_export_refusals(void) {
   CHECK(info.backend == USMIPC_BACKEND_LEVEL_ZERO && info.offset == 5000 &&
             info.nbytes == 5000 && info.allocation_size == 10000 &&
             info.handle_kind == 3,
-        "handle info: backend %d offset %llu nbytes %llu kind %u",
-        info.backend, (unsigned long long)info.offset,
-        (unsigned long long)info.nbytes, info.handle_kind);
+        "handle info: backend %d offset %llu nbytes %llu kind %u", info.backend,
+        (unsigned long long)info.offset, (unsigned long long)info.nbytes,
+        info.handle_kind);
   /* Same-process open: the original memory, no driver mapping. */
   CHECK_OK(usmipc_ipc_open(data, len, NULL, 0, &p, NULL));
   CHECK(p == (uint8_t *)dev + 5000, "same-process open returned %p, not %p", p,
@@ -859,11 +1181,11 @@ static int test_export_refusals(void) {
   CHECK_OK(usmipc_ipc_free_handle(h));
 
   void *big = NULL;
-  CHECK_ERR(usmipc_malloc(d, USMIPC_MEM_DEVICE, USMIPC_ZE_TEST_MAX_ALLOC + 1,
-                          &big),
-            USMIPC_ENOMEM);
-  CHECK(strstr(usmipc_last_error(), "largest allocation") != NULL, "message: %s",
-        usmipc_last_error());
+  CHECK_ERR(
+      usmipc_malloc(d, USMIPC_MEM_DEVICE, USMIPC_ZE_TEST_MAX_ALLOC + 1, &big),
+      USMIPC_ENOMEM);
+  CHECK(strstr(usmipc_last_error(), "largest allocation") != NULL,
+        "message: %s", usmipc_last_error());
   CHECK_OK(usmipc_free(host));
   CHECK_OK(usmipc_free(shared));
   CHECK_OK(usmipc_free(dev));
@@ -917,8 +1239,8 @@ static int export_here_import_there(const char *transport) {
   CHECK(sscanf(line, "opened %zu %llu %d", &mapped, &got_offset, &fd_growth) ==
             3,
         "importer: '%s'", line);
-  CHECK(mapped == export_n && got_offset == offset,
-        "mapped %zu at offset %llu", mapped, got_offset);
+  CHECK(mapped == export_n && got_offset == offset, "mapped %zu at offset %llu",
+        mapped, got_offset);
   /* No descriptor per mapping; at most one per exporter (a pidfd, or the
    * broker connection kept for the next open). */
   CHECK(fd_growth <= 1, "the importer holds %d more descriptors after the open",
@@ -1051,9 +1373,12 @@ static int import_from_helper(const char *transport,
   CHECK(get_stats(&s) == 0 && s.ipc_opens == 1, "opens %llu",
         (unsigned long long)s.ipc_opens);
   CHECK_OK(usmipc_ipc_open(data, len, NULL, 0, (void **)&again, NULL));
-  CHECK(again == p, "second open returned %p, not %p", (void *)again, (void *)p);
-  CHECK(get_stats(&s) == 0 && s.ipc_opens == 1, "a cached open reached the "
-        "driver (%llu opens)", (unsigned long long)s.ipc_opens);
+  CHECK(again == p, "second open returned %p, not %p", (void *)again,
+        (void *)p);
+  CHECK(get_stats(&s) == 0 && s.ipc_opens == 1,
+        "a cached open reached the "
+        "driver (%llu opens)",
+        (unsigned long long)s.ipc_opens);
   memset(p, 0x3c, 512);
   child_say(&c, "check 4096 512 60");
   const char *line = child_hear(&c);
@@ -1662,7 +1987,667 @@ static int test_cr_driver_profiles(void) {
   return PASS;
 }
 
-/* ---- runner ------------------------------------------------------------------------- */
+/* ---- events
+ * ------------------------------------------------------------------ */
+
+/* The bytes of a "handle HEX" answer into out; 0 when it is not one. */
+static size_t handle_of(const char *line, uint8_t *out, size_t cap) {
+  if (strncmp(line, "handle ", 7) != 0)
+    return 0;
+  return from_hex(line + 7, out, cap);
+}
+
+#define ASK_OK(c, ...)                                                         \
+  do {                                                                         \
+    const char *a_ = ask((c), __VA_ARGS__);                                    \
+    CHECK(!strncmp(a_, "ok", 2), "helper answered '%s'", a_);                  \
+  } while (0)
+
+/* The stats of a helper as one line, and this process's own. */
+static unsigned long long own_stat(const char *name) {
+  usmipc_ze_test_stats_t s;
+  char line[4096];
+  if (get_stats(&s) != 0)
+    return ~0ull;
+  format_stats(&s, line, sizeof(line));
+  return stat_of(line, name);
+}
+
+/* event_wait_orders: a consumer's wait on the device really orders its
+ * later work after a producer's, across processes. The producer's queue is
+ * an asynchronous list (another library's, wrapped) on which a command of 2
+ * s (the test driver's stand-in for a long kernel) runs before a fill of
+ * the exported memory and the ordering record: so the fill lands 2 s after
+ * the handle was sent. An unordered open and copy in this process reads the
+ * old bytes (proof that the fill is still pending); an ordered open on a
+ * queue appends a wait there, and the copy that follows reads the new
+ * bytes, at least 1.5 s later. Then the same with the host waiting. */
+static int test_event_wait_orders(void) {
+  usmipc_device_t *d = gpu();
+  CHECK(d != NULL, "no device");
+  const size_t n = 1 << 20;
+  child_t p;
+  CHECK(start_helper(&p, "evagent", NULL) == 0, "spawn");
+  ASK_OK(&p, "alloc %zu 17", n);
+  ASK_OK(&p, "asyncq");
+  uint8_t b[4096], b2[4096];
+  CHECK(handle_of(ask(&p, "export"), b, sizeof(b)) > 0, "export");
+  ASK_OK(&p, "delay 2000");
+  ASK_OK(&p, "fill 34");
+  uint64_t t0 = mono_ms();
+  size_t len = handle_of(ask(&p, "order"), b, sizeof(b));
+  CHECK(len > 0, "order");
+  CHECK(mono_ms() - t0 < 1000, "ordering blocked the producer for %llu ms",
+        (unsigned long long)(mono_ms() - t0));
+  usmipc_queue_t *q = NULL;
+  uint8_t *host = malloc(n), *m = NULL;
+  CHECK(host != NULL, "malloc");
+  CHECK_OK(usmipc_queue_create(d, &q));
+  /* The control: without the wait, the copy reads what was there. */
+  CHECK_OK(usmipc_ipc_open_ex(b, len, NULL, 0, q, USMIPC_OPEN_UNORDERED,
+                              (void **)&m, NULL));
+  CHECK_OK(usmipc_memcpy(q, host, m, n));
+  CHECK_OK(usmipc_queue_synchronize(q));
+  CHECK(first_mismatch(host, 0, n, 17) < 0,
+        "the producer's fill ran before anyone waited (byte 0 is 0x%02x): "
+        "the delay did not hold it, so this test proves nothing",
+        host[0]);
+  CHECK_OK(usmipc_ipc_close(m));
+  /* Ordered on q: the copy runs after the producer's fill. */
+  CHECK_OK(usmipc_ipc_open_ex(b, len, NULL, 0, q, 0, (void **)&m, NULL));
+  CHECK_OK(usmipc_memcpy(q, host, m, n));
+  CHECK_OK(usmipc_queue_synchronize(q));
+  uint64_t waited = mono_ms() - t0;
+  long bad = first_mismatch(host, 0, n, 34);
+  CHECK(bad < 0,
+        "the consumer's copy read 0x%02x at %ld: it ran before the "
+        "producer's fill, which it should have waited for",
+        bad >= 0 ? host[bad] : 0, bad);
+  CHECK(waited >= 1500,
+        "the ordered copy was done after %llu ms, before "
+        "the producer's 2 s command could have finished",
+        (unsigned long long)waited);
+  CHECK_OK(usmipc_ipc_close(m));
+  CHECK(own_stat("event_waits") >= 1 && own_stat("wait_timeouts") == 0,
+        "the consumer's driver ran %llu appended waits (%llu timed out)",
+        own_stat("event_waits"), own_stat("wait_timeouts"));
+  /* Again, the host waiting (queue NULL); the ring event is reused (its
+   * record completed) and opened from this process's cache. */
+  ASK_OK(&p, "delay 1000");
+  ASK_OK(&p, "fill 51");
+  t0 = mono_ms();
+  size_t len2 = handle_of(ask(&p, "order"), b2, sizeof(b2));
+  CHECK(len2 > 0, "order");
+  CHECK_OK(usmipc_ipc_open_ex(b2, len2, NULL, 0, NULL, 0, (void **)&m, NULL));
+  waited = mono_ms() - t0;
+  CHECK_OK(usmipc_memcpy(q, host, m, n));
+  CHECK_OK(usmipc_queue_synchronize(q));
+  CHECK(first_mismatch(host, 0, n, 51) < 0 && waited >= 700,
+        "after a host wait of %llu ms the consumer read 0x%02x, not 0x33",
+        (unsigned long long)waited, host[0]);
+  CHECK_OK(usmipc_ipc_close(m));
+  CHECK(own_stat("event_pool_opens") == 1 && own_stat("live_event_pools") == 1,
+        "the consumer's driver opened %llu event pools (%llu live): the ring "
+        "event should have been opened once",
+        own_stat("event_pool_opens"), own_stat("live_event_pools"));
+  /* The producer's queue synchronizes (a barrier and a host wait on the
+   * foreign list) and holds what was written. */
+  ASK_OK(&p, "sync");
+  ASK_OK(&p, "check 51");
+  char st[4096];
+  helper_stats(&p, st, sizeof(st));
+  CHECK(stat_of(st, "delays") == 2 && stat_of(st, "async_commands") >= 6 &&
+            stat_of(st, "event_pool_ipc_gets") == 1,
+        "producer: %s", st);
+  child_say(&p, "exit");
+  CHECK(child_end(&p) == 0, "producer failed");
+  usmipc_queue_destroy(q);
+  free(host);
+  return PASS;
+}
+
+/* One forged variant of an event handle's Level Zero payload. */
+typedef struct forgery {
+  const char *what;
+  int code;
+  int at;       /* payload byte to change (-1: none) */
+  int value;    /* its new value */
+  int len;      /* new payload length (-1: unchanged) */
+  int kind;     /* new event kind (-1: unchanged) */
+  int64_t size; /* new pool size field (-1: unchanged) */
+} forgery_t;
+
+/* event_payload_forged: an importer given an event handle whose Level Zero
+ * payload was tampered with (the exporter's identity and capability are
+ * genuine, only the payload lies) refuses it with USMIPC_EBADHANDLE and
+ * says why, before its driver sees anything; a payload of another GPU's
+ * event layout is USMIPC_ENOTSUP. The genuine handle then opens. */
+static int test_event_payload_forged(void) {
+  CHECK(gpu() != NULL, "no device");
+  child_t p;
+  CHECK(start_helper(&p, "evagent", NULL) == 0, "spawn");
+  ASK_OK(&p, "evcreate 0");
+  ASK_OK(&p, "evrecord 0");
+  uint8_t b[4096], f[4096];
+  size_t len = handle_of(ask(&p, "evhandle 0"), b, sizeof(b));
+  CHECK(len > 0, "evhandle");
+  usmipc__wire_t w;
+  CHECK_OK(usmipc__wire_decode(b, len, &w));
+  CHECK(w.is_event && w.event_kind == 1 && w.payload.len == 32 &&
+            w.payload.bytes[0] == 1 && (w.flags & USMIPC__WIRE_FLAG_FD),
+        "the event handle's payload: kind %u, %u bytes", w.event_kind,
+        w.payload.len);
+  uint64_t size = usmipc__get64le(w.payload.bytes + 24);
+  CHECK(size >= 65536 && size % 65536 == 0, "pool size %llu",
+        (unsigned long long)size);
+  const forgery_t cases[] = {
+      {"truncated payload", USMIPC_EBADHANDLE, -1, 0, 31, -1, -1},
+      {"no payload", USMIPC_EBADHANDLE, -1, 0, 0, -1, -1},
+      {"a payload byte too many", USMIPC_EBADHANDLE, -1, 0, 33, -1, -1},
+      {"another event kind", USMIPC_EBADHANDLE, -1, 0, -1, 2, -1},
+      {"payload version 2", USMIPC_EBADHANDLE, 0, 2, -1, -1, -1},
+      {"unknown layout", USMIPC_EBADHANDLE, 1, 9, -1, -1, -1},
+      {"not host-visible", USMIPC_EBADHANDLE, 2, 0, -1, -1, -1},
+      {"timestamp pool", USMIPC_EBADHANDLE, 2, 0x12, -1, -1, -1},
+      {"unknown flag", USMIPC_EBADHANDLE, 2, 0x22, -1, -1, -1},
+      {"reserved byte 3", USMIPC_EBADHANDLE, 3, 1, -1, -1, -1},
+      {"two events", USMIPC_EBADHANDLE, 8, 2, -1, -1, -1},
+      {"event index 1", USMIPC_EBADHANDLE, 16, 1, -1, -1, -1},
+      {"reserved byte 20", USMIPC_EBADHANDLE, 20, 1, -1, -1, -1},
+      {"no packets", USMIPC_EBADHANDLE, 12, 0, -1, -1, -1},
+      {"a larger pool than the descriptor", USMIPC_EBADHANDLE, -1, 0, -1, -1,
+       (int64_t)size + 65536},
+      {"a zero-byte pool", USMIPC_EBADHANDLE, -1, 0, -1, -1, 0},
+      {"another GPU's packet count", USMIPC_ENOTSUP, 12, 17, -1, -1, -1},
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    const forgery_t *c = &cases[i];
+    usmipc__wire_t x = w;
+    if (c->at >= 0)
+      x.payload.bytes[c->at] = (uint8_t)c->value;
+    if (c->len >= 0) {
+      memset(x.payload.bytes + w.payload.len, 0,
+             sizeof(x.payload.bytes) - w.payload.len);
+      x.payload.len = (uint16_t)c->len;
+    }
+    if (c->size >= 0)
+      usmipc__put64le(x.payload.bytes + 24, (uint64_t)c->size);
+    if (c->kind >= 0) {
+      uint16_t rlen;
+      uint8_t *r = (uint8_t *)usmipc__ext_find(x.ext, x.ext_len,
+                                               USMIPC__EXT_EVENT, &rlen);
+      CHECK(r != NULL, "no event record");
+      r[12] = (uint8_t)c->kind;
+    }
+    size_t flen = usmipc__wire_len(&x);
+    usmipc__wire_encode(&x, f);
+    usmipc_event_t *ev = NULL;
+    int rc = usmipc_ipc_open_event(f, flen, NULL, &ev);
+    CHECK(rc == c->code, "%s: %s, expected %s (%s)", c->what,
+          usmipc_err_name(rc), usmipc_err_name(c->code), usmipc_last_error());
+    const char *msg = usmipc_last_error();
+    CHECK(c->code != USMIPC_EBADHANDLE || strstr(msg, "forged") ||
+              strstr(msg, "version"),
+          "%s: the message does not say the handle is wrong: %s", c->what, msg);
+    fprintf(stderr, "    %s: %s\n", c->what, msg);
+  }
+  CHECK(own_stat("event_pool_opens") == 0 &&
+            own_stat("event_pool_open_failures") == 0,
+        "a forged payload reached the driver (%llu opens, %llu refusals)",
+        own_stat("event_pool_opens"), own_stat("event_pool_open_failures"));
+  usmipc_event_t *ev = NULL;
+  CHECK_OK(usmipc_ipc_open_event(b, len, NULL, &ev));
+  CHECK_OK(usmipc_event_synchronize(ev));
+  CHECK(own_stat("event_pool_opens") == 1, "the genuine handle: %llu opens",
+        own_stat("event_pool_opens"));
+  CHECK_OK(usmipc_event_destroy(ev));
+  child_say(&p, "exit");
+  CHECK(child_end(&p) == 0, "producer failed");
+  return PASS;
+}
+
+/* event_descriptor_refused: the backend's event_import, given a genuine
+ * payload with a descriptor that is not the event pool's dma-buf (none, a
+ * pipe, /dev/null, a memfd of nobody's, another dma-buf of the driver: a
+ * memory allocation), refuses it with USMIPC_EBADHANDLE before its driver
+ * sees it; the pool's own descriptor opens. */
+static int test_event_descriptor_refused(void) {
+  usmipc_device_t *d = gpu();
+  CHECK(d != NULL, "no device");
+  usmipc_queue_t *q = NULL;
+  usmipc_event_t *ev = NULL;
+  usmipc_ipc_handle_t *eh = NULL, *mh = NULL;
+  const void *data;
+  size_t len;
+  void *mem = NULL;
+  CHECK_OK(usmipc_queue_create(d, &q));
+  CHECK_OK(usmipc_event_create(d, 0, &ev));
+  CHECK_OK(usmipc_event_record(ev, q));
+  CHECK_OK(usmipc_ipc_get_event_handle(ev, &eh));
+  CHECK_OK(usmipc_ipc_handle_data(eh, &data, &len));
+  usmipc__wire_t w, mw;
+  CHECK_OK(usmipc__wire_decode(data, len, &w));
+  usmipc__payload_t payload = w.payload;
+  payload.handle_kind = w.event_kind;
+  /* A dma-buf of the driver that is memory, not an event pool. */
+  CHECK_OK(usmipc_malloc(d, USMIPC_MEM_DEVICE, 4096, &mem));
+  CHECK_OK(usmipc_ipc_get_handle(mem, 0, &mh));
+  CHECK_OK(usmipc_ipc_handle_data(mh, &data, &len));
+  CHECK_OK(usmipc__wire_decode(data, len, &mw));
+  int pipefd[2];
+  CHECK(pipe(pipefd) == 0, "pipe");
+  int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
+  int other = memfd_create("not-a-dma-buf", MFD_CLOEXEC);
+  CHECK(devnull >= 0 && other >= 0 && ftruncate(other, 65536) == 0, "fds");
+  const struct {
+    const char *what;
+    int fd;
+  } cases[] = {
+      {"no descriptor", -1},
+      {"a pipe", pipefd[0]},
+      {"/dev/null", devnull},
+      {"a memfd of nobody's", other},
+      {"the driver's memory dma-buf", (int)mw.fd_number},
+  };
+  const usmipc__backend_ops_t *ops = d->ops;
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    void *native = NULL;
+    int rc =
+        ops->event_import(d->native, d->native, &payload, cases[i].fd, &native);
+    CHECK(rc == USMIPC_EBADHANDLE, "%s: %s (%s)", cases[i].what,
+          usmipc_err_name(rc), usmipc_last_error());
+    fprintf(stderr, "    %s: %s\n", cases[i].what, usmipc_last_error());
+  }
+  CHECK(own_stat("event_pool_opens") == 0 &&
+            own_stat("event_pool_open_failures") == 0,
+        "a wrong descriptor reached the driver");
+  /* The pool's own descriptor (the one this process published). */
+  void *native = NULL;
+  CHECK(ops->event_import(d->native, d->native, &payload, (int)w.fd_number,
+                          &native) == 0,
+        "the genuine descriptor: %s", usmipc_last_error());
+  CHECK(ops->event_query(d->native, native) == 1,
+        "the opened event is not complete");
+  CHECK(ops->event_close(d->native, native) == 0, "close");
+  CHECK(own_stat("event_pool_opens") == 1 && own_stat("event_pool_closes") == 1,
+        "genuine open: %llu opens, %llu closes", own_stat("event_pool_opens"),
+        own_stat("event_pool_closes"));
+  close(pipefd[0]);
+  close(pipefd[1]);
+  close(devnull);
+  close(other);
+  usmipc_ipc_free_handle(mh);
+  usmipc_free(mem);
+  usmipc_ipc_free_handle(eh);
+  usmipc_event_destroy(ev);
+  usmipc_queue_destroy(q);
+  return PASS;
+}
+
+/* event_reopen_cached: a ring event is opened once per importer: 1000
+ * re-opens of an ordered handle (and 1000 opens of the event it carries)
+ * leave the importer's descriptor count and its driver's pool count where
+ * the first open left them; 200 fresh handoffs open each ring event once. */
+static int test_event_reopen_cached(void) {
+  usmipc_device_t *d = gpu();
+  CHECK(d != NULL, "no device");
+  child_t p;
+  CHECK(start_helper(&p, "evagent", NULL) == 0, "spawn");
+  ASK_OK(&p, "alloc 65536 7");
+  uint8_t b[4096];
+  CHECK(handle_of(ask(&p, "export"), b, sizeof(b)) > 0, "export");
+  size_t len = handle_of(ask(&p, "order"), b, sizeof(b));
+  CHECK(len > 0, "order");
+  usmipc_queue_t *q = NULL;
+  CHECK_OK(usmipc_queue_create(d, &q));
+  void *m = NULL;
+  int fds = -1;
+  for (int i = 0; i < 1000; i++) {
+    CHECK_OK(usmipc_ipc_open_ex(b, len, NULL, 0, q, 0, &m, NULL));
+    CHECK_OK(usmipc_ipc_close(m));
+    usmipc_event_t *ev = NULL;
+    CHECK_OK(usmipc_ipc_open_handle_event(b, len, NULL, &ev));
+    CHECK(ev != NULL, "no event carried");
+    CHECK_OK(usmipc_event_wait(ev, q));
+    CHECK_OK(usmipc_event_destroy(ev));
+    if (i == 0)
+      fds = count_fds();
+    CHECK(count_fds() == fds, "open %d: %d descriptors, %d after the first", i,
+          count_fds(), fds);
+  }
+  CHECK(own_stat("event_pool_opens") == 1 && own_stat("live_event_pools") == 1,
+        "1000 re-opens: the driver opened %llu pools (%llu live)",
+        own_stat("event_pool_opens"), own_stat("live_event_pools"));
+  for (int i = 0; i < 200; i++) {
+    CHECK(ask(&p, "fill %d", i & 0xff)[0] == 'o', "fill");
+    len = handle_of(ask(&p, "order"), b, sizeof(b));
+    CHECK(len > 0, "order %d", i);
+    CHECK_OK(usmipc_ipc_open_ex(b, len, NULL, 0, q, 0, &m, NULL));
+    CHECK_OK(usmipc_ipc_close(m));
+  }
+  char st[4096];
+  helper_stats(&p, st, sizeof(st));
+  unsigned long long exported = stat_of(st, "event_pool_ipc_gets");
+  CHECK(exported >= 1 && own_stat("event_pool_opens") == exported &&
+            count_fds() <= fds + (int)exported,
+        "200 handoffs of %llu ring events: %llu pools opened, %d descriptors "
+        "(%d before)",
+        exported, own_stat("event_pool_opens"), count_fds(), fds);
+  child_say(&p, "exit");
+  CHECK(child_end(&p) == 0, "producer failed");
+  usmipc_queue_destroy(q);
+  return PASS;
+}
+
+/* event_exporter_killed: the producer dies with its record pending (behind
+ * a 10 s command). An importer waiting on the host learns it within a
+ * second or two, not after 10 s or never; a device wait and a new open are
+ * refused at once; no wait of the driver timed out. */
+static int test_event_exporter_killed(void) {
+  usmipc_device_t *d = gpu();
+  CHECK(d != NULL, "no device");
+  child_t p;
+  CHECK(start_helper(&p, "evagent", NULL) == 0, "spawn");
+  ASK_OK(&p, "asyncq");
+  ASK_OK(&p, "evcreate 0");
+  ASK_OK(&p, "delay 10000");
+  ASK_OK(&p, "evrecord 0");
+  uint8_t b[4096];
+  size_t len = handle_of(ask(&p, "evhandle 0"), b, sizeof(b));
+  CHECK(len > 0, "evhandle");
+  usmipc_event_t *ev = NULL;
+  CHECK_OK(usmipc_ipc_open_event(b, len, NULL, &ev));
+  CHECK(usmipc_event_query(ev) == USMIPC_ENOTREADY, "pending record complete");
+  kill(p.pid, SIGKILL);
+  CHECK(child_end(&p) == 128 + SIGKILL, "producer was not killed");
+  uint64_t t0 = mono_ms();
+  CHECK_ERR(usmipc_event_synchronize(ev), USMIPC_EEXPORTERGONE);
+  CHECK(mono_ms() - t0 < 3000, "the host wait noticed the death after %llu ms",
+        (unsigned long long)(mono_ms() - t0));
+  usmipc_queue_t *q = NULL;
+  CHECK_OK(usmipc_queue_create(d, &q));
+  t0 = mono_ms();
+  CHECK_ERR(usmipc_event_wait(ev, q), USMIPC_EEXPORTERGONE);
+  CHECK(mono_ms() - t0 < 1000, "the device wait took %llu ms",
+        (unsigned long long)(mono_ms() - t0));
+  usmipc_event_t *again = NULL;
+  CHECK_ERR(usmipc_ipc_open_event(b, len, NULL, &again), USMIPC_EEXPORTERGONE);
+  CHECK(own_stat("wait_timeouts") == 0 && own_stat("event_waits") == 0,
+        "the driver was asked to wait (%llu waits, %llu timed out)",
+        own_stat("event_waits"), own_stat("wait_timeouts"));
+  CHECK_OK(usmipc_event_destroy(ev));
+  usmipc_queue_destroy(q);
+  return PASS;
+}
+
+/* event_rerecord_never_early: a user's event recorded on an asynchronous
+ * list behind a 1 s command, then recorded again on another asynchronous
+ * list with nothing pending, must not look complete until the first
+ * record's work is done: the old record's signal may land after the new
+ * record's reset (a plain host reset and signal would report completion at
+ * once). */
+static int test_event_rerecord_never_early(void) {
+  usmipc_device_t *d = gpu();
+  CHECK(d != NULL, "no device");
+  foreign_list_t la, lb;
+  CHECK(foreign_list_create(&la) == 0 && foreign_list_create(&lb) == 0,
+        "lists");
+  usmipc_queue_t *qa = NULL, *qb = NULL;
+  CHECK_OK(usmipc_queue_from_native(d, la.list, &qa));
+  CHECK_OK(usmipc_queue_from_native(d, lb.list, &qb));
+  usmipc_event_t *ev = NULL;
+  CHECK_OK(usmipc_event_create(d, 0, &ev));
+  CHECK(append_delay(la.list, 1000) == 0, "delay");
+  uint64_t t0 = mono_ms();
+  CHECK_OK(usmipc_event_record(ev, qa));
+  CHECK(usmipc_event_query(ev) == USMIPC_ENOTREADY,
+        "a record behind a 1 s command is complete at once");
+  CHECK_OK(usmipc_event_record(ev, qb));
+  CHECK(mono_ms() - t0 < 500, "recording blocked for %llu ms",
+        (unsigned long long)(mono_ms() - t0));
+  CHECK(usmipc_event_query(ev) == USMIPC_ENOTREADY,
+        "recorded again on an idle list, the event looks complete while its "
+        "previous record's work still runs");
+  CHECK_OK(usmipc_event_synchronize(ev));
+  CHECK(mono_ms() - t0 >= 900,
+        "the second record completed %llu ms after the first was made, "
+        "before the first one's 1 s command",
+        (unsigned long long)(mono_ms() - t0));
+  CHECK_OK(usmipc_queue_synchronize(qa));
+  CHECK_OK(usmipc_queue_synchronize(qb));
+  CHECK_OK(usmipc_event_destroy(ev));
+  CHECK_OK(usmipc_queue_destroy(qa));
+  CHECK_OK(usmipc_queue_destroy(qb));
+  /* The wrappers are gone, the lists not. */
+  CHECK(zeCommandListAppendBarrier(la.list, NULL, 0, NULL) == ZE_RESULT_SUCCESS,
+        "the foreign list was destroyed with its wrapper");
+  foreign_list_destroy(&la);
+  foreign_list_destroy(&lb);
+  CHECK(own_stat("live_events") == 0 && own_stat("live_event_pools") == 0,
+        "%llu events and %llu pools left", own_stat("live_events"),
+        own_stat("live_event_pools"));
+  return PASS;
+}
+
+/* event_refusals: drivers usmipc cannot share events with say so
+ * (USMIPC_ENOTSUP with the reason), on either side: an exporter whose
+ * event pool handles have a layout no release has, a driver without
+ * ZE_IPC_PROPERTY_FLAG_EVENT_POOL, an importer whose driver lays pools out
+ * with another packet count or writes an unknown layout. Knobs of the
+ * ideal driver, so pinned to it. */
+static int test_event_refusals(void) {
+  const char *ideal = "USMIPC_ZE_TEST_PROFILE=ideal";
+  const char *const exporters[][3] = {
+      {ideal, "USMIPC_ZE_TEST_EVENT_LAYOUT=unknown", NULL},
+      {ideal, "USMIPC_ZE_TEST_NO_IPC_EVENTS=1", NULL},
+  };
+  for (size_t i = 0; i < 2; i++) {
+    child_t p;
+    CHECK(spawn(&p, exporters[i], (const char *const[]){"evagent", NULL}) == 0,
+          "spawn");
+    ASK_OK(&p, "evcreate 0");
+    ASK_OK(&p, "evrecord 0");
+    const char *line = ask(&p, "evhandle 0");
+    CHECK(!strncmp(line, "error USMIPC_ENOTSUP", 20), "%s: %s", exporters[i][1],
+          line);
+    fprintf(stderr, "    %s\n", line);
+    child_say(&p, "exit");
+    CHECK(child_end(&p) == 0, "exporter failed");
+  }
+  const char *const importers[][3] = {
+      {ideal, "USMIPC_ZE_TEST_EVENT_PACKETS=32", NULL},
+      {ideal, "USMIPC_ZE_TEST_EVENT_LAYOUT=unknown", NULL},
+  };
+  const char *const ex_env[] = {ideal, NULL};
+  child_t p;
+  CHECK(spawn(&p, ex_env, (const char *const[]){"evagent", NULL}) == 0,
+        "spawn");
+  ASK_OK(&p, "evcreate 0");
+  ASK_OK(&p, "evrecord 0");
+  char hex[4096];
+  snprintf(hex, sizeof(hex), "%s", ask(&p, "evhandle 0"));
+  CHECK(!strncmp(hex, "handle ", 7), "%s", hex);
+  for (size_t i = 0; i < 2; i++) {
+    child_t c;
+    CHECK(spawn(&c, importers[i], (const char *const[]){"evagent", NULL}) == 0,
+          "spawn");
+    const char *line = ask(&c, "evopen 0 %s", hex + 7);
+    CHECK(!strncmp(line, "error USMIPC_ENOTSUP", 20), "%s: %s", importers[i][1],
+          line);
+    fprintf(stderr, "    %s\n", line);
+    char st[4096];
+    helper_stats(&c, st, sizeof(st));
+    CHECK(stat_of(st, "event_pool_opens") == 0 &&
+              stat_of(st, "event_pool_open_failures") == 0,
+          "%s: the importer's driver was asked to open: %s", importers[i][1],
+          st);
+    child_say(&c, "exit");
+    CHECK(child_end(&c) == 0, "importer failed");
+  }
+  child_say(&p, "exit");
+  CHECK(child_end(&p) == 0, "exporter failed");
+  return PASS;
+}
+
+/* Producer (ex_env) and consumer (im_env) helpers share an event: a record
+ * pending behind a 500 ms command is not complete for the consumer, then
+ * is; a second record opens from the consumer's cache. The consumer's
+ * driver never took the opaque path. */
+static int event_pair(const char *const *ex_env, const char *const *im_env,
+                      const char *what) {
+  child_t p, c;
+  CHECK(spawn(&p, ex_env, (const char *const[]){"evagent", NULL}) == 0 &&
+            spawn(&c, im_env, (const char *const[]){"evagent", NULL}) == 0,
+        "spawn");
+  ASK_OK(&p, "asyncq");
+  ASK_OK(&p, "evcreate 0");
+  ASK_OK(&p, "delay 500");
+  ASK_OK(&p, "evrecord 0");
+  char hex[4096];
+  snprintf(hex, sizeof(hex), "%s", ask(&p, "evhandle 0"));
+  CHECK(!strncmp(hex, "handle ", 7), "%s: %s", what, hex);
+  const char *line = ask(&c, "evopen 0 %s", hex + 7);
+  CHECK(!strcmp(line, "ok"), "%s: open: %s", what, line);
+  line = ask(&c, "evquery 0");
+  CHECK(!strncmp(line, "error USMIPC_ENOTREADY", 22),
+        "%s: a record pending behind 500 ms: %s", what, line);
+  ASK_OK(&c, "evsync 0");
+  ASK_OK(&c, "evwait 0");
+  ASK_OK(&p, "evrecord 0");
+  snprintf(hex, sizeof(hex), "%s", ask(&p, "evhandle 0"));
+  line = ask(&c, "evopen 1 %s", hex + 7);
+  CHECK(!strcmp(line, "ok"), "%s: second open: %s", what, line);
+  ASK_OK(&c, "evsync 1");
+  char st[4096];
+  helper_stats(&c, st, sizeof(st));
+  CHECK(stat_of(st, "event_pool_opens") == 1 &&
+            stat_of(st, "event_pool_opaque_opens") == 0 &&
+            stat_of(st, "event_pool_cache_hits") == 0,
+        "%s: consumer: %s", what, st);
+  child_say(&c, "exit");
+  child_say(&p, "exit");
+  CHECK(child_end(&c) == 0 && child_end(&p) == 0, "%s: a helper failed", what);
+  return PASS;
+}
+
+/* cr_event_mixed_releases: events shared between processes of different
+ * releases (and modes): each side reads and writes only its own driver's
+ * event pool handle layout (33, 32 or 40 bytes, the post-26.31 one). */
+static int test_cr_event_mixed_releases(void) {
+  static const char *const pairs[][2] = {
+      {"cr-25.35", "cr-26.31"},   {"cr-26.31", "cr-25.35"},
+      {"cr-26.09", "cr-26.18"},   {"cr-26.18", "cr-26.05-opaque"},
+      {"cr-sockets", "cr-26.14"}, {"ideal", "cr-26.31"},
+      {"cr-26.31", "ideal"},
+  };
+  for (size_t i = 0; i < sizeof(pairs) / sizeof(pairs[0]); i++) {
+    char pe[64], pi[64], what[128];
+    snprintf(pe, sizeof(pe), "USMIPC_ZE_TEST_PROFILE=%s", pairs[i][0]);
+    snprintf(pi, sizeof(pi), "USMIPC_ZE_TEST_PROFILE=%s", pairs[i][1]);
+    snprintf(what, sizeof(what), "%s -> %s", pairs[i][0], pairs[i][1]);
+    const char *ex_env[] = CR_ENV_WITH(pe, NULL);
+    const char *im_env[] = CR_ENV_WITH(pi, NULL);
+    if (event_pair(ex_env, im_env, what) != PASS)
+      return FAIL;
+  }
+  /* The post-26.31 layout (master, unreleased), both ways. */
+  const char *post[] = {"USMIPC_ZE_TEST_PROFILE=ideal",
+                        "USMIPC_ZE_TEST_EVENT_LAYOUT=post-26.31", NULL};
+  const char *c2631[] = CR_ENV("cr-26.31", NULL);
+  if (event_pair(post, c2631, "post-26.31 -> cr-26.31") != PASS ||
+      event_pair(c2631, post, "cr-26.31 -> post-26.31") != PASS ||
+      event_pair(post, post, "post-26.31 -> post-26.31") != PASS)
+    return FAIL;
+  return PASS;
+}
+
+/* cr_event_pool_cache_2618: why the importer cannot hand its driver the
+ * exporter's event pool handle. On 26.18-26.31 a handle whose descriptor
+ * equals its opaqueHandle takes the opaque path, whose import cache key is
+ * 0 for every event pool: the second pool an importer opens from raw bytes
+ * is the first one (research of CR@26.18.38308.4:.../event/event.cpp:
+ * 771-786). Raw bytes between two processes of the profile: B, signalled,
+ * reads as not signalled (it is A), one stale cache hit. The same two
+ * events shared by usmipc: both right, no opaque open. */
+static int test_cr_event_pool_cache_2618(void) {
+  static const char *const profiles[] = {"cr-26.18", "cr-26.31"};
+  for (size_t i = 0; i < 2; i++) {
+    char pe[64];
+    snprintf(pe, sizeof(pe), "USMIPC_ZE_TEST_PROFILE=%s", profiles[i]);
+    const char *env[] = CR_ENV_WITH(pe, NULL);
+    child_t ex, im;
+    CHECK(spawn(&ex, env, (const char *const[]){"evprobe", NULL}) == 0 &&
+              spawn(&im, env, (const char *const[]){"evprobe", NULL}) == 0,
+          "spawn");
+    char a[200], b[200];
+    CHECK(!strcmp(ask(&ex, "pool 0"), "pool 0x0") &&
+              !strcmp(ask(&ex, "pool 1"), "pool 0x0"),
+          "pools");
+    snprintf(a, sizeof(a), "%s", ask(&ex, "raw 0"));
+    snprintf(b, sizeof(b), "%s", ask(&ex, "raw 1"));
+    CHECK(!strncmp(a, "handle ", 7) && !strncmp(b, "handle ", 7), "%s %s", a,
+          b);
+    CHECK(!strcmp(ask(&ex, "signal 1"), "signal 0x0"), "signal");
+    const char *line = ask(&im, "open 0 %s", a + 7);
+    CHECK(!strcmp(line, "opened 0x0"), "%s: open A: %s", profiles[i], line);
+    line = ask(&im, "open 1 %s", b + 7);
+    CHECK(!strcmp(line, "opened 0x0"), "%s: open B: %s", profiles[i], line);
+    line = ask(&im, "query 1");
+    CHECK(!strcmp(line, "status 0x1"),
+          "%s: B (signalled) read through the driver's cache: %s (the driver "
+          "model lost CR's cache-key-0 behaviour)",
+          profiles[i], line);
+    char st[4096];
+    helper_stats(&im, st, sizeof(st));
+    CHECK(stat_of(st, "event_pool_opaque_opens") == 2 &&
+              stat_of(st, "event_pool_cache_hits") == 1 &&
+              stat_of(st, "event_pool_stale_hits") == 1,
+          "%s: raw importer: %s", profiles[i], st);
+    child_say(&ex, "exit");
+    child_say(&im, "exit");
+    CHECK(child_end(&ex) == 0 && child_end(&im) == 0, "evprobe failed");
+
+    /* usmipc: the same shape, right. */
+    child_t p, c;
+    CHECK(spawn(&p, env, (const char *const[]){"evagent", NULL}) == 0 &&
+              spawn(&c, env, (const char *const[]){"evagent", NULL}) == 0,
+          "spawn");
+    /* Event 1 recorded on the helper's own (synchronous) queue: complete;
+     * event 0 then on its asynchronous list behind a minute's command. */
+    ASK_OK(&p, "evcreate 0");
+    ASK_OK(&p, "evcreate 1");
+    ASK_OK(&p, "evrecord 1");
+    ASK_OK(&p, "asyncq");
+    ASK_OK(&p, "delay 60000");
+    ASK_OK(&p, "evrecord 0");
+    char ha[4096], hb[4096];
+    snprintf(ha, sizeof(ha), "%s", ask(&p, "evhandle 0"));
+    snprintf(hb, sizeof(hb), "%s", ask(&p, "evhandle 1"));
+    CHECK(!strncmp(ha, "handle ", 7) && !strncmp(hb, "handle ", 7), "%s %s", ha,
+          hb);
+    CHECK(!strcmp(ask(&c, "evopen 0 %s", ha + 7), "ok"), "usmipc open A");
+    CHECK(!strcmp(ask(&c, "evopen 1 %s", hb + 7), "ok"), "usmipc open B");
+    line = ask(&c, "evquery 0");
+    CHECK(!strncmp(line, "error USMIPC_ENOTREADY", 22), "%s: usmipc A: %s",
+          profiles[i], line);
+    line = ask(&c, "evquery 1");
+    CHECK(!strcmp(line, "ok"), "%s: usmipc B (recorded, complete): %s",
+          profiles[i], line);
+    helper_stats(&c, st, sizeof(st));
+    CHECK(stat_of(st, "event_pool_opens") == 2 &&
+              stat_of(st, "event_pool_opaque_opens") == 0 &&
+              stat_of(st, "event_pool_cache_hits") == 0,
+          "%s: usmipc importer: %s", profiles[i], st);
+    child_say(&c, "exit");
+    CHECK(child_end(&c) == 0, "consumer failed");
+    kill(p.pid, SIGKILL); /* its list still has most of a minute to run */
+    child_end(&p);
+  }
+  return PASS;
+}
+
+/* ---- runner
+ * ------------------------------------------------------------------------- */
 
 static const struct {
   const char *name;
@@ -1682,6 +2667,13 @@ static const struct {
     {"exporter_killed", test_exporter_killed, false},
     {"unknown_layout_refused", test_unknown_layout_refused, false},
     {"unavailable", test_unavailable, false},
+    {"event_wait_orders", test_event_wait_orders, false},
+    {"event_payload_forged", test_event_payload_forged, false},
+    {"event_descriptor_refused", test_event_descriptor_refused, false},
+    {"event_reopen_cached", test_event_reopen_cached, false},
+    {"event_exporter_killed", test_event_exporter_killed, false},
+    {"event_rerecord_never_early", test_event_rerecord_never_early, false},
+    {"event_refusals", test_event_refusals, false},
     {"cr_stale_cache_2609", test_cr_stale_cache_2609, true},
     {"cr_pool_free_neighbour", test_cr_pool_free_neighbour, true},
     {"cr_newer_loader_uninitialized", test_cr_newer_loader_uninitialized, true},
@@ -1693,6 +2685,8 @@ static const struct {
     {"cr_mixed_2605o_to_2618", test_cr_mixed_2605o_to_2618, true},
     {"cr_importer_fd_leak", test_cr_importer_fd_leak, true},
     {"cr_driver_profiles", test_cr_driver_profiles, true},
+    {"cr_event_mixed_releases", test_cr_event_mixed_releases, true},
+    {"cr_event_pool_cache_2618", test_cr_event_pool_cache_2618, true},
 };
 #define NTESTS (sizeof(tests) / sizeof(tests[0]))
 

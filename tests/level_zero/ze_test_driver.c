@@ -35,6 +35,12 @@
  * names the section of the project's study of CR's source
  * (notes/l0-research.md, kept outside this repository) that the rule
  * comes from.
+ * Events: event pools keep their events' state in a memfd that an opened
+ * pool maps (a signal crosses processes), with CR's IPC handle layouts,
+ * open paths and descriptor ownership per profile (section "events: pools,
+ * events, IPC"); immediate lists are synchronous or, as CR's default,
+ * asynchronous (a thread per list runs its commands in order), and
+ * usmipcZeTestDriverAppendDelay appends a command that takes time.
  * It counts IPC calls for the tests (ze_test_driver.h).
  *
  * It builds against the loader's own headers (libze-dev), so its structures
@@ -56,6 +62,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/time.h>
+#include <time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -137,6 +144,36 @@ enum {
                     driver_handle.cpp:1024-1045 */
 };
 
+/* Event pool IPC handle layouts (ze_ipc_event_pool_handle_t), as
+ * EventPool::getIpcHandle writes them (packed, host order); the value is
+ * the size of the struct written:
+ *  33  IpcEventPoolData, 25.35-25.44 (CR@25.35.35096.9:level_zero/core/
+ *      source/event/event.h:56-67, written at event.cpp:397-421): u64 fd,
+ *      u64 numEvents, u32 rootDeviceIndex, u32 maxEventPackets, u32
+ *      numDevices, bool isDeviceEventPoolAllocation, isHostVisible...,
+ *      isImplicitScalingCapable, isEventPoolKernelMappedTsFlagSet,
+ *      isEventPoolTsFlagSet (28-32)
+ *  27  25.48+: getIpcHandle always writes IpcOpaqueEventPoolData
+ *      (CR@25.48.36300.8:.../event/event.h:74-91, event.cpp:402-432), whose
+ *      first 27 bytes are the IpcEventPoolData the importer reads
+ *      (event.h:58-69: numDevices u16 at 24, the five flags as bits of
+ *      byte 26); with the context not in opaque mode, type (27) keeps its
+ *      default IpcHandleType::maxHandle (2) and processId (28-31) 0; from
+ *      26.18 opaqueHandle (32-39) 0
+ *  32  the same in opaque mode, 25.48-26.14: type 0 (fdHandle), processId
+ *      = getpid() (CR@26.09.37435.12:.../event.cpp:403-433)
+ *  40  opaque mode, 26.18-26.31: and opaqueHandle = the fd
+ *      (CR@26.18.38308.4:.../event/event.h:73-96, event.cpp:704-737;
+ *      CR@26.31.39395.13:.../event.h:75-98, event.cpp:710-747)
+ *  62  after 26.31 (master e37c60bf2a, unreleased; ideal with
+ *      USMIPC_ZE_TEST_EVENT_LAYOUT=post-26.31): u64 fd, u64 opaqueHandle,
+ *      u32 numEvents, u32 processId, u16 rootDeviceIndex, u8
+ *      maxEventPackets, u8 numDevices, flag bits 28, type 29,
+ *      reservedHandleData 30-61 (event.h:80-110)
+ *  1   ideal with USMIPC_ZE_TEST_EVENT_LAYOUT=unknown: the fd at 40. */
+enum { EVL_UNKNOWN = 1, EVL_27 = 27, EVL_32 = 32, EVL_33 = 33, EVL_40 = 40,
+       EVL_62 = 62 };
+
 typedef struct profile {
   const char *name;
   unsigned major, minor, build; /* driverVersion, this driver's convention */
@@ -145,6 +182,12 @@ typedef struct profile {
   bool pools;  /* device USM pools (research §3) */
   bool prctl;  /* prctl(PR_SET_PTRACER_ANY) in zeContextCreate (§7) */
   bool server; /* the exporter serves "\0neo_ipc_<pid>" */
+  /* Event pool IPC (EVL_* below). */
+  unsigned evl;       /* the layout getIpcHandle writes */
+  bool evl_consume;   /* zeEventPoolOpenIpcHandle closes the descriptor at
+                         once (26.09+), else at zeEventPoolCloseIpcHandle */
+  bool evl_put;       /* zeEventPoolDestroy closes the exported descriptor
+                         (26.31), else it stays open until exit */
 } profile_t;
 
 /* Layout sizes (research §1.1):
@@ -159,7 +202,7 @@ typedef struct profile {
 static const profile_t profiles[] = {
     [USMIPC_ZE_TEST_PROFILE_IDEAL] = {"ideal", 0, 0, 1, 0, RULE_LEGACY,
                                       FETCH_2609, CACHE_NONE, false, false,
-                                      false},
+                                      false, EVL_27, true, true},
     /* Opaque handles off on every product before 26.09 unless the debug key
      * EnablePidFdOrSocketsForIpc is set (CR@25.35.35096.9:shared/source/
      * os_interface/product_helper_xe2_and_later.inl:66-71,
@@ -167,7 +210,8 @@ static const profile_t profiles[] = {
      * LNL at 25.35 (research §3). prctl only with opaque handles. */
     [USMIPC_ZE_TEST_PROFILE_CR_25_35] = {"cr-25.35", 25, 35, 35096,
                                          LEGACY_BYTES, RULE_LEGACY, FETCH_2609,
-                                         CACHE_NONE, false, false, false},
+                                         CACHE_NONE, false, false, false,
+                                         EVL_33, false, false},
     /* Opaque by EnablePidFdOrSocketsForIpc=1 (CR@26.05.37020.3:shared/
      * source/debug_settings/debug_variables_base.inl:321), decided in the
      * Context constructor, which calls prctl (CR@26.05.37020.3:level_zero/
@@ -178,7 +222,8 @@ static const profile_t profiles[] = {
      * and pooling needs a BMG or LNL product (§3). */
     [USMIPC_ZE_TEST_PROFILE_CR_26_05_OPAQUE] = {"cr-26.05-opaque", 26, 5, 37020,
                                                 22, RULE_PID, FETCH_2605,
-                                                CACHE_NONE, false, true, true},
+                                                CACHE_NONE, false, true, true,
+                                                EVL_32, false, false},
     /* Opaque on by default on Xe2+ (CR@26.09.37435.12:shared/source/
      * os_interface/product_helper_xe2_and_later.inl:66-71); prctl in the
      * Context constructor (context_imp.cpp:82 -> context_imp_drm/
@@ -186,26 +231,30 @@ static const profile_t profiles[] = {
      * 25.44 (research §3). */
     [USMIPC_ZE_TEST_PROFILE_CR_26_09] = {"cr-26.09", 26, 9, 37435, 55, RULE_PID,
                                          FETCH_2609, CACHE_CONTEXT, true, true,
-                                         false},
+                                         false, EVL_32, true, false},
     [USMIPC_ZE_TEST_PROFILE_CR_26_14] = {"cr-26.14", 26, 14, 37833, 55,
                                          RULE_PID, FETCH_2609, CACHE_CONTEXT,
-                                         true, true, false},
+                                         true, true, false, EVL_32, true,
+                                         false},
     [USMIPC_ZE_TEST_PROFILE_CR_26_18] = {"cr-26.18", 26, 18, 38308, 63,
                                          RULE_COPY, FETCH_2618, CACHE_DRIVER,
-                                         true, true, false},
+                                         true, true, false, EVL_40, true,
+                                         false},
     /* prctl at every zeContextCreate on every DRM GPU
      * (CR@26.31.39395.13:level_zero/core/source/context/linux/
      * context_linux.cpp:39, from context.cpp:89). */
     [USMIPC_ZE_TEST_PROFILE_CR_26_31] = {"cr-26.31", 26, 31, 39395, 63,
                                          RULE_COPY, FETCH_2618, CACHE_DRIVER,
-                                         true, true, false},
+                                         true, true, false, EVL_40, true,
+                                         true},
     /* ForceIpcSocketFallback returns "sockets" before prctl is called
      * (CR@26.31.39395.13:.../linux/context_linux.cpp:34-38); the exporter
      * starts its server at the first export and registers each exported
      * descriptor (context.cpp:810-822, 2234-2236). */
     [USMIPC_ZE_TEST_PROFILE_CR_SOCKETS] = {"cr-sockets", 26, 31, 39395, 63,
                                            RULE_COPY, FETCH_SOCKETS,
-                                           CACHE_DRIVER, true, false, true},
+                                           CACHE_DRIVER, true, false, true,
+                                           EVL_40, true, true},
 };
 #define NPROFILES (sizeof(profiles) / sizeof(profiles[0]))
 
@@ -214,7 +263,8 @@ static const profile_t profiles[] = {
 /* Each handle type is a struct with a magic number, so that a handle of the
  * wrong kind or a dangling one is refused instead of followed. */
 enum { MAGIC_DRIVER = 0x44525652, MAGIC_DEVICE = 0x44455643,
-       MAGIC_CONTEXT = 0x43545854, MAGIC_LIST = 0x4c495354 };
+       MAGIC_CONTEXT = 0x43545854, MAGIC_LIST = 0x4c495354,
+       MAGIC_EVENT_POOL = 0x45504f4c, MAGIC_EVENT = 0x45564e54 };
 
 /* An import cache entry: cacheID -> descriptor (and, per driver, a count). */
 typedef struct cache_entry {
@@ -238,9 +288,41 @@ struct _ze_context_handle_t {
   uint32_t magic;
   cache_t cache; /* CACHE_CONTEXT */
 };
+/* A command of an asynchronous list, queued for its worker. */
+typedef struct cmd cmd_t;
+
 struct _ze_command_list_handle_t {
   uint32_t magic;
   ze_command_queue_mode_t mode;
+  /* Asynchronous lists: a worker runs the queued commands in order. */
+  bool async;
+  pthread_t worker;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  cmd_t *head, *tail;
+  bool stop;
+};
+
+/* An event pool: its events' state in a memfd (the pool's "dma-buf"),
+ * USMIPC_ZE_TEST_EVENT_SLOT bytes per event. */
+struct _ze_event_pool_handle_t {
+  uint32_t magic;
+  uint32_t count;
+  ze_event_pool_flags_t flags;
+  int memfd;     /* created pools: the memory; -1 for opened ones */
+  uint8_t *base; /* shared mapping of the memory */
+  size_t size;
+  bool imported; /* zeEventPoolOpenIpcHandle */
+  int ipc_fd;    /* the exported descriptor (a dup of memfd), or -1 */
+  int kept_fd;   /* opened before 26.09: the descriptor it was given,
+                    closed at zeEventPoolCloseIpcHandle; else -1 */
+  unsigned events; /* live events */
+};
+
+struct _ze_event_handle_t {
+  uint32_t magic;
+  ze_event_pool_handle_t pool;
+  uint32_t index;
 };
 
 static struct _ze_driver_handle_t the_driver = {MAGIC_DRIVER};
@@ -294,6 +376,11 @@ static cache_t driver_cache; /* CACHE_DRIVER */
 static const profile_t *prof = &profiles[USMIPC_ZE_TEST_PROFILE_IDEAL];
 static enum { LOADER_1_8, LOADER_ROUTED, LOADER_UNINITIALIZED } newer_loader;
 static bool multi_bo, handle_devnode;
+/* Events (ze_test_driver.h). */
+static bool no_ipc_events;
+static unsigned event_packets = USMIPC_ZE_TEST_EVENT_PACKETS;
+static unsigned ideal_evl = EVL_27;
+static uint64_t wait_timeout_ms = 20000;
 
 /* How IPC handles are laid out in the ideal profile (knobs). */
 static enum {
@@ -347,6 +434,26 @@ static bool read_config(void) {
             "ze_test_driver: USMIPC_ZE_TEST_HANDLE_FD is 'devnode', not "
             "'%s'\n",
             hfd);
+    return false;
+  }
+  no_ipc_events = env_on("USMIPC_ZE_TEST_NO_IPC_EVENTS");
+  const char *packets = getenv("USMIPC_ZE_TEST_EVENT_PACKETS");
+  event_packets = packets && packets[0] ? (unsigned)strtoul(packets, NULL, 10)
+                                        : USMIPC_ZE_TEST_EVENT_PACKETS;
+  const char *wait_ms = getenv("USMIPC_ZE_TEST_WAIT_TIMEOUT_MS");
+  wait_timeout_ms = wait_ms && wait_ms[0] ? strtoull(wait_ms, NULL, 10) : 20000;
+  const char *evl = getenv("USMIPC_ZE_TEST_EVENT_LAYOUT");
+  if (evl == NULL || evl[0] == '\0')
+    ideal_evl = EVL_27;
+  else if (!strcmp(evl, "post-26.31"))
+    ideal_evl = EVL_62;
+  else if (!strcmp(evl, "unknown"))
+    ideal_evl = EVL_UNKNOWN;
+  else {
+    fprintf(stderr,
+            "ze_test_driver: USMIPC_ZE_TEST_EVENT_LAYOUT is 'post-26.31' or "
+            "'unknown', not '%s'\n",
+            evl);
     return false;
   }
   multi_bo = env_on("USMIPC_ZE_TEST_MULTI_BO");
@@ -518,7 +625,8 @@ static ze_result_t ZE_APICALL drv_ipc_properties(ze_driver_handle_t d,
     return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
   if (p == NULL)
     return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
-  p->flags = ZE_IPC_PROPERTY_FLAG_MEMORY;
+  p->flags = ZE_IPC_PROPERTY_FLAG_MEMORY |
+             (no_ipc_events ? 0 : ZE_IPC_PROPERTY_FLAG_EVENT_POOL);
   return ZE_RESULT_SUCCESS;
 }
 
@@ -753,6 +861,200 @@ static ze_result_t ZE_APICALL ctx_destroy(ze_context_handle_t c) {
   return ZE_RESULT_SUCCESS;
 }
 
+/* ---- events: state, waits ------------------------------------------------- */
+
+static bool good_event(ze_event_handle_t e) {
+  return e != NULL && e->magic == MAGIC_EVENT;
+}
+
+/* The event's state word in its pool's shared memory: 0 not signalled, 1
+ * signalled. Every process that opened the pool sees the same word. */
+static uint32_t *event_state(ze_event_handle_t e) {
+  return (uint32_t *)(e->pool->base +
+                      (size_t)e->index * USMIPC_ZE_TEST_EVENT_SLOT);
+}
+
+static void event_set(ze_event_handle_t e, uint32_t v) {
+  __atomic_store_n(event_state(e), v, __ATOMIC_RELEASE);
+  pthread_mutex_lock(&lock);
+  if (v)
+    stats.event_signals++;
+  else
+    stats.event_resets++;
+  pthread_mutex_unlock(&lock);
+}
+
+static bool event_is_set(ze_event_handle_t e) {
+  return __atomic_load_n(event_state(e), __ATOMIC_ACQUIRE) == 1;
+}
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Polls until every event is signalled (true) or timeout_ns pass (false;
+ * UINT64_MAX waits without limit). The state may be written by another
+ * process, so there is nothing to block on but time. */
+static bool events_wait(uint32_t n, ze_event_handle_t *evs, uint64_t timeout_ns) {
+  uint64_t start = now_ns();
+  for (;;) {
+    bool all = true;
+    for (uint32_t i = 0; i < n && all; i++)
+      all = event_is_set(evs[i]);
+    if (all)
+      return true;
+    if (timeout_ns != UINT64_MAX && now_ns() - start >= timeout_ns)
+      return false;
+    struct timespec ts = {0, 50000};
+    nanosleep(&ts, NULL);
+  }
+}
+
+/* ---- contexts and command lists: commands ------------------------------ */
+
+enum { CMD_COPY, CMD_FILL, CMD_BARRIER, CMD_SIGNAL, CMD_RESET, CMD_DELAY };
+
+struct cmd {
+  int kind;
+  void *dst;
+  const void *src;
+  size_t size;
+  uint8_t pattern[MAX_FILL_PATTERN];
+  size_t pattern_size;
+  ze_event_handle_t target; /* CMD_RESET */
+  ze_event_handle_t signal; /* signalled when the command is done */
+  uint32_t nwait;           /* events it waits for first */
+  ze_event_handle_t *waits;
+  uint32_t ms; /* CMD_DELAY */
+  cmd_t *next;
+};
+
+static void cmd_free(cmd_t *c) {
+  free(c->waits);
+  free(c);
+}
+
+/* Runs a command: its waits (a hung "GPU" past USMIPC_ZE_TEST_WAIT_TIMEOUT_MS
+ * is ZE_RESULT_ERROR_DEVICE_LOST), the work, the signal. */
+static ze_result_t cmd_run(cmd_t *c) {
+  if (c->nwait > 0) {
+    pthread_mutex_lock(&lock);
+    stats.event_waits++;
+    pthread_mutex_unlock(&lock);
+    if (!events_wait(c->nwait, c->waits, wait_timeout_ms * 1000000u)) {
+      pthread_mutex_lock(&lock);
+      stats.wait_timeouts++;
+      pthread_mutex_unlock(&lock);
+      return ZE_RESULT_ERROR_DEVICE_LOST;
+    }
+  }
+  switch (c->kind) {
+  case CMD_COPY:
+    memmove(c->dst, c->src, c->size);
+    break;
+  case CMD_FILL:
+    for (size_t i = 0; i < c->size; i += c->pattern_size)
+      memcpy((uint8_t *)c->dst + i, c->pattern, c->pattern_size);
+    break;
+  case CMD_RESET:
+    event_set(c->target, 0);
+    break;
+  case CMD_DELAY: {
+    struct timespec ts = {(time_t)(c->ms / 1000),
+                          (long)(c->ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+      ;
+    break;
+  }
+  default: /* CMD_BARRIER, CMD_SIGNAL: only the signal */
+    break;
+  }
+  if (c->signal != NULL)
+    event_set(c->signal, 1);
+  return ZE_RESULT_SUCCESS;
+}
+
+static void *list_worker(void *arg) {
+  ze_command_list_handle_t l = arg;
+  pthread_mutex_lock(&l->mu);
+  for (;;) {
+    while (l->head == NULL && !l->stop)
+      pthread_cond_wait(&l->cv, &l->mu);
+    cmd_t *c = l->head;
+    if (c == NULL)
+      break;
+    pthread_mutex_unlock(&l->mu);
+    cmd_run(c);
+    pthread_mutex_lock(&lock);
+    stats.async_commands++;
+    pthread_mutex_unlock(&lock);
+    pthread_mutex_lock(&l->mu);
+    l->head = c->next;
+    if (l->head == NULL)
+      l->tail = NULL;
+    cmd_free(c);
+    pthread_cond_broadcast(&l->cv);
+  }
+  pthread_mutex_unlock(&l->mu);
+  return NULL;
+}
+
+/* A new command for list l, waiting for waits[0..nwait) and signalling
+ * signal; NULL with *res set when an argument is bad. */
+static cmd_t *cmd_new(ze_command_list_handle_t l, int kind,
+                      ze_event_handle_t signal, uint32_t nwait,
+                      ze_event_handle_t *waits, ze_result_t *res) {
+  *res = ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  if (l == NULL || l->magic != MAGIC_LIST)
+    return NULL;
+  if (signal != NULL && !good_event(signal))
+    return NULL;
+  if (nwait > 0 && waits == NULL) {
+    *res = ZE_RESULT_ERROR_INVALID_NULL_POINTER;
+    return NULL;
+  }
+  for (uint32_t i = 0; i < nwait; i++)
+    if (!good_event(waits[i]))
+      return NULL;
+  cmd_t *c = calloc(1, sizeof(*c));
+  if (c == NULL || (nwait > 0 && (c->waits = calloc(nwait, sizeof(*waits))) ==
+                                     NULL)) {
+    free(c);
+    *res = ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
+    return NULL;
+  }
+  c->kind = kind;
+  c->signal = signal;
+  c->nwait = nwait;
+  if (nwait > 0)
+    memcpy(c->waits, waits, nwait * sizeof(*waits));
+  *res = ZE_RESULT_SUCCESS;
+  return c;
+}
+
+/* Runs c now (a synchronous list: the append returns when it is done) or
+ * queues it for the list's worker (an asynchronous one). */
+static ze_result_t cmd_append(ze_command_list_handle_t l, cmd_t *c) {
+  if (!l->async) {
+    ze_result_t res = cmd_run(c);
+    cmd_free(c);
+    return res;
+  }
+  pthread_mutex_lock(&l->mu);
+  if (l->tail != NULL)
+    l->tail->next = c;
+  else
+    l->head = c;
+  l->tail = c;
+  pthread_cond_broadcast(&l->cv);
+  pthread_mutex_unlock(&l->mu);
+  return ZE_RESULT_SUCCESS;
+}
+
+/* CR's immediate lists are asynchronous unless made synchronous (the
+ * default mode is asynchronous). */
 static ze_result_t ZE_APICALL list_create_immediate(
     ze_context_handle_t c, ze_device_handle_t d,
     const ze_command_queue_desc_t *desc, ze_command_list_handle_t *out) {
@@ -765,57 +1067,135 @@ static ze_result_t ZE_APICALL list_create_immediate(
     return ZE_RESULT_ERROR_INVALID_ARGUMENT;
   if (desc->mode > ZE_COMMAND_QUEUE_MODE_ASYNCHRONOUS)
     return ZE_RESULT_ERROR_INVALID_ENUMERATION;
-  ze_command_list_handle_t l = malloc(sizeof(*l));
+  ze_command_list_handle_t l = calloc(1, sizeof(*l));
   if (l == NULL)
     return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
   l->magic = MAGIC_LIST;
   l->mode = desc->mode;
+  l->async = desc->mode != ZE_COMMAND_QUEUE_MODE_SYNCHRONOUS;
+  pthread_mutex_init(&l->mu, NULL);
+  pthread_cond_init(&l->cv, NULL);
+  if (l->async && pthread_create(&l->worker, NULL, list_worker, l) != 0) {
+    free(l);
+    return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
+  }
   *out = l;
   return ZE_RESULT_SUCCESS;
 }
 
+/* An asynchronous list finishes its queued commands first. */
 static ze_result_t ZE_APICALL list_destroy(ze_command_list_handle_t l) {
   if (l == NULL || l->magic != MAGIC_LIST)
     return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
   l->magic = 0;
+  if (l->async) {
+    pthread_mutex_lock(&l->mu);
+    l->stop = true;
+    pthread_cond_broadcast(&l->cv);
+    pthread_mutex_unlock(&l->mu);
+    pthread_join(l->worker, NULL);
+  }
+  pthread_cond_destroy(&l->cv);
+  pthread_mutex_destroy(&l->mu);
   free(l);
   return ZE_RESULT_SUCCESS;
 }
 
-/* Work on this "device" is done by the host thread at append time, so every
- * command list behaves as a synchronous one. */
 static ze_result_t ZE_APICALL list_copy(ze_command_list_handle_t l, void *dst,
                                         const void *src, size_t size,
                                         ze_event_handle_t signal,
                                         uint32_t nwait, ze_event_handle_t *wait) {
-  (void)wait;
-  if (l == NULL || l->magic != MAGIC_LIST)
-    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  ze_result_t res;
   if (dst == NULL || src == NULL)
-    return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
-  if (signal != NULL || nwait != 0)
-    return ZE_RESULT_ERROR_UNSUPPORTED_FEATURE; /* no events here */
-  memmove(dst, src, size);
-  return ZE_RESULT_SUCCESS;
+    return l == NULL || l->magic != MAGIC_LIST
+               ? ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+               : ZE_RESULT_ERROR_INVALID_NULL_POINTER;
+  cmd_t *c = cmd_new(l, CMD_COPY, signal, nwait, wait, &res);
+  if (c == NULL)
+    return res;
+  c->dst = dst;
+  c->src = src;
+  c->size = size;
+  return cmd_append(l, c);
 }
 
+/* The pattern is copied at the append, as CR does. */
 static ze_result_t ZE_APICALL list_fill(ze_command_list_handle_t l, void *ptr,
                                         const void *pattern, size_t pattern_size,
                                         size_t size, ze_event_handle_t signal,
                                         uint32_t nwait, ze_event_handle_t *wait) {
-  (void)wait;
-  if (l == NULL || l->magic != MAGIC_LIST)
-    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  ze_result_t res;
   if (ptr == NULL || pattern == NULL)
-    return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
-  if (signal != NULL || nwait != 0)
-    return ZE_RESULT_ERROR_UNSUPPORTED_FEATURE;
+    return l == NULL || l->magic != MAGIC_LIST
+               ? ZE_RESULT_ERROR_INVALID_NULL_HANDLE
+               : ZE_RESULT_ERROR_INVALID_NULL_POINTER;
   if (pattern_size == 0 || pattern_size > MAX_FILL_PATTERN ||
       (pattern_size & (pattern_size - 1)) != 0 || size % pattern_size != 0)
     return ZE_RESULT_ERROR_INVALID_SIZE;
-  for (size_t i = 0; i < size; i += pattern_size)
-    memcpy((uint8_t *)ptr + i, pattern, pattern_size);
-  return ZE_RESULT_SUCCESS;
+  cmd_t *c = cmd_new(l, CMD_FILL, signal, nwait, wait, &res);
+  if (c == NULL)
+    return res;
+  c->dst = ptr;
+  c->size = size;
+  memcpy(c->pattern, pattern, pattern_size);
+  c->pattern_size = pattern_size;
+  return cmd_append(l, c);
+}
+
+/* Everything appended before it is done before it signals (and, on an
+ * asynchronous list, before anything after it runs: one worker, in order). */
+static ze_result_t ZE_APICALL list_barrier(ze_command_list_handle_t l,
+                                           ze_event_handle_t signal,
+                                           uint32_t nwait,
+                                           ze_event_handle_t *wait) {
+  ze_result_t res;
+  cmd_t *c = cmd_new(l, CMD_BARRIER, signal, nwait, wait, &res);
+  return c == NULL ? res : cmd_append(l, c);
+}
+
+static ze_result_t ZE_APICALL list_signal_event(ze_command_list_handle_t l,
+                                                ze_event_handle_t e) {
+  if (e == NULL)
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  ze_result_t res;
+  cmd_t *c = cmd_new(l, CMD_SIGNAL, e, 0, NULL, &res);
+  return c == NULL ? res : cmd_append(l, c);
+}
+
+static ze_result_t ZE_APICALL list_wait_on_events(ze_command_list_handle_t l,
+                                                  uint32_t n,
+                                                  ze_event_handle_t *events) {
+  ze_result_t res;
+  if (n == 0)
+    return ZE_RESULT_ERROR_INVALID_SIZE;
+  cmd_t *c = cmd_new(l, CMD_BARRIER, NULL, n, events, &res);
+  return c == NULL ? res : cmd_append(l, c);
+}
+
+static ze_result_t ZE_APICALL list_event_reset(ze_command_list_handle_t l,
+                                               ze_event_handle_t e) {
+  if (!good_event(e))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  ze_result_t res;
+  cmd_t *c = cmd_new(l, CMD_RESET, NULL, 0, NULL, &res);
+  if (c == NULL)
+    return res;
+  c->target = e;
+  return cmd_append(l, c);
+}
+
+/* usmipcZeTestDriverAppendDelay (ze_test_driver.h). */
+EXPORT ze_result_t usmipcZeTestDriverAppendDelay(ze_command_list_handle_t l,
+                                                 uint32_t ms) {
+  ze_result_t res;
+  cmd_t *c = cmd_new(l, CMD_DELAY, NULL, 0, NULL, &res);
+  if (c == NULL)
+    return res;
+  c->ms = ms;
+  pthread_mutex_lock(&lock);
+  stats.delays++;
+  pthread_mutex_unlock(&lock);
+  return cmd_append(l, c);
 }
 
 /* ---- memory ----------------------------------------------------------------- */
@@ -1808,6 +2188,452 @@ static ze_result_t ZE_APICALL mem_close_ipc_handle(ze_context_handle_t c,
   return ZE_RESULT_SUCCESS;
 }
 
+/* ---- events: pools, events, IPC --------------------------------------------- */
+
+static bool good_pool(ze_event_pool_handle_t p) {
+  return p != NULL && p->magic == MAGIC_EVENT_POOL;
+}
+
+/* CR: eventPoolSize = alignUp(numEvents * eventSize, 64 KiB)
+ * (CR@26.31.39395.13:level_zero/core/source/event/event.cpp:249). */
+static size_t evpool_bytes(uint32_t count) {
+  size_t n = (size_t)count * USMIPC_ZE_TEST_EVENT_SLOT;
+  return (n + 65535) / 65536 * 65536;
+}
+
+static ze_result_t ZE_APICALL evpool_create(ze_context_handle_t c,
+                                            const ze_event_pool_desc_t *desc,
+                                            uint32_t ndev,
+                                            ze_device_handle_t *devs,
+                                            ze_event_pool_handle_t *out) {
+  if (!good_context(c))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  if (desc == NULL || out == NULL || (ndev > 0 && devs == NULL))
+    return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
+  if (desc->stype != ZE_STRUCTURE_TYPE_EVENT_POOL_DESC)
+    return ZE_RESULT_ERROR_INVALID_ARGUMENT;
+  if (desc->flags & ~(ze_event_pool_flags_t)(ZE_EVENT_POOL_FLAG_HOST_VISIBLE |
+                                             ZE_EVENT_POOL_FLAG_IPC |
+                                             ZE_EVENT_POOL_FLAG_KERNEL_TIMESTAMP))
+    return ZE_RESULT_ERROR_INVALID_ENUMERATION;
+  /* "cannot be combined with ZE_EVENT_POOL_FLAG_IPC" (ze_api.h). */
+  if ((desc->flags & ZE_EVENT_POOL_FLAG_IPC) &&
+      (desc->flags & ZE_EVENT_POOL_FLAG_KERNEL_TIMESTAMP))
+    return ZE_RESULT_ERROR_INVALID_ARGUMENT;
+  if (desc->count == 0 || desc->count > (1u << 20))
+    return ZE_RESULT_ERROR_INVALID_SIZE;
+  for (uint32_t i = 0; i < ndev; i++)
+    if (!good_device(devs[i]))
+      return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  ze_event_pool_handle_t p = calloc(1, sizeof(*p));
+  if (p == NULL)
+    return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
+  p->size = evpool_bytes(desc->count);
+  p->memfd = memfd_create(USMIPC_ZE_TEST_EVENT_MEMFD_NAME, MFD_CLOEXEC);
+  p->base = MAP_FAILED;
+  if (p->memfd >= 0 && ftruncate(p->memfd, (off_t)p->size) == 0)
+    p->base = mmap(NULL, p->size, PROT_READ | PROT_WRITE, MAP_SHARED, p->memfd,
+                   0);
+  if (p->base == MAP_FAILED) {
+    if (p->memfd >= 0)
+      close(p->memfd);
+    free(p);
+    return ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY;
+  }
+  p->magic = MAGIC_EVENT_POOL;
+  p->count = desc->count;
+  p->flags = desc->flags;
+  p->ipc_fd = p->kept_fd = -1;
+  pthread_mutex_lock(&lock);
+  stats.event_pools_created++;
+  stats.live_event_pools++;
+  pthread_mutex_unlock(&lock);
+  *out = p;
+  return ZE_RESULT_SUCCESS;
+}
+
+/* Before 26.31 nothing closes the descriptor a pool exported (it is cached
+ * on the allocation, CR@26.14.37833.4:shared/source/os_interface/linux/
+ * drm_allocation.cpp:117-131, and only the memory paths close such
+ * descriptors); 26.31 releases it in ~EventPool (CR@26.31.39395.13:
+ * level_zero/core/source/event/event.cpp:171-176, commit fc87638d16). */
+static ze_result_t ZE_APICALL evpool_destroy(ze_event_pool_handle_t p) {
+  if (!good_pool(p))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  if (p->imported)
+    return ZE_RESULT_ERROR_INVALID_ARGUMENT; /* zeEventPoolCloseIpcHandle */
+  pthread_mutex_lock(&lock);
+  if (p->events > 0) {
+    pthread_mutex_unlock(&lock);
+    return ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE;
+  }
+  if (p->ipc_fd >= 0) {
+    if (prof->evl_put)
+      close(p->ipc_fd);
+    else
+      stats.exported_event_fds_leaked++;
+  }
+  stats.live_event_pools--;
+  pthread_mutex_unlock(&lock);
+  p->magic = 0;
+  munmap(p->base, p->size);
+  close(p->memfd);
+  free(p);
+  return ZE_RESULT_SUCCESS;
+}
+
+static unsigned my_evl(void) { return is_cr() ? prof->evl : ideal_evl; }
+static bool opaque_mode(void) { return is_cr() && prof->rule != RULE_LEGACY; }
+
+/* The handle of pool p, whose exported descriptor is fd, in this profile's
+ * layout (EVL_* above). */
+static void evpool_encode(ze_event_pool_handle_t p, int fd, uint8_t *h) {
+  bool device = !(p->flags & ZE_EVENT_POOL_FLAG_HOST_VISIBLE);
+  bool ts = (p->flags & ZE_EVENT_POOL_FLAG_KERNEL_TIMESTAMP) != 0;
+  /* isDeviceEventPoolAllocation, isHostVisibleEventPoolAllocation, ...,
+   * isEventPoolTsFlagSet (CR@26.31.39395.13:.../event.cpp:100-111: a
+   * device pool is host-visible only with the flag). */
+  uint8_t bits = (uint8_t)(device | (!device) << 1 | ts << 4);
+  uint64_t fd64 = (uint64_t)(uint32_t)fd, count = p->count, copy = fd64;
+  uint32_t packets = event_packets, pid = (uint32_t)getpid(), one32 = 1;
+  uint16_t one16 = 1;
+  switch (my_evl()) {
+  case EVL_33:
+    memset(h, 0, 33);
+    memcpy(h, &fd64, 8);
+    memcpy(h + 8, &count, 8);
+    memcpy(h + 20, &packets, 4);
+    memcpy(h + 24, &one32, 4);
+    h[28] = device;
+    h[29] = !device;
+    h[32] = ts;
+    break;
+  case EVL_62:
+    memset(h, 0, 62);
+    memcpy(h, &fd64, 8);
+    memcpy(h + 16, &count, 4);
+    h[26] = (uint8_t)packets;
+    h[27] = 1;
+    h[28] = bits;
+    h[29] = 2; /* IpcHandleType::maxHandle: opaque mode off */
+    break;
+  case EVL_UNKNOWN: {
+    uint64_t token = 0x7fff0000u | (uint64_t)(fd & 0xffff);
+    memset(h, 0, ZE_MAX_IPC_HANDLE_SIZE);
+    memcpy(h, &token, 8);
+    memcpy(h + 40, &fd64, 8);
+    break;
+  }
+  default: /* EVL_27, EVL_32, EVL_40: IpcOpaqueEventPoolData, `= {}` */
+    memset(h, 0, my_evl() == EVL_40 ? 40 : 32);
+    memcpy(h, &fd64, 8);
+    memcpy(h + 8, &count, 8);
+    memcpy(h + 20, &packets, 4);
+    memcpy(h + 24, &one16, 2);
+    h[26] = bits;
+    h[27] = 2; /* IpcHandleType::maxHandle */
+    if (opaque_mode()) {
+      h[27] = 0; /* fdHandle */
+      memcpy(h + 28, &pid, 4);
+      if (my_evl() == EVL_40)
+        memcpy(h + 32, &copy, 8);
+    }
+  }
+}
+
+/* A pool made without ZE_EVENT_POOL_FLAG_IPC, or an opened one, is not
+ * shareable: ZE_RESULT_ERROR_UNSUPPORTED_FEATURE
+ * (CR@26.31.39395.13:.../event.cpp:711-713). The descriptor is exported
+ * once and cached, as peekInternalHandle caches it. */
+static ze_result_t ZE_APICALL evpool_get_ipc(ze_event_pool_handle_t p,
+                                             ze_ipc_event_pool_handle_t *h) {
+  if (!good_pool(p))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  if (h == NULL)
+    return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
+  if (p->imported || !(p->flags & ZE_EVENT_POOL_FLAG_IPC))
+    return ZE_RESULT_ERROR_UNSUPPORTED_FEATURE;
+  pthread_mutex_lock(&lock);
+  if (p->ipc_fd < 0)
+    p->ipc_fd = fcntl(p->memfd, F_DUPFD_CLOEXEC, 0);
+  int fd = p->ipc_fd;
+  if (fd >= 0)
+    stats.event_pool_ipc_gets++;
+  pthread_mutex_unlock(&lock);
+  if (fd < 0)
+    return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
+  evpool_encode(p, fd, (uint8_t *)h->data);
+  return ZE_RESULT_SUCCESS;
+}
+
+/* 26.18-26.31's opaque path for event pools: importOpaqueHandleWithFallback
+ * with cacheID 0 for every pool ("cacheID not used for event pools",
+ * CR@26.18.38308.4:level_zero/core/source/event/event.cpp:771-786;
+ * CR@26.31.39395.13:.../event.cpp:782-797), so that the first pool an
+ * importer opened this way answers every later one from the per-driver
+ * cache (driver_handle.cpp:1024-1045 at 26.18); then pidfd_getfd, or the
+ * socket (context_drm/context_drm.cpp:184-262 at 26.18; linux/
+ * context_linux.cpp:67-141 at 26.31), whose server knows no event pool
+ * descriptor (EventPool::getIpcHandle registers none, event.cpp:710-747 at
+ * 26.31). Fixed after 26.31 by a cache key per handle (commit 34b4652df7,
+ * not in a release). */
+static bool evpool_opaque_fd(int64_t number, uint32_t pid, int *out) {
+  pthread_mutex_lock(&lock);
+  cache_entry_t *e = cache_find(&driver_cache, 0);
+  int fd = e != NULL ? fcntl(e->fd, F_DUPFD_CLOEXEC, 0) : -1;
+  if (fd >= 0) {
+    e->refs++;
+    stats.event_pool_cache_hits++;
+    stats.import_fds_kept++;
+    if (cache_hit_is_stale(fd, pid, number))
+      stats.event_pool_stale_hits++;
+  }
+  pthread_mutex_unlock(&lock);
+  if (fd >= 0) {
+    *out = fd;
+    return true;
+  }
+  if (prof->fetch == FETCH_SOCKETS) {
+    fd = socket_fetch(pid, number);
+  } else {
+    int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
+    if (pidfd < 0) {
+      *out = (int)number; /* the raw number, as a local descriptor */
+      return true;
+    }
+    fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)number, 0);
+    close(pidfd);
+  }
+  if (fd < 0)
+    return false;
+  pthread_mutex_lock(&lock);
+  int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (dup_fd >= 0) {
+    cache_set(&driver_cache, 0, dup_fd);
+    stats.import_fds_kept++;
+  }
+  pthread_mutex_unlock(&lock);
+  *out = fd;
+  return true;
+}
+
+static bool is_event_memfd(int fd) {
+  static const char want[] = "/memfd:" USMIPC_ZE_TEST_EVENT_MEMFD_NAME;
+  char link[64], target[128];
+  snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
+  ssize_t n = readlink(link, target, sizeof(target) - 1);
+  if (n < 0)
+    return false;
+  target[n] = '\0';
+  return strncmp(target, want, sizeof(want) - 1) == 0;
+}
+
+/* zeEventPoolOpenIpcHandle, by this process's own profile
+ * (EventPool::openEventPoolIpcHandle: CR@25.35.35096.9:level_zero/core/
+ * source/event/event.cpp:425-520; CR@26.09.37435.12:.../event.cpp:435-530;
+ * CR@26.31.39395.13:.../event.cpp:749-887). The importer reads
+ * IpcEventPoolData (the first 27 or 33 bytes) whatever the mode; in opaque
+ * mode the processId only becomes osHandleData.parentProcessId, which the
+ * Linux memory manager never reads, up to 26.14 (event.cpp:459-471 at
+ * 25.48): the descriptor number is imported as a local one. From 26.18 a
+ * handle whose fd equals its opaqueHandle takes the opaque path above. A
+ * maxEventPackets other than the device's is INVALID_ARGUMENT (event.cpp:
+ * 820-826 at 26.31), a failed import OUT_OF_DEVICE_MEMORY (:847-849). The
+ * descriptor becomes the driver's: a host-visible pool's import consumes
+ * it from 26.09 (createUSMHostAllocationFromSharedHandle(..., consumeFd =
+ * true), CR@26.09.37435.12:shared/source/os_interface/linux/
+ * drm_memory_manager.cpp:1279-1280, commit 57e417aa74), also when the
+ * import fails from 26.18 (CR@26.18.38308.4:.../drm_memory_manager.cpp:
+ * 3197-3209, commit 6487021c6c; 26.09-26.14 leave it open then); before
+ * 26.09 the allocation keeps it as its shared handle and closes it when the
+ * pool is closed (freeGraphicsMemoryImpl -> closeSharedHandle,
+ * CR@26.05.37020.3:.../drm_memory_manager.cpp:1278-1279, 1484). */
+static ze_result_t ZE_APICALL evpool_open_ipc(ze_context_handle_t c,
+                                              ze_ipc_event_pool_handle_t h,
+                                              ze_event_pool_handle_t *out) {
+  if (!good_context(c))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  if (out == NULL)
+    return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
+  const uint8_t *d = (const uint8_t *)h.data;
+  uint64_t number = 0, count = 0, copy = 0;
+  uint32_t packets = 0, pid = 0, count32 = 0;
+  bool host;
+  unsigned evl = my_evl();
+  switch (evl) {
+  case EVL_33:
+    memcpy(&number, d, 8);
+    memcpy(&count, d + 8, 8);
+    memcpy(&packets, d + 20, 4);
+    host = d[29] != 0;
+    break;
+  case EVL_62:
+    memcpy(&number, d, 8);
+    memcpy(&copy, d + 8, 8);
+    memcpy(&count32, d + 16, 4);
+    count = count32;
+    packets = d[26];
+    host = (d[28] & 2) != 0;
+    break;
+  case EVL_UNKNOWN:
+    memcpy(&number, d + 40, 8);
+    count = 1;
+    packets = event_packets;
+    host = true;
+    break;
+  default:
+    memcpy(&number, d, 8);
+    memcpy(&count, d + 8, 8);
+    memcpy(&packets, d + 20, 4);
+    host = (d[26] & 2) != 0;
+    if (opaque_mode()) {
+      memcpy(&pid, d + 28, 4);
+      if (evl == EVL_40)
+        memcpy(&copy, d + 32, 8);
+    }
+  }
+  ze_result_t res = ZE_RESULT_SUCCESS;
+  if (packets != event_packets || count == 0 || count > (1u << 20))
+    res = ZE_RESULT_ERROR_INVALID_ARGUMENT;
+  int fd = (int)number; /* static_cast<NEO::osHandle> */
+  bool opaque = evl == EVL_40 && opaque_mode() && number == copy;
+  if (res == ZE_RESULT_SUCCESS && opaque && !evpool_opaque_fd((int32_t)number, pid, &fd))
+    res = ZE_RESULT_ERROR_INVALID_ARGUMENT;
+  if (res != ZE_RESULT_SUCCESS) {
+    pthread_mutex_lock(&lock);
+    stats.event_pool_open_failures++;
+    pthread_mutex_unlock(&lock);
+    return res;
+  }
+  bool consume = host && prof->evl_consume;
+  struct stat st;
+  ze_event_pool_handle_t p = NULL;
+  if (fstat(fd, &st) == 0 && is_event_memfd(fd) &&
+      (uint64_t)st.st_size >= count * USMIPC_ZE_TEST_EVENT_SLOT &&
+      (p = calloc(1, sizeof(*p))) != NULL) {
+    p->size = (size_t)st.st_size;
+    p->base = mmap(NULL, p->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p->base == MAP_FAILED) {
+      free(p);
+      p = NULL;
+    }
+  }
+  if (consume && (p != NULL || !is_cr() ||
+                  prof->major * 100 + prof->minor >= 2618))
+    close(fd);
+  pthread_mutex_lock(&lock);
+  if (p == NULL) {
+    stats.event_pool_open_failures++;
+  } else {
+    stats.event_pool_opens++;
+    stats.live_event_pools++;
+    stats.event_fds_taken++;
+    if (opaque)
+      stats.event_pool_opaque_opens++;
+  }
+  pthread_mutex_unlock(&lock);
+  if (p == NULL)
+    return ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY;
+  p->magic = MAGIC_EVENT_POOL;
+  p->count = (uint32_t)count;
+  p->flags = ZE_EVENT_POOL_FLAG_IPC | (host ? ZE_EVENT_POOL_FLAG_HOST_VISIBLE : 0);
+  p->memfd = p->ipc_fd = -1;
+  p->kept_fd = consume ? -1 : fd;
+  p->imported = true;
+  *out = p;
+  return ZE_RESULT_SUCCESS;
+}
+
+static ze_result_t ZE_APICALL evpool_close_ipc(ze_event_pool_handle_t p) {
+  if (!good_pool(p))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  if (!p->imported)
+    return ZE_RESULT_ERROR_INVALID_ARGUMENT;
+  pthread_mutex_lock(&lock);
+  if (p->events > 0) {
+    pthread_mutex_unlock(&lock);
+    return ZE_RESULT_ERROR_HANDLE_OBJECT_IN_USE;
+  }
+  stats.event_pool_closes++;
+  stats.live_event_pools--;
+  pthread_mutex_unlock(&lock);
+  p->magic = 0;
+  munmap(p->base, p->size);
+  if (p->kept_fd >= 0)
+    close(p->kept_fd);
+  free(p);
+  return ZE_RESULT_SUCCESS;
+}
+
+/* An event of a created pool starts not signalled; one of an opened pool
+ * keeps the state it has (CR: "do not reset even if it has been imported",
+ * CR@26.31.39395.13:level_zero/core/source/event/event_impl.inl:112-115).
+ * An index past the pool is INVALID_ARGUMENT (event.cpp:203-205). */
+static ze_result_t ZE_APICALL event_create(ze_event_pool_handle_t p,
+                                           const ze_event_desc_t *desc,
+                                           ze_event_handle_t *out) {
+  if (!good_pool(p))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  if (desc == NULL || out == NULL)
+    return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
+  if (desc->stype != ZE_STRUCTURE_TYPE_EVENT_DESC || desc->index >= p->count)
+    return ZE_RESULT_ERROR_INVALID_ARGUMENT;
+  ze_event_handle_t e = calloc(1, sizeof(*e));
+  if (e == NULL)
+    return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
+  e->magic = MAGIC_EVENT;
+  e->pool = p;
+  e->index = desc->index;
+  if (!p->imported)
+    __atomic_store_n(event_state(e), 0, __ATOMIC_RELEASE);
+  pthread_mutex_lock(&lock);
+  p->events++;
+  stats.live_events++;
+  pthread_mutex_unlock(&lock);
+  *out = e;
+  return ZE_RESULT_SUCCESS;
+}
+
+static ze_result_t ZE_APICALL event_destroy(ze_event_handle_t e) {
+  if (!good_event(e))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  pthread_mutex_lock(&lock);
+  e->pool->events--;
+  stats.live_events--;
+  pthread_mutex_unlock(&lock);
+  e->magic = 0;
+  free(e);
+  return ZE_RESULT_SUCCESS;
+}
+
+static ze_result_t ZE_APICALL event_host_signal(ze_event_handle_t e) {
+  if (!good_event(e))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  event_set(e, 1);
+  return ZE_RESULT_SUCCESS;
+}
+
+static ze_result_t ZE_APICALL event_host_reset(ze_event_handle_t e) {
+  if (!good_event(e))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  event_set(e, 0);
+  return ZE_RESULT_SUCCESS;
+}
+
+static ze_result_t ZE_APICALL event_query(ze_event_handle_t e) {
+  if (!good_event(e))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  return event_is_set(e) ? ZE_RESULT_SUCCESS : ZE_RESULT_NOT_READY;
+}
+
+/* timeout in nanoseconds; UINT64_MAX without limit; NOT_READY past it. */
+static ze_result_t ZE_APICALL event_host_sync(ze_event_handle_t e,
+                                              uint64_t timeout) {
+  if (!good_event(e))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  return events_wait(1, &e, timeout) ? ZE_RESULT_SUCCESS : ZE_RESULT_NOT_READY;
+}
+
 /* ---- the loader's driver interface ------------------------------------------ */
 
 /* Every table getter accepts any 1.x version and fills only the entries this
@@ -1874,6 +2700,10 @@ zeGetCommandListProcAddrTable(ze_api_version_t v, ze_command_list_dditable_t *t)
   t->pfnDestroy = list_destroy;
   t->pfnAppendMemoryCopy = list_copy;
   t->pfnAppendMemoryFill = list_fill;
+  t->pfnAppendBarrier = list_barrier;
+  t->pfnAppendSignalEvent = list_signal_event;
+  t->pfnAppendWaitOnEvents = list_wait_on_events;
+  t->pfnAppendEventReset = list_event_reset;
   return r;
 }
 
@@ -1915,6 +2745,33 @@ EXPORT ze_result_t ZE_APICALL zeGetMemExpProcAddrTable(ze_api_version_t v,
 }
 #endif
 
+EXPORT ze_result_t ZE_APICALL
+zeGetEventPoolProcAddrTable(ze_api_version_t v, ze_event_pool_dditable_t *t) {
+  ze_result_t r = check_version(v, t);
+  if (r != ZE_RESULT_SUCCESS)
+    return r;
+  t->pfnCreate = evpool_create;
+  t->pfnDestroy = evpool_destroy;
+  t->pfnGetIpcHandle = evpool_get_ipc;
+  t->pfnOpenIpcHandle = evpool_open_ipc;
+  t->pfnCloseIpcHandle = evpool_close_ipc;
+  return r;
+}
+
+EXPORT ze_result_t ZE_APICALL zeGetEventProcAddrTable(ze_api_version_t v,
+                                                      ze_event_dditable_t *t) {
+  ze_result_t r = check_version(v, t);
+  if (r != ZE_RESULT_SUCCESS)
+    return r;
+  t->pfnCreate = event_create;
+  t->pfnDestroy = event_destroy;
+  t->pfnHostSignal = event_host_signal;
+  t->pfnHostSynchronize = event_host_sync;
+  t->pfnQueryStatus = event_query;
+  t->pfnHostReset = event_host_reset;
+  return r;
+}
+
 /* Tables of objects this driver does not have: present and empty. The
  * loader 1.8 fails zeInit unless every core, tools (zet) and sysman (zes)
  * table getter exists; the experimental ones are optional. */
@@ -1924,8 +2781,6 @@ EXPORT ze_result_t ZE_APICALL zeGetMemExpProcAddrTable(ze_api_version_t v,
   }
 EMPTY_TABLE(zeGetCommandQueueProcAddrTable, ze_command_queue_dditable_t)
 EMPTY_TABLE(zeGetFenceProcAddrTable, ze_fence_dditable_t)
-EMPTY_TABLE(zeGetEventPoolProcAddrTable, ze_event_pool_dditable_t)
-EMPTY_TABLE(zeGetEventProcAddrTable, ze_event_dditable_t)
 EMPTY_TABLE(zeGetImageProcAddrTable, ze_image_dditable_t)
 EMPTY_TABLE(zeGetModuleProcAddrTable, ze_module_dditable_t)
 EMPTY_TABLE(zeGetModuleBuildLogProcAddrTable, ze_module_build_log_dditable_t)

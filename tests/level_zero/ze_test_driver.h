@@ -113,11 +113,67 @@ typedef struct usmipc_ze_test_stats {
   uint64_t uninitialized_stub_calls; /* NEWER_LOADER=uninitialized stubs */
   uint64_t socket_requests_served;   /* descriptors this process's
                                         neo_ipc server sent */
+  /* Appended with events. */
+  uint64_t event_pools_created;   /* zeEventPoolCreate successes */
+  uint64_t live_event_pools;      /* created or opened, not yet destroyed or
+                                     closed */
+  uint64_t live_events;           /* zeEventCreate not yet zeEventDestroy'd */
+  uint64_t event_pool_ipc_gets;   /* zeEventPoolGetIpcHandle successes */
+  uint64_t event_pool_opens;      /* zeEventPoolOpenIpcHandle successes */
+  uint64_t event_pool_closes;     /* zeEventPoolCloseIpcHandle successes */
+  uint64_t event_pool_open_failures; /* zeEventPoolOpenIpcHandle refusals */
+  uint64_t event_pool_opaque_opens;  /* opens that took CR 26.18+'s opaque
+                                        path (the exporter's pid, the cache) */
+  uint64_t event_pool_cache_hits;    /* ... answered by the import cache, whose
+                                        key is 0 for every event pool */
+  uint64_t event_pool_stale_hits;    /* ... with another file than the one the
+                                        handle's (pid, fd) names now */
+  uint64_t event_fds_taken;       /* descriptors zeEventPoolOpenIpcHandle took
+                                     (closed at once from 26.09, at
+                                     zeEventPoolCloseIpcHandle before) */
+  uint64_t exported_event_fds_leaked; /* zeEventPoolDestroy left an exported
+                                         descriptor open (CR before 26.31) */
+  uint64_t event_signals;         /* signals executed (appended or host) */
+  uint64_t event_resets;          /* resets executed (appended or host) */
+  uint64_t event_waits;           /* appended waits executed */
+  uint64_t wait_timeouts;         /* appended waits that gave up after
+                                     USMIPC_ZE_TEST_WAIT_TIMEOUT_MS */
+  uint64_t delays;                /* usmipcZeTestDriverAppendDelay commands */
+  uint64_t async_commands;        /* commands run by an asynchronous list's
+                                     worker */
 } usmipc_ze_test_stats_t;
 
 /* Exported by the driver library. */
 typedef void (*usmipc_ze_test_get_stats_fn)(usmipc_ze_test_stats_t *out);
 #define USMIPC_ZE_TEST_GET_STATS "usmipcZeTestDriverGetStats"
+
+/* Events. Event pools keep their events' state in a memfd named
+ * USMIPC_ZE_TEST_EVENT_MEMFD_NAME (the pool's "dma-buf"), USMIPC_ZE_TEST_
+ * EVENT_SLOT bytes per event (a u32 state at the start: 0 not signalled, 1
+ * signalled), the size rounded up to 64 KiB as CR rounds it; an opened
+ * pool maps the same memfd, so a signal in one process is seen in the
+ * other. Every event pool of the device has USMIPC_ZE_TEST_EVENT_PACKETS
+ * packets per event (maxEventPackets), unless USMIPC_ZE_TEST_EVENT_PACKETS
+ * says otherwise. */
+#define USMIPC_ZE_TEST_EVENT_MEMFD_NAME "usmipc-ze-test-evpool"
+#define USMIPC_ZE_TEST_EVENT_SLOT 64
+#define USMIPC_ZE_TEST_EVENT_PACKETS 16
+
+/* Command lists: a synchronous immediate list runs each command before the
+ * append returns (an appended wait blocks the caller until its events are
+ * signalled, or USMIPC_ZE_TEST_WAIT_TIMEOUT_MS pass: then
+ * ZE_RESULT_ERROR_DEVICE_LOST, as a hung GPU would end); an asynchronous
+ * (or default-mode) immediate list runs its commands in order on a thread
+ * of its own, so that an append returns at once.
+ *
+ * usmipcZeTestDriverAppendDelay(list, ms) appends a command that takes ms
+ * milliseconds (a stand-in for a long kernel): on an asynchronous list the
+ * commands appended after it (a fill, a signal) run that much later, which
+ * lets a test prove that a consumer's wait orders its work after a
+ * producer's. Called with the driver's own command list handle (the loader
+ * hands those to the application unless it intercepts). */
+typedef int (*usmipc_ze_test_append_delay_fn)(void *list, uint32_t ms);
+#define USMIPC_ZE_TEST_APPEND_DELAY "usmipcZeTestDriverAppendDelay"
 
 /* zexMemGetIpcHandles, served to cr-* profiles through
  * zeDriverGetExtensionFunctionAddress, as CR does: with *numIpcHandles == 0
@@ -129,6 +185,17 @@ typedef void (*usmipc_ze_test_get_stats_fn)(usmipc_ze_test_stats_t *out);
  *  USMIPC_ZE_TEST_PROFILE=NAME    one of the profiles above (an unknown name
  *                              fails zeInit)
  *  USMIPC_ZE_TEST_INIT_FAIL=1  zeInit fails (no usable device); any profile
+ *  USMIPC_ZE_TEST_NO_IPC_EVENTS=1  the driver does not list
+ *                              ZE_IPC_PROPERTY_FLAG_EVENT_POOL; any profile
+ *  USMIPC_ZE_TEST_EVENT_PACKETS=N  maxEventPackets (default 16; another value
+ *                              stands for another GPU); any profile
+ *  USMIPC_ZE_TEST_WAIT_TIMEOUT_MS=N  how long an appended wait waits (default
+ *                              20000); any profile
+ *  USMIPC_ZE_TEST_EVENT_LAYOUT=post-26.31|unknown  ideal only: event pool
+ *                              handles in CR's layout after 26.31 (master,
+ *                              unreleased), or in one no release has (the
+ *                              descriptor at 40); default: 25.48+'s
+ *                              IpcEventPoolData, opaque mode off
  * ideal only:
  *  USMIPC_ZE_TEST_NO_FD_EXT=1  no zeMemGetFileDescriptorFromIpcHandleExp
  *                              (the backend must use the handle layout)
