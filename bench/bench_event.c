@@ -195,10 +195,22 @@ int main(int argc, char **argv) {
   int nraw = 0;
   int (*open_raw)(void **, raw_event_handle_t) = NULL;
   if (cuda) {
+    /* The bare call needs a current context: the primary one, as usmipc's
+     * (which pushes and pops its own around each call). */
     void *lib = dlopen("libcuda.so.1", RTLD_NOW);
-    open_raw = lib ? (int (*)(void **, raw_event_handle_t))dlsym(
-                         lib, "cuIpcOpenEventHandle")
-                   : NULL;
+    int (*get)(int *, int) =
+        lib ? (int (*)(int *, int))dlsym(lib, "cuDeviceGet") : NULL;
+    int (*retain)(void **, int) =
+        lib ? (int (*)(void **, int))dlsym(lib, "cuDevicePrimaryCtxRetain")
+            : NULL;
+    int (*set)(void *) =
+        lib ? (int (*)(void *))dlsym(lib, "cuCtxSetCurrent") : NULL;
+    int cu_dev;
+    void *ctx;
+    if (get && retain && set && get(&cu_dev, usmipc_device_index(dev)) == 0 &&
+        retain(&ctx, cu_dev) == 0 && set(ctx) == 0)
+      open_raw = (int (*)(void **, raw_event_handle_t))dlsym(
+          lib, "cuIpcOpenEventHandle");
   }
   usmipc_event_t **opened = calloc((size_t)half, sizeof(*opened));
   for (int i = 0; i < half; i++) {

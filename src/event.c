@@ -142,10 +142,10 @@ static unsigned long long timeout_now(void) {
 /* Polls a backend event until it completes. The driver's own blocking wait
  * (cuEventSynchronize) can neither time out nor be interrupted, nor notice
  * that an importer's exporter died; polling can. Like the driver's default
- * scheduling it yields the CPU in a loop at first (2 ms: most handoffs
- * complete within it, and are seen within a microsecond), then sleeps 5 us
- * growing to 100 us, so a long wait costs little CPU and at most ~100 us of
- * latency. */
+ * scheduling (which spins while a context has a core to itself) it yields
+ * the CPU in a loop at first (20 ms: most handoffs complete within it, and
+ * are seen within a microsecond), then sleeps 5 us growing to 100 us, so a
+ * long wait costs little CPU and at most ~100 us of latency. */
 static int host_poll(usmipc_device_t *dev, void *native, const uint8_t *table,
                      uint32_t pid) {
   unsigned long long limit_ms = timeout_now();
@@ -165,7 +165,7 @@ static int host_poll(usmipc_device_t *dev, void *native, const uint8_t *table,
     if (q != 0)
       return q < 0 ? q : 0;
     uint64_t now = usmipc__now_ns();
-    if (now - start < 2000000u) {
+    if (now - start < 20000000u) {
       sched_yield();
       continue;
     }
