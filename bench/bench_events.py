@@ -136,6 +136,16 @@ def consumer_cupy(conn_in, conn_out):
 
 # ---- the producer -----------------------------------------------------------
 
+def answer(conn, proc, timeout=60):
+    """The consumer's next message; a dead or stuck consumer ends the run
+    with a message instead of a hang."""
+    if not conn.poll(timeout):
+        proc.kill()
+        raise SystemExit(f"the consumer did not answer in {timeout} s "
+                         f"(exit code {proc.exitcode})")
+    return conn.recv()
+
+
 def run_method(method, nbytes, trials):
     import multiprocessing as mp
     import cupy as cp
@@ -150,7 +160,7 @@ def run_method(method, nbytes, trials):
         r_out, w_out = tctx.Pipe(duplex=False)
         p = tctx.Process(target=consumer_torch, args=(q, w_out))
         p.start()
-        assert r_out.recv() == "ready"
+        assert answer(r_out, p) == "ready"
         t = torch.zeros(nbytes // 8, dtype=torch.int64, device="cuda:0")
         s = torch.cuda.current_stream()
         for i in range(trials + 3):
@@ -159,7 +169,7 @@ def run_method(method, nbytes, trials):
                 spin((1,), (1,), (cp.uint64(SPIN_US * 1000),
                                   cp.uint64(t.data_ptr())))
             q.put(t)
-            lat = r_out.recv()
+            lat = answer(r_out, p)
             if i >= 3:
                 results.append(lat)
         q.put(None)
@@ -175,7 +185,7 @@ def run_method(method, nbytes, trials):
         p = ctx.Process(target=consumer_usmipc,
                         args=(r_in, w_out, method == "usmipc-device"))
     p.start()
-    assert r_out.recv() == "ready"
+    assert answer(r_out, p) == "ready"
     buf = cp.zeros(nbytes // 8, dtype=cp.uint64)
     stream = cp.cuda.Stream(non_blocking=True)
     cupy_handle = cp.cuda.runtime.ipcGetMemHandle(buf.data.ptr)
@@ -183,18 +193,25 @@ def run_method(method, nbytes, trials):
         stream.synchronize()
         with stream:
             spin((1,), (1,), (cp.uint64(SPIN_US * 1000), buf))
+        h = None
         if method == "cupy-sync":
             stream.synchronize()
             w_in.send(cupy_handle)
         else:
-            w_in.send(IPCMemoryHandle(buf, stream=stream).to_bytes())
-        lat = r_out.recv()
+            # The handle lives until the consumer answered: another
+            # library's memory is exported while a handle of it lives.
+            h = IPCMemoryHandle(buf, stream=stream)
+            w_in.send(h.to_bytes())
+        lat = answer(r_out, p)
+        del h
         if i >= 3:
             results.append(lat)
     if method == "usmipc-device":
         stream.synchronize()
-        w_in.send(("reopen", IPCMemoryHandle(buf, stream=stream).to_bytes()))
-        run_method.reopen_us = r_out.recv()
+        h = IPCMemoryHandle(buf, stream=stream)
+        w_in.send(("reopen", h.to_bytes()))
+        run_method.reopen_us = answer(r_out, p)
+        del h
     w_in.send(None)
     p.join()
     return results
