@@ -8,6 +8,8 @@ kernels write (one clock: the same GPU), through a pipe, side by side:
                  consumer's current stream waits for it)
   cupy-sync      the producer synchronizes its stream on the host, then
                  sends a cudaIpcMemHandle (opened once by the consumer)
+  in-process     the floor: one process, two streams, a plain event (no
+                 second context: no switch between processes' contexts)
 
 Per trial the producer launches a kernel that spins SPIN_US and then stamps
 t_done into the shared buffer, and hands the buffer over at once (cupy-sync
@@ -149,9 +151,28 @@ def answer(conn, proc, timeout=60):
 def run_method(method, nbytes, trials):
     import multiprocessing as mp
     import cupy as cp
-    spin, _ = kernels()
+    spin, stamp = kernels()
     ctx = mp.get_context("spawn")
     results = []
+    if method == "in-process":
+        # The floor: one process, two streams, a plain event between them
+        # (no second context for the GPU to switch to).
+        buf = cp.zeros(nbytes // 8, dtype=cp.uint64)
+        out = cp.zeros(1, dtype=cp.uint64)
+        a = cp.cuda.Stream(non_blocking=True)
+        b = cp.cuda.Stream(non_blocking=True)
+        for i in range(trials + 3):
+            cp.cuda.Device().synchronize()
+            with a:
+                spin((1,), (1,), (cp.uint64(SPIN_US * 1000), buf))
+            ev = a.record()
+            b.wait_event(ev)
+            with b:
+                stamp((1,), (1,), (out,))
+            b.synchronize()
+            if i >= 3:
+                results.append(int(out.get()[0]) - int(buf[:1].get()[0]))
+        return results
     if method == "torch.mp":
         import torch
         import torch.multiprocessing as tmp
@@ -222,7 +243,8 @@ def main():
     ap.add_argument("--trials", type=int, default=100)
     ap.add_argument("--json")
     args = ap.parse_args()
-    methods = ["usmipc-device", "usmipc-host", "torch.mp", "cupy-sync"]
+    methods = ["in-process", "usmipc-device", "usmipc-host", "torch.mp",
+               "cupy-sync"]
     table = {}
     print("| method | 4 KiB: median us (p10, p90) | 256 MiB |")
     print("|---|---:|---:|")

@@ -682,15 +682,16 @@ static void import_free(imported_t *dead) {
  * costs). */
 static int import_get(const usmipc__wire_t *w, usmipc_device_t *device,
                       usmipc_device_t *owner, imported_t **out) {
-  uint64_t tag = usmipc__slot_tag(w->key, w->token);
   pthread_mutex_lock(&events_lock);
   imported_t *e = import_find(w, device);
   if (e != NULL) {
     int rc = 0;
     /* A hit is checked like a miss: the event must still be exported by a
-     * living exporter (a few loads from its table). */
+     * living exporter (a few loads from its table). The handle's token is
+     * the one the entry was opened with (its tag proven then), so no MAC
+     * is computed again. */
     if (!usmipc__ct_equal(e->key, w->key, 16) || e->slot != w->export_slot ||
-        e->tag != tag)
+        !usmipc__ct_equal(e->token, w->token, 16))
       rc = usmipc__fail(USMIPC_EACCES,
                         "process %u's event handle carries the wrong "
                         "capability token or slot for its event (forged or "
@@ -713,6 +714,7 @@ static int import_get(const usmipc__wire_t *w, usmipc_device_t *device,
   imported_t *dead = import_sweep();
   pthread_mutex_unlock(&events_lock);
   import_free(dead);
+  uint64_t tag = usmipc__slot_tag(w->key, w->token);
 
   uint64_t deadline = usmipc__deadline_after_timeout();
   usmipc__peer_t *peer = NULL;
