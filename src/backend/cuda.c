@@ -117,7 +117,6 @@ enum {
     (CUcontext *, CUdevice))                                                   \
   X(cuCtxPushCurrent, "cuCtxPushCurrent_v2", (CUcontext))                      \
   X(cuCtxPopCurrent, "cuCtxPopCurrent_v2", (CUcontext *))                      \
-  X(cuCtxGetCurrent, "cuCtxGetCurrent", (CUcontext *))                         \
   X(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", (CUcontext, unsigned))     \
   X(cuMemAlloc, "cuMemAlloc_v2", (CUdeviceptr *, size_t))                      \
   X(cuMemFree, "cuMemFree_v2", (CUdeviceptr))                                  \
@@ -216,11 +215,6 @@ static int cu_fail(CUresult res, const char *what) {
 /* Makes the device's primary context current for the calling thread until
  * ctx_leave(); the primary context is the one PyTorch, CuPy and the runtime
  * API use, so pointers are shared with them. */
-/* Whether each ctx_enter of this thread pushed (nesting is shallow). */
-#define CTX_DEPTH_MAX 16
-static __thread bool ctx_pushed[CTX_DEPTH_MAX];
-static __thread int ctx_depth;
-
 static int ctx_enter(cuda_device_t *d) {
   if (d->ctx == NULL) {
     pthread_mutex_lock(&d->lock);
@@ -236,28 +230,13 @@ static int ctx_enter(cuda_device_t *d) {
     if (d->ctx == NULL)
       return cu_fail(d->ctx_error, "cuDevicePrimaryCtxRetain");
   }
-  /* The caller's thread usually has this very context current already (a
-   * framework made it so, or an earlier call here): then nothing is pushed
-   * or popped, two driver calls saved on every operation. */
-  CUcontext current = NULL;
-  bool push = cu.cuCtxGetCurrent(&current) != CUDA_SUCCESS || current != d->ctx;
-  if (push) {
-    CUresult res = cu.cuCtxPushCurrent(d->ctx);
-    if (res != CUDA_SUCCESS)
-      return cu_fail(res, "cuCtxPushCurrent");
-  }
-  if (ctx_depth < CTX_DEPTH_MAX)
-    ctx_pushed[ctx_depth] = push;
-  ctx_depth++;
-  return 0;
+  CUresult res = cu.cuCtxPushCurrent(d->ctx);
+  return res == CUDA_SUCCESS ? 0 : cu_fail(res, "cuCtxPushCurrent");
 }
 
 static void ctx_leave(void) {
-  ctx_depth--;
-  if (ctx_depth >= CTX_DEPTH_MAX || ctx_pushed[ctx_depth]) {
-    CUcontext ignored;
-    cu.cuCtxPopCurrent(&ignored);
-  }
+  CUcontext ignored;
+  cu.cuCtxPopCurrent(&ignored);
 }
 
 static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
