@@ -67,6 +67,7 @@ enum {
   CUDA_ERROR_OUT_OF_MEMORY = 2,
   CUDA_ERROR_NO_DEVICE = 100,
   CUDA_ERROR_INVALID_HANDLE = 400,
+  CUDA_ERROR_ALREADY_MAPPED = 208,
   CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704,
   CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING = 41,
   CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY = 83,
@@ -742,6 +743,17 @@ static int cuda_ipc_import(void *dev, void *owner_dev,
     CUdeviceptr p = 0;
     CUresult res =
         cu.cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    /* Another thread of ours may be closing this very allocation: the core
+     * drops a mapping from its cache under its lock and unmaps it just
+     * after, and an open that misses the cache in between finds the driver
+     * still mapping it (CUDA_ERROR_ALREADY_MAPPED: 8 of 25 runs of
+     * ipc_no_leak_uncached on the H200). The close is microseconds away:
+     * retry for up to ~20 ms. */
+    for (int tries = 0; res == CUDA_ERROR_ALREADY_MAPPED && tries < 200;
+         tries++) {
+      usleep(100);
+      res = cu.cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    }
     size_t mapped = 0;
     if (res == CUDA_SUCCESS) {
       /* The driver handle names a whole allocation, but the size comes from
