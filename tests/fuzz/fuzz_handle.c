@@ -81,6 +81,10 @@ static void check_one(const uint8_t *data, size_t size) {
                (unsigned long long)w.nbytes,
                (unsigned long long)w.allocation_size);
   }
+  if (w.has_release)
+    FUZZ_CHECK(w.release_id != 0 && w.release_ticket != 0 &&
+                   w.payload.handle_kind != USMIPC__HANDLE_KIND_EVENT,
+               "release record");
   if (w.order_len != 0) {
     /* The ordering record lies inside the area and names an event the
      * importer can rebuild; rebuilding must not read past it. */
@@ -106,7 +110,8 @@ static void check_one(const uint8_t *data, size_t size) {
     FUZZ_CHECK(rlen <= w.ext_len - at - 4, "record overruns at %zu", at);
     FUZZ_CHECK(type != 0 &&
                    (!(type & USMIPC__EXT_CRITICAL) ||
-                    type == USMIPC__EXT_EVENT || type == USMIPC__EXT_ORDER),
+                    type == USMIPC__EXT_EVENT || type == USMIPC__EXT_ORDER ||
+                    type == USMIPC__EXT_RELEASE),
                "type 0x%04x", type);
     uint16_t flen = 0;
     const uint8_t *rec = usmipc__wire_ext_find(&w, type, &flen);
@@ -327,6 +332,12 @@ int fuzz_make_corpus(void) {
   size_t olen;
   usmipc_ipc_handle_data(handles[1], &odata, &olen);
   fuzz_write_seed("valid-ordered", odata, olen);
+  if (usmipc_ipc_handle_order_ex(handles[2], q, USMIPC_ORDER_RELEASE) != 0)
+    return 2;
+  const void *rdata;
+  size_t rlen;
+  usmipc_ipc_handle_data(handles[2], &rdata, &rlen);
+  fuzz_write_seed("valid-release", rdata, rlen);
   usmipc__wire_t we, wo;
   if (usmipc__wire_decode(edata, elen, &we) != 0 ||
       usmipc__wire_decode(odata, olen, &wo) != 0)
