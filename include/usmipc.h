@@ -36,6 +36,7 @@ typedef struct usmipc_device usmipc_device_t;
 typedef struct usmipc_queue usmipc_queue_t;
 typedef struct usmipc_ipc_handle usmipc_ipc_handle_t;
 typedef struct usmipc_event usmipc_event_t;
+typedef struct usmipc_pool usmipc_pool_t;
 
 typedef enum usmipc_backend {
   USMIPC_BACKEND_HOST = 1,       /* the CPU; device memory is memfd-backed */
@@ -151,7 +152,29 @@ USMIPC_API int usmipc_malloc(usmipc_device_t *device, usmipc_mem_kind_t kind,
 USMIPC_API int usmipc_malloc_flags(usmipc_device_t *device,
                                    usmipc_mem_kind_t kind, size_t nbytes,
                                    unsigned flags, void **ptr);
-/* Frees an allocation from usmipc_malloc. If the allocation is also open as a
+/* ---- pools: many buffers at the cost of one -------------------------------
+ *
+ * A pool hands out blocks of a few large segments of device memory; each
+ * segment is exported once, so an importer maps a segment at its first
+ * block and opens every later block in it with a lookup (docs/pools.md).
+ * usmipc_ipc_get_handle of a block gives a handle of just that block, which
+ * importers refuse once the block is freed. The first segment has capacity
+ * bytes (0: 64 MiB), each next one twice the last up to 1 GiB, and always
+ * room for the request: a block never spans segments. flags as for
+ * usmipc_malloc_flags. Trust: whoever holds a block's handle can reach its
+ * whole segment; use separate pools to keep consumers apart. */
+USMIPC_API int usmipc_pool_create(usmipc_device_t *device, size_t capacity,
+                                  unsigned flags, usmipc_pool_t **pool);
+/* A block of nbytes aligned to alignment (0: 256; a power of two up to
+ * 2 MiB). usmipc_free returns it to the pool. */
+USMIPC_API int usmipc_pool_malloc(usmipc_pool_t *pool, size_t nbytes,
+                                  size_t alignment, void **ptr);
+/* Frees the pool's segments (importers keep their mappings);
+ * USMIPC_EBUSY while blocks are still allocated. */
+USMIPC_API int usmipc_pool_destroy(usmipc_pool_t *pool);
+
+/* Frees an allocation from usmipc_malloc (or a pool block, which goes back
+ * to its pool). If the allocation is also open as a
  * same-process IPC alias, the memory is released when the last alias closes;
  * importers in other processes keep their mappings. */
 USMIPC_API int usmipc_free(void *ptr);

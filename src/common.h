@@ -202,6 +202,7 @@ typedef struct usmipc__region {
   uint32_t export_slot; /* this allocation's slot in the export table */
   uint32_t table_fd_number;
   bool fd_reopenable;
+  void *pool_segment; /* LOCAL: the pool segment this allocation is, or NULL */
 
   /* IMPORTED */
   usmipc__import_key_t key;
@@ -259,6 +260,8 @@ int usmipc__foreign_query_unlocked(const void *ptr, usmipc__allocation_t *alloc,
 #define USMIPC__EXT_ORDER 0x8002u     /* in memory handles: the event */
 #define USMIPC__EXT_RELEASE 0x8003u   /* in memory handles: a release ticket */
 #define USMIPC__RELEASE_RECORD_LEN 32
+#define USMIPC__EXT_BLOCK 0x8101u /* in memory handles: a pool block */
+#define USMIPC__BLOCK_RECORD_LEN 48
 #define USMIPC__EVENT_RECORD_LEN 16
 #define USMIPC__ORDER_FIXED_LEN 68
 /* Event flags (both records). */
@@ -306,6 +309,11 @@ typedef struct usmipc__wire {
   bool has_release;
   uint64_t release_id, release_ticket;
   uint8_t release_token[16];
+  /* Record 0x8101: the handle names a block of a pool segment. */
+  bool has_block;
+  uint64_t block_id, block_offset, block_size;
+  uint32_t block_slot;
+  uint8_t block_token[16];
 } usmipc__wire_t;
 
 /* The wire of the event an ordered memory handle carries (identity from
@@ -363,6 +371,17 @@ int usmipc__release_body_parse(const uint8_t *body, size_t len,
                                uint64_t *ticket, const uint8_t **event,
                                size_t *event_len);
 #define USMIPC__RELEASE_BODY_MAX (10 + USMIPC__EVENT_HANDLE_MAX)
+/* ---- pools (pool.c) --------------------------------------------------------
+ */
+/* usmipc_free of a pointer in a pool segment (region->pool_segment). */
+int usmipc__pool_free(void *segment, void *ptr);
+/* The block record (0x8101, 4 + 48 bytes into rec) of the block holding ptr,
+ * exporting the block's slot the first time; resolves *nbytes == 0 to the
+ * rest of the block and checks the range. */
+int usmipc__pool_export(void *segment, const void *ptr, size_t *nbytes,
+                        uint8_t *rec, size_t *rec_len);
+/* 1 while the block w's record names is allocated (same process). */
+int usmipc__pool_block_live(void *segment, const usmipc__wire_t *w);
 void usmipc__events_fork_prepare(void);
 void usmipc__events_fork_parent(void);
 void usmipc__events_fork_child(void);

@@ -299,6 +299,35 @@ static int check_release_record(usmipc__wire_t *w, const uint8_t *r,
   return 0;
 }
 
+/* Record 0x8101 (memory handles): u64 block id, u32 slot, u32 0, 16 token,
+ * u64 block offset in the allocation (the segment), u64 block size. The
+ * exported range must lie in the block, the block in the allocation. */
+static int check_block_record(usmipc__wire_t *w, const uint8_t *r,
+                              uint16_t rlen) {
+  if (w->payload.handle_kind == USMIPC__HANDLE_KIND_EVENT)
+    return bad("an event handle carries a pool block record (0x8101)");
+  if (rlen != USMIPC__BLOCK_RECORD_LEN || w->has_block)
+    return bad("its pool block record (0x8101) is malformed or repeated");
+  w->block_id = usmipc__get64le(r);
+  w->block_slot = usmipc__get32le(r + 8);
+  memcpy(w->block_token, r + 16, 16);
+  w->block_offset = usmipc__get64le(r + 32);
+  w->block_size = usmipc__get64le(r + 40);
+  if (w->block_id == 0 || w->block_size == 0 || usmipc__get32le(r + 12) != 0)
+    return bad("its pool block record names no block");
+  if (w->block_slot >= USMIPC__TABLE_SLOTS || w->export_slot == USMIPC__NO_SLOT)
+    return bad("its pool block record's export slot is out of range");
+  if (w->block_offset > w->allocation_size ||
+      w->block_size > w->allocation_size - w->block_offset)
+    return bad("its pool block lies outside the allocation");
+  if (w->offset < w->block_offset ||
+      w->offset - w->block_offset > w->block_size ||
+      w->nbytes > w->block_size - (w->offset - w->block_offset))
+    return bad("its exported range lies outside its pool block");
+  w->has_block = true;
+  return 0;
+}
+
 /* Walks the extension records: each is u16 type, u16 length, then length
  * bytes. Unknown critical records refuse the handle (this library cannot
  * honour what the exporter required); other unknown records are skipped.
@@ -322,6 +351,8 @@ static int check_extensions(usmipc__wire_t *w) {
       rc = check_order_record(w, w->ext + at + 4, rlen, at);
     else if (type == USMIPC__EXT_RELEASE)
       rc = check_release_record(w, w->ext + at + 4, rlen);
+    else if (type == USMIPC__EXT_BLOCK)
+      rc = check_block_record(w, w->ext + at + 4, rlen);
     else if (backend_record(w, type)) {
       if (4u + rlen > (unsigned)(USMIPC__PAYLOAD_EXT_MAX - w->payload.ext_len))
         return bad("its backend's extension records are too long");
@@ -370,6 +401,7 @@ void usmipc__wire_order_event(const usmipc__wire_t *mem, usmipc__wire_t *ev) {
   ev->is_event = true;
   ev->order_at = ev->order_len = 0;
   ev->has_release = false;
+  ev->has_block = false;
 }
 
 size_t usmipc__order_record(const usmipc__wire_t *ev, uint8_t *out) {
@@ -524,6 +556,9 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
   w->order_at = w->order_len = 0;
   w->has_release = false;
   w->release_id = w->release_ticket = 0;
+  w->has_block = false;
+  w->block_id = w->block_offset = w->block_size = 0;
+  w->block_slot = 0;
   if (w->payload.handle_kind == USMIPC__HANDLE_KIND_EVENT) {
     /* An event handle names no memory. */
     if (w->nbytes != 0 || w->allocation_size != 0 || w->offset != 0 ||

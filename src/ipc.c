@@ -385,9 +385,8 @@ int usmipc_ipc_handle_order_ex(usmipc_ipc_handle_t *handle,
   if (handle == NULL)
     return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_handle_order: NULL handle");
   if (flags & ~USMIPC_ORDER_RELEASE)
-    return usmipc__fail(USMIPC_EINVAL,
-                        "usmipc_ipc_handle_order_ex: unknown flags 0x%x",
-                        flags);
+    return usmipc__fail(
+        USMIPC_EINVAL, "usmipc_ipc_handle_order_ex: unknown flags 0x%x", flags);
   if (handle->is_event)
     return usmipc__fail(USMIPC_EINVAL,
                         "usmipc_ipc_handle_order: an event handle cannot be "
@@ -588,6 +587,8 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
   }
   size_t offset;
   int rc = 0;
+  uint8_t block_rec[4 + USMIPC__BLOCK_RECORD_LEN];
+  size_t block_len = 0;
   if (r->origin == USMIPC__IMPORTED)
     rc = usmipc__fail(USMIPC_ENOTSUP,
                       "cannot export %p: it is an IPC mapping of another "
@@ -596,6 +597,10 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
   else if (r->user_freed)
     rc =
         usmipc__fail(USMIPC_EUNKNOWNPTR, "cannot export %p: it was freed", ptr);
+  else if (r->pool_segment != NULL &&
+           (rc = usmipc__pool_export(r->pool_segment, ptr, &nbytes, block_rec,
+                                     &block_len)) != 0)
+    usmipc__error_prefix("exporting %p: ", ptr);
   else if ((rc = check_export(ptr, r->device, &r->alloc, &offset, &nbytes)) ==
                0 &&
            !r->exported && (rc = export_region(r)) != 0)
@@ -618,6 +623,8 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
   memcpy(w.token, r->token, 16); /* every export has one (its slot's tag) */
   if (usmipc__fdxfer_socket_dir())
     w.flags |= USMIPC__WIRE_FLAG_SOCKET_DIR;
+  memcpy(w.ext, block_rec, block_len); /* a pool block's record, or none */
+  w.ext_len = (uint16_t)block_len;
   rc = usmipc__wire_set_payload(&w, r->payload);
   pthread_mutex_unlock(&usmipc__registry_lock);
   return rc != 0 ? rc : handle_new(&w, handle);
@@ -801,6 +808,52 @@ static int cache_take(usmipc__region_t *r, const usmipc__wire_t *w,
 static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
                         size_t nbytes, void **ptr, size_t *mapped_nbytes);
 
+/* A pool block's handle: the block must still be allocated (its own slot
+ * in the exporter's table), although its segment is mapped or mappable. */
+static int check_block(const usmipc__wire_t *w) {
+  const usmipc__process_t *self = usmipc__self_basic();
+  if (w->nonce == self->nonce && w->pid == self->pid) {
+    pthread_mutex_lock(&usmipc__registry_lock);
+    usmipc__region_t *r =
+        usmipc__region_find((const void *)(uintptr_t)w->exporter_base);
+    void *segment =
+        r && r->origin == USMIPC__LOCAL && r->buffer_id == w->buffer_id
+            ? r->pool_segment
+            : NULL;
+    /* Under the registry lock: the segment cannot go away meanwhile. */
+    int live = segment != NULL && usmipc__pool_block_live(segment, w);
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    if (live)
+      return 0;
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "the pool block this handle names has been freed "
+                        "(this process exported it)");
+  }
+  usmipc__peer_t *peer;
+  int fd = -1;
+  int rc = usmipc__peer_get(w, usmipc__deadline_after_timeout(), &peer, &fd);
+  if (rc != 0)
+    return rc;
+  if (fd >= 0)
+    close(fd);
+  usmipc__export_slot_t s;
+  const uint8_t *table = usmipc__peer_table(peer);
+  rc = 0;
+  if (usmipc__table_read_slot(table, w->block_slot, &s, NULL) != 0 ||
+      s.buffer_id != w->block_id ||
+      s.tag != usmipc__slot_tag(w->key, w->block_token) ||
+      s.size != w->block_size)
+    rc = usmipc__fail(USMIPC_EEXPORTERGONE,
+                      usmipc__table_alive(table)
+                          ? "process %u freed the pool block this handle "
+                            "names (or the handle's block record is forged)"
+                          : "process %u, which exported the pool block, has "
+                            "exited",
+                      w->pid);
+  usmipc__peer_put(peer);
+  return rc;
+}
+
 int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
                     size_t nbytes, void **ptr, size_t *mapped_nbytes) {
   return usmipc_ipc_open_ex(data, len, device, nbytes, NULL, 0, ptr,
@@ -831,6 +884,8 @@ int usmipc_ipc_open_ex(const void *data, size_t len, usmipc_device_t *device,
                         queue->device->filter, device->filter);
   if (device == NULL && queue != NULL)
     device = queue->device;
+  if (w.has_block && (rc = check_block(&w)) != 0)
+    return rc;
   if ((rc = open_mapping(&w, device, nbytes, ptr, mapped_nbytes)) != 0 ||
       w.order_len == 0 || (flags & USMIPC_OPEN_UNORDERED))
     return rc;

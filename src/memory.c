@@ -198,7 +198,13 @@ int usmipc_free(void *ptr) {
                       "usmipc_free: %p is an IPC mapping; close it with "
                       "usmipc_ipc_close instead",
                       ptr);
-  else if (r->alloc.base != ptr)
+  else if (r->pool_segment != NULL) {
+    /* A pool block: back to its pool (segments live until the pool is
+     * destroyed). */
+    void *segment = r->pool_segment;
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    return usmipc__pool_free(segment, ptr);
+  } else if (r->alloc.base != ptr)
     rc = usmipc__fail(USMIPC_EINVAL,
                       "usmipc_free: %p points inside the allocation at %p; "
                       "free the base pointer",

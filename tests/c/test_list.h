@@ -110,7 +110,11 @@
   X(event_threads)                                                             \
   X(event_release_cross_process)                                               \
   X(event_release_same_process)                                                \
-  X(event_import_sweep)
+  X(event_import_sweep)                                                        \
+  X(pool_basics)                                                               \
+  X(pool_cross_process)                                                        \
+  X(pool_hundred_thousand_blocks)                                              \
+  X(pool_threads)
 
 #define HELPER_LIST(X) X(agent)
 

@@ -81,6 +81,13 @@ static void check_one(const uint8_t *data, size_t size) {
                (unsigned long long)w.nbytes,
                (unsigned long long)w.allocation_size);
   }
+  if (w.has_block)
+    FUZZ_CHECK(w.block_id != 0 && w.block_size != 0 &&
+                   w.block_offset <= w.allocation_size &&
+                   w.block_size <= w.allocation_size - w.block_offset &&
+                   w.offset >= w.block_offset &&
+                   w.nbytes <= w.block_size - (w.offset - w.block_offset),
+               "block record");
   if (w.has_release)
     FUZZ_CHECK(w.release_id != 0 && w.release_ticket != 0 &&
                    w.payload.handle_kind != USMIPC__HANDLE_KIND_EVENT,
@@ -111,7 +118,7 @@ static void check_one(const uint8_t *data, size_t size) {
     FUZZ_CHECK(type != 0 &&
                    (!(type & USMIPC__EXT_CRITICAL) ||
                     type == USMIPC__EXT_EVENT || type == USMIPC__EXT_ORDER ||
-                    type == USMIPC__EXT_RELEASE),
+                    type == USMIPC__EXT_RELEASE || type == USMIPC__EXT_BLOCK),
                "type 0x%04x", type);
     uint16_t flen = 0;
     const uint8_t *rec = usmipc__wire_ext_find(&w, type, &flen);
@@ -338,6 +345,20 @@ int fuzz_make_corpus(void) {
   size_t rlen;
   usmipc_ipc_handle_data(handles[2], &rdata, &rlen);
   fuzz_write_seed("valid-release", rdata, rlen);
+  usmipc_pool_t *pool;
+  void *block;
+  usmipc_ipc_handle_t *bh;
+  const void *bdata;
+  size_t blen;
+  if (usmipc_pool_create(dev, 1 << 20, 0, &pool) != 0 ||
+      usmipc_pool_malloc(pool, 5000, 0, &block) != 0 ||
+      usmipc_ipc_get_handle((uint8_t *)block + 100, 0, &bh) != 0 ||
+      usmipc_ipc_handle_data(bh, &bdata, &blen) != 0)
+    return 2;
+  fuzz_write_seed("valid-pool-block", bdata, blen);
+  usmipc_ipc_free_handle(bh);
+  usmipc_free(block);
+  usmipc_pool_destroy(pool);
   usmipc__wire_t we, wo;
   if (usmipc__wire_decode(edata, elen, &we) != 0 ||
       usmipc__wire_decode(odata, olen, &wo) != 0)

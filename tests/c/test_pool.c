@@ -1,0 +1,226 @@
+/* Pools: blocks of shared segments, exported and opened block by block. */
+#include <pthread.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "task.h"
+
+#define MiB ((size_t)1 << 20)
+
+TEST_IMPL(pool_basics) {
+  usmipc_device_t *dev = test_device();
+  usmipc_pool_t *pool;
+  void *p[64];
+  ASSERT_ERR(usmipc_pool_create(NULL, 0, 0, &pool), USMIPC_EINVAL);
+  ASSERT_ERR(usmipc_pool_create(dev, 0, 0x3, &pool), USMIPC_EINVAL);
+  ASSERT_OK(usmipc_pool_create(dev, 4 * MiB, 0, &pool));
+  ASSERT_ERR(usmipc_pool_malloc(pool, 0, 0, &p[0]), USMIPC_EINVAL);
+  ASSERT_ERR(usmipc_pool_malloc(pool, 16, 3, &p[0]), USMIPC_EINVAL);
+  /* Sizes and alignments; blocks never overlap and keep their bytes. */
+  for (int i = 0; i < 64; i++) {
+    size_t n = 1 + (size_t)i * 4099, align = (size_t)1 << (i % 13);
+    ASSERT_OK(usmipc_pool_malloc(pool, n, align, &p[i]));
+    ASSERT_EQ((uintptr_t)p[i] % align, 0);
+    dev_fill(p[i], n, (uint64_t)i + 1, 0);
+  }
+  for (int i = 0; i < 64; i++)
+    ASSERT_PATTERN(p[i], 1 + (size_t)i * 4099, (uint64_t)i + 1, 0);
+  /* A block larger than a segment gets a segment of its own. */
+  void *big;
+  ASSERT_OK(usmipc_pool_malloc(pool, 80 * MiB, 0, &big));
+  dev_fill(big, 4096, 99, 0);
+  ASSERT_ERR(usmipc_pool_destroy(pool), USMIPC_EBUSY);
+  /* Interior pointers and double frees are refused; freed space is reused. */
+  ASSERT_ERR(usmipc_free((uint8_t *)p[5] + 1), USMIPC_EINVAL);
+  ASSERT_OK(usmipc_free(p[5]));
+  ASSERT_ERR(usmipc_free(p[5]), USMIPC_EINVAL);
+  void *again;
+  ASSERT_OK(usmipc_pool_malloc(pool, 1 + 5 * 4099, 32, &again));
+  ASSERT_PTR_EQ(again, p[5]);
+  p[5] = again;
+  for (int i = 0; i < 64; i++)
+    ASSERT_OK(usmipc_free(p[i]));
+  ASSERT_OK(usmipc_free(big));
+  ASSERT_OK(usmipc_pool_destroy(pool));
+  ASSERT_OK(usmipc_pool_destroy(NULL));
+  return 0;
+}
+
+/* Exported block by block, opened in another process (a fork child: a
+ * process of its own, with its own identity): data both ways, a freed
+ * block refused, its reused space a new block whose old handle stays
+ * refused, the rest unaffected. */
+TEST_IMPL(pool_cross_process) {
+  usmipc_device_t *dev = test_device();
+  if (!test_device_is_host())
+    RETURN_SKIP("the fork child needs a device that survives fork");
+  usmipc_pool_t *pool;
+  ASSERT_OK(usmipc_pool_create(dev, 0, 0, &pool));
+  enum { N = 32 };
+  void *p[N];
+  uint8_t *h[N];
+  size_t len[N];
+  usmipc_ipc_handle_t *handles[N];
+  for (int i = 0; i < N; i++) {
+    ASSERT_OK(usmipc_pool_malloc(pool, 4096 + (size_t)i * 100, 0, &p[i]));
+    dev_fill(p[i], 4096, (uint64_t)i + 7, 0);
+    handles[i] = export_copy(p[i], 0, &h[i], &len[i]);
+    usmipc_ipc_handle_info_t info;
+    ASSERT_OK(usmipc_ipc_handle_inspect(h[i], len[i], &info));
+    ASSERT_UEQ(info.nbytes, 4096 + (uint64_t)i * 100);
+  }
+  /* An interior pointer exports the rest of its block, no more. */
+  uint8_t *hi;
+  size_t hil;
+  usmipc_ipc_handle_t *hin = export_copy((uint8_t *)p[3] + 100, 0, &hi, &hil);
+  usmipc_ipc_handle_info_t ii;
+  ASSERT_OK(usmipc_ipc_handle_inspect(hi, hil, &ii));
+  ASSERT_UEQ(ii.nbytes, 4096 + 300 - 100);
+  usmipc_ipc_handle_t *bad;
+  ASSERT_ERR(usmipc_ipc_get_handle(p[3], 4096 + 301, &bad), USMIPC_ERANGE);
+  ASSERT_OK(usmipc_free(p[7])); /* freed before anyone opened it */
+  void *reuse;
+  ASSERT_OK(usmipc_pool_malloc(pool, 4096 + 700, 0, &reuse));
+  int to[2], from[2];
+  ASSERT_EQ(pipe(to), 0);
+  ASSERT_EQ(pipe(from), 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    char c;
+    int fail = 0;
+    size_t fds_child = count_fds();
+    for (int i = 0; i < N; i++) {
+      void *m;
+      int r = usmipc_ipc_open(h[i], len[i], NULL, 0, &m, NULL);
+      if (i == 7) {
+        fail |= r != USMIPC_EEXPORTERGONE;
+        continue;
+      }
+      fail |= r != 0 || pattern_check(m, 4096, (uint64_t)i + 7, 0) != SIZE_MAX;
+      if (r == 0 && i == 9) {
+        pattern_fill(m, 4096, 555, 0); /* written back */
+      }
+      if (r == 0)
+        fail |= usmipc_ipc_close(m) != 0;
+    }
+    void *m;
+    fail |= usmipc_ipc_open(hi, hil, NULL, 0, &m, NULL) != 0 ||
+            pattern_check(m, 4096 - 100, 3 + 7, 100) != SIZE_MAX;
+    usmipc_ipc_close(m);
+    /* One segment, however many blocks: a few descriptors at most (the
+     * exporter's pidfd, a kept broker connection), not one per block. */
+    fail |= (count_fds() > fds_child + 4) << 1;
+    if (write(from[1], "1", 1) != 1 || read(to[0], &c, 1) != 1)
+      _exit(3);
+    /* After the parent freed block 2: refused; block 3 still opens. */
+    fail |= usmipc_ipc_open(h[2], len[2], NULL, 0, &m, NULL) !=
+            USMIPC_EEXPORTERGONE;
+    fail |= usmipc_ipc_open(h[3], len[3], NULL, 0, &m, NULL) != 0;
+    _exit(fail ? 1 : 0);
+  }
+  char c;
+  ASSERT_EQ(read(from[0], &c, 1), 1);
+  ASSERT_PATTERN(p[9], 4096, 555, 0);
+  ASSERT_OK(usmipc_free(p[2]));
+  ASSERT_EQ(write(to[1], "1", 1), 1);
+  int status = wait_pid_timeout(pid, 20);
+  ASSERT_EQ(exit_code_of(status), 0);
+  for (int i = 0; i < N; i++) {
+    if (i != 7 && i != 2)
+      ASSERT_OK(usmipc_free(p[i]));
+    ASSERT_OK(usmipc_ipc_free_handle(handles[i]));
+    free(h[i]);
+  }
+  ASSERT_OK(usmipc_ipc_free_handle(hin));
+  free(hi);
+  ASSERT_OK(usmipc_free(reuse));
+  ASSERT_OK(usmipc_pool_destroy(pool));
+  return 0;
+}
+
+/* 10^5 live blocks under a descriptor limit of 1024: exported, and opened
+ * by another process, which keeps them all open at once. */
+TEST_IMPL(pool_hundred_thousand_blocks) {
+  usmipc_device_t *dev = test_device();
+  if (!test_device_is_host())
+    RETURN_SKIP("the fork child needs a device that survives fork");
+  enum { N = 100000 };
+  struct rlimit rl = {1024, 1024};
+  getrlimit(RLIMIT_NOFILE, &rl);
+  struct rlimit low = {1024, rl.rlim_max};
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  usmipc_pool_t *pool;
+  ASSERT_OK(usmipc_pool_create(dev, 0, 0, &pool));
+  void **p = calloc(N, sizeof(*p));
+  uint8_t(*h)[512] = calloc(N, 512);
+  size_t *len = calloc(N, sizeof(*len));
+  size_t fds0 = count_fds();
+  for (int i = 0; i < N; i++) {
+    ASSERT_OK(usmipc_pool_malloc(pool, 256, 0, &p[i]));
+    *(uint32_t *)p[i] = (uint32_t)i;
+    usmipc_ipc_handle_t *hd;
+    const void *data;
+    ASSERT_OK(usmipc_ipc_get_handle(p[i], 0, &hd));
+    ASSERT_OK(usmipc_ipc_handle_data(hd, &data, &len[i]));
+    memcpy(h[i], data, len[i]);
+    ASSERT_OK(usmipc_ipc_free_handle(hd));
+  }
+  ASSERT_LE(count_fds(), fds0 + 8); /* one segment, the table, the broker */
+  pid_t pid = fork();
+  if (pid == 0) {
+    void **m = calloc(N, sizeof(*m));
+    int fail = 0;
+    for (int i = 0; i < N && !fail; i++)
+      fail |= usmipc_ipc_open(h[i], len[i], NULL, 0, &m[i], NULL) != 0 ||
+              *(uint32_t *)m[i] != (uint32_t)i;
+    for (int i = 0; i < N && !fail; i++)
+      fail |= usmipc_ipc_close(m[i]) != 0;
+    _exit(fail ? 1 : count_fds() < 64 ? 0 : 2);
+  }
+  int status = wait_pid_timeout(pid, 60);
+  ASSERT_EQ(exit_code_of(status), 0);
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(usmipc_free(p[i]));
+  ASSERT_OK(usmipc_pool_destroy(pool));
+  setrlimit(RLIMIT_NOFILE, &rl);
+  free(p);
+  free(h);
+  free(len);
+  return 0;
+}
+
+/* Threads allocating, exporting, opening (same process: aliases) and
+ * freeing blocks of one pool at once, while the pool grows (for TSan). */
+static usmipc_pool_t *shared_pool;
+
+static void *pool_thread(void *arg) {
+  (void)arg;
+  for (int i = 0; i < 300; i++) {
+    void *p, *m;
+    size_t n = 1000 + (size_t)(i % 7) * 300000; /* grows past a segment */
+    ASSERT_OK(usmipc_pool_malloc(shared_pool, n, 0, &p));
+    usmipc_ipc_handle_t *h;
+    const void *data;
+    size_t len;
+    ASSERT_OK(usmipc_ipc_get_handle(p, 0, &h));
+    ASSERT_OK(usmipc_ipc_handle_data(h, &data, &len));
+    ASSERT_OK(usmipc_ipc_open(data, len, NULL, 0, &m, NULL));
+    ASSERT_PTR_EQ(m, p);
+    ASSERT_OK(usmipc_ipc_close(m));
+    ASSERT_OK(usmipc_ipc_free_handle(h));
+    ASSERT_OK(usmipc_free(p));
+  }
+  return NULL;
+}
+
+TEST_IMPL(pool_threads) {
+  ASSERT_OK(usmipc_pool_create(test_device(), 1 << 20, 0, &shared_pool));
+  pthread_t t[4];
+  for (int i = 0; i < 4; i++)
+    ASSERT_EQ(pthread_create(&t[i], NULL, pool_thread, NULL), 0);
+  for (int i = 0; i < 4; i++)
+    pthread_join(t[i], NULL);
+  ASSERT_OK(usmipc_pool_destroy(shared_pool));
+  return 0;
+}
