@@ -2,7 +2,8 @@
 
 ``MemoryUSMDevice``, ``MemoryUSMHost`` and ``MemoryUSMShared`` allocate USM
 memory of the three kinds; ``IPCMemoryHandle`` exports device memory and maps
-it in another process as a ``MemoryIPCDevice``; its bytes are ordered by
+it in another process as a ``MemoryIPCDevice``; ``MemoryPool`` hands out
+blocks that share at the cost of one export per segment; its bytes are ordered by
 default (importers wait for the producer's work before the handoff).
 ``IPCEventHandle`` (also ``usmipc.IPCEventHandle``) shares a ``usmipc.Event``
 the same way. All are C types from ``usmipc._usmipc``; this module only
@@ -14,6 +15,7 @@ from usmipc._usmipc import (
     IPCEventHandle,
     IPCMemoryHandle,
     MemoryIPCDevice,
+    MemoryPool,
     MemoryUSMDevice,
     MemoryUSMHost,
     MemoryUSMShared,
@@ -24,6 +26,7 @@ __all__ = [
     "IPCEventHandle",
     "IPCMemoryHandle",
     "MemoryIPCDevice",
+    "MemoryPool",
     "MemoryUSMDevice",
     "MemoryUSMHost",
     "MemoryUSMShared",

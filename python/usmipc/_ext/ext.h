@@ -38,6 +38,7 @@ typedef struct usmipc_module_state {
   PyTypeObject *QueueType;
   PyTypeObject *MemoryType; /* usmipc.memory._Memory, the base */
   PyTypeObject *MemoryUSMDeviceType;
+  PyTypeObject *MemoryPoolType; /* usmipc.memory.MemoryPool */
   PyTypeObject *MemoryUSMHostType;
   PyTypeObject *MemoryUSMSharedType;
   PyTypeObject *MemoryIPCDeviceType;
@@ -173,6 +174,9 @@ typedef struct usmipc_memory_object {
    * for one): the bytes, until the ticket is returned (release(), or
    * close_mapping / close, which return it from the host). */
   PyObject *release_handle;
+  /* A block of a MemoryPool: the pool, kept alive until the block is
+   * returned (usmipc_free gives it back). NULL otherwise. */
+  PyObject *pool;
 } usmipc_memory_object_t;
 
 /* Returns a mapping's release ticket, if it has one not returned yet, after

@@ -311,6 +311,7 @@ static int memory_traverse(PyObject *op, visitproc visit, void *arg) {
   Py_VISIT(Py_TYPE(op));
   Py_VISIT(self->device);
   Py_VISIT(self->queue);
+  Py_VISIT(self->pool);
   return 0;
 }
 
@@ -347,6 +348,7 @@ static void memory_dealloc(PyObject *op) {
     Py_END_ALLOW_THREADS
   }
   memory_clear(op);
+  Py_CLEAR(self->pool); /* after the block went back to it */
   freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
   tp_free(op);
   Py_DECREF(tp);
@@ -820,6 +822,213 @@ static PyType_Spec mapping_spec = {
     .slots = mapping_slots,
 };
 
+/* ---- MemoryPool ------------------------------------------------------------
+ * usmipc.memory.MemoryPool(nbytes=0, device=None, queue=None, ipc=None): a
+ * C pool (usmipc_pool_create, docs/pools.md); allocate(nbytes,
+ * alignment=0) gives a MemoryUSMDevice block whose IPCMemoryHandle is the
+ * small block handle. Blocks keep the pool alive; a block goes back to the
+ * pool when its memory object is freed. */
+
+typedef struct pool_object {
+  PyObject_HEAD usmipc_pool_t *pool;
+  PyObject *device; /* usmipc.Device */
+  PyObject *queue;  /* usmipc.Queue for the blocks' copies */
+  Py_ssize_t capacity;
+} Pool;
+
+static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"nbytes", "device", "queue", "ipc", NULL};
+  Py_ssize_t nbytes = 0;
+  PyObject *device_arg = NULL, *queue_arg = NULL;
+  const char *ipc = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "|n$OOz:MemoryPool", kwlist,
+                                   &nbytes, &device_arg, &queue_arg, &ipc)) {
+    return NULL;
+  }
+  if (nbytes < 0) {
+    PyErr_Format(PyExc_ValueError, "nbytes must be 0 (64 MiB) or positive, "
+                                   "not %zd",
+                 nbytes);
+    return NULL;
+  }
+  unsigned flags = 0;
+  if (ipc != NULL && strcmp(ipc, "fd") == 0) {
+    flags = USMIPC_ALLOC_IPC_FD;
+  } else if (ipc != NULL && strcmp(ipc, "native") == 0) {
+    flags = USMIPC_ALLOC_IPC_NATIVE;
+  } else if (ipc != NULL) {
+    PyErr_Format(PyExc_ValueError,
+                 "ipc must be None, 'fd' or 'native', not '%s'", ipc);
+    return NULL;
+  }
+  usmipc_module_state_t *st = usmipc_state_from_type(type);
+  if (st == NULL) {
+    return NULL;
+  }
+  PyObject *device_obj = NULL, *queue_obj = NULL;
+  if (queue_arg != NULL && queue_arg != Py_None) {
+    if (!PyObject_TypeCheck(queue_arg, st->QueueType)) {
+      PyErr_Format(PyExc_TypeError, "queue must be a usmipc.Queue, not %R",
+                   (PyObject *)Py_TYPE(queue_arg));
+      return NULL;
+    }
+    queue_obj = Py_NewRef(queue_arg);
+    device_obj = Py_NewRef(((usmipc_queue_object_t *)queue_arg)->device);
+  } else {
+    device_obj = usmipc_device_from_arg(st, device_arg);
+    if (device_obj == NULL) {
+      return NULL;
+    }
+    queue_obj = usmipc_default_queue(st, device_obj);
+    if (queue_obj == NULL) {
+      Py_DECREF(device_obj);
+      return NULL;
+    }
+  }
+  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+  Pool *self = (Pool *)alloc(type, 0);
+  if (self == NULL) {
+    Py_DECREF(device_obj);
+    Py_DECREF(queue_obj);
+    return NULL;
+  }
+  self->device = device_obj;
+  self->queue = queue_obj;
+  self->capacity = nbytes;
+  int rc = usmipc_pool_create(((usmipc_device_object_t *)device_obj)->device,
+                              (size_t)nbytes, flags, &self->pool);
+  if (rc < 0) {
+    usmipc_raise(st, rc);
+    Py_DECREF(self);
+    return NULL;
+  }
+  return (PyObject *)self;
+}
+
+static PyObject *pool_allocate(PyObject *op, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"nbytes", "alignment", NULL};
+  Pool *pool = (Pool *)op;
+  Py_ssize_t nbytes, alignment = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|n:allocate", kwlist, &nbytes,
+                                   &alignment)) {
+    return NULL;
+  }
+  if (nbytes <= 0 || alignment < 0) {
+    PyErr_Format(PyExc_ValueError,
+                 "nbytes must be positive and alignment 0 or a power of two, "
+                 "not %zd and %zd",
+                 nbytes, alignment);
+    return NULL;
+  }
+  usmipc_module_state_t *st = usmipc_state_from_device(pool->device);
+  PyTypeObject *type = st->MemoryUSMDeviceType;
+  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+  Mem *self = (Mem *)alloc(type, 0);
+  if (self == NULL) {
+    return NULL;
+  }
+  usmipc_device_t *device = ((usmipc_device_object_t *)pool->device)->device;
+  self->device = Py_NewRef(pool->device);
+  self->queue = Py_NewRef(pool->queue);
+  self->nbytes = nbytes;
+  self->kind = USMIPC_MEM_DEVICE;
+  self->backend = usmipc_device_backend(device);
+  self->host_accessible =
+      (char)is_host_accessible(self->backend, USMIPC_MEM_DEVICE);
+  void *ptr = NULL;
+  int rc;
+  usmipc_pool_t *p = pool->pool;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_pool_malloc(p, (size_t)nbytes, (size_t)alignment, &ptr);
+  Py_END_ALLOW_THREADS
+  if (rc < 0) {
+    usmipc_raise(st, rc);
+    Py_DECREF(self);
+    return NULL;
+  }
+  self->ptr = ptr;
+  self->pool = Py_NewRef(op);
+  return (PyObject *)self;
+}
+
+static PyObject *pool_get_device(PyObject *op, void *closure) {
+  (void)closure;
+  return Py_NewRef(((Pool *)op)->device);
+}
+
+static PyObject *pool_repr(PyObject *op) {
+  Pool *self = (Pool *)op;
+  return PyUnicode_FromFormat("<usmipc.memory.MemoryPool on %R>",
+                              self->device);
+}
+
+static int pool_traverse(PyObject *op, visitproc visit, void *arg) {
+  Pool *self = (Pool *)op;
+  Py_VISIT(Py_TYPE(op));
+  Py_VISIT(self->device);
+  Py_VISIT(self->queue);
+  return 0;
+}
+
+static void pool_dealloc(PyObject *op) {
+  Pool *self = (Pool *)op;
+  PyTypeObject *tp = Py_TYPE(op);
+  PyObject_GC_UnTrack(op);
+  /* Every block held a reference: none is live now. */
+  if (self->pool != NULL) {
+    usmipc_pool_t *p = self->pool;
+    self->pool = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    (void)usmipc_pool_destroy(p);
+    Py_END_ALLOW_THREADS
+  }
+  Py_CLEAR(self->device);
+  Py_CLEAR(self->queue);
+  freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+  tp_free(op);
+  Py_DECREF(tp);
+}
+
+static PyMethodDef pool_methods[] = {
+    {"allocate", (PyCFunction)(void (*)(void))pool_allocate,
+     METH_VARARGS | METH_KEYWORDS,
+     "allocate($self, /, nbytes, alignment=0)\n--\n\nA block of the pool "
+     "as a MemoryUSMDevice (aligned to alignment, 0: 256\nbytes); its "
+     "IPCMemoryHandle is a block handle, which importers open with\na "
+     "lookup once they mapped the block's segment. Freed with the memory\n"
+     "object; the pool lives as long as one of its blocks does."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef pool_getset[] = {
+    {"device", pool_get_device, NULL, "The pool's Device.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot pool_slots[] = {
+    {Py_tp_doc,
+     (void *)"MemoryPool(nbytes=0, *, device=None, queue=None, ipc=None)\n--"
+             "\n\nA pool of device memory whose blocks are shared at the "
+             "cost of one\nexport per segment (docs/pools.md): the first "
+             "segment has nbytes (0:\n64 MiB), each next one twice the last "
+             "up to 1 GiB. Whoever holds a\nblock's handle can map its whole "
+             "segment: use separate pools to keep\nconsumers apart."},
+    {Py_tp_new, pool_new},
+    {Py_tp_dealloc, pool_dealloc},
+    {Py_tp_traverse, pool_traverse},
+    {Py_tp_methods, pool_methods},
+    {Py_tp_getset, pool_getset},
+    {Py_tp_repr, pool_repr},
+    {0, NULL},
+};
+
+static PyType_Spec pool_spec = {
+    .name = "usmipc.memory.MemoryPool",
+    .basicsize = sizeof(Pool),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = pool_slots,
+};
+
 static PyTypeObject *make_subtype(PyObject *module, PyType_Spec *spec,
                                   PyTypeObject *base) {
   PyTypeObject *type =
@@ -856,6 +1065,10 @@ int usmipc_init_memory_types(PyObject *module, usmipc_module_state_t *st) {
   }
   st->MemoryIPCDeviceType = make_subtype(module, &mapping_spec, st->MemoryType);
   if (st->MemoryIPCDeviceType == NULL) {
+    return -1;
+  }
+  st->MemoryPoolType = make_subtype(module, &pool_spec, NULL);
+  if (st->MemoryPoolType == NULL) {
     return -1;
   }
   return 0;

@@ -689,6 +689,7 @@ static int usmipc_traverse(PyObject *module, visitproc visit, void *arg) {
   Py_VISIT(st->QueueType);
   Py_VISIT(st->MemoryType);
   Py_VISIT(st->MemoryUSMDeviceType);
+  Py_VISIT(st->MemoryPoolType);
   Py_VISIT(st->MemoryUSMHostType);
   Py_VISIT(st->MemoryUSMSharedType);
   Py_VISIT(st->MemoryIPCDeviceType);
@@ -724,6 +725,7 @@ static int usmipc_clear(PyObject *module) {
   Py_CLEAR(st->MemoryUSMSharedType);
   Py_CLEAR(st->MemoryUSMHostType);
   Py_CLEAR(st->MemoryUSMDeviceType);
+  Py_CLEAR(st->MemoryPoolType);
   Py_CLEAR(st->MemoryType);
   Py_CLEAR(st->QueueType);
   Py_CLEAR(st->DeviceType);
