@@ -380,6 +380,10 @@ int usmipc__pool_free(void *segment, void *ptr);
  * rest of the block and checks the range. */
 int usmipc__pool_export(void *segment, const void *ptr, size_t *nbytes,
                         uint8_t *rec, size_t *rec_len);
+/* Describes the block holding ptr (base, size, buffer id): 0, or
+ * USMIPC_EUNKNOWNPTR for a pointer in no live block of the segment. */
+int usmipc__pool_query(void *segment, const void *ptr,
+                       usmipc_pointer_info_t *info);
 /* 1 while the block w's record names is allocated (same process). */
 int usmipc__pool_block_live(void *segment, const usmipc__wire_t *w);
 void usmipc__events_fork_prepare(void);

@@ -260,8 +260,12 @@ int usmipc_pointer_query(const void *ptr, usmipc_pointer_info_t *info) {
     info->buffer_id = r->buffer_id;
     info->is_ipc_mapping = r->origin == USMIPC__IMPORTED;
     info->is_foreign = r->origin == USMIPC__FOREIGN_ALIAS;
+    /* A pool block: the block, not its segment (registry, then pool lock). */
+    int rc = r->pool_segment != NULL
+                 ? usmipc__pool_query(r->pool_segment, ptr, info)
+                 : 0;
     pthread_mutex_unlock(&usmipc__registry_lock);
-    return 0;
+    return rc;
   }
   pthread_mutex_unlock(&usmipc__registry_lock);
 

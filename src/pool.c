@@ -441,3 +441,25 @@ int usmipc__pool_block_live(void *segment, const usmipc__wire_t *w) {
   pthread_mutex_unlock(&pool->lock);
   return live;
 }
+
+int usmipc__pool_query(void *segment, const void *ptr,
+                       usmipc_pointer_info_t *info) {
+  segment_t *seg = segment;
+  usmipc_pool_t *pool = seg->pool;
+  pthread_mutex_lock(&pool->lock);
+  block_t *b = block_containing(pool, ptr);
+  if (b != NULL && b->seg == seg) {
+    info->base = (uint8_t *)seg->base + b->off;
+    info->size = b->size;
+    info->buffer_id = b->id;
+  }
+  pthread_mutex_unlock(&pool->lock);
+  if (b == NULL || b->seg != seg) {
+    memset(info, 0, sizeof(*info));
+    return usmipc__fail(USMIPC_EUNKNOWNPTR,
+                        "pointer %p lies in a pool segment but in no live "
+                        "block (freed, or never allocated)",
+                        ptr);
+  }
+  return 0;
+}

@@ -26,6 +26,15 @@ TEST_IMPL(pool_basics) {
   }
   for (int i = 0; i < 64; i++)
     ASSERT_PATTERN(p[i], 1 + (size_t)i * 4099, (uint64_t)i + 1, 0);
+  /* pointer_query describes the block, not its segment. */
+  usmipc_pointer_info_t info;
+  ASSERT_OK(usmipc_pointer_query((uint8_t *)p[9] + 10, &info));
+  ASSERT_PTR_EQ(info.base, p[9]);
+  ASSERT_EQ(info.size, 1 + 9 * 4099);
+  ASSERT_EQ(info.kind, USMIPC_MEM_DEVICE);
+  uint64_t id9 = info.buffer_id;
+  ASSERT_OK(usmipc_pointer_query(p[10], &info));
+  ASSERT_UNE(info.buffer_id, id9);
   /* A block larger than a segment gets a segment of its own. */
   void *big;
   ASSERT_OK(usmipc_pool_malloc(pool, 80 * MiB, 0, &big));
@@ -35,6 +44,7 @@ TEST_IMPL(pool_basics) {
   ASSERT_ERR(usmipc_free((uint8_t *)p[5] + 1), USMIPC_EINVAL);
   ASSERT_OK(usmipc_free(p[5]));
   ASSERT_ERR(usmipc_free(p[5]), USMIPC_EINVAL);
+  ASSERT_ERR(usmipc_pointer_query(p[5], &info), USMIPC_EUNKNOWNPTR);
   void *again;
   ASSERT_OK(usmipc_pool_malloc(pool, 1 + 5 * 4099, 32, &again));
   ASSERT_PTR_EQ(again, p[5]);
