@@ -316,6 +316,9 @@ typedef struct usmipc__wire {
   uint8_t block_token[16];
 } usmipc__wire_t;
 
+/* Clears w and fills in who exports it: this process on device (every
+ * handle of memory or events starts so). */
+void usmipc__wire_identity(usmipc__wire_t *w, usmipc_device_t *device);
 /* The wire of the event an ordered memory handle carries (identity from
  * the memory handle, the rest from its 0x8002 record). */
 void usmipc__wire_order_event(const usmipc__wire_t *mem, usmipc__wire_t *ev);

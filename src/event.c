@@ -375,22 +375,7 @@ static int export_local(usmipc_event_t *ev) {
 /* The wire of a local event's record point; events_lock held. */
 static void local_wire(const usmipc_event_t *ev, uint64_t point,
                        usmipc__wire_t *w) {
-  const usmipc__process_t *self = usmipc__self();
-  memset(w, 0, offsetof(usmipc__wire_t, ext));
-  w->ext_len = 0;
-  w->backend = ev->device->ops->backend;
-  memcpy(w->device_uuid, ev->device->uuid, 16);
-  memcpy(w->boot_id, self->boot_id, 16);
-  w->writer_version = USMIPC_VERSION_HEX;
-  w->uid = self->uid;
-  w->pid = self->pid;
-  w->nonce = self->nonce;
-  w->start_time = self->start_time;
-  w->pidfd_ino = self->pidfd_ino;
-  w->pid_ns = self->pid_ns;
-  w->net_ns = self->net_ns;
-  w->user_ns = self->user_ns;
-  memcpy(w->key, self->key, 16);
+  usmipc__wire_identity(w, ev->device);
   memcpy(w->token, ev->token, 16);
   w->buffer_id = ev->id;
   w->export_slot = ev->slot;

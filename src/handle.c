@@ -376,6 +376,27 @@ static int check_extensions(usmipc__wire_t *w) {
   return 0;
 }
 
+void usmipc__wire_identity(usmipc__wire_t *w, usmipc_device_t *device) {
+  /* Everything but the extension area's bytes, which ext_len bounds. */
+  memset(w, 0, offsetof(usmipc__wire_t, ext));
+  w->ext_len = 0;
+  memset(&w->is_event, 0, sizeof(*w) - offsetof(usmipc__wire_t, is_event));
+  const usmipc__process_t *self = usmipc__self();
+  w->backend = device->ops->backend;
+  memcpy(w->device_uuid, device->uuid, 16);
+  memcpy(w->boot_id, self->boot_id, 16);
+  w->writer_version = USMIPC_VERSION_HEX;
+  w->uid = self->uid;
+  w->pid = self->pid;
+  w->nonce = self->nonce;
+  w->start_time = self->start_time;
+  w->pidfd_ino = self->pidfd_ino;
+  w->pid_ns = self->pid_ns;
+  w->net_ns = self->net_ns;
+  w->user_ns = self->user_ns;
+  memcpy(w->key, self->key, 16);
+}
+
 void usmipc__wire_order_event(const usmipc__wire_t *mem, usmipc__wire_t *ev) {
   const uint8_t *r = mem->ext + mem->order_at;
   /* Everything but the extension area: the event's identity is the

@@ -328,21 +328,7 @@ static int check_export(const void *ptr, usmipc_device_t *device,
 static void wire_fill(usmipc__wire_t *w, usmipc_device_t *device,
                       const usmipc__allocation_t *a, uint64_t buffer_id,
                       size_t offset, size_t nbytes) {
-  const usmipc__process_t *self = usmipc__self();
-  memset(w, 0, sizeof(*w));
-  w->backend = device->ops->backend;
-  memcpy(w->device_uuid, device->uuid, 16);
-  memcpy(w->boot_id, self->boot_id, 16);
-  w->writer_version = USMIPC_VERSION_HEX;
-  w->uid = self->uid;
-  w->pid = self->pid;
-  w->nonce = self->nonce;
-  w->start_time = self->start_time;
-  w->pidfd_ino = self->pidfd_ino;
-  w->pid_ns = self->pid_ns;
-  w->net_ns = self->net_ns;
-  w->user_ns = self->user_ns;
-  memcpy(w->key, self->key, 16);
+  usmipc__wire_identity(w, device);
   w->fd_number = UINT32_MAX;
   w->export_slot = USMIPC__NO_SLOT;
   w->buffer_id = buffer_id;

@@ -125,6 +125,57 @@ PyObject *usmipc_memory_queue_object(Mem *self) {
 
 /* ---- construction -------------------------------------------------------- */
 
+/* The device and queue of a new allocation (or pool) from its device= and
+ * queue= arguments: the queue's device, which device= must then name, or
+ * device= (None: the default device) with its default queue. 0 with two
+ * new references, or -1 with an exception set. */
+static int device_and_queue(usmipc_module_state_t *st, PyObject *device_arg,
+                            PyObject *queue_arg, PyObject **device_out,
+                            PyObject **queue_out) {
+  PyObject *device_obj = NULL, *queue_obj = NULL;
+  if (queue_arg != NULL && queue_arg != Py_None) {
+    if (!PyObject_TypeCheck(queue_arg, st->QueueType)) {
+      PyErr_Format(PyExc_TypeError, "queue must be a usmipc.Queue, not %R",
+                   (PyObject *)Py_TYPE(queue_arg));
+      return -1;
+    }
+    queue_obj = Py_NewRef(queue_arg);
+    device_obj = Py_NewRef(((usmipc_queue_object_t *)queue_arg)->device);
+    if (device_arg != NULL && device_arg != Py_None) {
+      PyObject *given = usmipc_device_from_arg(st, device_arg);
+      if (given == NULL) {
+        goto fail;
+      }
+      /* Device objects are unique per device: identity is equality. */
+      if (given != device_obj) {
+        PyErr_Format(PyExc_ValueError,
+                     "the queue is on device %R but device %R was given",
+                     device_obj, given);
+        Py_DECREF(given);
+        goto fail;
+      }
+      Py_DECREF(given);
+    }
+  } else {
+    device_obj = usmipc_device_from_arg(st, device_arg);
+    if (device_obj == NULL) {
+      goto fail;
+    }
+    queue_obj = usmipc_default_queue(st, device_obj);
+    if (queue_obj == NULL) {
+      goto fail;
+    }
+  }
+  *device_out = device_obj;
+  *queue_out = queue_obj;
+  return 0;
+
+fail:
+  Py_XDECREF(device_obj);
+  Py_XDECREF(queue_obj);
+  return -1;
+}
+
 static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
                               PyObject *kwds, usmipc_mem_kind_t kind,
                               const char *format) {
@@ -173,44 +224,17 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
   }
 
   PyObject *device_obj = NULL, *queue_obj = NULL;
-  if (queue_arg != NULL && queue_arg != Py_None) {
-    if (!PyObject_TypeCheck(queue_arg, st->QueueType)) {
-      PyErr_Format(PyExc_TypeError, "queue must be a usmipc.Queue, not %R",
-                   (PyObject *)Py_TYPE(queue_arg));
-      return NULL;
-    }
-    queue_obj = Py_NewRef(queue_arg);
-    device_obj = Py_NewRef(((usmipc_queue_object_t *)queue_arg)->device);
-    if (device_arg != NULL && device_arg != Py_None) {
-      PyObject *given = usmipc_device_from_arg(st, device_arg);
-      if (given == NULL) {
-        goto fail;
-      }
-      /* Device objects are unique per device: identity is equality. */
-      if (given != device_obj) {
-        PyErr_Format(PyExc_ValueError,
-                     "the queue is on device %R but device %R was given",
-                     device_obj, given);
-        Py_DECREF(given);
-        goto fail;
-      }
-      Py_DECREF(given);
-    }
-  } else {
-    device_obj = usmipc_device_from_arg(st, device_arg);
-    if (device_obj == NULL) {
-      goto fail;
-    }
-    queue_obj = usmipc_default_queue(st, device_obj);
-    if (queue_obj == NULL) {
-      goto fail;
-    }
+  if (device_and_queue(st, device_arg, queue_arg, &device_obj, &queue_obj) <
+      0) {
+    return NULL;
   }
 
   allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
   Mem *self = (Mem *)alloc(type, 0);
   if (self == NULL) {
-    goto fail;
+    Py_DECREF(device_obj);
+    Py_DECREF(queue_obj);
+    return NULL;
   }
   usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
   self->device = device_obj; /* steals */
@@ -232,11 +256,6 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
   }
   self->ptr = ptr;
   return (PyObject *)self;
-
-fail:
-  Py_XDECREF(device_obj);
-  Py_XDECREF(queue_obj);
-  return NULL;
 }
 
 static PyObject *usm_device_new(PyTypeObject *type, PyObject *args,
@@ -866,24 +885,9 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     return NULL;
   }
   PyObject *device_obj = NULL, *queue_obj = NULL;
-  if (queue_arg != NULL && queue_arg != Py_None) {
-    if (!PyObject_TypeCheck(queue_arg, st->QueueType)) {
-      PyErr_Format(PyExc_TypeError, "queue must be a usmipc.Queue, not %R",
-                   (PyObject *)Py_TYPE(queue_arg));
-      return NULL;
-    }
-    queue_obj = Py_NewRef(queue_arg);
-    device_obj = Py_NewRef(((usmipc_queue_object_t *)queue_arg)->device);
-  } else {
-    device_obj = usmipc_device_from_arg(st, device_arg);
-    if (device_obj == NULL) {
-      return NULL;
-    }
-    queue_obj = usmipc_default_queue(st, device_obj);
-    if (queue_obj == NULL) {
-      Py_DECREF(device_obj);
-      return NULL;
-    }
+  if (device_and_queue(st, device_arg, queue_arg, &device_obj, &queue_obj) <
+      0) {
+    return NULL;
   }
   allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
   Pool *self = (Pool *)alloc(type, 0);
