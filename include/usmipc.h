@@ -416,6 +416,25 @@ USMIPC_API int usmipc_ipc_set_timeout(unsigned timeout_ms);
 typedef int (*usmipc_interrupt_fn)(void *arg);
 USMIPC_API void usmipc_set_interrupt_handler(usmipc_interrupt_fn fn, void *arg);
 
+/* What IPC has cost this process since it started (or since
+ * usmipc_reset_stats): driver exports (a new driver handle or descriptor for
+ * an allocation), driver imports (a driver open or map of another process's
+ * allocation), driver queries (of memory another library allocated, to find
+ * its allocation), descriptors this process's broker sent and descriptors
+ * this process took (by any transport), and round trips to other processes'
+ * brokers. A second share of buffers already shared costs none of the
+ * first two, nor descriptors. Pass sizeof(usmipc_stats_t). */
+typedef struct usmipc_stats {
+  unsigned long long driver_exports;
+  unsigned long long driver_imports;
+  unsigned long long driver_queries;
+  unsigned long long descriptors_sent;
+  unsigned long long descriptors_received;
+  unsigned long long transport_exchanges;
+} usmipc_stats_t;
+USMIPC_API int usmipc_get_stats(usmipc_stats_t *stats, size_t size);
+USMIPC_API void usmipc_reset_stats(void);
+
 #ifdef __cplusplus
 }
 #endif

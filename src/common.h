@@ -234,6 +234,18 @@ int usmipc__foreign_query_unlocked(const void *ptr, usmipc__allocation_t *alloc,
                                    uint64_t *buffer_id,
                                    usmipc_device_t **device);
 
+/* ---- counters (stats.c) -------------------------------------------------- */
+
+typedef struct usmipc__stats {
+  uint64_t driver_exports, driver_imports, driver_queries;
+  uint64_t descriptors_sent, descriptors_received, transport_exchanges;
+} usmipc__stats_t;
+extern usmipc__stats_t usmipc__stats;
+#define USMIPC__STAT_ADD(field, n)                                             \
+  __atomic_fetch_add(&usmipc__stats.field, (uint64_t)(n), __ATOMIC_RELAXED)
+#define USMIPC__STAT_GET(field)                                                \
+  __atomic_load_n(&usmipc__stats.field, __ATOMIC_RELAXED)
+
 /* ---- the wire format (handle.c) ------------------------------------------ */
 
 #define USMIPC__WIRE_VERSION 2

@@ -267,6 +267,7 @@ static int export_region(usmipc__region_t *r) {
       r->device->ops->ipc_export(r->device->native, &r->alloc, r->payload, &fd);
   if (rc != 0)
     return rc;
+  USMIPC__STAT_ADD(driver_exports, 1);
   r->fd_number = UINT32_MAX;
   if (fd >= 0) {
     usmipc__fd_grant_t grant;
@@ -500,7 +501,7 @@ static int export_foreign(const void *ptr, size_t nbytes,
       rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
     else if ((rc = device->ops->ipc_export(device->native, &a, &e->payload,
                                            &fd)) == 0 &&
-             fd >= 0)
+             (USMIPC__STAT_ADD(driver_exports, 1), fd >= 0))
       rc = usmipc__fail(USMIPC_ENOTSUP,
                         "cannot export %p: memory of another library shared "
                         "through a descriptor is not supported",
@@ -972,6 +973,8 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
       return rc;
     }
   }
+  if (fd >= 0)
+    USMIPC__STAT_ADD(descriptors_received, 1);
   usmipc__region_t *r = calloc(1, sizeof(*r));
   if (r == NULL) {
     if (fd >= 0)
@@ -982,6 +985,7 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
   r->alloc.fd = -1;
   rc = device->ops->ipc_import(device->native, owner->native, &w->payload, fd,
                                w->allocation_size, &r->alloc);
+  USMIPC__STAT_ADD(driver_imports, 1);
   if (fd >= 0)
     close(fd);
   if (rc != 0) {
@@ -1158,6 +1162,7 @@ int usmipc_ipc_open_sycl(const void *data, size_t len, usmipc_device_t *device,
   }
   r->alloc.fd = -1;
   rc = device->ops->ipc_import_sycl(device->native, &b, fd, &r->alloc);
+  USMIPC__STAT_ADD(driver_imports, 1);
   close(fd);
   if (rc != 0) {
     free(r);

@@ -314,8 +314,10 @@ int usmipc__foreign_query(const void *ptr, usmipc__allocation_t *alloc,
     int ordinal = 0;
     memset(alloc, 0, sizeof(*alloc));
     alloc->fd = -1;
-    if (ops->pointer_query == NULL ||
-        ops->pointer_query(ptr, alloc, buffer_id, &ordinal) != 0)
+    if (ops->pointer_query == NULL)
+      continue;
+    USMIPC__STAT_ADD(driver_queries, 1);
+    if (ops->pointer_query(ptr, alloc, buffer_id, &ordinal) != 0)
       continue;
     *device = usmipc__device_by_ordinal(ops->backend, ordinal);
     if (*device != NULL)

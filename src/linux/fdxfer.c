@@ -364,6 +364,7 @@ static void serve_request(int conn, const uint8_t *req, const uint8_t *body,
   else {
     fds[nfds++] = g->fd;
     send_reply(conn, req, REPLY_OK, fds, nfds);
+    USMIPC__STAT_ADD(descriptors_sent, 1);
   }
   pthread_mutex_unlock(&fdx_lock);
 }
@@ -1238,6 +1239,7 @@ static int exchange(int s, const usmipc__wire_t *w, unsigned want,
   } else {
     usmipc__request_build(req, w, want, client_nonce);
   }
+  USMIPC__STAT_ADD(transport_exchanges, 1);
   /* An idle connection's buffer takes the message at once. */
   ssize_t n = send(s, msg_out, msg_len, MSG_NOSIGNAL | MSG_DONTWAIT);
   if (n != (ssize_t)msg_len) {

@@ -114,7 +114,8 @@
   X(pool_basics)                                                               \
   X(pool_cross_process)                                                        \
   X(pool_hundred_thousand_blocks)                                              \
-  X(pool_threads)
+  X(pool_threads)                                                              \
+  X(stats_count_driver_work)
 
 #define HELPER_LIST(X) X(agent)
 

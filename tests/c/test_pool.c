@@ -234,3 +234,65 @@ TEST_IMPL(pool_threads) {
   ASSERT_OK(usmipc_pool_destroy(shared_pool));
   return 0;
 }
+
+/* The counters: the first open of a segment's block costs one driver
+ * import (and one descriptor on fd memory); every later block of the
+ * segment, and a second round over all of them, costs neither. The
+ * exporter counts one driver export per segment. */
+TEST_IMPL(stats_count_driver_work) {
+  usmipc_device_t *dev = test_device();
+  if (!test_device_is_host())
+    RETURN_SKIP("the fork child needs a device that survives fork");
+  usmipc_stats_t s0, s1;
+  usmipc_stats_t tiny;
+  ASSERT_ERR(usmipc_get_stats(NULL, sizeof(s0)), USMIPC_EINVAL);
+  ASSERT_OK(usmipc_get_stats(&tiny, sizeof(unsigned long long)));
+  usmipc_pool_t *pool;
+  ASSERT_OK(usmipc_pool_create(dev, 0, 0, &pool));
+  enum { N = 50 };
+  void *p[N];
+  uint8_t *h[N];
+  size_t len[N];
+  usmipc_ipc_handle_t *handles[N];
+  ASSERT_OK(usmipc_get_stats(&s0, sizeof(s0)));
+  for (int i = 0; i < N; i++) {
+    ASSERT_OK(usmipc_pool_malloc(pool, 1000 + (size_t)i, 0, &p[i]));
+    dev_fill(p[i], 1000, (uint64_t)i, 0);
+    handles[i] = export_copy(p[i], 0, &h[i], &len[i]);
+  }
+  ASSERT_OK(usmipc_get_stats(&s1, sizeof(s1)));
+  ASSERT_UEQ(s1.driver_exports - s0.driver_exports, 1);
+  pid_t pid = fork();
+  if (pid == 0) {
+    usmipc_stats_t a, b, c;
+    int fail = 0;
+    usmipc_reset_stats();
+    usmipc_get_stats(&a, sizeof(a));
+    fail |= a.driver_imports != 0;
+    for (int round = 0; round < 2; round++) {
+      for (int i = 0; i < N; i++) {
+        void *m;
+        int r = usmipc_ipc_open(h[i], len[i], NULL, 0, &m, NULL);
+        fail |= r != 0 || pattern_check(m, 1000, (uint64_t)i, 0) != SIZE_MAX;
+        if (r == 0)
+          usmipc_ipc_close(m);
+      }
+      usmipc_get_stats(round == 0 ? &b : &c, sizeof(b));
+    }
+    fail |= (b.driver_imports != 1) << 1;
+    fail |= (b.descriptors_received != 1) << 2;
+    fail |= (c.driver_imports != b.driver_imports ||
+             c.descriptors_received != b.descriptors_received)
+            << 3;
+    _exit(fail);
+  }
+  int status = wait_pid_timeout(pid, 20);
+  ASSERT_EQ(exit_code_of(status), 0);
+  for (int i = 0; i < N; i++) {
+    ASSERT_OK(usmipc_free(p[i]));
+    ASSERT_OK(usmipc_ipc_free_handle(handles[i]));
+    free(h[i]);
+  }
+  ASSERT_OK(usmipc_pool_destroy(pool));
+  return 0;
+}
