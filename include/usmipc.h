@@ -416,6 +416,109 @@ USMIPC_API int usmipc_ipc_set_timeout(unsigned timeout_ms);
 typedef int (*usmipc_interrupt_fn)(void *arg);
 USMIPC_API void usmipc_set_interrupt_handler(usmipc_interrupt_fn fn, void *arg);
 
+/* ---- bundles: many arrays in one handoff (docs/bundles.md) ----------------
+ *
+ *   producer: usmipc_bundle_create -> add containers and arrays in preorder
+ *             -> usmipc_bundle_finish (each allocation exported once) ->
+ *             usmipc_bundle_order(b, q) (optional) -> usmipc_bundle_data ->
+ *             send the bytes; keep the bundle (and the arrays' memory)
+ *             until the consumer has opened them: usmipc_bundle_free makes
+ *             the bytes refused from then on.
+ *   consumer: usmipc_bundle_open -> nodes and arrays -> use the pointers ->
+ *             usmipc_bundle_close (or usmipc_ipc_close of each pointer
+ *             after usmipc_bundle_release).
+ *
+ * The bytes are a documented format (docs/handle-format.md, "Bundles") that
+ * names each allocation once and each array as an offset, a DLPack dtype, a
+ * shape and strides; the tree (dicts with UTF-8 keys, lists, tuples) is a
+ * preorder list of nodes. No code or pickle travels. */
+typedef struct usmipc_bundle usmipc_bundle_t;
+typedef struct usmipc_opened_bundle usmipc_opened_bundle_t;
+
+typedef enum usmipc_bundle_node_kind {
+  USMIPC_BUNDLE_DICT = 1,
+  USMIPC_BUNDLE_LIST = 2,
+  USMIPC_BUNDLE_TUPLE = 3,
+  USMIPC_BUNDLE_ARRAY = 4,
+} usmipc_bundle_node_kind_t;
+
+/* An array: DLPack's dtype (code: 0 int, 1 uint, 2 float, 4 bfloat, 5
+ * complex, 6 bool; bits; lanes 1), shape, and strides in elements (NULL:
+ * C-contiguous; never negative). */
+typedef struct usmipc_array_desc {
+  uint8_t dtype_code;
+  uint8_t dtype_bits;
+  uint16_t dtype_lanes;
+  int ndim; /* 0 to USMIPC_BUNDLE_MAX_NDIM */
+  const int64_t *shape;
+  const int64_t *strides;
+} usmipc_array_desc_t;
+#define USMIPC_BUNDLE_MAX_NDIM 32
+
+typedef struct usmipc_bundle_node {
+  usmipc_bundle_node_kind_t kind;
+  uint32_t count;  /* a container's children; an array's index */
+  const char *key; /* in a dict: its key (UTF-8, not NUL-terminated) */
+  size_t key_len;
+} usmipc_bundle_node_t;
+
+typedef struct usmipc_bundle_array {
+  void *ptr; /* the mapped first element; NULL for an array of no element */
+  usmipc_array_desc_t desc; /* strides always set */
+  size_t extent;            /* bytes from ptr that the array spans */
+} usmipc_bundle_array_t;
+
+USMIPC_API int usmipc_bundle_create(usmipc_bundle_t **bundle);
+/* A dict, list or tuple of count children, which follow (in a dict each
+ * child carries its key). key: this node's key in its parent dict. */
+USMIPC_API int usmipc_bundle_add_container(usmipc_bundle_t *bundle,
+                                           usmipc_bundle_node_kind_t kind,
+                                           uint32_t count, const char *key,
+                                           size_t key_len);
+/* An array whose first element is at ptr, in device memory that can be
+ * exported (usmipc's own, a pool block, or another library's); an array of
+ * no element needs no memory (ptr may be NULL). The allocation is found and
+ * exported (once per bundle) here, so errors name this array. */
+USMIPC_API int usmipc_bundle_add_array(usmipc_bundle_t *bundle, const char *key,
+                                       size_t key_len, const void *ptr,
+                                       const usmipc_array_desc_t *desc);
+/* Checks the tree is complete and writes the bytes. */
+USMIPC_API int usmipc_bundle_finish(usmipc_bundle_t *bundle);
+/* Records an event on queue and makes the bytes carry it, so that the
+ * consumer's open waits for the work queued so far (as
+ * usmipc_ipc_handle_order); each call records anew. NULL: unordered. */
+USMIPC_API int usmipc_bundle_order(usmipc_bundle_t *bundle,
+                                   usmipc_queue_t *queue);
+USMIPC_API int usmipc_bundle_data(const usmipc_bundle_t *bundle,
+                                  const void **data, size_t *len);
+/* Counts of what usmipc_bundle_finish found. */
+USMIPC_API int usmipc_bundle_counts(const usmipc_bundle_t *bundle,
+                                    size_t *arrays, size_t *allocations);
+USMIPC_API int usmipc_bundle_free(usmipc_bundle_t *bundle);
+
+/* Maps every allocation the bytes name (each once; the descriptors of one
+ * exporter in one exchange), waits for the producer's work as
+ * usmipc_ipc_open_ex does (on queue, or the host; USMIPC_OPEN_UNORDERED
+ * skips it), and describes the tree. Each array with a pointer holds one
+ * open reference to its mapping. */
+USMIPC_API int usmipc_bundle_open(const void *data, size_t len,
+                                  usmipc_device_t *device,
+                                  usmipc_queue_t *queue, unsigned flags,
+                                  usmipc_opened_bundle_t **opened);
+USMIPC_API const usmipc_bundle_node_t *
+usmipc_opened_bundle_nodes(const usmipc_opened_bundle_t *opened, size_t *count);
+USMIPC_API const usmipc_bundle_array_t *
+usmipc_opened_bundle_arrays(const usmipc_opened_bundle_t *opened,
+                            size_t *count);
+/* Closes every array's mapping reference and frees the description. */
+USMIPC_API int usmipc_bundle_close(usmipc_opened_bundle_t *opened);
+/* Frees the description only: the caller closes each array's pointer with
+ * usmipc_ipc_close (language bindings, whose arrays live on their own). */
+USMIPC_API int usmipc_bundle_release(usmipc_opened_bundle_t *opened);
+/* Validates bundle bytes (as untrusted input) without opening them. */
+USMIPC_API int usmipc_bundle_inspect(const void *data, size_t len,
+                                     size_t *arrays, size_t *allocations);
+
 /* What IPC has cost this process since it started (or since
  * usmipc_reset_stats): driver exports (a new driver handle or descriptor for
  * an allocation), driver imports (a driver open or map of another process's

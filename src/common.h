@@ -234,6 +234,35 @@ int usmipc__foreign_query_unlocked(const void *ptr, usmipc__allocation_t *alloc,
                                    uint64_t *buffer_id,
                                    usmipc_device_t **device);
 
+/* ---- exports and opens for bundles (ipc.c) ------------------------------ */
+
+/* The allocation a pointer lies in: usmipc's own (a pool's segment, not the
+ * block) or another library's (asked of the driver). */
+typedef struct usmipc__allocation_ref {
+  uint64_t buffer_id;
+  uintptr_t base;
+  size_t size;
+  usmipc_device_t *device;
+} usmipc__allocation_ref_t;
+int usmipc__allocation_of(const void *ptr, usmipc__allocation_ref_t *ref);
+/* An unordered handle of the whole allocation ptr lies in (a pool segment
+ * as a whole, without a block record); fills ref's id, base and size. */
+int usmipc__export_allocation(const void *ptr, usmipc_ipc_handle_t **handle,
+                              usmipc__allocation_ref_t *ref);
+/* usmipc_ipc_open of a decoded memory handle, all of it, unordered. */
+int usmipc__open_wire(const struct usmipc__wire *w, usmipc_device_t *device,
+                      void **ptr);
+/* Takes n more open references on the mapping (or same-process alias) at
+ * ptr, each to be dropped by usmipc_ipc_close. */
+int usmipc__mapping_addref(void *ptr, unsigned n);
+
+/* Decodes and checks bundle bytes (bundle.c); the fuzzer's entry point.
+ * *kept (if not NULL) receives the description, freed by
+ * usmipc_bundle_release. */
+int usmipc__bundle_decode_check(const void *data, size_t len, size_t *arrays,
+                                size_t *allocations,
+                                usmipc_opened_bundle_t **kept);
+
 /* ---- counters (stats.c) -------------------------------------------------- */
 
 typedef struct usmipc__stats {

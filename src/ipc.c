@@ -548,8 +548,74 @@ static void foreign_revoke(foreign_export_t **link) {
   free(e);
 }
 
+static int get_handle(const void *ptr, size_t nbytes, bool whole,
+                      usmipc_ipc_handle_t **handle);
+
 int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
                           usmipc_ipc_handle_t **handle) {
+  return get_handle(ptr, nbytes, false, handle);
+}
+
+int usmipc__export_allocation(const void *ptr, usmipc_ipc_handle_t **handle,
+                              usmipc__allocation_ref_t *ref) {
+  int rc = get_handle(ptr, 0, true, handle);
+  if (rc != 0)
+    return rc;
+  /* The handle says what it exports: its fixed fields (handle.c). */
+  const uint8_t *d = (*handle)->data;
+  ref->buffer_id = usmipc__get64le(d + 112);
+  ref->base = (uintptr_t)usmipc__get64le(d + 120);
+  ref->size = usmipc__get64le(d + 128);
+  return 0;
+}
+
+int usmipc__allocation_of(const void *ptr, usmipc__allocation_ref_t *ref) {
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__region_t *r = usmipc__region_find(ptr);
+  if (r != NULL && r->origin == USMIPC__LOCAL && !r->user_freed) {
+    ref->buffer_id = r->buffer_id;
+    ref->base = (uintptr_t)r->alloc.base;
+    ref->size = r->alloc.size;
+    ref->device = r->device;
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    return 0;
+  }
+  bool imported = r != NULL && (r->origin == USMIPC__IMPORTED ||
+                                r->origin == USMIPC__IMPORTED_SYCL);
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  if (imported)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "cannot export %p: it is an IPC mapping of another "
+                        "process's memory; forward the original handle bytes",
+                        ptr);
+  usmipc__allocation_t a = {0};
+  int rc =
+      usmipc__foreign_query_unlocked(ptr, &a, &ref->buffer_id, &ref->device);
+  if (rc != 0)
+    return rc;
+  ref->base = (uintptr_t)a.base;
+  ref->size = a.size;
+  return 0;
+}
+
+int usmipc__mapping_addref(void *ptr, unsigned n) {
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__region_t *r = usmipc__region_find(ptr);
+  int rc = 0;
+  if (r != NULL &&
+      (r->origin == USMIPC__LOCAL || r->origin == USMIPC__FOREIGN_ALIAS) &&
+      r->alias_refs > 0)
+    r->alias_refs += n;
+  else if (r != NULL && r->origin == USMIPC__IMPORTED && r->open_refs > 0)
+    r->open_refs += n;
+  else
+    rc = usmipc__fail(USMIPC_ENOTMAPPED, "%p is not an open IPC mapping", ptr);
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  return rc;
+}
+
+static int get_handle(const void *ptr, size_t nbytes, bool whole,
+                      usmipc_ipc_handle_t **handle) {
   if (handle == NULL)
     return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_get_handle: handle is NULL");
   *handle = NULL;
@@ -584,7 +650,7 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
   else if (r->user_freed)
     rc =
         usmipc__fail(USMIPC_EUNKNOWNPTR, "cannot export %p: it was freed", ptr);
-  else if (r->pool_segment != NULL &&
+  else if (r->pool_segment != NULL && !whole &&
            (rc = usmipc__pool_export(r->pool_segment, ptr, &nbytes, block_rec,
                                      &block_len)) != 0)
     usmipc__error_prefix("exporting %p: ", ptr);
@@ -839,6 +905,11 @@ static int check_block(const usmipc__wire_t *w) {
                       w->pid);
   usmipc__peer_put(peer);
   return rc;
+}
+
+int usmipc__open_wire(const usmipc__wire_t *w, usmipc_device_t *device,
+                      void **ptr) {
+  return open_mapping(w, device, 0, ptr, NULL);
 }
 
 int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,

@@ -115,8 +115,11 @@
   X(pool_cross_process)                                                        \
   X(pool_hundred_thousand_blocks)                                              \
   X(pool_threads)                                                              \
-  X(stats_count_driver_work)
+  X(stats_count_driver_work)                                                   \
+  X(bundle_cross_process)                                                      \
+  X(bundle_refused)                                                            \
+  X(bundle_ten_thousand_arrays)
 
-#define HELPER_LIST(X) X(agent)
+#define HELPER_LIST(X) X(agent) X(bundle_reader)
 
 #endif /* USMIPC_TEST_LIST_H */

@@ -1,0 +1,466 @@
+/* Bundles: many arrays in one handoff, opened by an unrelated process (the
+ * bundle_reader helper), on the device under test. */
+#include <stdint.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "../../src/common.h" /* usmipc__crc32c, to forge valid bytes */
+#include "task.h"
+
+#define MiB ((size_t)1 << 20)
+
+/* ---- the reader: a process of its own that opens what it is sent --------
+ * Requests: u8 op, u32 code, u32 len, len bytes. 'O' opens the bundle and
+ * checks every array against pattern seed (index + 1) over its extent, then
+ * writes seed 500 over array 0; 'E' expects the open to fail with code; 'C'
+ * closes what was opened; 'Q' quits. Reply: 6 u64: status (0 ok, else the
+ * usmipc code or -1 wrong data), arrays, allocations, driver imports and
+ * descriptors taken so far, nodes. */
+static int read_full(int fd, void *p, size_t n) {
+  while (n > 0) {
+    ssize_t r = read(fd, p, n);
+    if (r <= 0)
+      return -1;
+    p = (uint8_t *)p + r;
+    n -= (size_t)r;
+  }
+  return 0;
+}
+
+static void reply(int64_t status, size_t arrays, size_t allocs, size_t nodes) {
+  usmipc_stats_t s;
+  usmipc_get_stats(&s, sizeof(s));
+  uint64_t r[6] = {(uint64_t)status,       arrays, allocs, s.driver_imports,
+                   s.descriptors_received, nodes};
+  if (write(1, r, sizeof(r)) != (ssize_t)sizeof(r))
+    _exit(5);
+}
+
+HELPER_IMPL(bundle_reader) {
+  (void)argc;
+  (void)argv;
+  usmipc_opened_bundle_t *opened[16];
+  int nopen = 0;
+  for (;;) {
+    uint8_t op;
+    uint32_t code, len;
+    if (read_full(0, &op, 1) || read_full(0, &code, 4) || read_full(0, &len, 4))
+      return 1;
+    uint8_t *data = malloc(len ? len : 1);
+    if (data == NULL || read_full(0, data, len))
+      return 2;
+    if (op == 'Q') {
+      free(data);
+      return 0;
+    }
+    if (op == 'C') {
+      for (int i = 0; i < nopen; i++)
+        usmipc_bundle_close(opened[i]);
+      nopen = 0;
+      reply(0, 0, 0, 0);
+    } else if (op == 'E') {
+      usmipc_opened_bundle_t *ob = NULL;
+      int r = usmipc_bundle_open(data, len, test_device(), NULL, 0, &ob);
+      if (r == 0)
+        usmipc_bundle_close(ob);
+      fprintf(stderr, "reader: expected %d, got %d: %s\n", (int)code, r,
+              r ? usmipc_last_error() : "");
+      reply(r == (int)code ? 0 : (r == 0 ? -2 : r), 0, 0, 0);
+    } else {
+      usmipc_opened_bundle_t *ob;
+      int r = usmipc_bundle_open(data, len, test_device(), NULL, 0, &ob);
+      if (r != 0) {
+        fprintf(stderr, "reader: %s\n", usmipc_last_error());
+        reply(r, 0, 0, 0);
+      } else {
+        size_t narr, nnode, nseg = 0;
+        const usmipc_bundle_array_t *a = usmipc_opened_bundle_arrays(ob, &narr);
+        usmipc_opened_bundle_nodes(ob, &nnode);
+        usmipc_bundle_inspect(data, len, NULL, &nseg);
+        int64_t status = 0;
+        for (size_t i = 0; i < narr; i++)
+          if (a[i].extent > 0 &&
+              dev_check(a[i].ptr, a[i].extent, i + 1, 0) != SIZE_MAX)
+            status = -1;
+        if (narr > 0 && a[0].extent > 0)
+          dev_fill(a[0].ptr, a[0].extent, 500, 0);
+        opened[nopen++] = ob;
+        reply(status, narr, nseg, nnode);
+      }
+    }
+    free(data);
+  }
+}
+
+typedef struct reader {
+  pid_t pid;
+  int to, from;
+} reader_t;
+
+static void reader_start(reader_t *r) {
+  r->pid = spawn_helper("bundle_reader", NULL, NULL, &r->to, &r->from);
+}
+
+static void reader_send(reader_t *r, char op, uint32_t code, const void *data,
+                        size_t len, uint64_t out[6]) {
+  uint32_t l = (uint32_t)len;
+  ASSERT_EQ(write(r->to, &op, 1), 1);
+  ASSERT_EQ(write(r->to, &code, 4), 4);
+  ASSERT_EQ(write(r->to, &l, 4), 4);
+  if (len > 0)
+    ASSERT_EQ(write(r->to, data, len), (ssize_t)len);
+  if (out != NULL)
+    ASSERT_EQ(read_full(r->from, out, 6 * sizeof(uint64_t)), 0);
+}
+
+static void reader_stop(reader_t *r) {
+  reader_send(r, 'Q', 0, NULL, 0, NULL);
+  ASSERT_EQ(exit_code_of(wait_pid_timeout(r->pid, 20)), 0);
+  close(r->to);
+  close(r->from);
+}
+
+/* Fills each array's extent with pattern seed (index + 1). */
+static void fill_arrays(void *const *ptr, const size_t *extent, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (extent[i] > 0)
+      dev_fill(ptr[i], extent[i], i + 1, 0);
+}
+
+/* A nested tree over pool blocks and plain allocations:
+ *   {"weights": [a0 (f32 16x16), a1 (bf16 strided view 8x4 of 8x8)],
+ *    "meta": (a2 (i64, 0-d), a3 (f16 0x5, no memory)),
+ *    "": {"ü": a4 (bool 3)}, "big": a5 (u8 in its own allocation)} */
+TEST_IMPL(bundle_cross_process) {
+  usmipc_device_t *dev = test_device();
+  usmipc_pool_t *pool;
+  ASSERT_OK(usmipc_pool_create(dev, 0, 0, &pool));
+  void *ptr[6];
+  size_t extent[6] = {16 * 16 * 4, (7 * 8 + 3 * 2 + 1) * 2, 8, 0, 3, MiB};
+  ASSERT_OK(usmipc_pool_malloc(pool, extent[0], 0, &ptr[0]));
+  ASSERT_OK(usmipc_pool_malloc(pool, 8 * 8 * 2, 0, &ptr[1]));
+  ASSERT_OK(usmipc_pool_malloc(pool, 8, 0, &ptr[2]));
+  ptr[3] = NULL;
+  ASSERT_OK(usmipc_pool_malloc(pool, 3, 0, &ptr[4]));
+  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, MiB, &ptr[5]));
+  fill_arrays(ptr, extent, 6);
+
+  int64_t s0[] = {16, 16}, s1[] = {8, 4}, st1[] = {8, 2}, s3[] = {0, 5},
+          s4[] = {3}, s5[] = {(int64_t)MiB};
+  usmipc_array_desc_t d0 = {2, 32, 1, 2, s0, NULL}, d1 = {4, 16, 1, 2, s1, st1},
+                      d2 = {0, 64, 1, 0, NULL, NULL},
+                      d3 = {2, 16, 1, 2, s3, NULL}, d4 = {6, 8, 1, 1, s4, NULL},
+                      d5 = {1, 8, 1, 1, s5, NULL};
+  usmipc_bundle_t *b;
+  ASSERT_OK(usmipc_bundle_create(&b));
+  ASSERT_OK(usmipc_bundle_add_container(b, USMIPC_BUNDLE_DICT, 4, NULL, 0));
+  ASSERT_OK(
+      usmipc_bundle_add_container(b, USMIPC_BUNDLE_LIST, 2, "weights", 7));
+  ASSERT_OK(usmipc_bundle_add_array(b, NULL, 0, ptr[0], &d0));
+  ASSERT_OK(usmipc_bundle_add_array(b, NULL, 0, ptr[1], &d1));
+  ASSERT_OK(usmipc_bundle_add_container(b, USMIPC_BUNDLE_TUPLE, 2, "meta", 4));
+  ASSERT_OK(usmipc_bundle_add_array(b, NULL, 0, ptr[2], &d2));
+  ASSERT_OK(usmipc_bundle_add_array(b, NULL, 0, ptr[3], &d3));
+  ASSERT_OK(usmipc_bundle_add_container(b, USMIPC_BUNDLE_DICT, 1, "", 0));
+  ASSERT_OK(usmipc_bundle_add_array(b, "\xc3\xbc", 2, ptr[4], &d4));
+  ASSERT_ERR(usmipc_bundle_finish(b), USMIPC_EINVAL); /* one child missing */
+  ASSERT_OK(usmipc_bundle_add_array(b, "big", 3, ptr[5], &d5));
+  ASSERT_ERR(usmipc_bundle_add_array(b, "more", 4, ptr[5], &d5),
+             USMIPC_EINVAL); /* the tree is complete */
+  usmipc_bundle_free(b);
+
+  /* Again, cleanly (a failed add poisons a bundle). */
+  ASSERT_OK(usmipc_bundle_create(&b));
+  ASSERT_OK(usmipc_bundle_add_container(b, USMIPC_BUNDLE_DICT, 4, NULL, 0));
+  ASSERT_OK(
+      usmipc_bundle_add_container(b, USMIPC_BUNDLE_LIST, 2, "weights", 7));
+  ASSERT_OK(usmipc_bundle_add_array(b, NULL, 0, ptr[0], &d0));
+  ASSERT_OK(usmipc_bundle_add_array(b, NULL, 0, ptr[1], &d1));
+  ASSERT_OK(usmipc_bundle_add_container(b, USMIPC_BUNDLE_TUPLE, 2, "meta", 4));
+  ASSERT_OK(usmipc_bundle_add_array(b, NULL, 0, ptr[2], &d2));
+  ASSERT_OK(usmipc_bundle_add_array(b, NULL, 0, ptr[3], &d3));
+  ASSERT_OK(usmipc_bundle_add_container(b, USMIPC_BUNDLE_DICT, 1, "", 0));
+  ASSERT_OK(usmipc_bundle_add_array(b, "\xc3\xbc", 2, ptr[4], &d4));
+  ASSERT_OK(usmipc_bundle_add_array(b, "big", 3, ptr[5], &d5));
+  ASSERT_OK(usmipc_bundle_finish(b));
+  size_t narr, nseg;
+  ASSERT_OK(usmipc_bundle_counts(b, &narr, &nseg));
+  ASSERT_EQ(narr, 6);
+  ASSERT_EQ(nseg, 2); /* the pool's segment and the plain allocation */
+  const void *data;
+  size_t len;
+  ASSERT_OK(usmipc_bundle_data(b, &data, &len));
+  size_t i_arr, i_seg;
+  ASSERT_OK(usmipc_bundle_inspect(data, len, &i_arr, &i_seg));
+  ASSERT_EQ(i_arr, 6);
+  ASSERT_EQ(i_seg, 2);
+
+  /* Opened here (an alias of the memory) and described exactly. */
+  usmipc_opened_bundle_t *ob;
+  ASSERT_OK(usmipc_bundle_open(data, len, dev, NULL, 0, &ob));
+  size_t n;
+  const usmipc_bundle_node_t *nodes = usmipc_opened_bundle_nodes(ob, &n);
+  ASSERT_EQ(n, 10);
+  ASSERT_EQ(nodes[0].kind, USMIPC_BUNDLE_DICT);
+  ASSERT_EQ(nodes[0].count, 4);
+  ASSERT_EQ(nodes[1].kind, USMIPC_BUNDLE_LIST);
+  ASSERT_EQ(nodes[1].key_len, 7);
+  ASSERT(memcmp(nodes[1].key, "weights", 7) == 0);
+  ASSERT_EQ(nodes[7].kind, USMIPC_BUNDLE_DICT);
+  ASSERT_NOT_NULL(nodes[7].key);
+  ASSERT_EQ(nodes[7].key_len, 0);
+  ASSERT_EQ(nodes[8].kind, USMIPC_BUNDLE_ARRAY);
+  ASSERT_EQ(nodes[8].count, 4);
+  const usmipc_bundle_array_t *a = usmipc_opened_bundle_arrays(ob, &n);
+  ASSERT_EQ(n, 6);
+  for (size_t i = 0; i < 6; i++) {
+    ASSERT_PTR_EQ(a[i].ptr, ptr[i]);
+    ASSERT_EQ(a[i].extent, extent[i]);
+  }
+  ASSERT_EQ(a[1].desc.dtype_code, 4);
+  ASSERT_EQ(a[1].desc.strides[0], 8);
+  ASSERT_EQ(a[1].desc.strides[1], 2);
+  ASSERT_EQ(a[0].desc.strides[0], 16); /* filled in: C-contiguous */
+  ASSERT_EQ(a[2].desc.ndim, 0);
+  ASSERT_OK(usmipc_bundle_close(ob));
+
+  /* Another process: the data, the tree, one import per allocation; a
+   * second open of the same bytes and a re-finished bundle cost nothing. */
+  size_t fds0 = count_fds();
+  reader_t r;
+  reader_start(&r);
+  uint64_t out[6];
+  reader_send(&r, 'O', 0, data, len, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_UEQ(out[1], 6);
+  ASSERT_UEQ(out[2], 2);
+  ASSERT_UEQ(out[5], 10);
+  ASSERT_UEQ(out[3], 2); /* driver imports */
+  uint64_t descs = out[4];
+  ASSERT_PATTERN(ptr[0], extent[0], 500, 0); /* written back */
+  reader_send(&r, 'O', 0, data, len, out);
+  ASSERT_EQ((int64_t)out[0], -1); /* array 0 now holds seed 500 */
+  ASSERT_UEQ(out[3], 2);
+  ASSERT_UEQ(out[4], descs);
+  reader_send(&r, 'C', 0, NULL, 0, out);
+  fill_arrays(ptr, extent, 1);
+  usmipc_bundle_t *b2;
+  ASSERT_OK(usmipc_bundle_create(&b2));
+  ASSERT_OK(usmipc_bundle_add_container(b2, USMIPC_BUNDLE_LIST, 2, NULL, 0));
+  ASSERT_OK(usmipc_bundle_add_array(b2, NULL, 0, ptr[0], &d0));
+  ASSERT_OK(usmipc_bundle_add_array(b2, NULL, 0, ptr[1], &d1));
+  ASSERT_OK(usmipc_bundle_finish(b2));
+  const void *data2;
+  size_t len2;
+  ASSERT_OK(usmipc_bundle_data(b2, &data2, &len2));
+  reader_send(&r, 'O', 0, data2, len2, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_UEQ(out[3], 2); /* the segment was mapped (kept in the cache) */
+  ASSERT_UEQ(out[4], descs);
+  reader_send(&r, 'C', 0, NULL, 0, out);
+
+  /* Freed: the bytes are refused, though the memory still lives. */
+  uint8_t *kept = malloc(len2);
+  memcpy(kept, data2, len2);
+  data2 = kept;
+  usmipc_bundle_free(b2);
+  reader_send(&r, 'E', USMIPC_EEXPORTERGONE, data2, len2, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  reader_send(&r, 'E', USMIPC_EEXPORTERGONE, data2, len2, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  reader_stop(&r);
+  free(kept);
+  ASSERT_EQ(count_fds(), fds0);
+  usmipc_bundle_free(b);
+  for (int i = 0; i < 6; i++)
+    if (ptr[i] != NULL)
+      ASSERT_OK(usmipc_free(ptr[i]));
+  ASSERT_OK(usmipc_pool_destroy(pool));
+  return 0;
+}
+
+/* Rewrites the checksum, so that a forgery gets past it to the check it
+ * means to test. */
+static void reseal(uint8_t *p, size_t len) {
+  usmipc__put32le(p + len - 4, usmipc__crc32c(0, p, len - 4));
+}
+
+/* Bad input at both ends, each with its own error. */
+TEST_IMPL(bundle_refused) {
+  usmipc_device_t *dev = test_device();
+  void *mem;
+  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &mem));
+  int64_t shape[] = {1024};
+  usmipc_array_desc_t f32 = {2, 32, 1, 1, shape, NULL};
+  usmipc_bundle_t *b;
+  /* The producer's mistakes. */
+  ASSERT_ERR(usmipc_bundle_create(NULL), USMIPC_EINVAL);
+  ASSERT_OK(usmipc_bundle_create(&b));
+  ASSERT_ERR(usmipc_bundle_finish(b), USMIPC_EINVAL); /* empty */
+  ASSERT_ERR(usmipc_bundle_add_container(b, USMIPC_BUNDLE_ARRAY, 1, NULL, 0),
+             USMIPC_EINVAL);
+  usmipc_bundle_free(b);
+  struct {
+    usmipc_array_desc_t d;
+    const void *ptr;
+    int code;
+  } bad[] = {
+      {{3, 64, 1, 1, shape, NULL}, mem, USMIPC_EINVAL}, /* opaque handle */
+      {{2, 24, 1, 1, shape, NULL}, mem, USMIPC_EINVAL}, /* 24-bit float */
+      {{2, 32, 4, 1, shape, NULL}, mem, USMIPC_EINVAL}, /* lanes */
+      {{2, 32, 1, 33, shape, NULL}, mem, USMIPC_EINVAL},
+      {{2, 32, 1, 1, (int64_t[]){1025}, NULL}, mem, USMIPC_ERANGE},
+      {{2, 32, 1, 1, (int64_t[]){2}, (int64_t[]){-1}}, mem, USMIPC_EINVAL},
+      {{2, 32, 1, 1, shape, NULL}, (uint8_t *)mem + 8, USMIPC_ERANGE},
+      {{2, 32, 1, 1, shape, NULL}, &shape, USMIPC_EUNKNOWNPTR},
+  };
+  for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+    ASSERT_OK(usmipc_bundle_create(&b));
+    ASSERT_ERR(usmipc_bundle_add_array(b, NULL, 0, bad[i].ptr, &bad[i].d),
+               bad[i].code);
+    ASSERT_ERR(usmipc_bundle_finish(b), bad[i].code); /* poisoned */
+    usmipc_bundle_free(b);
+  }
+  ASSERT_OK(usmipc_bundle_create(&b));
+  ASSERT_OK(usmipc_bundle_add_container(b, USMIPC_BUNDLE_LIST, 1, NULL, 0));
+  ASSERT_ERR(usmipc_bundle_add_array(b, "k", 1, mem, &f32), USMIPC_EINVAL);
+  usmipc_bundle_free(b);
+  ASSERT_OK(usmipc_bundle_create(&b));
+  ASSERT_OK(usmipc_bundle_add_container(b, USMIPC_BUNDLE_DICT, 1, NULL, 0));
+  ASSERT_ERR(usmipc_bundle_add_array(b, "\xff", 1, mem, &f32), USMIPC_EINVAL);
+  usmipc_bundle_free(b);
+  if (test_device_is_host()) { /* host memory is not device memory */
+    void *hostmem;
+    ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_HOST, 4096, &hostmem));
+    ASSERT_OK(usmipc_bundle_create(&b));
+    ASSERT_ERR(usmipc_bundle_add_array(b, NULL, 0, hostmem, &f32),
+               USMIPC_EMEMKIND);
+    usmipc_bundle_free(b);
+    ASSERT_OK(usmipc_free(hostmem));
+  }
+
+  /* The consumer's: forged bytes. A good bundle of {"x": array}. */
+  ASSERT_OK(usmipc_bundle_create(&b));
+  ASSERT_OK(usmipc_bundle_add_container(b, USMIPC_BUNDLE_DICT, 1, NULL, 0));
+  ASSERT_OK(usmipc_bundle_add_array(b, "x", 1, mem, &f32));
+  ASSERT_OK(usmipc_bundle_finish(b));
+  const void *data;
+  size_t len;
+  ASSERT_OK(usmipc_bundle_data(b, &data, &len));
+  uint8_t *p = malloc(len);
+  usmipc_opened_bundle_t *ob;
+  for (size_t cut = 0; cut < len; cut += 7) /* truncated */
+    ASSERT_ERR(usmipc_bundle_open(data, cut, dev, NULL, 0, &ob),
+               USMIPC_EBADHANDLE);
+  memcpy(p, data, len);
+  p[100] ^= 1; /* corrupted */
+  ASSERT_ERR(usmipc_bundle_open(p, len, dev, NULL, 0, &ob), USMIPC_EBADHANDLE);
+  ASSERT(strstr(usmipc_last_error(), "checksum") != NULL);
+  /* The array's offset beyond its allocation (checksum fixed up): the
+   * array record sits after the header and the one allocation's handle. */
+  size_t arr_at = 64 + 2 + usmipc__get16le((const uint8_t *)data + 64);
+  memcpy(p, data, len);
+  usmipc__put64le(p + arr_at + 8, 8);
+  reseal(p, len);
+  ASSERT_ERR(usmipc_bundle_open(p, len, dev, NULL, 0, &ob), USMIPC_EBADHANDLE);
+  ASSERT(strstr(usmipc_last_error(), "overruns") != NULL);
+  memcpy(p, data, len);
+  usmipc__put32le(p + arr_at, 1); /* allocation 1 of 1 */
+  reseal(p, len);
+  ASSERT_ERR(usmipc_bundle_open(p, len, dev, NULL, 0, &ob), USMIPC_EBADHANDLE);
+  memcpy(p, data, len);
+  p[arr_at + 24] = 0xff; /* shape 1024 -> huge */
+  reseal(p, len);
+  ASSERT_ERR(usmipc_bundle_open(p, len, dev, NULL, 0, &ob), USMIPC_EBADHANDLE);
+  memcpy(p, data, len);
+  p[8] = 9; /* a later version */
+  reseal(p, len);
+  ASSERT_ERR(usmipc_bundle_open(p, len, dev, NULL, 0, &ob),
+             USMIPC_EHANDLEVERSION);
+  memcpy(p, data, len);
+  p[len - 4 - 1 - 8] = 3; /* the array node becomes a tuple node */
+  reseal(p, len);
+  ASSERT_ERR(usmipc_bundle_open(p, len, dev, NULL, 0, &ob), USMIPC_EBADHANDLE);
+  /* A token that is not the bundle's: refused by the slot check, in
+   * another process as in this one. */
+  memcpy(p, data, len);
+  p[32] ^= 0x55;
+  reseal(p, len);
+  ASSERT_ERR(usmipc_bundle_open(p, len, dev, NULL, 0, &ob),
+             USMIPC_EEXPORTERGONE);
+  reader_t r;
+  uint64_t out[6];
+  reader_start(&r);
+  reader_send(&r, 'E', USMIPC_EEXPORTERGONE, p, len, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  reader_send(&r, 'O', 0, data, len, out);
+  ASSERT_EQ((int64_t)out[0], -1); /* opens (the data has no pattern) */
+  reader_send(&r, 'C', 0, NULL, 0, out);
+  reader_stop(&r);
+  /* Handle bytes are not bundle bytes, and the other way round. */
+  usmipc_ipc_handle_t *h;
+  ASSERT_OK(usmipc_ipc_get_handle(mem, 0, &h));
+  const void *hd;
+  size_t hl;
+  ASSERT_OK(usmipc_ipc_handle_data(h, &hd, &hl));
+  ASSERT_ERR(usmipc_bundle_open(hd, hl, dev, NULL, 0, &ob), USMIPC_EBADHANDLE);
+  ASSERT(strstr(usmipc_last_error(), "usmipc_ipc_open") != NULL);
+  void *m;
+  ASSERT_ERR(usmipc_ipc_open(data, len, dev, 0, &m, NULL), USMIPC_EBADHANDLE);
+  usmipc_ipc_free_handle(h);
+  free(p);
+  usmipc_bundle_free(b);
+  ASSERT_OK(usmipc_free(mem));
+  return 0;
+}
+
+/* Many arrays over few allocations: 10,000 pool blocks in one bundle open
+ * with one import per segment. */
+TEST_IMPL(bundle_ten_thousand_arrays) {
+  usmipc_device_t *dev = test_device();
+  usmipc_pool_t *pool;
+  ASSERT_OK(usmipc_pool_create(dev, 0, 0, &pool));
+  enum { N = 10000 };
+  void **ptr = calloc(N, sizeof(void *));
+  size_t *extent = calloc(N, sizeof(size_t));
+  usmipc_bundle_t *b;
+  ASSERT_OK(usmipc_bundle_create(&b));
+  ASSERT_OK(usmipc_bundle_add_container(b, USMIPC_BUNDLE_DICT, N, NULL, 0));
+  for (int i = 0; i < N; i++) {
+    int64_t shape[1] = {1 + i % 300};
+    usmipc_array_desc_t d = {1, 8, 1, 1, shape, NULL};
+    extent[i] = (size_t)shape[0];
+    ASSERT_OK(usmipc_pool_malloc(pool, extent[i], 0, &ptr[i]));
+    char key[32];
+    int kl = snprintf(key, sizeof(key), "layers.%d.weight", i);
+    ASSERT_OK(usmipc_bundle_add_array(b, key, (size_t)kl, ptr[i], &d));
+  }
+  fill_arrays(ptr, extent, N);
+  ASSERT_OK(usmipc_bundle_finish(b));
+  size_t nseg;
+  ASSERT_OK(usmipc_bundle_counts(b, NULL, &nseg));
+  ASSERT_EQ(nseg, 1);
+  const void *data;
+  size_t len;
+  ASSERT_OK(usmipc_bundle_data(b, &data, &len));
+  reader_t r;
+  uint64_t out[6];
+  reader_start(&r);
+  double t0 = now_seconds();
+  reader_send(&r, 'O', 0, data, len, out);
+  double took = now_seconds() - t0;
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_UEQ(out[1], N);
+  ASSERT_UEQ(out[3], 1);
+  reader_send(&r, 'C', 0, NULL, 0, out);
+  reader_stop(&r);
+  fprintf(stderr, "10,000 arrays, %zu bytes: opened and checked in %.1f ms\n",
+          len, took * 1e3);
+  usmipc_bundle_free(b);
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(usmipc_free(ptr[i]));
+  free(ptr);
+  free(extent);
+  ASSERT_OK(usmipc_pool_destroy(pool));
+  return 0;
+}
