@@ -73,7 +73,7 @@ test-tsan:
 # libFuzzer on the parsers (needs clang): each target for FUZZ_SECONDS,
 # starting from its committed corpus; new inputs go to $(BUILD)-fuzz/.
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS = handle request reply umf
+FUZZ_TARGETS = handle request reply umf bundle
 fuzz-build:
 	CC=clang cmake -S . -B $(BUILD)-fuzz -DUSMIPC_FUZZ=ON $(CMAKE_FLAGS)
 	cmake --build $(BUILD)-fuzz -j $(JOBS) $(foreach t,$(FUZZ_TARGETS),--target fuzz_$(t))

@@ -78,13 +78,15 @@ static size_t dtype_itemsize(uint8_t code, uint8_t bits, uint16_t lanes) {
  * SIZE_MAX when the shape or strides are out of range. */
 static size_t array_extent(const usmipc_array_desc_t *d, size_t itemsize) {
   unsigned __int128 last = 0; /* element offset of the last element */
-  for (int i = 0; i < d->ndim; i++) {
+  bool empty = false;
+  for (int i = 0; i < d->ndim; i++) { /* every dimension, also after a 0 */
     if (d->shape[i] < 0 || d->shape[i] > MAX_DIM || d->strides[i] < 0 ||
         d->strides[i] > MAX_DIM)
       return SIZE_MAX;
-    if (d->shape[i] == 0)
-      return 0;
+    empty |= d->shape[i] == 0;
   }
+  if (empty)
+    return 0;
   for (int i = 0; i < d->ndim; i++) {
     last += (unsigned __int128)(uint64_t)(d->shape[i] - 1) *
             (uint64_t)d->strides[i];
