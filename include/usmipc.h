@@ -510,6 +510,10 @@ usmipc_opened_bundle_nodes(const usmipc_opened_bundle_t *opened, size_t *count);
 USMIPC_API const usmipc_bundle_array_t *
 usmipc_opened_bundle_arrays(const usmipc_opened_bundle_t *opened,
                             size_t *count);
+/* The device the arrays are mapped on (NULL when the bundle names no
+ * memory and no device was given). */
+USMIPC_API usmipc_device_t *
+usmipc_opened_bundle_device(const usmipc_opened_bundle_t *opened);
 /* Closes every array's mapping reference and frees the description. */
 USMIPC_API int usmipc_bundle_close(usmipc_opened_bundle_t *opened);
 /* Frees the description only: the caller closes each array's pointer with

@@ -638,6 +638,7 @@ struct usmipc_opened_bundle {
   size_t order_at, order_len; /* in bytes */
   uint8_t *bytes;             /* a copy: the keys point into it */
   size_t len;
+  usmipc_device_t *device; /* where the arrays are mapped */
 };
 
 static void opened_free(usmipc_opened_bundle_t *ob) {
@@ -1018,6 +1019,10 @@ int usmipc_bundle_open(const void *data, size_t len, usmipc_device_t *device,
   int rc = decode(data, len, &ob);
   if (rc != 0)
     return rc;
+  if (device == NULL && ob->nseg > 0)
+    device =
+        usmipc__device_by_uuid(ob->segs[0].backend, ob->segs[0].device_uuid);
+  ob->device = device;
   if (ob->nseg > 0 && (rc = check_live(ob)) != 0) {
     opened_free(ob);
     return rc;
@@ -1099,6 +1104,10 @@ usmipc_opened_bundle_arrays(const usmipc_opened_bundle_t *ob, size_t *count) {
   if (count)
     *count = ob ? ob->narr : 0;
   return ob ? ob->arrays : NULL;
+}
+
+usmipc_device_t *usmipc_opened_bundle_device(const usmipc_opened_bundle_t *ob) {
+  return ob ? ob->device : NULL;
 }
 
 int usmipc_bundle_close(usmipc_opened_bundle_t *ob) {

@@ -45,6 +45,8 @@ typedef struct usmipc_module_state {
   PyTypeObject *IPCMemoryHandleType;
   PyTypeObject *EventType;
   PyTypeObject *IPCEventHandleType;
+  PyObject *SharedBundleType; /* usmipc.SharedBundle (bundle.c) */
+  PyObject *SharedArrayType;  /* usmipc.SharedArray */
 
   usmipc_device_slot_t *slots;
   Py_ssize_t nslots;
@@ -228,9 +230,20 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes);
 int usmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
                         PyObject **owner);
 
+/* Reads obj's __dlpack__ tensor: 1 with *tensor, *flags and *owner (a new
+ * reference owning the tensor: dropping it calls the producer's deleter)
+ * set, 0 if obj has no __dlpack__, -1 with an exception set. The tensor's
+ * shape and strides stay valid while *owner lives. */
+int usmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
+                       PyObject **owner);
+
 /* ---- ipc_handle.c -------------------------------------------------------- */
 
 int usmipc_init_ipc_handle_type(PyObject *module, usmipc_module_state_t *st);
+/* The stream another library's array is used on now, for ordering its
+ * handoffs: torch.cuda.current_stream(tensor.device), CuPy's current
+ * stream; Py_None for other arrays. New reference, or NULL. */
+PyObject *usmipc_foreign_current_stream(PyObject *obj);
 /* The Device object a handle's info names, if this process has it (new
  * reference); Py_None (new reference) if not; NULL with an exception. */
 PyObject *usmipc_device_of_info(usmipc_module_state_t *st,
@@ -243,6 +256,12 @@ PyObject *usmipc_handle_info_dict(const usmipc_ipc_handle_info_t *info,
  * release it), 0 if obj is neither, -1 with an exception set. */
 int usmipc_buffer_bytes(PyObject *obj, const char **data, Py_ssize_t *len,
                         Py_buffer *view, int *have_view);
+
+/* ---- bundle.c ------------------------------------------------------------ */
+
+/* usmipc.share, open_shared, close_shared, stats, reset_stats and the types
+ * SharedBundle and SharedArray. */
+int usmipc_init_bundle_types(PyObject *module, usmipc_module_state_t *st);
 
 /* ---- event.c ------------------------------------------------------------- */
 

@@ -34,59 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- dlpack.h, v1.0 ------------------------------------------------------ */
-
-enum {
-  kDLCPU = 1,
-  kDLCUDA = 2,
-  kDLCUDAHost = 3,
-  kDLCUDAManaged = 13,
-  kDLOneAPI = 14,
-};
-enum { kDLUInt = 1 };
-
-/* DLManagedTensorVersioned.flags */
-#define DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED (1UL << 2UL)
-
-typedef struct {
-  int32_t device_type;
-  int32_t device_id;
-} DLDevice;
-
-typedef struct {
-  uint8_t code;
-  uint8_t bits;
-  uint16_t lanes;
-} DLDataType;
-
-typedef struct {
-  void *data;
-  DLDevice device;
-  int32_t ndim;
-  DLDataType dtype;
-  int64_t *shape;
-  int64_t *strides;
-  uint64_t byte_offset;
-} DLTensor;
-
-typedef struct DLManagedTensor {
-  DLTensor dl_tensor;
-  void *manager_ctx;
-  void (*deleter)(struct DLManagedTensor *self);
-} DLManagedTensor;
-
-typedef struct {
-  uint32_t major;
-  uint32_t minor;
-} DLPackVersion;
-
-typedef struct DLManagedTensorVersioned {
-  DLPackVersion version;
-  void *manager_ctx;
-  void (*deleter)(struct DLManagedTensorVersioned *self);
-  uint64_t flags;
-  DLTensor dl_tensor;
-} DLManagedTensorVersioned;
+#include "dlpack.h"
 
 /* ---- the device of a memory object ----------------------------------------
  */
@@ -828,4 +776,25 @@ int usmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
   *nbytes = size;
   *owner = tensor_owner;
   return 1;
+}
+
+int usmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
+                       PyObject **owner) {
+  *owner = NULL;
+  PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
+  if (method == NULL) {
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      PyErr_Clear();
+      return 0;
+    }
+    return -1;
+  }
+  PyObject *capsule = call_dlpack(method);
+  Py_DECREF(method);
+  if (capsule == NULL) {
+    return -1;
+  }
+  *owner = dl_consume(capsule, tensor, flags);
+  Py_DECREF(capsule);
+  return *owner == NULL ? -1 : 1;
 }

@@ -141,7 +141,7 @@ static PyObject *export_memory(PyTypeObject *type, usmipc_module_state_t *st,
  * cupy.cuda.get_current_stream() for a CuPy array (modules already
  * imported, since the array exists). New reference; Py_None for other
  * arrays; NULL with an exception set. */
-static PyObject *foreign_current_stream(PyObject *obj) {
+PyObject *usmipc_foreign_current_stream(PyObject *obj) {
   if (usmipc_type_module_is(obj, "torch")) {
     PyObject *device = PyObject_GetAttrString(obj, "device");
     if (device == NULL) {
@@ -246,7 +246,7 @@ static int setup_order(usmipc_module_state_t *st, Handle *self,
   } else if (mem != NULL) {
     queue = Py_XNewRef(usmipc_memory_queue_object(mem));
   } else {
-    PyObject *current = foreign_current_stream(obj);
+    PyObject *current = usmipc_foreign_current_stream(obj);
     if (current == NULL) {
       return -1;
     }

@@ -663,7 +663,8 @@ static int usmipc_exec(PyObject *module) {
       usmipc_init_queue_type(module, st) < 0 ||
       usmipc_init_memory_types(module, st) < 0 ||
       usmipc_init_ipc_handle_type(module, st) < 0 ||
-      usmipc_init_event_types(module, st) < 0 || add_error_codes(module) < 0 ||
+      usmipc_init_event_types(module, st) < 0 ||
+      usmipc_init_bundle_types(module, st) < 0 || add_error_codes(module) < 0 ||
       install_interrupt_hook() < 0) {
     return -1;
   }
@@ -696,6 +697,8 @@ static int usmipc_traverse(PyObject *module, visitproc visit, void *arg) {
   Py_VISIT(st->IPCMemoryHandleType);
   Py_VISIT(st->EventType);
   Py_VISIT(st->IPCEventHandleType);
+  Py_VISIT(st->SharedBundleType);
+  Py_VISIT(st->SharedArrayType);
   for (Py_ssize_t i = 0; i < st->nslots; i++) {
     Py_VISIT(st->slots[i].device_obj);
     Py_VISIT(st->slots[i].queue_obj);
@@ -719,6 +722,8 @@ static int usmipc_clear(PyObject *module) {
   Py_CLEAR(st->Error);
   Py_CLEAR(st->TimeoutError);
   Py_CLEAR(st->IPCEventHandleType);
+  Py_CLEAR(st->SharedBundleType);
+  Py_CLEAR(st->SharedArrayType);
   Py_CLEAR(st->EventType);
   Py_CLEAR(st->IPCMemoryHandleType);
   Py_CLEAR(st->MemoryIPCDeviceType);

@@ -1,0 +1,1614 @@
+/* Bundles from Python: usmipc.share(tree) -> SharedBundle (to_bytes, pickle)
+ * and usmipc.open_shared(bytes) -> the same tree of SharedArray leaves,
+ * over the C library's bundles (src/bundle.c, docs/bundles.md).
+ *
+ * share() walks dicts (str keys), lists and tuples; a leaf is usmipc memory
+ * (a 1-D uint8 array of its bytes), a torch tensor (read through its methods:
+ * data_ptr, shape, stride, dtype; no DLPack round trip, which costs
+ * microseconds per tensor), an object with __cuda_array_interface__ (CuPy,
+ * Numba) or with __dlpack__ (NumPy over usmipc host memory, JAX, ...). The
+ * SharedBundle keeps every leaf alive: its memory is promised to consumers
+ * as long as the bundle lives (freeing it makes its bytes refused).
+ *
+ * Ordering follows IPCMemoryHandle: by default each to_bytes() records an
+ * event on the producer's stream (stream=, or the current stream of the
+ * first torch/CuPy leaf, or the memory's queue), and open_shared waits for
+ * it on the host, or on stream= on the device. A leaf opened on a stream
+ * makes any other stream a consumer names in __dlpack__(stream=...) wait
+ * for that stream first.
+ *
+ * A SharedArray holds one open reference to its mapping; close() (or
+ * close_shared(tree), or collection) drops it, deferred while a DLPack
+ * tensor or a buffer view of it is alive, as for memory objects. */
+#include "ext.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dlpack.h"
+
+/* The name of obj's type, for messages (new reference, or NULL). */
+static PyObject *type_name(PyObject *obj) {
+  return PyType_GetName(Py_TYPE(obj));
+}
+
+/* ---- dtypes -------------------------------------------------------------- */
+
+typedef struct dtype_entry {
+  const char *name;      /* SharedArray.dtype */
+  const char *torch;     /* str(torch dtype) */
+  const char *typestr;   /* __cuda_array_interface__, without byte order */
+  const char *format;    /* buffer protocol, NULL: none */
+  uint8_t code, bits;
+} dtype_entry_t;
+
+static const dtype_entry_t DTYPES[] = {
+    {"bool", "torch.bool", "b1", "?", 6, 8},
+    {"int8", "torch.int8", "i1", "b", 0, 8},
+    {"int16", "torch.int16", "i2", "h", 0, 16},
+    {"int32", "torch.int32", "i4", "i", 0, 32},
+    {"int64", "torch.int64", "i8", "q", 0, 64},
+    {"uint8", "torch.uint8", "u1", "B", 1, 8},
+    {"uint16", "torch.uint16", "u2", "H", 1, 16},
+    {"uint32", "torch.uint32", "u4", "I", 1, 32},
+    {"uint64", "torch.uint64", "u8", "Q", 1, 64},
+    {"float16", "torch.float16", "f2", "e", 2, 16},
+    {"float32", "torch.float32", "f4", "f", 2, 32},
+    {"float64", "torch.float64", "f8", "d", 2, 64},
+    {"bfloat16", "torch.bfloat16", NULL, NULL, 4, 16},
+    {"complex64", "torch.complex64", "c8", "Zf", 5, 64},
+    {"complex128", "torch.complex128", "c16", "Zd", 5, 128},
+};
+#define NDTYPES (sizeof(DTYPES) / sizeof(DTYPES[0]))
+
+static const dtype_entry_t *dtype_by_code(uint8_t code, uint8_t bits) {
+  for (size_t i = 0; i < NDTYPES; i++)
+    if (DTYPES[i].code == code && DTYPES[i].bits == bits)
+      return &DTYPES[i];
+  return NULL;
+}
+
+/* ---- leaves of share() ---------------------------------------------------- */
+
+/* What share() learned about a leaf. */
+typedef struct leaf_info {
+  void *ptr;
+  usmipc_array_desc_t desc;
+  int64_t shape[USMIPC_BUNDLE_MAX_NDIM], strides[USMIPC_BUNDLE_MAX_NDIM];
+  PyObject *keep; /* a new reference the bundle keeps (the source, or the
+                     owner of a DLPack tensor) */
+  PyObject *stream_of; /* the leaf whose current stream orders the bundle
+                          (torch, CuPy), or NULL; borrowed */
+  usmipc_memory_object_t *mem; /* usmipc memory, borrowed, or NULL */
+} leaf_info_t;
+
+/* A dict of torch dtype objects -> index into DTYPES, filled on first use
+ * (dtype objects are singletons, so this is a pointer lookup). */
+static PyObject *torch_dtypes;
+
+static int fill_int_tuple(PyObject *seq, int64_t *out, int *ndim,
+                          const char *what) {
+  PyObject *t = PySequence_Tuple(seq);
+  if (t == NULL)
+    return -1;
+  Py_ssize_t n = PyTuple_Size(t);
+  if (n > USMIPC_BUNDLE_MAX_NDIM) {
+    Py_DECREF(t);
+    PyErr_Format(PyExc_ValueError, "%s has %zd dimensions; at most %d travel",
+                 what, n, USMIPC_BUNDLE_MAX_NDIM);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    out[i] = PyLong_AsLongLong(PyTuple_GetItem(t, i));
+    if (out[i] == -1 && PyErr_Occurred()) {
+      Py_DECREF(t);
+      return -1;
+    }
+  }
+  Py_DECREF(t);
+  if (*ndim >= 0 && *ndim != (int)n) {
+    PyErr_Format(PyExc_ValueError, "%s: %zd strides for %d dimensions", what,
+                 n, *ndim);
+    return -1;
+  }
+  *ndim = (int)n;
+  return 0;
+}
+
+static int leaf_torch(PyObject *obj, leaf_info_t *L) {
+  PyObject *device = PyObject_GetAttrString(obj, "device");
+  if (device == NULL)
+    return -1;
+  PyObject *type = PyObject_GetAttrString(device, "type");
+  Py_DECREF(device);
+  if (type == NULL)
+    return -1;
+  int cpu = PyUnicode_Check(type) &&
+            PyUnicode_CompareWithASCIIString(type, "cpu") == 0;
+  Py_DECREF(type);
+  if (cpu) {
+    PyErr_SetString(PyExc_TypeError,
+                    "a CPU tensor: only device memory can be shared (move it "
+                    "to the GPU, or into usmipc memory)");
+    return -1;
+  }
+  PyObject *dtype = PyObject_GetAttrString(obj, "dtype");
+  if (dtype == NULL)
+    return -1;
+  if (torch_dtypes == NULL && (torch_dtypes = PyDict_New()) == NULL) {
+    Py_DECREF(dtype);
+    return -1;
+  }
+  PyObject *idx = PyDict_GetItemWithError(torch_dtypes, dtype);
+  if (idx == NULL) {
+    if (PyErr_Occurred()) {
+      Py_DECREF(dtype);
+      return -1;
+    }
+    PyObject *name = PyObject_Str(dtype);
+    long found = -1;
+    for (size_t i = 0; name != NULL && i < NDTYPES; i++)
+      if (PyUnicode_CompareWithASCIIString(name, DTYPES[i].torch) == 0)
+        found = (long)i;
+    if (name == NULL) {
+      Py_DECREF(dtype);
+      return -1;
+    }
+    if (found < 0) {
+      PyErr_Format(PyExc_TypeError,
+                   "a tensor of dtype %U cannot travel in a bundle", name);
+      Py_DECREF(name);
+      Py_DECREF(dtype);
+      return -1;
+    }
+    Py_DECREF(name);
+    PyObject *v = PyLong_FromLong(found);
+    if (v == NULL || PyDict_SetItem(torch_dtypes, dtype, v) < 0) {
+      Py_XDECREF(v);
+      Py_DECREF(dtype);
+      return -1;
+    }
+    Py_DECREF(v);
+    idx = PyDict_GetItemWithError(torch_dtypes, dtype);
+  }
+  Py_DECREF(dtype);
+  const dtype_entry_t *dt = &DTYPES[PyLong_AsLong(idx)];
+  L->desc.dtype_code = dt->code;
+  L->desc.dtype_bits = dt->bits;
+  L->desc.dtype_lanes = 1;
+  PyObject *shape = PyObject_GetAttrString(obj, "shape");
+  PyObject *stride = shape ? PyObject_CallMethod(obj, "stride", NULL) : NULL;
+  PyObject *ptr = stride ? PyObject_CallMethod(obj, "data_ptr", NULL) : NULL;
+  int nd = -1, rc = -1;
+  if (ptr != NULL && fill_int_tuple(shape, L->shape, &nd, "the tensor") == 0 &&
+      fill_int_tuple(stride, L->strides, &nd, "the tensor") == 0) {
+    L->ptr = PyLong_AsVoidPtr(ptr);
+    rc = PyErr_Occurred() ? -1 : 0;
+  }
+  Py_XDECREF(shape);
+  Py_XDECREF(stride);
+  Py_XDECREF(ptr);
+  L->desc.ndim = nd;
+  L->stream_of = obj;
+  return rc;
+}
+
+static int leaf_cai(PyObject *obj, PyObject *cai, leaf_info_t *L) {
+  if (!PyDict_Check(cai)) {
+    PyErr_SetString(PyExc_TypeError, "__cuda_array_interface__ is not a dict");
+    return -1;
+  }
+  PyObject *data = PyDict_GetItemString(cai, "data");
+  PyObject *shape = PyDict_GetItemString(cai, "shape");
+  PyObject *typestr = PyDict_GetItemString(cai, "typestr");
+  PyObject *strides = PyDict_GetItemString(cai, "strides");
+  if (data == NULL || !PyTuple_Check(data) || PyTuple_Size(data) < 1 ||
+      shape == NULL || typestr == NULL || !PyUnicode_Check(typestr)) {
+    PyErr_SetString(PyExc_TypeError,
+                    "__cuda_array_interface__ lacks data, shape or typestr");
+    return -1;
+  }
+  const char *ts = PyUnicode_AsUTF8AndSize(typestr, NULL);
+  if (ts == NULL)
+    return -1;
+  const dtype_entry_t *dt = NULL;
+  if (ts[0] == '<' || ts[0] == '|')
+    for (size_t i = 0; i < NDTYPES; i++)
+      if (DTYPES[i].typestr && strcmp(ts + 1, DTYPES[i].typestr) == 0)
+        dt = &DTYPES[i];
+  if (dt == NULL) {
+    PyErr_Format(PyExc_TypeError,
+                 "an array of typestr %s cannot travel in a bundle "
+                 "(little-endian bool, int, uint, float, complex can)",
+                 ts);
+    return -1;
+  }
+  L->desc.dtype_code = dt->code;
+  L->desc.dtype_bits = dt->bits;
+  L->desc.dtype_lanes = 1;
+  int nd = -1;
+  if (fill_int_tuple(shape, L->shape, &nd, "the array") < 0)
+    return -1;
+  L->desc.ndim = nd;
+  if (strides != NULL && strides != Py_None) {
+    if (fill_int_tuple(strides, L->strides, &nd, "the array") < 0)
+      return -1;
+    int64_t item = dt->bits / 8;
+    for (int i = 0; i < nd; i++) {
+      if (L->strides[i] % item != 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "an array whose strides are not whole elements "
+                        "cannot travel in a bundle");
+        return -1;
+      }
+      L->strides[i] /= item;
+    }
+  } else {
+    int64_t step = 1;
+    for (int i = nd - 1; i >= 0; i--) {
+      L->strides[i] = step;
+      step *= L->shape[i] > 1 ? L->shape[i] : 1;
+    }
+  }
+  L->ptr = PyLong_AsVoidPtr(PyTuple_GetItem(data, 0));
+  if (PyErr_Occurred())
+    return -1;
+  if (usmipc_type_module_is(obj, "cupy"))
+    L->stream_of = obj;
+  return 0;
+}
+
+static int leaf_dlpack(PyObject *obj, leaf_info_t *L, int *found) {
+  DLTensor t;
+  uint64_t flags;
+  PyObject *owner;
+  int r = usmipc_dlpack_read(obj, &t, &flags, &owner);
+  *found = r;
+  if (r <= 0)
+    return r;
+  if (t.ndim < 0 || t.ndim > USMIPC_BUNDLE_MAX_NDIM ||
+      (t.ndim > 0 && t.shape == NULL) || t.dtype.lanes != 1 ||
+      dtype_by_code(t.dtype.code, t.dtype.bits) == NULL) {
+    Py_DECREF(owner);
+    PyErr_Format(PyExc_TypeError,
+                 "a DLPack tensor of dtype (code %u, %u bits, %u lanes) or %d "
+                 "dimensions cannot travel in a bundle",
+                 t.dtype.code, t.dtype.bits, t.dtype.lanes, (int)t.ndim);
+    return -1;
+  }
+  L->desc.dtype_code = t.dtype.code;
+  L->desc.dtype_bits = t.dtype.bits;
+  L->desc.dtype_lanes = 1;
+  L->desc.ndim = t.ndim;
+  int64_t step = 1;
+  for (int i = t.ndim - 1; i >= 0; i--) {
+    L->shape[i] = t.shape[i];
+    L->strides[i] = t.strides ? t.strides[i] : step;
+    step *= t.shape[i] > 1 ? t.shape[i] : 1;
+  }
+  L->ptr = (char *)t.data + t.byte_offset;
+  L->keep = owner;
+  return 0;
+}
+
+/* Reads a leaf into L; -1 with an exception naming what is wrong. */
+static int leaf_read(usmipc_module_state_t *st, PyObject *obj,
+                     leaf_info_t *L) {
+  memset(L, 0, sizeof(*L));
+  L->desc.shape = L->shape;
+  L->desc.strides = L->strides;
+  if (PyObject_TypeCheck(obj, st->MemoryType)) {
+    usmipc_memory_object_t *m = (usmipc_memory_object_t *)obj;
+    if (m->closed || m->released) {
+      PyErr_SetString(PyExc_ValueError, "the memory is closed");
+      return -1;
+    }
+    L->ptr = m->ptr;
+    L->desc = (usmipc_array_desc_t){1, 8, 1, 1, L->shape, L->strides};
+    L->shape[0] = m->nbytes;
+    L->strides[0] = 1;
+    L->mem = m;
+  } else if (usmipc_type_module_is(obj, "torch") &&
+             PyObject_HasAttrString(obj, "data_ptr")) {
+    if (leaf_torch(obj, L) < 0)
+      return -1;
+  } else {
+    PyObject *cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
+    if (cai != NULL) {
+      int rc = leaf_cai(obj, cai, L);
+      Py_DECREF(cai);
+      if (rc < 0)
+        return -1;
+    } else {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+        return -1;
+      PyErr_Clear();
+      int found;
+      if (leaf_dlpack(obj, L, &found) < 0)
+        return -1;
+      if (!found) {
+        PyObject *tn = type_name(obj);
+        if (tn != NULL)
+          PyErr_Format(PyExc_TypeError,
+                       "a %U is not an array: a leaf must be usmipc memory "
+                       "or have __cuda_array_interface__ or __dlpack__ "
+                       "(dicts, lists and tuples hold the leaves)",
+                       tn);
+        Py_XDECREF(tn);
+        return -1;
+      }
+    }
+  }
+  for (int i = 0; i < L->desc.ndim; i++)
+    if (L->strides[i] < 0) {
+      Py_XDECREF(L->keep);
+      L->keep = NULL;
+      PyErr_SetString(PyExc_ValueError,
+                      "an array with negative strides cannot travel in a "
+                      "bundle; share a copy");
+      return -1;
+    }
+  if (L->keep == NULL)
+    L->keep = Py_NewRef(obj);
+  return 0;
+}
+
+/* ---- SharedBundle --------------------------------------------------------- */
+
+typedef struct {
+  PyObject_HEAD usmipc_bundle_t *bundle; /* NULL: made from bytes */
+  PyObject *keep;   /* list of the leaves' sources */
+  PyObject *queue;  /* usmipc.Queue each to_bytes() orders on, or NULL */
+  PyObject *device; /* usmipc.Device of the memory, or NULL */
+  PyObject *bytes;  /* a bundle made from bytes (unpickled) */
+  Py_ssize_t arrays, allocations;
+} Bundle;
+
+typedef struct walk {
+  usmipc_module_state_t *st;
+  usmipc_bundle_t *b;
+  PyObject *keep;
+  PyObject *stream_of; /* first torch/CuPy leaf */
+  usmipc_memory_object_t *mem; /* first usmipc memory leaf */
+  void *first_ptr;             /* first leaf with memory */
+  PyObject *path;              /* list of keys/indices, for messages */
+  int depth;
+} walk_t;
+
+static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len);
+
+static int walk_child(walk_t *w, PyObject *child, PyObject *label,
+                      const char *key, Py_ssize_t key_len) {
+  if (PyList_Append(w->path, label) < 0)
+    return -1;
+  int rc = walk(w, child, key, key_len);
+  if (rc == 0)
+    PyList_SetSlice(w->path, PyList_Size(w->path) - 1, PyList_Size(w->path),
+                    NULL);
+  return rc;
+}
+
+static int bundle_fail(walk_t *w, int rc) {
+  usmipc_raise(w->st, rc);
+  return -1;
+}
+
+static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
+  if (++w->depth > 64) {
+    PyErr_SetString(PyExc_ValueError,
+                    "the tree is nested deeper than 64 levels");
+    return -1;
+  }
+  int rc;
+  if (PyDict_Check(obj) || PyList_Check(obj) || PyTuple_Check(obj)) {
+    Py_ssize_t n = PyDict_Check(obj)   ? PyDict_Size(obj)
+                   : PyList_Check(obj) ? PyList_Size(obj)
+                                       : PyTuple_Size(obj);
+    usmipc_bundle_node_kind_t kind = PyDict_Check(obj)   ? USMIPC_BUNDLE_DICT
+                                     : PyList_Check(obj) ? USMIPC_BUNDLE_LIST
+                                                         : USMIPC_BUNDLE_TUPLE;
+    if (n > UINT32_MAX) {
+      PyErr_SetString(PyExc_ValueError, "a container too large for a bundle");
+      return -1;
+    }
+    if ((rc = usmipc_bundle_add_container(w->b, kind, (uint32_t)n, key,
+                                          (size_t)key_len)) != 0)
+      return bundle_fail(w, rc);
+    if (kind == USMIPC_BUNDLE_DICT) {
+      Py_ssize_t pos = 0;
+      PyObject *k, *v;
+      while (PyDict_Next(obj, &pos, &k, &v)) {
+        if (!PyUnicode_Check(k)) {
+          PyObject *tn = type_name(k);
+          if (tn != NULL)
+            PyErr_Format(PyExc_TypeError,
+                         "dict keys must be str to travel in a bundle, not "
+                         "%U",
+                         tn);
+          Py_XDECREF(tn);
+          return -1;
+        }
+        Py_ssize_t kl;
+        const char *ks = PyUnicode_AsUTF8AndSize(k, &kl);
+        if (ks == NULL || walk_child(w, v, k, ks, kl) < 0)
+          return -1;
+      }
+    } else {
+      for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *child = kind == USMIPC_BUNDLE_LIST ? PyList_GetItem(obj, i)
+                                                     : PyTuple_GetItem(obj, i);
+        PyObject *label = PyLong_FromSsize_t(i);
+        if (label == NULL)
+          return -1;
+        Py_INCREF(child);
+        rc = walk_child(w, child, label, NULL, 0);
+        Py_DECREF(child);
+        Py_DECREF(label);
+        if (rc < 0)
+          return -1;
+      }
+    }
+    w->depth--;
+    return 0;
+  }
+  leaf_info_t L;
+  if (leaf_read(w->st, obj, &L) < 0)
+    return -1;
+  rc = PyList_Append(w->keep, L.keep);
+  Py_DECREF(L.keep);
+  if (rc < 0)
+    return -1;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_bundle_add_array(w->b, key, (size_t)key_len, L.ptr, &L.desc);
+  Py_END_ALLOW_THREADS
+  if (rc != 0)
+    return bundle_fail(w, rc);
+  int has_memory = 1;
+  for (int i = 0; i < L.desc.ndim; i++)
+    has_memory &= L.shape[i] != 0;
+  if (has_memory && w->first_ptr == NULL) {
+    w->first_ptr = L.ptr;
+    w->stream_of = L.stream_of;
+    w->mem = L.mem;
+  }
+  w->depth--;
+  return 0;
+}
+
+/* Prefixes the pending exception's message with where in the tree it arose:
+ * "share(): at ['layers'][3]['weight']: ...". */
+static void prefix_path(PyObject *path) {
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  PyObject *where = PyUnicode_FromString("");
+  for (Py_ssize_t i = 0; where && i < PyList_Size(path); i++) {
+    PyObject *part = PyUnicode_FromFormat("[%R]", PyList_GetItem(path, i));
+    PyObject *joined = part ? PyUnicode_Concat(where, part) : NULL;
+    Py_XDECREF(part);
+    Py_DECREF(where);
+    where = joined;
+  }
+  PyObject *msg = value ? PyObject_Str(value) : NULL;
+  PyObject *text =
+      where && msg ? PyUnicode_FromFormat("share(): at %U%s: %U", where,
+                                          PyUnicode_GetLength(where) ? "" : "the root",
+                                          msg)
+                   : NULL;
+  Py_XDECREF(where);
+  Py_XDECREF(msg);
+  if (text != NULL && value != NULL) {
+    /* The same exception type (usmipc.Error keeps .code and .name). */
+    PyObject *args = PyTuple_Pack(1, text);
+    if (args != NULL && PyObject_SetAttrString(value, "args", args) == 0) {
+      Py_DECREF(args);
+      Py_DECREF(text);
+      PyErr_Restore(type, value, tb);
+      return;
+    }
+    Py_XDECREF(args);
+    PyErr_Clear();
+  }
+  Py_XDECREF(text);
+  PyErr_Restore(type, value, tb);
+}
+
+/* The queue the bundle's handoffs are ordered on, as IPCMemoryHandle picks
+ * it; NULL with no exception when unordered. */
+static PyObject *order_queue(usmipc_module_state_t *st, walk_t *w,
+                             PyObject *stream, int ordered, PyObject *device) {
+  if (ordered == 0)
+    return NULL;
+  int has = usmipc_device_has_events(st, device);
+  if (has < 0)
+    return NULL;
+  if (!has) {
+    if (ordered > 0 || stream != NULL) {
+      usmipc_raise_msg(st, USMIPC_ENOTSUP,
+                       "share(): this device's backend has no events yet, so "
+                       "the bundle cannot make consumers wait for the "
+                       "producer's work; pass ordered=False and synchronize "
+                       "that work before sending the bytes");
+    }
+    return NULL;
+  }
+  if (stream != NULL)
+    return usmipc_queue_from_stream(st, stream, NULL, device, "share()");
+  if (w->mem != NULL)
+    return Py_XNewRef(usmipc_memory_queue_object(w->mem));
+  if (w->stream_of != NULL) {
+    PyObject *current = usmipc_foreign_current_stream(w->stream_of);
+    if (current == NULL)
+      return NULL;
+    if (current != Py_None) {
+      PyObject *q =
+          usmipc_queue_from_stream(st, current, NULL, device, "share()");
+      Py_DECREF(current);
+      return q;
+    }
+    Py_DECREF(current);
+  }
+  if (usmipc_device_backend(((usmipc_device_object_t *)device)->device) ==
+      USMIPC_BACKEND_CUDA) /* the legacy default stream waits for all */
+    return usmipc_queue_wrap(st, device, NULL, NULL, "share()");
+  return usmipc_default_queue(st, device);
+}
+
+static PyObject *share(PyObject *module, PyObject *const *args,
+                       Py_ssize_t nargs, PyObject *kwnames) {
+  static const char *const names[] = {"obj", "stream", "ordered"};
+  PyObject *a[3];
+  if (usmipc_parse_fastcall("share", args, nargs, kwnames, names, 3, 1, a) < 0)
+    return NULL;
+  if (a[0] == NULL) {
+    PyErr_SetString(PyExc_TypeError, "share() missing argument 'obj'");
+    return NULL;
+  }
+  int ordered = -1;
+  if (a[2] != NULL && a[2] != Py_None &&
+      (ordered = PyObject_IsTrue(a[2])) < 0)
+    return NULL;
+  if (ordered == 0 && a[1] != NULL && a[1] != Py_None) {
+    PyErr_SetString(PyExc_ValueError,
+                    "share(): stream= is what the handoff is ordered on, so "
+                    "it cannot go with ordered=False");
+    return NULL;
+  }
+  PyObject *stream = a[1] == Py_None ? NULL : a[1];
+  usmipc_module_state_t *st = PyModule_GetState(module);
+  Bundle *self = PyObject_GC_New(Bundle, (PyTypeObject *)st->SharedBundleType);
+  if (self == NULL)
+    return NULL;
+  self->bundle = NULL;
+  self->queue = self->device = self->bytes = NULL;
+  self->arrays = self->allocations = 0;
+  self->keep = PyList_New(0);
+  PyObject_GC_Track(self);
+  walk_t w = {.st = st, .keep = self->keep};
+  int rc = 0;
+  if (self->keep == NULL || (w.path = PyList_New(0)) == NULL)
+    goto fail;
+  if ((rc = usmipc_bundle_create(&self->bundle)) != 0) {
+    usmipc_raise(st, rc);
+    goto fail;
+  }
+  w.b = self->bundle;
+  if (walk(&w, a[0], NULL, 0) < 0) {
+    prefix_path(w.path);
+    goto fail;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_bundle_finish(self->bundle);
+  Py_END_ALLOW_THREADS
+  if (rc != 0) {
+    usmipc_raise(st, rc);
+    goto fail;
+  }
+  size_t narr, nseg;
+  usmipc_bundle_counts(self->bundle, &narr, &nseg);
+  self->arrays = (Py_ssize_t)narr;
+  self->allocations = (Py_ssize_t)nseg;
+  if (w.first_ptr != NULL) {
+    usmipc_pointer_info_t info;
+    Py_BEGIN_ALLOW_THREADS
+    rc = usmipc_pointer_query(w.first_ptr, &info);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+      usmipc_raise(st, rc);
+      goto fail;
+    }
+    if ((self->device = usmipc_device_object(st, info.device)) == NULL)
+      goto fail;
+    self->queue = order_queue(st, &w, stream, ordered, self->device);
+    if (self->queue == NULL && PyErr_Occurred())
+      goto fail;
+  } else if (stream != NULL || ordered > 0) {
+    /* Nothing to order: no leaf has memory. */
+  }
+  Py_DECREF(w.path);
+  return (PyObject *)self;
+fail:
+  Py_XDECREF(w.path);
+  Py_DECREF(self);
+  return NULL;
+}
+
+static PyObject *bundle_to_bytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  Bundle *self = (Bundle *)op;
+  if (self->bundle == NULL)
+    return Py_NewRef(self->bytes);
+  int rc = 0;
+  if (self->queue != NULL) { /* each handoff records anew */
+    usmipc_queue_t *q = ((usmipc_queue_object_t *)self->queue)->queue;
+    Py_BEGIN_ALLOW_THREADS
+    rc = usmipc_bundle_order(self->bundle, q);
+    Py_END_ALLOW_THREADS
+  }
+  if (rc != 0)
+    return usmipc_raise(usmipc_state_from_device(self->device), rc);
+  const void *data;
+  size_t len;
+  usmipc_bundle_data(self->bundle, &data, &len);
+  return PyBytes_FromStringAndSize(data, (Py_ssize_t)len);
+}
+
+static PyObject *bundle_from_bytes(PyObject *module, PyObject *arg) {
+  usmipc_module_state_t *st = PyModule_GetState(module);
+  if (!PyBytes_Check(arg)) {
+    PyErr_SetString(PyExc_TypeError, "_bundle_from_bytes takes bytes");
+    return NULL;
+  }
+  size_t narr = 0, nseg = 0;
+  int rc = usmipc_bundle_inspect(PyBytes_AsString(arg),
+                                 (size_t)PyBytes_Size(arg), &narr, &nseg);
+  if (rc != 0)
+    return usmipc_raise(st, rc);
+  Bundle *self = PyObject_GC_New(Bundle, (PyTypeObject *)st->SharedBundleType);
+  if (self == NULL)
+    return NULL;
+  self->bundle = NULL;
+  self->keep = self->queue = self->device = NULL;
+  self->bytes = Py_NewRef(arg);
+  self->arrays = (Py_ssize_t)narr;
+  self->allocations = (Py_ssize_t)nseg;
+  PyObject_GC_Track(self);
+  return (PyObject *)self;
+}
+
+static PyObject *bundle_reduce(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  PyObject *bytes = bundle_to_bytes(op, NULL);
+  if (bytes == NULL)
+    return NULL;
+  PyObject *mod = PyImport_ImportModule("usmipc._usmipc");
+  PyObject *fn = mod ? PyObject_GetAttrString(mod, "_bundle_from_bytes") : NULL;
+  Py_XDECREF(mod);
+  PyObject *r = fn ? Py_BuildValue("(O(O))", fn, bytes) : NULL;
+  Py_XDECREF(fn);
+  Py_DECREF(bytes);
+  return r;
+}
+
+static PyObject *bundle_get_arrays(PyObject *op, void *c) {
+  (void)c;
+  return PyLong_FromSsize_t(((Bundle *)op)->arrays);
+}
+
+static PyObject *bundle_get_allocations(PyObject *op, void *c) {
+  (void)c;
+  return PyLong_FromSsize_t(((Bundle *)op)->allocations);
+}
+
+static PyObject *bundle_get_ordered(PyObject *op, void *c) {
+  (void)c;
+  return PyBool_FromLong(((Bundle *)op)->queue != NULL);
+}
+
+static PyObject *bundle_repr(PyObject *op) {
+  Bundle *self = (Bundle *)op;
+  return PyUnicode_FromFormat("<usmipc.SharedBundle of %zd arrays in %zd "
+                              "allocations%s>",
+                              self->arrays, self->allocations,
+                              self->bundle ? "" : " (bytes)");
+}
+
+static int bundle_traverse(PyObject *op, visitproc visit, void *arg) {
+  Bundle *self = (Bundle *)op;
+  Py_VISIT(Py_TYPE(op));
+  Py_VISIT(self->keep);
+  Py_VISIT(self->queue);
+  Py_VISIT(self->device);
+  Py_VISIT(self->bytes);
+  return 0;
+}
+
+static int bundle_clear(PyObject *op) {
+  Bundle *self = (Bundle *)op;
+  Py_CLEAR(self->queue);
+  Py_CLEAR(self->device);
+  Py_CLEAR(self->bytes);
+  return 0;
+}
+
+static void bundle_dealloc(PyObject *op) {
+  Bundle *self = (Bundle *)op;
+  PyTypeObject *tp = Py_TYPE(op);
+  PyObject_GC_UnTrack(op);
+  /* The slot first (its bytes are refused from now on), then the sources
+   * may go. */
+  if (self->bundle != NULL) {
+    usmipc_bundle_t *b = self->bundle;
+    self->bundle = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    usmipc_bundle_free(b);
+    Py_END_ALLOW_THREADS
+  }
+  bundle_clear(op);
+  Py_CLEAR(self->keep);
+  PyObject_GC_Del(op);
+  Py_DECREF(tp);
+}
+
+static PyMethodDef bundle_methods[] = {
+    {"to_bytes", bundle_to_bytes, METH_NOARGS,
+     "to_bytes()\n--\n\nThe bundle's bytes, to send to another process "
+     "(usmipc.open_shared opens them). Ordered bundles record a fresh event "
+     "on the producer's stream at every call."},
+    {"__reduce__", bundle_reduce, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef bundle_getset[] = {
+    {"arrays", bundle_get_arrays, NULL, "The number of arrays (leaves).",
+     NULL},
+    {"allocations", bundle_get_allocations, NULL,
+     "The number of allocations the arrays live in, each exported once.",
+     NULL},
+    {"ordered", bundle_get_ordered, NULL,
+     "Whether each to_bytes() orders the handoff after the producer's work.",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot bundle_slots[] = {
+    {Py_tp_doc,
+     (void *)"What usmipc.share() returns: a tree of arrays exported for "
+             "other processes. It keeps the arrays alive; once it is "
+             "collected its bytes are refused."},
+    {Py_tp_dealloc, bundle_dealloc},
+    {Py_tp_traverse, bundle_traverse},
+    {Py_tp_clear, bundle_clear},
+    {Py_tp_repr, bundle_repr},
+    {Py_tp_methods, bundle_methods},
+    {Py_tp_getset, bundle_getset},
+    {0, NULL},
+};
+
+static PyType_Spec bundle_spec = {
+    .name = "usmipc.SharedBundle",
+    .basicsize = sizeof(Bundle),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
+             Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = bundle_slots,
+};
+
+/* ---- SharedArray ----------------------------------------------------------- */
+
+/* What the arrays of one open share: where they are ready. */
+typedef struct ready {
+  Py_ssize_t refs;      /* arrays and capsules; GIL held */
+  usmipc_event_t *event; /* recorded on the open's stream, or NULL */
+  usmipc_queue_t *queue; /* that stream (its Queue object kept below) */
+  PyObject *queue_obj;
+} ready_t;
+
+static void ready_put(ready_t *r) {
+  if (r == NULL || --r->refs > 0)
+    return;
+  if (r->event != NULL) {
+    usmipc_event_t *ev = r->event;
+    Py_BEGIN_ALLOW_THREADS
+    usmipc_event_destroy(ev);
+    Py_END_ALLOW_THREADS
+  }
+  Py_XDECREF(r->queue_obj);
+  free(r);
+}
+
+typedef struct {
+  PyObject_HEAD void *ptr;
+  size_t extent;
+  uint8_t code, bits;
+  int ndim;
+  int64_t *dims; /* shape then strides (elements) */
+  PyObject *device;
+  ready_t *ready;
+  Py_ssize_t exports; /* capsules and buffer views alive */
+  char closed, released;
+} Arr;
+
+static int arr_release(Arr *self) {
+  if (self->released || self->ptr == NULL) {
+    self->released = 1;
+    return 0;
+  }
+  self->released = 1;
+  int rc;
+  void *p = self->ptr;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_ipc_close(p);
+  Py_END_ALLOW_THREADS
+  if (rc != 0)
+    return usmipc_raise(usmipc_state_from_device(self->device), rc) ? 0 : -1;
+  return 0;
+}
+
+static PyObject *arr_close(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  Arr *self = (Arr *)op;
+  self->closed = 1;
+  if (self->exports == 0 && arr_release(self) < 0)
+    return NULL;
+  Py_RETURN_NONE;
+}
+
+static void arr_end_export(Arr *self) {
+  if (--self->exports == 0 && self->closed && arr_release(self) < 0)
+    PyErr_WriteUnraisable((PyObject *)self);
+}
+
+static Py_ssize_t arr_numel(const Arr *self) {
+  Py_ssize_t n = 1;
+  for (int i = 0; i < self->ndim; i++)
+    n *= (Py_ssize_t)self->dims[i];
+  return n;
+}
+
+static PyObject *arr_tuple(const int64_t *v, int n, int64_t scale) {
+  PyObject *t = PyTuple_New(n);
+  for (int i = 0; t && i < n; i++) {
+    PyObject *x = PyLong_FromLongLong(v[i] * scale);
+    if (x == NULL) {
+      Py_CLEAR(t);
+      break;
+    }
+    PyTuple_SetItem(t, i, x);
+  }
+  return t;
+}
+
+static int check_open(Arr *self) {
+  if (self->closed || self->released) {
+    PyErr_SetString(PyExc_ValueError, "the shared array is closed");
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *arr_get_shape(PyObject *op, void *c) {
+  (void)c;
+  Arr *self = (Arr *)op;
+  return arr_tuple(self->dims, self->ndim, 1);
+}
+
+static PyObject *arr_get_strides(PyObject *op, void *c) {
+  (void)c;
+  Arr *self = (Arr *)op;
+  return arr_tuple(self->dims + self->ndim, self->ndim, self->bits / 8);
+}
+
+static PyObject *arr_get_dtype(PyObject *op, void *c) {
+  (void)c;
+  Arr *self = (Arr *)op;
+  return PyUnicode_FromString(dtype_by_code(self->code, self->bits)->name);
+}
+
+static PyObject *arr_get_ndim(PyObject *op, void *c) {
+  (void)c;
+  return PyLong_FromLong(((Arr *)op)->ndim);
+}
+
+static PyObject *arr_get_size(PyObject *op, void *c) {
+  (void)c;
+  return PyLong_FromSsize_t(arr_numel((Arr *)op));
+}
+
+static PyObject *arr_get_nbytes(PyObject *op, void *c) {
+  (void)c;
+  Arr *self = (Arr *)op;
+  return PyLong_FromSsize_t(arr_numel(self) * (self->bits / 8));
+}
+
+static PyObject *arr_get_itemsize(PyObject *op, void *c) {
+  (void)c;
+  return PyLong_FromLong(((Arr *)op)->bits / 8);
+}
+
+static PyObject *arr_get_ptr(PyObject *op, void *c) {
+  (void)c;
+  Arr *self = (Arr *)op;
+  if (check_open(self) < 0)
+    return NULL;
+  return PyLong_FromVoidPtr(self->ptr);
+}
+
+static PyObject *arr_get_closed(PyObject *op, void *c) {
+  (void)c;
+  Arr *self = (Arr *)op;
+  return PyBool_FromLong(self->closed || self->released);
+}
+
+static PyObject *arr_get_device(PyObject *op, void *c) {
+  (void)c;
+  Arr *self = (Arr *)op;
+  return Py_NewRef(self->device ? self->device : Py_None);
+}
+
+static usmipc_backend_t arr_backend(const Arr *self) {
+  return self->device
+             ? usmipc_device_backend(
+                   ((usmipc_device_object_t *)self->device)->device)
+             : USMIPC_BACKEND_HOST;
+}
+
+static int arr_contiguous(const Arr *self) {
+  int64_t expect = 1;
+  for (int i = self->ndim - 1; i >= 0; i--) {
+    if (self->dims[i] > 1 && self->dims[self->ndim + i] != expect)
+      return 0;
+    expect *= self->dims[i];
+  }
+  return 1;
+}
+
+static PyObject *arr_cai(PyObject *op, void *c) {
+  (void)c;
+  Arr *self = (Arr *)op;
+  const dtype_entry_t *dt = dtype_by_code(self->code, self->bits);
+  if (arr_backend(self) != USMIPC_BACKEND_CUDA || dt->typestr == NULL) {
+    PyErr_Format(PyExc_AttributeError,
+                 "__cuda_array_interface__: %s",
+                 dt->typestr == NULL ? "bfloat16 has no typestr; use DLPack"
+                                     : "not CUDA memory");
+    return NULL;
+  }
+  if (check_open(self) < 0)
+    return NULL;
+  PyObject *shape = arr_get_shape(op, NULL);
+  PyObject *strides = arr_contiguous(self) ? Py_NewRef(Py_None)
+                                           : arr_get_strides(op, NULL);
+  PyObject *r = NULL;
+  if (shape && strides)
+    r = Py_BuildValue("{s:N,s:s#,s:(N,O),s:N,s:i,s:O}", "shape", shape,
+                      "typestr", "<", 1, "data",
+                      PyLong_FromVoidPtr(self->ptr), Py_False, "strides",
+                      strides, "version", 3, "stream", Py_None);
+  else {
+    Py_XDECREF(shape);
+    Py_XDECREF(strides);
+    return NULL;
+  }
+  /* typestr: byte order then the code ("<f4", "|b1"). */
+  if (r != NULL) {
+    PyObject *ts = PyUnicode_FromFormat("%s%s", self->bits == 8 ? "|" : "<",
+                                        dt->typestr);
+    if (ts == NULL || PyDict_SetItemString(r, "typestr", ts) < 0)
+      Py_CLEAR(r);
+    Py_XDECREF(ts);
+  }
+  return r;
+}
+
+static DLDevice arr_dl_device(const Arr *self) {
+  DLDevice d = {kDLCPU, 0};
+  if (self->device == NULL)
+    return d;
+  usmipc_device_t *dev = ((usmipc_device_object_t *)self->device)->device;
+  switch (usmipc_device_backend(dev)) {
+  case USMIPC_BACKEND_CUDA:
+    d.device_type = kDLCUDA;
+    d.device_id = usmipc_device_index(dev);
+    break;
+  case USMIPC_BACKEND_LEVEL_ZERO:
+    d.device_type = kDLOneAPI;
+    d.device_id = usmipc_device_index(dev);
+    break;
+  default:
+    break;
+  }
+  return d;
+}
+
+static PyObject *arr_dlpack_device(PyObject *op, PyObject *Py_UNUSED(x)) {
+  DLDevice d = arr_dl_device((Arr *)op);
+  return Py_BuildValue("(ii)", (int)d.device_type, (int)d.device_id);
+}
+
+/* The capsule's context: the managed tensor, then shape and strides. */
+typedef struct {
+  union {
+    DLManagedTensor unversioned;
+    DLManagedTensorVersioned versioned;
+  } managed;
+  PyObject *arr;
+  int64_t dims[2 * USMIPC_BUNDLE_MAX_NDIM];
+} arr_ctx_t;
+
+static void arr_ctx_release(arr_ctx_t *ctx) {
+  if (!Py_IsInitialized())
+    return;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  Arr *self = (Arr *)ctx->arr;
+  free(ctx);
+  arr_end_export(self);
+  Py_DECREF(self);
+  PyErr_Restore(type, value, tb);
+  PyGILState_Release(gil);
+}
+
+static void arr_deleter(DLManagedTensor *m) { arr_ctx_release(m->manager_ctx); }
+
+static void arr_deleter_versioned(DLManagedTensorVersioned *m) {
+  arr_ctx_release(m->manager_ctx);
+}
+
+static void arr_capsule_destructor(PyObject *capsule) {
+  if (PyCapsule_IsValid(capsule, "dltensor")) {
+    DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
+    m->deleter(m);
+  } else if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+    DLManagedTensorVersioned *m =
+        PyCapsule_GetPointer(capsule, "dltensor_versioned");
+    m->deleter(m);
+  }
+}
+
+/* Makes the consumer's stream wait for the stream the bundle was opened on
+ * (DLPack's rule: the producer orders the consumer's stream). */
+static int arr_dlpack_sync(Arr *self, PyObject *stream) {
+  ready_t *r = self->ready;
+  if (r == NULL || r->event == NULL || stream == NULL || stream == Py_None)
+    return 0;
+  usmipc_module_state_t *st = usmipc_state_from_device(self->device);
+  PyObject *q;
+  if (PyLong_Check(stream)) {
+    long long v = PyLong_AsLongLong(stream);
+    if (v == -1 && PyErr_Occurred())
+      return -1;
+    if (v == -1)
+      return 0;
+    q = usmipc_queue_wrap(st, self->device,
+                          v <= 1 ? NULL : (void *)(uintptr_t)v, NULL,
+                          "__dlpack__()");
+  } else {
+    q = usmipc_queue_from_stream(st, stream, NULL, self->device,
+                                 "__dlpack__()");
+  }
+  if (q == NULL)
+    return -1;
+  usmipc_queue_t *queue = ((usmipc_queue_object_t *)q)->queue;
+  int rc = 0;
+  if (usmipc_queue_native(queue) != usmipc_queue_native(r->queue)) {
+    usmipc_event_t *ev = r->event;
+    Py_BEGIN_ALLOW_THREADS
+    rc = usmipc_event_wait(ev, queue);
+    Py_END_ALLOW_THREADS
+  }
+  Py_DECREF(q);
+  if (rc != 0) {
+    usmipc_raise(st, rc);
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *arr_dlpack(PyObject *op, PyObject *const *args,
+                            Py_ssize_t nargs, PyObject *kwnames) {
+  Arr *self = (Arr *)op;
+  static const char *const names[] = {"stream", "max_version", "dl_device",
+                                      "copy"};
+  PyObject *a[4];
+  if (usmipc_parse_fastcall("__dlpack__", args, nargs, kwnames, names, 4, 0,
+                            a) < 0)
+    return NULL;
+  if (check_open(self) < 0)
+    return NULL;
+  if (a[3] != NULL && a[3] != Py_None && PyObject_IsTrue(a[3])) {
+    PyErr_SetString(PyExc_BufferError,
+                    "__dlpack__(copy=True): a shared array is exported "
+                    "without a copy");
+    return NULL;
+  }
+  DLDevice dev = arr_dl_device(self);
+  if (a[2] != NULL && a[2] != Py_None) {
+    long t, i;
+    PyObject *tt = PyTuple_Check(a[2]) && PyTuple_Size(a[2]) == 2
+                       ? a[2]
+                       : NULL;
+    if (tt == NULL ||
+        (t = PyLong_AsLong(PyTuple_GetItem(tt, 0))) == -1 ||
+        (i = PyLong_AsLong(PyTuple_GetItem(tt, 1))) == -1 ||
+        t != dev.device_type || i != dev.device_id) {
+      PyErr_Clear();
+      PyErr_SetString(PyExc_BufferError,
+                      "__dlpack__(dl_device=...): a shared array is exported "
+                      "on its own device only");
+      return NULL;
+    }
+  }
+  int versioned = 0;
+  if (a[1] != NULL && a[1] != Py_None) {
+    if (!PyTuple_Check(a[1]) || PyTuple_Size(a[1]) < 1) {
+      PyErr_SetString(PyExc_TypeError, "max_version must be a tuple");
+      return NULL;
+    }
+    long major = PyLong_AsLong(PyTuple_GetItem(a[1], 0));
+    if (major == -1 && PyErr_Occurred())
+      return NULL;
+    versioned = major >= 1;
+  }
+  if (arr_dlpack_sync(self, a[0]) < 0)
+    return NULL;
+  arr_ctx_t *ctx = calloc(1, sizeof(*ctx));
+  if (ctx == NULL)
+    return PyErr_NoMemory();
+  memcpy(ctx->dims, self->dims, 2 * (size_t)self->ndim * sizeof(int64_t));
+  DLTensor t = {.data = self->ptr,
+                .device = dev,
+                .ndim = self->ndim,
+                .dtype = {self->code, self->bits, 1},
+                .shape = ctx->dims,
+                .strides = ctx->dims + self->ndim,
+                .byte_offset = 0};
+  ctx->arr = Py_NewRef(op);
+  PyObject *capsule;
+  if (versioned) {
+    ctx->managed.versioned.version = (DLPackVersion){1, 0};
+    ctx->managed.versioned.manager_ctx = ctx;
+    ctx->managed.versioned.deleter = arr_deleter_versioned;
+    ctx->managed.versioned.dl_tensor = t;
+    capsule = PyCapsule_New(&ctx->managed.versioned, "dltensor_versioned",
+                            arr_capsule_destructor);
+  } else {
+    ctx->managed.unversioned.manager_ctx = ctx;
+    ctx->managed.unversioned.deleter = arr_deleter;
+    ctx->managed.unversioned.dl_tensor = t;
+    capsule = PyCapsule_New(&ctx->managed.unversioned, "dltensor",
+                            arr_capsule_destructor);
+  }
+  if (capsule == NULL) {
+    Py_DECREF(op);
+    free(ctx);
+    return NULL;
+  }
+  self->exports++;
+  return capsule;
+}
+
+static int arr_getbuffer(PyObject *op, Py_buffer *view, int flags) {
+  Arr *self = (Arr *)op;
+  view->obj = NULL;
+  if (check_open(self) < 0)
+    return -1;
+  const dtype_entry_t *dt = dtype_by_code(self->code, self->bits);
+  if (arr_backend(self) != USMIPC_BACKEND_HOST || dt->format == NULL) {
+    PyErr_Format(PyExc_BufferError,
+                 "%s; use __dlpack__",
+                 dt->format == NULL ? "bfloat16 has no buffer format"
+                                    : "device memory is not accessible from "
+                                      "the host");
+    return -1;
+  }
+  /* shape and strides in bytes, kept in one block freed at release. */
+  Py_ssize_t *sv = malloc(sizeof(Py_ssize_t) * 2 * (size_t)(self->ndim + 1));
+  if (sv == NULL) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  for (int i = 0; i < self->ndim; i++) {
+    sv[i] = (Py_ssize_t)self->dims[i];
+    sv[self->ndim + i] =
+        (Py_ssize_t)self->dims[self->ndim + i] * (self->bits / 8);
+  }
+  view->buf = self->ptr;
+  view->obj = Py_NewRef(op);
+  view->len = arr_numel(self) * (self->bits / 8);
+  view->itemsize = self->bits / 8;
+  view->readonly = 0;
+  view->ndim = self->ndim;
+  view->format = (flags & PyBUF_FORMAT) ? (char *)dt->format : NULL;
+  view->shape = sv;
+  view->strides = sv + self->ndim;
+  view->suboffsets = NULL;
+  view->internal = sv;
+  if (!(flags & PyBUF_STRIDES) && !arr_contiguous(self)) {
+    free(sv);
+    Py_CLEAR(view->obj);
+    PyErr_SetString(PyExc_BufferError, "the shared array is not contiguous");
+    return -1;
+  }
+  self->exports++;
+  return 0;
+}
+
+static void arr_releasebuffer(PyObject *op, Py_buffer *view) {
+  free(view->internal);
+  arr_end_export((Arr *)op);
+}
+
+static PyObject *arr_repr(PyObject *op) {
+  Arr *self = (Arr *)op;
+  PyObject *shape = arr_get_shape(op, NULL);
+  if (shape == NULL)
+    return NULL;
+  PyObject *r = PyUnicode_FromFormat(
+      "<usmipc.SharedArray %s %R%s>",
+      dtype_by_code(self->code, self->bits)->name, shape,
+      self->closed || self->released ? " closed" : "");
+  Py_DECREF(shape);
+  return r;
+}
+
+static int arr_traverse(PyObject *op, visitproc visit, void *arg) {
+  Py_VISIT(Py_TYPE(op));
+  Py_VISIT(((Arr *)op)->device);
+  return 0;
+}
+
+static void arr_dealloc(PyObject *op) {
+  Arr *self = (Arr *)op;
+  PyTypeObject *tp = Py_TYPE(op);
+  PyObject_GC_UnTrack(op);
+  if (arr_release(self) < 0)
+    PyErr_WriteUnraisable(op);
+  ready_put(self->ready);
+  free(self->dims);
+  Py_CLEAR(self->device);
+  PyObject_GC_Del(op);
+  Py_DECREF(tp);
+}
+
+static PyMethodDef arr_methods[] = {
+    {"close", arr_close, METH_NOARGS,
+     "close()\n--\n\nDrops this array's mapping (deferred while a DLPack "
+     "tensor or a buffer view of it lives). Idempotent."},
+    {"__dlpack__", (PyCFunction)(void (*)(void))arr_dlpack,
+     METH_FASTCALL | METH_KEYWORDS,
+     "__dlpack__(*, stream=None, max_version=None, dl_device=None, "
+     "copy=None)\n--\n\nA DLPack capsule of the array, without a copy."},
+    {"__dlpack_device__", arr_dlpack_device, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef arr_getset[] = {
+    {"shape", arr_get_shape, NULL, "The shape, as the producer's.", NULL},
+    {"strides", arr_get_strides, NULL, "Strides in bytes (NumPy's unit).",
+     NULL},
+    {"dtype", arr_get_dtype, NULL, "The element type's name ('bfloat16').",
+     NULL},
+    {"ndim", arr_get_ndim, NULL, NULL, NULL},
+    {"size", arr_get_size, NULL, "The number of elements.", NULL},
+    {"nbytes", arr_get_nbytes, NULL, "size * itemsize.", NULL},
+    {"itemsize", arr_get_itemsize, NULL, NULL, NULL},
+    {"ptr", arr_get_ptr, NULL, "The address of the first element here.",
+     NULL},
+    {"closed", arr_get_closed, NULL, NULL, NULL},
+    {"device", arr_get_device, NULL, "The usmipc.Device it is mapped on.",
+     NULL},
+    {"__cuda_array_interface__", arr_cai, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot arr_slots[] = {
+    {Py_tp_doc,
+     (void *)"An array another process shared (a leaf of "
+             "usmipc.open_shared()), mapped without a copy: shape, dtype, "
+             "strides, __dlpack__, __cuda_array_interface__ on CUDA and the "
+             "buffer protocol on host memory."},
+    {Py_tp_dealloc, arr_dealloc},
+    {Py_tp_traverse, arr_traverse},
+    {Py_tp_repr, arr_repr},
+    {Py_tp_methods, arr_methods},
+    {Py_tp_getset, arr_getset},
+    {Py_bf_getbuffer, arr_getbuffer},
+    {Py_bf_releasebuffer, arr_releasebuffer},
+    {0, NULL},
+};
+
+static PyType_Spec arr_spec = {
+    .name = "usmipc.SharedArray",
+    .basicsize = sizeof(Arr),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
+             Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = arr_slots,
+};
+
+/* ---- open_shared / close_shared ------------------------------------------- */
+
+typedef struct build {
+  usmipc_module_state_t *st;
+  const usmipc_bundle_node_t *nodes;
+  const usmipc_bundle_array_t *arrays;
+  size_t next;
+  PyObject **made; /* the arrays made so far, to close on failure */
+  PyObject *device;
+  ready_t *ready;
+} build_t;
+
+static PyObject *make_array(build_t *b, const usmipc_bundle_array_t *a) {
+  Arr *self = PyObject_GC_New(Arr, (PyTypeObject *)b->st->SharedArrayType);
+  if (self == NULL)
+    return NULL;
+  self->ptr = a->ptr;
+  self->extent = a->extent;
+  self->code = a->desc.dtype_code;
+  self->bits = a->desc.dtype_bits;
+  self->ndim = a->desc.ndim;
+  self->exports = 0;
+  self->closed = self->released = 0;
+  self->device = Py_XNewRef(b->device);
+  self->ready = b->ready;
+  if (b->ready)
+    b->ready->refs++;
+  self->dims = malloc(sizeof(int64_t) * 2 * (size_t)(a->desc.ndim + 1));
+  if (self->dims == NULL) {
+    self->released = 1; /* the caller still owns the reference */
+    Py_DECREF(self);
+    return PyErr_NoMemory();
+  }
+  memcpy(self->dims, a->desc.shape, sizeof(int64_t) * (size_t)a->desc.ndim);
+  memcpy(self->dims + a->desc.ndim, a->desc.strides,
+         sizeof(int64_t) * (size_t)a->desc.ndim);
+  PyObject_GC_Track(self);
+  return (PyObject *)self;
+}
+
+static PyObject *build_node(build_t *b) {
+  const usmipc_bundle_node_t *n = &b->nodes[b->next++];
+  if (n->kind == USMIPC_BUNDLE_ARRAY) {
+    PyObject *arr = make_array(b, &b->arrays[n->count]);
+    if (arr != NULL)
+      b->made[n->count] = Py_NewRef(arr);
+    return arr;
+  }
+  PyObject *c = n->kind == USMIPC_BUNDLE_DICT   ? PyDict_New()
+                : n->kind == USMIPC_BUNDLE_LIST ? PyList_New(n->count)
+                                                : PyTuple_New(n->count);
+  if (c == NULL)
+    return NULL;
+  for (uint32_t i = 0; i < n->count; i++) {
+    const usmipc_bundle_node_t *child = &b->nodes[b->next];
+    PyObject *v = build_node(b);
+    if (v == NULL) {
+      Py_DECREF(c);
+      return NULL;
+    }
+    if (n->kind == USMIPC_BUNDLE_DICT) {
+      PyObject *k = PyUnicode_DecodeUTF8(child->key, (Py_ssize_t)child->key_len,
+                                         "strict");
+      int rc = k ? PyDict_SetItem(c, k, v) : -1;
+      Py_XDECREF(k);
+      Py_DECREF(v);
+      if (rc < 0) {
+        Py_DECREF(c);
+        return NULL;
+      }
+    } else if (n->kind == USMIPC_BUNDLE_LIST) {
+      PyList_SetItem(c, i, v);
+    } else {
+      PyTuple_SetItem(c, i, v);
+    }
+  }
+  if (n->kind == USMIPC_BUNDLE_DICT && PyDict_Size(c) != n->count) {
+    Py_DECREF(c);
+    PyErr_SetString(PyExc_ValueError,
+                    "open_shared(): a dict of the bundle repeats a key");
+    return NULL;
+  }
+  return c;
+}
+
+static PyObject *open_shared(PyObject *module, PyObject *const *args,
+                             Py_ssize_t nargs, PyObject *kwnames) {
+  static const char *const names[] = {"data", "device", "stream"};
+  PyObject *a[3];
+  if (usmipc_parse_fastcall("open_shared", args, nargs, kwnames, names, 3, 1,
+                            a) < 0)
+    return NULL;
+  usmipc_module_state_t *st = PyModule_GetState(module);
+  if (a[0] == NULL) {
+    PyErr_SetString(PyExc_TypeError, "open_shared() missing argument 'data'");
+    return NULL;
+  }
+  PyObject *bytes;
+  if (PyObject_TypeCheck(a[0], (PyTypeObject *)st->SharedBundleType)) {
+    bytes = bundle_to_bytes(a[0], NULL);
+  } else if (PyBytes_Check(a[0])) {
+    bytes = Py_NewRef(a[0]);
+  } else {
+    bytes = PyBytes_FromObject(a[0]); /* any buffer */
+  }
+  if (bytes == NULL)
+    return NULL;
+  PyObject *device = NULL, *queue = NULL;
+  if (a[1] != NULL && a[1] != Py_None &&
+      (device = usmipc_device_from_arg(st, a[1])) == NULL) {
+    Py_DECREF(bytes);
+    return NULL;
+  }
+  if (a[2] != NULL && a[2] != Py_None &&
+      (queue = usmipc_queue_from_stream(st, a[2], device, device,
+                                        "open_shared()")) == NULL) {
+    Py_XDECREF(device);
+    Py_DECREF(bytes);
+    return NULL;
+  }
+  usmipc_device_t *dev =
+      device ? ((usmipc_device_object_t *)device)->device : NULL;
+  usmipc_queue_t *q = queue ? ((usmipc_queue_object_t *)queue)->queue : NULL;
+  const char *data = PyBytes_AsString(bytes);
+  size_t len = (size_t)PyBytes_Size(bytes);
+  usmipc_opened_bundle_t *ob = NULL;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_bundle_open(data, len, dev, q, 0, &ob);
+  Py_END_ALLOW_THREADS
+  Py_DECREF(bytes);
+  Py_XDECREF(device);
+  if (rc != 0) {
+    Py_XDECREF(queue);
+    return usmipc_raise(st, rc);
+  }
+  size_t nnode, narr;
+  build_t b = {.st = st};
+  b.nodes = usmipc_opened_bundle_nodes(ob, &nnode);
+  b.arrays = usmipc_opened_bundle_arrays(ob, &narr);
+  usmipc_device_t *mapped = usmipc_opened_bundle_device(ob);
+  b.device = mapped ? usmipc_device_object(st, mapped) : NULL;
+  b.made = calloc(narr ? narr : 1, sizeof(PyObject *));
+  PyObject *tree = NULL;
+  if ((mapped != NULL && b.device == NULL) || b.made == NULL) {
+    if (b.made == NULL)
+      PyErr_NoMemory();
+    goto done;
+  }
+  if (queue != NULL) {
+    /* Ready on the open's stream: other streams wait for it (__dlpack__). */
+    b.ready = calloc(1, sizeof(*b.ready));
+    if (b.ready == NULL) {
+      PyErr_NoMemory();
+      goto done;
+    }
+    b.ready->refs = 1;
+    b.ready->queue = q;
+    b.ready->queue_obj = Py_NewRef(queue);
+    if (usmipc_event_create(usmipc_queue_device(q), 0, &b.ready->event) == 0)
+      usmipc_event_record(b.ready->event, q);
+    else
+      b.ready->event = NULL; /* a backend without events: host waited */
+  }
+  tree = build_node(&b);
+done:
+  if (tree == NULL) {
+    /* Arrays made so far close when their objects die below; the rest of
+     * the references are dropped here. */
+    for (size_t i = 0; i < narr; i++)
+      if (b.made == NULL || b.made[i] == NULL) {
+        if (b.arrays[i].ptr != NULL)
+          usmipc_ipc_close(b.arrays[i].ptr);
+      }
+  }
+  for (size_t i = 0; b.made && i < narr; i++)
+    Py_XDECREF(b.made[i]);
+  free(b.made);
+  ready_put(b.ready);
+  Py_XDECREF(b.device);
+  Py_XDECREF(queue);
+  usmipc_bundle_release(ob);
+  return tree;
+}
+
+static int close_tree(usmipc_module_state_t *st, PyObject *obj, int depth) {
+  if (depth > 64) {
+    PyErr_SetString(PyExc_ValueError, "close_shared(): nested too deeply");
+    return -1;
+  }
+  if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedArrayType)) {
+    PyObject *r = arr_close(obj, NULL);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+  }
+  if (PyDict_Check(obj)) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(obj, &pos, &k, &v))
+      if (close_tree(st, v, depth + 1) < 0)
+        return -1;
+    return 0;
+  }
+  if (PyList_Check(obj) || PyTuple_Check(obj)) {
+    PyObject *seq = PySequence_Tuple(obj);
+    if (seq == NULL)
+      return -1;
+    for (Py_ssize_t i = 0; i < PyTuple_Size(seq); i++)
+      if (close_tree(st, PyTuple_GetItem(seq, i), depth + 1) < 0) {
+        Py_DECREF(seq);
+        return -1;
+      }
+    Py_DECREF(seq);
+    return 0;
+  }
+  PyObject *tn = type_name(obj);
+  if (tn != NULL)
+    PyErr_Format(PyExc_TypeError,
+                 "close_shared(): a %U is not a shared array (pass what "
+                 "open_shared() returned)",
+                 tn);
+  Py_XDECREF(tn);
+  return -1;
+}
+
+static PyObject *close_shared(PyObject *module, PyObject *tree) {
+  if (close_tree(PyModule_GetState(module), tree, 0) < 0)
+    return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyObject *stats(PyObject *module, PyObject *Py_UNUSED(x)) {
+  (void)module;
+  usmipc_stats_t s;
+  usmipc_get_stats(&s, sizeof(s));
+  return Py_BuildValue(
+      "{s:K,s:K,s:K,s:K,s:K,s:K}", "driver_exports", s.driver_exports,
+      "driver_imports", s.driver_imports, "driver_queries", s.driver_queries,
+      "descriptors_sent", s.descriptors_sent, "descriptors_received",
+      s.descriptors_received, "transport_exchanges", s.transport_exchanges);
+}
+
+static PyObject *reset_stats(PyObject *module, PyObject *Py_UNUSED(x)) {
+  (void)module;
+  usmipc_reset_stats();
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef bundle_functions[] = {
+    {"share", (PyCFunction)(void (*)(void))share,
+     METH_FASTCALL | METH_KEYWORDS,
+     "share(obj, stream=None, ordered=None)\n--\n\n"
+     "Exports an array (usmipc memory, a torch tensor, anything with "
+     "__cuda_array_interface__ or __dlpack__) or a dict / list / tuple of "
+     "them (a state_dict) for other processes: each allocation once, every "
+     "array as metadata. Returns a SharedBundle (to_bytes(), pickle) that "
+     "keeps the arrays alive. Ordered like IPCMemoryHandle: each "
+     "to_bytes() records an event on stream (default: the arrays' current "
+     "stream) that open_shared waits for; ordered=False turns that off."},
+    {"open_shared", (PyCFunction)(void (*)(void))open_shared,
+     METH_FASTCALL | METH_KEYWORDS,
+     "open_shared(data, device=None, stream=None)\n--\n\n"
+     "Opens the bytes of a SharedBundle (or the bundle itself): the same "
+     "nesting, each array a SharedArray mapped without a copy. Waits for "
+     "the producer's work on the host, or on stream (the device waits)."},
+    {"close_shared", close_shared, METH_O,
+     "close_shared(tree)\n--\n\nCloses every SharedArray of a tree "
+     "open_shared() returned (they also close when collected)."},
+    {"stats", stats, METH_NOARGS,
+     "stats()\n--\n\nWhat IPC has cost this process: driver exports, "
+     "imports and queries, descriptors sent and received, round trips to "
+     "other processes' brokers (usmipc_get_stats)."},
+    {"reset_stats", reset_stats, METH_NOARGS,
+     "reset_stats()\n--\n\nSets the counters of stats() to zero."},
+    {"_bundle_from_bytes", bundle_from_bytes, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+int usmipc_init_bundle_types(PyObject *module, usmipc_module_state_t *st) {
+  st->SharedBundleType = PyType_FromModuleAndSpec(module, &bundle_spec, NULL);
+  st->SharedArrayType = PyType_FromModuleAndSpec(module, &arr_spec, NULL);
+  if (st->SharedBundleType == NULL || st->SharedArrayType == NULL ||
+      PyModule_AddObjectRef(module, "SharedBundle", st->SharedBundleType) < 0 ||
+      PyModule_AddObjectRef(module, "SharedArray", st->SharedArrayType) < 0 ||
+      PyModule_AddFunctions(module, bundle_functions) < 0)
+    return -1;
+  return 0;
+}

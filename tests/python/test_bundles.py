@@ -1,0 +1,222 @@
+"""usmipc.share / open_shared / close_shared on host memory: nested trees of
+mixed dtypes, strided views and zero-size arrays, opened by a process of
+its own, written back, re-shared at the cost of metadata, refused once the
+producer drops the bundle; bad input refused with errors that say where."""
+
+import gc
+import multiprocessing
+import pickle
+
+import numpy as np
+import pytest
+
+import usmipc
+from usmipc.memory import MemoryPool, MemoryUSMDevice
+
+from conftest import TIMEOUT
+
+HOST = "host:cpu"
+
+
+def _arrays(pool):
+    """A state-dict-like tree of numpy views over pool blocks."""
+    f32 = np.from_dlpack(pool.allocate(4000)).view(np.float32)
+    f32[:] = np.arange(1000, dtype=np.float32)
+    i64 = np.from_dlpack(pool.allocate(512)).view(np.int64)
+    i64[:] = np.arange(64)
+    f16 = np.from_dlpack(pool.allocate(64)).view(np.float16)
+    f16[:] = 1.5
+    flags = np.from_dlpack(pool.allocate(7)).view(np.bool_)
+    flags[:] = [True, False, True, True, False, False, True]
+    c64 = np.from_dlpack(pool.allocate(16 * 8)).view(np.complex64)
+    c64[:] = np.arange(16) * (1 + 2j)
+    return {
+        "embed": f32.reshape(10, 100),
+        "layers": [
+            {"w": i64.reshape(8, 8)[::2, 1::3], "b": f16[:5]},
+            (flags, c64.reshape(4, 4).T),
+        ],
+        "empty": f16[:0].reshape(0, 3),
+        "scalar": i64[5:6].reshape(()),
+        "ключ": f32[10:20],
+    }
+
+
+def _expected(tree):
+    if isinstance(tree, dict):
+        return {k: _expected(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_expected(v) for v in tree)
+    return np.array(tree)  # a copy
+
+
+def _same(opened, expected):
+    if isinstance(expected, dict):
+        assert isinstance(opened, dict) and list(opened) == list(expected)
+        for k in expected:
+            _same(opened[k], expected[k])
+    elif isinstance(expected, (list, tuple)):
+        assert type(opened) is type(expected) and len(opened) == len(expected)
+        for a, b in zip(opened, expected):
+            _same(a, b)
+    else:
+        assert isinstance(opened, usmipc.SharedArray)
+        assert opened.shape == expected.shape
+        assert opened.dtype == expected.dtype.name
+        got = np.from_dlpack(opened)
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        np.testing.assert_array_equal(got, expected)
+
+
+def _consumer(conn):
+    dev = usmipc.Device(HOST)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        op, data, expected = msg
+        try:
+            tree = usmipc.open_shared(data, device=dev)
+        except usmipc.Error as e:
+            conn.send(("error", e.name, str(e)))
+            continue
+        if op == "check":
+            _same(tree, expected)
+            # Writes go to the producer's memory: no copy anywhere.
+            np.from_dlpack(tree["embed"])[0, 0] = -7.0
+            strided = np.from_dlpack(tree["layers"][0]["w"])
+            strided[0, 0] = 999
+        conn.send(("ok", usmipc.stats(), [type(x).__name__ for x in tree]))
+        usmipc.close_shared(tree)
+
+
+@pytest.fixture
+def consumer():
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_consumer, args=(child,))
+    proc.start()
+
+    def call(op, data, expected=None):
+        parent.send((op, data, expected))
+        assert parent.poll(TIMEOUT), "the consumer did not answer"
+        return parent.recv()
+
+    yield call
+    parent.send(None)
+    proc.join(TIMEOUT)
+    assert proc.exitcode == 0
+
+
+def test_tree_round_trip_and_write_back(consumer):
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    tree = _arrays(pool)
+    expected = _expected(tree)
+    bundle = usmipc.share(tree)
+    assert bundle.arrays == 8 and bundle.allocations == 1
+    data = bundle.to_bytes()
+    status, stats, _ = consumer("check", data, expected)
+    assert status == "ok"
+    assert stats["driver_imports"] == 1  # one segment, eight arrays
+    assert tree["embed"][0, 0] == -7.0
+    assert tree["layers"][0]["w"][0, 0] == 999
+    # The same arrays again after an in-place update: metadata only, on
+    # both sides (the consumer's mapping is cached; nothing is exported).
+    before = usmipc.stats()
+    tree["embed"][:] += 1
+    again = usmipc.share(tree)
+    after = usmipc.stats()
+    assert after["driver_exports"] == before["driver_exports"]
+    expected = _expected(tree)
+    status, stats2, _ = consumer("check", again.to_bytes(), expected)
+    assert status == "ok"
+    assert stats2["driver_imports"] == stats["driver_imports"]
+    assert stats2["descriptors_received"] == stats["descriptors_received"]
+    # Pickle carries the same bytes; the unpickled object opens too.
+    status, _, kinds = consumer("open", pickle.dumps(again) and
+                                pickle.loads(pickle.dumps(again)).to_bytes())
+    assert status == "ok" and kinds == ["str"] * 5
+    # Dropped by the producer: its bytes are refused, the memory lives on.
+    del again
+    gc.collect()
+    status, name, message = consumer("open", bytes(data))
+    assert status == "ok"  # the first bundle still lives
+    data2 = usmipc.share(tree).to_bytes()  # dropped at once
+    gc.collect()
+    status, name, message = consumer("open", data2)
+    assert (status, name) == ("error", "USMIPC_EEXPORTERGONE")
+    assert "no longer shares this bundle" in message
+    del bundle
+
+
+def test_many_arrays_one_allocation(consumer):
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    block = pool.allocate(10_000 * 4)
+    flat = np.from_dlpack(block).view(np.float32)
+    flat[:] = np.arange(10_000)
+    tree = {f"layers.{i}.weight": flat[i * 4:(i + 1) * 4] for i in range(10_000)}
+    bundle = usmipc.share(tree)
+    assert bundle.arrays == 10_000 and bundle.allocations == 1
+    status, stats, kinds = consumer("open", bundle.to_bytes())
+    assert status == "ok" and len(kinds) == 10_000
+    assert stats["driver_imports"] == 1
+
+
+def test_same_process_open_and_close():
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    tree = _arrays(pool)
+    bundle = usmipc.share(tree)
+    opened = usmipc.open_shared(bundle)
+    _same(opened, _expected(tree))
+    leaf = opened["embed"]
+    view = np.from_dlpack(leaf)  # an export: the close waits for it
+    leaf.close()
+    assert leaf.closed
+    assert view[1, 1] == 101.0  # still mapped while the view lives
+    with pytest.raises(ValueError, match="closed"):
+        leaf.__dlpack__()
+    del view
+    usmipc.close_shared(opened)
+    with pytest.raises(TypeError, match="not a shared array"):
+        usmipc.close_shared({"x": 1})
+    assert memoryview(usmipc.open_shared(bundle)["ключ"]).format == "f"
+
+
+def test_usmipc_memory_leaves():
+    dev = usmipc.Device(HOST)
+    mem = MemoryUSMDevice(1000, device=dev)
+    mem.memset(3)
+    bundle = usmipc.share([mem])
+    opened = usmipc.open_shared(bundle.to_bytes())
+    leaf = opened[0]
+    assert leaf.dtype == "uint8" and leaf.shape == (1000,)
+    assert bytes(memoryview(leaf)[:2]) == b"\x03\x03"
+
+
+def test_bad_input_is_refused_with_where():
+    dev = usmipc.Device(HOST)
+    pool = MemoryPool(device=dev)
+    good = np.from_dlpack(pool.allocate(64)).view(np.float32)
+    with pytest.raises(TypeError, match=r"at \['a'\]\[1\]: a int is not an "
+                                        "array"):
+        usmipc.share({"a": [good, 1]})
+    with pytest.raises(TypeError, match="keys must be str"):
+        usmipc.share({1: good})
+    with pytest.raises(usmipc.Error, match=r"at \['x'\]"):
+        usmipc.share({"x": np.zeros(4)})  # ordinary memory, not usmipc's
+    host_kind = usmipc.memory.MemoryUSMHost(64, device=dev)
+    with pytest.raises(TypeError, match="at the root: .*only device memory"):
+        usmipc.share(host_kind)
+    with pytest.raises(ValueError, match="negative strides"):
+        usmipc.share(good[::-1])
+    data = usmipc.share({"x": good}).to_bytes()
+    for bad in (data[:-1], data[:100], b"", b"\x89USMIPC\n" + bytes(300)):
+        with pytest.raises(usmipc.Error) as e:
+            usmipc.open_shared(bad)
+        assert e.value.name == "USMIPC_EBADHANDLE"
+    corrupt = bytearray(data)
+    corrupt[80] ^= 1
+    with pytest.raises(usmipc.Error, match="checksum"):
+        usmipc.open_shared(bytes(corrupt))
+    with pytest.raises(TypeError):
+        usmipc.open_shared(12)
