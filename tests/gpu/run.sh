@@ -6,7 +6,8 @@
 #
 #   OUT=/tmp/out bash tests/gpu/run.sh [quick]
 #
-# "quick" skips the benchmarks. Needs python3 with scikit-build-core, pytest,
+# "quick" skips the long benchmarks (bench_weights.py runs with 3
+# repetitions instead of 10). Needs python3 with scikit-build-core, pytest,
 # numpy, torch, cupy and cuda.core (the device image has them) and no network.
 set -u
 OUT=${OUT:-/tmp/usmipc-gpu}
@@ -57,6 +58,12 @@ step bench-broker build-gpu/bench/usmipc_bench_broker --json "$OUT/bench_broker_
 step bench-event env USMIPC_CUDA_IPC=native build-gpu/bench/usmipc_bench_event --device cuda:gpu:0 --k 400 --json "$OUT/bench_event_h200.json"
 step bench-event-host build-gpu/bench/usmipc_bench_event --device host:cpu
 step bench-handoff python3 bench/bench_events.py --trials 100 --json "$OUT/bench_handoff_h200.json"
+# Weight handoff (issue 11): a Qwen2.5-1.5B bf16 state dict (338 tensors,
+# 3.1 GB) through usmipc bundles against torch.multiprocessing, a flattened
+# bucket and cuda.core. Quick mode: the full shapes, 3 repetitions (~40 s).
+if [ "$mode" = quick ]; then
+  step bench-weights-quick timeout 240 python3 bench/bench_weights.py --reps 3 --json "$OUT/bench_weights_quick_h200.json"
+fi
 
 if [ "$mode" != quick ]; then
   step bench-c-cuda-fd env USMIPC_CUDA_IPC=fd build-gpu/bench/usmipc_bench --device cuda:gpu:0 --sizes 4096,1048576,268435456,1073741824 --json "$OUT/bench_c_cuda_fd.json"
@@ -64,6 +71,7 @@ if [ "$mode" != quick ]; then
   step bench-raw-fd build-gpu/bench/usmipc_bench --raw --device cuda:gpu:0 --kind fd --k 60 --rounds 2 --json "$OUT/bench_raw_fd.json"
   step bench-raw-native build-gpu/bench/usmipc_bench --raw --device cuda:gpu:0 --kind native --k 60 --rounds 2 --json "$OUT/bench_raw_native.json"
   step bench-cuda python3 bench/bench_cuda.py --json "$OUT/bench_cuda.json" --plot "$OUT/bench_cuda.png"
+  step bench-weights timeout 540 python3 bench/bench_weights.py --reps 10 --json "$OUT/bench_weights_h200.json"
 fi
 echo "=== summary"; cat "$OUT/summary.txt"
 exit $status

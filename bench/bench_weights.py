@@ -1,0 +1,1083 @@
+"""Weight handoff (issue 11): a Qwen2.5-1.5B state dict in bf16 (338 tensors,
+3.09 GB, the names and shapes of the checkpoint, random values made here)
+handed from a producer process to a consumer process, side by side:
+
+  usmipc       usmipc.share() of tensors from PyTorch's caching allocator;
+               the consumer open_shared()s the bundle on its stream and calls
+               torch.from_dlpack on every leaf
+  usmipc-pool  the same, the tensors placed in blocks of one usmipc
+               MemoryPool (capacity = the state dict: one segment)
+  torch.mp     torch.multiprocessing: reduce_tensor per tensor, the consumer
+               calls each rebuild (one legacy handle + one IPC event per
+               tensor; opens cached per caching-allocator segment)
+  flatten      the producer copies every tensor into one bf16 bucket
+               (torch.cat, timed; cold: a new bucket, warm: out= the same
+               bucket), synchronizes, sends one reduce_tensor and the names
+               and shapes; the consumer rebuilds the bucket and splits it
+               into views
+  cuda.core    one IPC-enabled cuda.core memory pool, a buffer per tensor,
+               Buffer.ipc_descriptor per buffer, the pool's allocation handle
+               (an fd, through multiprocessing's reduction) on the cold
+               handoff, Buffer.from_ipc_descriptor per buffer in the consumer
+
+Both processes are warm before anything is timed: imports done, CUDA context
+made, and a throwaway handoff of a tiny state dict made by the same method.
+Time = from the producer's call (time.perf_counter_ns() just before
+share/reduce/cat/export) to the consumer holding every tensor as a torch
+tensor of the producer's shape and dtype, with its stream synchronized (so
+any device-side wait for the producer's work is inside); the consumer takes
+perf_counter_ns() then and sends it back over the pipe (perf_counter_ns is
+CLOCK_MONOTONIC: one clock for both processes on Linux). Before every
+handoff the producer's work on the tensors is finished (the fill or the
+in-place update, then a device synchronize).
+
+  cold  the first handoff of a freshly allocated state dict: per repetition
+        the consumer has closed everything from the previous one, the
+        producer has freed its previous tensors and called
+        torch.cuda.ipc_collect() and torch.cuda.empty_cache(), so the
+        caching allocator takes new segments from cudaMalloc (which may land
+        at the same addresses: a new allocation all the same), usmipc pools
+        and cuda.core pools are new, and every export and import is a first
+        one. Cold includes whatever each method does once per buffer or
+        pool: usmipc's driver export and import per segment, torch's
+        cudaIpcGetMemHandle/OpenMemHandle per segment, cuda.core's pool
+        export and import, flatten's 3.1 GB bucket allocation and copy.
+  warm  after an in-place update of every tensor (t.add_(1), synchronize),
+        a handoff of the same tensors again; the consumer still holds every
+        earlier handoff of this repetition (it opens the new one first and
+        closes them all at the end of the repetition).
+
+Also reported: the caching allocator's segments holding the state dict (the
+floor for (usmipc) and (torch.mp): one driver open per segment), the bytes
+a warm handoff sends, and for usmipc the counters of usmipc.stats() in both processes (a warm
+handoff should make no driver export or import and move no descriptor).
+torch.multiprocessing's rebuild does not wait for the share's IPC event when
+the consumer holds the storage already (a cache hit): flatten synchronizes
+after its copy for that reason, and a warm torch.mp handoff is only correct
+here because the producer synchronized before it.
+
+  python3 bench/bench_weights.py [--reps 10] [--warm 3] [--methods LIST]
+      [--small] [--device cuda:gpu:0] [--json FILE]
+  python3 bench/bench_weights.py --host [--small]   # CPU smoke run: the
+      usmipc bundle path on the host backend, numpy arrays in a usmipc host
+      MemoryPool (usmipc-pool) or one usmipc allocation each (usmipc-alloc),
+      the Qwen structure at small shapes (338 float32 tensors, 4.2 MB)
+
+--methods takes names or letters (a=usmipc b=usmipc-pool c=torch.mp
+d=flatten e=cuda.core). Needs the bundle API (usmipc.share, open_shared,
+close_shared, stats); a method whose library is missing says so and the
+others run. Exit status 1 when a method failed (a consumer that read other
+values than the producer's, in the first repetition's checks, fails it) or
+the usmipc bundle API is missing, --host included; a missing cuda.core is
+only reported. The module imports nothing beyond the standard library at
+the top, so it is safe to import anywhere.
+"""
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+import types
+
+MiB = 1 << 20
+
+GPU_METHODS = ["usmipc", "usmipc-pool", "torch.mp", "flatten", "cuda.core"]
+HOST_METHODS = ["usmipc-pool", "usmipc-alloc"]
+LETTERS = {"a": "usmipc", "b": "usmipc-pool", "c": "torch.mp",
+           "d": "flatten", "e": "cuda.core"}
+LABELS = {
+    "usmipc": "usmipc bundle, caching-allocator tensors",
+    "usmipc-pool": "usmipc bundle, tensors in a usmipc pool",
+    "usmipc-alloc": "usmipc bundle, one usmipc allocation per array",
+    "torch.mp": "torch.multiprocessing, reduce_tensor per tensor",
+    "flatten": "flatten into one bucket + one reduce_tensor",
+    "cuda.core": "cuda.core IPC pool, descriptor per buffer",
+}
+
+QWEN_TENSORS = 338
+QWEN_BYTES = 3_087_428_608     # 1,543,714,304 bf16 parameters
+
+
+# ---- the state dict ---------------------------------------------------------
+
+def qwen2_spec(layers=28, hidden=1536, intermediate=8960, heads=12,
+               kv_heads=2, head_dim=128, vocab=151936):
+    """(name, shape) in checkpoint order; tied embeddings: no lm_head."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    spec = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        spec += [
+            (p + "self_attn.q_proj.weight", (q, hidden)),
+            (p + "self_attn.q_proj.bias", (q,)),
+            (p + "self_attn.k_proj.weight", (kv, hidden)),
+            (p + "self_attn.k_proj.bias", (kv,)),
+            (p + "self_attn.v_proj.weight", (kv, hidden)),
+            (p + "self_attn.v_proj.bias", (kv,)),
+            (p + "self_attn.o_proj.weight", (hidden, q)),
+            (p + "mlp.gate_proj.weight", (intermediate, hidden)),
+            (p + "mlp.up_proj.weight", (intermediate, hidden)),
+            (p + "mlp.down_proj.weight", (hidden, intermediate)),
+            (p + "input_layernorm.weight", (hidden,)),
+            (p + "post_attention_layernorm.weight", (hidden,)),
+        ]
+    spec.append(("model.norm.weight", (hidden,)))
+    return spec
+
+
+# --small: ten tensors of one tiny layer.
+SMALL_SPEC = [
+    ("model.embed_tokens.weight", (1000, 64)),
+    ("model.layers.0.self_attn.q_proj.weight", (64, 64)),
+    ("model.layers.0.self_attn.q_proj.bias", (64,)),
+    ("model.layers.0.self_attn.k_proj.weight", (16, 64)),
+    ("model.layers.0.self_attn.v_proj.weight", (16, 64)),
+    ("model.layers.0.self_attn.o_proj.weight", (64, 64)),
+    ("model.layers.0.mlp.gate_proj.weight", (128, 64)),
+    ("model.layers.0.mlp.up_proj.weight", (128, 64)),
+    ("model.layers.0.mlp.down_proj.weight", (64, 128)),
+    ("model.norm.weight", (64,)),
+]
+
+# The throwaway handoff that warms both processes up.
+TINY_SPEC = [("warmup.a", (16,)), ("warmup.b", (4, 8))]
+
+
+def numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def round_up(n, to):
+    return (n + to - 1) // to * to
+
+
+# ---- small helpers ----------------------------------------------------------
+
+class Unavailable(Exception):
+    """A method's library or API is missing: reported, the others run."""
+
+
+def errstr(e):
+    return f"{type(e).__name__}: {e}"
+
+
+def gpu_index(device):
+    """cuda:gpu:N -> N."""
+    tail = device.rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def stats_delta(now, base):
+    if now is None or base is None:
+        return None
+    return {k: now[k] - base.get(k, 0) for k in now}
+
+
+def summary_ms(samples_us):
+    if not samples_us:
+        return None
+    s = sorted(samples_us)
+    return {"median_ms": statistics.median(s) / 1e3, "min_ms": s[0] / 1e3,
+            "max_ms": s[-1] / 1e3, "n": len(s)}
+
+
+def torch_dtype_name(t):
+    return str(t.dtype).replace("torch.", "")
+
+
+def torch_check(tensors):
+    """{name: (shape, dtype, first, last)} of a dict of torch tensors: one
+    gather and one copy to the host for all of them."""
+    import torch
+    parts = []
+    for t in tensors.values():
+        f = t.reshape(-1)
+        if f.numel():
+            parts += [f[:1].float(), f[-1:].float()]
+    vals = torch.cat(parts).cpu().tolist() if parts else []
+    out, i = {}, 0
+    for name, t in tensors.items():
+        if t.numel():
+            first, last = vals[i], vals[i + 1]
+            i += 2
+        else:
+            first = last = None
+        out[name] = (tuple(t.shape), torch_dtype_name(t), first, last)
+    return out
+
+
+def numpy_check(arrays):
+    out = {}
+    for name, a in arrays.items():
+        f = a.reshape(-1)
+        out[name] = (tuple(a.shape), str(a.dtype),
+                     float(f[0]) if f.size else None,
+                     float(f[-1]) if f.size else None)
+    return out
+
+
+class CudaArray:
+    """Raw device bytes as __cuda_array_interface__ (torch.as_tensor views
+    them without a copy and keeps this object alive)."""
+
+    def __init__(self, ptr, nbytes, owner):
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+            "strides": None, "version": 3}
+
+
+def caching_segments(tensors):
+    """Distinct caching-allocator segments holding these tensors."""
+    import bisect
+    import torch
+    segs = sorted((s["address"], s["address"] + s["total_size"])
+                  for s in torch.cuda.memory_snapshot())
+    starts = [a for a, _ in segs]
+    found = set()
+    for t in tensors.values():
+        p = t.data_ptr()
+        i = bisect.bisect_right(starts, p) - 1
+        if i >= 0 and segs[i][0] <= p < segs[i][1]:
+            found.add(segs[i][0])
+    return len(found)
+
+
+# ---- the methods: producer side (p_*) and consumer side (c_*) ---------------
+#
+# p_make allocates and fills a fresh state dict (untimed); p_handoff is the
+# timed export, returning what goes through the pipe; p_after runs once the
+# consumer answered; p_free drops the state. c_open turns a payload into
+# {name: tensor} plus whatever must stay alive; c_sync waits for the
+# consumer's stream. Everything imports its library inside: a missing one
+# costs its method only.
+
+class Method:
+    name = ""
+    uses_usmipc = False
+    report_segments = False   # the caching allocator's segments are its floor
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def stats(self):
+        if not self.uses_usmipc:
+            return None
+        import usmipc
+        fn = getattr(usmipc, "stats", None)
+        return dict(fn()) if fn is not None else None
+
+    # producer
+    def p_setup(self):
+        pass
+
+    def p_make(self, spec, seed):
+        raise NotImplementedError
+
+    def p_update(self, st):
+        for t in st.tensors.values():
+            t.add_(1)
+
+    def p_sync(self):
+        pass
+
+    def p_handoff(self, st, cold):
+        raise NotImplementedError
+
+    def p_after(self, st):
+        pass
+
+    def p_free(self, st):
+        st.__dict__.clear()
+
+    def p_check(self, st):
+        return torch_check(st.tensors)
+
+    # consumer
+    def c_setup(self):
+        pass
+
+    def c_open(self, payload):
+        raise NotImplementedError
+
+    def c_sync(self):
+        pass
+
+    def c_check(self, tensors):
+        return torch_check(tensors)
+
+    def c_close(self, holder):
+        pass
+
+    def c_drop(self):
+        pass
+
+
+class TorchMethod(Method):
+    """Common torch setup for the GPU methods."""
+
+    def _torch(self):
+        import torch
+        self.torch = torch
+        self.index = gpu_index(self.cfg["device"])
+        torch.cuda.set_device(self.index)
+        torch.cuda.init()
+        self.tdev = torch.device("cuda", self.index)
+        self.dtype = getattr(torch, self.cfg["dtype"])
+
+    def p_setup(self):
+        self._torch()
+        self.stream = self.torch.cuda.current_stream()
+
+    def c_setup(self):
+        self._torch()
+        self.cstream = self.torch.cuda.Stream(device=self.index)
+
+    def p_sync(self):
+        self.torch.cuda.synchronize()
+
+    def c_sync(self):
+        self.cstream.synchronize()
+
+    def p_make(self, spec, seed):
+        torch = self.torch
+        torch.manual_seed(seed)
+        tensors = {}
+        for name, shape in spec:
+            t = torch.empty(shape, dtype=self.dtype, device=self.tdev)
+            t.normal_()
+            tensors[name] = t
+        torch.cuda.synchronize()
+        st = types.SimpleNamespace(tensors=tensors)
+        st.segments = caching_segments(tensors)
+        return st
+
+    def p_free(self, st):
+        st.__dict__.clear()
+        gc.collect()
+        self.torch.cuda.synchronize()
+        self.torch.cuda.ipc_collect()
+        self.torch.cuda.empty_cache()
+
+    def c_drop(self):
+        gc.collect()
+        self.torch.cuda.synchronize()
+
+
+class UsmipcBundle(TorchMethod):
+    name = "usmipc"
+    uses_usmipc = True
+    report_segments = True
+
+    def _usmipc(self):
+        import usmipc
+        missing = [f for f in ("share", "open_shared", "close_shared")
+                   if not hasattr(usmipc, f)]
+        if missing:
+            raise Unavailable(f"usmipc has no {', '.join(missing)}: the "
+                              "bundle API is not in this build")
+        self.usmipc = usmipc
+        self.udev = usmipc.Device(self.cfg["device"])
+
+    def p_setup(self):
+        super().p_setup()
+        self._usmipc()
+
+    def c_setup(self):
+        super().c_setup()
+        self._usmipc()
+
+    def p_handoff(self, st, cold):
+        b = self.usmipc.share(st.tensors, stream=self.stream)
+        st.pending = b
+        return b.to_bytes()
+
+    def p_after(self, st):
+        # The new bundle replaces the previous one only now: a bundle keeps
+        # its exports alive, so a warm share finds them still exported.
+        st.bundle = st.pending
+        st.pending = None
+
+    def c_open(self, payload):
+        torch = self.torch
+        tree = self.usmipc.open_shared(payload, device=self.udev,
+                                       stream=self.cstream)
+        with torch.cuda.stream(self.cstream):
+            tensors = {k: torch.from_dlpack(v) for k, v in tree.items()}
+        return tensors, tree
+
+    def c_close(self, tree):
+        self.usmipc.close_shared(tree)
+
+
+class UsmipcPoolBundle(UsmipcBundle):
+    name = "usmipc-pool"
+    report_segments = False
+
+    def p_make(self, spec, seed):
+        from usmipc.memory import MemoryPool
+        torch = self.torch
+        torch.manual_seed(seed)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        sizes = [numel(shape) * itemsize for _, shape in spec]
+        # Blocks are 256-byte aligned; capacity for all of them: one segment.
+        pool = MemoryPool(round_up(sum(round_up(n, 256) for n in sizes) + MiB,
+                                   2 * MiB), device=self.udev)
+        tensors, mems = {}, []
+        for (name, shape), n in zip(spec, sizes):
+            mem = pool.allocate(n)
+            t = torch.from_dlpack(mem).view(self.dtype).view(shape)
+            t.normal_()
+            tensors[name] = t
+            mems.append(mem)
+        torch.cuda.synchronize()
+        return types.SimpleNamespace(tensors=tensors, pool=pool, mems=mems,
+                                     segments=None)
+
+
+class TorchMP(TorchMethod):
+    name = "torch.mp"
+    report_segments = True
+
+    def p_setup(self):
+        super().p_setup()
+        from torch.multiprocessing.reductions import reduce_tensor
+        self.reduce_tensor = reduce_tensor
+
+    def p_handoff(self, st, cold):
+        return {name: self.reduce_tensor(t) for name, t in st.tensors.items()}
+
+    def c_open(self, payload):
+        with self.torch.cuda.stream(self.cstream):   # rebuild waits on it
+            tensors = {name: fn(*args) for name, (fn, args) in payload.items()}
+        return tensors, None
+
+
+class Flatten(TorchMP):
+    name = "flatten"
+    report_segments = False   # one bucket: one segment
+
+    def p_handoff(self, st, cold):
+        torch = self.torch
+        flat = [t.reshape(-1) for t in st.tensors.values()]
+        if cold:
+            st.bucket = torch.cat(flat)
+        else:
+            torch.cat(flat, out=st.bucket)
+        # rebuild skips the IPC event's wait on a cached storage (warm).
+        self.stream.synchronize()
+        meta = [(name, tuple(t.shape)) for name, t in st.tensors.items()]
+        return {"bucket": self.reduce_tensor(st.bucket), "meta": meta}
+
+    def c_open(self, payload):
+        fn, args = payload["bucket"]
+        meta = payload["meta"]
+        with self.torch.cuda.stream(self.cstream):
+            bucket = fn(*args)
+            views = bucket.split([numel(shape) for _, shape in meta])
+            tensors = {name: v.view(shape)
+                       for (name, shape), v in zip(meta, views)}
+        return tensors, bucket
+
+
+class CudaCore(TorchMethod):
+    name = "cuda.core"
+
+    def _cc(self):
+        try:
+            try:
+                import cuda.core as cc
+                cc.DeviceMemoryResource  # noqa: B018  (1.x namespace)
+            except (ImportError, AttributeError):
+                import cuda.core.experimental as cc
+            for attr in ("Device", "DeviceMemoryResource",
+                         "DeviceMemoryResourceOptions", "Buffer"):
+                if not hasattr(cc, attr):
+                    raise AttributeError(f"{cc.__name__} has no {attr}")
+            if not hasattr(cc.Buffer, "from_ipc_descriptor"):
+                raise AttributeError("Buffer has no from_ipc_descriptor")
+            if not hasattr(cc.DeviceMemoryResource, "from_allocation_handle"):
+                raise AttributeError("DeviceMemoryResource has no "
+                                     "from_allocation_handle")
+        except Exception as e:
+            raise Unavailable(f"cuda.core pool IPC unavailable: {errstr(e)}")
+        self.cc = cc
+        self.dev = cc.Device(self.index)
+        self.dev.set_current()
+        self.ccstream = self.dev.create_stream()
+        self._no_stream_kw = set()
+        self.close_errors = 0
+
+    def _call(self, what, fn, *args):
+        """fn(*args, stream=...) where this cuda.core takes it (1.x needs it
+        for allocate and from_ipc_descriptor), else fn(*args); remembered
+        per call site."""
+        if what not in self._no_stream_kw:
+            try:
+                return fn(*args, stream=self.ccstream)
+            except TypeError as e:
+                if "stream" not in str(e):
+                    raise
+                self._no_stream_kw.add(what)
+        return fn(*args)
+
+    def p_setup(self):
+        super().p_setup()
+        self._cc()
+        cc = self.cc
+        # 1.x: property Buffer.ipc_descriptor, allocation_handle; 0.x methods.
+        self._desc_prop = hasattr(cc.Buffer, "ipc_descriptor")
+        self._handle_prop = hasattr(cc.DeviceMemoryResource,
+                                    "allocation_handle")
+        try:
+            mr = self._new_mr(4 * MiB)
+            b = self._call("allocate", mr.allocate, 4096)
+            self._alloc_handle(mr)
+            self._descriptor(b)
+            b.close()
+            mr.close()
+        except Exception as e:
+            raise Unavailable(f"cuda.core pool IPC unavailable: {errstr(e)}")
+
+    def c_setup(self):
+        super().c_setup()
+        self._cc()
+        self.mmrs = []
+
+    def _new_mr(self, nbytes):
+        opts = self.cc.DeviceMemoryResourceOptions(
+            ipc_enabled=True, max_size=round_up(nbytes, 2 * MiB))
+        return self.cc.DeviceMemoryResource(self.dev, opts)
+
+    def _alloc_handle(self, mr):
+        if self._handle_prop:
+            h = mr.allocation_handle
+            return h() if callable(h) else h
+        return mr.get_allocation_handle()
+
+    def _descriptor(self, buf):
+        return buf.ipc_descriptor if self._desc_prop else buf.get_ipc_descriptor()
+
+    def p_make(self, spec, seed):
+        torch = self.torch
+        torch.manual_seed(seed)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        sizes = [numel(shape) * itemsize for _, shape in spec]
+        # Headroom: the driver's pool places allocations its own way.
+        mr = self._new_mr(sum(round_up(n, 2 * MiB) for n in sizes) + 64 * MiB)
+        bufs, tensors = [], {}
+        for (name, shape), n in zip(spec, sizes):
+            bufs.append((name, shape, n,
+                         self._call("allocate", mr.allocate, n)))
+        self.dev.sync()
+        for name, shape, n, b in bufs:
+            t = torch.as_tensor(CudaArray(int(b.handle), n, b), device=self.tdev)
+            t = t.view(self.dtype).view(shape)
+            t.normal_()
+            tensors[name] = t
+        torch.cuda.synchronize()
+        return types.SimpleNamespace(tensors=tensors, mr=mr, bufs=bufs,
+                                     segments=None)
+
+    def p_handoff(self, st, cold):
+        payload = {"descs": [(name, shape, n, self._descriptor(b))
+                             for name, shape, n, b in st.bufs],
+                   "dtype": self.cfg["dtype"]}
+        if cold:
+            # a POSIX fd: multiprocessing's reduction carries it (DupFd)
+            payload["alloc_handle"] = self._alloc_handle(st.mr)
+        return payload
+
+    def p_free(self, st):
+        st.tensors.clear()
+        gc.collect()
+        self.torch.cuda.synchronize()
+        for _, _, _, b in st.bufs:
+            b.close()
+        st.mr.close()
+        super().p_free(st)
+
+    def c_open(self, payload):
+        torch, cc = self.torch, self.cc
+        if "alloc_handle" in payload:
+            ah = payload["alloc_handle"]
+            self.mmr = cc.DeviceMemoryResource.from_allocation_handle(self.dev, ah)
+            self.mmrs.append((self.mmr, ah))
+        dtype = getattr(torch, payload["dtype"])
+        bufs, tensors = [], {}
+        for name, shape, n, desc in payload["descs"]:
+            b = self._call("import", cc.Buffer.from_ipc_descriptor, self.mmr,
+                           desc)
+            bufs.append(b)
+            t = torch.as_tensor(CudaArray(int(b.handle), n, b), device=self.tdev)
+            tensors[name] = t.view(dtype).view(shape)
+        return tensors, bufs
+
+    def c_close(self, bufs):
+        # The same buffer imported once per handoff (cold + warm): a close
+        # the driver refuses is counted, not fatal.
+        for b in bufs:
+            try:
+                self._call("close", b.close)
+            except Exception:
+                self.close_errors += 1
+
+    def c_drop(self):
+        super().c_drop()
+        for mmr, ah in self.mmrs:
+            for close in (mmr.close, getattr(ah, "close", None)):
+                try:
+                    if close is not None:
+                        close()
+                except Exception:   # the pool may have closed the fd itself
+                    self.close_errors += 1
+        self.mmrs = []
+
+
+class HostBundle(Method):
+    """--host: numpy arrays in usmipc host memory, one allocation each."""
+    name = "usmipc-alloc"
+    uses_usmipc = True
+
+    def _setup(self):
+        import numpy as np
+        import usmipc
+        if not hasattr(usmipc, "share"):
+            raise Unavailable("usmipc has no share: the bundle API is not in "
+                              "this build")
+        self.np, self.usmipc = np, usmipc
+        self.udev = usmipc.Device(self.cfg["device"])
+
+    p_setup = c_setup = _setup
+
+    def _alloc(self, sizes):
+        from usmipc.memory import MemoryUSMDevice
+        return None, [MemoryUSMDevice(n, device=self.udev) for n in sizes]
+
+    def p_make(self, spec, seed):
+        np = self.np
+        rng = np.random.default_rng(seed)
+        dtype = np.dtype(self.cfg["dtype"])
+        sizes = [numel(shape) * dtype.itemsize for _, shape in spec]
+        pool, mems = self._alloc(sizes)
+        tensors = {}
+        for (name, shape), mem in zip(spec, mems):
+            a = np.from_dlpack(mem).view(dtype).reshape(shape)
+            a[...] = rng.standard_normal(shape, dtype=dtype)
+            tensors[name] = a
+        return types.SimpleNamespace(tensors=tensors, pool=pool, mems=mems,
+                                     segments=None)
+
+    def p_update(self, st):
+        for a in st.tensors.values():
+            a += 1
+
+    def p_handoff(self, st, cold):
+        b = self.usmipc.share(st.tensors)
+        st.pending = b
+        return b.to_bytes()
+
+    p_after = UsmipcBundle.p_after
+
+    def p_check(self, st):
+        return numpy_check(st.tensors)
+
+    def c_open(self, payload):
+        tree = self.usmipc.open_shared(payload, device=self.udev)
+        return {k: self.np.from_dlpack(v) for k, v in tree.items()}, tree
+
+    def c_check(self, tensors):
+        return numpy_check(tensors)
+
+    def c_close(self, tree):
+        self.usmipc.close_shared(tree)
+
+    def p_free(self, st):
+        st.__dict__.clear()
+        gc.collect()
+
+    def c_drop(self):
+        gc.collect()
+
+
+class HostPoolBundle(HostBundle):
+    name = "usmipc-pool"
+
+    def _alloc(self, sizes):
+        from usmipc.memory import MemoryPool
+        pool = MemoryPool(sum(round_up(n, 256) for n in sizes) + MiB,
+                          device=self.udev)
+        return pool, [pool.allocate(n) for n in sizes]
+
+
+GPU_CLASSES = {c.name: c for c in (UsmipcBundle, UsmipcPoolBundle, TorchMP,
+                                   Flatten, CudaCore)}
+HOST_CLASSES = {c.name: c for c in (HostPoolBundle, HostBundle)}
+
+
+def method_class(cfg, name):
+    return (HOST_CLASSES if cfg["host"] else GPU_CLASSES)[name]
+
+
+# ---- the consumer: one process per method -----------------------------------
+
+def consumer_main(conn, name, cfg):
+    try:
+        m = method_class(cfg, name)(cfg)
+        m.c_setup()
+        base = m.stats()
+        conn.send(("ready", os.getpid()))
+    except BaseException as e:
+        conn.send(("fatal", errstr(e), traceback.format_exc()))
+        return
+    held = []   # (tensors, holder) of every handoff of this repetition
+    while True:
+        msg = conn.recv()
+        t_recv = time.perf_counter_ns()
+        if msg[0] == "stop":
+            break
+        if msg[0] == "handoff":
+            _, payload, verify = msg
+            try:
+                tensors, holder = m.c_open(payload)
+                t_built = time.perf_counter_ns()
+                m.c_sync()
+                t_ready = time.perf_counter_ns()
+                held.append((tensors, holder))
+                counters = stats_delta(m.stats(), base)
+                check = m.c_check(tensors) if verify else None
+                reply = ("done", t_recv, t_built, t_ready, counters, check)
+            except BaseException as e:
+                reply = ("error", errstr(e), traceback.format_exc())
+            del msg, payload
+            conn.send(reply)
+        elif msg[0] == "drop":
+            try:
+                for tensors, _ in held:
+                    tensors.clear()
+                gc.collect()
+                for _, holder in held:
+                    m.c_close(holder)
+                held.clear()
+                m.c_drop()
+                reply = ("dropped",)
+            except BaseException as e:
+                reply = ("error", errstr(e), traceback.format_exc())
+            conn.send(reply)
+        base = m.stats()
+
+
+# ---- the producer -----------------------------------------------------------
+
+class ConsumerError(Exception):
+    pass
+
+
+def answer(conn, proc, timeout):
+    """The consumer's next message; a dead or stuck consumer ends the method
+    with a message instead of a hang."""
+    if not conn.poll(timeout):
+        proc.kill()
+        raise ConsumerError(f"the consumer did not answer in {timeout} s "
+                            f"(exit code {proc.exitcode})")
+    try:
+        msg = conn.recv()
+    except EOFError:
+        proc.join(5)
+        raise ConsumerError(f"the consumer died (exit code {proc.exitcode})")
+    if msg[0] in ("error", "fatal"):
+        raise ConsumerError(f"consumer: {msg[1]}\n{msg[2]}")
+    return msg
+
+
+def handoff(m, conn, proc, st, cold, verify, timeout):
+    m.p_sync()
+    base = m.stats()
+    t0 = time.perf_counter_ns()
+    payload = m.p_handoff(st, cold)
+    t1 = time.perf_counter_ns()
+    conn.send(("handoff", payload, verify))
+    t2 = time.perf_counter_ns()
+    _, t_recv, t_built, t_ready, cstats, check = answer(conn, proc, timeout)
+    m.p_after(st)
+    rec = {"total_us": (t_ready - t0) / 1e3,
+           "export_us": (t1 - t0) / 1e3,         # share / reduce / cat
+           "send_us": (t2 - t1) / 1e3,           # pickling + pipe write
+           "transfer_us": (t_recv - t1) / 1e3,   # ... + consumer's unpickle
+           "open_us": (t_built - t_recv) / 1e3,  # open + torch tensors
+           "wait_us": (t_ready - t_built) / 1e3, # consumer stream sync
+           "producer_stats": stats_delta(m.stats(), base),
+           "consumer_stats": cstats}
+    if verify:
+        mine = m.p_check(st)
+        if check != mine:
+            bad = sorted(k for k in set(mine) | set(check)
+                         if mine.get(k) != check.get(k))
+            raise AssertionError(
+                f"consumer's tensors differ from the producer's in {len(bad)} "
+                f"of {len(mine)}: {bad[:3]}, e.g. producer "
+                f"{mine.get(bad[0])} consumer {check.get(bad[0])}")
+    if not cold and verify:
+        try:
+            from multiprocessing.reduction import ForkingPickler
+            rec["payload_bytes"] = len(ForkingPickler.dumps(payload))
+        except Exception:
+            pass
+        if isinstance(payload, (bytes, bytearray)):
+            rec["payload_bytes"] = len(payload)
+    return rec
+
+
+def drop(conn, proc):
+    conn.send(("drop",))
+    answer(conn, proc, 60)
+
+
+def run_method(name, spec, cfg, reps, warm):
+    import multiprocessing as mp
+    m = method_class(cfg, name)(cfg)
+    m.p_setup()                                   # Unavailable: caller says so
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=consumer_main, args=(child, name, cfg),
+                       daemon=True)
+    proc.start()
+    child.close()
+    out = {"label": LABELS[name], "cold": [], "warm": []}
+    try:
+        answer(conn, proc, 120)                   # imports, CUDA context
+        tiny = m.p_make(TINY_SPEC, seed=0)        # the throwaway handoff
+        handoff(m, conn, proc, tiny, True, True, 60)
+        m.p_update(tiny)
+        handoff(m, conn, proc, tiny, False, True, 60)
+        drop(conn, proc)
+        m.p_free(tiny)
+        for rep in range(reps):
+            st = m.p_make(spec, seed=rep + 1)
+            if rep == 0 and m.report_segments:
+                out["segments"] = st.segments
+            out["cold"].append(handoff(m, conn, proc, st, True, rep == 0, 60))
+            for w in range(warm):
+                m.p_update(st)
+                out["warm"].append(handoff(m, conn, proc, st, False,
+                                           rep == 0 and w == 0, 60))
+            drop(conn, proc)
+            m.p_free(st)
+            del st
+        out["verified"] = True
+    finally:
+        try:
+            conn.send(("stop",))
+            proc.join(20)
+        except Exception:
+            pass
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    return out
+
+
+def summarize(out):
+    for phase in ("cold", "warm"):
+        recs = out[phase]
+        if not recs:
+            continue
+        s = summary_ms([r["total_us"] for r in recs])
+        for part in ("export_us", "transfer_us", "open_us", "wait_us"):
+            s[part.replace("_us", "_median_ms")] = statistics.median(
+                r[part] for r in recs) / 1e3
+        s["samples_ms"] = [r["total_us"] / 1e3 for r in recs]
+        # cold: the first repetition's counters; warm: summed over every
+        # warm handoff (all zero is the claim).
+        for side in ("producer_stats", "consumer_stats"):
+            if recs[0][side] is None:
+                s[side] = None
+            elif phase == "cold":
+                s[side] = recs[0][side]
+            else:
+                s[side] = {k: sum(r[side][k] for r in recs)
+                           for k in recs[0][side]}
+        s["payload_bytes"] = next((r["payload_bytes"] for r in recs
+                                   if "payload_bytes" in r), None)
+        out[phase + "_summary"] = s
+
+
+def fmt_stats(s):
+    if not s:
+        return "-"
+    return (f"exp {s.get('driver_exports', '?')} / imp "
+            f"{s.get('driver_imports', '?')} / desc "
+            f"{s.get('descriptors_sent', 0) + s.get('descriptors_received', 0)}")
+
+
+def versions(cfg):
+    v = {"python": sys.version.split()[0]}
+    try:
+        import usmipc
+        v["usmipc"] = usmipc.__version__
+    except Exception as e:
+        v["usmipc"] = errstr(e)
+    if not cfg["host"]:
+        from importlib.metadata import version
+        for pkg in ("torch", "numpy", "cupy", "cupy-cuda13x", "cupy-cuda12x",
+                    "cuda-core", "cuda-python", "cuda-bindings"):
+            try:
+                v[pkg] = version(pkg)
+            except Exception:
+                pass
+        try:
+            import torch
+            v["gpu"] = torch.cuda.get_device_name(gpu_index(cfg["device"]))
+        except Exception as e:
+            v["gpu"] = errstr(e)
+    return v
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=10,
+                    help="cold handoffs, each of a fresh state dict")
+    ap.add_argument("--warm", type=int, default=3,
+                    help="warm handoffs after each cold one")
+    ap.add_argument("--methods", help="comma list of names or letters a-e")
+    ap.add_argument("--small", action="store_true",
+                    help="a 10-tensor tiny state dict, for a quick run")
+    ap.add_argument("--host", action="store_true",
+                    help="CPU smoke run: usmipc bundles of numpy arrays in "
+                         "usmipc host memory")
+    ap.add_argument("--device", help="default cuda:gpu:0, or host:cpu "
+                                     "with --host")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    if args.host:
+        spec = SMALL_SPEC if args.small else qwen2_spec(
+            hidden=64, intermediate=128, heads=4, kv_heads=1, head_dim=16,
+            vocab=1024)
+        cfg = {"host": True, "device": args.device or "host:cpu",
+               "dtype": "float32", "itemsize": 4}
+        methods = HOST_METHODS
+    else:
+        spec = SMALL_SPEC if args.small else qwen2_spec()
+        cfg = {"host": False, "device": args.device or "cuda:gpu:0",
+               "dtype": "bfloat16", "itemsize": 2}
+        methods = GPU_METHODS
+    if args.methods:
+        methods = [LETTERS.get(x.strip(), x.strip())
+                   for x in args.methods.split(",") if x.strip()]
+        known = HOST_CLASSES if args.host else GPU_CLASSES
+        bad = [x for x in methods if x not in known]
+        if bad:
+            ap.error(f"unknown method(s) {bad}; choose from {sorted(known)}")
+
+    n_tensors = len(spec)
+    total = sum(numel(s) for _, s in spec) * cfg["itemsize"]
+    if spec is not SMALL_SPEC and not args.host:
+        assert n_tensors == QWEN_TENSORS and total == QWEN_BYTES, \
+            (n_tensors, total)
+    print(f"state dict: {n_tensors} tensors, {total:,} bytes "
+          f"({total / 1e9:.3f} GB), {cfg['dtype']}, on {cfg['device']}; "
+          f"{args.reps} cold + {args.reps * args.warm} warm handoffs per "
+          f"method", flush=True)
+
+    results, notes = {}, []
+
+    def write_json():
+        # after every method: a run stopped by a timeout keeps what it has
+        if not args.json:
+            return
+        with open(args.json, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "config": {"reps": args.reps, "warm": args.warm,
+                                  "small": args.small, "host": args.host,
+                                  "device": cfg["device"],
+                                  "dtype": cfg["dtype"],
+                                  "tensors": n_tensors, "bytes": total,
+                                  "methods": methods},
+                       "versions": vers,
+                       "results": results}, f, indent=1)
+
+    vers = versions(cfg)
+    for name in methods:
+        t0 = time.time()
+        try:
+            out = run_method(name, spec, cfg, args.reps, args.warm)
+        except Unavailable as e:
+            print(f"{name}: {e}", flush=True)
+            notes.append(f"{name}: {e}")
+            results[name] = {"label": LABELS[name], "unavailable": str(e)}
+            write_json()
+            continue
+        except Exception as e:
+            tb = traceback.format_exc()
+            print(f"{name}: FAILED: {errstr(e)}\n{tb}", flush=True)
+            results[name] = {"label": LABELS[name], "error": errstr(e),
+                             "traceback": tb}
+            write_json()
+            continue
+        summarize(out)
+        out["seconds"] = round(time.time() - t0, 1)
+        results[name] = out
+        write_json()
+        c, w = out.get("cold_summary"), out.get("warm_summary")
+        print(f"{name}: cold {c['median_ms']:.2f} ms, warm "
+              f"{w['median_ms']:.2f} ms ({out['seconds']} s)"
+              if c and w else f"{name}: done", flush=True)
+
+    print()
+    print("| method | cold ms: median (min-max) | warm ms: median (min-max) "
+          "| cold: export / transfer / open / wait ms | caching-allocator "
+          "segments | usmipc cold: producer; consumer | usmipc warm "
+          "(summed): producer; consumer |")
+    print("|---|---:|---:|---|---:|---|---|")
+    for name, r in results.items():
+        if "cold_summary" not in r:
+            why = r.get("unavailable") or ("FAILED: " + r.get("error", "?"))
+            print(f"| {name} | {why} | | | | | |")
+            continue
+        c, w = r["cold_summary"], r.get("warm_summary")
+        cell = lambda s: ("%.2f (%.2f-%.2f)" % (s["median_ms"], s["min_ms"],
+                                                s["max_ms"]) if s else "-")
+        parts = " / ".join("%.2f" % c[k] for k in (
+            "export_median_ms", "transfer_median_ms", "open_median_ms",
+            "wait_median_ms"))
+        seg = r.get("segments")
+        st = lambda s: (f"{fmt_stats(s['producer_stats'])}; "
+                        f"{fmt_stats(s['consumer_stats'])}"
+                        if s and s["producer_stats"] is not None else "-")
+        print(f"| {name} | {cell(c)} | {cell(w)} | {parts} | "
+              f"{seg if seg is not None else '-'} | {st(c)} | {st(w)} |")
+    for name, r in results.items():
+        seg = r.get("segments")
+        c = r.get("cold_summary")
+        if seg and c:
+            imports = (c["consumer_stats"] or {}).get("driver_imports")
+            print(f"{name}: {seg} caching-allocator segments hold the state "
+                  f"dict (the floor: one driver open each); the cold handoff "
+                  f"is {c['median_ms'] * 1e3 / seg:.1f} us per segment"
+                  + (f"; the consumer's driver imports: {imports}"
+                     if imports is not None else ""))
+    for name in ("usmipc", "usmipc-pool", "usmipc-alloc"):
+        w = results.get(name, {}).get("warm_summary")
+        if w and w["consumer_stats"] is not None:
+            print(f"{name} warm handoffs, usmipc.stats() summed over all "
+                  f"{w['n']}: producer "
+                  f"{w['producer_stats']}; consumer {w['consumer_stats']}")
+    for n in notes:
+        print(n)
+
+    # A missing usmipc bundle API fails the run (it is what is measured); a
+    # missing cuda.core is only reported.
+    failed = [n for n, r in results.items() if "error" in r or (
+        "unavailable" in r and n.startswith("usmipc"))]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
