@@ -89,7 +89,8 @@ static PyObject *torch_dtypes;
 
 static int fill_int_tuple(PyObject *seq, int64_t *out, int *ndim,
                           const char *what) {
-  PyObject *t = PySequence_Tuple(seq);
+  /* torch.Size is a tuple: no copy */
+  PyObject *t = PyTuple_Check(seq) ? Py_NewRef(seq) : PySequence_Tuple(seq);
   if (t == NULL)
     return -1;
   Py_ssize_t n = PyTuple_Size(t);
@@ -117,16 +118,13 @@ static int fill_int_tuple(PyObject *seq, int64_t *out, int *ndim,
 }
 
 static int leaf_torch(PyObject *obj, leaf_info_t *L) {
-  PyObject *device = PyObject_GetAttrString(obj, "device");
-  if (device == NULL)
+  PyObject *is_cpu = PyObject_GetAttrString(obj, "is_cpu");
+  if (is_cpu == NULL)
     return -1;
-  PyObject *type = PyObject_GetAttrString(device, "type");
-  Py_DECREF(device);
-  if (type == NULL)
+  int cpu = PyObject_IsTrue(is_cpu);
+  Py_DECREF(is_cpu);
+  if (cpu < 0)
     return -1;
-  int cpu = PyUnicode_Check(type) &&
-            PyUnicode_CompareWithASCIIString(type, "cpu") == 0;
-  Py_DECREF(type);
   if (cpu) {
     PyErr_SetString(PyExc_TypeError,
                     "a CPU tensor: only device memory can be shared (move it "
@@ -292,9 +290,42 @@ static int leaf_dlpack(PyObject *obj, leaf_info_t *L, int *found) {
   return 0;
 }
 
+/* How a leaf's type is read, found once per type: asking an object for an
+ * attribute it lacks raises (and clears) an AttributeError, which costs
+ * more than the rest of a leaf. */
+enum { LEAF_TORCH = 1, LEAF_CAI = 2, LEAF_DLPACK = 3 };
+static PyObject *leaf_kinds; /* type -> kind */
+
+static int leaf_kind(PyObject *obj) {
+  PyObject *type = (PyObject *)Py_TYPE(obj);
+  if (leaf_kinds == NULL && (leaf_kinds = PyDict_New()) == NULL)
+    return -1;
+  PyObject *k = PyDict_GetItemWithError(leaf_kinds, type);
+  if (k != NULL)
+    return (int)PyLong_AsLong(k);
+  if (PyErr_Occurred())
+    return -1;
+  int kind;
+  if (usmipc_type_module_is(obj, "torch") &&
+      PyObject_HasAttrString(obj, "data_ptr"))
+    kind = LEAF_TORCH;
+  else if (PyObject_HasAttrString(type, "__cuda_array_interface__"))
+    kind = LEAF_CAI;
+  else
+    kind = LEAF_DLPACK;
+  PyObject *v = PyLong_FromLong(kind);
+  if (v == NULL || PyDict_SetItem(leaf_kinds, type, v) < 0) {
+    Py_XDECREF(v);
+    return -1;
+  }
+  Py_DECREF(v);
+  return kind;
+}
+
 /* Reads a leaf into L; -1 with an exception naming what is wrong. */
 static int leaf_read(usmipc_module_state_t *st, PyObject *obj,
                      leaf_info_t *L) {
+  int kind;
   memset(L, 0, sizeof(*L));
   L->desc.shape = L->shape;
   L->desc.strides = L->strides;
@@ -309,24 +340,41 @@ static int leaf_read(usmipc_module_state_t *st, PyObject *obj,
     L->shape[0] = m->nbytes;
     L->strides[0] = 1;
     L->mem = m;
-  } else if (usmipc_type_module_is(obj, "torch") &&
-             PyObject_HasAttrString(obj, "data_ptr")) {
+  } else if ((kind = leaf_kind(obj)) < 0) {
+    return -1;
+  } else if (kind == LEAF_TORCH) {
     if (leaf_torch(obj, L) < 0)
       return -1;
   } else {
-    PyObject *cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
+    PyObject *cai =
+        kind == LEAF_CAI
+            ? PyObject_GetAttrString(obj, "__cuda_array_interface__")
+            : NULL;
+    if (cai == NULL && kind == LEAF_CAI)
+      return -1;
     if (cai != NULL) {
       int rc = leaf_cai(obj, cai, L);
       Py_DECREF(cai);
       if (rc < 0)
         return -1;
     } else {
-      if (!PyErr_ExceptionMatches(PyExc_AttributeError))
-        return -1;
-      PyErr_Clear();
       int found;
       if (leaf_dlpack(obj, L, &found) < 0)
         return -1;
+      if (!found) { /* an interface set on the instance, not its type */
+        cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
+        if (cai != NULL) {
+          int rc = leaf_cai(obj, cai, L);
+          Py_DECREF(cai);
+          if (rc < 0)
+            return -1;
+          found = 1;
+        } else if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+          PyErr_Clear();
+        } else {
+          return -1;
+        }
+      }
       if (!found) {
         PyObject *tn = type_name(obj);
         if (tn != NULL)
