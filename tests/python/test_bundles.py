@@ -220,3 +220,15 @@ def test_bad_input_is_refused_with_where():
         usmipc.open_shared(bytes(corrupt))
     with pytest.raises(TypeError):
         usmipc.open_shared(12)
+
+
+def test_example_runs():
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable,
+                             str(root / "examples" / "share_state_dict.py")],
+                            capture_output=True, timeout=TIMEOUT * 2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert b"bundle OK" in result.stdout

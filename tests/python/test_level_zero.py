@@ -47,3 +47,11 @@ def test_demo_on_level_zero(transport):
     assert result.returncode == 0, out + result.stderr.decode()
     assert "demo OK" in out
     assert "level_zero:gpu:0" in out
+
+
+def test_bundle_on_level_zero():
+    result = run(str(ROOT / "examples" / "share_state_dict.py"),
+                 "level_zero:gpu")
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    assert "bundle OK" in out and "3 arrays in 1 allocations" in out

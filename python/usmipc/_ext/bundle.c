@@ -1317,7 +1317,41 @@ static void arr_dealloc(PyObject *op) {
   Py_DECREF(tp);
 }
 
+/* The bytes the array spans (its elements, and for a strided array the
+ * gaps between them), copied to the host through the device's queue. */
+static PyObject *arr_tobytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  Arr *self = (Arr *)op;
+  if (check_open(self) < 0)
+    return NULL;
+  PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)self->extent);
+  if (out == NULL || self->extent == 0)
+    return out;
+  PyObject *queue = usmipc_default_queue(
+      usmipc_state_from_device(self->device), self->device);
+  if (queue == NULL) {
+    Py_DECREF(out);
+    return NULL;
+  }
+  usmipc_queue_t *q = ((usmipc_queue_object_t *)queue)->queue;
+  char *dst = PyBytes_AsString(out);
+  int rc;
+  self->exports++; /* a close meanwhile waits for the copy */
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_memcpy(q, dst, self->ptr, self->extent);
+  Py_END_ALLOW_THREADS
+  arr_end_export(self);
+  Py_DECREF(queue);
+  if (rc != 0) {
+    Py_DECREF(out);
+    return usmipc_raise(usmipc_state_from_device(self->device), rc);
+  }
+  return out;
+}
+
 static PyMethodDef arr_methods[] = {
+    {"tobytes", arr_tobytes, METH_NOARGS,
+     "tobytes()\n--\n\nA host copy of the bytes the array spans (for a "
+     "C-contiguous array, its elements in order)."},
     {"close", arr_close, METH_NOARGS,
      "close()\n--\n\nDrops this array's mapping (deferred while a DLPack "
      "tensor or a buffer view of it lives). Idempotent."},
