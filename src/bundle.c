@@ -207,7 +207,9 @@ typedef struct array_out {
 struct usmipc_bundle {
   segment_out_t *segs;
   size_t nseg, seg_cap;
-  uint32_t *hash; /* segment index + 1 by buffer id; 0 empty */
+  uint32_t *by_base; /* segment indices in the order of their bases */
+  size_t last_seg;   /* the segment of the last array: likely the next's */
+  uint32_t *hash;    /* segment index + 1 by buffer id; 0 empty */
   size_t hash_cap;
   array_out_t *arrays;
   size_t narr, arr_cap;
@@ -317,7 +319,37 @@ int usmipc_bundle_add_container(usmipc_bundle_t *b,
 
 /* The segment of the allocation ptr lies in: found in the bundle, or
  * exported now. */
+/* The index of the bundle's segment holding ptr, or -1: the arrays added
+ * so far are promised to stay allocated while the bundle lives, so an
+ * address inside one of its segments is in that allocation, and another
+ * library's array needs no driver query when its segment is known. */
+static long segment_by_range(const usmipc_bundle_t *b, uintptr_t p) {
+  if (b->last_seg < b->nseg) {
+    const segment_out_t *s = &b->segs[b->last_seg];
+    if (p - s->ref.base < s->ref.size)
+      return (long)b->last_seg;
+  }
+  size_t lo = 0, hi = b->nseg; /* by_base: segment indices sorted by base */
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (b->segs[b->by_base[mid]].ref.base <= p)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  if (lo == 0)
+    return -1;
+  const segment_out_t *s = &b->segs[b->by_base[lo - 1]];
+  return p - s->ref.base < s->ref.size ? (long)b->by_base[lo - 1] : -1;
+}
+
 static int segment_for(usmipc_bundle_t *b, const void *ptr, uint32_t *index) {
+  long known = segment_by_range(b, (uintptr_t)ptr);
+  if (known >= 0) {
+    *index = (uint32_t)known;
+    b->last_seg = (size_t)known;
+    return 0;
+  }
   usmipc__allocation_ref_t ref;
   int rc = usmipc__allocation_of(ptr, &ref);
   if (rc != 0)
@@ -343,8 +375,11 @@ static int segment_for(usmipc_bundle_t *b, const void *ptr, uint32_t *index) {
   if (b->nseg == MAX_SEGMENTS)
     return usmipc__fail(USMIPC_ENOMEM, "a bundle names at most %u allocations",
                         MAX_SEGMENTS);
+  size_t seg_cap = b->seg_cap;
   if ((rc = grow((void **)&b->segs, &b->seg_cap, b->nseg + 1,
-                 sizeof(*b->segs))) != 0)
+                 sizeof(*b->segs))) != 0 ||
+      (rc = grow((void **)&b->by_base, &seg_cap, b->nseg + 1,
+                 sizeof(*b->by_base))) != 0)
     return rc;
   if (b->nseg + 1 > b->hash_cap / 2) { /* rehash at half full */
     size_t cap = b->hash_cap ? b->hash_cap * 2 : 64;
@@ -380,6 +415,14 @@ static int segment_for(usmipc_bundle_t *b, const void *ptr, uint32_t *index) {
   while (b->hash[at] != 0)
     at = (at + 1) & (b->hash_cap - 1);
   b->hash[at] = (uint32_t)b->nseg + 1;
+  /* Into the by-base order (insertion: segments are few). */
+  size_t pos = b->nseg;
+  while (pos > 0 && b->segs[b->by_base[pos - 1]].ref.base > ref.base) {
+    b->by_base[pos] = b->by_base[pos - 1];
+    pos--;
+  }
+  b->by_base[pos] = (uint32_t)b->nseg;
+  b->last_seg = b->nseg;
   *index = (uint32_t)b->nseg++;
   return 0;
 }
@@ -613,6 +656,7 @@ int usmipc_bundle_free(usmipc_bundle_t *b) {
   for (size_t i = 0; i < b->nseg; i++)
     usmipc_ipc_free_handle(b->segs[i].handle);
   free(b->segs);
+  free(b->by_base);
   free(b->hash);
   free(b->arrays);
   free(b->dims);

@@ -426,14 +426,18 @@ typedef struct walk {
 
 static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len);
 
+/* The path to a failing leaf is collected as the error unwinds (innermost
+ * label first), so a walk that succeeds pays nothing for it. */
 static int walk_child(walk_t *w, PyObject *child, PyObject *label,
                       const char *key, Py_ssize_t key_len) {
-  if (PyList_Append(w->path, label) < 0)
-    return -1;
   int rc = walk(w, child, key, key_len);
-  if (rc == 0)
-    PyList_SetSlice(w->path, PyList_Size(w->path) - 1, PyList_Size(w->path),
-                    NULL);
+  if (rc < 0 && w->path != NULL) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (PyList_Append(w->path, label) < 0)
+      PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+  }
   return rc;
 }
 
@@ -507,9 +511,10 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
   Py_DECREF(L.keep);
   if (rc < 0)
     return -1;
-  Py_BEGIN_ALLOW_THREADS
+  /* With the GIL held: a few loads for usmipc's memory, one driver query
+   * for another library's; releasing and taking the GIL per leaf cost
+   * more. (The first export of an allocation may wait longer: rare.) */
   rc = usmipc_bundle_add_array(w->b, key, (size_t)key_len, L.ptr, &L.desc);
-  Py_END_ALLOW_THREADS
   if (rc != 0)
     return bundle_fail(w, rc);
   int has_memory = 1;
@@ -531,7 +536,7 @@ static void prefix_path(PyObject *path) {
   PyErr_Fetch(&type, &value, &tb);
   PyErr_NormalizeException(&type, &value, &tb);
   PyObject *where = PyUnicode_FromString("");
-  for (Py_ssize_t i = 0; where && i < PyList_Size(path); i++) {
+  for (Py_ssize_t i = PyList_Size(path) - 1; where && i >= 0; i--) {
     PyObject *part = PyUnicode_FromFormat("[%R]", PyList_GetItem(path, i));
     PyObject *joined = part ? PyUnicode_Concat(where, part) : NULL;
     Py_XDECREF(part);
@@ -843,8 +848,13 @@ static PyType_Spec bundle_spec = {
 /* ---- SharedArray ----------------------------------------------------------- */
 
 /* What the arrays of one open share: where they are ready. */
+#define READY_SYNCED_MAX 8
 typedef struct ready {
   Py_ssize_t refs;      /* arrays and capsules; GIL held */
+  void *synced[READY_SYNCED_MAX]; /* native streams made to wait already */
+  int nsynced;
+  void *pending; /* the stream of the wait in progress */
+  int has_pending;
   usmipc_event_t *event; /* recorded on the open's stream, or NULL */
   usmipc_queue_t *queue; /* that stream (its Queue object kept below) */
   PyObject *queue_obj;
@@ -1126,9 +1136,19 @@ static int arr_dlpack_sync(Arr *self, PyObject *stream) {
       return -1;
     if (v == -1)
       return 0;
-    q = usmipc_queue_wrap(st, self->device,
-                          v <= 1 ? NULL : (void *)(uintptr_t)v, NULL,
-                          "__dlpack__()");
+    /* DLPack's CUDA streams: 1 (and 0) the legacy default stream, 2 the
+     * per-thread one (CU_STREAM_PER_THREAD), else a CUstream. The stream
+     * the arrays were opened on, or one already made to wait, needs
+     * nothing: no Queue is made (this runs once per tensor). */
+    void *native = v <= 1 ? NULL : (void *)(uintptr_t)v;
+    if (native == usmipc_queue_native(r->queue))
+      return 0;
+    for (int i = 0; i < r->nsynced; i++)
+      if (r->synced[i] == native)
+        return 0;
+    q = usmipc_queue_wrap(st, self->device, native, NULL, "__dlpack__()");
+    if (q != NULL && r->nsynced < READY_SYNCED_MAX)
+      r->pending = native, r->has_pending = 1;
   } else {
     q = usmipc_queue_from_stream(st, stream, NULL, self->device,
                                  "__dlpack__()");
@@ -1145,9 +1165,15 @@ static int arr_dlpack_sync(Arr *self, PyObject *stream) {
   }
   Py_DECREF(q);
   if (rc != 0) {
+    r->has_pending = 0;
     usmipc_raise(st, rc);
     return -1;
   }
+  /* The ready event is recorded once and never again: a stream that
+   * waited for it once is ordered for every array of the open. */
+  if (r->has_pending && r->nsynced < READY_SYNCED_MAX)
+    r->synced[r->nsynced++] = r->pending;
+  r->has_pending = 0;
   return 0;
 }
 
