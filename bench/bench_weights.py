@@ -408,6 +408,7 @@ class UsmipcBundle(TorchMethod):
         torch = self.torch
         tree = self.usmipc.open_shared(payload, device=self.udev,
                                        stream=self.cstream)
+        self.t_opened = time.perf_counter_ns()
         with torch.cuda.stream(self.cstream):
             tensors = {k: torch.from_dlpack(v) for k, v in tree.items()}
         return tensors, tree
@@ -752,7 +753,8 @@ def consumer_main(conn, name, cfg):
                 held.append((tensors, holder))
                 counters = stats_delta(m.stats(), base)
                 check = m.c_check(tensors) if verify else None
-                reply = ("done", t_recv, t_built, t_ready, counters, check)
+                reply = ("done", t_recv, t_built, t_ready, counters, check,
+                         getattr(m, "t_opened", None))
             except BaseException as e:
                 reply = ("error", errstr(e), traceback.format_exc())
             del msg, payload
@@ -804,7 +806,8 @@ def handoff(m, conn, proc, st, cold, verify, timeout):
     t1 = time.perf_counter_ns()
     conn.send(("handoff", payload, verify))
     t2 = time.perf_counter_ns()
-    _, t_recv, t_built, t_ready, cstats, check = answer(conn, proc, timeout)
+    _, t_recv, t_built, t_ready, cstats, check, t_opened = answer(
+        conn, proc, timeout)
     m.p_after(st)
     rec = {"total_us": (t_ready - t0) / 1e3,
            "export_us": (t1 - t0) / 1e3,         # share / reduce / cat
@@ -812,6 +815,9 @@ def handoff(m, conn, proc, st, cold, verify, timeout):
            "transfer_us": (t_recv - t1) / 1e3,   # ... + consumer's unpickle
            "open_us": (t_built - t_recv) / 1e3,  # open + torch tensors
            "wait_us": (t_ready - t_built) / 1e3, # consumer stream sync
+           # usmipc: open_shared alone, before torch.from_dlpack per leaf
+           "open_shared_us": (None if t_opened is None
+                              else (t_opened - t_recv) / 1e3),
            "producer_stats": stats_delta(m.stats(), base),
            "consumer_stats": cstats}
     if verify:
@@ -892,6 +898,9 @@ def summarize(out):
         for part in ("export_us", "transfer_us", "open_us", "wait_us"):
             s[part.replace("_us", "_median_ms")] = statistics.median(
                 r[part] for r in recs) / 1e3
+        if recs[0].get("open_shared_us") is not None:
+            s["open_shared_median_ms"] = statistics.median(
+                r["open_shared_us"] for r in recs) / 1e3
         s["samples_ms"] = [r["total_us"] / 1e3 for r in recs]
         # cold: the first repetition's counters; warm: summed over every
         # warm handoff (all zero is the claim).
@@ -1053,6 +1062,17 @@ def main():
                         if s and s["producer_stats"] is not None else "-")
         print(f"| {name} | {cell(c)} | {cell(w)} | {parts} | "
               f"{seg if seg is not None else '-'} | {st(c)} | {st(w)} |")
+    for name, r in results.items():
+        parts = []
+        for phase in ("cold", "warm"):
+            x = r.get(f"{phase}_summary") or {}
+            if x.get("open_shared_median_ms") is not None:
+                parts.append(
+                    f"{phase}: export {x['export_median_ms']:.2f}, "
+                    f"open_shared {x['open_shared_median_ms']:.2f}, torch "
+                    f"tensors {x['open_median_ms'] - x['open_shared_median_ms']:.2f}")
+        if parts:
+            print(f"{name}: median ms, " + "; ".join(parts))
     for name, r in results.items():
         seg = r.get("segments")
         c = r.get("cold_summary")
