@@ -448,14 +448,15 @@ static int add_array(usmipc_bundle_t *b, const char *key, size_t key_len,
                         MAX_ARRAYS);
   int rc;
   size_t nd = (size_t)desc->ndim;
-  if ((rc = grow((void **)&b->dims, &b->dims_cap, b->ndims + 2 * nd,
+  if ((rc = grow((void **)&b->dims, &b->dims_cap, b->ndims + 2 * nd + 1,
                  sizeof(int64_t))) != 0 ||
       (rc = grow((void **)&b->arrays, &b->arr_cap, b->narr + 1,
                  sizeof(*b->arrays))) != 0)
     return rc;
   int64_t *shape = b->dims + b->ndims, *strides = shape + nd;
-  memcpy(shape, desc->shape, nd * sizeof(int64_t));
-  if (desc->strides != NULL) {
+  if (nd > 0)
+    memcpy(shape, desc->shape, nd * sizeof(int64_t));
+  if (desc->strides != NULL && nd > 0) {
     memcpy(strides, desc->strides, nd * sizeof(int64_t));
   } else { /* C-contiguous */
     int64_t step = 1;
