@@ -84,14 +84,19 @@ import types
 
 MiB = 1 << 20
 
-GPU_METHODS = ["usmipc", "usmipc-pool", "torch.mp", "flatten", "cuda.core"]
+GPU_METHODS = ["usmipc", "usmipc-pool", "usmipc>torch", "usmipc-pool>torch",
+               "torch.mp", "flatten", "cuda.core"]
 HOST_METHODS = ["usmipc-pool", "usmipc-alloc"]
 LETTERS = {"a": "usmipc", "b": "usmipc-pool", "c": "torch.mp",
-           "d": "flatten", "e": "cuda.core"}
+           "d": "flatten", "e": "cuda.core", "f": "usmipc>torch",
+           "g": "usmipc-pool>torch"}
 LABELS = {
     "usmipc": "usmipc bundle, caching-allocator tensors",
     "usmipc-pool": "usmipc bundle, tensors in a usmipc pool",
     "usmipc-alloc": "usmipc bundle, one usmipc allocation per array",
+    "usmipc>torch": "usmipc bundle, caching-allocator tensors, "
+                    "open_shared(to='torch')",
+    "usmipc-pool>torch": "usmipc bundle, pool tensors, open_shared(to='torch')",
     "torch.mp": "torch.multiprocessing, reduce_tensor per tensor",
     "flatten": "flatten into one bucket + one reduce_tensor",
     "cuda.core": "cuda.core IPC pool, descriptor per buffer",
@@ -442,6 +447,27 @@ class UsmipcPoolBundle(UsmipcBundle):
                                      segments=None)
 
 
+class UsmipcToTorch(UsmipcBundle):
+    """The same handoff, the consumer asking open_shared for torch tensors
+    (made from capsules in C) instead of converting each leaf."""
+    name = "usmipc>torch"
+
+    def c_open(self, payload):
+        tensors = self.usmipc.open_shared(payload, device=self.udev,
+                                          stream=self.cstream, to="torch")
+        self.t_opened = time.perf_counter_ns()
+        return tensors, None
+
+    def c_close(self, tree):
+        pass  # each tensor keeps its mapping until it dies
+
+
+class UsmipcPoolToTorch(UsmipcPoolBundle):
+    name = "usmipc-pool>torch"
+    c_open = UsmipcToTorch.c_open
+    c_close = UsmipcToTorch.c_close
+
+
 class TorchMP(TorchMethod):
     name = "torch.mp"
     report_segments = True
@@ -717,7 +743,8 @@ class HostPoolBundle(HostBundle):
         return pool, [pool.allocate(n) for n in sizes]
 
 
-GPU_CLASSES = {c.name: c for c in (UsmipcBundle, UsmipcPoolBundle, TorchMP,
+GPU_CLASSES = {c.name: c for c in (UsmipcBundle, UsmipcPoolBundle,
+                                   UsmipcToTorch, UsmipcPoolToTorch, TorchMP,
                                    Flatten, CudaCore)}
 HOST_CLASSES = {c.name: c for c in (HostPoolBundle, HostBundle)}
 
@@ -1083,7 +1110,8 @@ def main():
                   f"is {c['median_ms'] * 1e3 / seg:.1f} us per segment"
                   + (f"; the consumer's driver imports: {imports}"
                      if imports is not None else ""))
-    for name in ("usmipc", "usmipc-pool", "usmipc-alloc"):
+    for name in ("usmipc", "usmipc-pool", "usmipc-alloc", "usmipc>torch",
+                 "usmipc-pool>torch"):
         w = results.get(name, {}).get("warm_summary")
         if w and w["consumer_stats"] is not None:
             print(f"{name} warm handoffs, usmipc.stats() summed over all "
