@@ -68,6 +68,7 @@
   X(handle_range_overflow)                                                     \
   X(handle_null_and_empty)                                                     \
   X(handle_extension_records)                                                  \
+  X(handle_chunk_records)                                                      \
   X(mac_blake2s_vectors)                                                       \
   X(trust_fork_storm)                                                          \
   X(trust_squatter_after_exit)                                                 \
@@ -115,7 +116,9 @@
   X(pool_cross_process)                                                        \
   X(pool_hundred_thousand_blocks)                                              \
   X(pool_threads)                                                              \
-  X(stats_count_driver_work)
+  X(stats_count_driver_work)                                                   \
+  X(cuda_vmm_foreign_chunks)                                                   \
+  X(cuda_vmm_foreign_limits)
 
 #define HELPER_LIST(X) X(agent)
 
