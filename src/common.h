@@ -303,6 +303,19 @@ extern usmipc__stats_t usmipc__stats;
 #define USMIPC__RELEASE_RECORD_LEN 32
 #define USMIPC__EXT_BLOCK 0x8101u /* in memory handles: a pool block */
 #define USMIPC__BLOCK_RECORD_LEN 48
+/* In memory handles: the allocation is a run of physical chunks (another
+ * library's CUDA VMM memory), each shared as its own descriptor. u16 chunk
+ * count, u16 run count, u32 0, then per run of equal chunks u64 chunk size,
+ * u32 chunks in the run, u32 0. */
+#define USMIPC__EXT_CHUNKS 0x8102u
+#define USMIPC__CHUNKS_FIXED_LEN 8
+#define USMIPC__CHUNK_RUN_LEN 16
+/* Runs of equal chunk sizes one record may hold: with an ordering and a
+ * release record the extension area still has room (8 + 48 * 16 bytes). */
+#define USMIPC__CHUNK_RUNS_MAX 48
+#define USMIPC__CHUNKS_RECORD_MAX                                              \
+  (4 + USMIPC__CHUNKS_FIXED_LEN +                                              \
+   USMIPC__CHUNK_RUNS_MAX * USMIPC__CHUNK_RUN_LEN)
 #define USMIPC__EVENT_RECORD_LEN 16
 #define USMIPC__ORDER_FIXED_LEN 68
 /* Event flags (both records). */
@@ -355,7 +368,20 @@ typedef struct usmipc__wire {
   uint64_t block_id, block_offset, block_size;
   uint32_t block_slot;
   uint8_t block_token[16];
+  /* Record 0x8102: the allocation is chunk_count chunks back to back, in
+   * chunk_runs runs of equal sizes; 0 when it is one piece. */
+  uint16_t chunk_count, chunk_runs;
+  uint16_t chunks_at; /* offset in ext of the record's first run */
 } usmipc__wire_t;
+
+/* The chunk sizes of w's record 0x8102, in order, into sizes (room for
+ * USMIPC__CHUNKS_MAX); returns their number (0 without the record). */
+uint32_t usmipc__wire_chunk_sizes(const usmipc__wire_t *w, uint64_t *sizes);
+/* Writes record 0x8102 for count chunks of the given sizes into out (room
+ * for USMIPC__CHUNKS_RECORD_MAX bytes): its length, or 0 when the sizes
+ * take more than USMIPC__CHUNK_RUNS_MAX runs. */
+size_t usmipc__chunks_record(const uint64_t *sizes, uint32_t count,
+                             uint8_t *out);
 
 /* Clears w and fills in who exports it: this process on device (every
  * handle of memory or events starts so). */
@@ -542,6 +568,12 @@ int usmipc__fdxfer_serve(void);
  * descriptors are dma-bufs, which do not reopen as themselves). */
 int usmipc__fdxfer_publish(int fd, uint64_t buffer_id, bool may_reopen,
                            usmipc__fd_grant_t *grant);
+/* The same for nfds descriptors (at most USMIPC__CHUNKS_MAX: a run of
+ * chunks) served together, in order, under one token; the grant names the
+ * first. They are never reopenable. */
+int usmipc__fdxfer_publish_fds(const int *fds, uint32_t nfds,
+                               uint64_t buffer_id, bool may_reopen,
+                               usmipc__fd_grant_t *grant);
 /* Stops serving buffer_id (on return the descriptor is no longer used). */
 void usmipc__fdxfer_withdraw(uint64_t buffer_id);
 /* 1 when the exporter also listens in USMIPC_SOCKET_DIR. */
@@ -562,7 +594,9 @@ int usmipc__transport_mode(usmipc__transport_t *mode);
 /* Asks the exporter's broker for its table and/or the handle's descriptor,
  * after checking that the listener is the exporter (its credentials, its
  * pidfd) and before trusting an answer, that it proved the handle's key.
- * Received descriptors land in *table_fd / *data_fd (-1 when not asked). */
+ * Received descriptors land in *table_fd / *data_fd (-1 when not asked);
+ * for a handle of a run of chunks (w->chunk_count) data_fd is an array of
+ * that many, filled in chunk order. */
 int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
                         uint64_t deadline, int *table_fd, int *data_fd);
 /* Sends a release signal (body: see usmipc__release_body_parse) to the
@@ -618,6 +652,11 @@ int usmipc__peer_get(const usmipc__wire_t *w, uint64_t deadline,
  * export table before and after. Lock NOT held. */
 int usmipc__peer_fetch_fd(usmipc__peer_t *peer, const usmipc__wire_t *w,
                           uint64_t tag, uint64_t deadline, int *fd);
+/* The same for a handle of a run of chunks: its w->chunk_count descriptors,
+ * in order, from the exporter's broker (the handle names only the first's
+ * number, so pidfd_getfd cannot take the others). Lock NOT held. */
+int usmipc__peer_fetch_fds(usmipc__peer_t *peer, const usmipc__wire_t *w,
+                           uint64_t tag, uint64_t deadline, int *fds);
 /* 0 when w's allocation is still exported by a living exporter, else
  * EEXPORTERGONE (or EBADHANDLE for a forged size) with a message. Reads
  * shared memory only: the cache-hit path calls it. */

@@ -328,6 +328,106 @@ static int check_block_record(usmipc__wire_t *w, const uint8_t *r,
   return 0;
 }
 
+/* Record 0x8102 (memory handles): u16 chunk count k, u16 run count r, u32
+ * 0, then r runs of u64 chunk size, u32 chunks, u32 0. The chunks lie back
+ * to back from the allocation's start, so their offsets follow from the
+ * sizes: sorted and contiguous by construction. Checked strictly, since
+ * the importer maps exactly these pieces: 2 <= k <= USMIPC__CHUNKS_MAX,
+ * 1 <= r <= USMIPC__CHUNK_RUNS_MAX, sizes non-zero whole 4 KiB pages (the
+ * backend checks its own granularity), adjacent runs of different sizes
+ * (one encoding per layout), counts that add up to k, and sizes that add
+ * up to the allocation size exactly. The descriptors travel through the
+ * transport (FD, never reopenable). */
+static int check_chunks_record(usmipc__wire_t *w, const uint8_t *r,
+                               uint16_t rlen, size_t at) {
+  if (w->payload.handle_kind == USMIPC__HANDLE_KIND_EVENT)
+    return bad("an event handle carries a chunk record (0x8102)");
+  if (w->chunk_count != 0)
+    return bad("it carries two chunk records (0x8102)");
+  if (rlen < USMIPC__CHUNKS_FIXED_LEN ||
+      (rlen - USMIPC__CHUNKS_FIXED_LEN) % USMIPC__CHUNK_RUN_LEN != 0)
+    return bad("its chunk record (0x8102) has a malformed length");
+  uint16_t count = usmipc__get16le(r), runs = usmipc__get16le(r + 2);
+  if (usmipc__get32le(r + 4) != 0)
+    return bad("its chunk record (0x8102) sets reserved bytes");
+  if (runs == 0 || runs > USMIPC__CHUNK_RUNS_MAX ||
+      rlen != USMIPC__CHUNKS_FIXED_LEN + runs * USMIPC__CHUNK_RUN_LEN)
+    return bad("its chunk record's run count disagrees with its length or "
+               "exceeds 48");
+  if (count < 2 || count > USMIPC__CHUNKS_MAX)
+    return bad("its chunk record names fewer than 2 or more than 250 chunks");
+  if (!(w->flags & USMIPC__WIRE_FLAG_FD) ||
+      (w->flags & USMIPC__WIRE_FLAG_REOPENABLE))
+    return bad("its chunk record comes without descriptors to fetch (FD) or "
+               "with reopenable ones");
+  uint64_t total = 0, prev = 0;
+  uint32_t chunks = 0;
+  for (uint16_t i = 0; i < runs; i++) {
+    const uint8_t *run =
+        r + USMIPC__CHUNKS_FIXED_LEN + i * USMIPC__CHUNK_RUN_LEN;
+    uint64_t size = usmipc__get64le(run);
+    uint32_t n = usmipc__get32le(run + 8);
+    if (size == 0 || size % 4096 != 0 || n == 0 ||
+        usmipc__get32le(run + 12) != 0)
+      return bad("its chunk record has an empty run, a chunk that is not "
+                 "whole pages, or reserved bytes set");
+    if (size == prev)
+      return bad("its chunk record splits a run of equal chunks");
+    if (n > count - chunks)
+      return bad("its chunk record's runs hold more chunks than it counts");
+    chunks += n;
+    if (size > (w->allocation_size - total) / n)
+      return bad("its chunks extend past the allocation");
+    total += size * n;
+    prev = size;
+  }
+  if (chunks != count || total != w->allocation_size)
+    return bad("its chunks do not cover exactly the allocation");
+  w->chunk_count = count;
+  w->chunk_runs = runs;
+  w->chunks_at = (uint16_t)(at + 4 + USMIPC__CHUNKS_FIXED_LEN);
+  return 0;
+}
+
+uint32_t usmipc__wire_chunk_sizes(const usmipc__wire_t *w, uint64_t *sizes) {
+  uint32_t k = 0;
+  for (uint16_t i = 0; i < w->chunk_runs; i++) {
+    const uint8_t *run = w->ext + w->chunks_at + i * USMIPC__CHUNK_RUN_LEN;
+    uint64_t size = usmipc__get64le(run);
+    for (uint32_t n = usmipc__get32le(run + 8); n > 0 && k < w->chunk_count;
+         n--)
+      sizes[k++] = size;
+  }
+  return k;
+}
+
+size_t usmipc__chunks_record(const uint64_t *sizes, uint32_t count,
+                             uint8_t *out) {
+  uint8_t *r = out + 4;
+  uint16_t runs = 0;
+  uint8_t *run = NULL; /* the last run written */
+  for (uint32_t i = 0; i < count; i++) {
+    if (run != NULL && usmipc__get64le(run) == sizes[i]) {
+      usmipc__put32le(run + 8, usmipc__get32le(run + 8) + 1);
+      continue;
+    }
+    if (runs == USMIPC__CHUNK_RUNS_MAX)
+      return 0;
+    run = r + USMIPC__CHUNKS_FIXED_LEN + (size_t)runs * USMIPC__CHUNK_RUN_LEN;
+    usmipc__put64le(run, sizes[i]);
+    usmipc__put32le(run + 8, 1);
+    usmipc__put32le(run + 12, 0);
+    runs++;
+  }
+  usmipc__put16le(r, (uint16_t)count);
+  usmipc__put16le(r + 2, runs);
+  usmipc__put32le(r + 4, 0);
+  size_t rlen = USMIPC__CHUNKS_FIXED_LEN + (size_t)runs * USMIPC__CHUNK_RUN_LEN;
+  usmipc__put16le(out, USMIPC__EXT_CHUNKS);
+  usmipc__put16le(out + 2, (uint16_t)rlen);
+  return 4 + rlen;
+}
+
 /* Walks the extension records: each is u16 type, u16 length, then length
  * bytes. Unknown critical records refuse the handle (this library cannot
  * honour what the exporter required); other unknown records are skipped.
@@ -353,6 +453,8 @@ static int check_extensions(usmipc__wire_t *w) {
       rc = check_release_record(w, w->ext + at + 4, rlen);
     else if (type == USMIPC__EXT_BLOCK)
       rc = check_block_record(w, w->ext + at + 4, rlen);
+    else if (type == USMIPC__EXT_CHUNKS)
+      rc = check_chunks_record(w, w->ext + at + 4, rlen, at);
     else if (backend_record(w, type)) {
       if (4u + rlen > (unsigned)(USMIPC__PAYLOAD_EXT_MAX - w->payload.ext_len))
         return bad("its backend's extension records are too long");
@@ -373,6 +475,9 @@ static int check_extensions(usmipc__wire_t *w) {
   }
   if (w->payload.handle_kind == USMIPC__HANDLE_KIND_EVENT && !w->is_event)
     return bad("it is an event handle without its event record (0x8001)");
+  if (w->has_block && w->chunk_count != 0)
+    return bad("it names a pool block of a run of chunks (0x8101 with "
+               "0x8102)");
   return 0;
 }
 
@@ -423,6 +528,7 @@ void usmipc__wire_order_event(const usmipc__wire_t *mem, usmipc__wire_t *ev) {
   ev->order_at = ev->order_len = 0;
   ev->has_release = false;
   ev->has_block = false;
+  ev->chunk_count = ev->chunk_runs = ev->chunks_at = 0;
 }
 
 size_t usmipc__order_record(const usmipc__wire_t *ev, uint8_t *out) {
@@ -580,6 +686,7 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
   w->has_block = false;
   w->block_id = w->block_offset = w->block_size = 0;
   w->block_slot = 0;
+  w->chunk_count = w->chunk_runs = w->chunks_at = 0;
   if (w->payload.handle_kind == USMIPC__HANDLE_KIND_EVENT) {
     /* An event handle names no memory. */
     if (w->nbytes != 0 || w->allocation_size != 0 || w->offset != 0 ||

@@ -20,6 +20,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "blake2s.h"
 #include "common.h"
 
 #ifndef SYS_pidfd_open
@@ -60,6 +61,16 @@ typedef struct foreign_export {
   uint32_t slot, table_fd_number;
   uint8_t token[16];
   usmipc__payload_t payload;
+  /* Memory made of physical chunks (CUDA VMM, docs/cuda.md): a descriptor
+   * per chunk, which the transport hands out under one grant (token above)
+   * and which are closed when the export dies; the first one's number and
+   * file identity for the handle; for more than one chunk, record 0x8102. */
+  int *fds;
+  uint32_t nfds;
+  uint32_t fd_number;
+  uint64_t fd_dev, fd_ino;
+  uint8_t *chunks_rec;
+  uint16_t chunks_len;
   unsigned owners;
   struct foreign_export *next;
 } foreign_export_t;
@@ -470,6 +481,122 @@ int usmipc_ipc_release(const void *data, size_t len, usmipc_queue_t *queue) {
   return rc;
 }
 
+/* The identity of a run of chunks in handles and import caches: one chunk
+ * is its own identity; several, a digest of theirs in order (chunk ids are
+ * never reused, so neither is a run's, and a run of the same chunks has the
+ * same id whenever it is exported, which lets importers keep its mapping). */
+static uint64_t run_id(const usmipc__chunk_run_t *run) {
+  if (run->count == 1)
+    return run->ids[0];
+  uint8_t label[16 + 4] = "usmipc-vmm-run-1";
+  usmipc__put32le(label + 16, run->count);
+  usmipc__blake2s_t st;
+  uint8_t out[8];
+  usmipc__blake2s_init(&st, sizeof(out), NULL, 0);
+  usmipc__blake2s_update(&st, label, sizeof(label));
+  for (uint32_t i = 0; i < run->count; i++) {
+    uint8_t id[8];
+    usmipc__put64le(id, run->ids[i]);
+    usmipc__blake2s_update(&st, id, sizeof(id));
+  }
+  usmipc__blake2s_final(&st, out);
+  uint64_t v = usmipc__get64le(out);
+  return v != 0 ? v : 1;
+}
+
+/* Memory in chunks: the run of whole chunks under [ptr, ptr + nbytes)
+ * (nbytes 0: to the end of the chunk holding ptr) becomes the allocation
+ * the handle names. *run is malloc'd. */
+static int describe_chunks(const void *ptr, size_t nbytes,
+                           usmipc_device_t *device, usmipc__allocation_t *a,
+                           uint64_t *buffer_id, usmipc__chunk_run_t **run) {
+  const usmipc__backend_ops_t *ops = device->ops;
+  if (ops->foreign_chunks == NULL || ops->chunks_export == NULL ||
+      ops->ipc_import_chunks == NULL)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "cannot export %p: %s cannot share memory in chunks",
+                        ptr, device->filter);
+  if (nbytes == 0)
+    nbytes = a->size - (size_t)((uintptr_t)ptr - (uintptr_t)a->base);
+  if ((uintptr_t)ptr + nbytes < (uintptr_t)ptr)
+    return usmipc__fail(USMIPC_ERANGE, "cannot export %zu bytes at %p", nbytes,
+                        ptr);
+  if ((*run = malloc(sizeof(**run))) == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  int rc = ops->foreign_chunks(device->native, ptr, nbytes, *run);
+  if (rc != 0) {
+    free(*run);
+    *run = NULL;
+    return rc;
+  }
+  a->base = (*run)->base;
+  a->size = (size_t)(*run)->size;
+  *buffer_id = run_id(*run);
+  return 0;
+}
+
+/* A new export of a run of chunks: a descriptor per chunk, all published
+ * under one grant (one token: the capability the broker checks), and the
+ * chunk record for more than one. Lock held. */
+static int export_chunks(usmipc_device_t *device, usmipc__chunk_run_t *run,
+                         uint64_t buffer_id, foreign_export_t *e) {
+  int rc = device->ops->chunks_export(device->native, run, &e->payload);
+  if (rc != 0)
+    return rc;
+  USMIPC__STAT_ADD(driver_exports, run->count);
+  if ((e->fds = malloc(run->count * sizeof(int))) == NULL) {
+    rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  } else if (run->count > 1) {
+    uint8_t rec[USMIPC__CHUNKS_RECORD_MAX];
+    size_t len = usmipc__chunks_record(run->sizes, run->count, rec);
+    if (len == 0)
+      rc = usmipc__fail(USMIPC_ENOTSUP,
+                        "cannot export %p: its %u chunks come in more than %d "
+                        "different sizes in a row, more than one handle "
+                        "describes; export it in parts",
+                        run->base, run->count, USMIPC__CHUNK_RUNS_MAX);
+    else if ((e->chunks_rec = malloc(len)) == NULL)
+      rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+    else {
+      memcpy(e->chunks_rec, rec, len);
+      e->chunks_len = (uint16_t)len;
+    }
+  }
+  usmipc__fd_grant_t grant;
+  if (rc == 0 && (rc = usmipc__fdxfer_publish_fds(
+                      run->fds, run->count, buffer_id, false, &grant)) == 0) {
+    memcpy(e->fds, run->fds, run->count * sizeof(int));
+    e->nfds = run->count;
+    memcpy(e->token, grant.token, 16);
+    e->fd_number = grant.fd_number;
+    e->fd_dev = grant.dev;
+    e->fd_ino = grant.ino;
+    return 0;
+  }
+  for (uint32_t i = 0; i < run->count; i++)
+    close(run->fds[i]);
+  free(e->fds);
+  e->fds = NULL;
+  free(e->chunks_rec);
+  e->chunks_rec = NULL;
+  return rc;
+}
+
+/* Releases what an export holds: the slot first (importers refuse from now
+ * on), then the grant, then its descriptors (linux/exports.c: a slot is
+ * cleared before its descriptor is closed). Lock held. */
+static void foreign_release(foreign_export_t *e, bool slotted) {
+  if (slotted)
+    usmipc__exports_remove(e->slot);
+  if (e->nfds > 0)
+    usmipc__fdxfer_withdraw(e->buffer_id);
+  for (uint32_t i = 0; i < e->nfds; i++)
+    close(e->fds[i]);
+  free(e->fds);
+  free(e->chunks_rec);
+  free(e);
+}
+
 /* Memory another library allocated: the driver names its allocation and
  * buffer id; the export lives as long as handles hold it (see
  * foreign_export_t). */
@@ -479,14 +606,21 @@ static int export_foreign(const void *ptr, size_t nbytes,
   uint64_t buffer_id;
   usmipc_device_t *device;
   size_t offset;
+  usmipc__chunk_run_t *run = NULL;
   int rc = usmipc__foreign_query_unlocked(ptr, &a, &buffer_id, &device);
   if (rc != 0) {
     usmipc__error_prefix("cannot export: ");
     return rc;
   }
-  rc = check_export(ptr, device, &a, &offset, &nbytes);
-  if (rc != 0)
+  /* Chunks are looked up without the lock: the driver calls are many. */
+  if (a.chunked &&
+      (rc = describe_chunks(ptr, nbytes, device, &a, &buffer_id, &run)) != 0)
     return rc;
+  rc = check_export(ptr, device, &a, &offset, &nbytes);
+  if (rc != 0) {
+    free(run);
+    return rc;
+  }
   usmipc__wire_t w;
   wire_fill(&w, device, &a, buffer_id, offset, nbytes);
   pthread_mutex_lock(&usmipc__registry_lock);
@@ -499,6 +633,8 @@ static int export_foreign(const void *ptr, size_t nbytes,
     e = calloc(1, sizeof(*e));
     if (e == NULL)
       rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+    else if (run != NULL)
+      rc = export_chunks(device, run, buffer_id, e);
     else if ((rc = device->ops->ipc_export(device->native, &a, &e->payload,
                                            &fd)) == 0 &&
              (USMIPC__STAT_ADD(driver_exports, 1), fd >= 0))
@@ -506,14 +642,20 @@ static int export_foreign(const void *ptr, size_t nbytes,
                         "cannot export %p: memory of another library shared "
                         "through a descriptor is not supported",
                         ptr);
-    if (rc == 0 && (rc = usmipc__random(e->token, 16)) == 0 &&
-        (rc = usmipc__fdxfer_serve()) == 0)
-      rc = usmipc__exports_add(buffer_id, UINT32_MAX, a.size,
+    if (rc == 0 && run == NULL && (rc = usmipc__random(e->token, 16)) == 0)
+      rc = usmipc__fdxfer_serve();
+    if (rc == 0)
+      rc = usmipc__exports_add(buffer_id,
+                               e->nfds > 0 ? e->fd_number : UINT32_MAX, a.size,
                                usmipc__slot_tag(usmipc__self()->key, e->token),
                                &e->slot, &e->table_fd_number);
     if (rc != 0) {
+      if (e != NULL) {
+        e->buffer_id = buffer_id; /* the grant foreign_release withdraws */
+        foreign_release(e, false);
+      }
       pthread_mutex_unlock(&usmipc__registry_lock);
-      free(e);
+      free(run);
       return rc;
     }
     e->id = next_foreign_id++;
@@ -524,11 +666,21 @@ static int export_foreign(const void *ptr, size_t nbytes,
     e->next = foreign_exports;
     foreign_exports = e;
   }
+  free(run);
   w.export_slot = e->slot;
   w.table_fd_number = e->table_fd_number;
   memcpy(w.token, e->token, 16);
+  if (e->nfds > 0) {
+    w.flags = USMIPC__WIRE_FLAG_FD;
+    w.fd_number = e->fd_number;
+    w.fd_dev = e->fd_dev;
+    w.fd_ino = e->fd_ino;
+  }
   if (usmipc__fdxfer_socket_dir())
     w.flags |= USMIPC__WIRE_FLAG_SOCKET_DIR;
+  if (e->chunks_len > 0) /* a run's record */
+    memcpy(w.ext, e->chunks_rec, e->chunks_len);
+  w.ext_len = e->chunks_len;
   rc = usmipc__wire_set_payload(&w, &e->payload);
   if (rc == 0)
     rc = handle_new(&w, handle);
@@ -540,12 +692,11 @@ static int export_foreign(const void *ptr, size_t nbytes,
   return rc;
 }
 
-/* Unlinks a foreign export and clears its slot; lock held. */
+/* Unlinks a foreign export and releases it; lock held. */
 static void foreign_revoke(foreign_export_t **link) {
   foreign_export_t *e = *link;
   *link = e->next;
-  usmipc__exports_remove(e->slot);
-  free(e);
+  foreign_release(e, true);
 }
 
 static int get_handle(const void *ptr, size_t nbytes, bool whole,
@@ -1002,7 +1153,9 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
   if (mapped_nbytes != NULL)
     *mapped_nbytes = nbytes;
 
-  if (w->nonce == self->nonce && w->pid == self->pid)
+  /* A run of chunks has no single allocation here to alias: its exporter
+   * maps it again, as another process would (k driver imports). */
+  if (w->nonce == self->nonce && w->pid == self->pid && w->chunk_count == 0)
     return open_same_process(w, ptr);
 
   usmipc__import_key_t key = {.nonce = w->nonce,
@@ -1028,12 +1181,24 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
   uint64_t tag = usmipc__slot_tag(w->key, w->token);
   usmipc__peer_t *peer = NULL;
   int fd = -1;
+  /* A run of chunks: a descriptor per chunk (the decoder bounded k). */
+  int chunk_fds[USMIPC__CHUNKS_MAX];
+  uint32_t nchunks = w->chunk_count;
+  for (uint32_t i = 0; i < nchunks; i++)
+    chunk_fds[i] = -1;
+  if (nchunks > 0 && device->ops->ipc_import_chunks == NULL)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "not a valid usmipc IPC handle: it names %s memory "
+                        "in chunks, which that backend never exports",
+                        usmipc_backend_name(w->backend));
   if (w->export_slot != USMIPC__NO_SLOT) {
     /* The exporter, proven once per exporter; then the slot; then the
      * descriptor (which the broker may have handed over with the proof). */
     if ((rc = usmipc__peer_get(w, deadline, &peer, &fd)) != 0)
       return rc;
-    if (fd < 0 && (w->flags & USMIPC__WIRE_FLAG_FD))
+    if (nchunks > 0)
+      rc = usmipc__peer_fetch_fds(peer, w, tag, deadline, chunk_fds);
+    else if (fd < 0 && (w->flags & USMIPC__WIRE_FLAG_FD))
       rc = usmipc__peer_fetch_fd(peer, w, tag, deadline, &fd);
     else
       rc = usmipc__peer_check(peer, w, tag, NULL);
@@ -1046,17 +1211,31 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
   }
   if (fd >= 0)
     USMIPC__STAT_ADD(descriptors_received, 1);
+  USMIPC__STAT_ADD(descriptors_received, nchunks);
   usmipc__region_t *r = calloc(1, sizeof(*r));
   if (r == NULL) {
     if (fd >= 0)
       close(fd);
+    for (uint32_t i = 0; i < nchunks; i++)
+      close(chunk_fds[i]);
     usmipc__peer_put(peer);
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
   }
   r->alloc.fd = -1;
-  rc = device->ops->ipc_import(device->native, owner->native, &w->payload, fd,
-                               w->allocation_size, &r->alloc);
-  USMIPC__STAT_ADD(driver_imports, 1);
+  if (nchunks > 0) {
+    uint64_t sizes[USMIPC__CHUNKS_MAX];
+    usmipc__wire_chunk_sizes(w, sizes);
+    rc = device->ops->ipc_import_chunks(device->native, owner->native,
+                                        &w->payload, chunk_fds, sizes, nchunks,
+                                        w->allocation_size, &r->alloc);
+    USMIPC__STAT_ADD(driver_imports, nchunks);
+    for (uint32_t i = 0; i < nchunks; i++)
+      close(chunk_fds[i]);
+  } else {
+    rc = device->ops->ipc_import(device->native, owner->native, &w->payload, fd,
+                                 w->allocation_size, &r->alloc);
+    USMIPC__STAT_ADD(driver_imports, 1);
+  }
   if (fd >= 0)
     close(fd);
   if (rc != 0) {

@@ -35,6 +35,9 @@ typedef struct usmipc__allocation {
   bool fd_is_device_buffer; /* fd is a dma-buf-like handle: reopening
                                /proc/<pid>/fd/<n> does not give the same
                                memory, so importers never try */
+  bool chunked; /* memory of another library made of physical chunks mapped
+                   back to back (CUDA VMM): exported with foreign_chunks and
+                   chunks_export, not ipc_export */
   unsigned how; /* backend-specific: how the memory was made or mapped */
   uint64_t
       native; /* backend's own handle (CUmemGenericAllocationHandle, ...) */
@@ -56,6 +59,21 @@ typedef struct usmipc__payload {
   uint16_t ext_len;
   uint8_t ext[USMIPC__PAYLOAD_EXT_MAX];
 } usmipc__payload_t;
+
+/* A run of physical chunks of another library's memory, mapped back to back
+ * (CUDA VMM: PyTorch's expandable segments map 2 MiB or 20 MiB chunks into
+ * one reserved range). At most USMIPC__CHUNKS_MAX chunks, so that their
+ * descriptors fit one SCM_RIGHTS message (the kernel's SCM_MAX_FD is 253)
+ * with the export table's. */
+#define USMIPC__CHUNKS_MAX 250
+typedef struct usmipc__chunk_run {
+  void *base;    /* the first chunk's start */
+  uint64_t size; /* the sum of the chunk sizes */
+  uint32_t count;
+  uint64_t sizes[USMIPC__CHUNKS_MAX];
+  uint64_t ids[USMIPC__CHUNKS_MAX]; /* each chunk's identity, never reused */
+  int fds[USMIPC__CHUNKS_MAX];      /* shareable descriptors, or -1 */
+} usmipc__chunk_run_t;
 
 typedef struct usmipc__backend_ops {
   size_t struct_size; /* sizeof(usmipc__backend_ops_t) when compiled */
@@ -145,6 +163,26 @@ typedef struct usmipc__backend_ops {
   int (*queue_unwrap)(void *dev, void *queue);
   /* Optional: the native queue of a queue (NULL: the queue itself). */
   void *(*queue_native)(void *dev, void *queue);
+
+  /* Memory of another library made of physical chunks (pointer_query set
+   * alloc.chunked; dev is the device it lives on), all three or none.
+   * foreign_chunks describes the
+   * smallest run of whole chunks covering [ptr, ptr + nbytes) (fds all -1),
+   * or fails: USMIPC_ENOTSUP with a message saying what to do when the
+   * chunks cannot be shared through descriptors. chunks_export makes a
+   * descriptor for each chunk of the run (owned by the caller; on failure
+   * none is left open) and the payload. ipc_import_chunks maps count
+   * descriptors (received from the exporter, owned by the caller) back to
+   * back, sizes[i] bytes each, into one range usable on dev; owner and
+   * allocation_size as for ipc_import. */
+  int (*foreign_chunks)(void *dev, const void *ptr, size_t nbytes,
+                        usmipc__chunk_run_t *run);
+  int (*chunks_export)(void *dev, usmipc__chunk_run_t *run,
+                       usmipc__payload_t *payload);
+  int (*ipc_import_chunks)(void *dev, void *owner,
+                           const usmipc__payload_t *payload, const int *fds,
+                           const uint64_t *sizes, uint32_t count,
+                           uint64_t allocation_size, usmipc__allocation_t *out);
 } usmipc__backend_ops_t;
 
 #define USMIPC__EVENT_PAYLOAD_MAX 128

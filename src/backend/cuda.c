@@ -12,14 +12,19 @@
  *  - CUDA_HANDLE_FD: cuMemCreate with POSIX_FILE_DESCRIPTOR handles,
  *    exported with cuMemExportToShareableHandle and moved by the core's fd
  *    transport. The importer's mapping keeps the memory alive after the
- *    exporter frees it or exits.
+ *    exporter frees it or exits. Also used for VMM memory other libraries
+ *    mapped chunk by chunk (PyTorch's expandable segments): a run of k
+ *    chunks travels as k descriptors, and the importer maps them back to
+ *    back into one reserved range (docs/cuda.md).
  */
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "../blake2s.h"
 #include "../common.h"
 
 /* ---- driver types (cuda.h, CUDA 12/13 driver API) -------------------------
@@ -65,6 +70,7 @@ typedef struct {
 enum {
   CUDA_SUCCESS = 0,
   CUDA_ERROR_OUT_OF_MEMORY = 2,
+  CUDA_ERROR_NOT_SUPPORTED = 801,
   CUDA_ERROR_NO_DEVICE = 100,
   CUDA_ERROR_INVALID_HANDLE = 400,
   CUDA_ERROR_ALREADY_MAPPED = 208,
@@ -80,9 +86,11 @@ enum {
   CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10,
   CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11,
   CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12,
+  CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID = 20, /* CUDA 11.7+ drivers */
   CU_MEMORYTYPE_HOST = 1,
   CU_MEMORYTYPE_DEVICE = 2,
   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
+  CU_MEM_HANDLE_TYPE_FABRIC = 8,
   CU_MEM_ALLOCATION_TYPE_PINNED = 1,
   CU_MEM_LOCATION_TYPE_DEVICE = 1,
   CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
@@ -126,6 +134,10 @@ enum {
   X(cuMemAllocManaged, "cuMemAllocManaged", (CUdeviceptr *, size_t, unsigned)) \
   X(cuPointerGetAttributes, "cuPointerGetAttributes",                          \
     (unsigned, int *, void **, CUdeviceptr))                                   \
+  X(cuPointerGetAttribute, "cuPointerGetAttribute",                            \
+    (void *, int, CUdeviceptr))                                                \
+  X(cuMemGetAddressRange, "cuMemGetAddressRange_v2",                           \
+    (CUdeviceptr *, size_t *, CUdeviceptr))                                    \
   X(cuStreamCreate, "cuStreamCreate", (CUstream *, unsigned))                  \
   X(cuStreamDestroy, "cuStreamDestroy_v2", (CUstream))                         \
   X(cuStreamSynchronize, "cuStreamSynchronize", (CUstream))                    \
@@ -163,7 +175,12 @@ enum {
   X(cuMemExportToShareableHandle, "cuMemExportToShareableHandle",              \
     (void *, CUmemGenericAllocationHandle, int, unsigned long long))           \
   X(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle",          \
-    (CUmemGenericAllocationHandle *, void *, int))
+    (CUmemGenericAllocationHandle *, void *, int))                             \
+  X(cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle",                \
+    (CUmemGenericAllocationHandle *, void *))                                  \
+  X(cuMemGetAllocationPropertiesFromHandle,                                    \
+    "cuMemGetAllocationPropertiesFromHandle",                                  \
+    (CUmemAllocationProp *, CUmemGenericAllocationHandle))
 
 static struct {
 #define X(field, symbol, args) CUresult(*field) args;
@@ -173,12 +190,14 @@ static struct {
 
 /* How an allocation or mapping was made (usmipc__allocation_t.how). */
 enum {
-  HOW_MEM_ALLOC = 1,  /* cuMemAlloc */
-  HOW_VMM = 2,        /* cuMemCreate + map; native is the handle */
-  HOW_HOST = 3,       /* cuMemHostAlloc */
-  HOW_MANAGED = 4,    /* cuMemAllocManaged */
-  HOW_IPC_NATIVE = 5, /* cuIpcOpenMemHandle mapping */
-  HOW_IPC_FD = 6,     /* imported VMM mapping */
+  HOW_MEM_ALLOC = 1,   /* cuMemAlloc */
+  HOW_VMM = 2,         /* cuMemCreate + map; native is the handle */
+  HOW_HOST = 3,        /* cuMemHostAlloc */
+  HOW_MANAGED = 4,     /* cuMemAllocManaged */
+  HOW_IPC_NATIVE = 5,  /* cuIpcOpenMemHandle mapping */
+  HOW_IPC_FD = 6,      /* imported VMM mapping */
+  HOW_FOREIGN_VMM = 7, /* another library's VMM chunk (pointer_query) */
+  HOW_IPC_CHUNKS = 8,  /* imported run of chunks; native: its chunk_sizes_t */
 };
 
 /* Handle kinds in the wire payload (docs/handle-format.md). */
@@ -457,31 +476,167 @@ static int cuda_mem_free(void *dev, usmipc__allocation_t *a) {
   return res == CUDA_SUCCESS ? 0 : cu_fail(res, "freeing CUDA memory");
 }
 
+/* ---- memory of other libraries ------------------------------------------
+ * cudaMalloc memory (torch's default allocator, CuPy's) is one driver
+ * allocation around any pointer, shared with cuIpcGetMemHandle. VMM memory
+ * (cuMemCreate + cuMemMap: PyTorch's expandable segments, cuda.core's VMM
+ * resources) is physical chunks mapped into a reserved range; for it
+ * cuPointerGetAttributes' RANGE_START_ADDR / RANGE_SIZE describe the whole
+ * reservation (cuda.h: "not necessarily the address of the mapped region"),
+ * cuIpcGetMemHandle refuses it, and each chunk is shared on its own, as a
+ * descriptor, if its allocator asked for a shareable handle type. */
+
+/* One physical chunk of another library's VMM memory, as mapped here. */
+typedef struct vmm_chunk {
+  CUdeviceptr base;
+  size_t size;
+  uint64_t id;
+  int handle_types; /* the CUmemAllocationHandleType bits it was made with */
+  int location_type, location_id;
+} vmm_chunk_t;
+
+/* A chunk's identity in handles and import caches, never reused: the
+ * driver's buffer id of the mapping (unique over the process's life,
+ * cuda.h), mixed with the physical allocation's block id where the driver
+ * knows it, the mapping's range and the allocation handle. The mix guards
+ * against a driver whose buffer ids turned out to name the reservation,
+ * which would make every chunk of a segment look alike. */
+static uint64_t vmm_chunk_id(unsigned long long buffer_id,
+                             unsigned long long block_id, CUdeviceptr base,
+                             size_t size, CUmemGenericAllocationHandle h) {
+  uint8_t msg[16 + 5 * 8];
+  memcpy(msg, "usmipc-vmmchunk1", 16);
+  usmipc__put64le(msg + 16, buffer_id);
+  usmipc__put64le(msg + 24, block_id);
+  usmipc__put64le(msg + 32, base);
+  usmipc__put64le(msg + 40, size);
+  usmipc__put64le(msg + 48, h);
+  uint8_t out[8];
+  usmipc__blake2s_t st;
+  usmipc__blake2s_init(&st, sizeof(out), NULL, 0);
+  usmipc__blake2s_update(&st, msg, sizeof(msg));
+  usmipc__blake2s_final(&st, out);
+  uint64_t id = 0;
+  for (int i = 7; i >= 0; i--)
+    id = id << 8 | out[i];
+  return id != 0 ? id : 1;
+}
+
+/* Describes the chunk mapped at p (its device's context current): 1 when p is
+ * not VMM memory (the driver has no allocation handle for it), 0 with *c, or a
+ * failure. With verify, the range cuMemGetAddressRange reports must be one
+ * mapping of the allocation behind p: the driver documents that call for
+ * cuMemAlloc memory only (for VMM memory it reports the mapping, which is
+ * what UCX's cuda_ipc relies on too), and a run built from a wrong range
+ * would map the wrong bytes in the importer. */
+static int vmm_chunk_at(CUdeviceptr p, bool verify, vmm_chunk_t *c) {
+  CUmemGenericAllocationHandle h = 0;
+  /* Retaining adds a reference to the allocation (cuda.h): every success
+   * below is paired with a cuMemRelease. */
+  if (cu.cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)p) != CUDA_SUCCESS)
+    return 1;
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof(prop));
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  unsigned long long buffer_id = 0, block_id = 0;
+  const char *what = "cuMemGetAllocationPropertiesFromHandle";
+  CUresult res = cu.cuMemGetAllocationPropertiesFromHandle(&prop, h);
+  if (res == CUDA_SUCCESS) {
+    what = "cuMemGetAddressRange";
+    res = cu.cuMemGetAddressRange(&base, &size, p);
+  }
+  if (res == CUDA_SUCCESS) {
+    what = "cuPointerGetAttribute(BUFFER_ID)";
+    res = cu.cuPointerGetAttribute(&buffer_id, CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                                   base);
+  }
+  /* Optional: an older driver may not know the attribute. */
+  if (res == CUDA_SUCCESS &&
+      cu.cuPointerGetAttribute(&block_id, CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID,
+                               base) != CUDA_SUCCESS)
+    block_id = 0;
+  bool one_mapping =
+      res == CUDA_SUCCESS && size > 0 && p >= base && p - base < size;
+  for (int end = 0; verify && one_mapping && end < 2; end++) {
+    CUmemGenericAllocationHandle other = 0;
+    CUdeviceptr at = end ? base + size - 1 : base;
+    if (cu.cuMemRetainAllocationHandle(&other, (void *)(uintptr_t)at) !=
+        CUDA_SUCCESS) {
+      one_mapping = false;
+      break;
+    }
+    one_mapping = other == h;
+    cu.cuMemRelease(other);
+  }
+  cu.cuMemRelease(h);
+  if (res != CUDA_SUCCESS)
+    return cu_fail(res, what);
+  if (!one_mapping)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "cannot tell the physical chunk of CUDA virtual "
+                        "memory at %p: the driver reports the range %p + %zu "
+                        "bytes, which is not one mapping of the allocation "
+                        "there; share a copy in memory usmipc allocates",
+                        (void *)(uintptr_t)p, (void *)(uintptr_t)base, size);
+  c->base = base;
+  c->size = size;
+  c->handle_types = prop.requestedHandleTypes;
+  c->location_type = prop.location.type;
+  c->location_id = prop.location.id;
+  c->id = vmm_chunk_id(buffer_id, block_id, base, size, h);
+  return 0;
+}
+
 /* Pointers from other libraries: the driver knows the allocation around any
  * device pointer, and its buffer id, which changes when an address is
- * reused. */
+ * reused. VMM memory (not legacy-IPC capable, with an allocation handle)
+ * is described by the chunk that holds the pointer. */
 static int cuda_pointer_query(const void *ptr, usmipc__allocation_t *out,
                               uint64_t *buffer_id, int *device_index) {
   if (cuda_device_count == 0)
     return USMIPC_EUNKNOWNPTR;
-  unsigned memtype = 0, managed = 0;
+  unsigned memtype = 0, managed = 0, legacy = 0;
   int ordinal = -1;
   unsigned long long id = 0;
   CUdeviceptr start = 0;
   size_t size = 0;
-  int attrs[] = {
-      CU_POINTER_ATTRIBUTE_MEMORY_TYPE,      CU_POINTER_ATTRIBUTE_IS_MANAGED,
-      CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,   CU_POINTER_ATTRIBUTE_BUFFER_ID,
-      CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE};
-  void *data[] = {&memtype, &managed, &ordinal, &id, &start, &size};
-  if (cu.cuPointerGetAttributes(6, attrs, data, (CUdeviceptr)(uintptr_t)ptr) !=
+  int attrs[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                 CU_POINTER_ATTRIBUTE_IS_MANAGED,
+                 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                 CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                 CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                 CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                 CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE};
+  void *data[] = {&memtype, &managed, &ordinal, &id, &start, &size, &legacy};
+  if (cu.cuPointerGetAttributes(7, attrs, data, (CUdeviceptr)(uintptr_t)ptr) !=
           CUDA_SUCCESS ||
       memtype == 0 || ordinal < 0 || size == 0)
     return USMIPC_EUNKNOWNPTR;
+  out->fd = -1;
+  out->chunked = false;
+  if (memtype == CU_MEMORYTYPE_DEVICE && !managed && !legacy &&
+      ordinal < cuda_device_count && ctx_enter(&cuda_devices[ordinal]) == 0) {
+    vmm_chunk_t c = {0};
+    int rc = vmm_chunk_at((CUdeviceptr)(uintptr_t)ptr, false, &c);
+    ctx_leave();
+    if (rc == 0) {
+      out->base = (void *)(uintptr_t)c.base;
+      out->size = c.size;
+      out->reserved = c.size;
+      out->how = HOW_FOREIGN_VMM;
+      out->kind = USMIPC_MEM_DEVICE;
+      out->chunked = true;
+      *buffer_id = c.id;
+      *device_index = ordinal;
+      return 0;
+    }
+    /* Not VMM memory (a stream-ordered pool's, say): described as the
+     * driver's range, and refused at export by cuIpcGetMemHandle. */
+  }
   out->base = (void *)(uintptr_t)start;
   out->size = size;
   out->reserved = size;
-  out->fd = -1;
   out->how = managed                         ? HOW_MANAGED
              : memtype == CU_MEMORYTYPE_HOST ? HOW_HOST
                                              : HOW_MEM_ALLOC;
@@ -491,6 +646,83 @@ static int cuda_pointer_query(const void *ptr, usmipc__allocation_t *out,
   *buffer_id = id;
   *device_index = ordinal;
   return 0;
+}
+
+/* Why a chunk's allocator made it unshareable, and what to do (in one
+ * message of at most 511 bytes). */
+static int refuse_unshareable(const void *ptr, int types) {
+  const char *why = (types & CU_MEM_HANDLE_TYPE_FABRIC)
+                        ? "fabric handles only, which usmipc does not carry"
+                        : "no shareable handle type";
+  return usmipc__fail(
+      USMIPC_ENOTSUP,
+      "cannot export %p: it is CUDA virtual memory (cuMemCreate) made with "
+      "%s (requestedHandleTypes 0x%x), which cannot travel as a file "
+      "descriptor; have its allocator request "
+      "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (PyTorch 2.5+ does for "
+      "expandable segments unless fabric handles work), set "
+      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False, or share a copy in "
+      "a usmipc pool (MemoryPool, usmipc_pool_malloc)",
+      ptr, why, (unsigned)types);
+}
+
+static int cuda_foreign_chunks(void *dev, const void *ptr, size_t nbytes,
+                               usmipc__chunk_run_t *run) {
+  cuda_device_t *d = dev;
+  CUdeviceptr pos = (CUdeviceptr)(uintptr_t)ptr, end = pos + nbytes;
+  run->count = 0;
+  run->size = 0;
+  int rc = ctx_enter(d);
+  if (rc != 0)
+    return rc;
+  while (rc == 0 && pos < end) {
+    vmm_chunk_t c = {0};
+    if (run->count == USMIPC__CHUNKS_MAX) {
+      rc = usmipc__fail(
+          USMIPC_ENOTSUP,
+          "cannot export %zu bytes at %p: they span more than "
+          "%d physical chunks of CUDA virtual memory (%llu "
+          "bytes each here), the most one handle carries; "
+          "export them in parts of at most %llu bytes, or "
+          "copy them into memory usmipc allocates",
+          nbytes, ptr, USMIPC__CHUNKS_MAX, (unsigned long long)run->sizes[0],
+          (unsigned long long)run->sizes[0] * (USMIPC__CHUNKS_MAX - 1));
+      break;
+    }
+    rc = vmm_chunk_at(pos, true, &c);
+    if (rc == 1)
+      rc = usmipc__fail(USMIPC_ERANGE,
+                        "cannot export %zu bytes at %p: the CUDA virtual "
+                        "memory there is mapped only up to %p",
+                        nbytes, ptr, (void *)(uintptr_t)pos);
+    else if (rc == 0 && run->count > 0 && c.base != pos)
+      rc = usmipc__fail(USMIPC_EBACKEND,
+                        "the driver reports a chunk of CUDA virtual memory "
+                        "at %p that starts inside the previous one",
+                        (void *)(uintptr_t)c.base);
+    else if (rc == 0 &&
+             !(c.handle_types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+      rc = refuse_unshareable(ptr, c.handle_types);
+    else if (rc == 0 && (c.location_type != CU_MEM_LOCATION_TYPE_DEVICE ||
+                         c.location_id != d->ordinal))
+      rc = usmipc__fail(USMIPC_ENOTSUP,
+                        "cannot export %p: a chunk of its CUDA virtual "
+                        "memory lives on another device than GPU %d (location "
+                        "type %d, id %d)",
+                        ptr, d->ordinal, c.location_type, c.location_id);
+    if (rc != 0)
+      break;
+    if (run->count == 0)
+      run->base = (void *)(uintptr_t)c.base;
+    run->sizes[run->count] = c.size;
+    run->ids[run->count] = c.id;
+    run->fds[run->count] = -1;
+    run->count++;
+    run->size += c.size;
+    pos = c.base + c.size;
+  }
+  ctx_leave();
+  return rc;
 }
 
 /* ---- queues ---------------------------------------------------------------
@@ -711,6 +943,65 @@ static int cuda_ipc_export(void *dev, usmipc__allocation_t *a,
   return 0;
 }
 
+/* A descriptor for each chunk of a run foreign_chunks described. Each
+ * chunk is looked up again first: if its allocator unmapped it and mapped
+ * another at the same address meanwhile, its identity changed, and the run
+ * no longer describes the memory the caller meant. */
+static int cuda_chunks_export(void *dev, usmipc__chunk_run_t *run,
+                              usmipc__payload_t *payload) {
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  CUdeviceptr at = (CUdeviceptr)(uintptr_t)run->base;
+  uint32_t i;
+  for (i = 0; i < run->count && rc == 0; at += run->sizes[i], i++) {
+    vmm_chunk_t c = {0};
+    CUmemGenericAllocationHandle h = 0;
+    int fd = -1;
+    rc = vmm_chunk_at(at, false, &c);
+    if (rc == 1 || (rc == 0 && (c.id != run->ids[i] || c.base != at ||
+                                c.size != run->sizes[i]))) {
+      rc = usmipc__fail(USMIPC_EUNKNOWNPTR,
+                        "the CUDA virtual memory at %p changed while it was "
+                        "being exported (its allocator unmapped it: was the "
+                        "tensor freed?)",
+                        (void *)(uintptr_t)at);
+      break;
+    }
+    if (rc != 0)
+      break;
+    CUresult res = cu.cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)at);
+    if (res == CUDA_SUCCESS) {
+      res = cu.cuMemExportToShareableHandle(
+          &fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+      cu.cuMemRelease(h);
+    }
+    if (res != CUDA_SUCCESS) {
+      rc = cu_fail(res, "cuMemExportToShareableHandle");
+      break;
+    }
+    /* Ours alone: no child of an exec inherits it. */
+    fcntl(fd, F_SETFD, FD_CLOEXEC);
+    run->fds[i] = fd;
+  }
+  ctx_leave();
+  if (rc != 0) {
+    for (uint32_t j = 0; j < run->count; j++) {
+      if (run->fds[j] >= 0)
+        close(run->fds[j]);
+      run->fds[j] = -1;
+    }
+    return rc;
+  }
+  /* The payload of an fd handle: the size of what to map. One chunk is an
+   * ordinary fd handle; a run adds the chunk record (the core's). */
+  payload->handle_kind = CUDA_HANDLE_FD;
+  payload->len = 8;
+  payload->ext_len = 0;
+  put_u64(payload->bytes, run->size);
+  return 0;
+}
+
 static int check_peer(cuda_device_t *d, cuda_device_t *owner) {
   if (d == owner)
     return 0;
@@ -820,6 +1111,104 @@ static int cuda_ipc_import(void *dev, void *owner_dev,
   return 0;
 }
 
+/* What an imported run keeps for its unmap: each chunk is unmapped on its
+ * own (cuMemUnmap takes whole mappings, cuda.h). */
+typedef struct chunk_sizes {
+  uint32_t count;
+  uint64_t sizes[];
+} chunk_sizes_t;
+
+static void unmap_chunks(CUdeviceptr p, const uint64_t *sizes, uint32_t n) {
+  for (uint32_t i = 0; i < n; p += sizes[i], i++)
+    cu.cuMemUnmap(p, sizes[i]);
+}
+
+/* A run of chunks another process exported: one reservation, each chunk
+ * imported and mapped at its offset, then one cuMemSetAccess over the whole
+ * range (which may span several mappings: PyTorch's expandable segments
+ * set access the same way). */
+static int cuda_ipc_import_chunks(void *dev, void *owner_dev,
+                                  const usmipc__payload_t *payload,
+                                  const int *fds, const uint64_t *sizes,
+                                  uint32_t count, uint64_t allocation_size,
+                                  usmipc__allocation_t *out) {
+  cuda_device_t *d = dev, *owner = owner_dev;
+  int rc = check_peer(d, owner);
+  if (rc != 0)
+    return rc;
+  uint64_t total = 0;
+  for (uint32_t i = 0; i < count; i++) {
+    if (sizes[i] == 0 || sizes[i] % owner->granularity != 0)
+      return usmipc__fail(USMIPC_EBADHANDLE,
+                          "not a valid usmipc IPC handle: chunk %u of %llu "
+                          "bytes is not a multiple of the GPU's %zu-byte "
+                          "granularity",
+                          i, (unsigned long long)sizes[i], owner->granularity);
+    total += sizes[i]; /* the decoder bounded the sum by the allocation */
+  }
+  if (payload->handle_kind != CUDA_HANDLE_FD || payload->len != 8 ||
+      get_u64(payload->bytes) != total || total != allocation_size || count < 2)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "not a valid usmipc IPC handle: a CUDA handle of %u "
+                        "chunks (%llu bytes) whose payload disagrees",
+                        count, (unsigned long long)total);
+  chunk_sizes_t *keep = malloc(sizeof(*keep) + count * sizeof(uint64_t));
+  if (keep == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  keep->count = count;
+  memcpy(keep->sizes, sizes, count * sizeof(uint64_t));
+  if ((rc = ctx_enter(d)) != 0) {
+    free(keep);
+    return rc;
+  }
+  CUdeviceptr p = 0;
+  const char *what = "cuMemAddressReserve";
+  CUresult res =
+      cu.cuMemAddressReserve(&p, (size_t)total, owner->granularity, 0, 0);
+  uint32_t mapped = 0;
+  uint64_t at = 0;
+  while (res == CUDA_SUCCESS && mapped < count) {
+    CUmemGenericAllocationHandle h;
+    what = "cuMemImportFromShareableHandle";
+    res = cu.cuMemImportFromShareableHandle(
+        &h, (void *)(intptr_t)fds[mapped],
+        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (res != CUDA_SUCCESS)
+      break;
+    what = "cuMemMap";
+    res = cu.cuMemMap(p + at, (size_t)sizes[mapped], 0, h, 0);
+    /* The mapping holds its own reference to the physical memory. */
+    cu.cuMemRelease(h);
+    if (res == CUDA_SUCCESS)
+      at += sizes[mapped++];
+  }
+  if (res == CUDA_SUCCESS) {
+    /* Mapped for the target device d: for memory of another GPU that is
+     * the peer mapping. */
+    CUmemAccessDesc access = {
+        .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = d->dev},
+        .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    what = "cuMemSetAccess";
+    res = cu.cuMemSetAccess(p, (size_t)total, &access, 1);
+  }
+  if (res != CUDA_SUCCESS && p != 0) {
+    unmap_chunks(p, sizes, mapped);
+    cu.cuMemAddressFree(p, (size_t)total);
+  }
+  ctx_leave();
+  if (res != CUDA_SUCCESS) {
+    free(keep);
+    return cu_fail(res, what);
+  }
+  out->base = (void *)(uintptr_t)p;
+  out->size = (size_t)allocation_size;
+  out->reserved = (size_t)total;
+  out->how = HOW_IPC_CHUNKS;
+  out->kind = USMIPC_MEM_DEVICE;
+  out->native = (uint64_t)(uintptr_t)keep;
+  return 0;
+}
+
 static int cuda_ipc_unmap(void *dev, usmipc__allocation_t *m) {
   int rc = ctx_enter(dev);
   if (rc != 0)
@@ -828,6 +1217,12 @@ static int cuda_ipc_unmap(void *dev, usmipc__allocation_t *m) {
   CUresult res;
   if (m->how == HOW_IPC_NATIVE) {
     res = cu.cuIpcCloseMemHandle(p);
+  } else if (m->how == HOW_IPC_CHUNKS) {
+    chunk_sizes_t *keep = (chunk_sizes_t *)(uintptr_t)m->native;
+    unmap_chunks(p, keep->sizes, keep->count);
+    res = cu.cuMemAddressFree(p, m->reserved);
+    free(keep);
+    m->native = 0;
   } else {
     cu.cuMemUnmap(p, m->reserved);
     res = cu.cuMemAddressFree(p, m->reserved);
@@ -862,4 +1257,7 @@ const usmipc__backend_ops_t usmipc__cuda_backend = {
     .event_close = cuda_event_destroy,
     .queue_wrap = cuda_queue_wrap,
     .queue_unwrap = cuda_queue_unwrap,
+    .foreign_chunks = cuda_foreign_chunks,
+    .chunks_export = cuda_chunks_export,
+    .ipc_import_chunks = cuda_ipc_import_chunks,
 };

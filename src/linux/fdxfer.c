@@ -220,7 +220,10 @@ static const char *socket_dir_env(void) {
 
 typedef struct grant_entry {
   uint64_t buffer_id;
-  int fd; /* the allocation's own descriptor, borrowed until withdrawn */
+  /* The allocation's own descriptors, borrowed until withdrawn: one, or
+   * one per chunk of a run of another library's memory, sent together. */
+  int *fds;
+  uint32_t nfds;
   uint8_t token[16];
 } grant_entry_t;
 
@@ -243,7 +246,10 @@ static void kept_forget_all(void);
 void usmipc__fdxfer_fork_child(void) {
   pthread_mutex_unlock(&fdx_lock);
   kept_forget_all(); /* the parent's: a request here would cross its own */
-  grant_count = 0;   /* the descriptors belong to the inherited allocations */
+  /* The descriptors belong to the inherited allocations. */
+  for (size_t i = 0; i < grant_count; i++)
+    free(grants[i].fds);
+  grant_count = 0;
   for (int i = 0; i < 2; i++) {
     if (listen_fds[i] >= 0)
       close(listen_fds[i]);
@@ -302,7 +308,7 @@ static void send_reply(int conn, const uint8_t *req, uint32_t status,
   struct iovec iov = {.iov_base = rep, .iov_len = sizeof(rep)};
   union {
     struct cmsghdr align;
-    char buf[CMSG_SPACE(sizeof(int) * 2)];
+    char buf[CMSG_SPACE(sizeof(int) * (1 + USMIPC__CHUNKS_MAX))];
   } control;
   struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
   if (nfds > 0) {
@@ -340,7 +346,7 @@ static void serve_request(int conn, const uint8_t *req, const uint8_t *body,
                0);
     return;
   }
-  int fds[2], nfds = 0;
+  int fds[1 + USMIPC__CHUNKS_MAX], nfds = 0;
   if (want & USMIPC__WANT_TABLE) {
     int table = usmipc__exports_table_fd();
     if (table < 0) {
@@ -362,9 +368,11 @@ static void serve_request(int conn, const uint8_t *req, const uint8_t *body,
   else if (!usmipc__request_capability_ok(req, g->token))
     send_reply(conn, req, REPLY_BAD_CAPABILITY, NULL, 0);
   else {
-    fds[nfds++] = g->fd;
+    /* All of the grant's descriptors: one, or a run's chunks in order. */
+    memcpy(fds + nfds, g->fds, g->nfds * sizeof(int));
+    nfds += (int)g->nfds;
     send_reply(conn, req, REPLY_OK, fds, nfds);
-    USMIPC__STAT_ADD(descriptors_sent, 1);
+    USMIPC__STAT_ADD(descriptors_sent, g->nfds);
   }
   pthread_mutex_unlock(&fdx_lock);
 }
@@ -708,18 +716,32 @@ bool usmipc__fdxfer_socket_dir(void) {
 
 int usmipc__fdxfer_publish(int fd, uint64_t buffer_id, bool may_reopen,
                            usmipc__fd_grant_t *grant) {
+  return usmipc__fdxfer_publish_fds(&fd, 1, buffer_id, may_reopen, grant);
+}
+
+int usmipc__fdxfer_publish_fds(const int *fds, uint32_t nfds,
+                               uint64_t buffer_id, bool may_reopen,
+                               usmipc__fd_grant_t *grant) {
+  if (nfds == 0 || nfds > USMIPC__CHUNKS_MAX)
+    return usmipc__fail(USMIPC_EINVAL, "cannot publish %u descriptors at once",
+                        nfds);
   uint8_t token[16];
   int rc = usmipc__random(token, sizeof(token));
   if (rc != 0 || (rc = usmipc__fdxfer_serve()) != 0)
     return rc;
   /* Only a shmem file (memfd) reopens as itself through /proc: a device
    * node would open a new, unrelated file with the same (st_dev, st_ino).
-   * F_GET_SEALS succeeds on shmem files alone (fcntl(2)). */
+   * F_GET_SEALS succeeds on shmem files alone (fcntl(2)). The first
+   * descriptor names the grant in handles. */
   struct stat st;
-  if (fstat(fd, &st) != 0)
+  if (fstat(fds[0], &st) != 0)
     return usmipc__fail_native(usmipc__errno_code(errno), errno,
                                "cannot fstat the descriptor to share: %s",
                                strerror(errno));
+  int *copy = malloc(nfds * sizeof(int));
+  if (copy == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  memcpy(copy, fds, nfds * sizeof(int));
   pthread_mutex_lock(&fdx_lock);
   if (grant_find(buffer_id) != NULL) {
     rc = usmipc__fail(USMIPC_EBUSY, "buffer %llu is already published",
@@ -736,22 +758,26 @@ int usmipc__fdxfer_publish(int fd, uint64_t buffer_id, bool may_reopen,
     grants = grown;
     grant_capacity = cap;
   }
-  /* The broker borrows the allocation's descriptor: the core withdraws the
-   * grant before it frees the allocation, and a send happens under
-   * fdx_lock, so the descriptor is open for as long as it is served. */
+  /* The broker borrows the allocation's descriptors: the core withdraws the
+   * grant before it closes them, and a send happens under fdx_lock, so they
+   * are open for as long as they are served. */
   size_t at = grant_lower_bound(buffer_id);
   memmove(&grants[at + 1], &grants[at], (grant_count - at) * sizeof(*grants));
   grants[at].buffer_id = buffer_id;
-  grants[at].fd = fd;
+  grants[at].fds = copy;
+  grants[at].nfds = nfds;
+  copy = NULL;
   memcpy(grants[at].token, token, 16);
   grant_count++;
   memcpy(grant->token, token, 16);
-  grant->fd_number = (uint32_t)fd;
-  grant->reopenable = may_reopen && fcntl(fd, F_GET_SEALS) >= 0;
+  grant->fd_number = (uint32_t)fds[0];
+  grant->reopenable =
+      nfds == 1 && may_reopen && fcntl(fds[0], F_GET_SEALS) >= 0;
   grant->dev = (uint64_t)st.st_dev;
   grant->ino = (uint64_t)st.st_ino;
 out:
   pthread_mutex_unlock(&fdx_lock);
+  free(copy);
   return rc;
 }
 
@@ -759,6 +785,7 @@ void usmipc__fdxfer_withdraw(uint64_t buffer_id) {
   pthread_mutex_lock(&fdx_lock);
   size_t at = grant_lower_bound(buffer_id);
   if (at < grant_count && grants[at].buffer_id == buffer_id) {
+    free(grants[at].fds);
     memmove(&grants[at], &grants[at + 1],
             (grant_count - at - 1) * sizeof(*grants));
     grant_count--;
@@ -1043,8 +1070,10 @@ static int reply_error(const usmipc__wire_t *w, uint32_t status) {
 int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
                         const usmipc__wire_t *w, unsigned want, int nfds,
                         bool truncated, const char *name) {
+  /* A handle of a run of chunks gets one descriptor per chunk. */
+  int data = w->chunk_count != 0 ? (int)w->chunk_count : 1;
   int expect = ((want & USMIPC__WANT_TABLE) ? 1 : 0) +
-               ((want & USMIPC__WANT_FD) ? 1 : 0);
+               ((want & USMIPC__WANT_FD) ? data : 0);
   uint8_t mac[16];
   if (n == 0)
     return usmipc__fail(USMIPC_EEXPORTERGONE,
@@ -1183,8 +1212,9 @@ static int call(const usmipc__wire_t *w, unsigned want, const uint8_t *body,
                 int *data_fd) {
   if (table_fd)
     *table_fd = -1;
-  if (data_fd)
-    *data_fd = -1;
+  for (int i = 0; data_fd && i < (w->chunk_count != 0 ? w->chunk_count : 1);
+       i++)
+    data_fd[i] = -1;
   char name[120];
   snprintf(name, sizeof(name), "the broker socket of process %u", w->pid);
   int rc, s = kept_take(w);
@@ -1255,9 +1285,11 @@ static int exchange(int s, const usmipc__wire_t *w, unsigned want,
     return rc;
   uint8_t rep[REPLY_LEN];
   struct iovec iov = {.iov_base = rep, .iov_len = sizeof(rep)};
+  /* Room for the table, a run's descriptors and one more, so that a
+   * broker that sends too many is seen to (and none leaks). */
   union {
     struct cmsghdr align;
-    char buf[CMSG_SPACE(sizeof(int) * 4)];
+    char buf[CMSG_SPACE(sizeof(int) * (USMIPC__CHUNKS_MAX + 2))];
   } control;
   struct msghdr msg = {.msg_iov = &iov,
                        .msg_iovlen = 1,
@@ -1270,13 +1302,13 @@ static int exchange(int s, const usmipc__wire_t *w, unsigned want,
   *dropped = n == 0 || (n < 0 && e == ECONNRESET);
 
   /* Collect whatever descriptors arrived, so none leaks on any path. */
-  int fds[4], nfds = 0;
+  int fds[USMIPC__CHUNKS_MAX + 2], nfds = 0;
   for (struct cmsghdr *cm = n > 0 ? CMSG_FIRSTHDR(&msg) : NULL; cm;
        cm = CMSG_NXTHDR(&msg, cm)) {
     if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
       continue;
     size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < count && nfds < 4; i++)
+    for (size_t i = 0; i < count && nfds < USMIPC__CHUNKS_MAX + 2; i++)
       memcpy(&fds[nfds++], CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
   }
   if (n < 0)
@@ -1289,8 +1321,10 @@ static int exchange(int s, const usmipc__wire_t *w, unsigned want,
   int k = 0;
   if (rc == 0 && (want & USMIPC__WANT_TABLE))
     *table_fd = fds[k++];
-  if (rc == 0 && (want & USMIPC__WANT_FD))
-    *data_fd = fds[k++];
+  for (int i = 0; rc == 0 && (want & USMIPC__WANT_FD) &&
+                  i < (w->chunk_count != 0 ? w->chunk_count : 1);
+       i++)
+    data_fd[i] = fds[k++];
   for (int i = k; i < nfds; i++)
     close(fds[i]);
   return rc;

@@ -211,10 +211,13 @@ static int prove(const usmipc__wire_t *w, uint64_t deadline, usmipc__peer_t *p,
   }
   /* The broker: the only way across PID namespaces, and where ptrace rules
    * forbid the others. A first open of fd memory gets the table and the
-   * descriptor in one round trip. */
+   * descriptor in one round trip (a run of chunks fetches its descriptors
+   * afterwards, usmipc__peer_fetch_fds). */
   int tfd = -1;
   unsigned want = USMIPC__WANT_TABLE |
-                  ((w->flags & USMIPC__WIRE_FLAG_FD) ? USMIPC__WANT_FD : 0);
+                  ((w->flags & USMIPC__WIRE_FLAG_FD) && w->chunk_count == 0
+                       ? USMIPC__WANT_FD
+                       : 0);
   rc = usmipc__broker_call(w, want, deadline, &tfd,
                            (want & USMIPC__WANT_FD) ? fd : NULL);
   if (rc != 0)
@@ -405,5 +408,37 @@ int usmipc__peer_fetch_fd(usmipc__peer_t *p, const usmipc__wire_t *w,
     return rc;
   }
   *out = fd;
+  return 0;
+}
+
+int usmipc__peer_fetch_fds(usmipc__peer_t *p, const usmipc__wire_t *w,
+                           uint64_t tag, uint64_t deadline, int *fds) {
+  usmipc__transport_t mode;
+  int rc = usmipc__transport_mode(&mode);
+  if (rc != 0 || (rc = usmipc__peer_check(p, w, tag, NULL)) != 0)
+    return rc;
+  if (mode == USMIPC__TRANSPORT_PIDFD || mode == USMIPC__TRANSPORT_PROCFD)
+    return usmipc__fail(USMIPC_ETRANSPORT,
+                        "this handle names memory in %u chunks, whose "
+                        "descriptors only the exporter's broker hands out "
+                        "(the handle holds the number of the first alone); "
+                        "USMIPC_FD_TRANSPORT=%s cannot take them: use auto or "
+                        "socket",
+                        (unsigned)w->chunk_count,
+                        getenv("USMIPC_FD_TRANSPORT"));
+  /* The broker sends the grant's own descriptors, against the export's
+   * token, under its lock: a withdrawn grant (a revoked export) sends
+   * none, so no seqlock recheck is needed. The first must be the file the
+   * handle names (CUDA's descriptors share one inode: this is the
+   * forged-handle check the single-descriptor path makes too). */
+  if ((rc = usmipc__broker_call(w, USMIPC__WANT_FD, deadline, NULL, fds)) != 0)
+    return rc;
+  if ((rc = check_identity(fds[0], w)) != 0) {
+    for (uint16_t i = 0; i < w->chunk_count; i++) {
+      close(fds[i]);
+      fds[i] = -1;
+    }
+    return rc;
+  }
   return 0;
 }

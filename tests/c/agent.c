@@ -409,6 +409,8 @@ static void do_command(char *line) {
     exit(0);
   } else if (strcmp(cmd, "pid") == 0) {
     reply_ok("%d", (int)getpid());
+  } else if (strcmp(cmd, "fds") == 0) {
+    reply_ok("%zu", count_fds_except_sockets());
   } else if (strcmp(cmd, "setuid") == 0) {
     uid_t uid = (uid_t)strtoul(a1 ? a1 : "65534", NULL, 10);
     if (setgroups(0, NULL) != 0 || setgid(uid) != 0 || setuid(uid) != 0) {

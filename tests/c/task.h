@@ -154,7 +154,10 @@ void hex_encode(const void *data, size_t len, char *out); /* 2*len+1 bytes */
 /* Returns the number of bytes decoded, or -1 on a malformed string. */
 ssize_t hex_decode(const char *hex, void *out, size_t cap);
 
-size_t count_fds(void);  /* entries of /proc/self/fd */
+size_t count_fds(void); /* entries of /proc/self/fd */
+/* The same without sockets, whose number a broker changes on its own (it
+ * closes idle connections after a while). */
+size_t count_fds_except_sockets(void);
 size_t count_maps(void); /* lines of /proc/self/maps */
 /* Lines of /proc/self/maps whose text contains needle. */
 size_t count_maps_matching(const char *needle);
@@ -205,6 +208,8 @@ int exit_code_of(int status);
  *   cache N                 -> ok
  *   setuid UID              -> ok                  (drops root: gid, uid)
  *   pid                     -> ok PID
+ *   fds                     -> ok N                (entries of /proc/self/fd
+ *                                                   that are not sockets)
  *   exit                    -> (exits 0)
  * Commands of the trust tests (test_trust.c):
  *   topen S HEX NBYTES      -> ok PTR MAPPED USEC  (open, timed in the agent;

@@ -781,3 +781,233 @@ TEST_IMPL(handle_null_and_empty) {
   export_drop(&e);
   return 0;
 }
+
+/* ---- record 0x8102: memory in chunks --------------------------------------
+ * A handle of another library's CUDA VMM memory names a run of physical
+ * chunks; the importer maps exactly the pieces the record lists, so a
+ * forged layout must be refused before anything is mapped. These handles
+ * are forged from one of usmipc's own (a 64 KiB allocation): the decoder
+ * is the same for every backend. */
+
+/* Appends record 0x8102 with count chunks in the given runs. */
+static void put_chunks(usmipc__wire_t *w, uint16_t count, uint16_t runs,
+                       const uint64_t *sizes, const uint32_t *ns) {
+  uint8_t *r = w->ext + w->ext_len;
+  uint16_t rlen = (uint16_t)(8 + 16 * runs);
+  put16le(r, 0x8102);
+  put16le(r + 2, rlen);
+  memset(r + 4, 0, rlen);
+  put16le(r + 4, count);
+  put16le(r + 6, runs);
+  for (uint16_t i = 0; i < runs; i++) {
+    uint8_t *run = r + 4 + 8 + 16 * i;
+    for (int b = 0; b < 8; b++)
+      run[b] = (uint8_t)(sizes[i] >> (8 * b));
+    for (int b = 0; b < 4; b++)
+      run[8 + b] = (uint8_t)(ns[i] >> (8 * b));
+  }
+  w->ext_len = (uint16_t)(w->ext_len + 4 + rlen);
+}
+
+/* The wire of e's handle, made fit to carry chunks: descriptors to fetch
+ * (FD), not reopenable, an export slot (every export has one). */
+static void chunkable(const exported_t *e, usmipc__wire_t *w) {
+  decode_ok(e, w);
+  w->flags = (uint16_t)((w->flags & ~USMIPC__WIRE_FLAG_REOPENABLE) |
+                        USMIPC__WIRE_FLAG_FD);
+  if (w->fd_number > INT32_MAX)
+    w->fd_number = 3;
+  ASSERT(w->export_slot != USMIPC__NO_SLOT);
+  ASSERT_UEQ(w->allocation_size, 64 * 1024);
+  w->offset = 12345;
+  w->nbytes = 40000;
+}
+
+/* Chunk records make long handles (a Level Zero handle has its own record
+ * too): room for the largest. */
+static size_t encode_long(const usmipc__wire_t *w, uint8_t *out) {
+  size_t len = usmipc__wire_len(w);
+  ASSERT_LE(len, 2048);
+  usmipc__wire_encode(w, out);
+  return len;
+}
+
+#define ASSERT_CHUNKS_REFUSED(w, words)                                        \
+  do {                                                                         \
+    uint8_t b_[2048];                                                          \
+    size_t len_ = encode_long((w), b_);                                        \
+    ASSERT_ALL_REFUSE(b_, len_, USMIPC_EBADHANDLE);                            \
+    ASSERT_MSG(strstr(usmipc_last_error(), (words)) != NULL,                   \
+               "expected \"%s\" in: %s", (words), usmipc_last_error());        \
+  } while (0)
+
+TEST_IMPL(handle_chunk_records) {
+  exported_t e;
+  export_new(&e, 64 * 1024, 11);
+  usmipc__wire_t w0, w, back;
+  uint8_t b[2048];
+  size_t len;
+  chunkable(&e, &w0);
+  const uint64_t page = 4096;
+
+  /* Valid: four 16 KiB chunks, and 8 + 8 + 16 + 32 KiB in three runs. */
+  w = w0;
+  put_chunks(&w, 4, 1, (uint64_t[]){4 * page}, (uint32_t[]){4});
+  len = encode_long(&w, b);
+  ASSERT_OK(usmipc__wire_decode(b, len, &back));
+  ASSERT_EQ(back.chunk_count, 4);
+  uint64_t sizes[USMIPC__CHUNKS_MAX];
+  ASSERT_EQ(usmipc__wire_chunk_sizes(&back, sizes), 4);
+  for (int i = 0; i < 4; i++)
+    ASSERT_UEQ(sizes[i], 4 * page);
+  ASSERT_OK(usmipc_ipc_handle_inspect(b, len, NULL));
+  /* The writer makes exactly these bytes. */
+  uint8_t rec[USMIPC__CHUNKS_RECORD_MAX];
+  ASSERT_EQ(usmipc__chunks_record(sizes, 4, rec), 4 + 8 + 16);
+  ASSERT(memcmp(rec, back.ext + back.chunks_at - 12, 4 + 8 + 16) == 0);
+  /* Opening it here fails cleanly: the host backend has no chunks, and on
+   * a GPU the exporter's grant holds one descriptor, not four. */
+  ASSERT(open_here(b, len, NULL) != 0);
+  if (test_device_is_host())
+    ASSERT_ERR(open_here(b, len, NULL), USMIPC_EBADHANDLE);
+
+  w = w0;
+  put_chunks(&w, 4, 3, (uint64_t[]){2 * page, 4 * page, 8 * page},
+             (uint32_t[]){2, 1, 1});
+  len = encode_long(&w, b);
+  ASSERT_OK(usmipc__wire_decode(b, len, &back));
+  ASSERT_EQ(usmipc__wire_chunk_sizes(&back, sizes), 4);
+  ASSERT_UEQ(sizes[0] + sizes[1] + sizes[2] + sizes[3], 64 * 1024);
+  ASSERT_UEQ(sizes[1], 2 * page);
+  ASSERT_UEQ(sizes[2], 4 * page);
+
+  /* Layouts that do not cover exactly the allocation. */
+  w = w0;
+  put_chunks(&w, 3, 1, (uint64_t[]){4 * page}, (uint32_t[]){3});
+  ASSERT_CHUNKS_REFUSED(&w, "do not cover exactly the allocation");
+  w = w0;
+  put_chunks(&w, 5, 1, (uint64_t[]){4 * page}, (uint32_t[]){5});
+  ASSERT_CHUNKS_REFUSED(&w, "extend past the allocation");
+  w = w0; /* sizes whose product wraps around 2^64 */
+  put_chunks(&w, 2, 1, (uint64_t[]){UINT64_C(1) << 63}, (uint32_t[]){2});
+  ASSERT_CHUNKS_REFUSED(&w, "extend past the allocation");
+  w = w0;
+  put_chunks(&w, 2, 2, (uint64_t[]){page, 14 * page}, (uint32_t[]){1, 1});
+  ASSERT_CHUNKS_REFUSED(&w, "do not cover exactly");
+
+  /* Counts. */
+  w = w0;
+  put_chunks(&w, 1, 1, (uint64_t[]){16 * page}, (uint32_t[]){1});
+  ASSERT_CHUNKS_REFUSED(&w, "fewer than 2 or more than 250 chunks");
+  w = w0;
+  put_chunks(&w, 251, 1, (uint64_t[]){page}, (uint32_t[]){251});
+  ASSERT_CHUNKS_REFUSED(&w, "fewer than 2 or more than 250 chunks");
+  w = w0;
+  put_chunks(&w, 4, 2, (uint64_t[]){4 * page, 8 * page}, (uint32_t[]){4, 1});
+  ASSERT_CHUNKS_REFUSED(&w, "hold more chunks than it counts");
+  w = w0;
+  put_chunks(&w, 5, 1, (uint64_t[]){4 * page}, (uint32_t[]){4});
+  ASSERT_CHUNKS_REFUSED(&w, "do not cover exactly");
+
+  /* Runs: empty, of zero or partial pages, split, too many, miscounted. */
+  w = w0;
+  put_chunks(&w, 4, 2, (uint64_t[]){4 * page, 8 * page}, (uint32_t[]){4, 0});
+  ASSERT_CHUNKS_REFUSED(&w, "empty run");
+  w = w0;
+  put_chunks(&w, 2, 2, (uint64_t[]){0, 16 * page}, (uint32_t[]){1, 1});
+  ASSERT_CHUNKS_REFUSED(&w, "empty run");
+  w = w0;
+  put_chunks(&w, 2, 2, (uint64_t[]){1000, 65536 - 1000}, (uint32_t[]){1, 1});
+  ASSERT_CHUNKS_REFUSED(&w, "whole pages");
+  w = w0;
+  put_chunks(&w, 4, 2, (uint64_t[]){4 * page, 4 * page}, (uint32_t[]){2, 2});
+  ASSERT_CHUNKS_REFUSED(&w, "splits a run of equal chunks");
+  w = w0;
+  uint64_t many_sizes[49];
+  uint32_t many_ns[49];
+  for (int i = 0; i < 49; i++) {
+    many_sizes[i] = (uint64_t)(i % 2 + 1) * page;
+    many_ns[i] = 1;
+  }
+  put_chunks(&w, 49, 49, many_sizes, many_ns);
+  ASSERT_CHUNKS_REFUSED(&w, "exceeds 48");
+  /* Raw edits of the record, which follows the backend's own (Level Zero
+   * handles carry one). */
+  const size_t at = w0.ext_len;
+  w = w0; /* the header says 2 runs, the length holds 1 */
+  put_chunks(&w, 4, 1, (uint64_t[]){4 * page}, (uint32_t[]){4});
+  put16le(w.ext + at + 4 + 2, 2);
+  ASSERT_CHUNKS_REFUSED(&w, "run count disagrees with its length");
+  w = w0; /* a length that is not 8 + 16 r */
+  put_chunks(&w, 4, 1, (uint64_t[]){4 * page}, (uint32_t[]){4});
+  put16le(w.ext + at + 2, 8 + 15);
+  w.ext_len = (uint16_t)(w.ext_len - 1);
+  ASSERT_CHUNKS_REFUSED(&w, "malformed length");
+  w = w0; /* reserved bytes, in the header and in a run */
+  put_chunks(&w, 4, 1, (uint64_t[]){4 * page}, (uint32_t[]){4});
+  w.ext[at + 4 + 7] = 1;
+  ASSERT_CHUNKS_REFUSED(&w, "reserved bytes");
+  w = w0;
+  put_chunks(&w, 4, 1, (uint64_t[]){4 * page}, (uint32_t[]){4});
+  w.ext[at + 4 + 8 + 15] = 1;
+  ASSERT_CHUNKS_REFUSED(&w, "reserved bytes set");
+
+  /* Descriptors: a run travels as descriptors, never reopenable ones. */
+  w = w0;
+  w.flags = (uint16_t)(w.flags & ~USMIPC__WIRE_FLAG_FD);
+  w.fd_number = UINT32_MAX;
+  put_chunks(&w, 4, 1, (uint64_t[]){4 * page}, (uint32_t[]){4});
+  ASSERT_CHUNKS_REFUSED(&w, "without descriptors to fetch");
+  w = w0;
+  w.flags |= USMIPC__WIRE_FLAG_REOPENABLE;
+  put_chunks(&w, 4, 1, (uint64_t[]){4 * page}, (uint32_t[]){4});
+  ASSERT_CHUNKS_REFUSED(&w, "reopenable");
+
+  /* Twice, or with a pool block record. */
+  w = w0;
+  put_chunks(&w, 4, 1, (uint64_t[]){4 * page}, (uint32_t[]){4});
+  put_chunks(&w, 4, 1, (uint64_t[]){4 * page}, (uint32_t[]){4});
+  ASSERT_CHUNKS_REFUSED(&w, "two chunk records");
+  w = w0;
+  uint8_t *blk = w.ext + w.ext_len;
+  put16le(blk, 0x8101);
+  put16le(blk + 2, 48);
+  memset(blk + 4, 0, 48);
+  blk[4] = 1;                 /* block id */
+  for (int i = 0; i < 8; i++) /* block size: the allocation */
+    blk[4 + 40 + i] = (uint8_t)((uint64_t)(64 * 1024) >> (8 * i));
+  w.ext_len = (uint16_t)(w.ext_len + 52);
+  put_chunks(&w, 4, 1, (uint64_t[]){4 * page}, (uint32_t[]){4});
+  ASSERT_CHUNKS_REFUSED(&w, "pool block of a run of chunks");
+
+  /* In an event handle. */
+  usmipc_queue_t *q;
+  usmipc_event_t *ev;
+  usmipc_ipc_handle_t *eh;
+  const void *edata;
+  size_t elen;
+  ASSERT_OK(usmipc_queue_create(test_device(), &q));
+  ASSERT_OK(usmipc_event_create(test_device(), 0, &ev));
+  ASSERT_OK(usmipc_event_record(ev, q));
+  ASSERT_OK(usmipc_ipc_get_event_handle(ev, &eh));
+  ASSERT_OK(usmipc_ipc_handle_data(eh, &edata, &elen));
+  ASSERT_OK(usmipc__wire_decode(edata, elen, &w));
+  put_chunks(&w, 4, 1, (uint64_t[]){4 * page}, (uint32_t[]){4});
+  len = encode_long(&w, b);
+  ASSERT_ERR(usmipc__wire_decode(b, len, &back), USMIPC_EBADHANDLE);
+  ASSERT_MSG(strstr(usmipc_last_error(), "event handle carries a chunk"), "%s",
+             usmipc_last_error());
+  ASSERT_OK(usmipc_ipc_free_handle(eh));
+  ASSERT_OK(usmipc_event_destroy(ev));
+  ASSERT_OK(usmipc_queue_destroy(q));
+
+  /* The writer: one run per change of size, at most 48 of them. */
+  uint64_t alt[USMIPC__CHUNKS_MAX];
+  for (int i = 0; i < USMIPC__CHUNKS_MAX; i++)
+    alt[i] = (uint64_t)(i / 5 % 2 + 1) << 21; /* 2 or 4 MiB, five at a time */
+  ASSERT_EQ(usmipc__chunks_record(alt, 240, rec), 4 + 8 + 16 * 48);
+  ASSERT_EQ(usmipc__chunks_record(alt, 245, rec), 0);
+  ASSERT_EQ(usmipc__chunks_record(alt, 2, rec), 4 + 8 + 16);
+  export_drop(&e);
+  return 0;
+}

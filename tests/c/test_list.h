@@ -68,6 +68,7 @@
   X(handle_range_overflow)                                                     \
   X(handle_null_and_empty)                                                     \
   X(handle_extension_records)                                                  \
+  X(handle_chunk_records)                                                      \
   X(mac_blake2s_vectors)                                                       \
   X(trust_fork_storm)                                                          \
   X(trust_squatter_after_exit)                                                 \
@@ -118,7 +119,9 @@
   X(stats_count_driver_work)                                                   \
   X(bundle_cross_process)                                                      \
   X(bundle_refused)                                                            \
-  X(bundle_ten_thousand_arrays)
+  X(bundle_ten_thousand_arrays)                                                \
+  X(cuda_vmm_foreign_chunks)                                                   \
+  X(cuda_vmm_foreign_limits)
 
 #define HELPER_LIST(X) X(agent) X(bundle_reader)
 

@@ -259,6 +259,26 @@ size_t count_fds(void) {
   return n - 1; /* the directory's own descriptor */
 }
 
+size_t count_fds_except_sockets(void) {
+  DIR *d = opendir("/proc/self/fd");
+  ASSERT_NOT_NULL(d);
+  size_t n = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    if (e->d_name[0] == '.' || atoi(e->d_name) == dirfd(d))
+      continue;
+    char target[64];
+    ssize_t len = readlinkat(dirfd(d), e->d_name, target, sizeof(target) - 1);
+    if (len < 0) /* closed meanwhile (another thread) */
+      continue;
+    target[len] = '\0';
+    if (strncmp(target, "socket:", 7) != 0)
+      n++;
+  }
+  closedir(d);
+  return n;
+}
+
 size_t count_maps_matching(const char *needle) {
   /* Read with read(2) into one buffer: stdio would allocate (and, under
    * ASan, map) while we count. */

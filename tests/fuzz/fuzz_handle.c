@@ -88,6 +88,41 @@ static void check_one(const uint8_t *data, size_t size) {
                    w.offset >= w.block_offset &&
                    w.nbytes <= w.block_size - (w.offset - w.block_offset),
                "block record");
+  if (w.chunk_count != 0) {
+    /* A run of chunks: bounded, fetched as descriptors, never with a pool
+     * block, and its expanded sizes cover exactly the allocation. */
+    FUZZ_CHECK(w.chunk_count >= 2 && w.chunk_count <= USMIPC__CHUNKS_MAX &&
+                   w.chunk_runs >= 1 &&
+                   w.chunk_runs <= USMIPC__CHUNK_RUNS_MAX &&
+                   (w.flags & USMIPC__WIRE_FLAG_FD) &&
+                   !(w.flags & USMIPC__WIRE_FLAG_REOPENABLE) && !w.has_block &&
+                   !w.is_event &&
+                   w.chunks_at + (size_t)w.chunk_runs * USMIPC__CHUNK_RUN_LEN <=
+                       w.ext_len,
+               "chunk record");
+    uint64_t sizes[USMIPC__CHUNKS_MAX], total = 0;
+    uint32_t k = usmipc__wire_chunk_sizes(&w, sizes);
+    FUZZ_CHECK(k == w.chunk_count, "%u chunk sizes of %u", k,
+               (unsigned)w.chunk_count);
+    for (uint32_t i = 0; i < k; i++) {
+      FUZZ_CHECK(sizes[i] != 0 && sizes[i] % 4096 == 0 &&
+                     sizes[i] <= w.allocation_size - total,
+                 "chunk %u of %llu bytes", i, (unsigned long long)sizes[i]);
+      total += sizes[i];
+    }
+    FUZZ_CHECK(total == w.allocation_size, "chunks cover %llu of %llu",
+               (unsigned long long)total,
+               (unsigned long long)w.allocation_size);
+    /* The writer makes the record the decoder accepted, byte for byte. */
+    uint8_t rec[USMIPC__CHUNKS_RECORD_MAX];
+    size_t rlen = usmipc__chunks_record(sizes, k, rec);
+    FUZZ_CHECK(rlen == 4u + USMIPC__CHUNKS_FIXED_LEN +
+                           (size_t)w.chunk_runs * USMIPC__CHUNK_RUN_LEN &&
+                   memcmp(rec,
+                          w.ext + w.chunks_at - 4 - USMIPC__CHUNKS_FIXED_LEN,
+                          rlen) == 0,
+               "chunk record not canonical");
+  }
   if (w.has_release)
     FUZZ_CHECK(w.release_id != 0 && w.release_ticket != 0 &&
                    w.payload.handle_kind != USMIPC__HANDLE_KIND_EVENT,
@@ -118,7 +153,8 @@ static void check_one(const uint8_t *data, size_t size) {
     FUZZ_CHECK(type != 0 &&
                    (!(type & USMIPC__EXT_CRITICAL) ||
                     type == USMIPC__EXT_EVENT || type == USMIPC__EXT_ORDER ||
-                    type == USMIPC__EXT_RELEASE || type == USMIPC__EXT_BLOCK),
+                    type == USMIPC__EXT_RELEASE || type == USMIPC__EXT_BLOCK ||
+                    type == USMIPC__EXT_CHUNKS),
                "type 0x%04x", type);
     uint16_t flen = 0;
     const uint8_t *rec = usmipc__wire_ext_find(&w, type, &flen);
@@ -384,6 +420,39 @@ int fuzz_make_corpus(void) {
   usmipc_ipc_free_handle(eh);
   usmipc_event_destroy(ev);
   usmipc_queue_destroy(q);
+
+  /* Chunks (record 0x8102, another library's CUDA VMM memory): a valid
+   * layout on a 1 MiB allocation, then forged ones. */
+  usmipc__wire_t wc;
+  const void *cdata;
+  size_t clen;
+  usmipc_ipc_handle_data(handles[3], &cdata, &clen);
+  if (usmipc__wire_decode(cdata, clen, &wc) != 0)
+    return 2;
+  wc.flags = (uint16_t)(wc.flags & ~USMIPC__WIRE_FLAG_REOPENABLE);
+  uint64_t csizes[8] = {1 << 18, 1 << 18, 1 << 17, 1 << 17,
+                        1 << 16, 1 << 16, 1 << 16, 1 << 16};
+  w = wc;
+  w.ext_len = (uint16_t)usmipc__chunks_record(csizes, 8, w.ext);
+  write_forged("valid-chunks", &w); /* decodes: 1 MiB in 3 runs */
+  w = wc;
+  csizes[7] = 1 << 15; /* 32 KiB short */
+  w.ext_len = (uint16_t)usmipc__chunks_record(csizes, 8, w.ext);
+  write_forged("chunks-short", &w);
+  w = wc;
+  csizes[7] = 1 << 16;
+  w.ext_len = (uint16_t)usmipc__chunks_record(csizes, 8, w.ext);
+  w.ext[4 + 8 + 16 + 8] = 1; /* the second run's count: 1 of 2 */
+  write_forged("chunks-miscounted", &w);
+  w = wc;
+  w.ext_len = (uint16_t)usmipc__chunks_record(csizes, 2, w.ext);
+  w.ext[4] = 1; /* one chunk */
+  write_forged("chunks-one", &w);
+  w = wc;
+  w.ext_len = (uint16_t)usmipc__chunks_record(csizes, 8, w.ext);
+  w.flags = 0; /* no descriptors */
+  w.fd_number = UINT32_MAX;
+  write_forged("chunks-no-fd", &w);
 
   for (int i = 0; i < 4; i++) {
     usmipc_ipc_free_handle(handles[i]);

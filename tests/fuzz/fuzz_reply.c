@@ -8,8 +8,9 @@
  * Each input also runs with a valid MAC recomputed over it, to reach the
  * status and descriptor checks behind.
  *
- * Input: byte 0 = want (low 2 bits) and truncation (bit 2), byte 1 =
- * descriptors received (low 3 bits), then the answer's bytes. */
+ * Input: byte 0 = want (low 2 bits), truncation (bit 2) and a handle of
+ * a run of 5 chunks (bit 3: the descriptor is 5), byte 1 = descriptors
+ * received (low 3 bits), then the answer's bytes. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,9 +32,10 @@ static uint32_t le32(const uint8_t *p) {
 }
 
 static void check_one(const uint8_t *rep, size_t n, unsigned want, int nfds,
-                      bool truncated) {
+                      bool truncated, uint16_t chunks) {
   usmipc__wire_t w;
   memset(&w, 0, sizeof(w));
+  w.chunk_count = chunks;
   w.pid = 4242;
   w.nonce = 0x1122334455667788ull;
   w.buffer_id = 77;
@@ -49,7 +51,7 @@ static void check_one(const uint8_t *rep, size_t n, unsigned want, int nfds,
     return;
   }
   /* Accepted: an authentic OK with exactly what was asked. */
-  int expect = ((want & 1) ? 1 : 0) + ((want & 2) ? 1 : 0);
+  int expect = ((want & 1) ? 1 : 0) + ((want & 2) ? (chunks ? chunks : 1) : 0);
   FUZZ_CHECK(n == USMIPC__REPLY_LEN && le32(rep + 4) == 0, "not ok");
   FUZZ_CHECK(nfds == expect && !truncated, "descriptors %d of %d", nfds,
              expect);
@@ -66,10 +68,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     return 0;
   unsigned want = data[0] & 3;
   bool truncated = (data[0] & 4) != 0;
+  uint16_t chunks = (data[0] & 8) ? 5 : 0;
   int nfds = data[1] & 7;
   const uint8_t *rep = data + 2;
   size_t n = size - 2;
-  check_one(rep, n, want, nfds, truncated);
+  check_one(rep, n, want, nfds, truncated, chunks);
   if (n >= 32) {
     /* The same answer with a valid MAC and echo, as the exporter signs. */
     uint8_t fixed[USMIPC__REPLY_LEN] = {0};
@@ -82,7 +85,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     for (int i = 0; i < 8; i++)
       msg[48 + i] = (uint8_t)(id >> (8 * i));
     usmipc__mac(fixed + 32, KEY, msg, sizeof(msg));
-    check_one(fixed, sizeof(fixed), want, nfds, truncated);
+    check_one(fixed, sizeof(fixed), want, nfds, truncated, chunks);
   }
   return 0;
 }
@@ -114,6 +117,16 @@ int fuzz_make_corpus(void) {
   }
   in[1] = 4; /* more descriptors than asked */
   fuzz_write_seed("too-many-fds", in, sizeof(in));
+  /* A run of 5 chunks: the table and 5 descriptors, or too few. */
+  uint8_t req[USMIPC__REQUEST_LEN];
+  usmipc__request_build(req, &w, 3, CLIENT);
+  in[0] = 3 | 8;
+  in[1] = 6;
+  usmipc__reply_build(in + 2, req, 0, 6, KEY);
+  fuzz_write_seed("chunks-ok", in, sizeof(in));
+  in[1] = 2;
+  usmipc__reply_build(in + 2, req, 0, 2, KEY);
+  fuzz_write_seed("chunks-too-few", in, sizeof(in));
   fuzz_write_seed("short", in, 20);
   return 0;
 }
