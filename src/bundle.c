@@ -323,12 +323,14 @@ int usmipc_bundle_add_container(usmipc_bundle_t *b,
  * so far are promised to stay allocated while the bundle lives, so an
  * address inside one of its segments is in that allocation, and another
  * library's array needs no driver query when its segment is known. */
-static long segment_by_range(const usmipc_bundle_t *b, uintptr_t p) {
-  if (b->last_seg < b->nseg) {
-    const segment_out_t *s = &b->segs[b->last_seg];
-    if (p - s->ref.base < s->ref.size)
-      return (long)b->last_seg;
-  }
+static bool segment_holds(const segment_out_t *s, uintptr_t p, size_t n) {
+  return p - s->ref.base < s->ref.size && n <= s->ref.size - (p - s->ref.base);
+}
+
+static long segment_by_range(const usmipc_bundle_t *b, uintptr_t p,
+                             size_t extent) {
+  if (b->last_seg < b->nseg && segment_holds(&b->segs[b->last_seg], p, extent))
+    return (long)b->last_seg;
   size_t lo = 0, hi = b->nseg; /* by_base: segment indices sorted by base */
   while (lo < hi) {
     size_t mid = lo + (hi - lo) / 2;
@@ -340,32 +342,55 @@ static long segment_by_range(const usmipc_bundle_t *b, uintptr_t p) {
   if (lo == 0)
     return -1;
   const segment_out_t *s = &b->segs[b->by_base[lo - 1]];
-  return p - s->ref.base < s->ref.size ? (long)b->by_base[lo - 1] : -1;
+  return segment_holds(s, p, extent) ? (long)b->by_base[lo - 1] : -1;
 }
 
-static int segment_for(usmipc_bundle_t *b, const void *ptr, uint32_t *index) {
-  long known = segment_by_range(b, (uintptr_t)ptr);
-  if (known >= 0) {
-    *index = (uint32_t)known;
-    b->last_seg = (size_t)known;
-    return 0;
+static long segment_by_id(const usmipc_bundle_t *b,
+                          const usmipc__allocation_ref_t *ref) {
+  if (b->hash_cap == 0)
+    return -1;
+  for (size_t h =
+           (size_t)(ref->buffer_id * 0x9E3779B97F4A7C15ull) & (b->hash_cap - 1);
+       b->hash[h] != 0; h = (h + 1) & (b->hash_cap - 1)) {
+    const segment_out_t *s = &b->segs[b->hash[h] - 1];
+    if (s->ref.buffer_id == ref->buffer_id && s->ref.base == ref->base &&
+        s->ref.device == ref->device)
+      return (long)b->hash[h] - 1;
   }
-  usmipc__allocation_ref_t ref;
-  int rc = usmipc__allocation_of(ptr, &ref);
-  if (rc != 0)
-    return rc;
-  if (b->hash_cap > 0) {
-    for (size_t h = (size_t)(ref.buffer_id * 0x9E3779B97F4A7C15ull) &
-                    (b->hash_cap - 1);
-         b->hash[h] != 0; h = (h + 1) & (b->hash_cap - 1)) {
-      segment_out_t *s = &b->segs[b->hash[h] - 1];
-      if (s->ref.buffer_id == ref.buffer_id && s->ref.base == ref.base &&
-          s->ref.device == ref.device) {
-        *index = b->hash[h] - 1;
-        return 0;
-      }
-    }
+  return -1;
+}
+
+static int segment_new(usmipc_bundle_t *b, const void *ptr, size_t extent,
+                       usmipc__allocation_ref_t *want, uint32_t *index);
+
+/* The segment of the allocation holding [ptr, ptr + extent): found in the
+ * bundle, or exported now. Memory in physical chunks (CUDA VMM: PyTorch's
+ * expandable segments) has no allocation beyond its chunks: its segment is
+ * the run of whole chunks under the array, so arrays over other chunks of
+ * the same reservation make segments of their own (which may share
+ * chunks). */
+static int segment_for(usmipc_bundle_t *b, const void *ptr, size_t extent,
+                       uint32_t *index) {
+  long known = segment_by_range(b, (uintptr_t)ptr, extent);
+  if (known < 0) {
+    usmipc__allocation_ref_t ref;
+    int rc = usmipc__allocation_of(ptr, &ref);
+    if (rc != 0)
+      return rc;
+    if (!ref.chunked)
+      known = segment_by_id(b, &ref);
+    if (known < 0)
+      return segment_new(b, ptr, extent, &ref, index);
   }
+  *index = (uint32_t)known;
+  b->last_seg = (size_t)known;
+  return 0;
+}
+
+static int segment_new(usmipc_bundle_t *b, const void *ptr, size_t extent,
+                       usmipc__allocation_ref_t *want, uint32_t *index) {
+  usmipc__allocation_ref_t ref = *want;
+  int rc;
   if (b->nseg > 0 &&
       ref.device->ops->backend != b->segs[0].ref.device->ops->backend)
     return usmipc__fail(USMIPC_EWRONGDEVICE,
@@ -399,10 +424,23 @@ static int segment_for(usmipc_bundle_t *b, const void *ptr, uint32_t *index) {
   }
   segment_out_t *s = &b->segs[b->nseg];
   usmipc__allocation_ref_t exported;
-  if ((rc = usmipc__export_allocation((const void *)ref.base, &s->handle,
-                                      &exported)) != 0)
+  /* A run of chunks: from the chunk holding ptr to the one holding the
+   * array's last byte. */
+  size_t nbytes = ref.chunked ? (uintptr_t)ptr + extent - ref.base : 0;
+  if ((rc = usmipc__export_allocation((const void *)ref.base, nbytes,
+                                      &s->handle, &exported)) != 0)
     return rc;
-  if (exported.buffer_id != ref.buffer_id || exported.base != ref.base) {
+  if (ref.chunked) {
+    exported.device = ref.device;
+    exported.chunked = true;
+    long same = segment_by_id(b, &exported); /* the same run again */
+    if (same >= 0) {
+      usmipc_ipc_free_handle(s->handle);
+      *index = (uint32_t)same;
+      return 0;
+    }
+    ref = exported;
+  } else if (exported.buffer_id != ref.buffer_id || exported.base != ref.base) {
     usmipc_ipc_free_handle(s->handle);
     return usmipc__fail(USMIPC_EUNKNOWNPTR,
                         "the allocation at %p changed while it was exported "
@@ -481,7 +519,7 @@ static int add_array(usmipc_bundle_t *b, const char *key, size_t key_len,
                    .ndim = (uint8_t)nd,
                    .dims_at = b->ndims};
   if (extent > 0) {
-    if ((rc = segment_for(b, ptr, &a.segment)) != 0)
+    if ((rc = segment_for(b, ptr, extent, &a.segment)) != 0)
       return rc;
     const segment_out_t *s = &b->segs[a.segment];
     a.offset = (uint64_t)((uintptr_t)ptr - s->ref.base);

@@ -243,11 +243,15 @@ typedef struct usmipc__allocation_ref {
   uintptr_t base;
   size_t size;
   usmipc_device_t *device;
+  bool chunked; /* one physical chunk of CUDA VMM memory (docs/cuda.md) */
 } usmipc__allocation_ref_t;
 int usmipc__allocation_of(const void *ptr, usmipc__allocation_ref_t *ref);
-/* An unordered handle of the whole allocation ptr lies in (a pool segment
- * as a whole, without a block record); fills ref's id, base and size. */
-int usmipc__export_allocation(const void *ptr, usmipc_ipc_handle_t **handle,
+/* An unordered handle of the whole allocation at base (a pool segment as
+ * a whole, without a block record); for memory in chunks, of the whole run
+ * of chunks under [base, base + nbytes). Fills ref's id, base and size
+ * from the handle. */
+int usmipc__export_allocation(const void *base, size_t nbytes,
+                              usmipc_ipc_handle_t **handle,
                               usmipc__allocation_ref_t *ref);
 /* usmipc_ipc_open of a decoded memory handle, all of it, unordered. */
 int usmipc__open_wire(const struct usmipc__wire *w, usmipc_device_t *device,

@@ -707,23 +707,41 @@ int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
   return get_handle(ptr, nbytes, false, handle);
 }
 
-int usmipc__export_allocation(const void *ptr, usmipc_ipc_handle_t **handle,
+int usmipc__export_allocation(const void *base, size_t nbytes,
+                              usmipc_ipc_handle_t **handle,
                               usmipc__allocation_ref_t *ref) {
-  int rc = get_handle(ptr, 0, true, handle);
-  if (rc != 0)
-    return rc;
-  /* The handle says what it exports: its fixed fields (handle.c). */
-  const uint8_t *d = (*handle)->data;
-  ref->buffer_id = usmipc__get64le(d + 112);
-  ref->base = (uintptr_t)usmipc__get64le(d + 120);
-  ref->size = usmipc__get64le(d + 128);
-  return 0;
+  int rc = get_handle(base, nbytes, true, handle);
+  for (int again = 0; rc == 0; again++) {
+    /* The handle says what it exports: its fixed fields (handle.c). */
+    const uint8_t *d = (*handle)->data;
+    ref->buffer_id = usmipc__get64le(d + 112);
+    ref->base = (uintptr_t)usmipc__get64le(d + 120);
+    ref->size = usmipc__get64le(d + 128);
+    if (usmipc__get64le(d + 136) == 0 && usmipc__get64le(d + 144) == ref->size)
+      return 0;
+    /* A run of chunks ends with a whole chunk: export it whole (the same
+     * export, found while the first handle still holds it: no new driver
+     * call). */
+    usmipc_ipc_handle_t *first = *handle;
+    *handle = NULL;
+    if (again) {
+      usmipc_ipc_free_handle(first);
+      return usmipc__fail(USMIPC_EBACKEND,
+                          "exporting %p: the whole allocation could not be "
+                          "exported as one",
+                          base);
+    }
+    rc = get_handle((const void *)ref->base, ref->size, true, handle);
+    usmipc_ipc_free_handle(first);
+  }
+  return rc;
 }
 
 int usmipc__allocation_of(const void *ptr, usmipc__allocation_ref_t *ref) {
   pthread_mutex_lock(&usmipc__registry_lock);
   usmipc__region_t *r = usmipc__region_find(ptr);
   if (r != NULL && r->origin == USMIPC__LOCAL && !r->user_freed) {
+    ref->chunked = false;
     ref->buffer_id = r->buffer_id;
     ref->base = (uintptr_t)r->alloc.base;
     ref->size = r->alloc.size;
@@ -746,6 +764,7 @@ int usmipc__allocation_of(const void *ptr, usmipc__allocation_ref_t *ref) {
     return rc;
   ref->base = (uintptr_t)a.base;
   ref->size = a.size;
+  ref->chunked = a.chunked;
   return 0;
 }
 
