@@ -172,6 +172,17 @@ USMIPC_API int usmipc_pool_malloc(usmipc_pool_t *pool, size_t nbytes,
 /* Frees the pool's segments (importers keep their mappings);
  * USMIPC_EBUSY while blocks are still allocated. */
 USMIPC_API int usmipc_pool_destroy(usmipc_pool_t *pool);
+/* What a pool holds now: its segments (each exported at most once, however
+ * many of its blocks are shared) and their bytes, the blocks allocated and
+ * not yet freed and their bytes. Pass sizeof(usmipc_pool_info_t). */
+typedef struct usmipc_pool_info {
+  size_t segments;
+  size_t segment_bytes;
+  size_t blocks;
+  size_t block_bytes;
+} usmipc_pool_info_t;
+USMIPC_API int usmipc_pool_get_info(usmipc_pool_t *pool,
+                                    usmipc_pool_info_t *info, size_t size);
 
 /* Frees an allocation from usmipc_malloc (or a pool block, which goes back
  * to its pool). If the allocation is also open as a
