@@ -118,7 +118,10 @@
   X(stats_count_driver_work)                                                   \
   X(bundle_cross_process)                                                      \
   X(bundle_refused)                                                            \
-  X(bundle_ten_thousand_arrays)
+  X(bundle_ten_thousand_arrays)                                                \
+  X(torch_alloc_host_threads)                                                  \
+  X(torch_alloc_host_edges)                                                    \
+  X(torch_alloc_cuda)
 
 #define HELPER_LIST(X) X(agent) X(bundle_reader)
 
