@@ -217,9 +217,9 @@ USMIPC_API void usmipc_torch_free(void *ptr, ssize_t size, int device,
 /* The pool of CUDA device ordinal device, created if needed (for
  * usmipc_pool_get_info; it must not be destroyed). */
 USMIPC_API int usmipc_torch_pool(int device, usmipc_pool_t **pool);
-/* Waits for the streams of the frees still pending on device and returns
- * their blocks to the pool (then usmipc_pool_get_info counts only live
- * tensors). */
+/* Waits until the work queued before each free still pending on device
+ * completed, and returns those blocks to the pool (then
+ * usmipc_pool_get_info counts only live tensors). */
 USMIPC_API int usmipc_torch_synchronize(int device);
 /* The first segment of pools created after the call (0: the default,
  * USMIPC_TORCH_POOL_SEGMENT if set, such as "4G", else 64 MiB); the next

@@ -21,7 +21,7 @@
  * the block stays allocated until the event has completed: every malloc and
  * free hands back the blocks whose events completed (a query, never a
  * wait), a malloc that finds the pool exhausted waits for the pending
- * streams and tries once more, and usmipc_torch_synchronize waits for all
+ * events and tries once more, and usmipc_torch_synchronize waits for all
  * of them. The host never waits at a free, as with torch's allocator. A
  * backend without events (the host: its work is done when a call returns)
  * returns blocks at once; should recording the event fail, the free waits
@@ -31,8 +31,10 @@
  * registry's and the pool's (usmipc_free takes both), never inside them. */
 #include <ctype.h>
 #include <errno.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common.h"
 
@@ -177,8 +179,33 @@ static void spare_put(torch_pool_t *tp, void *event) {
     tp->device->ops->event_destroy(tp->device->native, event);
 }
 
+/* Waits on the host until a backend event completed: 1, or a negative
+ * code. It polls, as the core's event waits do (yielding for 20 ms, then
+ * sleeping 5 us growing to 100 us), but never calls the binding's interrupt
+ * handler: a thread of torch may wait here holding the pending list while
+ * the thread holding Python's GIL waits for that list. The event's stream
+ * is not used: it may be gone by now (an external stream destroyed after
+ * the free). */
+static int wait_event(usmipc_device_t *dev, void *event) {
+  uint64_t start = usmipc__now_ns();
+  unsigned sleep_ns = 5000;
+  for (;;) {
+    int q = dev->ops->event_query(dev->native, event);
+    if (q != 0)
+      return q;
+    if (usmipc__now_ns() - start < 20000000u) {
+      sched_yield();
+      continue;
+    }
+    struct timespec ts = {0, (long)sleep_ns};
+    nanosleep(&ts, NULL);
+    if (sleep_ns < 100000)
+      sleep_ns *= 2;
+  }
+}
+
 /* Hands back to the pool the pending blocks whose events completed; with
- * wait, first waits for the stream of each that has not. Events of one
+ * wait, first waits for each that has not. Events of one
  * stream complete in order, so after one that has not, later ones of the
  * same stream are not asked (up to 8 such streams are remembered). A query
  * that fails (a broken context) counts as complete: waiting longer helps
@@ -196,10 +223,9 @@ static int reclaim_locked(torch_pool_t *tp, bool wait) {
       known_busy = busy[i] == p->stream;
     int done = known_busy ? 0 : dev->ops->event_query(dev->native, p->event);
     if (done == 0 && wait) {
-      int r = dev->ops->queue_synchronize(dev->native, p->stream);
-      if (r != 0 && rc == 0)
-        rc = r;
-      done = 1;
+      done = wait_event(dev, p->event);
+      if (done < 0 && rc == 0)
+        rc = done;
     }
     if (done == 0) {
       if (!known_busy && nbusy < USMIPC__ARRAY_SIZE(busy))
@@ -276,6 +302,11 @@ void usmipc__torch_free_on(usmipc_backend_t backend, void *ptr, int ordinal,
     return;
   }
   void *native = tp->device->native;
+  /* The backend's view of the native stream (on CUDA the CUstream itself);
+   * a wrapper only for the time of the record. */
+  void *queue = stream;
+  bool wrapped =
+      ops->queue_wrap == NULL || ops->queue_wrap(native, stream, &queue) == 0;
   pending_t *p = malloc(sizeof(*p));
   pthread_mutex_lock(&tp->lock);
   void *ev = NULL;
@@ -283,7 +314,8 @@ void usmipc__torch_free_on(usmipc_backend_t backend, void *ptr, int ordinal,
     ev = tp->spare[--tp->nspare];
   else if (ops->event_create(native, &ev) != 0)
     ev = NULL;
-  if (p != NULL && ev != NULL && ops->event_record(native, ev, stream) == 0) {
+  if (p != NULL && ev != NULL && wrapped &&
+      ops->event_record(native, ev, queue) == 0) {
     p->ptr = ptr;
     p->event = ev;
     p->stream = stream;
@@ -295,13 +327,17 @@ void usmipc__torch_free_on(usmipc_backend_t backend, void *ptr, int ordinal,
     tp->tail = p;
     __atomic_add_fetch(&tp->npending, 1, __ATOMIC_RELAXED);
   } else {
-    /* The stream's work cannot be marked: wait for it here. */
-    (void)ops->queue_synchronize(native, stream);
+    /* The stream's work cannot be marked: wait for it here (a stream the
+     * backend cannot even wrap has nothing usmipc could wait for). */
+    if (wrapped)
+      (void)ops->queue_synchronize(native, queue);
     (void)usmipc_free(ptr);
     if (ev != NULL)
       spare_put(tp, ev);
     free(p);
   }
+  if (wrapped && ops->queue_wrap != NULL && ops->queue_unwrap != NULL)
+    (void)ops->queue_unwrap(native, queue);
   (void)reclaim_locked(tp, false);
   pthread_mutex_unlock(&tp->lock);
 }

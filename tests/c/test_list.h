@@ -120,6 +120,7 @@
   X(bundle_refused)                                                            \
   X(bundle_ten_thousand_arrays)                                                \
   X(torch_alloc_host_threads)                                                  \
+  X(torch_alloc_device_threads)                                                \
   X(torch_alloc_host_edges)                                                    \
   X(torch_alloc_cuda)
 

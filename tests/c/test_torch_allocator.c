@@ -23,23 +23,32 @@ static void expect_message(const char *file, int line, const char *a,
 }
 #define EXPECT_MESSAGE(a, b) expect_message(__FILE__, __LINE__, (a), (b))
 
-typedef struct churn {
+/* The allocator under test: the public CUDA calls, or the internal ones
+ * on any backend's device ordinal. */
+typedef struct target {
+  bool public_calls;
   usmipc_backend_t backend;
-  usmipc_queue_t *queue; /* the thread's stream (CUDA), or NULL */
+  int ordinal;
+} target_t;
+
+typedef struct churn {
+  const target_t *target;
+  int cycles;
+  usmipc_queue_t *queue; /* the thread's stream (a device), or NULL */
   int id;
 } churn_t;
 
-static void *torch_malloc(usmipc_backend_t b, size_t n, void *stream) {
-  return b == USMIPC_BACKEND_CUDA
-             ? usmipc_torch_malloc((ssize_t)n, 0, stream)
-             : usmipc__torch_malloc_on(b, (ssize_t)n, 0, stream);
+static void *torch_malloc(const target_t *t, size_t n, void *stream) {
+  return t->public_calls ? usmipc_torch_malloc((ssize_t)n, t->ordinal, stream)
+                         : usmipc__torch_malloc_on(t->backend, (ssize_t)n,
+                                                   t->ordinal, stream);
 }
 
-static void torch_free(usmipc_backend_t b, void *p, size_t n, void *stream) {
-  if (b == USMIPC_BACKEND_CUDA)
-    usmipc_torch_free(p, (ssize_t)n, 0, stream);
+static void torch_free(const target_t *t, void *p, size_t n, void *stream) {
+  if (t->public_calls)
+    usmipc_torch_free(p, (ssize_t)n, t->ordinal, stream);
   else
-    usmipc__torch_free_on(b, p, 0, stream);
+    usmipc__torch_free_on(t->backend, p, t->ordinal, stream);
 }
 
 static uint32_t stamp_at(const void *p, size_t off) {
@@ -60,7 +69,7 @@ static void *churn_thread(void *arg) {
   void *live[8] = {0};
   size_t size[8] = {0};
   uint64_t rng = 0x9e3779b97f4a7c15ull * (uint64_t)(c->id + 1);
-  for (int i = 0; i < CYCLES + 8; i++) {
+  for (int i = 0; i < c->cycles + 8; i++) {
     int k = i % 8;
     if (live[k] != NULL) {
       if (c->queue == NULL) {
@@ -69,14 +78,14 @@ static void *churn_thread(void *arg) {
         if (size[k] >= 8)
           ASSERT_EQ(stamp_at(live[k], size[k] - 4), want);
       }
-      torch_free(c->backend, live[k], size[k], stream);
+      torch_free(c->target, live[k], size[k], stream);
       live[k] = NULL;
     }
-    if (i >= CYCLES)
+    if (i >= c->cycles)
       continue;
     rng = rng * 6364136223846793005ull + 1442695040888963407ull;
     size_t n = 4 + (size_t)(rng >> 33) % (300 * KiB);
-    void *p = torch_malloc(c->backend, n, stream);
+    void *p = torch_malloc(c->target, n, stream);
     ASSERT_MSG(p != NULL, "torch malloc of %zu bytes: %s", n,
                usmipc_last_error());
     ASSERT_EQ((uintptr_t)p % 512, 0);
@@ -96,26 +105,28 @@ static void *churn_thread(void *arg) {
 
 /* 10,000 allocations and frees across 4 threads; at the end the pool holds
  * no block (no leak), in the few segments that the peak needed. */
-static void churn(usmipc_backend_t backend, usmipc_device_t *dev) {
+static void churn(const target_t *target, usmipc_device_t *dev, int cycles) {
   pthread_t t[THREADS];
   churn_t c[THREADS];
   for (int i = 0; i < THREADS; i++) {
-    c[i].backend = backend;
+    c[i].target = target;
+    c[i].cycles = cycles;
     c[i].id = i + 1;
     c[i].queue = NULL;
-    if (backend != USMIPC_BACKEND_HOST)
+    if (target->backend != USMIPC_BACKEND_HOST)
       ASSERT_OK(usmipc_queue_create(dev, &c[i].queue));
     ASSERT_EQ(pthread_create(&t[i], NULL, churn_thread, &c[i]), 0);
   }
   for (int i = 0; i < THREADS; i++)
     pthread_join(t[i], NULL);
   usmipc_pool_t *pool;
-  ASSERT_OK(backend == USMIPC_BACKEND_CUDA
-                ? usmipc_torch_pool(0, &pool)
-                : usmipc__torch_pool_for(backend, 0, &pool));
-  ASSERT_OK(backend == USMIPC_BACKEND_CUDA
-                ? usmipc_torch_synchronize(0)
-                : usmipc__torch_synchronize_on(backend, 0));
+  if (target->public_calls) {
+    ASSERT_OK(usmipc_torch_pool(target->ordinal, &pool));
+    ASSERT_OK(usmipc_torch_synchronize(target->ordinal));
+  } else {
+    ASSERT_OK(usmipc__torch_pool_for(target->backend, target->ordinal, &pool));
+    ASSERT_OK(usmipc__torch_synchronize_on(target->backend, target->ordinal));
+  }
   usmipc_pool_info_t info;
   ASSERT_OK(usmipc_pool_get_info(pool, &info, sizeof(info)));
   ASSERT_UEQ(info.blocks, 0);
@@ -129,7 +140,22 @@ static void churn(usmipc_backend_t backend, usmipc_device_t *dev) {
 
 TEST_IMPL(torch_alloc_host_threads) {
   ASSERT_OK(usmipc_torch_set_segment_size(1 * MiB)); /* so the pool grows */
-  churn(USMIPC_BACKEND_HOST, host_device());
+  target_t host = {false, USMIPC_BACKEND_HOST, 0};
+  churn(&host, host_device(), CYCLES);
+  return 0;
+}
+
+/* The same on the device under test (USMIPC_TEST_DEVICE: the Level Zero
+ * test driver in CTest's level_zero.c.*, a GPU on the device machine),
+ * through the internal calls: frees record events on the threads' queues
+ * and their blocks come back once the events completed. */
+TEST_IMPL(torch_alloc_device_threads) {
+  usmipc_device_t *dev = test_device();
+  if (test_device_is_host())
+    RETURN_SKIP("the device under test is the host (USMIPC_TEST_DEVICE)");
+  ASSERT_OK(usmipc_torch_set_segment_size(4 * MiB));
+  target_t t = {false, usmipc_device_backend(dev), dev->ordinal};
+  churn(&t, dev, CYCLES / 25); /* the test driver's queues are slow */
   return 0;
 }
 
@@ -220,7 +246,8 @@ TEST_IMPL(torch_alloc_cuda) {
     RETURN_SKIP("no CUDA device: %s", reason ? reason : "?");
   usmipc_device_t *dev;
   ASSERT_OK(usmipc_device_select("cuda:gpu:0", &dev));
-  churn(USMIPC_BACKEND_CUDA, dev);
+  target_t cuda = {true, USMIPC_BACKEND_CUDA, 0};
+  churn(&cuda, dev, CYCLES);
   ASSERT_PTR_EQ(usmipc_torch_malloc(0, 0, NULL), NULL);
   test_error_sentinel();
   ASSERT_PTR_EQ(usmipc_torch_malloc((ssize_t)1 << 47, 0, NULL), NULL);
