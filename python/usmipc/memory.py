@@ -37,6 +37,7 @@ __all__ = [
     "MemoryUSMShared",
     "is_ipc_available",
     "torch_allocator",
+    "torch_last_error",
     "torch_pool_info",
     "use_torch_allocator",
 ]
@@ -142,7 +143,12 @@ def torch_pool_info(device=0):
     return _usmipc._torch_pool_info(0 if index is None else index)
 
 
-def _last_error():
-    """The message of the last failed usmipc call on this thread (what a
-    tensor whose ``data_ptr()`` is 0 after an allocation was about)."""
+def torch_last_error():
+    """Why the last usmipc call on this thread failed, as a sentence.
+
+    torch does not check what a pluggable allocator returns: an allocation
+    the pool cannot make gives a tensor whose ``data_ptr()`` is 0 (for a
+    nonzero size) instead of ``torch.cuda.OutOfMemoryError``. Call this
+    right after, on the same thread, to learn why (docs/pools.md).
+    """
     return _usmipc._last_error()

@@ -245,7 +245,7 @@ ok = torch.ones(10, device="cuda")
 try:
     x = torch.empty(1 << 45, dtype=torch.uint8, device="cuda")  # 32 TiB
     outcome = {"data_ptr": x.data_ptr(),
-               "last_error": usmipc.memory._last_error()}
+               "last_error": usmipc.memory.torch_last_error()}
     del x  # never touched: its data pointer is what the allocator gave
 except Exception as e:
     outcome = {"raised": type(e).__name__, "message": str(e)[:300]}

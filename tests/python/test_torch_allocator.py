@@ -72,7 +72,7 @@ def test_entry_points_through_ctypes():
         free(None, 0, 0, None)
         p = malloc(1000, 0, None)
         if p is None:
-            print("null", m._last_error())
+            print("null", m.torch_last_error())
         else:
             assert p % 512 == 0, hex(p)
             free(p, 1000, 0, None)
