@@ -9,7 +9,8 @@ IPCMemoryHandle.open and torch.from_dlpack there), which checks every byte.
 The counters (usmipc.stats) show that 50 tensors cost the producer one
 driver export per pool segment and the consumer one driver import per
 segment, not one per tensor, and that sharing them again costs no driver
-export or import and no descriptor. Other cases: the stream rule (a block
+export or import and no descriptor; the same through one bundle
+(usmipc.share of the state dict). Other cases: the stream rule (a block
 freed while its stream still works is not handed to another stream),
 10,000 allocations from 4 threads with nothing left over, torch initialized
 first (refused with a clear error), and an allocation the GPU cannot hold.
@@ -55,6 +56,26 @@ CONSUMER = textwrap.dedent(r"""
         print(json.dumps({"ok": ok, "stats": usmipc.stats()}), flush=True)
 """)
 
+# The same for bundles: {"bundle": hex, "sha": {key: hex}} -> the tree of
+# usmipc.open_shared, each leaf read through torch.from_dlpack.
+BUNDLE_CONSUMER = textwrap.dedent(r"""
+    import hashlib, json, sys
+    import torch, usmipc
+    usmipc.reset_stats()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        tree = usmipc.open_shared(bytes.fromhex(req["bundle"]))
+        ok = []
+        for key, sha in req["sha"].items():
+            t = torch.from_dlpack(tree[key])
+            data = t.contiguous().view(-1).view(torch.uint8).cpu().numpy()
+            ok.append(hashlib.sha1(data.tobytes()).hexdigest() == sha)
+            del t
+        usmipc.close_shared(tree)
+        print(json.dumps({"ok": ok, "stats": usmipc.stats()}), flush=True)
+""")
+
 # The producer's common part; each case appends its own code.
 PRODUCER = textwrap.dedent(r"""
     import hashlib, json, subprocess, sys, threading
@@ -62,8 +83,8 @@ PRODUCER = textwrap.dedent(r"""
     from usmipc.memory import (IPCMemoryHandle, torch_pool_info,
                                use_torch_allocator)
 
-    def start_consumer():
-        p = subprocess.Popen([sys.executable, "-c", CONSUMER],
+    def start_consumer(source=None):
+        p = subprocess.Popen([sys.executable, "-c", source or CONSUMER],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
         assert p.stdout.readline().strip() == "ready"
@@ -155,6 +176,43 @@ result(segments=segs, segment_bytes=pool["segment_bytes"],
 # tensor; the consumer one driver import per segment; nothing the 2nd time.
 assert 1 <= p1["driver_exports"] <= segs < 50, (p1, segs)
 assert p1["descriptors_sent"] <= segs, p1
+assert 1 <= c1["driver_imports"] <= segs, (c1, segs)
+assert c1["descriptors_received"] <= segs, c1
+assert p2["driver_exports"] == 0 and p2["descriptors_sent"] == 0, p2
+assert c2["driver_imports"] == 0 and c2["descriptors_received"] == 0, c2
+"""
+
+CASES["bundle"] = r"""
+use_torch_allocator()
+import torch
+torch.manual_seed(0)
+model = {f"layer{i}.weight": torch.randn(256 * (1 + i % 8), 1024,
+                                         device="cuda", dtype=torch.float16)
+         for i in range(50)}
+torch.cuda.synchronize()
+pool = torch_pool_info(0)
+consumer = start_consumer(BUNDLE_CONSUMER)
+usmipc.reset_stats()
+mine = [usmipc.stats()]
+theirs = [dict.fromkeys(mine[0], 0)]
+shas = {k: sha(t) for k, t in model.items()}
+for _ in range(2):
+    b = usmipc.share(model)  # a fresh bundle each round
+    consumer.stdin.write(json.dumps({"bundle": b.to_bytes().hex(),
+                                     "sha": shas}) + "\n")
+    consumer.stdin.flush()
+    reply = json.loads(consumer.stdout.readline())
+    assert all(reply["ok"]), reply["ok"]
+    theirs.append(reply["stats"])
+    mine.append(usmipc.stats())
+consumer.stdin.close()
+assert consumer.wait(60) == 0
+p1, p2 = delta(mine[1], mine[0]), delta(mine[2], mine[1])
+c1, c2 = delta(theirs[1], theirs[0]), delta(theirs[2], theirs[1])
+segs = pool["segments"]
+result(segments=segs, producer_round1=p1, producer_round2=p2,
+       consumer_round1=c1, consumer_round2=c2)
+assert 1 <= p1["driver_exports"] <= segs, (p1, segs)
 assert 1 <= c1["driver_imports"] <= segs, (c1, segs)
 assert c1["descriptors_received"] <= segs, c1
 assert p2["driver_exports"] == 0 and p2["descriptors_sent"] == 0, p2
@@ -258,7 +316,8 @@ def run_case(name, kind=None, timeout=300):
     """Runs CASES[name] in a fresh producer process; kind (fd or native)
     sets USMIPC_CUDA_IPC, how the pool's segments are allocated and
     shared (docs/cuda.md). Returns the case's RESULT dict."""
-    code = (f"CONSUMER = {CONSUMER!r}\n" + PRODUCER + textwrap.dedent(CASES[name]))
+    code = (f"CONSUMER = {CONSUMER!r}\nBUNDLE_CONSUMER = {BUNDLE_CONSUMER!r}\n"
+            + PRODUCER + textwrap.dedent(CASES[name]))
     env = dict(os.environ)
     if kind is not None:
         env["USMIPC_CUDA_IPC"] = kind
@@ -282,6 +341,14 @@ def test_sizes_share_and_read_back(kind):
 def test_model_shares_per_segment_not_per_tensor(kind):
     res = run_case("model", kind)
     assert res["segments"] < 50 and res["blocks"] >= 50
+
+
+def test_model_in_one_bundle():
+    """usmipc.share(state_dict) of tensors the allocator made: each pool
+    segment named once; a second bundle of the same tensors costs no driver
+    export or import and no descriptor."""
+    res = run_case("bundle")
+    assert res["consumer_round2"]["driver_imports"] == 0
 
 
 def test_block_not_reused_while_its_stream_works():
