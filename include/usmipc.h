@@ -18,6 +18,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h> /* ssize_t */
 
 #include "usmipc/errno.h"
 #include "usmipc/version.h"
@@ -172,6 +173,60 @@ USMIPC_API int usmipc_pool_malloc(usmipc_pool_t *pool, size_t nbytes,
 /* Frees the pool's segments (importers keep their mappings);
  * USMIPC_EBUSY while blocks are still allocated. */
 USMIPC_API int usmipc_pool_destroy(usmipc_pool_t *pool);
+/* What a pool holds now: its segments (each exported at most once, however
+ * many of its blocks are shared) and their bytes, the blocks allocated and
+ * not yet freed and their bytes. Pass sizeof(usmipc_pool_info_t). */
+typedef struct usmipc_pool_info {
+  size_t segments;
+  size_t segment_bytes;
+  size_t blocks;
+  size_t block_bytes;
+} usmipc_pool_info_t;
+USMIPC_API int usmipc_pool_get_info(usmipc_pool_t *pool,
+                                    usmipc_pool_info_t *info, size_t size);
+
+/* ---- PyTorch's CUDA allocator ----------------------------------------------
+ *
+ * torch.cuda.memory.CUDAPluggableAllocator(<path of the library or of the
+ * Python extension>, "usmipc_torch_malloc", "usmipc_torch_free"), installed
+ * with torch.cuda.memory.change_current_allocator before torch's first CUDA
+ * allocation (Python: usmipc.memory.use_torch_allocator()), makes every CUDA
+ * tensor of the process a block of a usmipc pool: sharing a tensor with
+ * usmipc_ipc_get_handle (IPCMemoryHandle(tensor)) then costs one export per
+ * segment, and an importer one driver import per segment (docs/pools.md,
+ * "PyTorch allocator").
+ *
+ * One pool per CUDA device ordinal of the process (after
+ * CUDA_VISIBLE_DEVICES, as torch numbers them), created at the first
+ * allocation on it and never destroyed. Thread-safe. Blocks are 512-byte
+ * aligned and sized in multiples of 512 bytes. size 0 gives NULL (as torch's
+ * own allocator does). A failure gives NULL and leaves the reason in
+ * usmipc_last_error() of the calling thread; note that torch does not check
+ * for NULL (docs/pools.md).
+ *
+ * Stream rule: usmipc_torch_free records an event on stream (the one the
+ * tensor was allocated on, which torch passes) and the block goes back to
+ * the pool only once that event has completed; the host does not wait. So
+ * a block is never handed out again while work queued before the free may
+ * still use it, on any stream. Work on other streams is not seen (torch
+ * gives pluggable allocators no record_stream from Python). */
+USMIPC_API void *usmipc_torch_malloc(ssize_t size, int device, void *stream);
+/* size is ignored (the pool knows each block's size); NULL is accepted. */
+USMIPC_API void usmipc_torch_free(void *ptr, ssize_t size, int device,
+                                  void *stream);
+/* The pool of CUDA device ordinal device, created if needed (for
+ * usmipc_pool_get_info; it must not be destroyed). */
+USMIPC_API int usmipc_torch_pool(int device, usmipc_pool_t **pool);
+/* Waits until the work queued before each free still pending on device
+ * completed, and returns those blocks to the pool (then
+ * usmipc_pool_get_info counts only live tensors). */
+USMIPC_API int usmipc_torch_synchronize(int device);
+/* The first segment of pools created after the call (0: the default,
+ * USMIPC_TORCH_POOL_SEGMENT if set, such as "4G", else 64 MiB); the next
+ * ones are twice the last up to 1 GiB, and always room for the request.
+ * The segment is device memory allocated at once: a model of known size
+ * fits in one segment, exported once. */
+USMIPC_API int usmipc_torch_set_segment_size(size_t nbytes);
 
 /* Frees an allocation from usmipc_malloc (or a pool block, which goes back
  * to its pool). If the allocation is also open as a

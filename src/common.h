@@ -460,6 +460,17 @@ int usmipc__pool_query(void *segment, const void *ptr,
                        usmipc_pointer_info_t *info);
 /* 1 while the block w's record names is allocated (same process). */
 int usmipc__pool_block_live(void *segment, const usmipc__wire_t *w);
+/* ---- the PyTorch allocator (torch_allocator.c) ----------------------------
+ * usmipc_torch_* on any backend's device ordinal (the public calls are the
+ * CUDA ones): the C tests drive the host's pools with these. */
+void *usmipc__torch_malloc_on(usmipc_backend_t backend, ssize_t size,
+                              int ordinal, void *stream);
+void usmipc__torch_free_on(usmipc_backend_t backend, void *ptr, int ordinal,
+                           void *stream);
+int usmipc__torch_pool_for(usmipc_backend_t backend, int ordinal,
+                           usmipc_pool_t **pool);
+int usmipc__torch_synchronize_on(usmipc_backend_t backend, int ordinal);
+
 void usmipc__events_fork_prepare(void);
 void usmipc__events_fork_parent(void);
 void usmipc__events_fork_child(void);

@@ -63,6 +63,7 @@ struct usmipc_pool {
   segment_t *segments;
   block_t **buckets;
   size_t nbuckets, nblocks;
+  size_t block_bytes; /* the sizes of the live blocks, summed */
 };
 
 static size_t hash_ptr(const void *p, size_t n) {
@@ -309,6 +310,7 @@ int usmipc_pool_malloc(usmipc_pool_t *pool, size_t nbytes, size_t alignment,
   b->next = pool->buckets[h];
   pool->buckets[h] = b;
   pool->nblocks++;
+  pool->block_bytes += nbytes;
   seg->live++;
   pthread_mutex_unlock(&pool->lock);
   *ptr = p;
@@ -333,6 +335,7 @@ int usmipc__pool_free(void *segment, void *ptr) {
   }
   *l = b->next;
   pool->nblocks--;
+  pool->block_bytes -= b->size;
   b->seg->live--;
   /* Importers refuse the block from now on (its slot is cleared); the
    * space may be handed out again at once: a new block has a new id. */
@@ -341,6 +344,26 @@ int usmipc__pool_free(void *segment, void *ptr) {
   segment_give(b->seg, b->off, b->size);
   pthread_mutex_unlock(&pool->lock);
   free(b);
+  return 0;
+}
+
+int usmipc_pool_get_info(usmipc_pool_t *pool, usmipc_pool_info_t *out,
+                         size_t size) {
+  if (pool == NULL || out == NULL || size == 0)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_pool_get_info: NULL argument or size 0");
+  usmipc_pool_info_t info = {0};
+  pthread_mutex_lock(&pool->lock);
+  for (segment_t *seg = pool->segments; seg; seg = seg->next) {
+    info.segments++;
+    info.segment_bytes += seg->size;
+  }
+  info.blocks = pool->nblocks;
+  info.block_bytes = pool->block_bytes;
+  pthread_mutex_unlock(&pool->lock);
+  /* A caller built against an older, shorter struct gets its prefix. */
+  memset(out, 0, size);
+  memcpy(out, &info, size < sizeof(info) ? size : sizeof(info));
   return 0;
 }
 

@@ -7,9 +7,14 @@ blocks that share at the cost of one export per segment; its bytes are ordered b
 default (importers wait for the producer's work before the handoff).
 ``IPCEventHandle`` (also ``usmipc.IPCEventHandle``) shares a ``usmipc.Event``
 the same way. All are C types from ``usmipc._usmipc``; this module only
-gathers them (dpctl's ``dpctl.memory`` layout).
+gathers them (dpctl's ``dpctl.memory`` layout), and adds
+``use_torch_allocator()``, which makes every CUDA tensor of the process a
+pool block (torch is imported only by the torch functions).
 """
 
+import ctypes
+
+from usmipc import _usmipc
 from usmipc._usmipc import (
     Device,
     IPCEventHandle,
@@ -31,6 +36,10 @@ __all__ = [
     "MemoryUSMHost",
     "MemoryUSMShared",
     "is_ipc_available",
+    "torch_allocator",
+    "torch_last_error",
+    "torch_pool_info",
+    "use_torch_allocator",
 ]
 
 
@@ -42,3 +51,104 @@ def is_ipc_available(device=None):
     if not isinstance(device, Device):
         device = Device(device)
     return device.has_aspect_ipc_memory
+
+
+# ---- PyTorch's CUDA allocator (docs/pools.md, "PyTorch allocator") ----------
+
+_MALLOC, _FREE = "usmipc_torch_malloc", "usmipc_torch_free"
+_torch_allocator = None
+_torch_installed = False
+
+
+def torch_allocator():
+    """torch's CUDA allocator over usmipc pools, to install yourself.
+
+    A ``torch.cuda.memory.CUDAPluggableAllocator`` whose functions are
+    ``usmipc_torch_malloc`` and ``usmipc_torch_free`` of the C library that
+    this package's extension links in (so its path is the extension's):
+    every CUDA tensor it allocates is a block of a usmipc pool, one pool per
+    device, and ``IPCMemoryHandle(tensor)`` shares it at the cost of one
+    export per pool segment. ``use_torch_allocator()`` installs it; use this
+    for ``torch.cuda.MemPool(torch_allocator().allocator())``. The same
+    object on every call.
+    """
+    global _torch_allocator
+    if _torch_allocator is None:
+        import torch
+
+        path = _usmipc.__file__
+        lib = ctypes.CDLL(path)  # the extension itself, already loaded
+        for name in (_MALLOC, _FREE):
+            if not hasattr(lib, name):
+                raise RuntimeError(
+                    f"{path} does not export {name}; this build of the usmipc "
+                    "extension is too old or stripped: reinstall usmipc")
+        _torch_allocator = torch.cuda.memory.CUDAPluggableAllocator(
+            path, _MALLOC, _FREE)
+    return _torch_allocator
+
+
+def use_torch_allocator():
+    """Makes usmipc pools torch's CUDA allocator for the whole process.
+
+    Call it before torch uses CUDA at all (the first CUDA tensor,
+    ``torch.cuda.init()``, and anything else that initializes CUDA): torch
+    swaps allocators only before its own has been initialized, and cannot
+    swap back. From then on every CUDA tensor is a pool block, which
+    ``IPCMemoryHandle(tensor)`` shares at the cost of one export per pool
+    segment: a model's weights share in a few exports, and sharing them again
+    costs no driver call. Returns the allocator (``torch_allocator()``);
+    calling it again is a no-op. Raises ``RuntimeError`` if torch has
+    initialized CUDA already.
+
+    Under a pluggable allocator ``torch.cuda.memory_stats()`` and
+    ``memory_allocated()`` raise (use ``torch_pool_info()``), and
+    ``torch.cuda.empty_cache()`` gives nothing back; docs/pools.md lists the
+    limits.
+    """
+    global _torch_installed
+    import torch
+
+    allocator = torch_allocator()
+    if _torch_installed:
+        return allocator
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "usmipc.memory.use_torch_allocator() must be called before torch "
+            "initializes CUDA (before the first CUDA tensor or "
+            "torch.cuda.init()); torch cannot change its allocator "
+            "afterwards. Call it at the start of the program.")
+    try:
+        torch.cuda.memory.change_current_allocator(allocator)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            "torch refused to change its CUDA allocator (it has already "
+            "allocated with its own); call usmipc.memory.use_torch_allocator() "
+            f"before any CUDA work: {exc}") from exc
+    _torch_installed = True
+    return allocator
+
+
+def torch_pool_info(device=0):
+    """The pool behind the torch allocator on a CUDA device, as a dict.
+
+    ``segments`` and ``segment_bytes`` (each segment is exported at most
+    once, however many of its tensors are shared), ``blocks`` and
+    ``block_bytes`` (tensors alive, in multiples of 512 bytes). Frees still
+    waiting for their stream's work are waited for first, so only live
+    tensors count. ``device`` is a CUDA device index, or anything with an
+    ``index`` (a ``torch.device``). Does not import torch.
+    """
+    index = getattr(device, "index", device)
+    return _usmipc._torch_pool_info(0 if index is None else index)
+
+
+def torch_last_error():
+    """Why the last usmipc call on this thread failed, as a sentence.
+
+    torch does not check what a pluggable allocator returns: an allocation
+    the pool cannot make gives a tensor whose ``data_ptr()`` is 0 (for a
+    nonzero size) instead of ``torch.cuda.OutOfMemoryError``. Call this
+    right after, on the same thread, to learn why (docs/pools.md).
+    """
+    return _usmipc._last_error()

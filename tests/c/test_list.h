@@ -121,7 +121,11 @@
   X(bundle_refused)                                                            \
   X(bundle_ten_thousand_arrays)                                                \
   X(cuda_vmm_foreign_chunks)                                                   \
-  X(cuda_vmm_foreign_limits)
+  X(cuda_vmm_foreign_limits)                                                   \
+  X(torch_alloc_host_threads)                                                  \
+  X(torch_alloc_device_threads)                                                \
+  X(torch_alloc_host_edges)                                                    \
+  X(torch_alloc_cuda)
 
 #define HELPER_LIST(X) X(agent) X(bundle_reader)
 

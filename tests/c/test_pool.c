@@ -26,6 +26,15 @@ TEST_IMPL(pool_basics) {
   }
   for (int i = 0; i < 64; i++)
     ASSERT_PATTERN(p[i], 1 + (size_t)i * 4099, (uint64_t)i + 1, 0);
+  /* The pool's account: every block, in segments that hold them all. */
+  usmipc_pool_info_t pi;
+  ASSERT_ERR(usmipc_pool_get_info(pool, NULL, sizeof(pi)), USMIPC_EINVAL);
+  ASSERT_OK(usmipc_pool_get_info(pool, &pi, sizeof(pi)));
+  ASSERT_UEQ(pi.blocks, 64);
+  ASSERT_UEQ(pi.block_bytes, 64 + 4099 * (63 * 64 / 2));
+  ASSERT_GE(pi.segments, 2); /* 8.3 MB of blocks: the 4 MiB one and more */
+  ASSERT_GE(pi.segment_bytes, pi.block_bytes);
+  size_t segments = pi.segments;
   /* pointer_query describes the block, not its segment. */
   usmipc_pointer_info_t info;
   ASSERT_OK(usmipc_pointer_query((uint8_t *)p[9] + 10, &info));
@@ -52,6 +61,11 @@ TEST_IMPL(pool_basics) {
   for (int i = 0; i < 64; i++)
     ASSERT_OK(usmipc_free(p[i]));
   ASSERT_OK(usmipc_free(big));
+  /* Freed blocks leave the account; segments stay until the pool goes. */
+  ASSERT_OK(usmipc_pool_get_info(pool, &pi, sizeof(pi)));
+  ASSERT_UEQ(pi.blocks, 0);
+  ASSERT_UEQ(pi.block_bytes, 0);
+  ASSERT_UEQ(pi.segments, segments + 1);
   ASSERT_OK(usmipc_pool_destroy(pool));
   ASSERT_OK(usmipc_pool_destroy(NULL));
   return 0;

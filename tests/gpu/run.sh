@@ -48,7 +48,11 @@ step py-list python3 -m usmipc
 step demo-cuda python3 -m usmipc demo --device cuda:gpu
 step demo-host python3 -m usmipc demo --device host:cpu
 step pytest-host python3 -m pytest -q -rs tests/python
-step pytest-gpu python3 -m pytest -q -rs -s tests/gpu
+step pytest-gpu python3 -m pytest -q -rs -s tests/gpu --ignore=tests/gpu/test_torch_allocator.py
+# usmipc pools as torch's CUDA allocator: each case in a fresh process
+# (torch's allocator is chosen once per process); prints one RESULT line per
+# case (segments, driver exports and imports per sharing round).
+step torch-allocator python3 -m pytest -v -rs -s tests/gpu/test_torch_allocator.py
 # The transport's first-open and broker-concurrency benches (host memory, all
 # cores of the device machine): cheap, so they run in quick mode too.
 step bench-first build-gpu/bench/usmipc_bench_first --k 60 --json "$OUT/bench_first_h200.json"

@@ -2,7 +2,8 @@
  * the mapping of usmipc error codes to Python exceptions, the interrupt hook
  * that lets Ctrl-C end an open or an event wait, and the module functions
  * get_devices(), backends(), set_ipc_cache_size(), set_ipc_cache_bytes(),
- * set_ipc_timeout() and set_event_timeout() (event.c). */
+ * set_ipc_timeout(), set_event_timeout() (event.c), and for the PyTorch
+ * allocator _torch_pool_info() and _last_error() (usmipc.memory). */
 #include "ext.h"
 
 #include <errno.h>
@@ -466,6 +467,50 @@ static PyObject *pointer_query(PyObject *module, PyObject *arg) {
                        info.is_foreign ? Py_True : Py_False);
 }
 
+/* usmipc.memory.torch_pool_info(device): the pool behind the PyTorch
+ * allocator on CUDA device ordinal device, after the frees still waiting
+ * for their streams were waited for. Creates the pool (no memory) if the
+ * allocator has not used the device yet. */
+static PyObject *torch_pool_info(PyObject *module, PyObject *arg) {
+  usmipc_module_state_t *st = PyModule_GetState(module);
+  long device = PyLong_AsLong(arg);
+  if (device == -1 && PyErr_Occurred()) {
+    return NULL;
+  }
+  if (device < INT_MIN || device > INT_MAX) {
+    PyErr_Format(PyExc_ValueError, "no CUDA device %ld", device);
+    return NULL;
+  }
+  usmipc_pool_t *pool = NULL;
+  usmipc_pool_info_t info;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_torch_pool((int)device, &pool);
+  if (rc == 0) {
+    rc = usmipc_torch_synchronize((int)device);
+  }
+  if (rc == 0) {
+    rc = usmipc_pool_get_info(pool, &info, sizeof(info));
+  }
+  Py_END_ALLOW_THREADS
+  if (rc < 0) {
+    return usmipc_raise(st, rc);
+  }
+  return Py_BuildValue("{snsnsnsn}", "segments", (Py_ssize_t)info.segments,
+                       "segment_bytes", (Py_ssize_t)info.segment_bytes,
+                       "blocks", (Py_ssize_t)info.blocks, "block_bytes",
+                       (Py_ssize_t)info.block_bytes);
+}
+
+/* The message of the last failed usmipc call on this thread: what a NULL
+ * from usmipc_torch_malloc (a tensor whose data_ptr() is 0) was about. */
+static PyObject *last_error(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+  (void)module;
+  return PyUnicode_DecodeUTF8(usmipc_last_error(),
+                              (Py_ssize_t)strlen(usmipc_last_error()),
+                              "replace");
+}
+
 static PyMethodDef module_methods[] = {
     {"get_devices", get_devices, METH_NOARGS,
      "get_devices() -> list of Device\n\n"
@@ -510,6 +555,11 @@ static PyMethodDef module_methods[] = {
      "What usmipc knows of an address (device, kind, base, size, "
      "buffer_id,\nis_ipc_mapping, is_foreign); usmipc.Error "
      "USMIPC_EUNKNOWNPTR if nothing."},
+    {"_torch_pool_info", torch_pool_info, METH_O,
+     "_torch_pool_info(device) -> dict (usmipc.memory.torch_pool_info)."},
+    {"_last_error", last_error, METH_NOARGS,
+     "_last_error() -> str\n\n"
+     "The message of the last failed usmipc call on this thread."},
     {"strerror", strerror_, METH_O,
      "strerror(code) -> str: the description of a usmipc error code."},
     {NULL, NULL, 0, NULL},
