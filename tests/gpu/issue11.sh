@@ -22,7 +22,7 @@ step build bash -c 'cmake -S . -B build-gpu -DUSMIPC_WERROR=ON >/dev/null && cma
 step c-cuda-fd env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=fd timeout 280 build-gpu/tests/c/usmipc_tests
 step c-cuda-native env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native timeout 280 build-gpu/tests/c/usmipc_tests
 step pip python3 -m pip install -q --no-build-isolation --no-index --no-deps .
-step pytest-gpu timeout 400 python3 -m pytest -q -rs -s tests/gpu
+step pytest-gpu timeout 400 python3 -m pytest -q -rs -s tests/gpu --ignore=tests/gpu/test_events.py
 step bench-pool build-gpu/bench/usmipc_bench_pool --device cuda:gpu:0 --json "$OUT/bench_pool_h200.json"
 step bench-weights timeout 300 python3 bench/bench_weights.py --reps "$REPS" --json "$OUT/bench_weights_h200.json"
 echo "=== summary" >> "$LOG"; cat "$OUT/summary.txt"
