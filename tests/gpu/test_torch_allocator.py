@@ -232,16 +232,21 @@ with torch.cuda.stream(s1):
     torch.cuda._sleep(cycles)  # ~300 ms
     total = a.sum()            # reads a after the sleep
 freed = a.data_ptr()
+import time
+t0 = time.perf_counter()
 del a  # its stream still sleeps: the block must not go to s2
+free_s = time.perf_counter() - t0
 with torch.cuda.stream(s2):
     b = torch.full((N,), 5.0, device="cuda")
-reused_early = b.data_ptr() == freed
+busy = not s1.query()  # s1 still sleeping when b got its block
+reused_early = b.data_ptr() == freed and busy
 torch.cuda.synchronize()
 value = total.item()
 del b
 pool = torch_pool_info(0)  # waits for the pending frees
 c = torch.empty(N, device="cuda")
 result(sum=value, expected=float(N), reused_while_busy=reused_early,
+       s1_busy_at_reuse=busy, free_seconds=round(free_s, 4),
        reused_after=c.data_ptr() == freed, pool=pool)
 assert value == float(N), value
 assert not reused_early

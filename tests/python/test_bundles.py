@@ -232,3 +232,20 @@ def test_example_runs():
                             capture_output=True, timeout=TIMEOUT * 2)
     assert result.returncode == 0, result.stdout + result.stderr
     assert b"bundle OK" in result.stdout
+
+
+def test_open_shared_to_torch_on_host():
+    torch = pytest.importorskip("torch")
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    a = np.from_dlpack(pool.allocate(4000)).view(np.float32)
+    a[:] = np.arange(1000)
+    bundle = usmipc.share({"a": a.reshape(10, 100), "t": a.reshape(10, 100).T,
+                           "e": a[:0], "l": [a[5:8]]})
+    tree = usmipc.open_shared(bundle.to_bytes(), to="torch")
+    assert isinstance(tree["l"], list) and isinstance(tree["a"], torch.Tensor)
+    assert tree["t"].shape == (100, 10) and tree["t"].stride() == (1, 100)
+    assert tree["a"].sum().item() == 499500.0 and tree["e"].numel() == 0
+    tree["l"][0][0] = -1  # the producer's memory
+    assert a[5] == -1
+    with pytest.raises(ValueError, match="'torch'"):
+        usmipc.open_shared(bundle.to_bytes(), to="jax")

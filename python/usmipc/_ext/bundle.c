@@ -1492,12 +1492,14 @@ static PyObject *build_node(build_t *b) {
     if (arr == NULL || b->convert == NULL)
       return arr;
     /* to="torch": the framework's tensor of a capsule, which keeps the
-     * array (and its mapping) alive until the tensor dies. */
-    PyObject *capsule = arr_capsule((Arr *)arr, 0);
+     * array (and its mapping) alive until the tensor dies. A versioned
+     * capsule (DLPack 1.0), as torch.from_dlpack asks for. */
+    PyObject *capsule = arr_capsule((Arr *)arr, 1);
     Py_DECREF(arr);
     if (capsule == NULL)
       return NULL;
-    PyObject *tensor = PyObject_CallOneArg(b->convert, capsule);
+    PyObject *tensor =
+        PyObject_CallFunctionObjArgs(b->convert, capsule, NULL);
     Py_DECREF(capsule);
     return tensor;
   }
@@ -1555,7 +1557,27 @@ static PyObject *open_shared(PyObject *module, PyObject *const *args,
                       "'torch' (torch tensors)");
       return NULL;
     }
-    PyObject *torch_c = PyImport_ImportModule("torch._C");
+    /* torch.from_dlpack's own converter, after torch's CUDA is initialized
+     * (its Python wrapper does that through current_stream(); the converter
+     * alone does not). */
+    PyObject *torch = PyImport_ImportModule("torch");
+    PyObject *cuda = torch ? PyObject_GetAttrString(torch, "cuda") : NULL;
+    PyObject *avail =
+        cuda ? PyObject_CallMethod(cuda, "is_available", NULL) : NULL;
+    int has_cuda = avail ? PyObject_IsTrue(avail) : -1;
+    Py_XDECREF(avail);
+    PyObject *inited =
+        has_cuda > 0 ? PyObject_CallMethod(cuda, "init", NULL) : NULL;
+    if (has_cuda > 0 && inited == NULL) {
+      Py_XDECREF(cuda);
+      Py_XDECREF(torch);
+      return NULL;
+    }
+    Py_XDECREF(inited);
+    Py_XDECREF(cuda);
+    PyObject *torch_c = has_cuda >= 0 ? PyObject_GetAttrString(torch, "_C")
+                                      : NULL;
+    Py_XDECREF(torch);
     convert = torch_c ? PyObject_GetAttrString(torch_c, "_from_dlpack") : NULL;
     Py_XDECREF(torch_c);
     if (convert == NULL)
