@@ -18,13 +18,21 @@ SCRIPT = textwrap.dedent('''
     import torch, usmipc
 
     def consumer(conn):
+        try:
+            consume(conn)
+        except BaseException:
+            import traceback
+            conn.send(("error", traceback.format_exc()))
+            raise
+
+    def consume(conn):
         import torch, usmipc
         data = conn.recv()
         tree = usmipc.open_shared(data, to="torch")
         sums = {k: v.float().sum().item() for k, v in tree.items()}
         tree["big"][:10].fill_(7)
         torch.cuda.synchronize()
-        conn.send((sums, usmipc.stats()))
+        conn.send(("ok", sums, usmipc.stats()))
         conn.recv()
 
     if __name__ == "__main__":
@@ -49,8 +57,10 @@ SCRIPT = textwrap.dedent('''
         p = ctx.Process(target=consumer, args=(child,))
         p.start()
         parent.send(bundle.to_bytes())
-        assert parent.poll(120), "consumer silent"
-        sums, stats = parent.recv()
+        assert parent.poll(60), "consumer silent, exit code %s" % p.exitcode
+        reply = parent.recv()
+        assert reply[0] == "ok", reply[1]
+        _, sums, stats = reply
         print("consumer stats", stats)
         for k, v in tree.items():
             want = v.float().sum().item()
@@ -70,7 +80,7 @@ def test_bundle_of_expandable_segments(tmp_path):
     env = dict(os.environ,
                PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     r = subprocess.run([sys.executable, str(script)], env=env,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=120)
     print(r.stdout, r.stderr)
     if r.returncode == 3 and "fabric" in r.stdout:
         pytest.skip("torch made fabric-only chunks: " + r.stdout)

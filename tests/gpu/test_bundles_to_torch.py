@@ -12,10 +12,19 @@ if not torch.cuda.is_available():
 
 import usmipc  # noqa: E402
 
-TIMEOUT = 120
+TIMEOUT = 60
 
 
 def _consumer(conn):
+    try:
+        _consume(conn)
+    except BaseException:
+        import traceback
+        conn.send(("error", traceback.format_exc()))
+        raise
+
+
+def _consume(conn):
     import torch
     import usmipc
     torch.cuda.init()
@@ -52,8 +61,10 @@ def test_to_torch_round_trip():
     proc = ctx.Process(target=_consumer, args=(child,))
     proc.start()
     parent.send(bundle.to_bytes())
-    assert parent.poll(TIMEOUT)
-    got, nested, leaf = parent.recv()
+    assert parent.poll(TIMEOUT), f"consumer silent (exit code {proc.exitcode})"
+    reply = parent.recv()
+    assert reply[0] != "error", reply[1]
+    got, nested, leaf = reply
     assert nested == "list" and leaf == "Tensor"
     for k, v in tree.items():
         if not isinstance(v, torch.Tensor):
