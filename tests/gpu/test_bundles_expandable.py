@@ -26,7 +26,8 @@ SCRIPT = textwrap.dedent('''
             raise
 
     def consume(conn):
-        import torch, usmipc
+        import faulthandler, torch, usmipc
+        faulthandler.dump_traceback_later(30, exit=True)
         data = conn.recv()
         tree = usmipc.open_shared(data, to="torch")
         sums = {k: v.float().sum().item() for k, v in tree.items()}
