@@ -31,6 +31,8 @@ if __name__ == "__main__":
             "half": torch.randn(4096, 512, device=dev,
                                 dtype=torch.float16, generator=g)}
     torch.cuda.synchronize()
+    # the producer's values before the consumer writes into "big"
+    wants = {k: v.float().sum().item() for k, v in tree.items()}
     try:
         bundle = usmipc.share(tree)
     except usmipc.Error as e:
@@ -40,7 +42,7 @@ if __name__ == "__main__":
           "allocations;", usmipc.stats())
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=consumer, args=(child,))
+    p = ctx.Process(target=consumer, args=(child,), daemon=True)
     p.start()
     parent.send(bundle.to_bytes())
     assert parent.poll(60), "consumer silent, exit code %s" % p.exitcode
@@ -49,7 +51,7 @@ if __name__ == "__main__":
     _, sums, stats = reply
     print("consumer stats", stats)
     for k, v in tree.items():
-        want = v.float().sum().item()
+        want = wants[k]
         assert abs(sums[k] - want) <= 1e-3 * max(1.0, abs(want)), (k, sums[k], want)
     torch.cuda.synchronize()
     assert big[:10].eq(7).all().item(), "write did not come back"
