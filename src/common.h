@@ -670,8 +670,8 @@ int usmipc__peer_fetch_fd(usmipc__peer_t *peer, const usmipc__wire_t *w,
 /* The same for a handle of a run of chunks: its w->chunk_count descriptors,
  * in order, from the exporter's broker (the handle names only the first's
  * number, so pidfd_getfd cannot take the others). Lock NOT held. */
-int usmipc__peer_fetch_fds(usmipc__peer_t *peer, const usmipc__wire_t *w,
-                           uint64_t tag, uint64_t deadline, int *fds);
+int usmipc__peer_fetch_run_fds(usmipc__peer_t *peer, const usmipc__wire_t *w,
+                               uint64_t tag, uint64_t deadline, int *fds);
 /* 0 when w's allocation is still exported by a living exporter, else
  * EEXPORTERGONE (or EBADHANDLE for a forged size) with a message. Reads
  * shared memory only: the cache-hit path calls it. */

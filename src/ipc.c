@@ -1216,7 +1216,7 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
     if ((rc = usmipc__peer_get(w, deadline, &peer, &fd)) != 0)
       return rc;
     if (nchunks > 0)
-      rc = usmipc__peer_fetch_fds(peer, w, tag, deadline, chunk_fds);
+      rc = usmipc__peer_fetch_run_fds(peer, w, tag, deadline, chunk_fds);
     else if (fd < 0 && (w->flags & USMIPC__WIRE_FLAG_FD))
       rc = usmipc__peer_fetch_fd(peer, w, tag, deadline, &fd);
     else

@@ -212,7 +212,7 @@ static int prove(const usmipc__wire_t *w, uint64_t deadline, usmipc__peer_t *p,
   /* The broker: the only way across PID namespaces, and where ptrace rules
    * forbid the others. A first open of fd memory gets the table and the
    * descriptor in one round trip (a run of chunks fetches its descriptors
-   * afterwards, usmipc__peer_fetch_fds). */
+   * afterwards, usmipc__peer_fetch_run_fds). */
   int tfd = -1;
   unsigned want = USMIPC__WANT_TABLE |
                   ((w->flags & USMIPC__WIRE_FLAG_FD) && w->chunk_count == 0
@@ -411,8 +411,8 @@ int usmipc__peer_fetch_fd(usmipc__peer_t *p, const usmipc__wire_t *w,
   return 0;
 }
 
-int usmipc__peer_fetch_fds(usmipc__peer_t *p, const usmipc__wire_t *w,
-                           uint64_t tag, uint64_t deadline, int *fds) {
+int usmipc__peer_fetch_run_fds(usmipc__peer_t *p, const usmipc__wire_t *w,
+                               uint64_t tag, uint64_t deadline, int *fds) {
   usmipc__transport_t mode;
   int rc = usmipc__transport_mode(&mode);
   if (rc != 0 || (rc = usmipc__peer_check(p, w, tag, NULL)) != 0)
