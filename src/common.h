@@ -606,6 +606,13 @@ int usmipc__transport_mode(usmipc__transport_t *mode);
 #define USMIPC__WANT_TABLE 0x1u
 #define USMIPC__WANT_FD 0x2u
 #define USMIPC__WANT_RELEASE 0x4u /* alone: a release signal, with a body */
+#define USMIPC__WANT_FDS 0x8u     /* alone: many descriptors, with a body */
+/* A WANT_FDS request names at most this many allocations: one SCM_RIGHTS
+ * message carries at most SCM_MAX_FD (253) descriptors (unix(7)). */
+#define USMIPC__FDS_PER_REQUEST 253u
+#define USMIPC__FDS_ENTRY_LEN 24u /* u64 buffer id, 16-byte capability */
+#define USMIPC__FDS_BODY_MAX                                                   \
+  (2u + USMIPC__FDS_PER_REQUEST * USMIPC__FDS_ENTRY_LEN)
 /* Asks the exporter's broker for its table and/or the handle's descriptor,
  * after checking that the listener is the exporter (its credentials, its
  * pidfd) and before trusting an answer, that it proved the handle's key.
@@ -618,6 +625,32 @@ int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
  * broker of w's exporter for w's release record, and awaits its answer. */
 int usmipc__broker_release(const usmipc__wire_t *w, const uint8_t *body,
                            size_t len, uint64_t deadline);
+/* Asks the broker of the exporter of w[0] for the descriptors of w[0..n)
+ * (1 <= n <= USMIPC__FDS_PER_REQUEST, all of that exporter, each with
+ * USMIPC__WIRE_FLAG_FD and of one piece: a run of chunks, whose descriptors
+ * travel only together, is EINVAL here and refused by the broker) in one
+ * request and one answer; fds[i] receives
+ * w[i]'s descriptor. The broker serves all or none: on failure no
+ * descriptor is left open, fds[] holds -1 and *failed names the entry the
+ * broker refused (SIZE_MAX when the failure names none). The descriptors
+ * are the broker's word only: the caller checks each one's identity. */
+int usmipc__broker_fetch_fds(const usmipc__wire_t *const *w, size_t n,
+                             uint64_t deadline, int *fds, size_t *failed);
+/* An entry's capability in a WANT_FDS request:
+ * MAC(token, "usmipc-fdbatch-2" || req[0,48) || u64 buffer id). */
+void usmipc__fds_capability(const uint8_t *req, const uint8_t token[16],
+                            uint64_t buffer_id, uint8_t out[16]);
+/* The broker's judgement of a WANT_FDS body (len bytes after the request
+ * header req and its u16 length): 0 (ok) with *count entries, each naming a
+ * buffer id that lookup knows (it returns that export's token, or NULL) with
+ * the capability of that token; else the reply status, and for a refused
+ * entry (status 1 unknown buffer, 2 bad capability) its index in *failed
+ * (SIZE_MAX otherwise). lookup is also told the entry's index. */
+typedef const uint8_t *(*usmipc__token_lookup_t)(void *ctx, uint64_t buffer_id,
+                                                 size_t index);
+uint32_t usmipc__fds_request_judge(const uint8_t *req, const uint8_t *body,
+                                   size_t len, usmipc__token_lookup_t lookup,
+                                   void *ctx, size_t *count, size_t *failed);
 /* The release request's capability: MAC(token, label || req[0,48) || body). */
 void usmipc__release_capability(const uint8_t *req, const uint8_t token[16],
                                 const uint8_t *body, size_t len,
@@ -635,13 +668,23 @@ uint32_t usmipc__request_check(const uint8_t *req, size_t len, uint32_t pid,
                                uint64_t nonce, const uint8_t key[16],
                                uint32_t *want, uint64_t *buffer_id);
 int usmipc__request_capability_ok(const uint8_t *req, const uint8_t token[16]);
+/* nfds: the descriptors sent with it, or for a refused WANT_FDS entry its
+ * index. */
 void usmipc__reply_build(uint8_t rep[USMIPC__REPLY_LEN], const uint8_t *req,
                          uint32_t status, int nfds, const uint8_t key[16]);
 /* The importer's judgement of an answer of n bytes to req that came with
- * nfds descriptors: 0 only for an authentic OK with what was asked. */
+ * nfds descriptors: 0 only for an authentic OK with what was asked (for a
+ * run of chunks, exactly w->chunk_count descriptors after the table);
+ * truncated (MSG_CTRUNC) with fewer is USMIPC_EMFILE. */
 int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
                         const usmipc__wire_t *w, unsigned want, int nfds,
                         bool truncated, const char *name);
+/* The same for the answer to a WANT_FDS request of count entries: 0 only
+ * for an authentic OK carrying count descriptors; for a refusal that names
+ * an entry, its index in *failed (else SIZE_MAX). */
+int usmipc__reply_check_fds(const uint8_t *rep, size_t n, const uint8_t *req,
+                            const usmipc__wire_t *w, size_t count, int nfds,
+                            bool truncated, const char *name, size_t *failed);
 /* EEXPORTERGONE for an exporter that has exited (errno e, or 0). */
 int usmipc__fail_exporter_exited(const usmipc__wire_t *w, int e);
 /* pidfd_getfd(2) of descriptor number n from the process of pidfd. */
