@@ -715,6 +715,16 @@ int usmipc__peer_fetch_fd(usmipc__peer_t *peer, const usmipc__wire_t *w,
  * number, so pidfd_getfd cannot take the others). Lock NOT held. */
 int usmipc__peer_fetch_run_fds(usmipc__peer_t *peer, const usmipc__wire_t *w,
                                uint64_t tag, uint64_t deadline, int *fds);
+/* Takes the descriptors of w[0..n), all handles of peer's exporter with
+ * USMIPC__WIRE_FLAG_FD, each of one descriptor (EINVAL otherwise: a run of
+ * chunks is taken whole by usmipc__peer_fetch_run_fds), into fds[0..n),
+ * with the checks of usmipc__peer_fetch_fd for each. pidfd and /proc take them
+ * one by one (system calls, no exchange); the broker serves them in one
+ * exchange per USMIPC__FDS_PER_REQUEST. All or nothing: on failure every
+ * descriptor already taken is closed, fds[] holds -1, and the message names the
+ * allocation that failed and why. Lock NOT held. */
+int usmipc__peer_fetch_fds(usmipc__peer_t *peer, const usmipc__wire_t *const *w,
+                           size_t n, uint64_t deadline, int *fds);
 /* 0 when w's allocation is still exported by a living exporter, else
  * EEXPORTERGONE (or EBADHANDLE for a forged size) with a message. Reads
  * shared memory only: the cache-hit path calls it. */
