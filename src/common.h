@@ -741,6 +741,37 @@ void usmipc__peer_unref(usmipc__peer_t *peer);
 /* Lock NOT held. */
 void usmipc__peer_put(usmipc__peer_t *peer);
 
+/* ---- opening handles (ipc.c) ---------------------------------------------
+ * The steps of usmipc_ipc_open, for callers that open many handles at once
+ * and fetch their descriptors together first (usmipc__open_wire above is
+ * usmipc__open_mapping without a prefetched descriptor). */
+
+/* Maps w (a decoded memory handle) on device (NULL: the exporting device)
+ * as usmipc_ipc_open does, without the ordering wait. prefetched_fd is -1
+ * (the descriptor is fetched here when needed) or w's descriptor, taken
+ * beforehand (usmipc__prefetch_fds); it is owned by the call: used for the
+ * mapping, or closed (a cache hit, a same-process handle, any failure).
+ * A handle of a run of chunks is never prefetched: its open fetches the
+ * run's k descriptors itself, and closes a descriptor given unused. */
+int usmipc__open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
+                         size_t nbytes, int prefetched_fd, void **ptr,
+                         size_t *mapped_nbytes);
+/* 1 when w's allocation is mapped on device (NULL: the exporting device) in
+ * this process's import cache, open or idle: an open then needs no
+ * descriptor. A hint: the mapping may be dropped before the open. */
+bool usmipc__import_cached(const usmipc__wire_t *w, usmipc_device_t *device);
+/* Takes the descriptors that opening w[0..n) needs, w[i] of any exporter,
+ * with one usmipc__peer_fetch_fds per exporter (so one broker exchange per
+ * exporter and USMIPC__FDS_PER_REQUEST descriptors). fds[i] is -1 for a
+ * handle that needs none (no USMIPC__WIRE_FLAG_FD, no export slot, or this
+ * process's own) and for a handle of a run of chunks (chunk_count != 0),
+ * which is not batched: usmipc__open_mapping fetches its run whole, in one
+ * exchange of its own, as usmipc_ipc_open does. All or nothing: on failure
+ * no descriptor is left open and the message names the handle that
+ * failed. */
+int usmipc__prefetch_fds(const usmipc__wire_t *const *w, size_t n,
+                         uint64_t deadline, int *fds);
+
 /* ---- dma-buf descriptors (linux/dmabuf.c) ------------------------------- */
 /* The size of the dma-buf behind fd: 0, or -EBADFD when fd is not a dma-buf,
  * or another negative errno. */

@@ -1,5 +1,6 @@
 /* Many descriptors from one exporter in one transport exchange
- * (usmipc__peer_fetch_fds, usmipc__broker_fetch_fds).
+ * (usmipc__peer_fetch_fds, usmipc__broker_fetch_fds, usmipc__prefetch_fds
+ * and usmipc__open_mapping with a prefetched descriptor).
  *
  * The test process exports host allocations (memfds); a fork child takes
  * their descriptors and checks each one is the allocation's own file (its
@@ -330,8 +331,9 @@ TEST_IMPL(fdbatch_refusals) {
  * batched. The batch calls refuse a handle of a run (EINVAL), and the
  * broker refuses an entry that names a run's grant, for an importer that
  * does not say the handle is a run (status 1, the entry named, nothing
- * sent): no request takes part of a run. The run still comes whole from
- * its own request, and only as exactly k descriptors. Three memfds
+ * sent): no request takes part of a run. A prefetch leaves a run out. The
+ * run still comes whole from its own request, and only as exactly k
+ * descriptors. Three memfds
  * published under one grant play the run, as the CUDA backend publishes a
  * run's chunks (the chunk path itself runs on a GPU: cuda_vmm_*). */
 TEST_IMPL(fdbatch_runs_apart) {
@@ -362,6 +364,7 @@ TEST_IMPL(fdbatch_runs_apart) {
     uint64_t deadline = usmipc__deadline_after_timeout();
     int fds[K];
     size_t failed = 0;
+    void *ptr = NULL;
     /* The run's handle, as its exporter writes one: the first chunk's
      * identity, the grant's token, no reopening. */
     usmipc__wire_t rw = w[0];
@@ -415,6 +418,26 @@ TEST_IMPL(fdbatch_runs_apart) {
     check_fds(good, fds, 2, NULL);
     close_all(fds, 2);
     ASSERT_EQ(count_memfds(), fds0);
+
+    /* A prefetch leaves the run out (-1: its open fetches it whole) and
+     * takes the two others in one exchange. */
+    rw.chunk_count = K;
+    usmipc_stats_t a, b;
+    ASSERT_OK(usmipc_get_stats(&a, sizeof(a)));
+    ASSERT_OK(usmipc__prefetch_fds(batch, 3, deadline, fds));
+    ASSERT_OK(usmipc_get_stats(&b, sizeof(b)));
+    ASSERT_EQ(fds[1], -1);
+    ASSERT_UEQ(b.transport_exchanges - a.transport_exchanges, 1);
+    ASSERT_UEQ(b.descriptors_received - a.descriptors_received, 2);
+    const usmipc__wire_t *got[2] = {&w[0], &w[1]};
+    int pair[2] = {fds[0], fds[2]};
+    check_fds(got, pair, 2, NULL);
+    close(pair[1]);
+    /* A descriptor given to the open of a run is closed unused (the host
+     * backend maps no chunks: the open fails before it fetches any). */
+    ASSERT_ERR(usmipc__open_mapping(&rw, NULL, 0, pair[0], &ptr, NULL),
+               USMIPC_EBADHANDLE);
+    ASSERT_EQ(count_memfds(), fds0);
     usmipc__peer_put(peer);
     free(w);
     _exit(0);
@@ -422,9 +445,9 @@ TEST_IMPL(fdbatch_runs_apart) {
   int rc = run_child(pid);
   ASSERT_OK(usmipc_get_stats(&s1, sizeof(s1)));
   /* The proof's descriptor, the run twice (the second refused by the
-   * importer: it counted fewer), the last batch: none for the entry that
-   * named the run. */
-  ASSERT_UEQ(s1.descriptors_sent - s0.descriptors_sent, 1 + K + K + 2);
+   * importer: it counted fewer), the last batch and the prefetch: none for
+   * the entry that named the run. */
+  ASSERT_UEQ(s1.descriptors_sent - s0.descriptors_sent, 1 + K + K + 2 + 2);
   usmipc__fdxfer_withdraw(run_id);
   for (int i = 0; i < K; i++)
     close(run[i]);
@@ -474,4 +497,123 @@ TEST_IMPL(fdbatch_pidfd_procfd) {
   if (!pidfd)
     RETURN_SKIP("procfd passed; pidfd_getfd(2) is not permitted here");
   return 0;
+}
+
+/* The open path: handles of two exporters (this process, 300, and an agent,
+ * 3) and one of the importer's own, prefetched with one peer fetch per
+ * exporter, then opened with their descriptors; cached handles need none,
+ * and a descriptor given for a cache hit, or to an open that fails, is
+ * closed. */
+TEST_IMPL(fdbatch_prefetch_open) {
+  enum { N = 300, AGENT = 3, ALL = N + AGENT + 1 };
+  if (!test_device_is_host())
+    RETURN_SKIP("the agent exports memory of the device under test");
+  if (raise_nofile(3 * ALL + 256) != 0)
+    RETURN_SKIP("RLIMIT_NOFILE cannot hold %d descriptors", 3 * ALL + 256);
+  exports_t *e = exports_make(N);
+  agent_t ag;
+  agent_start(&ag, "socket");
+  static uint8_t agent_bytes[AGENT][HEX_MAX / 2];
+  size_t agent_len[AGENT];
+  for (int k = 0; k < AGENT; k++) {
+    AGENT_OK(&ag, "alloc %d device %d", k, ALLOC_BYTES);
+    AGENT_OK(&ag, "fill %d %d", k, 1000 + k);
+    AGENT_OK(&ag, "export %d 0 0", k);
+    ssize_t len = hex_decode(ag.reply, agent_bytes[k], sizeof(agent_bytes[k]));
+    ASSERT_GT(len, 0);
+    agent_len[k] = (size_t)len;
+  }
+  pid_t pid = fork();
+  ASSERT_NE(pid, -1);
+  if (pid == 0) {
+    setenv("USMIPC_FD_TRANSPORT", "socket", 1);
+    static usmipc__wire_t w[ALL];
+    static const usmipc__wire_t *wp[ALL];
+    static int fds[ALL];
+    static void *ptr[ALL];
+    static size_t seed[ALL];
+    /* The agent's handles at 0, 150 and 302, the child's own at 10, this
+     * process's in order around them. */
+    void *own;
+    uint8_t *own_bytes;
+    size_t own_len, next = 0;
+    ASSERT_OK(
+        usmipc_malloc(host_device(), USMIPC_MEM_DEVICE, ALLOC_BYTES, &own));
+    pattern_fill(own, ALLOC_BYTES, 4242, 0);
+    usmipc_ipc_handle_t *own_h = export_copy(own, 0, &own_bytes, &own_len);
+    for (size_t i = 0; i < ALL; i++) {
+      const uint8_t *bytes;
+      size_t len;
+      int k = i == 0 ? 0 : i == 150 ? 1 : i == 302 ? 2 : -1;
+      if (k >= 0) {
+        bytes = agent_bytes[k];
+        len = agent_len[k];
+        seed[i] = 1000 + (size_t)k;
+      } else if (i == 10) {
+        bytes = own_bytes;
+        len = own_len;
+        seed[i] = 4242;
+      } else {
+        bytes = e->bytes[next];
+        len = e->len[next];
+        seed[i] = ++next;
+      }
+      ASSERT_OK(usmipc__wire_decode(bytes, len, &w[i]));
+      wp[i] = &w[i];
+      ASSERT(!usmipc__import_cached(&w[i], NULL));
+    }
+    ASSERT_UEQ(next, N);
+    size_t fds0 = count_memfds();
+    usmipc_stats_t a, b;
+    uint64_t deadline = usmipc__deadline_after_timeout();
+    ASSERT_OK(usmipc_get_stats(&a, sizeof(a)));
+    ASSERT_OK(usmipc__prefetch_fds(wp, ALL, deadline, fds));
+    ASSERT_OK(usmipc_get_stats(&b, sizeof(b)));
+    /* Per exporter, its proof (which brings its first handle's descriptor)
+     * and then one exchange per 253 more: 1 + 2 for this process's 300, 1 +
+     * 1 for the agent's 3. */
+    ASSERT_UEQ(b.transport_exchanges - a.transport_exchanges, 5);
+    ASSERT_UEQ(b.descriptors_received - a.descriptors_received, ALL - 1);
+    ASSERT_EQ(fds[10], -1);
+    ASSERT_EQ(count_memfds(), fds0 + ALL - 1);
+    for (size_t i = 0; i < ALL; i++) {
+      ASSERT_OK(usmipc__open_mapping(&w[i], NULL, 0, fds[i], &ptr[i], NULL));
+      fds[i] = -1; /* the open owns it */
+      ASSERT_MSG(pattern_check(ptr[i], ALLOC_BYTES, seed[i], 0) == SIZE_MAX,
+                 "handle %zu maps other bytes", i);
+    }
+    ASSERT_UEQ(count_memfds(), fds0);
+    ASSERT_OK(usmipc_get_stats(&a, sizeof(a)));
+    ASSERT_UEQ(a.descriptors_received, b.descriptors_received);
+    ASSERT_UEQ(a.driver_imports - b.driver_imports, ALL - 1);
+    for (size_t i = 0; i < ALL; i++)
+      ASSERT_EQ(usmipc__import_cached(&w[i], NULL), i != 10);
+
+    /* A descriptor given for a cache hit is closed; so is one given to an
+     * open that fails. */
+    int fd;
+    ASSERT_OK(usmipc__prefetch_fds(&wp[1], 1, deadline, &fd));
+    ASSERT_EQ(count_memfds(), fds0 + 1);
+    void *again;
+    ASSERT_OK(usmipc__open_mapping(&w[1], NULL, 0, fd, &again, NULL));
+    ASSERT_PTR_EQ(again, ptr[1]);
+    ASSERT_EQ(count_memfds(), fds0);
+    ASSERT_OK(usmipc_ipc_close(again));
+    ASSERT_OK(usmipc__prefetch_fds(&wp[2], 1, deadline, &fd));
+    ASSERT_ERR(
+        usmipc__open_mapping(&w[2], NULL, 2 * ALLOC_BYTES, fd, &again, NULL),
+        USMIPC_ERANGE);
+    ASSERT_EQ(count_memfds(), fds0);
+
+    for (size_t i = 0; i < ALL; i++)
+      ASSERT_OK(usmipc_ipc_close(ptr[i]));
+    ASSERT_OK(usmipc_ipc_free_handle(own_h));
+    ASSERT_OK(usmipc_free(own));
+    free(own_bytes);
+    _exit(0);
+  }
+  int rc = run_child(pid);
+  agent_stop_ok(&ag);
+  exports_free(e);
+  return rc;
 }

@@ -129,7 +129,8 @@
   X(fdbatch_socket_600)                                                        \
   X(fdbatch_refusals)                                                          \
   X(fdbatch_runs_apart)                                                        \
-  X(fdbatch_pidfd_procfd)
+  X(fdbatch_pidfd_procfd)                                                      \
+  X(fdbatch_prefetch_open)
 
 #define HELPER_LIST(X) X(agent) X(bundle_reader)
 
