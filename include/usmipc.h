@@ -584,8 +584,9 @@ USMIPC_API int usmipc_bundle_inspect(const void *data, size_t len,
  * allocation), driver queries (of memory another library allocated, to find
  * its allocation), descriptors this process's broker sent and descriptors
  * this process took (by any transport), and round trips to other processes'
- * brokers. A second share of buffers already shared costs none of the
- * first two, nor descriptors. Pass sizeof(usmipc_stats_t). */
+ * brokers (one round trip carries up to 253 descriptors of one exporter).
+ * A second share of buffers already shared costs none of the first two,
+ * nor descriptors. Pass sizeof(usmipc_stats_t). */
 typedef struct usmipc_stats {
   unsigned long long driver_exports;
   unsigned long long driver_imports;

@@ -606,6 +606,13 @@ int usmipc__transport_mode(usmipc__transport_t *mode);
 #define USMIPC__WANT_TABLE 0x1u
 #define USMIPC__WANT_FD 0x2u
 #define USMIPC__WANT_RELEASE 0x4u /* alone: a release signal, with a body */
+#define USMIPC__WANT_FDS 0x8u     /* alone: many descriptors, with a body */
+/* A WANT_FDS request names at most this many allocations: one SCM_RIGHTS
+ * message carries at most SCM_MAX_FD (253) descriptors (unix(7)). */
+#define USMIPC__FDS_PER_REQUEST 253u
+#define USMIPC__FDS_ENTRY_LEN 24u /* u64 buffer id, 16-byte capability */
+#define USMIPC__FDS_BODY_MAX                                                   \
+  (2u + USMIPC__FDS_PER_REQUEST * USMIPC__FDS_ENTRY_LEN)
 /* Asks the exporter's broker for its table and/or the handle's descriptor,
  * after checking that the listener is the exporter (its credentials, its
  * pidfd) and before trusting an answer, that it proved the handle's key.
@@ -618,6 +625,32 @@ int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
  * broker of w's exporter for w's release record, and awaits its answer. */
 int usmipc__broker_release(const usmipc__wire_t *w, const uint8_t *body,
                            size_t len, uint64_t deadline);
+/* Asks the broker of the exporter of w[0] for the descriptors of w[0..n)
+ * (1 <= n <= USMIPC__FDS_PER_REQUEST, all of that exporter, each with
+ * USMIPC__WIRE_FLAG_FD and of one piece: a run of chunks, whose descriptors
+ * travel only together, is EINVAL here and refused by the broker) in one
+ * request and one answer; fds[i] receives
+ * w[i]'s descriptor. The broker serves all or none: on failure no
+ * descriptor is left open, fds[] holds -1 and *failed names the entry the
+ * broker refused (SIZE_MAX when the failure names none). The descriptors
+ * are the broker's word only: the caller checks each one's identity. */
+int usmipc__broker_fetch_fds(const usmipc__wire_t *const *w, size_t n,
+                             uint64_t deadline, int *fds, size_t *failed);
+/* An entry's capability in a WANT_FDS request:
+ * MAC(token, "usmipc-fdbatch-2" || req[0,48) || u64 buffer id). */
+void usmipc__fds_capability(const uint8_t *req, const uint8_t token[16],
+                            uint64_t buffer_id, uint8_t out[16]);
+/* The broker's judgement of a WANT_FDS body (len bytes after the request
+ * header req and its u16 length): 0 (ok) with *count entries, each naming a
+ * buffer id that lookup knows (it returns that export's token, or NULL) with
+ * the capability of that token; else the reply status, and for a refused
+ * entry (status 1 unknown buffer, 2 bad capability) its index in *failed
+ * (SIZE_MAX otherwise). lookup is also told the entry's index. */
+typedef const uint8_t *(*usmipc__token_lookup_t)(void *ctx, uint64_t buffer_id,
+                                                 size_t index);
+uint32_t usmipc__fds_request_judge(const uint8_t *req, const uint8_t *body,
+                                   size_t len, usmipc__token_lookup_t lookup,
+                                   void *ctx, size_t *count, size_t *failed);
 /* The release request's capability: MAC(token, label || req[0,48) || body). */
 void usmipc__release_capability(const uint8_t *req, const uint8_t token[16],
                                 const uint8_t *body, size_t len,
@@ -635,13 +668,23 @@ uint32_t usmipc__request_check(const uint8_t *req, size_t len, uint32_t pid,
                                uint64_t nonce, const uint8_t key[16],
                                uint32_t *want, uint64_t *buffer_id);
 int usmipc__request_capability_ok(const uint8_t *req, const uint8_t token[16]);
+/* nfds: the descriptors sent with it, or for a refused WANT_FDS entry its
+ * index. */
 void usmipc__reply_build(uint8_t rep[USMIPC__REPLY_LEN], const uint8_t *req,
                          uint32_t status, int nfds, const uint8_t key[16]);
 /* The importer's judgement of an answer of n bytes to req that came with
- * nfds descriptors: 0 only for an authentic OK with what was asked. */
+ * nfds descriptors: 0 only for an authentic OK with what was asked (for a
+ * run of chunks, exactly w->chunk_count descriptors after the table);
+ * truncated (MSG_CTRUNC) with fewer is USMIPC_EMFILE. */
 int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
                         const usmipc__wire_t *w, unsigned want, int nfds,
                         bool truncated, const char *name);
+/* The same for the answer to a WANT_FDS request of count entries: 0 only
+ * for an authentic OK carrying count descriptors; for a refusal that names
+ * an entry, its index in *failed (else SIZE_MAX). */
+int usmipc__reply_check_fds(const uint8_t *rep, size_t n, const uint8_t *req,
+                            const usmipc__wire_t *w, size_t count, int nfds,
+                            bool truncated, const char *name, size_t *failed);
 /* EEXPORTERGONE for an exporter that has exited (errno e, or 0). */
 int usmipc__fail_exporter_exited(const usmipc__wire_t *w, int e);
 /* pidfd_getfd(2) of descriptor number n from the process of pidfd. */
@@ -670,8 +713,18 @@ int usmipc__peer_fetch_fd(usmipc__peer_t *peer, const usmipc__wire_t *w,
 /* The same for a handle of a run of chunks: its w->chunk_count descriptors,
  * in order, from the exporter's broker (the handle names only the first's
  * number, so pidfd_getfd cannot take the others). Lock NOT held. */
-int usmipc__peer_fetch_fds(usmipc__peer_t *peer, const usmipc__wire_t *w,
-                           uint64_t tag, uint64_t deadline, int *fds);
+int usmipc__peer_fetch_run_fds(usmipc__peer_t *peer, const usmipc__wire_t *w,
+                               uint64_t tag, uint64_t deadline, int *fds);
+/* Takes the descriptors of w[0..n), all handles of peer's exporter with
+ * USMIPC__WIRE_FLAG_FD, each of one descriptor (EINVAL otherwise: a run of
+ * chunks is taken whole by usmipc__peer_fetch_run_fds), into fds[0..n),
+ * with the checks of usmipc__peer_fetch_fd for each. pidfd and /proc take them
+ * one by one (system calls, no exchange); the broker serves them in one
+ * exchange per USMIPC__FDS_PER_REQUEST. All or nothing: on failure every
+ * descriptor already taken is closed, fds[] holds -1, and the message names the
+ * allocation that failed and why. Lock NOT held. */
+int usmipc__peer_fetch_fds(usmipc__peer_t *peer, const usmipc__wire_t *const *w,
+                           size_t n, uint64_t deadline, int *fds);
 /* 0 when w's allocation is still exported by a living exporter, else
  * EEXPORTERGONE (or EBADHANDLE for a forged size) with a message. Reads
  * shared memory only: the cache-hit path calls it. */
@@ -687,6 +740,37 @@ void usmipc__peer_ref(usmipc__peer_t *peer);
 void usmipc__peer_unref(usmipc__peer_t *peer);
 /* Lock NOT held. */
 void usmipc__peer_put(usmipc__peer_t *peer);
+
+/* ---- opening handles (ipc.c) ---------------------------------------------
+ * The steps of usmipc_ipc_open, for callers that open many handles at once
+ * and fetch their descriptors together first (usmipc__open_wire above is
+ * usmipc__open_mapping without a prefetched descriptor). */
+
+/* Maps w (a decoded memory handle) on device (NULL: the exporting device)
+ * as usmipc_ipc_open does, without the ordering wait. prefetched_fd is -1
+ * (the descriptor is fetched here when needed) or w's descriptor, taken
+ * beforehand (usmipc__prefetch_fds); it is owned by the call: used for the
+ * mapping, or closed (a cache hit, a same-process handle, any failure).
+ * A handle of a run of chunks is never prefetched: its open fetches the
+ * run's k descriptors itself, and closes a descriptor given unused. */
+int usmipc__open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
+                         size_t nbytes, int prefetched_fd, void **ptr,
+                         size_t *mapped_nbytes);
+/* 1 when w's allocation is mapped on device (NULL: the exporting device) in
+ * this process's import cache, open or idle: an open then needs no
+ * descriptor. A hint: the mapping may be dropped before the open. */
+bool usmipc__import_cached(const usmipc__wire_t *w, usmipc_device_t *device);
+/* Takes the descriptors that opening w[0..n) needs, w[i] of any exporter,
+ * with one usmipc__peer_fetch_fds per exporter (so one broker exchange per
+ * exporter and USMIPC__FDS_PER_REQUEST descriptors). fds[i] is -1 for a
+ * handle that needs none (no USMIPC__WIRE_FLAG_FD, no export slot, or this
+ * process's own) and for a handle of a run of chunks (chunk_count != 0),
+ * which is not batched: usmipc__open_mapping fetches its run whole, in one
+ * exchange of its own, as usmipc_ipc_open does. All or nothing: on failure
+ * no descriptor is left open and the message names the handle that
+ * failed. */
+int usmipc__prefetch_fds(const usmipc__wire_t *const *w, size_t n,
+                         uint64_t deadline, int *fds);
 
 /* ---- dma-buf descriptors (linux/dmabuf.c) ------------------------------- */
 /* The size of the dma-buf behind fd: 0, or -EBADFD when fd is not a dma-buf,

@@ -1029,7 +1029,8 @@ static int cache_take(usmipc__region_t *r, const usmipc__wire_t *w,
 }
 
 static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
-                        size_t nbytes, void **ptr, size_t *mapped_nbytes);
+                        size_t nbytes, int *prefetched_fd, void **ptr,
+                        size_t *mapped_nbytes);
 
 /* A pool block's handle: the block must still be allocated (its own slot
  * in the exporter's table), although its segment is mapped or mappable. */
@@ -1079,7 +1080,7 @@ static int check_block(const usmipc__wire_t *w) {
 
 int usmipc__open_wire(const usmipc__wire_t *w, usmipc_device_t *device,
                       void **ptr) {
-  return open_mapping(w, device, 0, ptr, NULL);
+  return usmipc__open_mapping(w, device, 0, -1, ptr, NULL);
 }
 
 int usmipc_ipc_open(const void *data, size_t len, usmipc_device_t *device,
@@ -1114,7 +1115,8 @@ int usmipc_ipc_open_ex(const void *data, size_t len, usmipc_device_t *device,
     device = queue->device;
   if (w.has_block && (rc = check_block(&w)) != 0)
     return rc;
-  if ((rc = open_mapping(&w, device, nbytes, ptr, mapped_nbytes)) != 0 ||
+  if ((rc = usmipc__open_mapping(&w, device, nbytes, -1, ptr, mapped_nbytes)) !=
+          0 ||
       w.order_len == 0 || (flags & USMIPC_OPEN_UNORDERED))
     return rc;
   /* Ordered: the consumer's work (or the host) waits for the producer's.
@@ -1130,8 +1132,23 @@ int usmipc_ipc_open_ex(const void *data, size_t len, usmipc_device_t *device,
   return rc;
 }
 
+int usmipc__open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
+                         size_t nbytes, int prefetched_fd, void **ptr,
+                         size_t *mapped_nbytes) {
+  int rc = open_mapping(w, device, nbytes, &prefetched_fd, ptr, mapped_nbytes);
+  /* Not taken for the mapping: a cache hit, this process's own memory, a
+   * handle that takes no single descriptor (none, or a run's several), or
+   * a failure before the import. */
+  if (prefetched_fd >= 0)
+    close(prefetched_fd);
+  return rc;
+}
+
+/* *prefetched_fd (or -1) is w's descriptor, taken beforehand; set to -1 once
+ * the import takes it over, else the caller closes it. */
 static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
-                        size_t nbytes, void **ptr, size_t *mapped_nbytes) {
+                        size_t nbytes, int *prefetched_fd, void **ptr,
+                        size_t *mapped_nbytes) {
   pthread_once(&cache_once, cache_init);
   int rc;
 
@@ -1212,15 +1229,39 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
                         usmipc_backend_name(w->backend));
   if (w->export_slot != USMIPC__NO_SLOT) {
     /* The exporter, proven once per exporter; then the slot; then the
-     * descriptor (which the broker may have handed over with the proof). */
-    if ((rc = usmipc__peer_get(w, deadline, &peer, &fd)) != 0)
+     * descriptor (prefetched, or handed over by the broker with the proof,
+     * or fetched now), or a run's descriptors (always fetched now: a run
+     * is never prefetched nor served with the proof). A prefetched one was
+     * checked when it was taken, and the slot check below says the
+     * allocation is still the one exported. */
+    int prefetched = -1;
+    if ((w->flags & USMIPC__WIRE_FLAG_FD) && nchunks == 0) {
+      prefetched = *prefetched_fd; /* else the caller closes it */
+      *prefetched_fd = -1;
+    }
+    if ((rc = usmipc__peer_get(w, deadline, &peer, &fd)) != 0) {
+      if (prefetched >= 0)
+        close(prefetched);
       return rc;
-    if (nchunks > 0)
-      rc = usmipc__peer_fetch_fds(peer, w, tag, deadline, chunk_fds);
-    else if (fd < 0 && (w->flags & USMIPC__WIRE_FLAG_FD))
+    }
+    if (fd >= 0)
+      USMIPC__STAT_ADD(descriptors_received, 1);
+    if (prefetched >= 0) {
+      if (fd >= 0)
+        close(fd); /* the same file, proven twice: one is enough */
+      fd = prefetched;
+    }
+    if (nchunks > 0) {
+      rc = usmipc__peer_fetch_run_fds(peer, w, tag, deadline, chunk_fds);
+      if (rc == 0)
+        USMIPC__STAT_ADD(descriptors_received, nchunks);
+    } else if (fd < 0 && (w->flags & USMIPC__WIRE_FLAG_FD)) {
       rc = usmipc__peer_fetch_fd(peer, w, tag, deadline, &fd);
-    else
+      if (rc == 0)
+        USMIPC__STAT_ADD(descriptors_received, 1);
+    } else {
       rc = usmipc__peer_check(peer, w, tag, NULL);
+    }
     if (rc != 0) {
       if (fd >= 0)
         close(fd);
@@ -1228,9 +1269,6 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
       return rc;
     }
   }
-  if (fd >= 0)
-    USMIPC__STAT_ADD(descriptors_received, 1);
-  USMIPC__STAT_ADD(descriptors_received, nchunks);
   usmipc__region_t *r = calloc(1, sizeof(*r));
   if (r == NULL) {
     if (fd >= 0)
@@ -1294,6 +1332,111 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
   }
   *ptr = (uint8_t *)r->alloc.base + w->offset;
   return 0;
+}
+
+bool usmipc__import_cached(const usmipc__wire_t *w, usmipc_device_t *device) {
+  if (device == NULL)
+    device = usmipc__device_by_uuid(w->backend, w->device_uuid);
+  if (device == NULL)
+    return false;
+  usmipc__import_key_t key = {.nonce = w->nonce,
+                              .buffer_id = w->buffer_id,
+                              .pid = w->pid,
+                              .device = device};
+  pthread_mutex_lock(&usmipc__registry_lock);
+  bool hit = import_find(&key) != NULL;
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  return hit;
+}
+
+/* Whether opening w needs a descriptor from its exporter that a prefetch
+ * takes (usmipc_ipc_open would fail before it asks for one on another
+ * host's handle). A run of chunks is left out: its k descriptors travel
+ * whole, in a request of their own, which its open makes
+ * (usmipc__peer_fetch_run_fds); a batch entry could take none of them. */
+static bool needs_descriptor(const usmipc__wire_t *w,
+                             const usmipc__process_t *self) {
+  return (w->flags & USMIPC__WIRE_FLAG_FD) && w->chunk_count == 0 &&
+         w->export_slot != USMIPC__NO_SLOT &&
+         !(w->pid == self->pid && w->nonce == self->nonce) &&
+         memcmp(w->boot_id, self->boot_id, 16) == 0;
+}
+
+/* Fails the prefetch of the m handles of w[at]'s exporter: closes every
+ * descriptor taken so far, of any exporter. */
+static int prefetch_fail(const usmipc__wire_t *const *w, size_t n, int *fds,
+                         size_t at, size_t m, int rc) {
+  for (size_t i = 0; i < n; i++) {
+    if (fds[i] >= 0)
+      close(fds[i]);
+    fds[i] = -1;
+  }
+  usmipc__error_prefix("prefetching the descriptors of %zu handles of "
+                       "process %u (from handle %zu of %zu): ",
+                       m, w[at]->pid, at, n);
+  return rc;
+}
+
+int usmipc__prefetch_fds(const usmipc__wire_t *const *w, size_t n,
+                         uint64_t deadline, int *fds) {
+  for (size_t i = 0; i < n; i++)
+    fds[i] = -1;
+  if (n == 0)
+    return 0;
+  const usmipc__process_t *self = usmipc__self_basic();
+  const usmipc__wire_t **group = malloc(n * sizeof(*group));
+  size_t *at = malloc(n * sizeof(*at));
+  int *got = malloc(n * sizeof(*got));
+  bool *done = calloc(n, sizeof(*done));
+  int rc = 0;
+  if (group == NULL || at == NULL || got == NULL || done == NULL) {
+    rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+    goto out;
+  }
+  /* One exporter at a time: its handles in the order given. */
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    if (done[i] || !needs_descriptor(w[i], self))
+      continue;
+    size_t m = 0;
+    for (size_t j = i; j < n; j++) {
+      if (!done[j] && needs_descriptor(w[j], self) && w[j]->pid == w[i]->pid &&
+          w[j]->nonce == w[i]->nonce) {
+        done[j] = true;
+        group[m] = w[j];
+        at[m++] = j;
+      }
+    }
+    usmipc__peer_t *peer;
+    int proof_fd = -1;
+    size_t first = 0;
+    if ((rc = usmipc__peer_get(w[i], deadline, &peer, &proof_fd)) != 0) {
+      rc = prefetch_fail(w, n, fds, i, m, rc);
+      break;
+    }
+    if (proof_fd >= 0) {
+      /* The broker handed over w[i]'s descriptor with the proof. */
+      USMIPC__STAT_ADD(descriptors_received, 1);
+      fds[i] = proof_fd;
+      first = 1;
+      rc = usmipc__peer_check(peer, w[i],
+                              usmipc__slot_tag(w[i]->key, w[i]->token), NULL);
+    }
+    if (rc == 0 && m > first &&
+        (rc = usmipc__peer_fetch_fds(peer, group + first, m - first, deadline,
+                                     got)) == 0) {
+      for (size_t k = first; k < m; k++)
+        fds[at[k]] = got[k - first];
+    }
+    usmipc__peer_put(peer);
+    if (rc != 0)
+      rc = prefetch_fail(w, n, fds, i, m, rc);
+  }
+out:
+  free(group);
+  free(at);
+  free(got);
+  free(done);
+  return rc;
 }
 
 int usmipc_ipc_close(void *ptr) {

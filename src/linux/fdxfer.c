@@ -26,7 +26,8 @@
  *    the exporter's process key, which every handle carries), and for a
  *    descriptor a capability (a MAC keyed by the allocation's token). No
  *    secret travels: a listener that is not the exporter sees MACs over a
- *    nonce it cannot reuse.
+ *    nonce it cannot reuse. A request for many descriptors (WANT_FDS)
+ *    carries one capability per allocation, each keyed by its own token.
  *  - The answer carries a MAC over the client nonce keyed by the process
  *    key; the importer uses no descriptor from an answer that fails it.
  *  - The broker checks the peer's uid when it accepts a connection, serves
@@ -66,6 +67,20 @@
 #define PROTOCOL_VERSION 2u
 #define REQUEST_LEN USMIPC__REQUEST_LEN
 #define REPLY_LEN USMIPC__REPLY_LEN
+/* The most descriptors one SCM_RIGHTS message carries: SCM_MAX_FD
+ * (unix(7)). A WANT_FDS answer carries up to USMIPC__FDS_PER_REQUEST, an
+ * answer to a run of chunks the table and USMIPC__CHUNKS_MAX: both fit,
+ * and buffers of this size, on either side, hold whichever is larger. */
+#define FDS_PER_MESSAGE_MAX 253
+_Static_assert(USMIPC__FDS_PER_REQUEST <= FDS_PER_MESSAGE_MAX &&
+                   1 + USMIPC__CHUNKS_MAX <= FDS_PER_MESSAGE_MAX,
+               "every answer fits one SCM_RIGHTS message");
+
+/* The descriptors of one handle: one, or one per chunk of a run (record
+ * 0x8102). */
+static int run_length(const usmipc__wire_t *w) {
+  return w->chunk_count != 0 ? (int)w->chunk_count : 1;
+}
 /* How long the broker waits for a connected peer's request. */
 #define CONN_DEADLINE_MS 1000
 /* How long an answered connection may stay idle for the next request. */
@@ -92,11 +107,18 @@ enum reply_status {
  *   48 [16] proof = MAC(process key, "usmipc-request-2" || bytes[0, 48)),
  *   64 [16] capability = MAC(token, "usmipc-capabil-2" || bytes[0, 48)) with
  *           USMIPC__WANT_FD, else zero.
+ * want = USMIPC__WANT_RELEASE (alone) and USMIPC__WANT_FDS (alone) are
+ * followed by u16 body length and the body. A WANT_FDS request's buffer id
+ * and capability fields are zero; its body is u16 count (1 to 253), then
+ * count entries of u64 buffer id and
+ *   [16] MAC(that allocation's token, "usmipc-fdbatch-2" || bytes[0, 48) ||
+ *        u64 buffer id).
  * Reply:
- *   0 u32 magic, 4 u32 status, 8 u32 descriptors sent, 12 u32 want (echo),
- *   16 [16] client nonce (echo),
+ *   0 u32 magic, 4 u32 status, 8 u32 descriptors sent (a refused WANT_FDS
+ *   entry: its index), 12 u32 want (echo), 16 [16] client nonce (echo),
  *   32 [16] MAC(process key, "usmipc-reply---2" || bytes[0, 32) || u64 buffer
- *           id), then the descriptors as SCM_RIGHTS: the table first. */
+ *           id), then the descriptors as SCM_RIGHTS: the table first, or a
+ *           WANT_FDS request's in the order of its entries. */
 
 static void mac_with_label(uint8_t out[16], const uint8_t key[16],
                            const char label[16], const uint8_t *data,
@@ -131,6 +153,11 @@ static void reply_mac(const uint8_t *rep, const uint8_t key[16],
   mac_with_label(out, key, "usmipc-reply---2", rep, 32, buffer_id);
 }
 
+void usmipc__fds_capability(const uint8_t *req, const uint8_t token[16],
+                            uint64_t buffer_id, uint8_t out[16]) {
+  mac_with_label(out, token, "usmipc-fdbatch-2", req, 48, buffer_id);
+}
+
 /* ---- the protocol as pure functions (fuzzed: tests/fuzz/fuzz_broker.c) ----
  */
 
@@ -163,7 +190,7 @@ uint32_t usmipc__request_check(const uint8_t *req, size_t len, uint32_t pid,
   if (usmipc__get32le(req + 8) != pid || usmipc__get64le(req + 16) != nonce ||
       !usmipc__ct_equal(proof, req + 48, 16) ||
       ((*want & ~(USMIPC__WANT_TABLE | USMIPC__WANT_FD)) != 0 &&
-       *want != USMIPC__WANT_RELEASE) ||
+       *want != USMIPC__WANT_RELEASE && *want != USMIPC__WANT_FDS) ||
       *want == 0)
     return REPLY_BAD_PROOF;
   return REPLY_OK;
@@ -173,6 +200,41 @@ int usmipc__request_capability_ok(const uint8_t *req, const uint8_t token[16]) {
   uint8_t cap[16];
   request_capability(req, token, cap);
   return usmipc__ct_equal(cap, req + 64, 16);
+}
+
+/* A hostile peer of our uid may send any body: a count that disagrees with
+ * the length, buffer ids it guessed, capabilities of other allocations or
+ * of another request (each MAC covers this request's client nonce). Every
+ * entry must name a published allocation and prove that allocation's
+ * token, or nothing is served (fuzz_request.c; fdbatch_refusals). */
+uint32_t usmipc__fds_request_judge(const uint8_t *req, const uint8_t *body,
+                                   size_t len, usmipc__token_lookup_t lookup,
+                                   void *ctx, size_t *count, size_t *failed) {
+  *count = 0;
+  *failed = SIZE_MAX;
+  if (len < 2)
+    return REPLY_BAD_REQUEST;
+  size_t n = usmipc__get16le(body);
+  if (n == 0 || n > USMIPC__FDS_PER_REQUEST ||
+      len != 2 + n * USMIPC__FDS_ENTRY_LEN)
+    return REPLY_BAD_REQUEST;
+  for (size_t i = 0; i < n; i++) {
+    const uint8_t *e = body + 2 + i * USMIPC__FDS_ENTRY_LEN;
+    uint64_t buffer_id = usmipc__get64le(e);
+    const uint8_t *token = lookup(ctx, buffer_id, i);
+    uint8_t cap[16];
+    if (token == NULL) {
+      *failed = i;
+      return REPLY_UNKNOWN_BUFFER;
+    }
+    usmipc__fds_capability(req, token, buffer_id, cap);
+    if (!usmipc__ct_equal(cap, e + 8, 16)) {
+      *failed = i;
+      return REPLY_BAD_CAPABILITY;
+    }
+  }
+  *count = n;
+  return REPLY_OK;
 }
 
 void usmipc__reply_build(uint8_t rep[USMIPC__REPLY_LEN], const uint8_t *req,
@@ -286,33 +348,62 @@ typedef struct conn {
   size_t got;
   /* A request, or a release: request, u16 body length, body. */
   uint8_t buf[REQUEST_LEN + 2 + USMIPC__RELEASE_BODY_MAX];
+  /* A WANT_FDS message, which may not fit in buf: allocated once its
+   * length is known, freed once it is answered. */
+  uint8_t *big;
 } conn_t;
 
-/* How many bytes the message in c->buf has in all, as far as its first
- * bytes tell; 0 for a release body of an impossible length. */
+#define FDS_MESSAGE_MAX (REQUEST_LEN + 2 + USMIPC__FDS_BODY_MAX)
+
+static const uint8_t *conn_bytes(const conn_t *c) {
+  return c->big != NULL ? c->big : c->buf;
+}
+
+/* How many bytes the message in c has in all, as far as its first bytes
+ * tell; 0 for a body of an impossible length. */
 static size_t message_len(const conn_t *c) {
-  if (c->got < REQUEST_LEN ||
-      usmipc__get32le(c->buf + 12) != USMIPC__WANT_RELEASE)
+  const uint8_t *m = conn_bytes(c);
+  if (c->got < REQUEST_LEN)
+    return REQUEST_LEN;
+  uint32_t want = usmipc__get32le(m + 12);
+  if (want != USMIPC__WANT_RELEASE && want != USMIPC__WANT_FDS)
     return REQUEST_LEN;
   if (c->got < REQUEST_LEN + 2)
     return REQUEST_LEN + 2;
-  size_t body = usmipc__get16le(c->buf + REQUEST_LEN);
+  size_t body = usmipc__get16le(m + REQUEST_LEN);
+  if (want == USMIPC__WANT_FDS)
+    return body < 2 + USMIPC__FDS_ENTRY_LEN || body > USMIPC__FDS_BODY_MAX
+               ? 0
+               : REQUEST_LEN + 2 + body;
   return body < 10 || body > USMIPC__RELEASE_BODY_MAX ? 0
                                                       : REQUEST_LEN + 2 + body;
 }
 
-static void send_reply(int conn, const uint8_t *req, uint32_t status,
-                       const int *fds, int nfds) {
+/* Where the next bytes of a message of need bytes go: c->buf, or for a
+ * larger one c->big (NULL when out of memory). */
+static uint8_t *conn_room(conn_t *c, size_t need) {
+  if (need <= sizeof(c->buf) || c->big != NULL)
+    return c->big != NULL ? c->big : c->buf;
+  c->big = malloc(FDS_MESSAGE_MAX);
+  if (c->big != NULL)
+    memcpy(c->big, c->buf, c->got);
+  return c->big;
+}
+
+/* An answer; word8 is the count of descriptors sent, or for a refused
+ * WANT_FDS entry its index. */
+static void send_reply_word(int conn, const uint8_t *req, uint32_t status,
+                            uint32_t word8, const int *fds, int nfds) {
   uint8_t rep[USMIPC__REPLY_LEN];
-  usmipc__reply_build(rep, req, status, nfds, usmipc__self()->key);
+  usmipc__reply_build(rep, req, status, (int)word8, usmipc__self()->key);
   struct iovec iov = {.iov_base = rep, .iov_len = sizeof(rep)};
   union {
     struct cmsghdr align;
-    char buf[CMSG_SPACE(sizeof(int) * (1 + USMIPC__CHUNKS_MAX))];
+    char buf[CMSG_SPACE(sizeof(int) * FDS_PER_MESSAGE_MAX)];
   } control;
   struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
   if (nfds > 0) {
-    memset(&control, 0, sizeof(control));
+    memset(&control, 0, CMSG_SPACE(sizeof(int) * (size_t)nfds));
     msg.msg_control = control.buf;
     msg.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
     struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
@@ -326,6 +417,47 @@ static void send_reply(int conn, const uint8_t *req, uint32_t status,
   while (sendmsg(conn, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 &&
          errno == EINTR) {
   }
+}
+
+static void send_reply(int conn, const uint8_t *req, uint32_t status,
+                       const int *fds, int nfds) {
+  send_reply_word(conn, req, status, (uint32_t)nfds, fds, nfds);
+}
+
+/* The judge's lookup on the broker: a published allocation's token, and its
+ * descriptor noted at the entry's index. A run of chunks (a grant of
+ * several descriptors) is served only whole, to its own request (want 2,
+ * usmipc__peer_fetch_run_fds): in a batch it counts as not served (status
+ * 1), so no entry can take part of a run. fdx_lock held. */
+static const uint8_t *grant_token(void *ctx, uint64_t buffer_id, size_t index) {
+  grant_entry_t *g = grant_find(buffer_id);
+  if (g == NULL || g->nfds != 1)
+    return NULL;
+  ((int *)ctx)[index] = g->fds[0];
+  return g->token;
+}
+
+/* Many descriptors in one answer (WANT_FDS). One refused entry refuses the
+ * whole request: the answer names it and carries no descriptor. An
+ * importer asks at once for what it is about to open together, so a partial
+ * answer would only hand it descriptors to close, and all-or-none keeps the
+ * importer's cleanup to one path. Sent under fdx_lock, as a single
+ * descriptor is, so that no withdraw closes one under us. */
+static void serve_fds(int conn, const uint8_t *req, const uint8_t *body,
+                      size_t body_len) {
+  int fds[USMIPC__FDS_PER_REQUEST];
+  size_t count = 0, failed = SIZE_MAX;
+  pthread_mutex_lock(&fdx_lock);
+  uint32_t status = usmipc__fds_request_judge(req, body, body_len, grant_token,
+                                              fds, &count, &failed);
+  if (status == REPLY_OK) {
+    send_reply_word(conn, req, REPLY_OK, (uint32_t)count, fds, (int)count);
+    USMIPC__STAT_ADD(descriptors_sent, count);
+  } else {
+    send_reply_word(conn, req, status,
+                    failed == SIZE_MAX ? 0 : (uint32_t)failed, NULL, 0);
+  }
+  pthread_mutex_unlock(&fdx_lock);
 }
 
 /* One complete request: check, answer, done. A release carries its body
@@ -344,6 +476,10 @@ static void serve_request(int conn, const uint8_t *req, const uint8_t *body,
   if (want == USMIPC__WANT_RELEASE) {
     send_reply(conn, req, usmipc__release_arrived(req, body, body_len), NULL,
                0);
+    return;
+  }
+  if (want == USMIPC__WANT_FDS) {
+    serve_fds(conn, req, body, body_len);
     return;
   }
   int fds[1 + USMIPC__CHUNKS_MAX], nfds = 0;
@@ -379,6 +515,7 @@ static void serve_request(int conn, const uint8_t *req, const uint8_t *body,
 
 static void conn_close(conn_t *conns, int *count, int i) {
   close(conns[i].fd);
+  free(conns[i].big);
   conns[i] = conns[--*count];
 }
 
@@ -425,6 +562,7 @@ static void admit(conn_t *conns, int *count, int fd) {
   c->deadline = c->since + (uint64_t)CONN_DEADLINE_MS * 1000000u;
   c->kept = false;
   c->got = 0;
+  c->big = NULL;
 }
 
 typedef struct broker_start {
@@ -471,22 +609,27 @@ static void *broker_loop(void *arg) {
     for (int i = n - 1; i >= listeners; i--) {
       int c = i - listeners;
       if (pfd[i].revents) {
-        size_t need = message_len(&conns[c]);
-        ssize_t got = need == 0 ? -1
-                                : recv(conns[c].fd, conns[c].buf + conns[c].got,
-                                       need - conns[c].got, MSG_DONTWAIT);
+        conn_t *k = &conns[c];
+        size_t need = message_len(k);
+        uint8_t *into = need == 0 ? NULL : conn_room(k, need);
+        ssize_t got = into == NULL ? -1
+                                   : recv(k->fd, into + k->got, need - k->got,
+                                          MSG_DONTWAIT);
         if (got > 0) {
-          conns[c].got += (size_t)got;
-          need = message_len(&conns[c]); /* a release's length is known now */
+          k->got += (size_t)got;
+          need = message_len(k); /* a body's length is known now */
         }
-        if (need == 0) {
-          conn_close(conns, &count, c); /* a release body too long */
-        } else if (conns[c].got == need && need != REQUEST_LEN + 2) {
+        if (need == 0 || into == NULL) {
+          /* A body too long (or no memory for it). */
+          conn_close(conns, &count, c);
+        } else if (k->got == need && need != REQUEST_LEN + 2) {
           /* Answered, the connection stays for the importer's next open
            * (it keeps it while it has more to ask), until KEEP_MS idle. */
-          serve_request(conns[c].fd, conns[c].buf,
-                        conns[c].buf + REQUEST_LEN + 2,
+          const uint8_t *m = conn_bytes(k);
+          serve_request(k->fd, m, m + REQUEST_LEN + 2,
                         need > REQUEST_LEN ? need - REQUEST_LEN - 2 : 0);
+          free(k->big);
+          k->big = NULL;
           conns[c].got = 0;
           conns[c].kept = true;
           conns[c].since = usmipc__now_ns();
@@ -1067,13 +1210,10 @@ static int reply_error(const usmipc__wire_t *w, uint32_t status) {
   }
 }
 
-int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
-                        const usmipc__wire_t *w, unsigned want, int nfds,
-                        bool truncated, const char *name) {
-  /* A handle of a run of chunks gets one descriptor per chunk. */
-  int data = w->chunk_count != 0 ? (int)w->chunk_count : 1;
-  int expect = ((want & USMIPC__WANT_TABLE) ? 1 : 0) +
-               ((want & USMIPC__WANT_FD) ? data : 0);
+/* 0 when rep (n bytes) is an answer of the exporter to req: framed, and
+ * with its MAC over our client nonce. */
+static int reply_authentic(const uint8_t *rep, size_t n, const uint8_t *req,
+                           const usmipc__wire_t *w, const char *name) {
   uint8_t mac[16];
   if (n == 0)
     return usmipc__fail(USMIPC_EEXPORTERGONE,
@@ -1093,6 +1233,30 @@ int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
                         "it is not the exporter (or the handle is forged); "
                         "nothing it sent is used",
                         name);
+  return 0;
+}
+
+/* MSG_CTRUNC with fewer descriptors than the answer carries: the receive
+ * buffer holds SCM_MAX_FD, so the kernel could not install them all here
+ * (recvmsg(2): out of file descriptors), and dropped the others. */
+static int fail_truncated(const usmipc__wire_t *w, int nfds, size_t expect) {
+  return usmipc__fail(USMIPC_EMFILE,
+                      "this process received %d of the %zu descriptors "
+                      "process %u sent (the kernel dropped the others: out "
+                      "of file descriptors?); close some or raise the "
+                      "limit (ulimit -n)",
+                      nfds, expect, w->pid);
+}
+
+int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
+                        const usmipc__wire_t *w, unsigned want, int nfds,
+                        bool truncated, const char *name) {
+  /* A handle of a run of chunks gets one descriptor per chunk. */
+  int expect = ((want & USMIPC__WANT_TABLE) ? 1 : 0) +
+               ((want & USMIPC__WANT_FD) ? run_length(w) : 0);
+  int rc = reply_authentic(rep, n, req, w, name);
+  if (rc != 0)
+    return rc;
   uint32_t status = usmipc__get32le(rep + 4);
   if (status != REPLY_OK && want == USMIPC__WANT_RELEASE) {
     if (status == REPLY_UNKNOWN_BUFFER)
@@ -1114,11 +1278,48 @@ int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
   }
   if (status != REPLY_OK)
     return reply_error(w, status);
+  if (truncated && nfds >= 0 && nfds < expect)
+    return fail_truncated(w, nfds, (size_t)expect);
   if (nfds != expect || usmipc__get32le(rep + 8) != (uint32_t)expect ||
       truncated || usmipc__get32le(rep + 12) != want)
     return usmipc__fail(USMIPC_ETRANSPORT,
                         "the broker of process %u sent %d descriptors, not %d",
                         w->pid, nfds, expect);
+  return 0;
+}
+
+/* What a listener that passed check_listener may still send wrongly (a bug,
+ * or a process of our uid that holds the key): a refusal naming an entry
+ * the request does not have, more or fewer descriptors than entries, an OK
+ * to another request. Nothing from such an answer is used, and the caller
+ * closes every descriptor that came with it (fuzz_reply.c). */
+int usmipc__reply_check_fds(const uint8_t *rep, size_t n, const uint8_t *req,
+                            const usmipc__wire_t *w, size_t count, int nfds,
+                            bool truncated, const char *name, size_t *failed) {
+  *failed = SIZE_MAX;
+  int rc = reply_authentic(rep, n, req, w, name);
+  if (rc != 0)
+    return rc;
+  uint32_t status = usmipc__get32le(rep + 4);
+  uint32_t word8 = usmipc__get32le(rep + 8);
+  if (status == REPLY_UNKNOWN_BUFFER || status == REPLY_BAD_CAPABILITY) {
+    if (word8 >= count)
+      return usmipc__fail(USMIPC_ETRANSPORT,
+                          "the broker of process %u refused entry %u of a "
+                          "request of %zu (status %u)",
+                          w->pid, word8, count, status);
+    *failed = word8;
+  }
+  if (status != REPLY_OK)
+    return reply_error(w, status);
+  if (truncated && nfds >= 0 && (size_t)nfds < count)
+    return fail_truncated(w, nfds, count);
+  if (nfds < 0 || (size_t)nfds != count || word8 != count || truncated ||
+      usmipc__get32le(rep + 12) != USMIPC__WANT_FDS)
+    return usmipc__fail(USMIPC_ETRANSPORT,
+                        "the broker of process %u sent %d descriptors%s, not "
+                        "%zu",
+                        w->pid, nfds, truncated ? " (truncated)" : "", count);
   return 0;
 }
 
@@ -1185,43 +1386,79 @@ static void kept_put(const usmipc__wire_t *w, int fd) {
     close(dropped);
 }
 
+/* What one exchange asks and where its answer goes. */
+typedef struct call_args {
+  unsigned want;
+  const uint8_t *body; /* WANT_RELEASE: the body */
+  size_t body_len;
+  const usmipc__wire_t *const *batch; /* WANT_FDS: the allocations */
+  size_t batch_n;
+  int *table_fd;  /* WANT_TABLE */
+  int *data_fd;   /* WANT_FD: one, or a run's chunk_count, in chunk order */
+  int *fds;       /* WANT_FDS: batch_n descriptors */
+  size_t *failed; /* WANT_FDS: the entry the broker refused */
+} call_args_t;
+
 /* One request and its answer on connection s. *dropped is set when the
  * broker had closed the connection before answering (a kept connection that
  * went idle too long): nothing was served, and a new connection may retry. */
-static int exchange(int s, const usmipc__wire_t *w, unsigned want,
-                    const uint8_t *body, size_t body_len, uint64_t deadline,
-                    const char *name, int *table_fd, int *data_fd,
-                    bool *dropped);
+static int exchange(int s, const usmipc__wire_t *w, const call_args_t *a,
+                    uint64_t deadline, const char *name, bool *dropped);
 
-static int call(const usmipc__wire_t *w, unsigned want, const uint8_t *body,
-                size_t body_len, uint64_t deadline, int *table_fd,
-                int *data_fd);
+static int call(const usmipc__wire_t *w, const call_args_t *a,
+                uint64_t deadline);
 
 int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
                         uint64_t deadline, int *table_fd, int *data_fd) {
-  return call(w, want, NULL, 0, deadline, table_fd, data_fd);
+  if (table_fd)
+    *table_fd = -1;
+  for (int i = 0; data_fd && i < run_length(w); i++)
+    data_fd[i] = -1;
+  call_args_t a = {.want = want, .table_fd = table_fd, .data_fd = data_fd};
+  return call(w, &a, deadline);
 }
 
 int usmipc__broker_release(const usmipc__wire_t *w, const uint8_t *body,
                            size_t len, uint64_t deadline) {
-  return call(w, USMIPC__WANT_RELEASE, body, len, deadline, NULL, NULL);
+  call_args_t a = {.want = USMIPC__WANT_RELEASE, .body = body, .body_len = len};
+  return call(w, &a, deadline);
 }
 
-static int call(const usmipc__wire_t *w, unsigned want, const uint8_t *body,
-                size_t body_len, uint64_t deadline, int *table_fd,
-                int *data_fd) {
-  if (table_fd)
-    *table_fd = -1;
-  for (int i = 0; data_fd && i < (w->chunk_count != 0 ? w->chunk_count : 1);
-       i++)
-    data_fd[i] = -1;
+int usmipc__broker_fetch_fds(const usmipc__wire_t *const *w, size_t n,
+                             uint64_t deadline, int *fds, size_t *failed) {
+  *failed = SIZE_MAX;
+  for (size_t i = 0; i < n; i++)
+    fds[i] = -1;
+  if (n == 0 || n > USMIPC__FDS_PER_REQUEST)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "one request names 1 to %u allocations, not %zu",
+                        USMIPC__FDS_PER_REQUEST, n);
+  for (size_t i = 0; i < n; i++)
+    if (w[i]->pid != w[0]->pid || w[i]->nonce != w[0]->nonce ||
+        memcmp(w[i]->key, w[0]->key, 16) != 0 ||
+        !(w[i]->flags & USMIPC__WIRE_FLAG_FD) || w[i]->chunk_count != 0)
+      return usmipc__fail(USMIPC_EINVAL,
+                          "handle %zu of a request to process %u names "
+                          "another exporter, shares no descriptor, or names "
+                          "a run of chunks (whose descriptors travel only "
+                          "together)",
+                          i, w[0]->pid);
+  call_args_t a = {.want = USMIPC__WANT_FDS,
+                   .batch = w,
+                   .batch_n = n,
+                   .fds = fds,
+                   .failed = failed};
+  return call(w[0], &a, deadline);
+}
+
+static int call(const usmipc__wire_t *w, const call_args_t *a,
+                uint64_t deadline) {
   char name[120];
   snprintf(name, sizeof(name), "the broker socket of process %u", w->pid);
   int rc, s = kept_take(w);
   if (s >= 0) {
     bool dropped = false;
-    rc = exchange(s, w, want, body, body_len, deadline, name, table_fd, data_fd,
-                  &dropped);
+    rc = exchange(s, w, a, deadline, name, &dropped);
     if (rc == 0) {
       kept_put(w, s);
       return 0;
@@ -1237,8 +1474,7 @@ static int call(const usmipc__wire_t *w, unsigned want, const uint8_t *body,
     return rc;
   }
   bool dropped = false;
-  rc = exchange(s, w, want, body, body_len, deadline, name, table_fd, data_fd,
-                &dropped);
+  rc = exchange(s, w, a, deadline, name, &dropped);
   if (rc == 0)
     kept_put(w, s);
   else
@@ -1246,29 +1482,57 @@ static int call(const usmipc__wire_t *w, unsigned want, const uint8_t *body,
   return rc;
 }
 
-static int exchange(int s, const usmipc__wire_t *w, unsigned want,
-                    const uint8_t *body, size_t body_len, uint64_t deadline,
-                    const char *name, int *table_fd, int *data_fd,
-                    bool *dropped) {
-  uint8_t msg_out[REQUEST_LEN + 2 + USMIPC__RELEASE_BODY_MAX], client_nonce[16];
-  uint8_t *req = msg_out;
-  size_t msg_len = REQUEST_LEN;
-  int rc = usmipc__random(client_nonce, 16);
-  if (rc != 0)
-    return rc;
-  if (want == USMIPC__WANT_RELEASE) {
+/* Writes the message a asks for into out (request, and a body where there
+ * is one); returns its length. */
+static size_t message_build(uint8_t *out, const usmipc__wire_t *w,
+                            const call_args_t *a,
+                            const uint8_t client_nonce[16]) {
+  uint8_t *req = out;
+  if (a->want == USMIPC__WANT_RELEASE) {
     /* A release names the release (its id in the buffer id field) and
      * proves its token over the header and the body. */
     usmipc__wire_t named = *w;
     named.buffer_id = w->release_id;
-    usmipc__request_build(req, &named, want, client_nonce);
-    usmipc__release_capability(req, w->release_token, body, body_len, req + 64);
-    usmipc__put16le(msg_out + REQUEST_LEN, (uint16_t)body_len);
-    memcpy(msg_out + REQUEST_LEN + 2, body, body_len);
-    msg_len = REQUEST_LEN + 2 + body_len;
-  } else {
-    usmipc__request_build(req, w, want, client_nonce);
+    usmipc__request_build(req, &named, a->want, client_nonce);
+    usmipc__release_capability(req, w->release_token, a->body, a->body_len,
+                               req + 64);
+    usmipc__put16le(out + REQUEST_LEN, (uint16_t)a->body_len);
+    memcpy(out + REQUEST_LEN + 2, a->body, a->body_len);
+    return REQUEST_LEN + 2 + a->body_len;
   }
+  if (a->want == USMIPC__WANT_FDS) {
+    /* The header names no allocation; each entry names one and proves its
+     * token over the header (so over this request's client nonce). */
+    usmipc__wire_t named = *w;
+    named.buffer_id = 0;
+    usmipc__request_build(req, &named, a->want, client_nonce);
+    size_t body_len = 2 + a->batch_n * USMIPC__FDS_ENTRY_LEN;
+    usmipc__put16le(out + REQUEST_LEN, (uint16_t)body_len);
+    uint8_t *body = out + REQUEST_LEN + 2;
+    usmipc__put16le(body, (uint16_t)a->batch_n);
+    for (size_t i = 0; i < a->batch_n; i++) {
+      uint8_t *e = body + 2 + i * USMIPC__FDS_ENTRY_LEN;
+      const usmipc__wire_t *x = a->batch[i];
+      usmipc__put64le(e, x->buffer_id);
+      usmipc__fds_capability(req, x->token, x->buffer_id, e + 8);
+    }
+    return REQUEST_LEN + 2 + body_len;
+  }
+  usmipc__request_build(req, w, a->want, client_nonce);
+  return REQUEST_LEN;
+}
+
+static int exchange(int s, const usmipc__wire_t *w, const call_args_t *a,
+                    uint64_t deadline, const char *name, bool *dropped) {
+  uint8_t msg_out[FDS_MESSAGE_MAX > REQUEST_LEN + 2 + USMIPC__RELEASE_BODY_MAX
+                      ? FDS_MESSAGE_MAX
+                      : REQUEST_LEN + 2 + USMIPC__RELEASE_BODY_MAX];
+  uint8_t client_nonce[16];
+  const uint8_t *req = msg_out;
+  int rc = usmipc__random(client_nonce, 16);
+  if (rc != 0)
+    return rc;
+  size_t msg_len = message_build(msg_out, w, a, client_nonce);
   USMIPC__STAT_ADD(transport_exchanges, 1);
   /* An idle connection's buffer takes the message at once. */
   ssize_t n = send(s, msg_out, msg_len, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -1285,11 +1549,14 @@ static int exchange(int s, const usmipc__wire_t *w, unsigned want,
     return rc;
   uint8_t rep[REPLY_LEN];
   struct iovec iov = {.iov_base = rep, .iov_len = sizeof(rep)};
-  /* Room for the table, a run's descriptors and one more, so that a
-   * broker that sends too many is seen to (and none leaks). */
+  /* Room for a full SCM_RIGHTS message (SCM_MAX_FD): a broker that sends
+   * more than was asked (for a single descriptor, a run's chunks or a
+   * batch) still has each descriptor it sent closed here, rather than left
+   * to MSG_CTRUNC's silent drop; MSG_CTRUNC then only means that this
+   * process could not take them all (out of descriptors). */
   union {
     struct cmsghdr align;
-    char buf[CMSG_SPACE(sizeof(int) * (USMIPC__CHUNKS_MAX + 2))];
+    char buf[CMSG_SPACE(sizeof(int) * FDS_PER_MESSAGE_MAX)];
   } control;
   struct msghdr msg = {.msg_iov = &iov,
                        .msg_iovlen = 1,
@@ -1301,31 +1568,47 @@ static int exchange(int s, const usmipc__wire_t *w, unsigned want,
   int e = errno;
   *dropped = n == 0 || (n < 0 && e == ECONNRESET);
 
-  /* Collect whatever descriptors arrived, so none leaks on any path. */
-  int fds[USMIPC__CHUNKS_MAX + 2], nfds = 0;
+  /* Collect whatever descriptors arrived, so none leaks on any path; any
+   * beyond what fits is closed at once (and fails the count check). */
+  int fds[FDS_PER_MESSAGE_MAX];
+  int nfds = 0, kept_fds = 0;
   for (struct cmsghdr *cm = n > 0 ? CMSG_FIRSTHDR(&msg) : NULL; cm;
        cm = CMSG_NXTHDR(&msg, cm)) {
     if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
       continue;
     size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < count && nfds < USMIPC__CHUNKS_MAX + 2; i++)
-      memcpy(&fds[nfds++], CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
+    for (size_t i = 0; i < count; i++, nfds++) {
+      int fd;
+      memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
+      if (kept_fds < (int)USMIPC__ARRAY_SIZE(fds))
+        fds[kept_fds++] = fd;
+      else
+        close(fd);
+    }
   }
+  bool truncated = (msg.msg_flags & MSG_CTRUNC) != 0;
   if (n < 0)
     rc = usmipc__fail_native(USMIPC_ETRANSPORT, e,
                              "no answer from the broker of process %u: %s",
                              w->pid, strerror(e));
+  else if (a->want == USMIPC__WANT_FDS)
+    rc = usmipc__reply_check_fds(rep, (size_t)n, req, w, a->batch_n, nfds,
+                                 truncated, name, a->failed);
   else
-    rc = usmipc__reply_check(rep, (size_t)n, req, w, want, nfds,
-                             (msg.msg_flags & MSG_CTRUNC) != 0, name);
+    rc = usmipc__reply_check(rep, (size_t)n, req, w, a->want, nfds, truncated,
+                             name);
   int k = 0;
-  if (rc == 0 && (want & USMIPC__WANT_TABLE))
-    *table_fd = fds[k++];
-  for (int i = 0; rc == 0 && (want & USMIPC__WANT_FD) &&
-                  i < (w->chunk_count != 0 ? w->chunk_count : 1);
+  if (rc == 0 && a->want == USMIPC__WANT_FDS) {
+    memcpy(a->fds, fds, sizeof(int) * a->batch_n);
+    k = (int)a->batch_n;
+  }
+  if (rc == 0 && (a->want & USMIPC__WANT_TABLE))
+    *a->table_fd = fds[k++];
+  /* One descriptor, or a run's, in chunk order. */
+  for (int i = 0; rc == 0 && (a->want & USMIPC__WANT_FD) && i < run_length(w);
        i++)
-    data_fd[i] = fds[k++];
-  for (int i = k; i < nfds; i++)
+    a->data_fd[i] = fds[k++];
+  for (int i = k; i < kept_fds; i++)
     close(fds[i]);
   return rc;
 }

@@ -212,7 +212,7 @@ static int prove(const usmipc__wire_t *w, uint64_t deadline, usmipc__peer_t *p,
   /* The broker: the only way across PID namespaces, and where ptrace rules
    * forbid the others. A first open of fd memory gets the table and the
    * descriptor in one round trip (a run of chunks fetches its descriptors
-   * afterwards, usmipc__peer_fetch_fds). */
+   * afterwards, usmipc__peer_fetch_run_fds). */
   int tfd = -1;
   unsigned want = USMIPC__WANT_TABLE |
                   ((w->flags & USMIPC__WIRE_FLAG_FD) && w->chunk_count == 0
@@ -411,8 +411,8 @@ int usmipc__peer_fetch_fd(usmipc__peer_t *p, const usmipc__wire_t *w,
   return 0;
 }
 
-int usmipc__peer_fetch_fds(usmipc__peer_t *p, const usmipc__wire_t *w,
-                           uint64_t tag, uint64_t deadline, int *fds) {
+int usmipc__peer_fetch_run_fds(usmipc__peer_t *p, const usmipc__wire_t *w,
+                               uint64_t tag, uint64_t deadline, int *fds) {
   usmipc__transport_t mode;
   int rc = usmipc__transport_mode(&mode);
   if (rc != 0 || (rc = usmipc__peer_check(p, w, tag, NULL)) != 0)
@@ -440,5 +440,158 @@ int usmipc__peer_fetch_fds(usmipc__peer_t *p, const usmipc__wire_t *w,
     }
     return rc;
   }
+  return 0;
+}
+
+/* Fails the batch: closes every descriptor taken so far. at names the handle
+ * that failed (SIZE_MAX: none in particular). */
+static int fetch_fds_fail(const usmipc__wire_t *const *w, size_t n, int *fds,
+                          size_t at, int rc) {
+  for (size_t i = 0; i < n; i++) {
+    if (fds[i] >= 0)
+      close(fds[i]);
+    fds[i] = -1;
+  }
+  if (at < n)
+    usmipc__error_prefix("taking the descriptor of handle %zu of %zu (buffer "
+                         "%llu of process %u): ",
+                         at, n, (unsigned long long)w[at]->buffer_id,
+                         w[at]->pid);
+  else
+    usmipc__error_prefix("taking %zu descriptors from process %u: ", n,
+                         w[0]->pid);
+  return rc;
+}
+
+int usmipc__peer_fetch_fds(usmipc__peer_t *p, const usmipc__wire_t *const *w,
+                           size_t n, uint64_t deadline, int *fds) {
+  for (size_t i = 0; i < n; i++)
+    fds[i] = -1;
+  for (size_t i = 0; i < n; i++) {
+    if (w[i]->pid != p->pid || w[i]->nonce != p->nonce)
+      return usmipc__fail(USMIPC_EINVAL,
+                          "handle %zu of %zu was exported by process %u, not "
+                          "by process %u whose descriptors are being taken",
+                          i, n, w[i]->pid, p->pid);
+    if (memcmp(w[i]->key, p->key, 16) != 0)
+      return usmipc__fail(USMIPC_EUNTRUSTED,
+                          "handle %zu of %zu names process %u but carries "
+                          "another key than that process proved: forged",
+                          i, n, w[i]->pid);
+    if (!(w[i]->flags & USMIPC__WIRE_FLAG_FD))
+      return usmipc__fail(USMIPC_EINVAL,
+                          "handle %zu of %zu shares no descriptor (its memory "
+                          "is opened through the driver's handle)",
+                          i, n);
+    /* A run's descriptors travel together, from the broker alone
+     * (usmipc__peer_fetch_run_fds): the handle names only the first, so
+     * neither pidfd_getfd nor a batch entry could take the others. */
+    if (w[i]->chunk_count != 0)
+      return usmipc__fail(USMIPC_EINVAL,
+                          "handle %zu of %zu names memory in %u chunks, whose "
+                          "descriptors are not taken in a batch",
+                          i, n, (unsigned)w[i]->chunk_count);
+  }
+  usmipc__transport_t mode;
+  int rc = usmipc__transport_mode(&mode);
+  if (rc != 0 || n == 0)
+    return rc;
+  /* pidfd_getfd and /proc are system calls of ours, one per descriptor,
+   * with the checks of usmipc__peer_fetch_fd; what they cannot take goes to
+   * the broker, in as few exchanges as SCM_RIGHTS allows. */
+  size_t *via_broker = malloc(n * sizeof(*via_broker));
+  if (via_broker == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  size_t nb = 0;
+  for (size_t i = 0; i < n; i++) {
+    const usmipc__wire_t *x = w[i];
+    uint64_t tag = usmipc__slot_tag(x->key, x->token);
+    uint32_t seq = 0;
+    if (p->pidfd >= 0 && mode != USMIPC__TRANSPORT_SOCKET &&
+        mode != USMIPC__TRANSPORT_PROCFD) {
+      if ((rc = usmipc__peer_check(p, x, tag, &seq)) != 0 ||
+          (rc = usmipc__pidfd_take(p->pidfd, x->pid, x->fd_number, &fds[i])) !=
+              0 ||
+          (rc = recheck(p, x, seq, fds[i], false)) != 0) {
+        fds[i] = -1; /* recheck closed it */
+        goto fail_at_i;
+      }
+      continue;
+    }
+    if (mode == USMIPC__TRANSPORT_PIDFD) {
+      rc = usmipc__fail(USMIPC_EACCES,
+                        "pidfd_getfd(2) may not take descriptors from process "
+                        "%u; use USMIPC_FD_TRANSPORT=socket or auto",
+                        x->pid);
+      goto fail_at_i;
+    }
+    if (p->same_pid_ns && (x->flags & USMIPC__WIRE_FLAG_REOPENABLE) &&
+        mode != USMIPC__TRANSPORT_SOCKET) {
+      int fd = -1;
+      if ((rc = usmipc__peer_check(p, x, tag, &seq)) != 0)
+        goto fail_at_i;
+      rc = usmipc__procfd_reopen(x, x->fd_number, O_RDWR, &fd);
+      if (rc == 0 && (rc = recheck(p, x, seq, fd, true)) == 0) {
+        fds[i] = fd;
+        continue;
+      }
+      if (mode == USMIPC__TRANSPORT_PROCFD || rc == USMIPC_EEXPORTERGONE ||
+          rc == USMIPC_EUNTRUSTED || rc == USMIPC_EMFILE)
+        goto fail_at_i;
+    } else if (mode == USMIPC__TRANSPORT_PROCFD) {
+      rc = usmipc__fail(USMIPC_ETRANSPORT,
+                        "this memory's descriptor cannot be reopened through "
+                        "/proc (it is not a memfd, or the exporter is in "
+                        "another PID namespace); use "
+                        "USMIPC_FD_TRANSPORT=socket or pidfd");
+      goto fail_at_i;
+    }
+    via_broker[nb++] = i;
+    continue;
+  fail_at_i:
+    free(via_broker);
+    return fetch_fds_fail(w, n, fds, i, rc);
+  }
+  /* The broker: one exchange per USMIPC__FDS_PER_REQUEST descriptors. Each
+   * chunk's slots are checked just before its exchange, and each
+   * descriptor received must be its handle's file (the broker serves the
+   * allocation's own descriptor; a handle that claims another is forged). */
+  for (size_t start = 0; start < nb; start += USMIPC__FDS_PER_REQUEST) {
+    const usmipc__wire_t *chunk[USMIPC__FDS_PER_REQUEST];
+    int got[USMIPC__FDS_PER_REQUEST];
+    size_t m = nb - start < USMIPC__FDS_PER_REQUEST ? nb - start
+                                                    : USMIPC__FDS_PER_REQUEST;
+    size_t failed = SIZE_MAX;
+    for (size_t k = 0; k < m; k++) {
+      size_t i = via_broker[start + k];
+      chunk[k] = w[i];
+      rc = usmipc__peer_check(p, w[i], usmipc__slot_tag(w[i]->key, w[i]->token),
+                              NULL);
+      if (rc != 0) {
+        failed = i;
+        goto fail_broker;
+      }
+    }
+    rc = usmipc__broker_fetch_fds(chunk, m, deadline, got, &failed);
+    if (rc != 0) {
+      failed = failed < m ? via_broker[start + failed] : SIZE_MAX;
+      goto fail_broker;
+    }
+    for (size_t k = 0; k < m; k++)
+      fds[via_broker[start + k]] = got[k];
+    for (size_t k = 0; k < m; k++) {
+      size_t i = via_broker[start + k];
+      if ((rc = check_identity(fds[i], w[i])) != 0) {
+        failed = i;
+        goto fail_broker;
+      }
+    }
+    continue;
+  fail_broker:
+    free(via_broker);
+    return fetch_fds_fail(w, n, fds, failed, rc);
+  }
+  free(via_broker);
+  USMIPC__STAT_ADD(descriptors_received, n);
   return 0;
 }

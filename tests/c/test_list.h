@@ -125,7 +125,12 @@
   X(torch_alloc_host_threads)                                                  \
   X(torch_alloc_device_threads)                                                \
   X(torch_alloc_host_edges)                                                    \
-  X(torch_alloc_cuda)
+  X(torch_alloc_cuda)                                                          \
+  X(fdbatch_socket_600)                                                        \
+  X(fdbatch_refusals)                                                          \
+  X(fdbatch_runs_apart)                                                        \
+  X(fdbatch_pidfd_procfd)                                                      \
+  X(fdbatch_prefetch_open)
 
 #define HELPER_LIST(X) X(agent) X(bundle_reader)
 
