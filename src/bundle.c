@@ -1123,16 +1123,56 @@ int usmipc_bundle_open(const void *data, size_t len, usmipc_device_t *device,
   for (size_t i = 0; i < ob->narr; i++)
     if (ob->array_seg[i] != NO_SEGMENT)
       uses[ob->array_seg[i]]++;
+  /* The descriptors of every allocation not mapped yet, in one exchange
+   * with the exporter (per 253; pidfd_getfd and /proc take them without
+   * one), before anything is mapped. */
+  const usmipc__wire_t **need = calloc(ob->nseg ? ob->nseg : 1, sizeof(*need));
+  int *fds = malloc((ob->nseg ? ob->nseg : 1) * sizeof(int));
+  size_t *need_at = calloc(ob->nseg ? ob->nseg : 1, sizeof(size_t));
+  size_t nneed = 0;
+  if (need == NULL || fds == NULL || need_at == NULL)
+    rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  for (size_t i = 0; rc == 0 && i < ob->nseg; i++) {
+    fds[i] = -1;
+    if ((ob->segs[i].flags & USMIPC__WIRE_FLAG_FD) &&
+        !usmipc__import_cached(&ob->segs[i], device)) {
+      need_at[nneed] = i;
+      need[nneed++] = &ob->segs[i];
+    }
+  }
+  if (rc == 0 && nneed > 0) {
+    int *got = malloc(nneed * sizeof(int));
+    if (got == NULL)
+      rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+    else if ((rc = usmipc__prefetch_fds(
+                  need, nneed, usmipc__deadline_after_timeout(), got)) != 0)
+      usmipc__error_prefix("opening a bundle: ");
+    for (size_t k = 0; rc == 0 && k < nneed; k++)
+      fds[need_at[k]] = got[k];
+    free(got);
+  }
+  free(need);
+  free(need_at);
   size_t s = 0;
   for (; s < ob->nseg && rc == 0; s++) {
-    if ((rc = usmipc__open_wire(&ob->segs[s], device, &base[s])) != 0) {
+    int fd = fds[s];
+    fds[s] = -1; /* the open owns it now */
+    if ((rc = usmipc__open_mapping(&ob->segs[s], device, 0, fd, &base[s],
+                                   NULL)) != 0) {
       usmipc__error_prefix("opening allocation %zu of %zu of the bundle: ", s,
                            ob->nseg);
       break;
     }
-    if (uses[s] > 1 && (rc = usmipc__mapping_addref(base[s], uses[s] - 1)) != 0)
-      usmipc_ipc_close(base[s]);
+    if (uses[s] > 1 &&
+        (rc = usmipc__mapping_addref(base[s], uses[s] - 1)) != 0) {
+      usmipc_ipc_close(base[s]); /* its one reference; s is not dropped below */
+      break;
+    }
   }
+  for (size_t k = s; fds != NULL && k < ob->nseg; k++)
+    if (fds[k] >= 0) /* fetched for allocations not reached */
+      close(fds[k]);
+  free(fds);
   if (rc != 0) { /* drop what was taken: every reference of every mapping */
     for (size_t k = 0; k < s; k++)
       for (uint32_t u = 0; u < uses[k]; u++)

@@ -15,7 +15,7 @@
  * writes seed 500 over array 0; 'E' expects the open to fail with code; 'C'
  * closes what was opened; 'Q' quits. Reply: 6 u64: status (0 ok, else the
  * usmipc code or -1 wrong data), arrays, allocations, driver imports and
- * descriptors taken so far, nodes. */
+ * descriptors taken so far, nodes, broker round trips so far. */
 static int read_full(int fd, void *p, size_t n) {
   while (n > 0) {
     ssize_t r = read(fd, p, n);
@@ -30,8 +30,13 @@ static int read_full(int fd, void *p, size_t n) {
 static void reply(int64_t status, size_t arrays, size_t allocs, size_t nodes) {
   usmipc_stats_t s;
   usmipc_get_stats(&s, sizeof(s));
-  uint64_t r[6] = {(uint64_t)status,       arrays, allocs, s.driver_imports,
-                   s.descriptors_received, nodes};
+  uint64_t r[7] = {(uint64_t)status,
+                   arrays,
+                   allocs,
+                   s.driver_imports,
+                   s.descriptors_received,
+                   nodes,
+                   s.transport_exchanges};
   if (write(1, r, sizeof(r)) != (ssize_t)sizeof(r))
     _exit(5);
 }
@@ -97,12 +102,14 @@ typedef struct reader {
   int to, from;
 } reader_t;
 
-static void reader_start(reader_t *r) {
-  r->pid = spawn_helper("bundle_reader", NULL, NULL, &r->to, &r->from);
+static void reader_start_env(reader_t *r, const char *const env[]) {
+  r->pid = spawn_helper("bundle_reader", NULL, env, &r->to, &r->from);
 }
 
+static void reader_start(reader_t *r) { reader_start_env(r, NULL); }
+
 static void reader_send(reader_t *r, char op, uint32_t code, const void *data,
-                        size_t len, uint64_t out[6]) {
+                        size_t len, uint64_t out[7]) {
   uint32_t l = (uint32_t)len;
   ASSERT_EQ(write(r->to, &op, 1), 1);
   ASSERT_EQ(write(r->to, &code, 4), 4);
@@ -110,7 +117,7 @@ static void reader_send(reader_t *r, char op, uint32_t code, const void *data,
   if (len > 0)
     ASSERT_EQ(write(r->to, data, len), (ssize_t)len);
   if (out != NULL)
-    ASSERT_EQ(read_full(r->from, out, 6 * sizeof(uint64_t)), 0);
+    ASSERT_EQ(read_full(r->from, out, 7 * sizeof(uint64_t)), 0);
 }
 
 static void reader_stop(reader_t *r) {
@@ -229,7 +236,7 @@ TEST_IMPL(bundle_cross_process) {
   size_t fds0 = count_fds();
   reader_t r;
   reader_start(&r);
-  uint64_t out[6];
+  uint64_t out[7];
   reader_send(&r, 'O', 0, data, len, out);
   ASSERT_EQ((int64_t)out[0], 0);
   ASSERT_UEQ(out[1], 6);
@@ -389,7 +396,7 @@ TEST_IMPL(bundle_refused) {
   ASSERT_ERR(usmipc_bundle_open(p, len, dev, NULL, 0, &ob),
              USMIPC_EEXPORTERGONE);
   reader_t r;
-  uint64_t out[6];
+  uint64_t out[7];
   reader_start(&r);
   reader_send(&r, 'E', USMIPC_EEXPORTERGONE, p, len, out);
   ASSERT_EQ((int64_t)out[0], 0);
@@ -444,7 +451,7 @@ TEST_IMPL(bundle_ten_thousand_arrays) {
   size_t len;
   ASSERT_OK(usmipc_bundle_data(b, &data, &len));
   reader_t r;
-  uint64_t out[6];
+  uint64_t out[7];
   reader_start(&r);
   double t0 = now_seconds();
   reader_send(&r, 'O', 0, data, len, out);
@@ -462,5 +469,57 @@ TEST_IMPL(bundle_ten_thousand_arrays) {
   free(ptr);
   free(extent);
   ASSERT_OK(usmipc_pool_destroy(pool));
+  return 0;
+}
+
+/* The descriptors of all allocations move in one exchange with the
+ * exporter's broker (the socket transport, where each would otherwise take
+ * a round trip of its own): 300 allocations, one bundle. */
+TEST_IMPL(bundle_one_exchange) {
+  usmipc_device_t *dev = test_device();
+  enum { N = 300 };
+  void *ptr[N];
+  size_t extent[N];
+  usmipc_bundle_t *b;
+  ASSERT_OK(usmipc_bundle_create(&b));
+  ASSERT_OK(usmipc_bundle_add_container(b, USMIPC_BUNDLE_LIST, N, NULL, 0));
+  for (int i = 0; i < N; i++) {
+    int64_t shape[1] = {4096};
+    usmipc_array_desc_t d = {1, 8, 1, 1, shape, NULL};
+    extent[i] = 4096;
+    ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &ptr[i]));
+    ASSERT_OK(usmipc_bundle_add_array(b, NULL, 0, ptr[i], &d));
+  }
+  fill_arrays(ptr, extent, N);
+  ASSERT_OK(usmipc_bundle_finish(b));
+  const void *data;
+  size_t len;
+  ASSERT_OK(usmipc_bundle_data(b, &data, &len));
+  size_t fds0 = count_fds();
+  reader_t r;
+  uint64_t out[7];
+  const char *env[] = {"USMIPC_FD_TRANSPORT=socket", NULL};
+  reader_start_env(&r, env);
+  reader_send(&r, 'O', 0, data, len, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  if (out[4] > 0) { /* fd memory (the host's memfds, CUDA fd memory) */
+    ASSERT_UEQ(out[4], N);
+    /* The proof of the exporter (first contact) and the 300 descriptors
+     * in two requests: 253 + 47. */
+    ASSERT_LE(out[6], 3);
+  }
+  uint64_t exchanges = out[6];
+  fprintf(stderr,
+          "%d allocations: %llu descriptors in %llu broker round trips\n", N,
+          (unsigned long long)out[4], (unsigned long long)exchanges);
+  reader_send(&r, 'O', 0, data, len, out); /* cached: nothing moves */
+  ASSERT_EQ((int64_t)out[0], -1); /* array 0 holds the write-back now */
+  ASSERT_UEQ(out[6], exchanges);
+  reader_send(&r, 'C', 0, NULL, 0, out);
+  reader_stop(&r);
+  ASSERT_EQ(count_fds(), fds0);
+  usmipc_bundle_free(b);
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(usmipc_free(ptr[i]));
   return 0;
 }

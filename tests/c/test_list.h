@@ -120,6 +120,7 @@
   X(bundle_cross_process)                                                      \
   X(bundle_refused)                                                            \
   X(bundle_ten_thousand_arrays)                                                \
+  X(bundle_one_exchange)                                                       \
   X(cuda_vmm_foreign_chunks)                                                   \
   X(cuda_vmm_foreign_limits)                                                   \
   X(torch_alloc_host_threads)                                                  \
