@@ -89,7 +89,7 @@ GPU_METHODS = ["usmipc", "usmipc-pool", "usmipc>torch", "usmipc-pool>torch",
 HOST_METHODS = ["usmipc-pool", "usmipc-alloc"]
 LETTERS = {"a": "usmipc", "b": "usmipc-pool", "c": "torch.mp",
            "d": "flatten", "e": "cuda.core", "f": "usmipc>torch",
-           "g": "usmipc-pool>torch"}
+           "g": "usmipc-pool>torch", "h": "usmipc-pool>torch kept"}
 LABELS = {
     "usmipc": "usmipc bundle, caching-allocator tensors",
     "usmipc-pool": "usmipc bundle, tensors in a usmipc pool",
@@ -97,6 +97,7 @@ LABELS = {
     "usmipc>torch": "usmipc bundle, caching-allocator tensors, "
                     "open_shared(to='torch')",
     "usmipc-pool>torch": "usmipc bundle, pool tensors, open_shared(to='torch')",
+    "usmipc-pool>torch kept": "the same, warm handoffs resend the kept bundle",
     "torch.mp": "torch.multiprocessing, reduce_tensor per tensor",
     "flatten": "flatten into one bucket + one reduce_tensor",
     "cuda.core": "cuda.core IPC pool, descriptor per buffer",
@@ -468,6 +469,20 @@ class UsmipcPoolToTorch(UsmipcPoolBundle):
     c_close = UsmipcToTorch.c_close
 
 
+class UsmipcPoolKept(UsmipcPoolToTorch):
+    """Warm handoffs resend the bundle the producer kept (to_bytes() records
+    a new event; the tree is not walked again): what a trainer that shares
+    the same weights after every update does."""
+    name = "usmipc-pool>torch kept"
+
+    def p_handoff(self, st, cold):
+        b = getattr(st, "bundle", None)
+        if cold or b is None:
+            b = self.usmipc.share(st.tensors, stream=self.stream)
+        st.pending = b
+        return b.to_bytes()
+
+
 class TorchMP(TorchMethod):
     name = "torch.mp"
     report_segments = True
@@ -744,7 +759,8 @@ class HostPoolBundle(HostBundle):
 
 
 GPU_CLASSES = {c.name: c for c in (UsmipcBundle, UsmipcPoolBundle,
-                                   UsmipcToTorch, UsmipcPoolToTorch, TorchMP,
+                                   UsmipcToTorch, UsmipcPoolToTorch,
+                                   UsmipcPoolKept, TorchMP,
                                    Flatten, CudaCore)}
 HOST_CLASSES = {c.name: c for c in (HostPoolBundle, HostBundle)}
 
@@ -1111,7 +1127,7 @@ def main():
                   + (f"; the consumer's driver imports: {imports}"
                      if imports is not None else ""))
     for name in ("usmipc", "usmipc-pool", "usmipc-alloc", "usmipc>torch",
-                 "usmipc-pool>torch"):
+                 "usmipc-pool>torch", "usmipc-pool>torch kept"):
         w = results.get(name, {}).get("warm_summary")
         if w and w["consumer_stats"] is not None:
             print(f"{name} warm handoffs, usmipc.stats() summed over all "
