@@ -58,6 +58,12 @@ if VERSION_HEX != COMPILED_VERSION_HEX:  # pragma: no cover
 
 from usmipc import _usmipc  # noqa: E402
 from usmipc import memory  # noqa: E402  (after the version check)
+from usmipc import ipc  # noqa: E402
+
+# dpctl's names for the same classes, so that a program written for dpctl
+# runs with its import lines changed (the seed's example does).
+SyclDevice = Device
+SyclQueue = Queue
 
 # The error codes, USMIPC_EINVAL ... (errorcode maps each back to its name).
 globals().update({name: getattr(_usmipc, name)
@@ -72,11 +78,14 @@ __all__ = [
     "Queue",
     "SharedArray",
     "SharedBundle",
+    "SyclDevice",
+    "SyclQueue",
     "__version__",
     "backends",
     "close_shared",
     "errorcode",
     "get_devices",
+    "ipc",
     "memory",
     "open_shared",
     "reset_stats",

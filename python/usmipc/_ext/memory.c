@@ -1067,7 +1067,10 @@ int usmipc_init_memory_types(PyObject *module, usmipc_module_state_t *st) {
   if (st->MemoryUSMSharedType == NULL) {
     return -1;
   }
-  st->MemoryIPCDeviceType = make_subtype(module, &mapping_spec, st->MemoryType);
+  /* A mapping is device memory: dpctl's MemoryIPCDevice is a subclass of
+   * MemoryUSMDevice, and the seed's example checks for that. */
+  st->MemoryIPCDeviceType =
+      make_subtype(module, &mapping_spec, st->MemoryUSMDeviceType);
   if (st->MemoryIPCDeviceType == NULL) {
     return -1;
   }
