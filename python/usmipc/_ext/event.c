@@ -281,6 +281,7 @@ static PyObject *event_reduce(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   return NULL;
 }
 
+
 #define CMETHOD(f) (PyCFunction)(void (*)(void))(f)
 #define METHOD_FLAGS (METH_METHOD | METH_FASTCALL | METH_KEYWORDS)
 #define CLASS_FLAGS (METH_CLASS | METHOD_FLAGS)
@@ -707,8 +708,11 @@ static Py_hash_t ehandle_hash(PyObject *self) {
   return PyObject_Hash(((EventHandle *)self)->data);
 }
 
+USMIPC_CLASSMETHOD(ehandle_open_cls, ehandle_open, IPCEventHandleType)
+USMIPC_CLASSMETHOD(ehandle_from_bytes_cls, ehandle_from_bytes, IPCEventHandleType)
+
 static PyMethodDef ehandle_methods[] = {
-    {"open", CMETHOD(ehandle_open), CLASS_FLAGS,
+    {"open", CMETHOD(ehandle_open_cls), USMIPC_CLASS_FLAGS,
      "open($cls, /, handle_bytes, device=None)\n--\n\n"
      "Returns an Event that waits for the record the handle names (bytes, "
      "an\nIPCEventHandle or any buffer), opened on device (None: the device "
@@ -716,7 +720,7 @@ static PyMethodDef ehandle_methods[] = {
      "open in\nthis process is a cheap lookup. Memory handle bytes raise "
      "ValueError; a\ndestroyed event or a dead exporter usmipc.Error "
      "USMIPC_EEXPORTERGONE."},
-    {"from_bytes", CMETHOD(ehandle_from_bytes), CLASS_FLAGS,
+    {"from_bytes", CMETHOD(ehandle_from_bytes_cls), USMIPC_CLASS_FLAGS,
      "from_bytes($cls, /, data)\n--\n\nAn IPCEventHandle carrying only the "
      "given bytes (validated), as after\nunpickling."},
     {"to_bytes", ehandle_to_bytes, METH_NOARGS,

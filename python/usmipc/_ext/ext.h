@@ -97,6 +97,22 @@ int usmipc_parse_fastcall(const char *funcname, PyObject *const *args,
                           const char *const *names, Py_ssize_t nnames,
                           Py_ssize_t npositional, PyObject **out);
 
+/* Classmethods are METH_CLASS functions without METH_METHOD: CPython 3.11
+ * gives a bound PyCMethod no __doc__ (help(IPCMemoryHandle.open) showed
+ * nothing), a bound PyCFunction its docstring. This defines name, calling
+ * impl (a PyCMethod) with the defining class found from cls (the type, or
+ * a subclass, of the module's typefield). */
+#define USMIPC_CLASSMETHOD(name, impl, typefield)                              \
+  static PyObject *name(PyObject *cls, PyObject *const *args,                 \
+                        Py_ssize_t nargs, PyObject *kwnames) {                \
+    usmipc_module_state_t *st_ = usmipc_state_from_type((PyTypeObject *)cls); \
+    if (st_ == NULL)                                                          \
+      return NULL;                                                            \
+    return impl(cls, (PyTypeObject *)st_->typefield, args, (size_t)nargs,     \
+                kwnames);                                                     \
+  }
+#define USMIPC_CLASS_FLAGS (METH_CLASS | METH_FASTCALL | METH_KEYWORDS)
+
 /* ---- device.c ------------------------------------------------------------ */
 
 typedef struct usmipc_device_object {

@@ -524,13 +524,15 @@ static PyGetSetDef queue_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+USMIPC_CLASSMETHOD(queue_from_stream_cls, queue_from_stream, QueueType)
+
 static PyMethodDef queue_methods[] = {
     {"synchronize", queue_synchronize, METH_NOARGS,
      "synchronize()\n\nWaits until every operation on the queue has "
      "completed."},
     {"wait", queue_synchronize, METH_NOARGS, "Alias of synchronize()."},
-    {"from_stream", (PyCFunction)(void (*)(void))queue_from_stream,
-     METH_CLASS | METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+    {"from_stream", (PyCFunction)(void (*)(void))queue_from_stream_cls,
+     USMIPC_CLASS_FLAGS,
      "from_stream($cls, /, stream, device=None)\n--\n\n"
      "A Queue over another library's stream, which it does not own (the "
      "Queue\nkeeps the stream object alive). stream: a usmipc.Queue "
