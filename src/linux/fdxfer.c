@@ -451,8 +451,10 @@ static void serve_fds(int conn, const uint8_t *req, const uint8_t *body,
   uint32_t status = usmipc__fds_request_judge(req, body, body_len, grant_token,
                                               fds, &count, &failed);
   if (status == REPLY_OK) {
-    send_reply_word(conn, req, REPLY_OK, (uint32_t)count, fds, (int)count);
+    /* Counted before the send: once the importer has them, a reader of the
+     * counters (a test) must see them counted. */
     USMIPC__STAT_ADD(descriptors_sent, count);
+    send_reply_word(conn, req, REPLY_OK, (uint32_t)count, fds, (int)count);
   } else {
     send_reply_word(conn, req, status,
                     failed == SIZE_MAX ? 0 : (uint32_t)failed, NULL, 0);
@@ -507,8 +509,8 @@ static void serve_request(int conn, const uint8_t *req, const uint8_t *body,
     /* All of the grant's descriptors: one, or a run's chunks in order. */
     memcpy(fds + nfds, g->fds, g->nfds * sizeof(int));
     nfds += (int)g->nfds;
+    USMIPC__STAT_ADD(descriptors_sent, g->nfds); /* before: see above */
     send_reply(conn, req, REPLY_OK, fds, nfds);
-    USMIPC__STAT_ADD(descriptors_sent, g->nfds);
   }
   pthread_mutex_unlock(&fdx_lock);
 }
