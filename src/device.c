@@ -164,6 +164,16 @@ int usmipc_device_select(const char *filter, usmipc_device_t **out) {
     return usmipc__fail(USMIPC_EINVAL, "device output pointer is NULL");
   *out = NULL;
   if (filter == NULL || filter[0] == '\0') {
+    /* USMIPC_DEFAULT_DEVICE picks the default (a filter string: dpctl
+     * programs and their tests ask for the default device); a value that
+     * names no device is an error, never ignored. */
+    const char *env = getenv("USMIPC_DEFAULT_DEVICE");
+    if (env != NULL && env[0] != '\0') {
+      int rc = usmipc_device_select(env, out);
+      if (rc != 0)
+        usmipc__error_prefix("USMIPC_DEFAULT_DEVICE='%.40s': ", env);
+      return rc;
+    }
     FOR_EACH_DEVICE(d) {
       if (d->type == USMIPC_DEVICE_GPU) {
         *out = d;

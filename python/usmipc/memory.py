@@ -35,12 +35,47 @@ __all__ = [
     "MemoryUSMDevice",
     "MemoryUSMHost",
     "MemoryUSMShared",
+    "SyclIPCCloseMemHandle",
+    "SyclIPCGetMemHandle",
+    "SyclIPCOpenMemHandle",
     "is_ipc_available",
     "torch_allocator",
     "torch_last_error",
     "torch_pool_info",
     "use_torch_allocator",
 ]
+
+
+# ---- dpctl's free functions (dpctl.memory, the merged form of the seed) ----
+
+
+def SyclIPCGetMemHandle(mem):
+    """The IPC handle bytes of usmipc device memory ``mem`` (dpctl's name):
+    ``IPCMemoryHandle(mem).to_bytes()``. The export belongs to the
+    allocation, so the bytes stay valid while ``mem`` lives. Shared and host
+    memory raise ``TypeError``; so does another library's array, whose
+    export would end with the handle: keep an ``IPCMemoryHandle`` of it."""
+    if not isinstance(mem, _Memory):
+        raise TypeError(
+            "SyclIPCGetMemHandle() takes usmipc memory; for another "
+            f"library's array ({type(mem).__name__}) keep an "
+            "IPCMemoryHandle alive while the bytes are used")
+    return IPCMemoryHandle(mem).to_bytes()
+
+
+def SyclIPCOpenMemHandle(handle_bytes, device, nbytes):
+    """Maps handle bytes on ``device``: a ``MemoryIPCDevice`` (a
+    ``MemoryUSMDevice``) of ``nbytes`` (dpctl's name for
+    ``IPCMemoryHandle.open``)."""
+    return IPCMemoryHandle.open(handle_bytes, device, nbytes)
+
+
+def SyclIPCCloseMemHandle(mem):
+    """Closes a mapping (dpctl's name for ``IPCMemoryHandle.close_mapping``):
+    afterwards ``mem._pointer == 0``, ``mem.nbytes == 0`` and
+    ``mem.is_closed``; idempotent. Memory that is not a mapping raises
+    ``RuntimeError`` (``usmipc.Error``)."""
+    IPCMemoryHandle.close_mapping(mem)
 
 
 def is_ipc_available(device=None):

@@ -271,12 +271,16 @@ def test_close_mapping_is_idempotent_and_final(exported, host):
                lambda: memoryview(m), lambda: IPCMemoryHandle(m)):
         with pytest.raises(ValueError, match="mapping is closed"):
             op()
-    assert m.nbytes == 4096 and m.device is host  # metadata stays readable
+    # As dpctl's MemoryIPCDevice: a closed mapping reports no memory.
+    assert m.nbytes == 0 and m._pointer == 0 and m.device is host
 
 
 def test_close_mapping_takes_only_mappings(exported):
     mem, h = exported
-    for obj in (mem, h, h.to_bytes(), None):
+    # Memory that is no mapping: RuntimeError, as dpctl raises.
+    with pytest.raises(usmipc.Error, match="non-IPC memory"):
+        IPCMemoryHandle.close_mapping(mem)
+    for obj in (h, h.to_bytes(), None):
         with pytest.raises(TypeError):
             IPCMemoryHandle.close_mapping(obj)
 

@@ -39,7 +39,7 @@ PyObject *usmipc_device_from_arg(usmipc_module_state_t *st, PyObject *arg) {
   usmipc_device_t *device = NULL;
   int rc = usmipc_device_select(filter, &device);
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return usmipc_raise_as(st, st->DeviceCreationError, rc);
   }
   return usmipc_device_object(st, device);
 }

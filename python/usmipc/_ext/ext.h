@@ -34,6 +34,8 @@ typedef struct usmipc_device_slot {
 typedef struct usmipc_module_state {
   PyObject *Error;        /* usmipc.Error, a RuntimeError */
   PyObject *TimeoutError; /* usmipc.IPCTimeoutError(Error, TimeoutError) */
+  /* usmipc.SyclDeviceCreationError(Error, ValueError): Device() failed */
+  PyObject *DeviceCreationError;
   PyTypeObject *DeviceType;
   PyTypeObject *QueueType;
   PyTypeObject *MemoryType; /* usmipc.memory._Memory, the base */
@@ -69,6 +71,8 @@ usmipc_module_state_t *usmipc_state_from_type(PyTypeObject *type);
  * handler raised from the interrupt hook: KeyboardInterrupt) it raises
  * nothing new and leaves that exception to propagate. */
 PyObject *usmipc_raise(usmipc_module_state_t *st, int code);
+/* usmipc_raise with the exception type given (a subclass of usmipc.Error). */
+PyObject *usmipc_raise_as(usmipc_module_state_t *st, PyObject *type, int code);
 /* The same with a message of the extension's own. */
 PyObject *usmipc_raise_msg(usmipc_module_state_t *st, int code,
                            const char *message);

@@ -980,10 +980,16 @@ static PyObject *mapping_release_or_close(PyTypeObject *defining_class,
   }
   PyObject *mem = a[0];
   if (!PyObject_TypeCheck(mem, st->MemoryIPCDeviceType)) {
-    PyErr_Format(PyExc_TypeError,
+    /* dpctl raises RuntimeError for memory that is no mapping. */
+    int is_memory = PyObject_TypeCheck(mem, st->MemoryType);
+    PyErr_Format(is_memory ? st->Error : PyExc_TypeError,
                  "%s() takes a MemoryIPCDevice returned by "
-                 "IPCMemoryHandle.open(), not %R",
-                 funcname, (PyObject *)Py_TYPE(mem));
+                 "IPCMemoryHandle.open(), not %s %R%s",
+                 funcname, is_memory ? "non-IPC memory" : "a",
+                 (PyObject *)Py_TYPE(mem),
+                 is_memory ? " (memory allocated here is freed by dropping "
+                             "it)"
+                           : "");
     return NULL;
   }
   usmipc_memory_object_t *m = (usmipc_memory_object_t *)mem;

@@ -610,9 +610,17 @@ static PyObject *mapping_exit(PyObject *op, PyObject *args) {
 
 /* ---- getters ------------------------------------------------------------- */
 
+/* A closed mapping reports no memory (dpctl's MemoryIPCDevice after
+ * SyclIPCCloseMemHandle: _pointer 0, nbytes 0); the object keeps the
+ * address until its last export ends and the unmap happens. */
+static int closed_mapping(const Mem *self) {
+  return self->is_mapping && (self->closed || self->released);
+}
+
 static PyObject *memory_get_nbytes(PyObject *op, void *closure) {
   (void)closure;
-  return PyLong_FromSsize_t(((Mem *)op)->nbytes);
+  Mem *self = (Mem *)op;
+  return PyLong_FromSsize_t(closed_mapping(self) ? 0 : self->nbytes);
 }
 
 static PyObject *memory_get_device(PyObject *op, void *closure) {
@@ -643,7 +651,8 @@ static PyObject *memory_get_kind(PyObject *op, void *closure) {
 
 static PyObject *memory_get_pointer(PyObject *op, void *closure) {
   (void)closure;
-  return PyLong_FromVoidPtr(((Mem *)op)->ptr);
+  Mem *self = (Mem *)op;
+  return PyLong_FromVoidPtr(closed_mapping(self) ? NULL : self->ptr);
 }
 
 static PyObject *memory_get_is_closed(PyObject *op, void *closure) {

@@ -58,9 +58,26 @@ static PyObject *exception_type_for(usmipc_module_state_t *st, int code) {
   }
 }
 
+static PyObject *raise_with_type(usmipc_module_state_t *st, PyObject *type,
+                                 int code, const char *message, long native);
+
 static PyObject *raise_with(usmipc_module_state_t *st, int code,
                             const char *message, long native) {
-  PyObject *type = exception_type_for(st, code);
+  return raise_with_type(st, exception_type_for(st, code), code, message,
+                         native);
+}
+
+PyObject *usmipc_raise_as(usmipc_module_state_t *st, PyObject *type,
+                          int code) {
+  const char *message = usmipc_last_error();
+  if (message == NULL || message[0] == '\0')
+    message = usmipc_strerror(code);
+  return raise_with_type(st, type, code, message, usmipc_last_native_error());
+}
+
+static PyObject *raise_with_type(usmipc_module_state_t *st, PyObject *type,
+                                 int code, const char *message, long native) {
+  (void)st;
   if (type == NULL) {
     type = PyExc_RuntimeError; /* the module state was cleared (shutdown) */
   }
@@ -691,7 +708,22 @@ static int create_error(PyObject *module, usmipc_module_state_t *st) {
   if (st->TimeoutError == NULL) {
     return -1;
   }
-  return PyModule_AddObjectRef(module, "IPCTimeoutError", st->TimeoutError);
+  if (PyModule_AddObjectRef(module, "IPCTimeoutError", st->TimeoutError) < 0)
+    return -1;
+  bases = PyTuple_Pack(2, st->Error, PyExc_ValueError);
+  if (bases == NULL)
+    return -1;
+  st->DeviceCreationError = PyErr_NewExceptionWithDoc(
+      "usmipc.SyclDeviceCreationError",
+      "Device() (alias SyclDevice()) found no device for the filter string,\n"
+      "or the filter string is malformed: dpctl's name for that error. A\n"
+      "usmipc.Error (.code, .name) and a ValueError.",
+      bases, NULL);
+  Py_DECREF(bases);
+  if (st->DeviceCreationError == NULL)
+    return -1;
+  return PyModule_AddObjectRef(module, "SyclDeviceCreationError",
+                               st->DeviceCreationError);
 }
 
 static int usmipc_exec(PyObject *module) {
@@ -736,6 +768,7 @@ static int usmipc_traverse(PyObject *module, visitproc visit, void *arg) {
   }
   Py_VISIT(st->Error);
   Py_VISIT(st->TimeoutError);
+  Py_VISIT(st->DeviceCreationError);
   Py_VISIT(st->DeviceType);
   Py_VISIT(st->QueueType);
   Py_VISIT(st->MemoryType);
@@ -771,6 +804,7 @@ static int usmipc_clear(PyObject *module) {
   st->nslots = 0;
   Py_CLEAR(st->Error);
   Py_CLEAR(st->TimeoutError);
+  Py_CLEAR(st->DeviceCreationError);
   Py_CLEAR(st->IPCEventHandleType);
   Py_CLEAR(st->SharedBundleType);
   Py_CLEAR(st->SharedArrayType);
