@@ -33,7 +33,7 @@ build:
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q scikit-build-core pytest numpy
+	$(VENV)/bin/python -m pip install -q scikit-build-core pytest numpy mypy
 	# UMF (the library SYCL and dpctl make IPC handles with) and its hwloc:
 	# tests/level_zero/test_sycl_umf.c opens blobs that UMF itself makes.
 	$(VENV)/bin/python -m pip install -q umf==1.2.0 tcmlib

@@ -9,12 +9,13 @@ opens them with usmipc.open_shared (no copy: the arrays are mappings of the
 producer's memory) and checks every array's bytes. Prints "bundle OK"."""
 import multiprocessing
 import sys
+from multiprocessing.connection import Connection
 
 import usmipc
 from usmipc.memory import MemoryPool
 
 
-def consumer(conn, device):
+def consumer(conn: Connection, device: str) -> None:
     tree = usmipc.open_shared(conn.recv(), device=device)
     embed, (w0, w1) = tree["embed"], tree["layers"]
     ok = (embed.tobytes() == bytes([1]) * 4096 and
@@ -25,7 +26,7 @@ def consumer(conn, device):
     usmipc.close_shared(tree)
 
 
-def main():
+def main() -> int:
     device = usmipc.Device(sys.argv[1] if len(sys.argv) > 1 else "host:cpu")
     pool = MemoryPool(device=device)
     blocks = [pool.allocate(n) for n in (4096, 1000, 10)]

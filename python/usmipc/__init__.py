@@ -23,11 +23,14 @@ across processes by hand; ``Queue.from_stream()`` wraps a torch, CuPy or
 from usmipc._usmipc import (
     COMPILED_VERSION_HEX,
     VERSION_HEX,
+    ArgumentError,
     Device,
     Error,
     Event,
     IPCEventHandle,
     IPCTimeoutError,
+    MemoryKindError,
+    OutOfMemoryError,
     Queue,
     SharedArray,
     SharedBundle,
@@ -71,11 +74,14 @@ globals().update({name: getattr(_usmipc, name)
                   for name in _usmipc.errorcode.values()})
 
 __all__ = [
+    "ArgumentError",
     "Device",
     "Error",
     "Event",
     "IPCEventHandle",
     "IPCTimeoutError",
+    "MemoryKindError",
+    "OutOfMemoryError",
     "Queue",
     "SharedArray",
     "SharedBundle",

@@ -192,11 +192,18 @@ def cmd_demo_child(_args):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    # The demo's child half is internal: kept out of --help and of the
+    # choices an unknown command's error lists.
+    if argv[:1] == ["_demo_child"]:
+        return cmd_demo_child(None)
     parser = argparse.ArgumentParser(
         prog="python -m usmipc",
         description="usmipc: zero-copy sharing of accelerator memory between "
                     "processes. Without a command: list backends and "
                     "devices.")
+    parser.add_argument("--version", action="version",
+                        version=f"usmipc {usmipc.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{info,demo}")
     sub.add_parser("info", help="list backends and devices (the default)")
     demo = sub.add_parser(
@@ -210,12 +217,9 @@ def main(argv=None):
                       help="cached re-opens the child times (default 1000)")
     demo.add_argument("--timeout", type=float, default=60.0,
                       help="seconds to wait for the child (default 60)")
-    sub.add_parser("_demo_child")
     args = parser.parse_args(argv)
     if args.command == "demo":
         return cmd_demo(args)
-    if args.command == "_demo_child":
-        return cmd_demo_child(args)
     return cmd_info(args)
 
 

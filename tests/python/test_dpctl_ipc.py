@@ -128,3 +128,52 @@ def test_the_same_on_level_zero_with_no_skip():
                        cwd=pathlib.Path(__file__).parent)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "skipped" not in r.stdout.splitlines()[-1], r.stdout
+
+
+def test_handle_close(queue):
+    """IPCMemoryHandle.close(): no more bytes (RuntimeError); the bytes
+    already sent of usmipc's own memory stay valid while it lives."""
+    mem = MemoryUSMDevice(4096, queue=queue)
+    h = IPCMemoryHandle(mem)
+    raw = h.to_bytes()
+    h.close()
+    h.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        h.to_bytes()
+    with pytest.raises(RuntimeError, match="closed"):
+        import pickle
+        pickle.dumps(h)
+    assert h.memory is None  # no longer keeps the memory alive
+    m = SyclIPCOpenMemHandle(raw, queue.sycl_device, 4096)
+    assert m.nbytes == 4096
+    SyclIPCCloseMemHandle(m)
+
+
+def test_one_exception_root(queue):
+    """The library's errors are usmipc.Error, and the built-in kind Python
+    code expects, with .code and .name."""
+    with pytest.raises(usmipc.ArgumentError) as e:
+        IPCMemoryHandle.open(b"\x89USMIPC\n" + bytes(300))
+    assert isinstance(e.value, usmipc.Error) and isinstance(e.value, ValueError)
+    # (version 0 in the header: a bad handle, told as a version mismatch)
+    assert e.value.name in ("USMIPC_EBADHANDLE", "USMIPC_EHANDLEVERSION")
+    assert e.value.code < 0
+    with pytest.raises(usmipc.MemoryKindError) as e:
+        IPCMemoryHandle(MemoryUSMShared(64, queue=queue))
+    assert isinstance(e.value, TypeError) and e.value.name == "USMIPC_EMEMKIND"
+    assert issubclass(usmipc.OutOfMemoryError, MemoryError)
+    assert issubclass(usmipc.SyclDeviceCreationError, usmipc.ArgumentError)
+
+
+def test_version_at_the_prompt():
+    out = subprocess.run([sys.executable, "-m", "usmipc", "--version"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == \
+        f"usmipc {usmipc.__version__}"
+    help_text = subprocess.run([sys.executable, "-m", "usmipc", "--help"],
+                               capture_output=True, text=True,
+                               timeout=60).stdout
+    assert "_demo_child" not in help_text  # internal subcommands stay hidden
+    bad = subprocess.run([sys.executable, "-m", "usmipc", "nosuch"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "_demo_child" not in bad.stderr

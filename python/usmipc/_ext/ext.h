@@ -36,6 +36,11 @@ typedef struct usmipc_module_state {
   PyObject *TimeoutError; /* usmipc.IPCTimeoutError(Error, TimeoutError) */
   /* usmipc.SyclDeviceCreationError(Error, ValueError): Device() failed */
   PyObject *DeviceCreationError;
+  /* The library's errors that Python code expects as built-in kinds: each
+   * a usmipc.Error too (one root), with .code and .name. */
+  PyObject *ArgumentError;   /* usmipc.ArgumentError(Error, ValueError) */
+  PyObject *MemoryKindError; /* usmipc.MemoryKindError(Error, TypeError) */
+  PyObject *OutOfMemoryError; /* usmipc.OutOfMemoryError(Error, MemoryError) */
   PyTypeObject *DeviceType;
   PyTypeObject *QueueType;
   PyTypeObject *MemoryType; /* usmipc.memory._Memory, the base */

@@ -47,6 +47,7 @@ typedef struct handle_object {
   PyObject *last;
   pthread_mutex_t order_lock;
   char lock_ready;
+  char closed; /* close() was called: no more bytes */
   usmipc_ipc_handle_info_t info;
 } Handle;
 
@@ -378,13 +379,17 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
   usmipc_memory_object_t *mem = (usmipc_memory_object_t *)mem_obj;
   if (mem->kind != USMIPC_MEM_DEVICE) {
     PyObject *name = PyType_GetName(Py_TYPE(mem_obj));
-    if (name != NULL) {
-      PyErr_Format(PyExc_TypeError,
+    PyObject *msg =
+        name ? PyUnicode_FromFormat(
                    "IPCMemoryHandle() exports device memory only "
                    "(MemoryUSMDevice); %U memory is of kind '%s'",
-                   name, mem->kind == USMIPC_MEM_HOST ? "host" : "shared");
-      Py_DECREF(name);
-    }
+                   name, mem->kind == USMIPC_MEM_HOST ? "host" : "shared")
+             : NULL;
+    Py_XDECREF(name);
+    const char *text = msg ? PyUnicode_AsUTF8AndSize(msg, NULL) : NULL;
+    if (text != NULL) /* usmipc.MemoryKindError, a TypeError */
+      usmipc_raise_msg(st, USMIPC_EMEMKIND, text);
+    Py_XDECREF(msg);
     return NULL;
   }
   if (mem->closed || mem->released) {
@@ -422,7 +427,17 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
 /* The bytes of the next handoff (new reference): for an ordered exported
  * handle, freshly ordered on its queue (without the GIL); otherwise the
  * handle's bytes, the same object each time. */
+static PyObject *handle_closed_error(void) {
+  PyErr_SetString(PyExc_RuntimeError,
+                  "the IPCMemoryHandle is closed (close() was called): it "
+                  "gives no more bytes; make a new one of the memory");
+  return NULL;
+}
+
 static PyObject *handle_current_bytes(Handle *self) {
+  if (self->closed) {
+    return handle_closed_error();
+  }
   if ((self->order_queue == NULL && !self->release) || self->handle == NULL) {
     return Py_NewRef(self->data);
   }
@@ -437,7 +452,9 @@ static PyObject *handle_current_bytes(Handle *self) {
   Py_BEGIN_ALLOW_THREADS
   pthread_mutex_lock(&self->order_lock);
   const void *data = NULL;
-  rc = usmipc_ipc_handle_order_ex(handle, queue, flags);
+  /* close() may have taken the handle meanwhile (under this lock). */
+  handle = self->handle;
+  rc = handle == NULL ? 1 : usmipc_ipc_handle_order_ex(handle, queue, flags);
   if (rc == 0) {
     rc = usmipc_ipc_handle_data(handle, &data, &len);
   }
@@ -450,6 +467,9 @@ static PyObject *handle_current_bytes(Handle *self) {
   pthread_mutex_unlock(&self->order_lock);
   Py_END_ALLOW_THREADS
   Py_XDECREF(queue_obj);
+  if (rc == 1) {
+    return handle_closed_error();
+  }
   if (rc < 0) {
     return usmipc_raise(handle_state((PyObject *)self), rc);
   }
@@ -1210,6 +1230,9 @@ static PyObject *handle_wait_released(PyObject *op, PyObject *const *args,
                             0, &stream) < 0) {
     return NULL;
   }
+  if (self->closed) {
+    return handle_closed_error();
+  }
   if (self->handle == NULL) {
     PyErr_SetString(PyExc_ValueError,
                     "wait_released(): this handle was made from bytes; only "
@@ -1375,7 +1398,47 @@ USMIPC_CLASSMETHOD(handle_inspect_cls, handle_inspect, IPCMemoryHandleType)
 USMIPC_CLASSMETHOD(handle_set_cache_size_cls, handle_set_cache_size, IPCMemoryHandleType)
 USMIPC_CLASSMETHOD(handle_from_bytes_cls, handle_from_bytes, IPCMemoryHandleType)
 
+/* close(): the handle gives no more bytes and lets go of its memory. The
+ * export of usmipc's own memory belongs to the allocation: bytes already
+ * sent stay valid while it lives. The export of another library's memory
+ * belongs to its handles: the last one closed refuses the bytes. */
+static PyObject *handle_close(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  Handle *self = (Handle *)op;
+  if (self->closed) {
+    Py_RETURN_NONE;
+  }
+  self->closed = 1;
+  usmipc_ipc_handle_t *handle;
+  if (self->lock_ready) {
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->order_lock);
+    handle = self->handle;
+    self->handle = NULL;
+    pthread_mutex_unlock(&self->order_lock);
+    Py_END_ALLOW_THREADS
+  } else {
+    handle = self->handle;
+    self->handle = NULL;
+  }
+  if (handle != NULL) {
+    Py_BEGIN_ALLOW_THREADS
+    usmipc_ipc_free_handle(handle);
+    Py_END_ALLOW_THREADS
+  }
+  Py_CLEAR(self->tensor); /* after the export: see handle_dealloc */
+  Py_CLEAR(self->memory);
+  Py_CLEAR(self->last);
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef handle_methods[] = {
+    {"close", handle_close, METH_NOARGS,
+     "close()\n--\n\nEnds this handle: to_bytes() (and pickling) raise "
+     "RuntimeError afterwards, and the handle no longer keeps its memory "
+     "alive. Bytes already sent stay valid for usmipc's own memory while it "
+     "lives (the export belongs to the allocation); for another library's "
+     "array, the last handle closed ends the export, and its bytes are "
+     "refused. Idempotent."},
     {"open", CMETHOD(handle_open_cls), USMIPC_CLASS_FLAGS,
      "open($cls, /, handle_bytes, device=None, nbytes=None, *, stream=None, "
      "ordered=True)\n--\n\n"

@@ -41,11 +41,11 @@ static PyObject *exception_type_for(usmipc_module_state_t *st, int code) {
   case USMIPC_ERANGE:
   case USMIPC_EOTHERHOST:
   case USMIPC_EWRONGDEVICE:
-    return PyExc_ValueError;
+    return st->ArgumentError;
   case USMIPC_EMEMKIND:
-    return PyExc_TypeError;
+    return st->MemoryKindError;
   case USMIPC_ENOMEM:
-    return PyExc_MemoryError;
+    return st->OutOfMemoryError;
   case USMIPC_ETIMEDOUT:
     /* usmipc.IPCTimeoutError: both a usmipc.Error and a TimeoutError, so
      * that code catching either (or OSError with errno ETIMEDOUT) sees it. */
@@ -710,7 +710,38 @@ static int create_error(PyObject *module, usmipc_module_state_t *st) {
   }
   if (PyModule_AddObjectRef(module, "IPCTimeoutError", st->TimeoutError) < 0)
     return -1;
-  bases = PyTuple_Pack(2, st->Error, PyExc_ValueError);
+  struct {
+    PyObject **slot;
+    const char *name, *doc;
+    PyObject *builtin;
+  } kinds[] = {
+      {&st->ArgumentError, "usmipc.ArgumentError",
+       "A bad argument, handle or size (USMIPC_EINVAL, EBADHANDLE,\n"
+       "EHANDLEVERSION, ERANGE, EOTHERHOST, EWRONGDEVICE): a usmipc.Error\n"
+       "and a ValueError.",
+       PyExc_ValueError},
+      {&st->MemoryKindError, "usmipc.MemoryKindError",
+       "Memory of the wrong kind (USMIPC_EMEMKIND: host or shared memory\n"
+       "where device memory is needed): a usmipc.Error and a TypeError.",
+       PyExc_TypeError},
+      {&st->OutOfMemoryError, "usmipc.OutOfMemoryError",
+       "An allocation failed (USMIPC_ENOMEM): a usmipc.Error and a\n"
+       "MemoryError.",
+       PyExc_MemoryError},
+  };
+  for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {
+    PyObject *b = PyTuple_Pack(2, st->Error, kinds[i].builtin);
+    if (b == NULL)
+      return -1;
+    *kinds[i].slot = PyErr_NewExceptionWithDoc(kinds[i].name, kinds[i].doc,
+                                               b, NULL);
+    Py_DECREF(b);
+    if (*kinds[i].slot == NULL ||
+        PyModule_AddObjectRef(module, strchr(kinds[i].name, '.') + 1,
+                              *kinds[i].slot) < 0)
+      return -1;
+  }
+  bases = PyTuple_Pack(1, st->ArgumentError);
   if (bases == NULL)
     return -1;
   st->DeviceCreationError = PyErr_NewExceptionWithDoc(
@@ -769,6 +800,9 @@ static int usmipc_traverse(PyObject *module, visitproc visit, void *arg) {
   Py_VISIT(st->Error);
   Py_VISIT(st->TimeoutError);
   Py_VISIT(st->DeviceCreationError);
+  Py_VISIT(st->ArgumentError);
+  Py_VISIT(st->MemoryKindError);
+  Py_VISIT(st->OutOfMemoryError);
   Py_VISIT(st->DeviceType);
   Py_VISIT(st->QueueType);
   Py_VISIT(st->MemoryType);
@@ -805,6 +839,9 @@ static int usmipc_clear(PyObject *module) {
   Py_CLEAR(st->Error);
   Py_CLEAR(st->TimeoutError);
   Py_CLEAR(st->DeviceCreationError);
+  Py_CLEAR(st->ArgumentError);
+  Py_CLEAR(st->MemoryKindError);
+  Py_CLEAR(st->OutOfMemoryError);
   Py_CLEAR(st->IPCEventHandleType);
   Py_CLEAR(st->SharedBundleType);
   Py_CLEAR(st->SharedArrayType);
