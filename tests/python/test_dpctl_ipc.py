@@ -177,3 +177,15 @@ def test_version_at_the_prompt():
     bad = subprocess.run([sys.executable, "-m", "usmipc", "nosuch"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "_demo_child" not in bad.stderr
+
+
+def test_numpy_of_a_closed_mapping_raises():
+    np = pytest.importorskip("numpy")
+    d = usmipc.Device("host:cpu")
+    mem = MemoryUSMDevice(64, device=d)
+    mem.memset(7)
+    m = IPCMemoryHandle.open(IPCMemoryHandle(mem).to_bytes(), d)
+    assert np.asarray(m)[3] == 7
+    IPCMemoryHandle.close_mapping(m)
+    with pytest.raises(ValueError, match="closed"):
+        np.asarray(m)

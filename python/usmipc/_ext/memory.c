@@ -713,7 +713,50 @@ static PyGetSetDef memory_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+/* numpy.asarray(memory): NumPy reads host-accessible memory through the
+ * buffer protocol first; this is its fallback, reached when that failed,
+ * so that a closed mapping or device memory raises instead of becoming a
+ * 0-d object array. */
+static PyObject *memory_array(PyObject *op, PyObject *const *args,
+                              Py_ssize_t nargs, PyObject *kwnames) {
+  static const char *const names[] = {"dtype", "copy"};
+  PyObject *a[2];
+  Mem *self = (Mem *)op;
+  if (usmipc_parse_fastcall("__array__", args, nargs, kwnames, names, 2, 2,
+                            a) < 0) {
+    return NULL;
+  }
+  if (self->closed || self->released) {
+    PyErr_SetString(PyExc_ValueError, "mapping is closed");
+    return NULL;
+  }
+  if (!self->host_accessible) {
+    PyErr_Format(PyExc_TypeError,
+                 "%s memory on a %s device is not accessible from the host: "
+                 "numpy cannot view it; use copy_to_host(), or DLPack with "
+                 "a device array library",
+                 kind_name(self->kind), usmipc_backend_name(self->backend));
+    return NULL;
+  }
+  PyObject *numpy = PyImport_ImportModule("numpy");
+  PyObject *arr = numpy ? PyObject_CallMethod(numpy, "frombuffer", "Os", op,
+                                              "uint8")
+                        : NULL;
+  Py_XDECREF(numpy);
+  if (arr != NULL && a[0] != NULL && a[0] != Py_None) {
+    PyObject *cast = PyObject_CallMethod(arr, "astype", "O", a[0]);
+    Py_DECREF(arr);
+    arr = cast;
+  }
+  return arr;
+}
+
 static PyMethodDef memory_methods[] = {
+    {"__array__", (PyCFunction)(void (*)(void))memory_array,
+     METH_FASTCALL | METH_KEYWORDS,
+     "__array__(dtype=None, copy=None)\n--\n\nA NumPy view of host-"
+     "accessible memory (uint8); a closed mapping raises ValueError, device "
+     "memory TypeError."},
     {"copy_from_host", memory_copy_from_host, METH_O,
      "copy_from_host($self, obj, /)\n--\n\nCopies a bytes-like object (at most "
      "nbytes) to "
