@@ -69,6 +69,30 @@ from usmipc import ipc  # noqa: E402
 SyclDevice = Device
 SyclQueue = Queue
 
+
+def get_num_devices(backend=None, device_type=None):
+    """The number of devices, of a backend ('host', 'cuda', 'level_zero')
+    and of a type ('cpu', 'gpu') if given (dpctl's function)."""
+    return sum(1 for d in get_devices()
+               if (backend is None or d.backend == backend)
+               and (device_type is None or d.device_type == device_type))
+
+
+def has_gpu_devices(backend=None):
+    """True if this process sees a GPU (of the backend, if given)."""
+    return get_num_devices(backend, "gpu") > 0
+
+
+def has_cpu_devices(backend=None):
+    """True if this process sees a CPU device (the host backend's)."""
+    return get_num_devices(backend, "cpu") > 0
+
+
+def select_default_device():
+    """The default device: USMIPC_DEFAULT_DEVICE if set, else the first GPU,
+    else the host (dpctl's function; the same as Device())."""
+    return Device()
+
 # The error codes, USMIPC_EINVAL ... (errorcode maps each back to its name).
 globals().update({name: getattr(_usmipc, name)
                   for name in _usmipc.errorcode.values()})
@@ -93,10 +117,14 @@ __all__ = [
     "close_shared",
     "errorcode",
     "get_devices",
+    "get_num_devices",
+    "has_cpu_devices",
+    "has_gpu_devices",
     "ipc",
     "memory",
     "open_shared",
     "reset_stats",
+    "select_default_device",
     "set_event_timeout",
     "set_ipc_cache_bytes",
     "set_ipc_cache_size",

@@ -189,3 +189,20 @@ def test_numpy_of_a_closed_mapping_raises():
     IPCMemoryHandle.close_mapping(m)
     with pytest.raises(ValueError, match="closed"):
         np.asarray(m)
+
+
+def test_device_parity(capsys):
+    d = usmipc.select_default_device()
+    assert d == usmipc.Device()
+    host = usmipc.Device("host:cpu")
+    assert host.has_aspect_cpu and not host.has_aspect_gpu
+    assert isinstance(host.vendor, str) and host.vendor
+    host.print_device_info()
+    out = capsys.readouterr().out
+    assert "host:cpu:0" in out and "IPC memory" in out and host.name in out
+    n = usmipc.get_num_devices()
+    assert n == len(usmipc.get_devices()) >= 1
+    assert usmipc.get_num_devices(backend="host") == 1
+    assert usmipc.has_cpu_devices()
+    assert usmipc.has_gpu_devices() == (usmipc.get_num_devices(
+        device_type="gpu") > 0)

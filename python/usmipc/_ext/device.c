@@ -149,7 +149,76 @@ static Py_hash_t device_hash(PyObject *self) {
   return h;
 }
 
+static usmipc_device_t *dev_of(PyObject *self) {
+  return ((usmipc_device_object_t *)self)->device;
+}
+
+static PyObject *device_get_is_gpu(PyObject *self, void *closure) {
+  (void)closure;
+  return PyBool_FromLong(usmipc_device_type(dev_of(self)) ==
+                         USMIPC_DEVICE_GPU);
+}
+
+static PyObject *device_get_is_cpu(PyObject *self, void *closure) {
+  (void)closure;
+  return PyBool_FromLong(usmipc_device_type(dev_of(self)) ==
+                         USMIPC_DEVICE_CPU);
+}
+
+/* The maker of the driver's devices (dpctl's vendor): the backend tells. */
+static const char *vendor_of(usmipc_device_t *d) {
+  switch (usmipc_device_backend(d)) {
+  case USMIPC_BACKEND_CUDA:
+    return "NVIDIA Corporation";
+  case USMIPC_BACKEND_LEVEL_ZERO:
+    return "Intel(R) Corporation";
+  default:
+    return "usmipc (host memory)";
+  }
+}
+
+static PyObject *device_get_vendor(PyObject *self, void *closure) {
+  (void)closure;
+  return PyUnicode_FromString(vendor_of(dev_of(self)));
+}
+
+static PyObject *device_print_info(PyObject *self, PyObject *Py_UNUSED(x)) {
+  usmipc_device_t *d = dev_of(self);
+  PyObject *name = PyObject_GetAttrString(self, "name");
+  if (name == NULL)
+    return NULL;
+  PyObject *text = PyUnicode_FromFormat(
+      "    Name            %U\n"
+      "    Vendor          %s\n"
+      "    Backend         %s\n"
+      "    Device type     %s\n"
+      "    Filter string   %s\n"
+      "    IPC memory      %s\n",
+      name, vendor_of(d), usmipc_backend_name(usmipc_device_backend(d)),
+      usmipc_device_type(d) == USMIPC_DEVICE_GPU ? "gpu" : "cpu",
+      usmipc_device_filter_string(d),
+      usmipc_device_has_ipc(d) ? "supported" : "not supported");
+  Py_DECREF(name);
+  if (text == NULL)
+    return NULL;
+  PyObject *builtins = PyImport_ImportModule("builtins");
+  PyObject *r = builtins ? PyObject_CallMethod(builtins, "print", "Os", text,
+                                               "")
+                         : NULL;
+  Py_XDECREF(builtins);
+  Py_DECREF(text);
+  if (r == NULL)
+    return NULL;
+  Py_DECREF(r);
+  Py_RETURN_NONE;
+}
+
 static PyGetSetDef device_getset[] = {
+    {"vendor", device_get_vendor, NULL,
+     "The maker of the device's driver ('NVIDIA Corporation', ...).", NULL},
+    {"has_aspect_gpu", device_get_is_gpu, NULL, "True for a GPU.", NULL},
+    {"has_aspect_cpu", device_get_is_cpu, NULL,
+     "True for the host device.", NULL},
     {"name", device_get_name, NULL, "The device's name.", NULL},
     {"backend", device_get_backend, NULL,
      "The backend: 'host', 'cuda' or 'level_zero'.", NULL},
@@ -170,6 +239,9 @@ static PyMethodDef device_methods[] = {
     {"get_filter_string", device_get_filter_string_method, METH_NOARGS,
      "get_filter_string() -> str: the canonical filter string."},
     {"__reduce__", device_reduce, METH_NOARGS, NULL},
+    {"print_device_info", device_print_info, METH_NOARGS,
+     "print_device_info()\n--\n\nPrints the device's name, vendor, "
+     "backend, type, filter string and IPC support (dpctl's method)."},
     {NULL, NULL, 0, NULL},
 };
 
