@@ -94,7 +94,7 @@ class _Memory:
                    dl_device: Optional[tuple[int, int]] = None,
                    copy: Optional[bool] = None) -> Any: ...
     def __dlpack_device__(self) -> tuple[int, int]: ...
-    def get_usm_type(self) -> str: ...
+    def get_usm_type(self, syclobj: DeviceLike = None) -> str: ...
     @property
     def nbytes(self) -> int: ...
     @property
@@ -119,20 +119,23 @@ class _Memory:
     def __cuda_array_interface__(self) -> dict[str, Any]: ...
 
 class MemoryUSMDevice(_Memory):
-    def __init__(self, nbytes: int, *, device: DeviceLike = None,
+    def __init__(self, nbytes: int, alignment: int = 0, *,
+                 device: DeviceLike = None,
                  queue: Optional[Queue] = None,
                  sycl_device: DeviceLike = None,
                  sycl_queue: Optional[Queue] = None,
                  ipc: Optional[str] = None) -> None: ...
 
 class MemoryUSMHost(_Memory):
-    def __init__(self, nbytes: int, *, device: DeviceLike = None,
+    def __init__(self, nbytes: int, alignment: int = 0, *,
+                 device: DeviceLike = None,
                  queue: Optional[Queue] = None,
                  sycl_device: DeviceLike = None,
                  sycl_queue: Optional[Queue] = None) -> None: ...
 
 class MemoryUSMShared(_Memory):
-    def __init__(self, nbytes: int, *, device: DeviceLike = None,
+    def __init__(self, nbytes: int, alignment: int = 0, *,
+                 device: DeviceLike = None,
                  queue: Optional[Queue] = None,
                  sycl_device: DeviceLike = None,
                  sycl_queue: Optional[Queue] = None) -> None: ...

@@ -206,3 +206,16 @@ def test_device_parity(capsys):
     assert usmipc.has_cpu_devices()
     assert usmipc.has_gpu_devices() == (usmipc.get_num_devices(
         device_type="gpu") > 0)
+
+
+def test_alignment_and_usm_type(queue):
+    m = MemoryUSMDevice(100, 256, queue=queue)  # dpctl: alignment second
+    assert m._pointer % 256 == 0
+    assert MemoryUSMShared(64, alignment=64, queue=queue)._pointer % 64 == 0
+    with pytest.raises(ValueError, match="power of two"):
+        MemoryUSMDevice(64, alignment=3, queue=queue)
+    with pytest.raises(ValueError, match="alignment"):
+        MemoryUSMDevice(64, alignment=1 << 40, queue=queue)
+    assert m.get_usm_type() == "device"
+    assert m.get_usm_type(queue) == "device"
+    assert MemoryUSMHost(64, queue=queue).get_usm_type(syclobj=None) == "host"

@@ -179,15 +179,21 @@ fail:
 static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
                               PyObject *kwds, usmipc_mem_kind_t kind,
                               const char *format) {
-  static char *kwlist[] = {"nbytes",     "device", "queue", "sycl_device",
-                           "sycl_queue", "ipc",    NULL};
-  Py_ssize_t nbytes;
+  /* dpctl's order: nbytes, alignment, then the keywords. */
+  static char *kwlist[] = {"nbytes",      "alignment",  "device", "queue",
+                           "sycl_device", "sycl_queue", "ipc",    NULL};
+  Py_ssize_t nbytes, alignment = 0;
   PyObject *device_arg = NULL, *queue_arg = NULL;
   PyObject *sycl_device = NULL, *sycl_queue = NULL;
   const char *ipc = NULL;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, format, kwlist, &nbytes,
-                                   &device_arg, &queue_arg, &sycl_device,
-                                   &sycl_queue, &ipc)) {
+                                   &alignment, &device_arg, &queue_arg,
+                                   &sycl_device, &sycl_queue, &ipc)) {
+    return NULL;
+  }
+  if (alignment < 0 || (alignment & (alignment - 1)) != 0) {
+    PyErr_Format(PyExc_ValueError,
+                 "alignment must be 0 or a power of two, not %zd", alignment);
     return NULL;
   }
   unsigned flags = 0;
@@ -255,25 +261,35 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
     return NULL;
   }
   self->ptr = ptr;
+  /* Allocations start on a page (or the driver's granularity): an
+   * alignment beyond what this one got is refused, not silently unmet. */
+  if (alignment > 1 && (uintptr_t)ptr % (uintptr_t)alignment != 0) {
+    PyErr_Format(PyExc_ValueError,
+                 "alignment %zd is more than this device's allocations "
+                 "give (this one is at %p); use at most the page size",
+                 alignment, ptr);
+    Py_DECREF(self);
+    return NULL;
+  }
   return (PyObject *)self;
 }
 
 static PyObject *usm_device_new(PyTypeObject *type, PyObject *args,
                                 PyObject *kwds) {
   return memory_alloc(type, args, kwds, USMIPC_MEM_DEVICE,
-                      "n|$OOOOz:MemoryUSMDevice");
+                      "n|n$OOOOz:MemoryUSMDevice");
 }
 
 static PyObject *usm_host_new(PyTypeObject *type, PyObject *args,
                               PyObject *kwds) {
   return memory_alloc(type, args, kwds, USMIPC_MEM_HOST,
-                      "n|$OOOOz:MemoryUSMHost");
+                      "n|n$OOOOz:MemoryUSMHost");
 }
 
 static PyObject *usm_shared_new(PyTypeObject *type, PyObject *args,
                                 PyObject *kwds) {
   return memory_alloc(type, args, kwds, USMIPC_MEM_SHARED,
-                      "n|$OOOOz:MemoryUSMShared");
+                      "n|n$OOOOz:MemoryUSMShared");
 }
 
 PyObject *usmipc_mapping_new(usmipc_module_state_t *st, PyObject *device_obj,
@@ -578,9 +594,32 @@ static PyObject *memory_memset(PyObject *op, PyObject *const *args,
   Py_RETURN_NONE;
 }
 
-static PyObject *memory_get_usm_type(PyObject *op,
-                                     PyObject *Py_UNUSED(ignored)) {
-  return PyUnicode_FromString(kind_name(((Mem *)op)->kind));
+/* dpctl's get_usm_type(syclobj=None): the kind, or 'unknown' relative to
+ * a device or queue of another backend (whose driver would not know the
+ * pointer). */
+static PyObject *memory_get_usm_type(PyObject *op, PyObject *const *args,
+                                     Py_ssize_t nargs, PyObject *kwnames) {
+  static const char *const names[] = {"syclobj"};
+  PyObject *obj = NULL;
+  Mem *self = (Mem *)op;
+  if (usmipc_parse_fastcall("get_usm_type", args, nargs, kwnames, names, 1, 1,
+                            &obj) < 0) {
+    return NULL;
+  }
+  if (obj != NULL && obj != Py_None && self->device != NULL) {
+    PyObject *dev = usmipc_device_from_arg(
+        usmipc_state_from_device(self->device), obj);
+    if (dev == NULL) {
+      return NULL;
+    }
+    int other = usmipc_device_backend(((usmipc_device_object_t *)dev)->device) !=
+                self->backend;
+    Py_DECREF(dev);
+    if (other) {
+      return PyUnicode_FromString("unknown");
+    }
+  }
+  return PyUnicode_FromString(kind_name(self->kind));
 }
 
 static PyObject *mapping_close(PyObject *op, PyObject *Py_UNUSED(ignored)) {
@@ -781,8 +820,11 @@ static PyMethodDef memory_methods[] = {
     {"__dlpack_device__", usmipc_memory_dlpack_device, METH_NOARGS,
      "__dlpack_device__($self, /)\n--\n\n"
      "The (DLPack device type, device id) of the memory."},
-    {"get_usm_type", memory_get_usm_type, METH_NOARGS,
-     "get_usm_type() -> 'device', 'host' or 'shared'."},
+    {"get_usm_type", (PyCFunction)(void (*)(void))memory_get_usm_type,
+     METH_FASTCALL | METH_KEYWORDS,
+     "get_usm_type(syclobj=None)\n--\n\n'device', 'host' or 'shared'; "
+     "'unknown' relative to a Device or Queue (syclobj) of another "
+     "backend."},
     {NULL, NULL, 0, NULL},
 };
 
