@@ -12,7 +12,10 @@ gathers them (dpctl's ``dpctl.memory`` layout), and adds
 pool block (torch is imported only by the torch functions).
 """
 
+import copyreg
 import ctypes
+import threading
+from multiprocessing.reduction import ForkingPickler
 
 from usmipc import _usmipc
 from usmipc._usmipc import (
@@ -44,6 +47,70 @@ __all__ = [
     "torch_pool_info",
     "use_torch_allocator",
 ]
+
+
+# ---- pickling: a copy; multiprocessing: the same memory --------------------
+#
+# pickle.dumps(mem) makes a copy, as dpctl does: the bytes and the kind, made
+# again on unpickling (on the device of the same filter string if the
+# process has it, else the default device). multiprocessing's queues, pipes
+# and pools pickle with ForkingPickler, where memory of kind 'device' travels
+# as an IPC handle and arrives as a MemoryIPCDevice over the same memory (as
+# torch.multiprocessing does for tensors). The sender keeps the memory alive
+# until the receiver is done with it (its mapping closed or collected: the
+# handle's release ticket comes back), even if it dropped its last
+# reference right after put(); a receiver that dies without closing leaves
+# the memory held until the sender exits.
+
+_kept = []  # IPCMemoryHandles whose tickets are out
+_kept_lock = threading.Lock()
+
+
+def _copy_of(data, kind, filter_string):
+    try:
+        device = Device(filter_string)
+    except Exception:  # not visible here: dpctl's default-queue behaviour
+        device = Device()
+    cls = {"host": MemoryUSMHost, "shared": MemoryUSMShared}.get(
+        kind, MemoryUSMDevice)
+    mem = cls(max(len(data), 1), device=device)
+    if data:
+        mem.copy_from_host(data)
+    return mem
+
+
+def _reduce_copy(mem):
+    if mem.is_closed:
+        raise ValueError("cannot pickle a closed mapping")
+    return _copy_of, (mem.copy_to_host(), mem.get_usm_type(),
+                      mem.device.filter_string)
+
+
+def _open_shared_memory(raw):
+    return IPCMemoryHandle.open(raw)
+
+
+def _reduce_share(mem):
+    if mem.is_closed:
+        raise ValueError("cannot send a closed mapping")
+    if mem.get_usm_type() != "device" or not mem.device.has_aspect_ipc_memory:
+        return _reduce_copy(mem)  # only device memory is shared
+    handle = IPCMemoryHandle(mem, release=True)
+    raw = handle.to_bytes()
+    with _kept_lock:
+        _kept[:] = [h for h in _kept if h.releases[1] < h.releases[0]]
+        _kept.append(handle)
+    return _open_shared_memory, (raw,)
+
+
+for _cls in (MemoryUSMDevice, MemoryUSMHost, MemoryUSMShared,
+             MemoryIPCDevice):
+    copyreg.pickle(_cls, _reduce_copy)
+# A mapping sent on arrives as a copy (its exporter's memory is not this
+# process's to share); an allocation of this process as the memory itself.
+for _cls in (MemoryUSMDevice, MemoryUSMHost, MemoryUSMShared):
+    ForkingPickler.register(_cls, _reduce_share)
+del _cls
 
 
 # ---- dpctl's free functions (dpctl.memory, the merged form of the seed) ----
