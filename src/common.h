@@ -267,6 +267,17 @@ int usmipc__bundle_decode_check(const void *data, size_t len, size_t *arrays,
                                 size_t *allocations,
                                 usmipc_opened_bundle_t **kept);
 
+/* ---- USMIPC_DEBUG and malformed settings (debug.c) ------------------------
+ */
+
+bool usmipc__debug_enabled(void);
+/* A line on stderr when USMIPC_DEBUG=1: "usmipc[pid]: ..." */
+void usmipc__debug(const char *fmt, ...) USMIPC__PRINTF(1, 2);
+/* A warning on stderr (always): name's value is malformed, what was
+ * expected, and what is used instead. */
+void usmipc__env_malformed(const char *name, const char *value,
+                           const char *expected, const char *used);
+
 /* ---- counters (stats.c) -------------------------------------------------- */
 
 typedef struct usmipc__stats {

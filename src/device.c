@@ -57,8 +57,10 @@ static void probe_one(const usmipc__backend_ops_t *ops, backend_state_t *st) {
     st->status = USMIPC_EUNAVAILABLE;
     if (n == 0 && st->reason[0] == '\0')
       snprintf(st->reason, sizeof(st->reason), "the driver reports no devices");
+    usmipc__debug("backend %s unavailable: %s", ops->name, st->reason);
     return;
   }
+  usmipc__debug("backend %s: %d device(s)", ops->name, n);
   int per_type[2] = {0, 0};
   for (int i = 0; i < n && i < MAX_DEVICES_PER_BACKEND; i++) {
     usmipc_device_t *d = &st->devices[st->count++];

@@ -133,8 +133,15 @@ static unsigned long long timeout_now(void) {
   pthread_mutex_lock(&events_lock);
   if (!timeout_from_env) {
     const char *env = getenv("USMIPC_EVENT_TIMEOUT_MS");
-    if (env != NULL && *env != '\0')
-      event_timeout_ms = strtoull(env, NULL, 10);
+    if (env != NULL && *env != '\0') {
+      char *end;
+      unsigned long long v = strtoull(env, &end, 10);
+      if (*end == '\0' && env[0] != '-')
+        event_timeout_ms = v;
+      else
+        usmipc__env_malformed("USMIPC_EVENT_TIMEOUT_MS", env,
+                              "milliseconds, 0 for none", "no timeout");
+    }
     timeout_from_env = true;
   }
   unsigned long long ms = event_timeout_ms;

@@ -97,8 +97,10 @@ static void env_size(const char *name, size_t *out) {
   if (env != NULL && *env != '\0') {
     char *end;
     unsigned long long v = strtoull(env, &end, 10);
-    if (*end == '\0')
+    if (*end == '\0' && env[0] != '-')
       *out = (size_t)v;
+    else
+      usmipc__env_malformed(name, env, "a count", "the default");
   }
 }
 
@@ -108,6 +110,8 @@ static void cache_init(void) {
   const char *env = getenv("USMIPC_IPC_CACHE_DROP_FREED");
   if (env != NULL && strcmp(env, "0") == 0)
     drop_freed = false;
+  else if (env != NULL && env[0] != '\0' && strcmp(env, "1") != 0)
+    usmipc__env_malformed("USMIPC_IPC_CACHE_DROP_FREED", env, "0 or 1", "1");
 }
 
 /* Bytes an idle mapping keeps: what the backend really mapped. */
@@ -219,6 +223,10 @@ static usmipc__region_t *idle_evict_over_limit(void) {
 }
 
 static void unmap_list(usmipc__region_t *list) {
+  if (list != NULL)
+    usmipc__debug("cache: unmapping %s (buffer %llu)",
+                  list->idle_next ? "idle mappings" : "an idle mapping",
+                  (unsigned long long)list->buffer_id);
   while (list) {
     usmipc__region_t *next = list->idle_next;
     list->device->ops->ipc_unmap(list->device->native, &list->alloc);
@@ -1203,9 +1211,14 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
   if (hit != NULL) {
     rc = cache_take(hit, w, ptr);
     pthread_mutex_unlock(&usmipc__registry_lock);
+    usmipc__debug("open: cache hit, buffer %llu of process %u%s",
+                  (unsigned long long)w->buffer_id, w->pid,
+                  rc == 0 ? "" : " (refused)");
     return rc;
   }
   pthread_mutex_unlock(&usmipc__registry_lock);
+  usmipc__debug("open: cache miss, buffer %llu of process %u: mapping it",
+                (unsigned long long)w->buffer_id, w->pid);
 
   /* Miss: check, fetch and map without the lock, since all three can wait
    * on the exporter; another thread may map the same allocation meanwhile,

@@ -269,6 +269,8 @@ static int cuda_probe(usmipc__device_desc_t *devices, int max, char *reason,
   const char *env = getenv("USMIPC_CUDA_IPC");
   if (env && !strcmp(env, "native"))
     default_ipc_fd = 0;
+  else if (env && env[0] != '\0' && strcmp(env, "fd") != 0)
+    usmipc__env_malformed("USMIPC_CUDA_IPC", env, "fd or native", "fd");
   void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (lib == NULL) {
     snprintf(reason, reason_len, "libcuda.so.1 not found (%s)", dlerror());

@@ -687,8 +687,12 @@ static void *broker_main(void *arg) {
 static int broker_thread_count(void) {
   const char *env = getenv("USMIPC_BROKER_THREADS");
   if (env != NULL && *env != '\0') {
-    long v = strtol(env, NULL, 10);
-    return v < 1 ? 1 : v > 16 ? 16 : (int)v;
+    char *end;
+    long v = strtol(env, &end, 10);
+    if (*end == '\0')
+      return v < 1 ? 1 : v > 16 ? 16 : (int)v;
+    usmipc__env_malformed("USMIPC_BROKER_THREADS", env, "1 to 16",
+                          "the default");
   }
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   int n = cpus < 8 ? 1 : (int)(cpus / 4);

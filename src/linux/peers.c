@@ -376,6 +376,9 @@ int usmipc__peer_fetch_fd(usmipc__peer_t *p, const usmipc__wire_t *w,
     if ((rc = usmipc__pidfd_take(p->pidfd, w->pid, w->fd_number, &fd)) != 0 ||
         (rc = recheck(p, w, seq, fd, false)) != 0)
       return rc;
+    usmipc__debug("descriptor of buffer %llu taken from process %u with "
+                  "pidfd_getfd",
+                  (unsigned long long)w->buffer_id, w->pid);
     *out = fd;
     return 0;
   }
@@ -388,6 +391,9 @@ int usmipc__peer_fetch_fd(usmipc__peer_t *p, const usmipc__wire_t *w,
       mode != USMIPC__TRANSPORT_SOCKET) {
     rc = usmipc__procfd_reopen(w, w->fd_number, O_RDWR, &fd);
     if (rc == 0 && (rc = recheck(p, w, seq, fd, true)) == 0) {
+      usmipc__debug("descriptor of buffer %llu of process %u reopened "
+                    "through /proc",
+                    (unsigned long long)w->buffer_id, w->pid);
       *out = fd;
       return 0;
     }
@@ -407,6 +413,8 @@ int usmipc__peer_fetch_fd(usmipc__peer_t *p, const usmipc__wire_t *w,
     close(fd);
     return rc;
   }
+  usmipc__debug("descriptor of buffer %llu sent by the broker of process %u",
+                (unsigned long long)w->buffer_id, w->pid);
   *out = fd;
   return 0;
 }

@@ -28,8 +28,10 @@ static unsigned env_timeout_ms(void) {
   if (env != NULL && *env != '\0') {
     char *end;
     unsigned long v = strtoul(env, &end, 10);
-    if (*end == '\0' && v > 0 && v <= 86400000ul)
+    if (*end == '\0' && v > 0 && v <= 86400000ul && env[0] != '-')
       return (unsigned)v;
+    usmipc__env_malformed("USMIPC_IPC_TIMEOUT_MS", env,
+                          "milliseconds, 1 to 86400000", "5000");
   }
   return DEFAULT_TIMEOUT_MS;
 }
