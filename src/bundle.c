@@ -718,8 +718,9 @@ struct usmipc_opened_bundle {
   usmipc_bundle_array_t *arrays;
   int64_t *dims;
   usmipc_bundle_node_t *nodes;
-  size_t order_at, order_len; /* in bytes */
-  uint8_t *bytes;             /* a copy: the keys point into it */
+  size_t order_len;            /* of the ordering record, bytes */
+  usmipc__wire_t *order_event; /* its event (decoded), or NULL */
+  uint8_t *bytes;              /* a copy: the keys point into it */
   size_t len;
   usmipc_device_t *device; /* where the arrays are mapped */
 };
@@ -727,6 +728,7 @@ struct usmipc_opened_bundle {
 static void opened_free(usmipc_opened_bundle_t *ob) {
   if (ob == NULL)
     return;
+  free(ob->order_event);
   free(ob->segs);
   free(ob->array_seg);
   free(ob->array_off);
@@ -979,7 +981,6 @@ static int decode(const void *data, size_t len, usmipc_opened_bundle_t **out) {
                                          : "bytes left after the tree");
     goto fail;
   }
-  ob->order_at = end;
   ob->order_len = order_len;
   if (order_len > 0) { /* checked as the handle it will extend */
     usmipc__wire_t *ord = malloc(sizeof(*ord));
@@ -996,6 +997,10 @@ static int decode(const void *data, size_t len, usmipc_opened_bundle_t **out) {
         usmipc__error_prefix("the bundle's ordering record: ");
       else if (ord->order_len == 0 || ord->has_release)
         rc = BAD("its ordering record is not one");
+      else if ((ob->order_event = malloc(sizeof(*ob->order_event))) == NULL)
+        rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+      else /* the event the open waits for, decoded once */
+        usmipc__wire_order_event(ord, ob->order_event);
     }
     free(ord);
     free(buf);
@@ -1053,25 +1058,17 @@ static int check_live(const usmipc_opened_bundle_t *ob) {
   if (memcmp(w->boot_id, self->boot_id, 16) != 0)
     return usmipc__fail(USMIPC_EOTHERHOST,
                         "the bundle was exported on another machine or boot");
-  usmipc__peer_t *peer;
-  int fd = -1;
-  int rc = usmipc__peer_get(w, usmipc__deadline_after_timeout(), &peer, &fd);
-  if (rc != 0)
+  int state;
+  int rc =
+      usmipc__peer_slot_state(w, ob->slot, ob->id, ob->token, NULL, &state);
+  if (rc != 0 || state > 0)
     return rc;
-  if (fd >= 0)
-    close(fd);
-  const uint8_t *table = usmipc__peer_table(peer);
-  usmipc__export_slot_t s;
-  if (usmipc__table_read_slot(table, ob->slot, &s, NULL) != 0 ||
-      s.buffer_id != ob->id || s.tag != usmipc__slot_tag(w->key, ob->token))
-    rc = usmipc__fail(USMIPC_EEXPORTERGONE,
-                      usmipc__table_alive(table)
+  return usmipc__fail(USMIPC_EEXPORTERGONE,
+                      state == 0
                           ? "process %u no longer shares this bundle (it "
                             "freed the bundle, or the bytes are forged)"
                           : "process %u, which shared the bundle, has exited",
                       w->pid);
-  usmipc__peer_put(peer);
-  return rc;
 }
 
 static void close_arrays(usmipc_opened_bundle_t *ob, size_t upto) {
@@ -1187,23 +1184,8 @@ int usmipc_bundle_open(const void *data, size_t len, usmipc_device_t *device,
   free(uses);
   if (rc == 0 && ob->order_len > 0 && !(flags & USMIPC_OPEN_UNORDERED)) {
     /* One wait for every array: the producer recorded one event. */
-    uint8_t *buf = malloc(UINT16_MAX + 1);
-    usmipc__wire_t *w = malloc(sizeof(*w)), *ev = malloc(sizeof(*ev));
-    if (buf == NULL || w == NULL || ev == NULL) {
-      rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
-    } else {
-      size_t n = usmipc__wire_reorder(buf, ob->bytes + HDR_LEN + 2,
-                                      usmipc__get16le(ob->bytes + HDR_LEN),
-                                      ob->bytes + ob->order_at, ob->order_len);
-      if ((rc = usmipc__wire_decode(buf, n, w)) == 0) {
-        usmipc__wire_order_event(w, ev);
-        if ((rc = usmipc__event_wait_wire(ev, device, queue)) != 0)
-          usmipc__error_prefix("waiting for the producer's work: ");
-      }
-    }
-    free(buf);
-    free(w);
-    free(ev);
+    if ((rc = usmipc__event_wait_wire(ob->order_event, device, queue)) != 0)
+      usmipc__error_prefix("waiting for the producer's work: ");
     if (rc != 0)
       close_arrays(ob, ob->narr);
   }

@@ -256,6 +256,14 @@ int usmipc__export_allocation(const void *base, size_t nbytes,
 /* usmipc_ipc_open of a decoded memory handle, all of it, unordered. */
 int usmipc__open_wire(const struct usmipc__wire *w, usmipc_device_t *device,
                       void **ptr);
+/* Whether w's exporter (proven, as for an open) still holds its export-table
+ * slot for (id, the tag of token, and *size unless size is NULL): *state 1
+ * yes, 0 cleared (freed, or forged), -1 the exporter exited. Returns 0, or
+ * the error of proving the exporter. Pool blocks and bundles check their
+ * own slots so. */
+int usmipc__peer_slot_state(const struct usmipc__wire *w, uint32_t slot,
+                            uint64_t id, const uint8_t token[16],
+                            const uint64_t *size, int *state);
 /* Takes n more open references on the mapping (or same-process alias) at
  * ptr, each to be dropped by usmipc_ipc_close. */
 int usmipc__mapping_addref(void *ptr, unsigned n);

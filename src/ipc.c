@@ -1040,6 +1040,29 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
                         size_t nbytes, int *prefetched_fd, void **ptr,
                         size_t *mapped_nbytes);
 
+int usmipc__peer_slot_state(const usmipc__wire_t *w, uint32_t slot, uint64_t id,
+                            const uint8_t token[16], const uint64_t *size,
+                            int *state) {
+  usmipc__peer_t *peer;
+  int fd = -1;
+  int rc = usmipc__peer_get(w, usmipc__deadline_after_timeout(), &peer, &fd);
+  if (rc != 0)
+    return rc;
+  if (fd >= 0)
+    close(fd);
+  usmipc__export_slot_t s;
+  const uint8_t *table = usmipc__peer_table(peer);
+  *state = usmipc__table_read_slot(table, slot, &s, NULL) == 0 &&
+                   s.buffer_id == id &&
+                   s.tag == usmipc__slot_tag(w->key, token) &&
+                   (size == NULL || s.size == *size)
+               ? 1
+           : usmipc__table_alive(table) ? 0
+                                        : -1;
+  usmipc__peer_put(peer);
+  return 0;
+}
+
 /* A pool block's handle: the block must still be allocated (its own slot
  * in the exporter's table), although its segment is mapped or mappable. */
 static int check_block(const usmipc__wire_t *w) {
@@ -1061,29 +1084,18 @@ static int check_block(const usmipc__wire_t *w) {
                         "the pool block this handle names has been freed "
                         "(this process exported it)");
   }
-  usmipc__peer_t *peer;
-  int fd = -1;
-  int rc = usmipc__peer_get(w, usmipc__deadline_after_timeout(), &peer, &fd);
-  if (rc != 0)
+  int state;
+  int rc = usmipc__peer_slot_state(w, w->block_slot, w->block_id,
+                                   w->block_token, &w->block_size, &state);
+  if (rc != 0 || state > 0)
     return rc;
-  if (fd >= 0)
-    close(fd);
-  usmipc__export_slot_t s;
-  const uint8_t *table = usmipc__peer_table(peer);
-  rc = 0;
-  if (usmipc__table_read_slot(table, w->block_slot, &s, NULL) != 0 ||
-      s.buffer_id != w->block_id ||
-      s.tag != usmipc__slot_tag(w->key, w->block_token) ||
-      s.size != w->block_size)
-    rc = usmipc__fail(USMIPC_EEXPORTERGONE,
-                      usmipc__table_alive(table)
+  return usmipc__fail(USMIPC_EEXPORTERGONE,
+                      state == 0
                           ? "process %u freed the pool block this handle "
                             "names (or the handle's block record is forged)"
                           : "process %u, which exported the pool block, has "
                             "exited",
                       w->pid);
-  usmipc__peer_put(peer);
-  return rc;
 }
 
 int usmipc__open_wire(const usmipc__wire_t *w, usmipc_device_t *device,

@@ -853,8 +853,6 @@ typedef struct ready {
   Py_ssize_t refs;      /* arrays and capsules; GIL held */
   void *synced[READY_SYNCED_MAX]; /* native streams made to wait already */
   int nsynced;
-  void *pending; /* the stream of the wait in progress */
-  int has_pending;
   usmipc_event_t *event; /* recorded on the open's stream, or NULL */
   usmipc_queue_t *queue; /* that stream (its Queue object kept below) */
   PyObject *queue_obj;
@@ -1130,6 +1128,8 @@ static int arr_dlpack_sync(Arr *self, PyObject *stream) {
     return 0;
   usmipc_module_state_t *st = usmipc_state_from_device(self->device);
   PyObject *q;
+  void *remember = NULL; /* a native stream to mark as synced after the wait */
+  int has_native = 0;
   if (PyLong_Check(stream)) {
     long long v = PyLong_AsLongLong(stream);
     if (v == -1 && PyErr_Occurred())
@@ -1147,8 +1147,8 @@ static int arr_dlpack_sync(Arr *self, PyObject *stream) {
       if (r->synced[i] == native)
         return 0;
     q = usmipc_queue_wrap(st, self->device, native, NULL, "__dlpack__()");
-    if (q != NULL && r->nsynced < READY_SYNCED_MAX)
-      r->pending = native, r->has_pending = 1;
+    remember = native;
+    has_native = 1;
   } else {
     q = usmipc_queue_from_stream(st, stream, NULL, self->device,
                                  "__dlpack__()");
@@ -1165,15 +1165,13 @@ static int arr_dlpack_sync(Arr *self, PyObject *stream) {
   }
   Py_DECREF(q);
   if (rc != 0) {
-    r->has_pending = 0;
     usmipc_raise(st, rc);
     return -1;
   }
   /* The ready event is recorded once and never again: a stream that
    * waited for it once is ordered for every array of the open. */
-  if (r->has_pending && r->nsynced < READY_SYNCED_MAX)
-    r->synced[r->nsynced++] = r->pending;
-  r->has_pending = 0;
+  if (has_native && r->nsynced < READY_SYNCED_MAX)
+    r->synced[r->nsynced++] = remember;
   return 0;
 }
 

@@ -176,6 +176,24 @@ fail:
   return -1;
 }
 
+/* The ipc= keyword of the allocating constructors and of MemoryPool. */
+static int ipc_flags(const char *ipc, unsigned *flags) {
+  *flags = 0;
+  if (ipc == NULL) {
+    return 0;
+  }
+  if (strcmp(ipc, "fd") == 0) {
+    *flags = USMIPC_ALLOC_IPC_FD;
+  } else if (strcmp(ipc, "native") == 0) {
+    *flags = USMIPC_ALLOC_IPC_NATIVE;
+  } else {
+    PyErr_Format(PyExc_ValueError,
+                 "ipc must be None, 'fd' or 'native', not '%s'", ipc);
+    return -1;
+  }
+  return 0;
+}
+
 static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
                               PyObject *kwds, usmipc_mem_kind_t kind,
                               const char *format) {
@@ -196,17 +214,9 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
                  "alignment must be 0 or a power of two, not %zd", alignment);
     return NULL;
   }
-  unsigned flags = 0;
-  if (ipc != NULL) {
-    if (strcmp(ipc, "fd") == 0) {
-      flags = USMIPC_ALLOC_IPC_FD;
-    } else if (strcmp(ipc, "native") == 0) {
-      flags = USMIPC_ALLOC_IPC_NATIVE;
-    } else {
-      PyErr_Format(PyExc_ValueError,
-                   "ipc must be None, 'fd' or 'native', not '%s'", ipc);
-      return NULL;
-    }
+  unsigned flags;
+  if (ipc_flags(ipc, &flags) < 0) {
+    return NULL;
   }
   if ((device_arg && sycl_device) || (queue_arg && sycl_queue)) {
     PyErr_SetString(
@@ -964,14 +974,8 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
                  nbytes);
     return NULL;
   }
-  unsigned flags = 0;
-  if (ipc != NULL && strcmp(ipc, "fd") == 0) {
-    flags = USMIPC_ALLOC_IPC_FD;
-  } else if (ipc != NULL && strcmp(ipc, "native") == 0) {
-    flags = USMIPC_ALLOC_IPC_NATIVE;
-  } else if (ipc != NULL) {
-    PyErr_Format(PyExc_ValueError,
-                 "ipc must be None, 'fd' or 'native', not '%s'", ipc);
+  unsigned flags;
+  if (ipc_flags(ipc, &flags) < 0) {
     return NULL;
   }
   usmipc_module_state_t *st = usmipc_state_from_type(type);
