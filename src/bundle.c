@@ -233,6 +233,12 @@ struct usmipc_bundle {
 static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
 static usmipc_bundle_t *live;
 
+/* fork() from another thread: the child must not inherit live_lock held
+ * (process.c takes it first: it is never held while waiting for another). */
+void usmipc__bundles_fork_prepare(void) { pthread_mutex_lock(&live_lock); }
+void usmipc__bundles_fork_parent(void) { pthread_mutex_unlock(&live_lock); }
+void usmipc__bundles_fork_child(void) { pthread_mutex_unlock(&live_lock); }
+
 static int grow(void **p, size_t *cap, size_t need, size_t elem) {
   if (need <= *cap)
     return 0;

@@ -105,6 +105,9 @@ int usmipc__errno_code(int e);
  * registry lock is taken first, then the device probe's (a foreign pointer
  * query probes under the registry lock), then the export table's, then the
  * fd transport's (the order in which export nests them). */
+void usmipc__bundles_fork_prepare(void);
+void usmipc__bundles_fork_parent(void);
+void usmipc__bundles_fork_child(void);
 void usmipc__devices_fork_prepare(void);
 void usmipc__devices_fork_parent(void);
 void usmipc__devices_fork_child(void);

@@ -171,6 +171,7 @@ static void draw_proof(void) {
  * order, and modules registering lazily made that order depend on which was
  * used first, the opposite of the nesting order (a deadlock). */
 static void fork_prepare(void) {
+  usmipc__bundles_fork_prepare(); /* taken alone: outermost */
   usmipc__events_fork_prepare();
   usmipc__registry_fork_prepare();
   usmipc__devices_fork_prepare();
@@ -186,6 +187,7 @@ static void fork_parent(void) {
   usmipc__devices_fork_parent();
   usmipc__registry_fork_parent();
   usmipc__events_fork_parent();
+  usmipc__bundles_fork_parent();
 }
 
 static void fork_child(void) {
@@ -200,6 +202,7 @@ static void fork_child(void) {
   usmipc__devices_fork_child();
   usmipc__registry_fork_child();
   usmipc__events_fork_child();
+  usmipc__bundles_fork_child();
 }
 
 __attribute__((constructor)) static void register_fork_handlers(void) {

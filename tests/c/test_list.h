@@ -121,6 +121,7 @@
   X(bundle_refused)                                                            \
   X(bundle_ten_thousand_arrays)                                                \
   X(bundle_one_exchange)                                                       \
+  X(bundle_fork_from_thread)                                                   \
   X(cuda_vmm_foreign_chunks)                                                   \
   X(cuda_vmm_foreign_limits)                                                   \
   X(torch_alloc_host_threads)                                                  \
