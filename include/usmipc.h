@@ -111,6 +111,25 @@ USMIPC_API void usmipc_device_uuid(const usmipc_device_t *device,
 /* The aspect "supports IPC memory": 1 or 0. */
 USMIPC_API int usmipc_device_has_ipc(const usmipc_device_t *device);
 
+/* What a user prints about a device (dpctl's driver_version,
+ * global_mem_size and max_mem_alloc_size), asked of the driver on each
+ * call. driver_version is the driver's own version as SYCL prints it:
+ * "CUDA 12.4" (cuDriverGetVersion), "1.6.31294" (Level Zero's
+ * driverVersion as major.minor.build), the kernel release for the host
+ * ("6.8.0-45-generic", uname(2)). global_mem_size is the device's memory
+ * in bytes (Level Zero: the sum of its memories; the host: physical RAM);
+ * max_mem_alloc_size the largest single allocation the driver accepts (CUDA
+ * and the host: global_mem_size). Pass sizeof(usmipc_device_info_t): fields
+ * are only ever appended, and a caller built against a shorter struct gets
+ * its prefix. */
+typedef struct usmipc_device_info {
+  char driver_version[64];
+  uint64_t global_mem_size;
+  uint64_t max_mem_alloc_size;
+} usmipc_device_info_t;
+USMIPC_API int usmipc_device_get_info(const usmipc_device_t *device,
+                                      usmipc_device_info_t *info, size_t size);
+
 /* ---- queues -------------------------------------------------------------- */
 
 /* A queue orders copies and fills on one device (a CUDA stream, a Level Zero

@@ -349,3 +349,22 @@ int usmipc_device_has_ipc(const usmipc_device_t *d) {
     return 0;
   return d->has_ipc;
 }
+
+int usmipc_device_get_info(const usmipc_device_t *d, usmipc_device_info_t *out,
+                           size_t size) {
+  if (d == NULL || out == NULL || size == 0)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_device_get_info: NULL argument or size 0");
+  usmipc_device_info_t info;
+  memset(&info, 0, sizeof(info));
+  if (d->ops->device_info != NULL) {
+    int rc = d->ops->device_info(d->native, &info);
+    if (rc < 0)
+      return rc;
+  }
+  info.driver_version[sizeof(info.driver_version) - 1] = '\0';
+  /* A caller built against an older, shorter struct gets its prefix. */
+  memset(out, 0, size);
+  memcpy(out, &info, size < sizeof(info) ? size : sizeof(info));
+  return 0;
+}

@@ -183,6 +183,10 @@ typedef struct usmipc__backend_ops {
                            const usmipc__payload_t *payload, const int *fds,
                            const uint64_t *sizes, uint32_t count,
                            uint64_t allocation_size, usmipc__allocation_t *out);
+
+  /* Optional: fills what usmipc_device_get_info reports of a device (the
+   * core zeroed it first), asking the driver. NULL: nothing is known. */
+  int (*device_info)(void *dev, usmipc_device_info_t *info);
 } usmipc__backend_ops_t;
 
 #define USMIPC__EVENT_PAYLOAD_MAX 128

@@ -120,6 +120,7 @@ enum {
   X(cuDeviceGetName, "cuDeviceGetName", (char *, int, CUdevice))               \
   X(cuDeviceGetUuid, "cuDeviceGetUuid_v2", (CUuuid *, CUdevice))               \
   X(cuDeviceGetAttribute, "cuDeviceGetAttribute", (int *, int, CUdevice))      \
+  X(cuDeviceTotalMem, "cuDeviceTotalMem_v2", (size_t *, CUdevice))             \
   X(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer",                            \
     (int *, CUdevice, CUdevice))                                               \
   X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain",                      \
@@ -1233,6 +1234,27 @@ static int cuda_ipc_unmap(void *dev, usmipc__allocation_t *m) {
   return res == CUDA_SUCCESS ? 0 : cu_fail(res, "unmapping CUDA IPC memory");
 }
 
+/* As SYCL's CUDA adapter prints it: "CUDA 12.4" (cuDriverGetVersion gives
+ * 1000 * major + 10 * minor, the newest CUDA the driver supports). One
+ * allocation may take the whole memory: CUDA has no lower limit. Neither
+ * call needs a context. */
+static int cuda_device_info(void *dev, usmipc_device_info_t *info) {
+  cuda_device_t *d = dev;
+  int version = 0;
+  CUresult res = cu.cuDriverGetVersion(&version);
+  if (res != CUDA_SUCCESS)
+    return cu_fail(res, "cuDriverGetVersion");
+  snprintf(info->driver_version, sizeof(info->driver_version), "CUDA %d.%d",
+           version / 1000, version % 1000 / 10);
+  size_t total = 0;
+  res = cu.cuDeviceTotalMem(&total, d->dev);
+  if (res != CUDA_SUCCESS)
+    return cu_fail(res, "cuDeviceTotalMem");
+  info->global_mem_size = total;
+  info->max_mem_alloc_size = total;
+  return 0;
+}
+
 const usmipc__backend_ops_t usmipc__cuda_backend = {
     .struct_size = sizeof(usmipc__backend_ops_t),
     .backend = USMIPC_BACKEND_CUDA,
@@ -1262,4 +1284,5 @@ const usmipc__backend_ops_t usmipc__cuda_backend = {
     .foreign_chunks = cuda_foreign_chunks,
     .chunks_export = cuda_chunks_export,
     .ipc_import_chunks = cuda_ipc_import_chunks,
+    .device_info = cuda_device_info,
 };

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/utsname.h>
 #include <unistd.h>
 
 #include "../common.h"
@@ -104,6 +105,23 @@ static void cpu_name(char *out, size_t len) {
 static void host_device_name(void *dev, char *out, size_t len) {
   (void)dev;
   cpu_name(out, len);
+}
+
+/* The host's "driver" is the kernel (uname(2)'s release, as the OpenCL CPU
+ * runtime's version would be meaningless here); its memory is physical RAM,
+ * and one allocation may take all of it (a memfd or an anonymous mapping
+ * is bounded by RAM and overcommit, not by a driver limit). */
+static int host_device_info(void *dev, usmipc_device_info_t *info) {
+  (void)dev;
+  struct utsname u;
+  if (uname(&u) == 0)
+    snprintf(info->driver_version, sizeof(info->driver_version), "%.*s",
+             (int)sizeof(info->driver_version) - 1, u.release);
+  long pages = sysconf(_SC_PHYS_PAGES);
+  if (pages > 0)
+    info->global_mem_size = (uint64_t)pages * page_size();
+  info->max_mem_alloc_size = info->global_mem_size;
+  return 0;
 }
 
 static int host_probe(usmipc__device_desc_t *devices, int max, char *reason,
@@ -291,4 +309,5 @@ const usmipc__backend_ops_t usmipc__host_backend = {
     .ipc_export = host_ipc_export,
     .ipc_import = host_ipc_import,
     .ipc_unmap = host_ipc_unmap,
+    .device_info = host_device_info,
 };

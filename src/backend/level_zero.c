@@ -123,6 +123,16 @@ typedef struct {
 typedef struct {
   ze_structure_type_t stype;
   void *pNext;
+  uint32_t flags; /* ze_device_memory_property_flags_t */
+  uint32_t maxClockRate;
+  uint32_t maxBusWidth;
+  uint64_t totalSize;
+  char name[ZE_MAX_DEVICE_NAME];
+} ze_device_memory_properties_t;
+
+typedef struct {
+  ze_structure_type_t stype;
+  void *pNext;
   uint32_t flags; /* ze_command_queue_group_property_flags_t */
   size_t maxMemoryFillPatternSize;
   uint32_t numQueues;
@@ -208,6 +218,7 @@ enum {
   ZE_STRUCTURE_TYPE_DRIVER_IPC_PROPERTIES = 0x2,
   ZE_STRUCTURE_TYPE_DEVICE_PROPERTIES = 0x3,
   ZE_STRUCTURE_TYPE_COMMAND_QUEUE_GROUP_PROPERTIES = 0x6,
+  ZE_STRUCTURE_TYPE_DEVICE_MEMORY_PROPERTIES = 0x7,
   ZE_STRUCTURE_TYPE_CONTEXT_DESC = 0xd,
   ZE_STRUCTURE_TYPE_EVENT_POOL_DESC = 0x10,
   ZE_STRUCTURE_TYPE_EVENT_DESC = 0x11,
@@ -250,6 +261,8 @@ enum {
     (ze_driver_handle_t, uint32_t *, ze_driver_extension_properties_t *))      \
   X(zeDeviceGet, (ze_driver_handle_t, uint32_t *, ze_device_handle_t *))       \
   X(zeDeviceGetProperties, (ze_device_handle_t, ze_device_properties_t *))     \
+  X(zeDeviceGetMemoryProperties,                                               \
+    (ze_device_handle_t, uint32_t *, ze_device_memory_properties_t *))         \
   X(zeDeviceGetCommandQueueGroupProperties,                                    \
     (ze_device_handle_t, uint32_t *, ze_command_queue_group_properties_t *))   \
   X(zeDeviceCanAccessPeer,                                                     \
@@ -2273,6 +2286,32 @@ static int lz_event_close(void *dev, void *event) {
                                    : lz_fail(res2, "zeEventPoolCloseIpcHandle");
 }
 
+/* What SYCL's Level Zero adapter prints: driverVersion as
+ * major.minor.build (Intel's drivers pack it as bits 31-24, 23-16, 15-0);
+ * the device's memory is the sum of its memories (one per HBM stack or
+ * tile); the largest allocation is the device's maxMemAllocSize (read at
+ * probe). */
+#define LZ_MAX_MEMORIES 8
+static int lz_device_info(void *dev, usmipc_device_info_t *info) {
+  lz_device_t *d = dev;
+  uint32_t v = d->driver->version;
+  snprintf(info->driver_version, sizeof(info->driver_version), "%u.%u.%u",
+           (unsigned)(v >> 24), (unsigned)((v >> 16) & 0xffu),
+           (unsigned)(v & 0xffffu));
+  ze_device_memory_properties_t mem[LZ_MAX_MEMORIES];
+  memset(mem, 0, sizeof(mem));
+  for (int i = 0; i < LZ_MAX_MEMORIES; i++)
+    mem[i].stype = ZE_STRUCTURE_TYPE_DEVICE_MEMORY_PROPERTIES;
+  uint32_t count = LZ_MAX_MEMORIES;
+  ze_result_t res = ze.zeDeviceGetMemoryProperties(d->handle, &count, mem);
+  if (res != ZE_RESULT_SUCCESS)
+    return lz_fail(res, "zeDeviceGetMemoryProperties");
+  for (uint32_t i = 0; i < count && i < LZ_MAX_MEMORIES; i++)
+    info->global_mem_size += mem[i].totalSize;
+  info->max_mem_alloc_size = d->max_alloc;
+  return 0;
+}
+
 const usmipc__backend_ops_t usmipc__level_zero_backend = {
     .struct_size = sizeof(usmipc__backend_ops_t),
     .backend = USMIPC_BACKEND_LEVEL_ZERO,
@@ -2302,4 +2341,5 @@ const usmipc__backend_ops_t usmipc__level_zero_backend = {
     .queue_wrap = lz_queue_wrap,
     .queue_unwrap = lz_queue_unwrap,
     .queue_native = lz_queue_native,
+    .device_info = lz_device_info,
 };

@@ -1,4 +1,7 @@
 /* Backends, device enumeration and filter strings, queues. */
+#include <sys/utsname.h>
+#include <unistd.h>
+
 #include "task.h"
 
 static usmipc_device_t *find_host_device(void) {
@@ -62,6 +65,51 @@ TEST_IMPL(devices_get_devices) {
 
   /* Storage without room to say how much was stored. */
   ASSERT_ERR(usmipc_get_devices(NULL, 4, &count), USMIPC_EINVAL);
+  return 0;
+}
+
+/* The host's driver is the kernel, its memory the machine's RAM; a caller
+ * built against a shorter struct gets its prefix and nothing past it. */
+TEST_IMPL(devices_info) {
+  usmipc_device_t *host = find_host_device();
+  usmipc_device_info_t info;
+  memset(&info, 0xee, sizeof(info));
+  ASSERT_OK(usmipc_device_get_info(host, &info, sizeof(info)));
+  struct utsname u;
+  ASSERT_EQ(uname(&u), 0);
+  ASSERT_STR_EQ(info.driver_version, u.release);
+  uint64_t ram = (uint64_t)sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGESIZE);
+  ASSERT_EQ(info.global_mem_size, ram);
+  ASSERT_EQ(info.max_mem_alloc_size, ram);
+
+  unsigned char raw[sizeof(usmipc_device_info_t) + 8];
+  memset(raw, 0xee, sizeof(raw));
+  size_t prefix = offsetof(usmipc_device_info_t, max_mem_alloc_size);
+  ASSERT_OK(usmipc_device_get_info(host, (usmipc_device_info_t *)raw, prefix));
+  usmipc_device_info_t got;
+  memcpy(&got, raw, sizeof(got));
+  ASSERT_STR_EQ(got.driver_version, u.release);
+  ASSERT_EQ(got.global_mem_size, ram);
+  ASSERT_EQ(raw[prefix], 0xee); /* nothing written past the prefix */
+
+  /* Every device answers, with a version and some memory. */
+  usmipc_device_t *devs[64];
+  size_t count = 0;
+  ASSERT_OK(usmipc_get_devices(devs, 64, &count));
+  for (size_t i = 0; i < count && i < 64; i++) {
+    ASSERT_OK(usmipc_device_get_info(devs[i], &info, sizeof(info)));
+    ASSERT_GT(strlen(info.driver_version), 0);
+    ASSERT_GT(info.global_mem_size, 0);
+    ASSERT_GT(info.max_mem_alloc_size, 0);
+    ASSERT_MSG(info.max_mem_alloc_size <= info.global_mem_size,
+               "%s: largest allocation %llu above its memory %llu",
+               usmipc_device_filter_string(devs[i]),
+               (unsigned long long)info.max_mem_alloc_size,
+               (unsigned long long)info.global_mem_size);
+  }
+  ASSERT_ERR(usmipc_device_get_info(NULL, &info, sizeof(info)), USMIPC_EINVAL);
+  ASSERT_ERR(usmipc_device_get_info(host, NULL, sizeof(info)), USMIPC_EINVAL);
+  ASSERT_ERR(usmipc_device_get_info(host, &info, 0), USMIPC_EINVAL);
   return 0;
 }
 

@@ -13,6 +13,7 @@
   X(errors_last_error_per_thread)                                              \
   X(errors_version)                                                            \
   X(devices_get_devices)                                                       \
+  X(devices_info)                                                              \
   X(devices_select_host)                                                       \
   X(devices_select_default)                                                    \
   X(devices_select_bad_filters)                                                \

@@ -1041,6 +1041,35 @@ static int test_device_listed(void) {
   return PASS;
 }
 
+/* driver_version as SYCL's adapter prints the driver's driverVersion
+ * (major.minor.build, whatever the profile), the device's memories summed,
+ * its maxMemAllocSize. */
+static int test_device_info(void) {
+  usmipc_device_t *d = gpu();
+  CHECK(d != NULL, "no device");
+  ze_driver_handle_t driver = NULL;
+  uint32_t one = 1;
+  CHECK(zeDriverGet(&one, &driver) == ZE_RESULT_SUCCESS, "zeDriverGet");
+  ze_driver_properties_t props = {.stype = ZE_STRUCTURE_TYPE_DRIVER_PROPERTIES};
+  CHECK(zeDriverGetProperties(driver, &props) == ZE_RESULT_SUCCESS,
+        "zeDriverGetProperties");
+  char want[64];
+  snprintf(want, sizeof(want), "%u.%u.%u", props.driverVersion >> 24,
+           (props.driverVersion >> 16) & 0xff, props.driverVersion & 0xffff);
+  usmipc_device_info_t info;
+  memset(&info, 0xee, sizeof(info));
+  CHECK_OK(usmipc_device_get_info(d, &info, sizeof(info)));
+  CHECK(!strcmp(info.driver_version, want), "driver_version '%s', want '%s'",
+        info.driver_version, want);
+  CHECK(info.global_mem_size ==
+            USMIPC_ZE_TEST_MEMORIES * USMIPC_ZE_TEST_MEMORY_BYTES,
+        "global_mem_size %llu: not the sum of the device's memories",
+        (unsigned long long)info.global_mem_size);
+  CHECK(info.max_mem_alloc_size == USMIPC_ZE_TEST_MAX_ALLOC,
+        "max_mem_alloc_size %llu", (unsigned long long)info.max_mem_alloc_size);
+  return PASS;
+}
+
 static int test_alloc_copy_fill(void) {
   usmipc_device_t *d = gpu();
   CHECK(d != NULL, "no device");
@@ -2655,6 +2684,7 @@ static const struct {
   bool cr; /* a test of Intel's releases (--cr), else of the backend (--base) */
 } tests[] = {
     {"device_listed", test_device_listed, false},
+    {"device_info", test_device_info, false},
     {"alloc_copy_fill", test_alloc_copy_fill, false},
     {"foreign_pointer", test_foreign_pointer, false},
     {"export_refusals", test_export_refusals, false},

@@ -778,6 +778,34 @@ static ze_result_t ZE_APICALL dev_properties(ze_device_handle_t d,
   return ZE_RESULT_SUCCESS;
 }
 
+/* The specification's two-call protocol: *count 0 (or no array) asks how
+ * many; otherwise at most *count are filled and *count says how many. */
+static ze_result_t ZE_APICALL
+dev_memory_properties(ze_device_handle_t d, uint32_t *count,
+                      ze_device_memory_properties_t *p) {
+  if (!good_device(d))
+    return ZE_RESULT_ERROR_INVALID_NULL_HANDLE;
+  if (count == NULL)
+    return ZE_RESULT_ERROR_INVALID_NULL_POINTER;
+  if (*count == 0 || p == NULL) {
+    *count = USMIPC_ZE_TEST_MEMORIES;
+    return ZE_RESULT_SUCCESS;
+  }
+  if (*count > USMIPC_ZE_TEST_MEMORIES)
+    *count = USMIPC_ZE_TEST_MEMORIES;
+  for (uint32_t i = 0; i < *count; i++) {
+    if (p[i].stype != ZE_STRUCTURE_TYPE_DEVICE_MEMORY_PROPERTIES)
+      return ZE_RESULT_ERROR_INVALID_ARGUMENT;
+    p[i].flags = 0;
+    p[i].maxClockRate = 1000;
+    p[i].maxBusWidth = 64;
+    p[i].totalSize = USMIPC_ZE_TEST_MEMORY_BYTES;
+    memset(p[i].name, 0, sizeof(p[i].name));
+    snprintf(p[i].name, sizeof(p[i].name), "HBM%u", (unsigned)i);
+  }
+  return ZE_RESULT_SUCCESS;
+}
+
 static ze_result_t ZE_APICALL dev_queue_groups(ze_device_handle_t d,
                                                uint32_t *count,
                                                ze_command_queue_group_properties_t *p) {
@@ -2676,6 +2704,7 @@ EXPORT ze_result_t ZE_APICALL zeGetDeviceProcAddrTable(ze_api_version_t v,
   t->pfnGet = dev_get;
   t->pfnGetSubDevices = dev_sub_devices;
   t->pfnGetProperties = dev_properties;
+  t->pfnGetMemoryProperties = dev_memory_properties;
   t->pfnGetCommandQueueGroupProperties = dev_queue_groups;
   t->pfnCanAccessPeer = dev_can_access_peer;
   return r;

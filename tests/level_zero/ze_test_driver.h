@@ -18,6 +18,11 @@
    0x65, 0x2d, 0x74, 0x65, 0x73, 0x74, 0x2d, 0x30}
 /* Largest single allocation the test device accepts (maxMemAllocSize). */
 #define USMIPC_ZE_TEST_MAX_ALLOC ((uint64_t)1 << 30)
+/* The device's memories (zeDeviceGetMemoryProperties): two of
+ * USMIPC_ZE_TEST_MEMORY_BYTES each, as a GPU with two HBM stacks lists
+ * them, so that a reader of the device's total memory must add them up. */
+#define USMIPC_ZE_TEST_MEMORIES 2
+#define USMIPC_ZE_TEST_MEMORY_BYTES ((uint64_t)3 << 30)
 
 /* Every profile lists this extension (zeDriverGetExtensionProperties,
  * version 1): a backend that sees it knows that this driver's "dma-bufs"
