@@ -24,6 +24,7 @@ from usmipc._usmipc import (
     COMPILED_VERSION_HEX,
     VERSION_HEX,
     ArgumentError,
+    ArgumentTypeError,
     Device,
     Error,
     Event,
@@ -99,6 +100,7 @@ globals().update({name: getattr(_usmipc, name)
 
 __all__ = [
     "ArgumentError",
+    "ArgumentTypeError",
     "Device",
     "Error",
     "Event",

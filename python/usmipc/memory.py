@@ -19,6 +19,9 @@ from multiprocessing.reduction import ForkingPickler
 
 from usmipc import _usmipc
 from usmipc._usmipc import (
+    USMIPC_EINVAL,
+    ArgumentError,
+    ArgumentTypeError,
     Device,
     IPCEventHandle,
     IPCMemoryHandle,
@@ -66,6 +69,15 @@ _kept = []  # IPCMemoryHandles whose tickets are out
 _kept_lock = threading.Lock()
 
 
+def _argument_error(cls, message):
+    """A usmipc.ArgumentError or ArgumentTypeError raised by this module,
+    with the .code and .name the extension's own carry."""
+    error = cls(message)
+    error.code, error.name, error.native_code = (
+        USMIPC_EINVAL, "USMIPC_EINVAL", 0)
+    return error
+
+
 def _copy_of(data, kind, filter_string):
     try:
         device = Device(filter_string)
@@ -81,8 +93,8 @@ def _copy_of(data, kind, filter_string):
 
 def _reduce_copy(mem):
     if mem.is_closed:
-        raise ValueError("cannot pickle a closed mapping")
-    return _copy_of, (mem.copy_to_host(), mem.get_usm_type(),
+        raise _argument_error(ArgumentError, "cannot pickle a closed mapping")
+    return _copy_of, (mem.tobytes(), mem.get_usm_type(),
                       mem.device.filter_string)
 
 
@@ -92,7 +104,7 @@ def _open_shared_memory(raw):
 
 def _reduce_share(mem):
     if mem.is_closed:
-        raise ValueError("cannot send a closed mapping")
+        raise _argument_error(ArgumentError, "cannot send a closed mapping")
     if mem.get_usm_type() != "device" or not mem.device.has_aspect_ipc_memory:
         return _reduce_copy(mem)  # only device memory is shared
     handle = IPCMemoryHandle(mem, release=True)
@@ -123,7 +135,8 @@ def SyclIPCGetMemHandle(mem):
     memory raise ``TypeError``; so does another library's array, whose
     export would end with the handle: keep an ``IPCMemoryHandle`` of it."""
     if not isinstance(mem, _Memory):
-        raise TypeError(
+        raise _argument_error(
+            ArgumentTypeError,
             "SyclIPCGetMemHandle() takes usmipc memory; for another "
             f"library's array ({type(mem).__name__}) keep an "
             "IPCMemoryHandle alive while the bytes are used")

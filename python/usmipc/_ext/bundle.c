@@ -96,7 +96,7 @@ static int fill_int_tuple(PyObject *seq, int64_t *out, int *ndim,
   Py_ssize_t n = PyTuple_Size(t);
   if (n > USMIPC_BUNDLE_MAX_NDIM) {
     Py_DECREF(t);
-    PyErr_Format(PyExc_ValueError, "%s has %zd dimensions; at most %d travel",
+    usmipc_value_error("%s has %zd dimensions; at most %d travel",
                  what, n, USMIPC_BUNDLE_MAX_NDIM);
     return -1;
   }
@@ -109,7 +109,7 @@ static int fill_int_tuple(PyObject *seq, int64_t *out, int *ndim,
   }
   Py_DECREF(t);
   if (*ndim >= 0 && *ndim != (int)n) {
-    PyErr_Format(PyExc_ValueError, "%s: %zd strides for %d dimensions", what,
+    usmipc_value_error("%s: %zd strides for %d dimensions", what,
                  n, *ndim);
     return -1;
   }
@@ -126,8 +126,7 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
   if (cpu < 0)
     return -1;
   if (cpu) {
-    PyErr_SetString(PyExc_TypeError,
-                    "a CPU tensor: only device memory can be shared (move it "
+    usmipc_kind_error("a CPU tensor: only device memory can be shared (move it "
                     "to the GPU, or into usmipc memory)");
     return -1;
   }
@@ -154,8 +153,7 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
       return -1;
     }
     if (found < 0) {
-      PyErr_Format(PyExc_TypeError,
-                   "a tensor of dtype %U cannot travel in a bundle", name);
+      usmipc_type_error("a tensor of dtype %U cannot travel in a bundle", name);
       Py_DECREF(name);
       Py_DECREF(dtype);
       return -1;
@@ -194,7 +192,7 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
 
 static int leaf_cai(PyObject *obj, PyObject *cai, leaf_info_t *L) {
   if (!PyDict_Check(cai)) {
-    PyErr_SetString(PyExc_TypeError, "__cuda_array_interface__ is not a dict");
+    usmipc_type_error("__cuda_array_interface__ is not a dict");
     return -1;
   }
   PyObject *data = PyDict_GetItemString(cai, "data");
@@ -203,8 +201,7 @@ static int leaf_cai(PyObject *obj, PyObject *cai, leaf_info_t *L) {
   PyObject *strides = PyDict_GetItemString(cai, "strides");
   if (data == NULL || !PyTuple_Check(data) || PyTuple_Size(data) < 1 ||
       shape == NULL || typestr == NULL || !PyUnicode_Check(typestr)) {
-    PyErr_SetString(PyExc_TypeError,
-                    "__cuda_array_interface__ lacks data, shape or typestr");
+    usmipc_type_error("__cuda_array_interface__ lacks data, shape or typestr");
     return -1;
   }
   const char *ts = PyUnicode_AsUTF8AndSize(typestr, NULL);
@@ -216,8 +213,7 @@ static int leaf_cai(PyObject *obj, PyObject *cai, leaf_info_t *L) {
       if (DTYPES[i].typestr && strcmp(ts + 1, DTYPES[i].typestr) == 0)
         dt = &DTYPES[i];
   if (dt == NULL) {
-    PyErr_Format(PyExc_TypeError,
-                 "an array of typestr %s cannot travel in a bundle "
+    usmipc_type_error("an array of typestr %s cannot travel in a bundle "
                  "(little-endian bool, int, uint, float, complex can)",
                  ts);
     return -1;
@@ -235,8 +231,7 @@ static int leaf_cai(PyObject *obj, PyObject *cai, leaf_info_t *L) {
     int64_t item = dt->bits / 8;
     for (int i = 0; i < nd; i++) {
       if (L->strides[i] % item != 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "an array whose strides are not whole elements "
+        usmipc_value_error("an array whose strides are not whole elements "
                         "cannot travel in a bundle");
         return -1;
       }
@@ -269,8 +264,7 @@ static int leaf_dlpack(PyObject *obj, leaf_info_t *L, int *found) {
       (t.ndim > 0 && t.shape == NULL) || t.dtype.lanes != 1 ||
       dtype_by_code(t.dtype.code, t.dtype.bits) == NULL) {
     Py_DECREF(owner);
-    PyErr_Format(PyExc_TypeError,
-                 "a DLPack tensor of dtype (code %u, %u bits, %u lanes) or %d "
+    usmipc_type_error("a DLPack tensor of dtype (code %u, %u bits, %u lanes) or %d "
                  "dimensions cannot travel in a bundle",
                  t.dtype.code, t.dtype.bits, t.dtype.lanes, (int)t.ndim);
     return -1;
@@ -332,7 +326,7 @@ static int leaf_read(usmipc_module_state_t *st, PyObject *obj,
   if (PyObject_TypeCheck(obj, st->MemoryType)) {
     usmipc_memory_object_t *m = (usmipc_memory_object_t *)obj;
     if (m->closed || m->released) {
-      PyErr_SetString(PyExc_ValueError, "the memory is closed");
+      usmipc_value_error("the memory is closed");
       return -1;
     }
     L->ptr = m->ptr;
@@ -378,8 +372,7 @@ static int leaf_read(usmipc_module_state_t *st, PyObject *obj,
       if (!found) {
         PyObject *tn = type_name(obj);
         if (tn != NULL)
-          PyErr_Format(PyExc_TypeError,
-                       "a %U is not an array: a leaf must be usmipc memory "
+          usmipc_type_error("a %U is not an array: a leaf must be usmipc memory "
                        "or have __cuda_array_interface__ or __dlpack__ "
                        "(dicts, lists and tuples hold the leaves)",
                        tn);
@@ -392,8 +385,7 @@ static int leaf_read(usmipc_module_state_t *st, PyObject *obj,
     if (L->strides[i] < 0) {
       Py_XDECREF(L->keep);
       L->keep = NULL;
-      PyErr_SetString(PyExc_ValueError,
-                      "an array with negative strides cannot travel in a "
+      usmipc_value_error("an array with negative strides cannot travel in a "
                       "bundle; share a copy");
       return -1;
     }
@@ -448,8 +440,7 @@ static int bundle_fail(walk_t *w, int rc) {
 
 static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
   if (++w->depth > 64) {
-    PyErr_SetString(PyExc_ValueError,
-                    "the tree is nested deeper than 64 levels");
+    usmipc_value_error("the tree is nested deeper than 64 levels");
     return -1;
   }
   int rc;
@@ -461,7 +452,7 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
                                      : PyList_Check(obj) ? USMIPC_BUNDLE_LIST
                                                          : USMIPC_BUNDLE_TUPLE;
     if (n > UINT32_MAX) {
-      PyErr_SetString(PyExc_ValueError, "a container too large for a bundle");
+      usmipc_value_error("a container too large for a bundle");
       return -1;
     }
     if ((rc = usmipc_bundle_add_container(w->b, kind, (uint32_t)n, key,
@@ -474,8 +465,7 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
         if (!PyUnicode_Check(k)) {
           PyObject *tn = type_name(k);
           if (tn != NULL)
-            PyErr_Format(PyExc_TypeError,
-                         "dict keys must be str to travel in a bundle, not "
+            usmipc_type_error("dict keys must be str to travel in a bundle, not "
                          "%U",
                          tn);
           Py_XDECREF(tn);
@@ -615,7 +605,7 @@ static PyObject *share(PyObject *module, PyObject *const *args,
   if (usmipc_parse_fastcall("share", args, nargs, kwnames, names, 3, 1, a) < 0)
     return NULL;
   if (a[0] == NULL) {
-    PyErr_SetString(PyExc_TypeError, "share() missing argument 'obj'");
+    usmipc_type_error("share() missing argument 'obj'");
     return NULL;
   }
   int ordered = -1;
@@ -623,8 +613,7 @@ static PyObject *share(PyObject *module, PyObject *const *args,
       (ordered = PyObject_IsTrue(a[2])) < 0)
     return NULL;
   if (ordered == 0 && a[1] != NULL && a[1] != Py_None) {
-    PyErr_SetString(PyExc_ValueError,
-                    "share(): stream= is what the handoff is ordered on, so "
+    usmipc_value_error("share(): stream= is what the handoff is ordered on, so "
                     "it cannot go with ordered=False");
     return NULL;
   }
@@ -709,7 +698,7 @@ static PyObject *bundle_to_bytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
 static PyObject *bundle_from_bytes(PyObject *module, PyObject *arg) {
   usmipc_module_state_t *st = PyModule_GetState(module);
   if (!PyBytes_Check(arg)) {
-    PyErr_SetString(PyExc_TypeError, "_bundle_from_bytes takes bytes");
+    usmipc_type_error("_bundle_from_bytes takes bytes");
     return NULL;
   }
   size_t narr = 0, nseg = 0;
@@ -934,7 +923,7 @@ static PyObject *arr_tuple(const int64_t *v, int n, int64_t scale) {
 
 static int check_open(Arr *self) {
   if (self->closed || self->released) {
-    PyErr_SetString(PyExc_ValueError, "the shared array is closed");
+    usmipc_value_error("the shared array is closed");
     return -1;
   }
   return 0;
@@ -1214,7 +1203,7 @@ static PyObject *arr_dlpack(PyObject *op, PyObject *const *args,
   int versioned = 0;
   if (a[1] != NULL && a[1] != Py_None) {
     if (!PyTuple_Check(a[1]) || PyTuple_Size(a[1]) < 1) {
-      PyErr_SetString(PyExc_TypeError, "max_version must be a tuple");
+      usmipc_type_error("max_version must be a tuple");
       return NULL;
     }
     long major = PyLong_AsLong(PyTuple_GetItem(a[1], 0));
@@ -1531,8 +1520,7 @@ static PyObject *build_node(build_t *b) {
   }
   if (n->kind == USMIPC_BUNDLE_DICT && PyDict_Size(c) != n->count) {
     Py_DECREF(c);
-    PyErr_SetString(PyExc_ValueError,
-                    "open_shared(): a dict of the bundle repeats a key");
+    usmipc_value_error("open_shared(): a dict of the bundle repeats a key");
     return NULL;
   }
   return c;
@@ -1550,8 +1538,7 @@ static PyObject *open_shared(PyObject *module, PyObject *const *args,
   if (a[3] != NULL && a[3] != Py_None) {
     if (!PyUnicode_Check(a[3]) ||
         PyUnicode_CompareWithASCIIString(a[3], "torch") != 0) {
-      PyErr_SetString(PyExc_ValueError,
-                      "open_shared(to=...): None (SharedArray leaves) or "
+      usmipc_value_error("open_shared(to=...): None (SharedArray leaves) or "
                       "'torch' (torch tensors)");
       return NULL;
     }
@@ -1582,7 +1569,7 @@ static PyObject *open_shared(PyObject *module, PyObject *const *args,
       return NULL;
   }
   if (a[0] == NULL) {
-    PyErr_SetString(PyExc_TypeError, "open_shared() missing argument 'data'");
+    usmipc_type_error("open_shared() missing argument 'data'");
     return NULL;
   }
   PyObject *bytes;
@@ -1681,7 +1668,7 @@ done:
 
 static int close_tree(usmipc_module_state_t *st, PyObject *obj, int depth) {
   if (depth > 64) {
-    PyErr_SetString(PyExc_ValueError, "close_shared(): nested too deeply");
+    usmipc_value_error("close_shared(): nested too deeply");
     return -1;
   }
   if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedArrayType)) {
@@ -1711,8 +1698,7 @@ static int close_tree(usmipc_module_state_t *st, PyObject *obj, int depth) {
   }
   PyObject *tn = type_name(obj);
   if (tn != NULL)
-    PyErr_Format(PyExc_TypeError,
-                 "close_shared(): a %U is not a shared array (pass what "
+    usmipc_type_error("close_shared(): a %U is not a shared array (pass what "
                  "open_shared() returned)",
                  tn);
   Py_XDECREF(tn);

@@ -20,8 +20,7 @@ PyObject *usmipc_device_from_arg(usmipc_module_state_t *st, PyObject *arg) {
       return Py_NewRef(((usmipc_queue_object_t *)arg)->device);
     }
     if (!PyUnicode_Check(arg)) {
-      PyErr_Format(PyExc_TypeError,
-                   "expected a usmipc.Device, a usmipc.Queue, a filter string "
+      usmipc_type_error("expected a usmipc.Device, a usmipc.Queue, a filter string "
                    "such as 'host:cpu' or None, not %R",
                    (PyObject *)Py_TYPE(arg));
       return NULL;
@@ -32,7 +31,7 @@ PyObject *usmipc_device_from_arg(usmipc_module_state_t *st, PyObject *arg) {
       return NULL;
     }
     if ((Py_ssize_t)strlen(filter) != len) {
-      PyErr_SetString(PyExc_ValueError, "filter string contains a NUL byte");
+      usmipc_value_error("filter string contains a NUL byte");
       return NULL;
     }
   }
@@ -49,6 +48,7 @@ static PyObject *device_new(PyTypeObject *type, PyObject *args,
   static char *kwlist[] = {"filter", NULL};
   PyObject *arg = NULL;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:Device", kwlist, &arg)) {
+    usmipc_retype_parse_error();
     return NULL;
   }
   usmipc_module_state_t *st = usmipc_state_from_type(type);
@@ -182,21 +182,75 @@ static PyObject *device_get_vendor(PyObject *self, void *closure) {
   return PyUnicode_FromString(vendor_of(dev_of(self)));
 }
 
+/* What the driver says now (usmipc_device_get_info): 0, or -1 with the
+ * exception set. */
+static int device_info(PyObject *self, usmipc_device_info_t *info) {
+  usmipc_device_t *d = dev_of(self);
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_device_get_info(d, info, sizeof(*info));
+  Py_END_ALLOW_THREADS
+  if (rc < 0) {
+    usmipc_raise(usmipc_state_from_device(self), rc);
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *device_get_driver_version(PyObject *self, void *closure) {
+  (void)closure;
+  usmipc_device_info_t info;
+  if (device_info(self, &info) < 0)
+    return NULL;
+  return PyUnicode_DecodeUTF8(info.driver_version,
+                              (Py_ssize_t)strlen(info.driver_version),
+                              "replace");
+}
+
+static PyObject *device_get_global_mem_size(PyObject *self, void *closure) {
+  (void)closure;
+  usmipc_device_info_t info;
+  if (device_info(self, &info) < 0)
+    return NULL;
+  return PyLong_FromUnsignedLongLong(info.global_mem_size);
+}
+
+static PyObject *device_get_max_mem_alloc_size(PyObject *self,
+                                               void *closure) {
+  (void)closure;
+  usmipc_device_info_t info;
+  if (device_info(self, &info) < 0)
+    return NULL;
+  return PyLong_FromUnsignedLongLong(info.max_mem_alloc_size);
+}
+
 static PyObject *device_print_info(PyObject *self, PyObject *Py_UNUSED(x)) {
   usmipc_device_t *d = dev_of(self);
+  usmipc_device_info_t info;
+  if (device_info(self, &info) < 0)
+    return NULL;
   PyObject *name = PyObject_GetAttrString(self, "name");
   if (name == NULL)
     return NULL;
+  /* Sizes in MiB as well as bytes: what a reader compares at a glance. */
   PyObject *text = PyUnicode_FromFormat(
       "    Name            %U\n"
       "    Vendor          %s\n"
+      "    Driver version  %s\n"
       "    Backend         %s\n"
       "    Device type     %s\n"
       "    Filter string   %s\n"
+      "    Global memory   %llu bytes (%llu MiB)\n"
+      "    Max allocation  %llu bytes (%llu MiB)\n"
       "    IPC memory      %s\n",
-      name, vendor_of(d), usmipc_backend_name(usmipc_device_backend(d)),
+      name, vendor_of(d), info.driver_version,
+      usmipc_backend_name(usmipc_device_backend(d)),
       usmipc_device_type(d) == USMIPC_DEVICE_GPU ? "gpu" : "cpu",
       usmipc_device_filter_string(d),
+      (unsigned long long)info.global_mem_size,
+      (unsigned long long)(info.global_mem_size >> 20),
+      (unsigned long long)info.max_mem_alloc_size,
+      (unsigned long long)(info.max_mem_alloc_size >> 20),
       usmipc_device_has_ipc(d) ? "supported" : "not supported");
   Py_DECREF(name);
   if (text == NULL)
@@ -216,6 +270,14 @@ static PyObject *device_print_info(PyObject *self, PyObject *Py_UNUSED(x)) {
 static PyGetSetDef device_getset[] = {
     {"vendor", device_get_vendor, NULL,
      "The maker of the device's driver ('NVIDIA Corporation', ...).", NULL},
+    {"driver_version", device_get_driver_version, NULL,
+     "The driver's version as SYCL prints it: 'CUDA 12.4', Level Zero's\n"
+     "'major.minor.build', the kernel release for the host.",
+     NULL},
+    {"global_mem_size", device_get_global_mem_size, NULL,
+     "The device's memory in bytes (the host: physical RAM).", NULL},
+    {"max_mem_alloc_size", device_get_max_mem_alloc_size, NULL,
+     "The largest single allocation the driver accepts, in bytes.", NULL},
     {"has_aspect_gpu", device_get_is_gpu, NULL, "True for a GPU.", NULL},
     {"has_aspect_cpu", device_get_is_cpu, NULL,
      "True for the host device.", NULL},
@@ -241,7 +303,8 @@ static PyMethodDef device_methods[] = {
     {"__reduce__", device_reduce, METH_NOARGS, NULL},
     {"print_device_info", device_print_info, METH_NOARGS,
      "print_device_info()\n--\n\nPrints the device's name, vendor, "
-     "backend, type, filter string and IPC support (dpctl's method)."},
+     "driver version, backend, type, filter string, memory, largest "
+     "allocation and IPC support (dpctl's method)."},
     {NULL, NULL, 0, NULL},
 };
 

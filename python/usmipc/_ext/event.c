@@ -42,7 +42,7 @@ static usmipc_module_state_t *event_state(PyObject *self) {
 /* Raises unless the Event is usable (dealloc-time clearing aside). */
 static int event_check(Event *self) {
   if (self->event == NULL || self->device == NULL) {
-    PyErr_SetString(PyExc_ValueError, "event is not initialized");
+    usmipc_value_error("event is not initialized");
     return -1;
   }
   return 0;
@@ -74,6 +74,7 @@ static PyObject *event_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"device", NULL};
   PyObject *arg = NULL;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:Event", kwlist, &arg)) {
+    usmipc_retype_parse_error();
     return NULL;
   }
   usmipc_module_state_t *st = usmipc_state_from_type(type);
@@ -274,8 +275,7 @@ static PyObject *event_repr(PyObject *op) {
 
 static PyObject *event_reduce(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   (void)op;
-  PyErr_SetString(PyExc_TypeError,
-                  "usmipc.Event cannot be pickled; send "
+  usmipc_type_error("usmipc.Event cannot be pickled; send "
                   "usmipc.IPCEventHandle(event) (or its to_bytes()) and open "
                   "it with IPCEventHandle.open() in the other process");
   return NULL;
@@ -358,6 +358,7 @@ static PyObject *ehandle_new(PyTypeObject *type, PyObject *args,
   PyObject *event_obj;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:IPCEventHandle", kwlist,
                                    &event_obj)) {
+    usmipc_retype_parse_error();
     return NULL;
   }
   usmipc_module_state_t *st = usmipc_state_from_type(type);
@@ -365,8 +366,7 @@ static PyObject *ehandle_new(PyTypeObject *type, PyObject *args,
     return NULL;
   }
   if (st->EventType == NULL || !Py_IS_TYPE(event_obj, st->EventType)) {
-    PyErr_Format(
-        PyExc_TypeError, "IPCEventHandle() shares a usmipc.Event, not %R%s",
+    usmipc_type_error("IPCEventHandle() shares a usmipc.Event, not %R%s",
         (PyObject *)Py_TYPE(event_obj),
         st->MemoryType != NULL && PyObject_TypeCheck(event_obj, st->MemoryType)
             ? " (share memory with IPCMemoryHandle)"
@@ -438,14 +438,12 @@ static int ehandle_bytes(usmipc_module_state_t *st, PyObject *obj,
   }
   if (st->IPCMemoryHandleType != NULL &&
       Py_IS_TYPE(obj, st->IPCMemoryHandleType)) {
-    PyErr_SetString(PyExc_TypeError,
-                    "expected the bytes of an event handle or an "
+    usmipc_type_error("expected the bytes of an event handle or an "
                     "IPCEventHandle, not an IPCMemoryHandle (open it with "
                     "IPCMemoryHandle.open())");
     return -1;
   }
-  PyErr_Format(PyExc_TypeError,
-               "expected event handle bytes or an IPCEventHandle, not %R",
+  usmipc_type_error("expected event handle bytes or an IPCEventHandle, not %R",
                (PyObject *)Py_TYPE(obj));
   return -1;
 }
@@ -479,7 +477,7 @@ static PyObject *ehandle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
     return NULL;
   }
   if (raw == NULL) {
-    PyErr_SetString(PyExc_TypeError, "from_bytes() missing argument 'data'");
+    usmipc_type_error("from_bytes() missing argument 'data'");
     return NULL;
   }
   PyTypeObject *type = st->IPCEventHandleType;
@@ -529,8 +527,7 @@ static PyObject *ehandle_open(PyObject *cls, PyTypeObject *defining_class,
     return NULL;
   }
   if (a[0] == NULL) {
-    PyErr_SetString(PyExc_TypeError,
-                    "open() missing required argument 'handle_bytes'");
+    usmipc_type_error("open() missing required argument 'handle_bytes'");
     return NULL;
   }
   PyObject *device_obj = NULL;
@@ -792,8 +789,7 @@ PyObject *usmipc_set_event_timeout(PyObject *module, PyObject *arg) {
       return NULL;
     }
     if (isnan(seconds) || seconds < 0.0) {
-      PyErr_Format(PyExc_ValueError,
-                   "timeout must be None or >= 0 seconds (None and 0 wait "
+      usmipc_value_error("timeout must be None or >= 0 seconds (None and 0 wait "
                    "without limit), not %R",
                    arg);
       return NULL;
@@ -802,7 +798,7 @@ PyObject *usmipc_set_event_timeout(PyObject *module, PyObject *arg) {
      * timeout never becomes 0, which would mean no limit. */
     double ms = ceil(seconds * 1000.0 - 1e-6);
     if (ms >= 1.8e19) {
-      PyErr_Format(PyExc_ValueError, "timeout %R is too large", arg);
+      usmipc_value_error("timeout %R is too large", arg);
       return NULL;
     }
     timeout_ms = (unsigned long long)ms;

@@ -40,6 +40,9 @@ typedef struct usmipc_module_state {
    * a usmipc.Error too (one root), with .code and .name. */
   PyObject *ArgumentError;   /* usmipc.ArgumentError(Error, ValueError) */
   PyObject *MemoryKindError; /* usmipc.MemoryKindError(Error, TypeError) */
+  /* usmipc.ArgumentTypeError(Error, TypeError): an argument of the wrong
+   * type, found by the extension's own parsing */
+  PyObject *ArgumentTypeError;
   PyObject *OutOfMemoryError; /* usmipc.OutOfMemoryError(Error, MemoryError) */
   PyTypeObject *DeviceType;
   PyTypeObject *QueueType;
@@ -81,6 +84,21 @@ PyObject *usmipc_raise_as(usmipc_module_state_t *st, PyObject *type, int code);
 /* The same with a message of the extension's own. */
 PyObject *usmipc_raise_msg(usmipc_module_state_t *st, int code,
                            const char *message);
+
+/* The extension's own errors, each a usmipc.Error with .code and .name
+ * (PyUnicode_FromFormat's conversions; no state needed, the module is
+ * found in sys.modules). All return NULL.
+ *   usmipc_value_error  usmipc.ArgumentError (a ValueError), USMIPC_EINVAL
+ *   usmipc_type_error   usmipc.ArgumentTypeError (a TypeError), EINVAL
+ *   usmipc_kind_error   usmipc.MemoryKindError (a TypeError), EMEMKIND */
+PyObject *usmipc_value_error(const char *format, ...);
+PyObject *usmipc_type_error(const char *format, ...);
+PyObject *usmipc_kind_error(const char *format, ...);
+/* After a failed PyArg_Parse*: turns CPython's pending TypeError (a
+ * missing or unexpected argument, a wrong type) into ArgumentTypeError with
+ * the same message; leaves other exceptions (OverflowError) alone.
+ * Returns -1. */
+int usmipc_retype_parse_error(void);
 
 /* Raises RuntimeError for use after the module state was cleared (only
  * possible from finalizers at interpreter shutdown). Returns NULL. */

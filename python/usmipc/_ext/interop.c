@@ -242,7 +242,7 @@ static int dlpack_sync(usmipc_memory_object_t *mem, PyObject *stream,
 
 static int parse_int_pair(PyObject *obj, const char *what, long *a, long *b) {
   if (!PyTuple_Check(obj) || PyTuple_Size(obj) != 2) {
-    PyErr_Format(PyExc_TypeError, "%s must be a tuple of two ints", what);
+    usmipc_type_error("%s must be a tuple of two ints", what);
     return -1;
   }
   *a = PyLong_AsLong(PyTuple_GetItem(obj, 0));
@@ -376,7 +376,7 @@ PyObject *usmipc_memory_cuda_array_interface(PyObject *self, void *closure) {
     return NULL;
   }
   if (mem->closed || mem->released) {
-    PyErr_SetString(PyExc_ValueError, "mapping is closed");
+    usmipc_value_error("mapping is closed");
     return NULL;
   }
   /* stream None: no synchronization is needed (see __dlpack__). */
@@ -413,7 +413,7 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
   PyObject *data = NULL, *shape = NULL, *typestr = NULL, *strides = NULL;
   int rc = -1;
   if (!PyDict_Check(cai)) {
-    PyErr_SetString(PyExc_TypeError, "__cuda_array_interface__ is not a dict");
+    usmipc_type_error("__cuda_array_interface__ is not a dict");
     goto done;
   }
   if (dict_item(cai, "data", &data) <= 0 ||
@@ -421,15 +421,13 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
       dict_item(cai, "typestr", &typestr) <= 0 ||
       dict_item(cai, "strides", &strides) < 0) {
     if (!PyErr_Occurred()) {
-      PyErr_SetString(PyExc_ValueError,
-                      "__cuda_array_interface__ lacks data, shape or typestr");
+      usmipc_value_error("__cuda_array_interface__ lacks data, shape or typestr");
     }
     goto done;
   }
   if (!PyTuple_Check(data) || PyTuple_Size(data) < 1 || !PyTuple_Check(shape) ||
       !PyUnicode_Check(typestr)) {
-    PyErr_SetString(PyExc_ValueError,
-                    "__cuda_array_interface__ is malformed (data must be a "
+    usmipc_value_error("__cuda_array_interface__ is malformed (data must be a "
                     "tuple, shape a tuple, typestr a str)");
     goto done;
   }
@@ -445,8 +443,7 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
   }
   long itemsize = tlen > 2 ? strtol(ts + 2, NULL, 10) : 0;
   if (itemsize <= 0) {
-    PyErr_Format(PyExc_ValueError,
-                 "__cuda_array_interface__ typestr %R has no item size",
+    usmipc_value_error("__cuda_array_interface__ typestr %R has no item size",
                  typestr);
     goto done;
   }
@@ -456,7 +453,7 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
     Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GetItem(shape, i));
     if (n < 0) {
       if (!PyErr_Occurred()) {
-        PyErr_SetString(PyExc_ValueError, "negative extent in shape");
+        usmipc_value_error("negative extent in shape");
       }
       goto done;
     }
@@ -465,8 +462,7 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
   /* Only a C-contiguous array is one byte range. */
   if (strides != NULL && strides != Py_None) {
     if (!PyTuple_Check(strides) || PyTuple_Size(strides) != ndim) {
-      PyErr_SetString(PyExc_ValueError,
-                      "__cuda_array_interface__ strides do not match shape");
+      usmipc_value_error("__cuda_array_interface__ strides do not match shape");
       goto done;
     }
     Py_ssize_t expect = itemsize;
@@ -477,8 +473,7 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
         goto done;
       }
       if (extent > 1 && stride != expect) {
-        PyErr_SetString(PyExc_ValueError,
-                        "only C-contiguous arrays can be exported: make the "
+        usmipc_value_error("only C-contiguous arrays can be exported: make the "
                         "array contiguous first");
         goto done;
       }
@@ -486,7 +481,7 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
     }
   }
   if (count == 0) {
-    PyErr_SetString(PyExc_ValueError, "cannot export an empty array");
+    usmipc_value_error("cannot export an empty array");
     goto done;
   }
   *ptr = address;
@@ -587,8 +582,7 @@ static PyObject *dl_consume(PyObject *capsule, DLTensor *tensor,
                       "__dlpack__ returned a capsule that was already "
                       "consumed");
     } else {
-      PyErr_Format(PyExc_TypeError,
-                   "__dlpack__ returned %R, not a DLPack capsule "
+      usmipc_type_error("__dlpack__ returned %R, not a DLPack capsule "
                    "(\"dltensor\" or \"dltensor_versioned\")",
                    (PyObject *)Py_TYPE(capsule));
     }
@@ -631,32 +625,29 @@ static PyObject *dl_consume(PyObject *capsule, DLTensor *tensor,
 /* The size in bytes of a C-contiguous tensor, or -1 with ValueError. */
 static Py_ssize_t dl_contiguous_nbytes(const DLTensor *t, uint64_t flags) {
   if (t->ndim < 0 || (t->ndim > 0 && t->shape == NULL)) {
-    PyErr_Format(PyExc_ValueError,
-                 "the DLPack tensor has a bad shape (ndim %d)", (int)t->ndim);
+    usmipc_value_error("the DLPack tensor has a bad shape (ndim %d)", (int)t->ndim);
     return -1;
   }
   uint64_t bits = (uint64_t)t->dtype.bits * t->dtype.lanes;
   if (bits == 0) {
-    PyErr_SetString(PyExc_ValueError,
-                    "the DLPack tensor's element type has no size");
+    usmipc_value_error("the DLPack tensor's element type has no size");
     return -1;
   }
   uint64_t count = 1;
   for (int32_t i = 0; i < t->ndim; i++) {
     if (t->shape[i] < 0) {
-      PyErr_SetString(PyExc_ValueError,
-                      "the DLPack tensor has a negative extent");
+      usmipc_value_error("the DLPack tensor has a negative extent");
       return -1;
     }
     uint64_t extent = (uint64_t)t->shape[i];
     if (extent != 0 && count > (uint64_t)PY_SSIZE_T_MAX / extent) {
-      PyErr_SetString(PyExc_ValueError, "the DLPack tensor is too large");
+      usmipc_value_error("the DLPack tensor is too large");
       return -1;
     }
     count *= extent;
   }
   if (count == 0) {
-    PyErr_SetString(PyExc_ValueError, "cannot export an empty array");
+    usmipc_value_error("cannot export an empty array");
     return -1;
   }
   /* Strides count elements, not bytes; NULL means C-contiguous. An extent
@@ -665,8 +656,7 @@ static Py_ssize_t dl_contiguous_nbytes(const DLTensor *t, uint64_t flags) {
     int64_t expect = 1;
     for (int32_t i = t->ndim - 1; i >= 0; i--) {
       if (t->shape[i] > 1 && t->strides[i] != expect) {
-        PyErr_SetString(PyExc_ValueError,
-                        "IPCMemoryHandle needs contiguous memory: the DLPack "
+        usmipc_value_error("IPCMemoryHandle needs contiguous memory: the DLPack "
                         "tensor is strided; make it C-contiguous first");
         return -1;
       }
@@ -679,13 +669,13 @@ static Py_ssize_t dl_contiguous_nbytes(const DLTensor *t, uint64_t flags) {
   if (bits % 8 == 0 || (flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED)) {
     uint64_t itemsize = (bits + 7) / 8;
     if (count > (uint64_t)PY_SSIZE_T_MAX / itemsize) {
-      PyErr_SetString(PyExc_ValueError, "the DLPack tensor is too large");
+      usmipc_value_error("the DLPack tensor is too large");
       return -1;
     }
     nbytes = count * itemsize;
   } else {
     if (count > ((uint64_t)PY_SSIZE_T_MAX - 7) / bits) {
-      PyErr_SetString(PyExc_ValueError, "the DLPack tensor is too large");
+      usmipc_value_error("the DLPack tensor is too large");
       return -1;
     }
     nbytes = (count * bits + 7) / 8;
@@ -703,8 +693,7 @@ static int dl_check_device(const DLTensor *t, const void *ptr) {
     return 0; /* the library tells the driver's allocations apart */
   }
   if (type == kDLCUDAHost || type == kDLCUDAManaged) {
-    PyErr_Format(PyExc_TypeError,
-                 "IPCMemoryHandle() exports device memory only; this DLPack "
+    usmipc_kind_error("IPCMemoryHandle() exports device memory only; this DLPack "
                  "tensor is CUDA %s memory (device type %d)",
                  type == kDLCUDAHost ? "pinned host" : "managed", (int)type);
     return -1;
@@ -717,16 +706,14 @@ static int dl_check_device(const DLTensor *t, const void *ptr) {
     Py_END_ALLOW_THREADS
     if (rc < 0 || info.device == NULL ||
         usmipc_device_backend(info.device) != USMIPC_BACKEND_HOST) {
-      PyErr_SetString(PyExc_TypeError,
-                      "IPCMemoryHandle() exports device memory only; this "
+      usmipc_kind_error("IPCMemoryHandle() exports device memory only; this "
                       "DLPack tensor is ordinary CPU memory (device type 1), "
                       "not usmipc device memory: copy it into a "
                       "MemoryUSMDevice to share it");
       return -1;
     }
     if (info.kind != USMIPC_MEM_DEVICE) {
-      PyErr_Format(PyExc_TypeError,
-                   "IPCMemoryHandle() exports device memory only; this "
+      usmipc_kind_error("IPCMemoryHandle() exports device memory only; this "
                    "DLPack tensor is usmipc memory of kind '%s'",
                    info.kind == USMIPC_MEM_HOST     ? "host"
                    : info.kind == USMIPC_MEM_SHARED ? "shared"
@@ -735,8 +722,7 @@ static int dl_check_device(const DLTensor *t, const void *ptr) {
     }
     return 0;
   }
-  PyErr_Format(PyExc_TypeError,
-               "IPCMemoryHandle() exports CUDA and oneAPI device memory "
+  usmipc_kind_error("IPCMemoryHandle() exports CUDA and oneAPI device memory "
                "from DLPack tensors; this one is on DLPack device type %d",
                (int)type);
   return -1;

@@ -63,7 +63,7 @@ static usmipc_module_state_t *handle_state(PyObject *self) {
 static int export_range(Py_ssize_t size, Py_ssize_t offset,
                         PyObject *nbytes_obj, Py_ssize_t *nbytes) {
   if (offset < 0 || offset >= size) {
-    PyErr_Format(PyExc_ValueError, "offset %zd is outside the %zd bytes",
+    usmipc_value_error("offset %zd is outside the %zd bytes",
                  offset, size);
     return -1;
   }
@@ -74,8 +74,7 @@ static int export_range(Py_ssize_t size, Py_ssize_t offset,
       return -1;
     }
     if (n <= 0 || n > size - offset) {
-      PyErr_Format(PyExc_ValueError,
-                   "nbytes must be in 1..%zd for offset %zd, not %zd",
+      usmipc_value_error("nbytes must be in 1..%zd for offset %zd, not %zd",
                    size - offset, offset, n);
       return -1;
     }
@@ -210,8 +209,7 @@ static int setup_order(usmipc_module_state_t *st, Handle *self,
                        usmipc_memory_object_t *mem, PyObject *obj) {
   if (ordered == 0) {
     if (stream != NULL) {
-      PyErr_SetString(PyExc_ValueError,
-                      "IPCMemoryHandle(): stream= is the queue each handoff "
+      usmipc_value_error("IPCMemoryHandle(): stream= is the queue each handoff "
                       "is ordered on, so it cannot go with ordered=False; "
                       "drop one of them");
       return -1;
@@ -311,6 +309,7 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|nO$OOp:IPCMemoryHandle",
                                    kwlist, &mem_obj, &offset, &nbytes_obj,
                                    &stream, &ordered_obj, &release)) {
+    usmipc_retype_parse_error();
     return NULL;
   }
   if (stream == Py_None) {
@@ -341,8 +340,7 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
       return NULL;
     }
     if (found == 0) {
-      PyErr_Format(PyExc_TypeError,
-                   "IPCMemoryHandle() exports device memory allocated by "
+      usmipc_type_error("IPCMemoryHandle() exports device memory allocated by "
                    "usmipc (MemoryUSMDevice) or an array with "
                    "__cuda_array_interface__ or __dlpack__, not %R",
                    (PyObject *)Py_TYPE(mem_obj));
@@ -393,11 +391,11 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
     return NULL;
   }
   if (mem->closed || mem->released) {
-    PyErr_SetString(PyExc_ValueError, "mapping is closed");
+    usmipc_value_error("mapping is closed");
     return NULL;
   }
   if (mem->device == NULL) {
-    PyErr_SetString(PyExc_ValueError, "memory object is not initialized");
+    usmipc_value_error("memory object is not initialized");
     return NULL;
   }
   usmipc_device_t *device = ((usmipc_device_object_t *)mem->device)->device;
@@ -541,14 +539,12 @@ static int handle_bytes(usmipc_module_state_t *st, PyObject *obj,
   }
   if (st->IPCEventHandleType != NULL &&
       Py_IS_TYPE(obj, st->IPCEventHandleType)) {
-    PyErr_SetString(PyExc_TypeError,
-                    "expected the bytes of a memory handle or an "
+    usmipc_type_error("expected the bytes of a memory handle or an "
                     "IPCMemoryHandle, not an IPCEventHandle (open it with "
                     "IPCEventHandle.open())");
     return -1;
   }
-  PyErr_Format(PyExc_TypeError,
-               "expected handle bytes or an IPCMemoryHandle, not %R",
+  usmipc_type_error("expected handle bytes or an IPCMemoryHandle, not %R",
                (PyObject *)Py_TYPE(obj));
   return -1;
 }
@@ -565,7 +561,7 @@ static PyObject *handle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
     return NULL;
   }
   if (raw == NULL) {
-    PyErr_SetString(PyExc_TypeError, "from_bytes() missing argument 'data'");
+    usmipc_type_error("from_bytes() missing argument 'data'");
     return NULL;
   }
   PyTypeObject *type = st->IPCMemoryHandleType;
@@ -753,16 +749,14 @@ static PyObject *open_common(PyTypeObject *defining_class,
   }
   if (a[5] != NULL) {
     if (a[0] != NULL) {
-      PyErr_Format(PyExc_TypeError,
-                   "%s() got handle_bytes and its old name handle; give one",
+      usmipc_type_error("%s() got handle_bytes and its old name handle; give one",
                    funcname);
       return NULL;
     }
     a[0] = a[5];
   }
   if (a[0] == NULL) {
-    PyErr_Format(PyExc_TypeError,
-                 "%s() missing required argument 'handle_bytes'", funcname);
+    usmipc_type_error("%s() missing required argument 'handle_bytes'", funcname);
     return NULL;
   }
   PyObject *stream = a[4] == Py_None ? NULL : a[4];
@@ -784,8 +778,7 @@ static PyObject *open_common(PyTypeObject *defining_class,
       return NULL;
     }
     if (n <= 0) {
-      PyErr_Format(PyExc_ValueError,
-                   "nbytes must be positive or None (the exported size), "
+      usmipc_value_error("nbytes must be positive or None (the exported size), "
                    "not %zd",
                    n);
       return NULL;
@@ -933,7 +926,7 @@ static PyObject *open_common(PyTypeObject *defining_class,
       Py_DECREF(mem);
       ptr = NULL;
       if (!PyErr_Occurred()) {
-        PyErr_SetString(PyExc_TypeError, "handle bytes are not bytes");
+        usmipc_type_error("handle bytes are not bytes");
       }
       goto fail_args;
     }
@@ -994,22 +987,28 @@ static PyObject *mapping_release_or_close(PyTypeObject *defining_class,
     return NULL;
   }
   if (a[0] == NULL) {
-    PyErr_Format(PyExc_TypeError, "%s() missing required argument 'memory'",
+    usmipc_type_error("%s() missing required argument 'memory'",
                  funcname);
     return NULL;
   }
   PyObject *mem = a[0];
   if (!PyObject_TypeCheck(mem, st->MemoryIPCDeviceType)) {
     /* dpctl raises RuntimeError for memory that is no mapping. */
-    int is_memory = PyObject_TypeCheck(mem, st->MemoryType);
-    PyErr_Format(is_memory ? st->Error : PyExc_TypeError,
-                 "%s() takes a MemoryIPCDevice returned by "
-                 "IPCMemoryHandle.open(), not %s %R%s",
-                 funcname, is_memory ? "non-IPC memory" : "a",
-                 (PyObject *)Py_TYPE(mem),
-                 is_memory ? " (memory allocated here is freed by dropping "
-                             "it)"
-                           : "");
+    if (!PyObject_TypeCheck(mem, st->MemoryType)) {
+      return usmipc_type_error("%s() takes a MemoryIPCDevice returned by "
+                               "IPCMemoryHandle.open(), not a %R",
+                               funcname, (PyObject *)Py_TYPE(mem));
+    }
+    PyObject *text = PyUnicode_FromFormat(
+        "%s() takes a MemoryIPCDevice returned by IPCMemoryHandle.open(), "
+        "not non-IPC memory %R (memory allocated here is freed by dropping "
+        "it)",
+        funcname, (PyObject *)Py_TYPE(mem));
+    const char *message = text ? PyUnicode_AsUTF8AndSize(text, NULL) : NULL;
+    if (message != NULL) {
+      usmipc_raise_msg(st, USMIPC_ENOTMAPPED, message);
+    }
+    Py_XDECREF(text);
     return NULL;
   }
   usmipc_memory_object_t *m = (usmipc_memory_object_t *)mem;
@@ -1058,7 +1057,7 @@ static PyObject *handle_is_available(PyObject *cls,
   (void)args;
   usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
   if (nargs != 0 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
-    PyErr_SetString(PyExc_TypeError, "is_available() takes no arguments");
+    usmipc_type_error("is_available() takes no arguments");
     return NULL;
   }
   usmipc_device_t *devices[64];
@@ -1091,8 +1090,7 @@ static PyObject *handle_set_cache_size(PyObject *cls,
     return NULL;
   }
   if (arg == NULL) {
-    PyErr_SetString(PyExc_TypeError,
-                    "set_cache_size() missing argument 'entries'");
+    usmipc_type_error("set_cache_size() missing argument 'entries'");
     return NULL;
   }
   Py_ssize_t entries = PyLong_AsSsize_t(arg);
@@ -1100,7 +1098,7 @@ static PyObject *handle_set_cache_size(PyObject *cls,
     return NULL;
   }
   if (entries < 0) {
-    PyErr_SetString(PyExc_ValueError, "entries must be >= 0");
+    usmipc_value_error("entries must be >= 0");
     return NULL;
   }
   int rc = usmipc_ipc_set_cache_size((size_t)entries);
@@ -1139,7 +1137,7 @@ static PyObject *handle_inspect(PyObject *cls, PyTypeObject *defining_class,
     return NULL;
   }
   if (raw == NULL) {
-    PyErr_SetString(PyExc_TypeError, "inspect() missing argument 'handle'");
+    usmipc_type_error("inspect() missing argument 'handle'");
     return NULL;
   }
   const char *data;
@@ -1234,8 +1232,7 @@ static PyObject *handle_wait_released(PyObject *op, PyObject *const *args,
     return handle_closed_error();
   }
   if (self->handle == NULL) {
-    PyErr_SetString(PyExc_ValueError,
-                    "wait_released(): this handle was made from bytes; only "
+    usmipc_value_error("wait_released(): this handle was made from bytes; only "
                     "the exporter's own handle hands out release tickets");
     return NULL;
   }

@@ -68,11 +68,11 @@ static int raise_release_error(Mem *self, int rc) {
  * unmap. Returns 0, or -1 with ValueError set. */
 int usmipc_memory_begin(Mem *self) {
   if (self->closed || self->released) {
-    PyErr_SetString(PyExc_ValueError, "mapping is closed");
+    usmipc_value_error("mapping is closed");
     return -1;
   }
   if (self->ptr == NULL || self->device == NULL) {
-    PyErr_SetString(PyExc_ValueError, "memory object is not initialized");
+    usmipc_value_error("memory object is not initialized");
     return -1;
   }
   self->exports++;
@@ -114,7 +114,7 @@ static usmipc_queue_t *memory_queue(Mem *self) {
 
 PyObject *usmipc_memory_queue_object(Mem *self) {
   if (self->device == NULL) {
-    PyErr_SetString(PyExc_ValueError, "memory object is not initialized");
+    usmipc_value_error("memory object is not initialized");
     return NULL;
   }
   if (memory_queue(self) == NULL) {
@@ -135,7 +135,7 @@ static int device_and_queue(usmipc_module_state_t *st, PyObject *device_arg,
   PyObject *device_obj = NULL, *queue_obj = NULL;
   if (queue_arg != NULL && queue_arg != Py_None) {
     if (!PyObject_TypeCheck(queue_arg, st->QueueType)) {
-      PyErr_Format(PyExc_TypeError, "queue must be a usmipc.Queue, not %R",
+      usmipc_type_error("queue must be a usmipc.Queue, not %R",
                    (PyObject *)Py_TYPE(queue_arg));
       return -1;
     }
@@ -148,8 +148,7 @@ static int device_and_queue(usmipc_module_state_t *st, PyObject *device_arg,
       }
       /* Device objects are unique per device: identity is equality. */
       if (given != device_obj) {
-        PyErr_Format(PyExc_ValueError,
-                     "the queue is on device %R but device %R was given",
+        usmipc_value_error("the queue is on device %R but device %R was given",
                      device_obj, given);
         Py_DECREF(given);
         goto fail;
@@ -187,8 +186,7 @@ static int ipc_flags(const char *ipc, unsigned *flags) {
   } else if (strcmp(ipc, "native") == 0) {
     *flags = USMIPC_ALLOC_IPC_NATIVE;
   } else {
-    PyErr_Format(PyExc_ValueError,
-                 "ipc must be None, 'fd' or 'native', not '%s'", ipc);
+    usmipc_value_error("ipc must be None, 'fd' or 'native', not '%s'", ipc);
     return -1;
   }
   return 0;
@@ -207,11 +205,11 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
   if (!PyArg_ParseTupleAndKeywords(args, kwds, format, kwlist, &nbytes,
                                    &alignment, &device_arg, &queue_arg,
                                    &sycl_device, &sycl_queue, &ipc)) {
+    usmipc_retype_parse_error();
     return NULL;
   }
   if (alignment < 0 || (alignment & (alignment - 1)) != 0) {
-    PyErr_Format(PyExc_ValueError,
-                 "alignment must be 0 or a power of two, not %zd", alignment);
+    usmipc_value_error("alignment must be 0 or a power of two, not %zd", alignment);
     return NULL;
   }
   unsigned flags;
@@ -219,9 +217,7 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
     return NULL;
   }
   if ((device_arg && sycl_device) || (queue_arg && sycl_queue)) {
-    PyErr_SetString(
-        PyExc_TypeError,
-        "give device or sycl_device, queue or sycl_queue, not both");
+    usmipc_type_error("give device or sycl_device, queue or sycl_queue, not both");
     return NULL;
   }
   if (device_arg == NULL) {
@@ -231,7 +227,7 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
     queue_arg = sycl_queue;
   }
   if (nbytes <= 0) {
-    PyErr_Format(PyExc_ValueError, "nbytes must be positive, not %zd", nbytes);
+    usmipc_value_error("nbytes must be positive, not %zd", nbytes);
     return NULL;
   }
   usmipc_module_state_t *st = usmipc_state_from_type(type);
@@ -274,8 +270,7 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
   /* Allocations start on a page (or the driver's granularity): an
    * alignment beyond what this one got is refused, not silently unmet. */
   if (alignment > 1 && (uintptr_t)ptr % (uintptr_t)alignment != 0) {
-    PyErr_Format(PyExc_ValueError,
-                 "alignment %zd is more than this device's allocations "
+    usmipc_value_error("alignment %zd is more than this device's allocations "
                  "give (this one is at %p); use at most the page size",
                  alignment, ptr);
     Py_DECREF(self);
@@ -405,7 +400,7 @@ static int memory_getbuffer(PyObject *op, Py_buffer *view, int flags) {
   Mem *self = (Mem *)op;
   if (self->closed || self->released) {
     view->obj = NULL;
-    PyErr_SetString(PyExc_ValueError, "mapping is closed");
+    usmipc_value_error("mapping is closed");
     return -1;
   }
   if (!self->host_accessible) {
@@ -447,8 +442,7 @@ static PyObject *memory_copy_from_host(PyObject *op, PyObject *obj) {
     return NULL;
   }
   if (src.len > self->nbytes) {
-    PyErr_Format(PyExc_ValueError,
-                 "source of %zd bytes does not fit in %zd bytes of memory",
+    usmipc_value_error("source of %zd bytes does not fit in %zd bytes of memory",
                  src.len, self->nbytes);
     PyBuffer_Release(&src);
     return NULL;
@@ -508,7 +502,7 @@ static int copy_out(Mem *self, void *dst) {
 
 static PyObject *copy_to_bytes(Mem *self) {
   if (self->closed || self->released) {
-    PyErr_SetString(PyExc_ValueError, "mapping is closed");
+    usmipc_value_error("mapping is closed");
     return NULL;
   }
   PyObject *bytes = PyBytes_FromStringAndSize(NULL, self->nbytes);
@@ -540,8 +534,7 @@ static PyObject *memory_copy_to_host(PyObject *op, PyObject *const *args,
     return NULL;
   }
   if (dst.len < self->nbytes) {
-    PyErr_Format(PyExc_ValueError,
-                 "destination of %zd bytes is too small for %zd bytes", dst.len,
+    usmipc_value_error("destination of %zd bytes is too small for %zd bytes", dst.len,
                  self->nbytes);
     PyBuffer_Release(&dst);
     return NULL;
@@ -574,8 +567,7 @@ static PyObject *memory_memset(PyObject *op, PyObject *const *args,
       return NULL;
     }
     if (value < 0 || value > 255) {
-      PyErr_Format(PyExc_ValueError,
-                   "memset value must be a byte (0..255), not %ld", value);
+      usmipc_value_error("memset value must be a byte (0..255), not %ld", value);
       return NULL;
     }
   }
@@ -776,12 +768,11 @@ static PyObject *memory_array(PyObject *op, PyObject *const *args,
     return NULL;
   }
   if (self->closed || self->released) {
-    PyErr_SetString(PyExc_ValueError, "mapping is closed");
+    usmipc_value_error("mapping is closed");
     return NULL;
   }
   if (!self->host_accessible) {
-    PyErr_Format(PyExc_TypeError,
-                 "%s memory on a %s device is not accessible from the host: "
+    usmipc_kind_error("%s memory on a %s device is not accessible from the host: "
                  "numpy cannot view it; use copy_to_host(), or DLPack with "
                  "a device array library",
                  kind_name(self->kind), usmipc_backend_name(self->backend));
@@ -966,10 +957,11 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   const char *ipc = NULL;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "|n$OOz:MemoryPool", kwlist,
                                    &nbytes, &device_arg, &queue_arg, &ipc)) {
+    usmipc_retype_parse_error();
     return NULL;
   }
   if (nbytes < 0) {
-    PyErr_Format(PyExc_ValueError, "nbytes must be 0 (64 MiB) or positive, "
+    usmipc_value_error("nbytes must be 0 (64 MiB) or positive, "
                                    "not %zd",
                  nbytes);
     return NULL;
@@ -1013,11 +1005,11 @@ static PyObject *pool_allocate(PyObject *op, PyObject *args, PyObject *kwds) {
   Py_ssize_t nbytes, alignment = 0;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|n:allocate", kwlist, &nbytes,
                                    &alignment)) {
+    usmipc_retype_parse_error();
     return NULL;
   }
   if (nbytes <= 0 || alignment < 0) {
-    PyErr_Format(PyExc_ValueError,
-                 "nbytes must be positive and alignment 0 or a power of two, "
+    usmipc_value_error("nbytes must be positive and alignment 0 or a power of two, "
                  "not %zd and %zd",
                  nbytes, alignment);
     return NULL;

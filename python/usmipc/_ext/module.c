@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <stdarg.h>
 #include <string.h>
 
 /* ---- module state lookup ------------------------------------------------- */
@@ -26,8 +27,7 @@ usmipc_module_state_t *usmipc_state_from_type(PyTypeObject *type) {
     }
     t = (PyTypeObject *)PyType_GetSlot(t, Py_tp_base);
   }
-  PyErr_SetString(PyExc_TypeError,
-                  "usmipc: object's type does not derive from a usmipc type");
+  usmipc_type_error("usmipc: object's type does not derive from a usmipc type");
   return NULL;
 }
 
@@ -145,6 +145,130 @@ PyObject *usmipc_raise_msg(usmipc_module_state_t *st, int code,
   return raise_with(st, code, message, 0);
 }
 
+/* ---- the extension's own argument errors ---------------------------------
+ *
+ * Errors the extension finds itself (a bad argument, memory of the wrong
+ * kind) are usmipc.Error subclasses too, with the code they would have had
+ * from the library. Raising one finds the module's state through
+ * sys.modules, so that any function can raise without a state at hand;
+ * errors are the slow path. If the module is gone (interpreter shutdown),
+ * the plain built-in exception is raised instead. */
+
+static usmipc_module_state_t *state_of_imported_module(void) {
+  PyObject *name = PyUnicode_FromString("usmipc._usmipc");
+  if (name == NULL) {
+    return NULL;
+  }
+  PyObject *module = PyImport_GetModule(name); /* new reference or NULL */
+  Py_DECREF(name);
+  if (module == NULL) {
+    PyErr_Clear();
+    return NULL;
+  }
+  usmipc_module_state_t *st = NULL;
+  if (PyModule_Check(module) && PyModule_GetDef(module) == &usmipc_module_def) {
+    st = PyModule_GetState(module);
+  } else {
+    PyErr_Clear();
+  }
+  Py_DECREF(module); /* sys.modules keeps it alive */
+  return st;
+}
+
+static PyObject *raise_own(int which, const char *format, va_list va) {
+  PyObject *text = PyUnicode_FromFormatV(format, va);
+  if (text == NULL) {
+    return NULL;
+  }
+  usmipc_module_state_t *st = state_of_imported_module();
+  PyObject *type = NULL, *builtin;
+  int code;
+  switch (which) {
+  case 1:
+    builtin = PyExc_TypeError;
+    code = USMIPC_EINVAL;
+    type = st ? st->ArgumentTypeError : NULL;
+    break;
+  case 2:
+    builtin = PyExc_TypeError;
+    code = USMIPC_EMEMKIND;
+    type = st ? st->MemoryKindError : NULL;
+    break;
+  default:
+    builtin = PyExc_ValueError;
+    code = USMIPC_EINVAL;
+    type = st ? st->ArgumentError : NULL;
+    break;
+  }
+  if (type == NULL) {
+    PyErr_SetObject(builtin, text);
+    Py_DECREF(text);
+    return NULL;
+  }
+  const char *message = PyUnicode_AsUTF8AndSize(text, NULL);
+  if (message == NULL) {
+    Py_DECREF(text);
+    return NULL;
+  }
+  raise_with_type(st, type, code, message, 0);
+  Py_DECREF(text);
+  return NULL;
+}
+
+PyObject *usmipc_value_error(const char *format, ...) {
+  va_list va;
+  va_start(va, format);
+  raise_own(0, format, va);
+  va_end(va);
+  return NULL;
+}
+
+PyObject *usmipc_type_error(const char *format, ...) {
+  va_list va;
+  va_start(va, format);
+  raise_own(1, format, va);
+  va_end(va);
+  return NULL;
+}
+
+PyObject *usmipc_kind_error(const char *format, ...) {
+  va_list va;
+  va_start(va, format);
+  raise_own(2, format, va);
+  va_end(va);
+  return NULL;
+}
+
+int usmipc_retype_parse_error(void) {
+  if (!PyErr_Occurred() || !PyErr_ExceptionMatches(PyExc_TypeError)) {
+    return -1;
+  }
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyErr_NormalizeException(&type, &value, &traceback);
+  usmipc_module_state_t *st = state_of_imported_module();
+  if (st == NULL || st->ArgumentTypeError == NULL ||
+      type != PyExc_TypeError || value == NULL) {
+    /* already one of ours (or a subclass someone raised): leave it */
+    PyErr_Restore(type, value, traceback);
+    return -1;
+  }
+  PyObject *text = PyObject_Str(value);
+  const char *message = text ? PyUnicode_AsUTF8AndSize(text, NULL) : NULL;
+  if (message == NULL) {
+    Py_XDECREF(text);
+    PyErr_Clear();
+    PyErr_Restore(type, value, traceback);
+    return -1;
+  }
+  raise_with_type(st, st->ArgumentTypeError, USMIPC_EINVAL, message, 0);
+  Py_DECREF(text);
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(traceback);
+  return -1;
+}
+
 PyObject *usmipc_state_cleared(void) {
   PyErr_SetString(PyExc_RuntimeError,
                   "usmipc: the usmipc._usmipc module was already finalized");
@@ -252,8 +376,7 @@ int usmipc_parse_fastcall(const char *funcname, PyObject *const *args,
     out[i] = NULL;
   }
   if (nargs > npositional) {
-    PyErr_Format(PyExc_TypeError,
-                 "%s() takes at most %zd positional argument%s (%zd given)",
+    usmipc_type_error("%s() takes at most %zd positional argument%s (%zd given)",
                  funcname, npositional, npositional == 1 ? "" : "s", nargs);
     return -1;
   }
@@ -271,14 +394,12 @@ int usmipc_parse_fastcall(const char *funcname, PyObject *const *args,
       j++;
     }
     if (j == nnames) {
-      PyErr_Format(PyExc_TypeError,
-                   "%s() got an unexpected keyword argument '%U'", funcname,
+      usmipc_type_error("%s() got an unexpected keyword argument '%U'", funcname,
                    key);
       return -1;
     }
     if (out[j] != NULL) {
-      PyErr_Format(PyExc_TypeError,
-                   "%s() got multiple values for argument '%s'", funcname,
+      usmipc_type_error("%s() got multiple values for argument '%s'", funcname,
                    names[j]);
       return -1;
     }
@@ -370,7 +491,7 @@ static PyObject *set_ipc_cache_size(PyObject *module, PyObject *arg) {
     return NULL;
   }
   if (entries < 0) {
-    PyErr_SetString(PyExc_ValueError, "entries must be >= 0");
+    usmipc_value_error("entries must be >= 0");
     return NULL;
   }
   int rc = usmipc_ipc_set_cache_size((size_t)entries);
@@ -392,7 +513,7 @@ static PyObject *set_ipc_cache_bytes(PyObject *module, PyObject *arg) {
   Py_XDECREF(zero);
   if (negative != 0) {
     if (negative > 0) {
-      PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, not %R", index);
+      usmipc_value_error("nbytes must be >= 0, not %R", index);
     }
     Py_DECREF(index);
     return NULL;
@@ -416,8 +537,7 @@ static PyObject *set_ipc_timeout(PyObject *module, PyObject *arg) {
     return NULL;
   }
   if (isnan(seconds) || seconds < 0.0) {
-    PyErr_Format(PyExc_ValueError,
-                 "timeout must be >= 0 seconds (0 restores the default), "
+    usmipc_value_error("timeout must be >= 0 seconds (0 restores the default), "
                  "not %R",
                  arg);
     return NULL;
@@ -427,8 +547,7 @@ static PyObject *set_ipc_timeout(PyObject *module, PyObject *arg) {
    * which would mean the default. */
   double ms = ceil(seconds * 1000.0 - 1e-6);
   if (ms > (double)UINT_MAX) {
-    PyErr_Format(PyExc_ValueError,
-                 "timeout must be at most %u.%03u seconds, not %R",
+    usmipc_value_error("timeout must be at most %u.%03u seconds, not %R",
                  UINT_MAX / 1000u, UINT_MAX % 1000u, arg);
     return NULL;
   }
@@ -495,7 +614,7 @@ static PyObject *torch_pool_info(PyObject *module, PyObject *arg) {
     return NULL;
   }
   if (device < INT_MIN || device > INT_MAX) {
-    PyErr_Format(PyExc_ValueError, "no CUDA device %ld", device);
+    usmipc_value_error("no CUDA device %ld", device);
     return NULL;
   }
   usmipc_pool_t *pool = NULL;
@@ -724,6 +843,10 @@ static int create_error(PyObject *module, usmipc_module_state_t *st) {
        "Memory of the wrong kind (USMIPC_EMEMKIND: host or shared memory\n"
        "where device memory is needed): a usmipc.Error and a TypeError.",
        PyExc_TypeError},
+      {&st->ArgumentTypeError, "usmipc.ArgumentTypeError",
+       "An argument of the wrong type (USMIPC_EINVAL), found by usmipc's\n"
+       "argument parsing: a usmipc.Error and a TypeError.",
+       PyExc_TypeError},
       {&st->OutOfMemoryError, "usmipc.OutOfMemoryError",
        "An allocation failed (USMIPC_ENOMEM): a usmipc.Error and a\n"
        "MemoryError.",
@@ -802,6 +925,7 @@ static int usmipc_traverse(PyObject *module, visitproc visit, void *arg) {
   Py_VISIT(st->DeviceCreationError);
   Py_VISIT(st->ArgumentError);
   Py_VISIT(st->MemoryKindError);
+  Py_VISIT(st->ArgumentTypeError);
   Py_VISIT(st->OutOfMemoryError);
   Py_VISIT(st->DeviceType);
   Py_VISIT(st->QueueType);
@@ -841,6 +965,7 @@ static int usmipc_clear(PyObject *module) {
   Py_CLEAR(st->DeviceCreationError);
   Py_CLEAR(st->ArgumentError);
   Py_CLEAR(st->MemoryKindError);
+  Py_CLEAR(st->ArgumentTypeError);
   Py_CLEAR(st->OutOfMemoryError);
   Py_CLEAR(st->IPCEventHandleType);
   Py_CLEAR(st->SharedBundleType);

@@ -46,11 +46,11 @@ static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   PyObject *arg = NULL, *alias = NULL;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O$O:Queue", kwlist, &arg,
                                    &alias)) {
+    usmipc_retype_parse_error();
     return NULL;
   }
   if (arg != NULL && alias != NULL) {
-    PyErr_SetString(PyExc_TypeError,
-                    "Queue() takes device or sycl_device, not both");
+    usmipc_type_error("Queue() takes device or sycl_device, not both");
     return NULL;
   }
   usmipc_module_state_t *st = usmipc_state_from_type(type);
@@ -187,8 +187,7 @@ static PyObject *optional_attr(PyObject *obj, const char *name) {
 static int native_from_int(PyObject *value, void **native, const char *what,
                            const char *source) {
   if (!PyLong_Check(value) || PyBool_Check(value)) {
-    PyErr_Format(PyExc_TypeError,
-                 "%s: %s must be an int (a native stream handle), not %R", what,
+    usmipc_type_error("%s: %s must be an int (a native stream handle), not %R", what,
                  source, (PyObject *)Py_TYPE(value));
     return -1;
   }
@@ -198,8 +197,7 @@ static int native_from_int(PyObject *value, void **native, const char *what,
     return -1;
   }
   if (overflow < 0 || (overflow == 0 && v < 0)) {
-    PyErr_Format(PyExc_ValueError,
-                 "%s: %s must be a non-negative int (a native stream handle; "
+    usmipc_value_error("%s: %s must be a non-negative int (a native stream handle; "
                  "0 is the default stream), not %R",
                  what, source, value);
     return -1;
@@ -210,7 +208,7 @@ static int native_from_int(PyObject *value, void **native, const char *what,
     return -1;
   }
   if (u > (unsigned long long)UINTPTR_MAX) {
-    PyErr_Format(PyExc_ValueError, "%s: %s %R does not fit in a pointer", what,
+    usmipc_value_error("%s: %s %R does not fit in a pointer", what,
                  source, value);
     return -1;
   }
@@ -314,8 +312,7 @@ PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
   if (PyObject_TypeCheck(obj, st->QueueType)) {
     PyObject *own = ((usmipc_queue_object_t *)obj)->device;
     if (device != NULL && own != device) {
-      PyErr_Format(PyExc_ValueError,
-                   "%s: the queue is on %R but device %R was given", what, own,
+      usmipc_value_error("%s: the queue is on %R but device %R was given", what, own,
                    device);
       return NULL;
     }
@@ -389,8 +386,7 @@ PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
     }
     PyObject *queue = NULL;
     if (!PyTuple_Check(pair) || PyTuple_Size(pair) != 2) {
-      PyErr_Format(PyExc_TypeError,
-                   "%s: %R.__cuda_stream__() must return a tuple (version, "
+      usmipc_type_error("%s: %R.__cuda_stream__() must return a tuple (version, "
                    "handle), not %R",
                    what, (PyObject *)Py_TYPE(obj), pair);
     } else {
@@ -400,8 +396,7 @@ PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
         PyErr_Clear();
       }
       if (v != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: %R.__cuda_stream__() gave version %R; usmipc "
+        usmipc_value_error("%s: %R.__cuda_stream__() gave version %R; usmipc "
                      "reads version 0 of the protocol",
                      what, (PyObject *)Py_TYPE(obj), version);
       } else {
@@ -416,8 +411,7 @@ PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
     return NULL;
   }
 
-  PyErr_Format(PyExc_TypeError,
-               "%s: stream must be a usmipc.Queue, a torch.cuda.Stream, a "
+  usmipc_type_error("%s: stream must be a usmipc.Queue, a torch.cuda.Stream, a "
                "CuPy stream, an object with __cuda_stream__, or an int (a "
                "native stream handle; 0 is the default stream), not %R",
                what, (PyObject *)Py_TYPE(obj));
@@ -436,8 +430,7 @@ static PyObject *queue_from_stream(PyObject *cls, PyTypeObject *defining_class,
     return NULL;
   }
   if (a[0] == NULL) {
-    PyErr_SetString(PyExc_TypeError,
-                    "from_stream() missing required argument 'stream'");
+    usmipc_type_error("from_stream() missing required argument 'stream'");
     return NULL;
   }
   PyObject *device = NULL;
@@ -465,7 +458,7 @@ static PyObject *queue_get_device(PyObject *self, void *closure) {
 static PyObject *queue_synchronize(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   usmipc_queue_object_t *self = (usmipc_queue_object_t *)op;
   if (self->queue == NULL || self->device == NULL) {
-    PyErr_SetString(PyExc_ValueError, "queue is not initialized");
+    usmipc_value_error("queue is not initialized");
     return NULL;
   }
   int rc;
@@ -482,7 +475,7 @@ static PyObject *queue_get_native(PyObject *op, void *closure) {
   (void)closure;
   usmipc_queue_object_t *self = (usmipc_queue_object_t *)op;
   if (self->queue == NULL) {
-    PyErr_SetString(PyExc_ValueError, "queue is not initialized");
+    usmipc_value_error("queue is not initialized");
     return NULL;
   }
   return PyLong_FromVoidPtr(usmipc_queue_native(self->queue));
