@@ -126,7 +126,7 @@ def cmd_demo(args):
               f"{(report or {}).get('error', out.strip())}", file=sys.stderr)
         return 1
 
-    back = mem.copy_to_host()
+    back = mem.tobytes()
     bad = _first_mismatch(back, second)
     if bad is not None:
         print(f"demo: the parent read wrong data at offset {bad}: "
@@ -166,7 +166,7 @@ def cmd_demo_child(_args):
         mem = IPCMemoryHandle.open(raw, device)
         open_us = (time.perf_counter() - t0) * 1e6
 
-        got = mem.copy_to_host()
+        got = mem.tobytes()
         bad = _first_mismatch(got, _pattern(nbytes, 1))
         if bad is not None:
             return answer(ok=False, error=f"child read wrong data at offset "

@@ -1,7 +1,7 @@
 # Type stubs of the C extension usmipc._usmipc (written by hand, as the
 # extension is; tests/python/test_typing.py runs mypy --strict on the
 # examples and the README's snippets against them).
-from typing import Any, Literal, Optional, Protocol, Union
+from typing import Any, Literal, Optional, Protocol, TypeVar, Union, overload
 
 __version__: str
 VERSION_HEX: int
@@ -16,6 +16,7 @@ class _CUDAStream(Protocol):
 StreamLike = Union["Queue", _CUDAStream, int, Any]
 DeviceLike = Union["Device", "Queue", str, None]
 BytesLike = Union[bytes, bytearray, memoryview]
+_Buffer = TypeVar("_Buffer")
 
 class Error(RuntimeError):
     code: Optional[int]
@@ -93,8 +94,13 @@ class _Memory:
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...  # host memory
     def copy_from_host(self, obj: BytesLike, /) -> None: ...
-    def copy_to_host(self, obj: Any = None) -> Any: ...
+    # A new numpy.ndarray of uint8 (a bytearray without NumPy), or obj.
+    @overload
+    def copy_to_host(self, obj: None = None) -> Any: ...
+    @overload
+    def copy_to_host(self, obj: _Buffer) -> _Buffer: ...
     def tobytes(self) -> bytes: ...
+    def __bytes__(self) -> bytes: ...
     def memset(self, value: int = 0) -> None: ...
     def __dlpack__(self, stream: Optional[StreamLike] = None, *,
                    max_version: Optional[tuple[int, int]] = None,

@@ -80,14 +80,14 @@ def test_cross_process_roundtrip(kind, transport):
     h = IPCMemoryHandle(mem)
     out = check(child("""
         m = IPCMemoryHandle.open(raw, usmipc.Device("cuda:gpu:0"))
-        data = m.copy_to_host()
+        data = bytes(m.copy_to_host())
         assert data == bytes((i * 7 + 1) & 0xFF for i in range(len(data))), "pattern"
         m.copy_from_host(bytes((i * 7 + 2) & 0xFF for i in range(m.nbytes)))
         IPCMemoryHandle.close_mapping(m)
         print("child ok", m.nbytes)
     """, h.to_bytes(), env={"USMIPC_FD_TRANSPORT": transport}))
     assert f"child ok {N}" in out
-    assert mem.copy_to_host() == pattern(N, 2)
+    assert bytes(mem.copy_to_host()) == pattern(N, 2)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -99,7 +99,7 @@ def test_interior_pointer_and_size_checks(kind):
     out = check(child(f"""
         m = IPCMemoryHandle.open(raw, None)
         assert m.nbytes == 4096
-        assert m.copy_to_host() == bytes((i * 7 + 1) & 0xFF for i in range({off}, {off} + 4096))
+        assert bytes(m.copy_to_host()) == bytes((i * 7 + 1) & 0xFF for i in range({off}, {off} + 4096))
         try:
             IPCMemoryHandle.open(raw, None, nbytes=4097)
         except ValueError as e:
@@ -222,7 +222,7 @@ def test_dlpack_and_cuda_array_interface_are_zero_copy():
     assert t.data_ptr() == mem._pointer and t.numel() == 4096
     t.fill_(7)
     torch.cuda.synchronize()
-    assert mem.copy_to_host() == b"\x07" * 4096
+    assert bytes(mem.copy_to_host()) == b"\x07" * 4096
     c = cp.asarray(mem)  # via __cuda_array_interface__
     assert c.data.ptr == mem._pointer
     del t, c
@@ -266,11 +266,11 @@ def test_exporter_killed_while_importer_reads(kind):
         raw = bytes.fromhex(exporter.stdout.readline().decode())
         m = IPCMemoryHandle.open(raw, GPU)
         expect = bytes(range(256)) * (size // 256)
-        assert m.copy_to_host() == expect
+        assert bytes(m.copy_to_host()) == expect
         exporter.send_signal(signal.SIGKILL)
         exporter.wait(timeout=30)
         time.sleep(0.5)
-        intact = m.copy_to_host() == expect
+        intact = bytes(m.copy_to_host()) == expect
         print(f"{kind}: importer data intact after exporter SIGKILL: {intact}")
         assert intact
         IPCMemoryHandle.close_mapping(m)
@@ -309,7 +309,7 @@ def test_importer_after_exporter_frees(kind):
         m = IPCMemoryHandle.open(raw, GPU)
         exporter.stdin.write(b"go\n"); exporter.stdin.flush()
         assert exporter.stdout.readline() == b"freed\n"
-        data = m.copy_to_host()
+        data = bytes(m.copy_to_host())
         intact = data == b"\xab" * (1 << 20)
         print(f"{kind}: importer data intact after exporter free: {intact}")
         if kind == "fd":
@@ -351,7 +351,7 @@ def test_open_on_another_gpu(kind):
     out = check(child("""
         import cupy as cp
         m = IPCMemoryHandle.open(raw, usmipc.Device("cuda:gpu:1"))
-        assert m.copy_to_host() == bytes((i * 7 + 1) & 0xFF for i in range(m.nbytes))
+        assert bytes(m.copy_to_host()) == bytes((i * 7 + 1) & 0xFF for i in range(m.nbytes))
         with cp.cuda.Device(1):
             x = cp.from_dlpack(m)
             x += 1
@@ -361,7 +361,7 @@ def test_open_on_another_gpu(kind):
         print("gpu1 ok")
     """, IPCMemoryHandle(mem).to_bytes()))
     assert "gpu1 ok" in out
-    assert mem.copy_to_host() == bytes(((i * 7 + 1) + 1) & 0xFF for i in range(N))
+    assert bytes(mem.copy_to_host()) == bytes(((i * 7 + 1) + 1) & 0xFF for i in range(N))
 
 
 # ---- revocation of framework memory and bounded idle mappings (issue 7) -------
@@ -381,7 +381,7 @@ def test_torch_tensor_revoked_when_its_last_handle_dies():
     opener = """
         try:
             m = IPCMemoryHandle.open(raw, usmipc.Device("cuda:gpu:0"), nbytes=16)
-            print("opened", m.copy_to_host()[0])
+            print("opened", bytes(m.copy_to_host())[0])
         except usmipc.Error as e:
             print("refused", e.name)
     """
@@ -436,7 +436,7 @@ def test_streamed_1gib_buffers_do_not_pin_device_memory(kind, mode):
             print("ready", flush=True)
             for line in sys.stdin:
                 m = IPCMemoryHandle.open(bytes.fromhex(line.strip()), dev, nbytes=16)
-                first = m.copy_to_host()[0]
+                first = bytes(m.copy_to_host())[0]
                 IPCMemoryHandle.close_mapping(m)
                 print(first, flush=True)
         """)],

@@ -72,7 +72,7 @@ print(handle.to_bytes().hex(), flush=True)
 # One command per line: "dump" prints the memory as hex; EOF ends.
 for line in sys.stdin:
     if line.strip() == "dump":
-        print(mem.copy_to_host().hex(), flush=True)
+        print(mem.tobytes().hex(), flush=True)
 """
 
 

@@ -15,7 +15,7 @@ from usmipc.memory import IPCMemoryHandle
 raw = bytes.fromhex(sys.argv[1])
 for _ in range(2):
     m = IPCMemoryHandle.open(raw, usmipc.Device("host:cpu"))
-    assert m.copy_to_host()[:2] == b"ok"
+    assert bytes(m.copy_to_host())[:2] == b"ok"
     IPCMemoryHandle.close_mapping(m)
 usmipc.get_devices()
 """

@@ -104,3 +104,44 @@ def test_argument_errors_are_usmipc_errors(queue):
         IPCMemoryHandle.close_mapping(mem)
     assert isinstance(e.value, RuntimeError)
     assert e.value.name == "USMIPC_ENOTMAPPED"
+
+
+# ---- copy_to_host -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_copy_to_host_returns_a_numpy_copy(queue, kind):
+    np = pytest.importorskip("numpy")
+    mem = KINDS[kind](1000, queue=queue)
+    mem.copy_from_host(pattern(1000, 3))
+    a = mem.copy_to_host()
+    assert type(a) is np.ndarray and a.dtype == np.uint8 and a.shape == (1000,)
+    assert a.tobytes() == pattern(1000, 3)
+    assert a.flags.owndata and a.ctypes.data != mem._pointer  # a copy
+    a[:] = 0
+    assert mem.tobytes() == pattern(1000, 3) == bytes(mem)
+    # into a buffer given: filled and returned, whatever its type
+    out = np.zeros(1200, dtype=np.uint8)
+    assert mem.copy_to_host(out) is out
+    assert out[:1000].tobytes() == pattern(1000, 3) and not out[1000:].any()
+    buf = bytearray(1000)
+    assert mem.copy_to_host(obj=buf) is buf and bytes(buf) == pattern(1000, 3)
+    with pytest.raises(usmipc.ArgumentError, match="too small"):
+        mem.copy_to_host(np.zeros(999, dtype=np.uint8))
+    with pytest.raises((ValueError, BufferError)):
+        mem.copy_to_host(np.zeros(4000, dtype=np.uint8)[::2])  # strided
+    with pytest.raises((TypeError, BufferError)):
+        mem.copy_to_host(b"\0" * 1000)  # read-only
+
+
+def test_copy_to_host_without_numpy_gives_a_bytearray():
+    code = (
+        "import sys; sys.modules['numpy'] = None\n"  # import numpy fails
+        "from usmipc.memory import MemoryUSMDevice\n"
+        "m = MemoryUSMDevice(16, device='host:cpu'); m.memset(9)\n"
+        "a = m.copy_to_host(); b = m.copy_to_host()\n"
+        "print(type(a).__name__, a == bytearray(b'\\t' * 16), a is not b)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["bytearray", "True", "True"]

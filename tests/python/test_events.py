@@ -498,7 +498,7 @@ def _memory_importer(conn, handles, nbytes):
                            {"stream": Queue("host:cpu")},
                            {"stream": Queue.from_stream(0, "host:cpu")}):
                 with IPCMemoryHandle.open(h, **kwargs) as m:
-                    reads.append(m.copy_to_host() == pattern(nbytes, 1))
+                    reads.append(bytes(m.copy_to_host()) == pattern(nbytes, 1))
             out.append((info["is_ordered"], info["event_point"], reads))
         with IPCMemoryHandle.open(handles[-1], "host:cpu", stream=0) as m:
             m.copy_from_host(pattern(nbytes, 9))
@@ -535,7 +535,7 @@ def test_ordered_handoffs_open_in_a_spawned_process(host):
     finally:
         conn.close()
         _join(proc)
-    assert mem.copy_to_host() == pattern(nbytes, 9)
+    assert bytes(mem.copy_to_host()) == pattern(nbytes, 9)
 
 
 def test_unordered_handles_are_stable_and_free(host):
@@ -569,7 +569,7 @@ def test_open_ordered_bytes_without_waiting(host):
     for kwargs in ({"ordered": False}, {"ordered": False, "stream": 0},
                    {"ordered": True}, {"nbytes": 16, "ordered": False}):
         m = IPCMemoryHandle.open(raw, host, **kwargs)
-        assert m.copy_to_host() == pattern(4096, 3)[:m.nbytes]
+        assert bytes(m.copy_to_host()) == pattern(4096, 3)[:m.nbytes]
         m.close()
     # handle= is the old keyword of handle_bytes
     with IPCMemoryHandle.open(handle=raw, ordered=False) as m:
@@ -588,7 +588,7 @@ def test_open_with_a_stream(host):
     for stream in (q, 0, Queue.from_stream(0, host), None):
         with IPCMemoryHandle.open(h.to_bytes(), stream=stream) as m:
             assert m.device is host
-            assert m.copy_to_host() == pattern(4096, 4)
+            assert bytes(m.copy_to_host()) == pattern(4096, 4)
     with pytest.raises(ValueError, match="only stream it accepts is 0"):
         IPCMemoryHandle.open(h.to_bytes(), stream=3)
     with pytest.raises(TypeError, match="must be a usmipc.Queue"):
@@ -629,7 +629,7 @@ def test_ordered_foreign_array(host):
     b1, b2 = h.to_bytes(), h.to_bytes()
     assert b1 != b2
     with IPCMemoryHandle.open(b2) as m:
-        assert m.copy_to_host() == pattern(4096, 5)
+        assert bytes(m.copy_to_host()) == pattern(4096, 5)
     assert IPCMemoryHandle(array, ordered=False).ordered is False
 
 
@@ -755,7 +755,7 @@ assert h.ordered is True, h
 a, b = h.to_bytes(), h.to_bytes()
 assert a != b and IPCMemoryHandle.inspect(a)["is_ordered"]
 m = IPCMemoryHandle.open(a, d, stream=q)
-assert m.copy_to_host()[:2] == bytes([7, 7])
+assert bytes(m.copy_to_host())[:2] == bytes([7, 7])
 IPCMemoryHandle.release(m, stream=q)
 IPCMemoryHandle.close_mapping(m)
 IPCMemoryHandle.close_mapping(IPCMemoryHandle.open(b, d))

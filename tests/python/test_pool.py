@@ -81,4 +81,4 @@ def test_pool_arguments():
     del pool
     gc.collect()
     b.memset(1)
-    assert b.copy_to_host()[:4] == b"\x01" * 4
+    assert bytes(b.copy_to_host())[:4] == b"\x01" * 4

@@ -133,7 +133,7 @@ def child():
         m = MemoryUSMDevice(4096, device=dev)
         IPCMemoryHandle(m).to_bytes()
         got = IPCMemoryHandle.open(raw, dev)
-        ok = got.copy_to_host() == expected
+        ok = got.tobytes() == expected
         IPCMemoryHandle.close_mapping(got)
         code = 0 if ok else 3
         if not ok:
@@ -215,7 +215,7 @@ def work(i):
     m = MemoryUSMDevice(4096, device=dev)
     IPCMemoryHandle(m).to_bytes()
     got = IPCMemoryHandle.open(RAW, dev)
-    data = got.copy_to_host()
+    data = got.tobytes()
     IPCMemoryHandle.close_mapping(got)
     return i, data
 
@@ -449,7 +449,7 @@ usmipc.set_ipc_cache_bytes(128 << 20)
 counts = []
 for i, raw in enumerate(raws):
     m = IPCMemoryHandle.open(raw, dev)
-    assert m.copy_to_host()[:16] == bytes([i + 1]) * 16, i
+    assert m.tobytes()[:16] == bytes([i + 1]) * 16, i
     open_count = memfd_mappings()
     IPCMemoryHandle.close_mapping(m)
     counts.append((open_count, memfd_mappings()))

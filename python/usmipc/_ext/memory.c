@@ -517,6 +517,29 @@ static PyObject *copy_to_bytes(Mem *self) {
   return bytes;
 }
 
+/* 1 once an import of NumPy failed: usmipc does not need NumPy, and a
+ * process without it should not search sys.path on every copy. */
+static int numpy_missing;
+
+/* What dpctl's copy_to_host() returns: a new numpy.ndarray of n uint8
+ * (numpy.empty), or a bytearray when NumPy cannot be imported. */
+static PyObject *new_host_array(Py_ssize_t n) {
+  if (!numpy_missing) {
+    PyObject *numpy = PyImport_ImportModule("numpy");
+    if (numpy != NULL) {
+      PyObject *arr = PyObject_CallMethod(numpy, "empty", "ns", n, "u1");
+      Py_DECREF(numpy);
+      return arr;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_ImportError)) {
+      return NULL;
+    }
+    PyErr_Clear();
+    numpy_missing = 1;
+  }
+  return PyByteArray_FromStringAndSize(NULL, n);
+}
+
 static PyObject *memory_copy_to_host(PyObject *op, PyObject *const *args,
                                      Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"obj"};
@@ -526,25 +549,38 @@ static PyObject *memory_copy_to_host(PyObject *op, PyObject *const *args,
                             &obj) < 0) {
     return NULL;
   }
+  PyObject *fresh = NULL;
   if (obj == NULL || obj == Py_None) {
-    return copy_to_bytes(self);
+    if (self->closed || self->released) {
+      return usmipc_value_error("mapping is closed");
+    }
+    fresh = obj = new_host_array(self->nbytes);
+    if (fresh == NULL) {
+      return NULL;
+    }
   }
   Py_buffer dst;
-  if (PyObject_GetBuffer(obj, &dst, PyBUF_WRITABLE) < 0) {
+  /* C-contiguous and writable: a strided view would take the bytes in
+   * the wrong places. */
+  if (PyObject_GetBuffer(obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) <
+      0) {
+    Py_XDECREF(fresh);
     return NULL;
   }
   if (dst.len < self->nbytes) {
-    usmipc_value_error("destination of %zd bytes is too small for %zd bytes", dst.len,
-                 self->nbytes);
+    usmipc_value_error("destination of %zd bytes is too small for %zd bytes",
+                       dst.len, self->nbytes);
     PyBuffer_Release(&dst);
+    Py_XDECREF(fresh);
     return NULL;
   }
   int rc = copy_out(self, dst.buf);
   PyBuffer_Release(&dst);
   if (rc < 0) {
+    Py_XDECREF(fresh);
     return NULL;
   }
-  return Py_NewRef(obj);
+  return fresh != NULL ? fresh : Py_NewRef(obj);
 }
 
 static PyObject *memory_tobytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
@@ -803,11 +839,16 @@ static PyMethodDef memory_methods[] = {
      "the start of the memory."},
     {"copy_to_host", (PyCFunction)(void (*)(void))memory_copy_to_host,
      METH_FASTCALL | METH_KEYWORDS,
-     "copy_to_host($self, /, obj=None)\n--\n\nCopies the memory to a new bytes "
-     "object, or "
-     "into the writable buffer obj (at least nbytes long) and returns obj."},
+     "copy_to_host($self, /, obj=None)\n--\n\nCopies the memory to the host "
+     "and returns the copy: as dpctl does, a new\nnumpy.ndarray of nbytes "
+     "uint8 (a bytearray when NumPy is not installed),\nor, given obj, into "
+     "obj (a writable C-contiguous buffer of at least\nnbytes) and returns "
+     "obj. tobytes() or bytes(memory) give bytes."},
     {"tobytes", memory_tobytes, METH_NOARGS,
-     "tobytes() -> bytes: the same as copy_to_host()."},
+     "tobytes($self, /)\n--\n\nA bytes copy of the memory."},
+    {"__bytes__", memory_tobytes, METH_NOARGS,
+     "__bytes__($self, /)\n--\n\nbytes(memory): the same as tobytes() "
+     "(device memory too)."},
     {"memset", (PyCFunction)(void (*)(void))memory_memset,
      METH_FASTCALL | METH_KEYWORDS,
      "memset($self, /, value=0)\n--\n\nFills the memory with the byte value."},
