@@ -53,7 +53,8 @@ def test_dlpack_device_and_capsules(host):
     with pytest.raises(BufferError):
         mem.__dlpack__(dl_device=(2, 0))
     with pytest.raises(BufferError):
-        mem.__dlpack__(copy=True)
+        mem.__dlpack__(dl_device=(1, 0), copy=False, stream=5)
+    assert "dltensor" in repr(mem.__dlpack__(copy=True))  # a copy (parity)
     with pytest.raises(BufferError):
         mem.__dlpack__(stream=1)  # streams are for device memory
     mem.__dlpack__(dl_device=(1, 0), copy=False)

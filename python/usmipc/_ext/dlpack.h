@@ -16,6 +16,8 @@ enum {
 enum { kDLUInt = 1 };
 
 /* DLManagedTensorVersioned.flags */
+#define DLPACK_FLAG_BITMASK_READ_ONLY (1UL << 0UL)
+#define DLPACK_FLAG_BITMASK_IS_COPIED (1UL << 1UL)
 #define DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED (1UL << 2UL)
 
 typedef struct {

@@ -222,6 +222,15 @@ typedef struct usmipc_memory_object {
   /* A block of a MemoryPool: the pool, kept alive until the block is
    * returned (usmipc_free gives it back). NULL otherwise. */
   PyObject *pool;
+  /* Memory made without a copy from another object (MemoryUSMDevice(obj),
+   * obj usmipc memory or exposing __sycl_usm_array_interface__): is_view
+   * is set, and base (dpctl's reference_obj) owns the memory, which this
+   * object neither frees nor unmaps. When base is usmipc memory, this
+   * object holds one of its exports (base_export, as a memoryview would),
+   * so that closing a mapping defers its unmap until this view is gone. */
+  char is_view;
+  char base_export;
+  PyObject *base;
 } usmipc_memory_object_t;
 
 /* Returns a mapping's release ticket, if it has one not returned yet, after
@@ -247,12 +256,39 @@ int usmipc_mapping_close(usmipc_module_state_t *st,
 int usmipc_memory_begin(usmipc_memory_object_t *mem);
 /* Ends it, performing a close requested meanwhile. 0 or -1. */
 int usmipc_memory_end(usmipc_memory_object_t *mem);
+/* Copies all nbytes of the memory to dst (host memory), then waits; the
+ * GIL is released meanwhile. 0, or -1 with an exception set. */
+int usmipc_memory_copy_out(usmipc_memory_object_t *mem, void *dst);
 /* The Queue object the memory's copies use (its own, or for a mapping its
  * device's default queue, made on first use). Borrowed; NULL with an
  * exception set. */
 PyObject *usmipc_memory_queue_object(usmipc_memory_object_t *mem);
 
 /* ---- interop.c ----------------------------------------------------------- */
+
+/* _Memory.__sycl_usm_array_interface__: dpctl's dict (data (address, False:
+ * not read-only), shape (nbytes,), strides None, typestr '|u1', version 1,
+ * syclobj the memory's Queue); a closed mapping describes 0 bytes at 0. */
+PyObject *usmipc_memory_suai(PyObject *self, void *closure);
+
+/* What another object's __sycl_usm_array_interface__ describes, checked
+ * against what usmipc knows of the pointer (usmipc_pointer_query): the
+ * byte range the array spans, the memory's kind, and the device (and the
+ * Queue, when syclobj is one) it belongs to. */
+typedef struct usmipc_suai {
+  void *ptr;        /* the array's lowest byte */
+  Py_ssize_t nbytes; /* bytes from ptr to its highest byte, inclusive */
+  usmipc_mem_kind_t kind;
+  int readonly;     /* data[1] */
+  PyObject *device; /* new reference: usmipc.Device */
+  PyObject *queue;  /* new reference: usmipc.Queue, or NULL */
+} usmipc_suai_t;
+/* Reads obj's __sycl_usm_array_interface__: 1 with *out filled, 0 if obj
+ * has no such attribute, -1 with an exception set (usmipc.ArgumentError for
+ * a malformed interface, a syclobj that is not usmipc's, or a pointer that
+ * is not memory of that device). what names the caller in messages. */
+int usmipc_suai_read(usmipc_module_state_t *st, PyObject *obj,
+                     const char *what, usmipc_suai_t *out);
 
 /* _Memory.__dlpack_device__(), __dlpack__(...), __cuda_array_interface__. */
 PyObject *usmipc_memory_dlpack_device(PyObject *self, PyObject *ignored);

@@ -256,6 +256,115 @@ static int parse_int_pair(PyObject *obj, const char *what, long *a, long *b) {
   return 0;
 }
 
+/* A capsule of a host copy of the memory (__dlpack__(copy=True) to the
+ * CPU): the tensor's context and the bytes in one malloc block, which the
+ * deleter frees on any thread, Python not needed. */
+static void dl_deleter_owned(DLManagedTensor *self) { free(self); }
+static void dl_deleter_owned_versioned(DLManagedTensorVersioned *self) {
+  free(self);
+}
+
+/* Fills the one-dimensional uint8 tensor of nbytes at data. */
+static void dl_fill(dl_context_t *ctx, int versioned, void *data,
+                    DLDevice device, Py_ssize_t nbytes) {
+  ctx->shape[0] = (int64_t)nbytes;
+  ctx->strides[0] = 1;
+  DLTensor *t = versioned ? &ctx->managed.versioned.dl_tensor
+                          : &ctx->managed.unversioned.dl_tensor;
+  t->data = data;
+  t->device = device;
+  t->ndim = 1;
+  t->dtype.code = kDLUInt;
+  t->dtype.bits = 8;
+  t->dtype.lanes = 1;
+  t->shape = ctx->shape;
+  t->strides = ctx->strides;
+  t->byte_offset = 0;
+}
+
+static PyObject *dl_host_copy(usmipc_memory_object_t *mem, int versioned) {
+  if (mem->closed || mem->released) {
+    return usmipc_value_error("mapping is closed");
+  }
+  dl_context_t *ctx = malloc(sizeof(*ctx) + (size_t)mem->nbytes);
+  if (ctx == NULL) {
+    return PyErr_NoMemory();
+  }
+  memset(ctx, 0, sizeof(*ctx));
+  void *data = ctx + 1;
+  if (usmipc_memory_copy_out(mem, data) < 0) {
+    free(ctx);
+    return NULL;
+  }
+  DLDevice cpu = {kDLCPU, 0};
+  dl_fill(ctx, versioned, data, cpu, mem->nbytes);
+  PyObject *capsule;
+  if (versioned) {
+    DLManagedTensorVersioned *m = &ctx->managed.versioned;
+    m->version.major = 1;
+    m->version.minor = 0;
+    m->deleter = dl_deleter_owned_versioned;
+    m->flags = DLPACK_FLAG_BITMASK_IS_COPIED;
+    capsule = PyCapsule_New(m, "dltensor_versioned", dl_capsule_destructor);
+  } else {
+    DLManagedTensor *m = &ctx->managed.unversioned;
+    m->deleter = dl_deleter_owned;
+    capsule = PyCapsule_New(m, "dltensor", dl_capsule_destructor);
+  }
+  if (capsule == NULL) {
+    free(ctx);
+  }
+  return capsule;
+}
+
+/* __dlpack__(copy=True) on the memory's own device: a new allocation of
+ * the same kind and device, filled by a device copy (copy_from_device) and
+ * exported without a further copy; its capsule holds it. */
+static PyObject *dl_device_copy(usmipc_memory_object_t *mem,
+                                PyObject *const *a) {
+  usmipc_module_state_t *st = usmipc_state_from_device(mem->device);
+  PyTypeObject *cls = mem->kind == USMIPC_MEM_HOST ? st->MemoryUSMHostType
+                      : mem->kind == USMIPC_MEM_SHARED
+                          ? st->MemoryUSMSharedType
+                          : st->MemoryUSMDeviceType;
+  PyObject *queue = usmipc_memory_queue_object(mem); /* borrowed */
+  if (queue == NULL) {
+    return NULL;
+  }
+  PyObject *args = Py_BuildValue("(n)", mem->nbytes);
+  PyObject *kwargs = args ? Py_BuildValue("{sO}", "queue", queue) : NULL;
+  PyObject *fresh =
+      kwargs ? PyObject_Call((PyObject *)cls, args, kwargs) : NULL;
+  Py_XDECREF(args);
+  Py_XDECREF(kwargs);
+  if (fresh == NULL) {
+    return NULL;
+  }
+  PyObject *r =
+      PyObject_CallMethod(fresh, "copy_from_device", "O", (PyObject *)mem);
+  if (r == NULL) {
+    Py_DECREF(fresh);
+    return NULL;
+  }
+  Py_DECREF(r);
+  PyObject *kw[3] = {a[0] ? a[0] : Py_None, a[1] ? a[1] : Py_None, Py_None};
+  PyObject *names = Py_BuildValue("(ss)", "max_version", "dl_device");
+  PyObject *capsule = NULL;
+  if (names != NULL) {
+    /* stream positionally, then max_version and dl_device=None */
+    capsule = usmipc_memory_dlpack(fresh, kw, 1, names);
+    Py_DECREF(names);
+  }
+  Py_DECREF(fresh); /* the capsule holds it */
+  if (capsule != NULL &&
+      PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+    DLManagedTensorVersioned *m =
+        PyCapsule_GetPointer(capsule, "dltensor_versioned");
+    m->flags |= DLPACK_FLAG_BITMASK_IS_COPIED;
+  }
+  return capsule;
+}
+
 PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
                                Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"stream", "max_version", "dl_device",
@@ -276,43 +385,62 @@ PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
     }
     versioned = major >= 1;
   }
+  /* dl_device: the memory's own device, or the CPU (1, 0) for memory the
+   * host can read (the DLPack protocol's way for NumPy to take Level Zero
+   * host and shared memory: numpy.from_dlpack(mem, device="cpu")). */
+  int to_cpu = 0;
   if (a[2] != NULL && a[2] != Py_None) {
     long type, id;
     if (parse_int_pair(a[2], "dl_device", &type, &id) < 0) {
       return NULL;
     }
-    if (type != dev.device_type || id != dev.device_id) {
+    if (type == kDLCPU && id == 0) {
+      to_cpu = dev.device_type != kDLCPU;
+    } else if (type != dev.device_type || id != dev.device_id) {
       PyErr_Format(PyExc_BufferError,
-                   "usmipc memory lives on DLPack device (%d, %d) and cannot "
-                   "be exported to (%ld, %ld) without a copy",
+                   "usmipc memory lives on DLPack device (%d, %d) and is "
+                   "exported there or, when the host can read it, to the "
+                   "CPU (1, 0); not to (%ld, %ld)",
                    (int)dev.device_type, (int)dev.device_id, type, id);
       return NULL;
     }
   }
-  if (a[3] != NULL && a[3] != Py_None) {
-    int copy = PyObject_IsTrue(a[3]);
-    if (copy < 0) {
-      return NULL;
-    }
-    if (copy) {
-      PyErr_SetString(PyExc_BufferError,
-                      "__dlpack__(copy=True) is not supported: usmipc exports "
-                      "its memory without a copy; use copy_to_host()");
-      return NULL;
-    }
+  /* copy: True always copies (the DLPack protocol), False never; None
+   * never either: memory the host cannot read is not silently copied to
+   * the CPU (a NumPy array that no longer aliases the memory). */
+  int copy = 0;
+  if (a[3] != NULL && a[3] != Py_None &&
+      (copy = PyObject_IsTrue(a[3])) < 0) {
+    return NULL;
   }
-  if (dev.device_type == kDLCPU && a[0] != NULL && a[0] != Py_None) {
+  if (to_cpu && !mem->host_accessible && !copy) {
+    PyErr_Format(PyExc_BufferError,
+                 "%s memory of a %s device is not accessible from the host: "
+                 "it reaches the CPU (dl_device=(1, 0)) only as a copy; pass "
+                 "copy=True",
+                 mem->kind == USMIPC_MEM_DEVICE ? "device"
+                 : mem->kind == USMIPC_MEM_HOST ? "host"
+                                                : "shared",
+                 usmipc_backend_name(mem->backend));
+    return NULL;
+  }
+  DLDevice out = to_cpu ? (DLDevice){kDLCPU, 0} : dev;
+  if (out.device_type == kDLCPU && a[0] != NULL && a[0] != Py_None) {
     PyErr_SetString(PyExc_BufferError,
                     "stream must be None for memory on the CPU");
     return NULL;
+  }
+  if (copy) {
+    return out.device_type == kDLCPU ? dl_host_copy(mem, versioned)
+                                     : dl_device_copy(mem, a);
   }
   if (usmipc_memory_begin(mem) < 0) {
     return NULL;
   }
   /* Only mappings opened with a device-side wait need synchronization. */
   if ((mem->order_handle != NULL || mem->order_event != NULL) &&
-      dev.device_type != kDLCPU &&
-      dlpack_sync(mem, a[0], dev.device_type) < 0) {
+      out.device_type != kDLCPU &&
+      dlpack_sync(mem, a[0], out.device_type) < 0) {
     (void)usmipc_memory_end(mem);
     return NULL;
   }
@@ -322,19 +450,7 @@ PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
     return PyErr_NoMemory();
   }
   memset(ctx, 0, sizeof(*ctx));
-  ctx->shape[0] = (int64_t)mem->nbytes;
-  ctx->strides[0] = 1;
-  DLTensor *t = versioned ? &ctx->managed.versioned.dl_tensor
-                          : &ctx->managed.unversioned.dl_tensor;
-  t->data = mem->ptr;
-  t->device = dev;
-  t->ndim = 1;
-  t->dtype.code = kDLUInt;
-  t->dtype.bits = 8;
-  t->dtype.lanes = 1;
-  t->shape = ctx->shape;
-  t->strides = ctx->strides;
-  t->byte_offset = 0;
+  dl_fill(ctx, versioned, mem->ptr, out, mem->nbytes);
 
   PyObject *capsule;
   Py_INCREF(self); /* owned by the tensor until its deleter runs */
@@ -783,4 +899,335 @@ int usmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
   *owner = dl_consume(capsule, tensor, flags);
   Py_DECREF(capsule);
   return *owner == NULL ? -1 : 1;
+}
+
+/* ---- __sycl_usm_array_interface__ -----------------------------------------
+ *
+ * dpctl's protocol for USM arrays (its docs: "__sycl_usm_array_interface__
+ * attribute"): data (address, read-only flag), shape, typestr (NumPy's, of
+ * a bool or number type), strides in elements (None: C-contiguous), offset
+ * in elements, version 1, and syclobj, from which the memory's context is
+ * found. usmipc's memory gives its Queue as syclobj; reading, usmipc takes a
+ * usmipc.Queue, a usmipc.Device or a filter string, and checks with the
+ * library that the pointer is memory of that device (dpctl checks the
+ * pointer against the context the same way). */
+
+PyObject *usmipc_memory_suai(PyObject *self, void *closure) {
+  (void)closure;
+  usmipc_memory_object_t *mem = (usmipc_memory_object_t *)self;
+  PyObject *queue = usmipc_memory_queue_object(mem); /* borrowed */
+  if (queue == NULL) {
+    return NULL;
+  }
+  /* A closed mapping: no memory, as dpctl's MemoryIPCDevice after
+   * SyclIPCCloseMemHandle (and hasattr() still answers). */
+  int gone = mem->is_mapping && (mem->closed || mem->released);
+  return Py_BuildValue("{s(NO)s(n)sOsssisO}", "data",
+                       PyLong_FromVoidPtr(gone ? NULL : mem->ptr), Py_False,
+                       "shape", gone ? (Py_ssize_t)0 : mem->nbytes, "strides",
+                       Py_None, "typestr", "|u1", "version", 1, "syclobj",
+                       queue);
+}
+
+/* An int of the interface (shape, strides, offset, data[0]): -1 with
+ * ArgumentError when it is not an int or does not fit. */
+static int suai_int(PyObject *v, const char *field, long long *out) {
+  if (!PyLong_Check(v) && !PyIndex_Check(v)) {
+    usmipc_value_error("__sycl_usm_array_interface__ is malformed: %s holds "
+                       "%R, not an int",
+                       field, (PyObject *)Py_TYPE(v));
+    return -1;
+  }
+  PyObject *index = PyNumber_Index(v);
+  if (index == NULL) {
+    return -1;
+  }
+  int overflow = 0;
+  *out = PyLong_AsLongLongAndOverflow(index, &overflow);
+  Py_DECREF(index);
+  if (*out == -1 && PyErr_Occurred()) {
+    return -1;
+  }
+  if (overflow != 0) {
+    usmipc_value_error("__sycl_usm_array_interface__ is malformed: %s is out "
+                       "of range",
+                       field);
+    return -1;
+  }
+  return 0;
+}
+
+/* The size of a typestr's item ("<f4": 4), or -1 with ArgumentError: a
+ * byte order, a bool or number kind, a size (dpctl accepts bool, int,
+ * uint, float and complex types). */
+static Py_ssize_t suai_itemsize(PyObject *typestr) {
+  const char *ts = PyUnicode_Check(typestr)
+                       ? PyUnicode_AsUTF8AndSize(typestr, NULL)
+                       : NULL;
+  if (ts == NULL) {
+    if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_UnicodeError)) {
+      return -1;
+    }
+    PyErr_Clear();
+    usmipc_value_error("__sycl_usm_array_interface__ is malformed: typestr "
+                       "%R is not a str such as '|u1' or '<f4'",
+                       typestr);
+    return -1;
+  }
+  char *end = NULL;
+  long size = strlen(ts) >= 3 ? strtol(ts + 2, &end, 10) : 0;
+  if (strchr("<>|=", ts[0]) == NULL || ts[0] == '\0' ||
+      strchr("biufc", ts[1]) == NULL || ts[1] == '\0' || size <= 0 ||
+      size > 64 || end == NULL || *end != '\0') {
+    usmipc_value_error("__sycl_usm_array_interface__ is malformed: typestr "
+                       "'%s' is not a bool or number type such as '|u1' or "
+                       "'<f4'",
+                       ts);
+    return -1;
+  }
+  return (Py_ssize_t)size;
+}
+
+/* The lowest and highest element of the array, in elements from data[0]
+ * (dpctl's _pointers_from_shape_and_stride, without its one-element
+ * answer for an empty array: there is no memory to take). 0 or -1. */
+static int suai_extent(PyObject *shape, PyObject *strides, long long offset,
+                       long long *low, long long *high) {
+  if (!PyTuple_Check(shape) && !PyList_Check(shape)) {
+    usmipc_value_error("__sycl_usm_array_interface__ is malformed: shape is "
+                       "a %R, not a tuple of ints",
+                       (PyObject *)Py_TYPE(shape));
+    return -1;
+  }
+  PyObject *sh = PySequence_Tuple(shape);
+  if (sh == NULL) {
+    return -1;
+  }
+  PyObject *sd = NULL;
+  Py_ssize_t nd = PyTuple_Size(sh);
+  int rc = -1;
+  if (strides != Py_None) {
+    if (PyTuple_Check(strides) || PyList_Check(strides)) {
+      sd = PySequence_Tuple(strides);
+      if (sd == NULL) {
+        goto done;
+      }
+    }
+    if (sd == NULL || PyTuple_Size(sd) != nd) {
+      usmipc_value_error("__sycl_usm_array_interface__ is malformed: strides "
+                         "must be None or a tuple as long as shape (%zd)",
+                         nd);
+      goto done;
+    }
+  }
+  *low = *high = offset;
+  for (Py_ssize_t i = 0; i < nd; i++) {
+    long long n, step = 0;
+    if (suai_int(PyTuple_GetItem(sh, i), "shape", &n) < 0 ||
+        (sd != NULL &&
+         suai_int(PyTuple_GetItem(sd, i), "strides", &step) < 0)) {
+      goto done;
+    }
+    if (n < 0) {
+      usmipc_value_error("__sycl_usm_array_interface__ is malformed: shape "
+                         "has the negative extent %lld",
+                         n);
+      goto done;
+    }
+    if (n == 0) {
+      usmipc_value_error("the array has no element: there is no memory to "
+                         "take");
+      goto done;
+    }
+    if (sd == NULL) {
+      continue; /* C-contiguous: counted below */
+    }
+    long long span;
+    if (__builtin_mul_overflow(step, n - 1, &span) ||
+        __builtin_add_overflow(span > 0 ? *high : *low, span,
+                               span > 0 ? high : low)) {
+      usmipc_value_error("__sycl_usm_array_interface__ is malformed: strides "
+                         "and shape overflow");
+      goto done;
+    }
+  }
+  if (sd == NULL) {
+    long long count = 1;
+    for (Py_ssize_t i = 0; i < nd; i++) {
+      long long n;
+      (void)suai_int(PyTuple_GetItem(sh, i), "shape", &n);
+      if (__builtin_mul_overflow(count, n, &count)) {
+        usmipc_value_error("__sycl_usm_array_interface__ is malformed: "
+                           "shape overflows");
+        goto done;
+      }
+    }
+    *high = offset + count - 1;
+  }
+  rc = 0;
+done:
+  Py_DECREF(sh);
+  Py_XDECREF(sd);
+  return rc;
+}
+
+/* The Device (and Queue) that syclobj names: a usmipc.Queue, Device or
+ * filter string. Another runtime's object (dpctl's SyclQueue or
+ * SyclContext, a capsule) names memory usmipc's drivers did not allocate
+ * in their contexts. 0 or -1. */
+static int suai_syclobj(usmipc_module_state_t *st, PyObject *syclobj,
+                        const char *what, PyObject **device,
+                        PyObject **queue) {
+  *device = *queue = NULL;
+  if (syclobj == NULL || syclobj == Py_None) {
+    usmipc_value_error("%s: __sycl_usm_array_interface__ has no syclobj: "
+                       "the device of the memory is unknown",
+                       what);
+    return -1;
+  }
+  if (!PyObject_TypeCheck(syclobj, st->QueueType) &&
+      !PyObject_TypeCheck(syclobj, st->DeviceType) &&
+      !PyUnicode_Check(syclobj)) {
+    usmipc_value_error(
+        "%s: the interface's syclobj is a %R, not a usmipc.Queue, "
+        "usmipc.Device or filter string: memory of another SYCL runtime "
+        "(dpctl) belongs to a context usmipc does not use; copy it into "
+        "usmipc memory (copy_from_host) or share it with IPCMemoryHandle",
+        what, (PyObject *)Py_TYPE(syclobj));
+    return -1;
+  }
+  *device = usmipc_device_from_arg(st, syclobj);
+  if (*device == NULL) {
+    return -1;
+  }
+  if (PyObject_TypeCheck(syclobj, st->QueueType)) {
+    *queue = Py_NewRef(syclobj);
+  }
+  return 0;
+}
+
+int usmipc_suai_read(usmipc_module_state_t *st, PyObject *obj,
+                     const char *what, usmipc_suai_t *out) {
+  memset(out, 0, sizeof(*out));
+  PyObject *iface = PyObject_GetAttrString(obj, "__sycl_usm_array_interface__");
+  if (iface == NULL) {
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      PyErr_Clear();
+      return 0;
+    }
+    return -1;
+  }
+  PyObject *data = NULL, *shape = NULL, *typestr = NULL, *strides = NULL,
+           *offset_obj = NULL, *version = NULL, *syclobj = NULL;
+  int rc = -1;
+  if (!PyDict_Check(iface)) {
+    usmipc_value_error("%s: %R does not expose __sycl_usm_array_interface__ "
+                       "correctly: it is a %R, not a dict",
+                       what, (PyObject *)Py_TYPE(obj),
+                       (PyObject *)Py_TYPE(iface));
+    goto done;
+  }
+  if (dict_item(iface, "data", &data) < 0 ||
+      dict_item(iface, "shape", &shape) < 0 ||
+      dict_item(iface, "typestr", &typestr) < 0 ||
+      dict_item(iface, "strides", &strides) < 0 ||
+      dict_item(iface, "offset", &offset_obj) < 0 ||
+      dict_item(iface, "version", &version) < 0 ||
+      dict_item(iface, "syclobj", &syclobj) < 0) {
+    goto done;
+  }
+  long long v = 0;
+  if (version == NULL || suai_int(version, "version", &v) < 0 || v != 1) {
+    PyErr_Clear();
+    usmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: "
+                       "version %R is unexpected; the only recognized "
+                       "version is 1",
+                       what, version ? version : Py_None);
+    goto done;
+  }
+  if (data == NULL || !PyTuple_Check(data) || PyTuple_Size(data) != 2) {
+    usmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: "
+                       "'data' is required, a tuple (usm_pointer, "
+                       "is_read_only)",
+                       what);
+    goto done;
+  }
+  long long address;
+  if (suai_int(PyTuple_GetItem(data, 0), "data[0]", &address) < 0) {
+    goto done;
+  }
+  int readonly = PyObject_IsTrue(PyTuple_GetItem(data, 1));
+  if (readonly < 0) {
+    goto done;
+  }
+  if (shape == NULL || typestr == NULL) {
+    usmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: "
+                       "'shape' and 'typestr' are required",
+                       what);
+    goto done;
+  }
+  Py_ssize_t itemsize = suai_itemsize(typestr);
+  long long offset = 0, low, high;
+  if (itemsize < 0 ||
+      (offset_obj != NULL && offset_obj != Py_None &&
+       suai_int(offset_obj, "offset", &offset) < 0) ||
+      suai_extent(shape, strides ? strides : Py_None, offset, &low, &high) <
+          0) {
+    goto done;
+  }
+  long long first, span;
+  if (__builtin_mul_overflow(low, (long long)itemsize, &first) ||
+      __builtin_mul_overflow(high - low + 1, (long long)itemsize, &span) ||
+      span > PY_SSIZE_T_MAX) {
+    usmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: the "
+                       "array is too large",
+                       what);
+    goto done;
+  }
+  if (suai_syclobj(st, syclobj, what, &out->device, &out->queue) < 0) {
+    goto done;
+  }
+  char *ptr = (char *)(uintptr_t)(unsigned long long)address + first;
+  usmipc_device_t *device = ((usmipc_device_object_t *)out->device)->device;
+  usmipc_pointer_info_t info;
+  int q;
+  Py_BEGIN_ALLOW_THREADS
+  q = usmipc_pointer_query(ptr, &info);
+  Py_END_ALLOW_THREADS
+  if (q < 0 || info.device != device) {
+    usmipc_value_error(
+        "%s: __sycl_usm_array_interface__ is malformed: the pointer %p is "
+        "not memory of %s as its syclobj says (%s)",
+        what, (void *)ptr, usmipc_device_filter_string(device),
+        q < 0 ? "usmipc does not know it"
+              : usmipc_device_filter_string(info.device));
+    goto done;
+  }
+  if ((uintptr_t)ptr + (uintptr_t)span >
+      (uintptr_t)info.base + (uintptr_t)info.size) {
+    usmipc_value_error("%s: the array's %lld bytes at %p pass the end of "
+                       "its allocation (%zu bytes at %p)",
+                       what, span, (void *)ptr, info.size, info.base);
+    goto done;
+  }
+  out->ptr = ptr;
+  out->nbytes = (Py_ssize_t)span;
+  out->kind = info.kind;
+  out->readonly = readonly;
+  rc = 1;
+
+done:
+  if (rc < 0) {
+    Py_CLEAR(out->device);
+    Py_CLEAR(out->queue);
+  }
+  Py_XDECREF(data);
+  Py_XDECREF(shape);
+  Py_XDECREF(typestr);
+  Py_XDECREF(strides);
+  Py_XDECREF(offset_obj);
+  Py_XDECREF(version);
+  Py_XDECREF(syclobj);
+  Py_DECREF(iface);
+  return rc;
 }

@@ -12,6 +12,8 @@
  */
 #include "ext.h"
 
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef usmipc_memory_object_t Mem;
@@ -43,6 +45,9 @@ static int release_memory(Mem *self) {
     return 0;
   }
   self->released = 1;
+  if (self->is_view) {
+    return 0; /* the base owns the memory */
+  }
   void *ptr = self->ptr;
   int is_mapping = self->is_mapping;
   int rc;
@@ -192,55 +197,12 @@ static int ipc_flags(const char *ipc, unsigned *flags) {
   return 0;
 }
 
-static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
-                              PyObject *kwds, usmipc_mem_kind_t kind,
-                              const char *format) {
-  /* dpctl's order: nbytes, alignment, then the keywords. */
-  static char *kwlist[] = {"nbytes",      "alignment",  "device", "queue",
-                           "sycl_device", "sycl_queue", "ipc",    NULL};
-  Py_ssize_t nbytes, alignment = 0;
-  PyObject *device_arg = NULL, *queue_arg = NULL;
-  PyObject *sycl_device = NULL, *sycl_queue = NULL;
-  const char *ipc = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, format, kwlist, &nbytes,
-                                   &alignment, &device_arg, &queue_arg,
-                                   &sycl_device, &sycl_queue, &ipc)) {
-    usmipc_retype_parse_error();
-    return NULL;
-  }
-  if (alignment < 0 || (alignment & (alignment - 1)) != 0) {
-    usmipc_value_error("alignment must be 0 or a power of two, not %zd", alignment);
-    return NULL;
-  }
-  unsigned flags;
-  if (ipc_flags(ipc, &flags) < 0) {
-    return NULL;
-  }
-  if ((device_arg && sycl_device) || (queue_arg && sycl_queue)) {
-    usmipc_type_error("give device or sycl_device, queue or sycl_queue, not both");
-    return NULL;
-  }
-  if (device_arg == NULL) {
-    device_arg = sycl_device;
-  }
-  if (queue_arg == NULL) {
-    queue_arg = sycl_queue;
-  }
-  if (nbytes <= 0) {
-    usmipc_value_error("nbytes must be positive, not %zd", nbytes);
-    return NULL;
-  }
-  usmipc_module_state_t *st = usmipc_state_from_type(type);
-  if (st == NULL) {
-    return NULL;
-  }
-
-  PyObject *device_obj = NULL, *queue_obj = NULL;
-  if (device_and_queue(st, device_arg, queue_arg, &device_obj, &queue_obj) <
-      0) {
-    return NULL;
-  }
-
+/* A new allocation of nbytes of kind on device_obj, its copies ordered on
+ * queue_obj (both references are stolen, also on failure). */
+static PyObject *new_allocation(PyTypeObject *type, usmipc_module_state_t *st,
+                                usmipc_mem_kind_t kind, Py_ssize_t nbytes,
+                                Py_ssize_t alignment, unsigned flags,
+                                PyObject *device_obj, PyObject *queue_obj) {
   allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
   Mem *self = (Mem *)alloc(type, 0);
   if (self == NULL) {
@@ -271,30 +233,323 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
    * alignment beyond what this one got is refused, not silently unmet. */
   if (alignment > 1 && (uintptr_t)ptr % (uintptr_t)alignment != 0) {
     usmipc_value_error("alignment %zd is more than this device's allocations "
-                 "give (this one is at %p); use at most the page size",
-                 alignment, ptr);
+                       "give (this one is at %p); use at most the page size",
+                       alignment, ptr);
     Py_DECREF(self);
     return NULL;
   }
   return (PyObject *)self;
 }
 
+/* ---- memory of another object ----------------------------------------------
+ * MemoryUSMDevice(obj) and copy_from_device(obj) take usmipc memory or an
+ * object exposing __sycl_usm_array_interface__ (dpctl's _Memory._cinit_other
+ * and copy_from_device). */
+
+static const char *class_name(usmipc_mem_kind_t kind) {
+  return kind == USMIPC_MEM_HOST     ? "MemoryUSMHost"
+         : kind == USMIPC_MEM_SHARED ? "MemoryUSMShared"
+                                     : "MemoryUSMDevice";
+}
+
+/* Where a view or a copy takes its bytes: usmipc memory, whose export is
+ * held until source_done (a concurrent close waits), or the memory an
+ * object's __sycl_usm_array_interface__ describes. */
+typedef struct source {
+  void *ptr;
+  Py_ssize_t nbytes;
+  usmipc_mem_kind_t kind;
+  PyObject *device; /* usmipc.Device */
+  PyObject *queue;  /* usmipc.Queue: the memory's, or its device's default */
+  Mem *mem;         /* usmipc memory whose export is held, or NULL */
+} source_t;
+
+/* 0 with *src filled, or -1 with an exception set. */
+static int source_of(usmipc_module_state_t *st, PyObject *obj,
+                     const char *what, source_t *src) {
+  memset(src, 0, sizeof(*src));
+  if (PyObject_TypeCheck(obj, st->MemoryType)) {
+    Mem *m = (Mem *)obj;
+    if (usmipc_memory_begin(m) < 0) {
+      return -1;
+    }
+    PyObject *queue = usmipc_memory_queue_object(m); /* borrowed */
+    if (queue == NULL) {
+      (void)usmipc_memory_end(m);
+      return -1;
+    }
+    src->ptr = m->ptr;
+    src->nbytes = m->nbytes;
+    src->kind = m->kind;
+    src->device = Py_NewRef(m->device);
+    src->queue = Py_NewRef(queue);
+    src->mem = m;
+    return 0;
+  }
+  usmipc_suai_t iface;
+  int found = usmipc_suai_read(st, obj, what, &iface);
+  if (found < 0) {
+    return -1;
+  }
+  if (found == 0) {
+    usmipc_value_error("%s takes usmipc memory or an object exposing "
+                       "__sycl_usm_array_interface__; %R does not expose it",
+                       what, (PyObject *)Py_TYPE(obj));
+    return -1;
+  }
+  src->ptr = iface.ptr;
+  src->nbytes = iface.nbytes;
+  src->kind = iface.kind;
+  src->device = iface.device;
+  src->queue = iface.queue != NULL
+                   ? iface.queue
+                   : usmipc_default_queue(st, iface.device);
+  if (src->queue == NULL) {
+    Py_CLEAR(src->device);
+    return -1;
+  }
+  return 0;
+}
+
+/* Ends what source_of began. 0, or -1 with an exception set (a close of
+ * the source requested meanwhile failed). */
+static int source_done(source_t *src) {
+  int rc = src->mem != NULL ? usmipc_memory_end(src->mem) : 0;
+  src->mem = NULL;
+  Py_CLEAR(src->device);
+  Py_CLEAR(src->queue);
+  return rc;
+}
+
+/* Copies n bytes of the source to dst, memory of self, then waits. On one
+ * device, one copy on self's queue; across devices through a host buffer,
+ * the source's queue copying out and self's in (dpctl's copy_via_host for
+ * memory of different contexts). 0, or -1 with an exception set. */
+static int copy_in(Mem *self, void *dst, source_t *src, size_t n) {
+  usmipc_module_state_t *st = usmipc_state_from_device(self->device);
+  usmipc_queue_t *to = memory_queue(self);
+  if (to == NULL) {
+    return -1;
+  }
+  usmipc_queue_t *from = ((usmipc_queue_object_t *)src->queue)->queue;
+  const void *ptr = src->ptr;
+  int same = src->device == self->device; /* one object per device */
+  int rc = 0, no_memory = 0;
+  Py_BEGIN_ALLOW_THREADS
+  if (same) {
+    rc = usmipc_memcpy(to, dst, ptr, n);
+    if (rc == 0) {
+      rc = usmipc_queue_synchronize(to);
+    }
+  } else {
+    void *bounce = malloc(n > 0 ? n : 1);
+    if (bounce == NULL) {
+      no_memory = 1;
+    } else {
+      rc = usmipc_memcpy(from, bounce, ptr, n);
+      if (rc == 0) {
+        rc = usmipc_queue_synchronize(from);
+      }
+      if (rc == 0) {
+        rc = usmipc_memcpy(to, dst, bounce, n);
+      }
+      if (rc == 0) {
+        rc = usmipc_queue_synchronize(to);
+      }
+      free(bounce);
+    }
+  }
+  Py_END_ALLOW_THREADS
+  if (no_memory) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  if (rc < 0) {
+    usmipc_raise(st, rc);
+    return -1;
+  }
+  return 0;
+}
+
+/* A memory object over the source's memory, without a copy: it keeps obj
+ * alive (reference_obj) and, for usmipc memory, one export of it. */
+static PyObject *make_view(PyTypeObject *type, PyObject *obj, source_t *src,
+                           PyObject *queue) {
+  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+  Mem *self = (Mem *)alloc(type, 0);
+  if (self == NULL) {
+    return NULL;
+  }
+  self->device = Py_NewRef(src->device);
+  self->queue = Py_NewRef(queue != NULL ? queue : src->queue);
+  self->ptr = src->ptr;
+  self->nbytes = src->nbytes;
+  self->kind = src->kind;
+  self->backend =
+      usmipc_device_backend(((usmipc_device_object_t *)src->device)->device);
+  self->host_accessible = (char)is_host_accessible(self->backend, src->kind);
+  self->is_view = 1;
+  self->base = Py_NewRef(obj);
+  if (src->mem != NULL) {
+    src->mem->exports++; /* its own, beside the one source_done ends */
+    self->base_export = 1;
+    /* A mapping that waits on the device for its producer: DLPack
+     * consumers of the view wait the same way. */
+    self->order_handle = Py_XNewRef(src->mem->order_handle);
+  }
+  return (PyObject *)self;
+}
+
+/* MemoryUSM*(obj): a view when obj's memory is of the class's kind, a copy
+ * into a new allocation when it is not and copy is true (dpctl's
+ * semantics), else ArgumentError. */
+static PyObject *memory_from_object(PyTypeObject *type,
+                                    usmipc_module_state_t *st, PyObject *obj,
+                                    usmipc_mem_kind_t kind,
+                                    Py_ssize_t alignment, const char *ipc,
+                                    unsigned flags, PyObject *device_arg,
+                                    PyObject *queue_arg, int copy) {
+  char what[32];
+  snprintf(what, sizeof(what), "%s()", class_name(kind));
+  source_t src;
+  if (source_of(st, obj, what, &src) < 0) {
+    return NULL;
+  }
+  PyObject *device_obj = NULL, *queue_obj = NULL, *result = NULL;
+  int given = (device_arg != NULL && device_arg != Py_None) ||
+              (queue_arg != NULL && queue_arg != Py_None);
+  if (given &&
+      device_and_queue(st, device_arg, queue_arg, &device_obj, &queue_obj) <
+          0) {
+    goto done;
+  }
+  if (src.kind == kind) {
+    if (alignment != 0 || ipc != NULL) {
+      usmipc_value_error("%s: alignment and ipc are for new allocations; the "
+                         "memory of a %R is taken as it is, without a copy",
+                         what, (PyObject *)Py_TYPE(obj));
+    } else if (given && device_obj != src.device) {
+      usmipc_value_error("%s: the memory is on %R, not on the device given "
+                         "(%R)",
+                         what, src.device, device_obj);
+    } else {
+      /* the queue given, if one was, orders the view's copies */
+      int queue_given = queue_arg != NULL && queue_arg != Py_None;
+      result = make_view(type, obj, &src, queue_given ? queue_obj : NULL);
+    }
+    goto done;
+  }
+  if (!copy) {
+    usmipc_value_error(
+        "%s: the memory of the %R is USM %s memory, not %s: it cannot be "
+        "taken without a copy; pass copy=True, or use %s",
+        what, (PyObject *)Py_TYPE(obj), kind_name(src.kind), kind_name(kind),
+        class_name(src.kind));
+    goto done;
+  }
+  if (!given) {
+    device_obj = Py_NewRef(src.device);
+    queue_obj = usmipc_default_queue(st, device_obj);
+    if (queue_obj == NULL) {
+      goto done;
+    }
+  }
+  result = new_allocation(type, st, kind, src.nbytes, alignment, flags,
+                          device_obj, queue_obj);
+  device_obj = queue_obj = NULL; /* stolen */
+  if (result != NULL &&
+      copy_in((Mem *)result, ((Mem *)result)->ptr, &src,
+              (size_t)src.nbytes) < 0) {
+    Py_CLEAR(result);
+  }
+
+done:
+  Py_XDECREF(device_obj);
+  Py_XDECREF(queue_obj);
+  if (source_done(&src) < 0) {
+    Py_CLEAR(result);
+  }
+  return result;
+}
+
+static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
+                              PyObject *kwds, usmipc_mem_kind_t kind,
+                              const char *format) {
+  /* dpctl's order: nbytes (or an object: dpctl's other), alignment, then
+   * the keywords. */
+  static char *kwlist[] = {"nbytes",     "alignment", "device",
+                           "queue",      "sycl_device", "sycl_queue",
+                           "ipc",        "copy",      NULL};
+  PyObject *first;
+  Py_ssize_t alignment = 0;
+  PyObject *device_arg = NULL, *queue_arg = NULL;
+  PyObject *sycl_device = NULL, *sycl_queue = NULL;
+  const char *ipc = NULL;
+  int copy = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, format, kwlist, &first,
+                                   &alignment, &device_arg, &queue_arg,
+                                   &sycl_device, &sycl_queue, &ipc, &copy)) {
+    usmipc_retype_parse_error();
+    return NULL;
+  }
+  if (alignment < 0 || (alignment & (alignment - 1)) != 0) {
+    return usmipc_value_error(
+        "alignment must be 0 or a power of two, not %zd", alignment);
+  }
+  unsigned flags;
+  if (ipc_flags(ipc, &flags) < 0) {
+    return NULL;
+  }
+  if ((device_arg && sycl_device) || (queue_arg && sycl_queue)) {
+    return usmipc_type_error(
+        "give device or sycl_device, queue or sycl_queue, not both");
+  }
+  if (device_arg == NULL) {
+    device_arg = sycl_device;
+  }
+  if (queue_arg == NULL) {
+    queue_arg = sycl_queue;
+  }
+  usmipc_module_state_t *st = usmipc_state_from_type(type);
+  if (st == NULL) {
+    return NULL;
+  }
+  if (!PyIndex_Check(first)) {
+    return memory_from_object(type, st, first, kind, alignment, ipc, flags,
+                              device_arg, queue_arg, copy);
+  }
+  Py_ssize_t nbytes = PyNumber_AsSsize_t(first, PyExc_OverflowError);
+  if (nbytes == -1 && PyErr_Occurred()) {
+    return NULL;
+  }
+  if (nbytes <= 0) {
+    return usmipc_value_error("nbytes must be positive, not %zd", nbytes);
+  }
+  PyObject *device_obj = NULL, *queue_obj = NULL;
+  if (device_and_queue(st, device_arg, queue_arg, &device_obj, &queue_obj) <
+      0) {
+    return NULL;
+  }
+  return new_allocation(type, st, kind, nbytes, alignment, flags, device_obj,
+                        queue_obj);
+}
+
 static PyObject *usm_device_new(PyTypeObject *type, PyObject *args,
                                 PyObject *kwds) {
   return memory_alloc(type, args, kwds, USMIPC_MEM_DEVICE,
-                      "n|n$OOOOz:MemoryUSMDevice");
+                      "O|n$OOOOzp:MemoryUSMDevice");
 }
 
 static PyObject *usm_host_new(PyTypeObject *type, PyObject *args,
                               PyObject *kwds) {
   return memory_alloc(type, args, kwds, USMIPC_MEM_HOST,
-                      "n|n$OOOOz:MemoryUSMHost");
+                      "O|n$OOOOzp:MemoryUSMHost");
 }
 
 static PyObject *usm_shared_new(PyTypeObject *type, PyObject *args,
                                 PyObject *kwds) {
   return memory_alloc(type, args, kwds, USMIPC_MEM_SHARED,
-                      "n|n$OOOOz:MemoryUSMShared");
+                      "O|n$OOOOzp:MemoryUSMShared");
 }
 
 PyObject *usmipc_mapping_new(usmipc_module_state_t *st, PyObject *device_obj,
@@ -352,11 +607,31 @@ static int memory_traverse(PyObject *op, visitproc visit, void *arg) {
   Py_VISIT(self->device);
   Py_VISIT(self->queue);
   Py_VISIT(self->pool);
+  Py_VISIT(self->base);
   return 0;
+}
+
+/* A view gives back the export it held of its base (usmipc memory), which
+ * performs a close of the base requested meanwhile; nothing can be
+ * reported from the GC or a dealloc but an unraisable error. */
+static void view_release(Mem *self) {
+  if (!self->base_export) {
+    return;
+  }
+  self->base_export = 0;
+  self->released = 1; /* the memory may be unmapped from here on */
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  if (usmipc_memory_end((Mem *)self->base) < 0) {
+    PyErr_WriteUnraisable(self->base);
+  }
+  PyErr_Restore(type, value, traceback);
 }
 
 static int memory_clear(PyObject *op) {
   Mem *self = (Mem *)op;
+  view_release(self);
+  Py_CLEAR(self->base);
   Py_CLEAR(self->queue);
   Py_CLEAR(self->device);
   Py_CLEAR(self->order_handle);
@@ -387,6 +662,7 @@ static void memory_dealloc(PyObject *op) {
     usmipc_event_destroy(event);
     Py_END_ALLOW_THREADS
   }
+  view_release(self);
   memory_clear(op);
   Py_CLEAR(self->pool); /* after the block went back to it */
   freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
@@ -500,6 +776,8 @@ static int copy_out(Mem *self, void *dst) {
   return 0;
 }
 
+int usmipc_memory_copy_out(Mem *self, void *dst) { return copy_out(self, dst); }
+
 static PyObject *copy_to_bytes(Mem *self) {
   if (self->closed || self->released) {
     usmipc_value_error("mapping is closed");
@@ -581,6 +859,36 @@ static PyObject *memory_copy_to_host(PyObject *op, PyObject *const *args,
     return NULL;
   }
   return fresh != NULL ? fresh : Py_NewRef(obj);
+}
+
+/* dpctl's copy_from_device(sycl_usm_ary): the memory of usmipc memory or
+ * of an object with __sycl_usm_array_interface__, copied to the start of
+ * this memory (through the host when it is on another device). */
+static PyObject *memory_copy_from_device(PyObject *op, PyObject *obj) {
+  Mem *self = (Mem *)op;
+  if (usmipc_memory_begin(self) < 0) {
+    return NULL;
+  }
+  usmipc_module_state_t *st = usmipc_state_from_device(self->device);
+  source_t src;
+  int failed = source_of(st, obj, "copy_from_device()", &src) < 0;
+  if (!failed) {
+    if (src.nbytes > self->nbytes) {
+      usmipc_value_error("copy_from_device(): the source's %zd bytes do not "
+                         "fit in %zd bytes of memory",
+                         src.nbytes, self->nbytes);
+      failed = 1;
+    } else {
+      failed = copy_in(self, self->ptr, &src, (size_t)src.nbytes) < 0;
+    }
+    if (source_done(&src) < 0) {
+      failed = 1;
+    }
+  }
+  if (usmipc_memory_end(self) < 0 || failed) {
+    return NULL;
+  }
+  Py_RETURN_NONE;
 }
 
 static PyObject *memory_tobytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
@@ -738,6 +1046,12 @@ static PyObject *memory_get_is_closed(PyObject *op, void *closure) {
   return PyBool_FromLong(self->closed || self->released);
 }
 
+static PyObject *memory_get_reference_obj(PyObject *op, void *closure) {
+  (void)closure;
+  Mem *self = (Mem *)op;
+  return Py_NewRef(self->base != NULL ? self->base : Py_None);
+}
+
 static PyObject *memory_get_host_accessible(PyObject *op, void *closure) {
   (void)closure;
   return PyBool_FromLong(((Mem *)op)->host_accessible);
@@ -783,6 +1097,16 @@ static PyGetSetDef memory_getset[] = {
      "elsewhere.\nIt holds no reference: keep the memory open while a "
      "consumer uses it\n(DLPack consumers are tracked; prefer "
      "__dlpack__).",
+     NULL},
+    {"__sycl_usm_array_interface__", usmipc_memory_suai, NULL,
+     "dpctl's description of the memory: data (address, False: not "
+     "read-only),\nshape (nbytes,), strides None, typestr '|u1', version 1, "
+     "syclobj the\nmemory's Queue. MemoryUSMDevice(obj) and "
+     "copy_from_device(obj) read it.",
+     NULL},
+    {"reference_obj", memory_get_reference_obj, NULL,
+     "The object whose memory this is, for memory made from another object "
+     "without\na copy (MemoryUSMDevice(obj)); None otherwise (dpctl's).",
      NULL},
     {"host_accessible", memory_get_host_accessible, NULL,
      "True if the memory supports the buffer protocol (memoryview, numpy).",
@@ -844,6 +1168,13 @@ static PyMethodDef memory_methods[] = {
      "uint8 (a bytearray when NumPy is not installed),\nor, given obj, into "
      "obj (a writable C-contiguous buffer of at least\nnbytes) and returns "
      "obj. tobytes() or bytes(memory) give bytes."},
+    {"copy_from_device", memory_copy_from_device, METH_O,
+     "copy_from_device($self, sycl_usm_ary, /)\n--\n\nCopies the memory of "
+     "sycl_usm_ary (usmipc memory, or an object exposing\n"
+     "__sycl_usm_array_interface__ whose syclobj is a usmipc Queue, Device "
+     "or\nfilter string) to the start of this memory, through the host when "
+     "it is\non another device (dpctl's method). More bytes than this "
+     "memory has\nraise usmipc.ArgumentError."},
     {"tobytes", memory_tobytes, METH_NOARGS,
      "tobytes($self, /)\n--\n\nA bytes copy of the memory."},
     {"__bytes__", memory_tobytes, METH_NOARGS,
@@ -858,7 +1189,14 @@ static PyMethodDef memory_methods[] = {
      "copy=None)\n--\n\n"
      "A DLPack capsule of the memory as nbytes uint8 (zero-copy). The "
      "capsule\nholds the memory like a memoryview: a mapping closed "
-     "meanwhile is unmapped\nwhen the consumer drops the tensor."},
+     "meanwhile is unmapped\nwhen the consumer drops the tensor. "
+     "dl_device is the memory's own device\n(__dlpack_device__()) or, for "
+     "memory the host can read (host and shared\nmemory, the host "
+     "backend's), the CPU (1, 0), still without a copy:\n"
+     "numpy.from_dlpack(mem, device='cpu') takes Level Zero host memory "
+     "so.\ncopy=True always copies (to the CPU for dl_device=(1, 0), else "
+     "into a new\nallocation on the device); device memory reaches the CPU "
+     "only so\n(BufferError with copy=None or False)."},
     {"__dlpack_device__", usmipc_memory_dlpack_device, METH_NOARGS,
      "__dlpack_device__($self, /)\n--\n\n"
      "The (DLPack device type, device id) of the memory."},
@@ -906,17 +1244,23 @@ static PyType_Spec memory_spec = {
     .slots = memory_slots,
 };
 
-#define USM_DOC(cls, what)                                                     \
-  cls "(nbytes, *, device=None, queue=None, sycl_device=None, "                \
-      "sycl_queue=None, ipc=None)\n--\n\n"                                     \
+#define USM_DOC(cls, what, kind)                                               \
+  cls "(nbytes, alignment=0, *, device=None, queue=None, sycl_device=None, "   \
+      "sycl_queue=None, ipc=None, copy=False)\n--\n\n"                         \
       "nbytes of " what " allocated with usmipc on device (a Device or a "     \
       "filter\nstring) or on the device of queue; with neither, on the "       \
-      "default device.\nsycl_device and sycl_queue are aliases. ipc picks "    \
-      "how "                                                                   \
-      "device memory\nwill be shared where a backend offers a choice (CUDA): " \
-      "'fd' (a file\ndescriptor; outlives the exporter) or 'native' (the "     \
-      "driver's handle);\nNone is the backend's default. Freed when the "      \
-      "object dies."
+      "default device.\nsycl_device and sycl_queue are aliases. alignment, a " \
+      "power of two, is\nrefused if the device's allocations do not give "     \
+      "it. ipc picks how device\nmemory will be shared where a backend "       \
+      "offers a choice (CUDA): 'fd' (a\nfile descriptor; outlives the "        \
+      "exporter) or 'native' (the driver's handle);\nNone is the backend's "   \
+      "default. Freed when the object dies.\n\n"                              \
+      "Instead of nbytes, an object: usmipc memory, or one exposing\n"         \
+      "__sycl_usm_array_interface__ (dpctl's), whose memory is taken "         \
+      "without a\ncopy if it is " kind " memory (reference_obj keeps the "    \
+      "object alive; a\nmapping it holds stays mapped), else copied into a "  \
+      "new allocation on\nits device (or the one given) when copy=True, "      \
+      "else usmipc.ArgumentError."
 
 /* Each subtype names the GC slots again: a spec with Py_TPFLAGS_HAVE_GC
  * must have a traverse function before inheritance is applied. */
@@ -925,19 +1269,22 @@ static PyType_Spec memory_spec = {
 
 static PyType_Slot usm_device_slots[] = {
     {Py_tp_doc,
-     (void *)USM_DOC("MemoryUSMDevice", "device memory (exportable with "
-                                        "IPCMemoryHandle)")},
+     (void *)USM_DOC("MemoryUSMDevice",
+                     "device memory (exportable with IPCMemoryHandle)",
+                     "device")},
     {Py_tp_new, usm_device_new},
     SUBTYPE_GC_SLOTS{0, NULL},
 };
 static PyType_Slot usm_host_slots[] = {
-    {Py_tp_doc, (void *)USM_DOC("MemoryUSMHost", "host (pinned) memory")},
+    {Py_tp_doc,
+     (void *)USM_DOC("MemoryUSMHost", "host (pinned) memory", "host")},
     {Py_tp_new, usm_host_new},
     SUBTYPE_GC_SLOTS{0, NULL},
 };
 static PyType_Slot usm_shared_slots[] = {
     {Py_tp_doc,
-     (void *)USM_DOC("MemoryUSMShared", "shared (migrating) memory")},
+     (void *)USM_DOC("MemoryUSMShared", "shared (migrating) memory",
+                     "shared")},
     {Py_tp_new, usm_shared_new},
     SUBTYPE_GC_SLOTS{0, NULL},
 };
