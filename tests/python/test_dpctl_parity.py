@@ -258,7 +258,8 @@ def test_malformed_or_foreign_interfaces_are_refused(queue):
         (dict(syclobj=object()), "another SYCL runtime"),
         (dict(syclobj=None), "syclobj"),
         (dict(shape=(4097,)), "pass the end"),
-        (dict(offset=-1), "usmipc does not know"),
+        # (on CUDA the byte before may be another allocation's last)
+        (dict(offset=-1), "usmipc does not know|pass the end"),
     ]
     for changes, message in bad:
         fields = dict(shape=(16,), **changes) if "shape" not in changes \
