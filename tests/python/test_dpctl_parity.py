@@ -90,6 +90,15 @@ def test_argument_errors_are_usmipc_errors(queue):
         MemoryUSMDevice(queue=queue)
     with pytest.raises(usmipc.ArgumentTypeError):
         usmipc.Queue(queue.sycl_device, nonsense=1)
+    # ... and its conversions of scalar arguments
+    with pytest.raises(usmipc.ArgumentTypeError):
+        mem.memset("a")
+    with pytest.raises(usmipc.ArgumentTypeError):
+        usmipc.set_ipc_cache_size("many")
+    with pytest.raises(usmipc.ArgumentTypeError):
+        usmipc.set_ipc_timeout("soon")
+    with pytest.raises(OverflowError):  # stays built-in
+        usmipc.set_ipc_cache_size(1 << 80)
     # memory of the wrong kind
     if not mem.host_accessible:
         np = pytest.importorskip("numpy")

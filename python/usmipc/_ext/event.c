@@ -786,6 +786,7 @@ PyObject *usmipc_set_event_timeout(PyObject *module, PyObject *arg) {
   if (arg != Py_None) {
     double seconds = PyFloat_AsDouble(arg); /* any real number */
     if (seconds == -1.0 && PyErr_Occurred()) {
+      usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
       return NULL;
     }
     if (isnan(seconds) || seconds < 0.0) {

@@ -247,10 +247,12 @@ static int parse_int_pair(PyObject *obj, const char *what, long *a, long *b) {
   }
   *a = PyLong_AsLong(PyTuple_GetItem(obj, 0));
   if (*a == -1 && PyErr_Occurred()) {
+    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return -1;
   }
   *b = PyLong_AsLong(PyTuple_GetItem(obj, 1));
   if (*b == -1 && PyErr_Occurred()) {
+    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return -1;
   }
   return 0;

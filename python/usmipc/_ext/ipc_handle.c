@@ -71,6 +71,7 @@ static int export_range(Py_ssize_t size, Py_ssize_t offset,
   if (nbytes_obj != Py_None) {
     Py_ssize_t n = PyLong_AsSsize_t(nbytes_obj);
     if (n == -1 && PyErr_Occurred()) {
+      usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
       return -1;
     }
     if (n <= 0 || n > size - offset) {
@@ -775,6 +776,7 @@ static PyObject *open_common(PyTypeObject *defining_class,
   if (a[2] != NULL && a[2] != Py_None) {
     Py_ssize_t n = PyLong_AsSsize_t(a[2]);
     if (n == -1 && PyErr_Occurred()) {
+      usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
       return NULL;
     }
     if (n <= 0) {
@@ -1095,6 +1097,7 @@ static PyObject *handle_set_cache_size(PyObject *cls,
   }
   Py_ssize_t entries = PyLong_AsSsize_t(arg);
   if (entries == -1 && PyErr_Occurred()) {
+    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   if (entries < 0) {

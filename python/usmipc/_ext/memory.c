@@ -908,6 +908,7 @@ static PyObject *memory_memset(PyObject *op, PyObject *const *args,
   if (value_obj != NULL) {
     value = PyLong_AsLong(value_obj);
     if (value == -1 && PyErr_Occurred()) {
+      usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
       return NULL;
     }
     if (value < 0 || value > 255) {

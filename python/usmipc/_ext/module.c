@@ -488,6 +488,7 @@ static PyObject *set_ipc_cache_size(PyObject *module, PyObject *arg) {
   usmipc_module_state_t *st = PyModule_GetState(module);
   Py_ssize_t entries = PyLong_AsSsize_t(arg);
   if (entries == -1 && PyErr_Occurred()) {
+    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   if (entries < 0) {
@@ -505,6 +506,7 @@ static PyObject *set_ipc_cache_bytes(PyObject *module, PyObject *arg) {
   usmipc_module_state_t *st = PyModule_GetState(module);
   PyObject *index = PyNumber_Index(arg);
   if (index == NULL) {
+    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   PyObject *zero = PyLong_FromLong(0);
@@ -534,6 +536,7 @@ static PyObject *set_ipc_timeout(PyObject *module, PyObject *arg) {
   usmipc_module_state_t *st = PyModule_GetState(module);
   double seconds = PyFloat_AsDouble(arg); /* any real number */
   if (seconds == -1.0 && PyErr_Occurred()) {
+    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   if (isnan(seconds) || seconds < 0.0) {
@@ -566,6 +569,7 @@ static PyObject *strerror_(PyObject *module, PyObject *arg) {
   (void)module;
   long code = PyLong_AsLong(arg);
   if (code == -1 && PyErr_Occurred()) {
+    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   return PyUnicode_FromString(usmipc_strerror((int)code));
@@ -611,6 +615,7 @@ static PyObject *torch_pool_info(PyObject *module, PyObject *arg) {
   usmipc_module_state_t *st = PyModule_GetState(module);
   long device = PyLong_AsLong(arg);
   if (device == -1 && PyErr_Occurred()) {
+    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   if (device < INT_MIN || device > INT_MAX) {
