@@ -176,6 +176,7 @@ static usmipc_module_state_t *state_of_imported_module(void) {
 }
 
 static PyObject *raise_own(int which, const char *format, va_list va) {
+  PyErr_Clear(); /* replaces a pending exception, as PyErr_Format does */
   PyObject *text = PyUnicode_FromFormatV(format, va);
   if (text == NULL) {
     return NULL;
