@@ -602,6 +602,14 @@ int usmipc__wire_set_payload(usmipc__wire_t *w,
   return 0;
 }
 
+void usmipc__wire_extent(const uint8_t *encoded, usmipc__wire_extent_t *out) {
+  out->buffer_id = usmipc__get64le(encoded + OFF_BUFFER_ID);
+  out->base = usmipc__get64le(encoded + OFF_EXPORTER_BASE);
+  out->allocation_size = usmipc__get64le(encoded + OFF_ALLOCATION_SIZE);
+  out->offset = usmipc__get64le(encoded + OFF_OFFSET);
+  out->nbytes = usmipc__get64le(encoded + OFF_NBYTES);
+}
+
 int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
   const uint8_t *p = data;
   if (data == NULL && len != 0)
