@@ -67,7 +67,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bench_util.h"
+#include "c/bench_util.h"
 #include "usmipc.h"
 
 extern char **environ;
