@@ -16,7 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "bench_util.h"
+#include "harness.h"
 #include "common.h"
 
 static size_t n_fds = 600;

@@ -36,7 +36,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bench_util.h"
+#include "harness.h"
 #include "usmipc.h"
 
 #ifndef SYS_pidfd_open
