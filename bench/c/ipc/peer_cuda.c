@@ -101,15 +101,19 @@ static struct {
 #define SYS_pidfd_getfd 438
 #endif
 
-/* Handle kinds and offsets of docs/handle-format.md. */
+/* Handle kinds and offsets of docs/handle-format.md, wire version 2
+ * (cuda_check refuses another version, and a pid that is not where it
+ * should be, so that a format change cannot go unnoticed again: the
+ * offsets of version 1 stayed here after version 2 moved them). */
 enum {
+  WIRE_VERSION = 2,
   WIRE_BACKEND = 12,
   WIRE_KIND = 13,
   WIRE_FLAGS = 14,
-  WIRE_PID = 48,
-  WIRE_FD_NUMBER = 52,
-  WIRE_PAYLOAD_LEN = 144,
-  WIRE_PAYLOAD = 148,
+  WIRE_PID = 24,
+  WIRE_FD_NUMBER = 28,
+  WIRE_PAYLOAD_LEN = 208,
+  WIRE_PAYLOAD = 212,
   WIRE_BACKEND_CUDA = 2,
   CUDA_KIND_NATIVE = 1,
   CUDA_KIND_FD = 2,
@@ -146,6 +150,16 @@ static const char *cuda_kind_name(unsigned handle_kind) {
 static int cuda_check(uint32_t i, const uint8_t *h,
                       const usmipc_ipc_handle_info_t *info, char *msg,
                       size_t len) {
+  if (info->wire_version != WIRE_VERSION ||
+      le32(h + WIRE_PID) != info->exporter_pid) {
+    snprintf(msg, len,
+             "handle %u: wire version %u (exporter pid %u, %u at byte %d): "
+             "the raw path reads version %d (docs/handle-format.md); "
+             "update its offsets",
+             i, info->wire_version, info->exporter_pid, le32(h + WIRE_PID),
+             (int)WIRE_PID, (int)WIRE_VERSION);
+    return RAW_STATUS_FAIL;
+  }
   if (info->backend != USMIPC_BACKEND_CUDA ||
       h[WIRE_BACKEND] != WIRE_BACKEND_CUDA ||
       h[WIRE_KIND] != info->handle_kind ||
