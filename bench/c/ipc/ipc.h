@@ -1,6 +1,6 @@
-/* usmipc_bench's parts: its options, its measurements (one file each,
- * registered in main.c) and the bare-driver peers its --raw measurement
- * pairs usmipc with (one file each, registered in paired.c). */
+/* usmipc_bench's parts: its options, its measurements and the bare-driver
+ * peers its --raw measurement pairs usmipc with, one file each, registered
+ * in the lists BENCH_MODES and RAW_PEERS below. */
 #ifndef USMIPC_BENCH_IPC_H
 #define USMIPC_BENCH_IPC_H
 
@@ -62,8 +62,14 @@ struct bench_mode {
   int (*run)(const options_t *o, usmipc_device_t *dev, usmipc_queue_t *q);
 };
 
-extern const bench_mode_t mode_usmipc; /* usmipc.c */
-extern const bench_mode_t mode_paired; /* paired.c: --raw */
+/* The measurements, one file each: adding one is its file and a line here.
+ * The first is the default. */
+#define BENCH_MODES(X)                                                         \
+  X(mode_usmipc) /* usmipc.c: usmipc alone */                                  \
+  X(mode_paired) /* paired.c: --raw */
+
+#define BENCH_DECLARE(name) extern const bench_mode_t name;
+BENCH_MODES(BENCH_DECLARE)
 
 /* ---- a bare-driver peer of --raw -------------------------------------------
  * The importer opens and closes every other buffer through the bare driver
@@ -105,6 +111,11 @@ typedef struct raw_peer {
   int (*close)(const raw_mapping_t *m, double *us, char *msg, size_t len);
 } raw_peer_t;
 
-extern const raw_peer_t raw_peer_cuda; /* peer_cuda.c */
+/* The bare-driver peers, one file each and one per backend: adding one is
+ * its file and a line here. */
+#define RAW_PEERS(X) X(raw_peer_cuda) /* peer_cuda.c */
+
+#define RAW_PEER_DECLARE(name) extern const raw_peer_t name;
+RAW_PEERS(RAW_PEER_DECLARE)
 
 #endif /* USMIPC_BENCH_IPC_H */

@@ -23,9 +23,9 @@
 #include "ipc.h"
 #include "usmipc.h"
 
-/* The measurements: adding one is its file and a line here. The first is
- * the default. */
-static const bench_mode_t *const modes[] = {&mode_usmipc, &mode_paired};
+/* The measurements of BENCH_MODES (ipc.h); the first is the default. */
+#define BENCH_ADDRESS(name) &name,
+static const bench_mode_t *const modes[] = {BENCH_MODES(BENCH_ADDRESS)};
 #define NMODES (sizeof(modes) / sizeof(modes[0]))
 
 static void usage(void) {

@@ -31,9 +31,9 @@
 #include "ipc.h"
 #include "usmipc.h"
 
-/* The bare-driver peers, one per backend: adding one is its file and a
- * line here. */
-static const raw_peer_t *const peers[] = {&raw_peer_cuda};
+/* The bare-driver peers of RAW_PEERS (ipc.h), one per backend. */
+#define RAW_PEER_ADDRESS(name) &name,
+static const raw_peer_t *const peers[] = {RAW_PEERS(RAW_PEER_ADDRESS)};
 #define NPEERS (sizeof(peers) / sizeof(peers[0]))
 
 static const raw_peer_t *peer_for(usmipc_backend_t backend) {
