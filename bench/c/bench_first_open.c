@@ -39,13 +39,6 @@
 #include "harness.h"
 #include "usmipc.h"
 
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
-#ifndef SYS_pidfd_getfd
-#define SYS_pidfd_getfd 438
-#endif
-
 #define HANDLE_MAX 2048
 
 static void die(const char *what) {

@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <time.h>
 
@@ -32,6 +33,15 @@ static inline double quantile_nearest(double *v, int n, double q) {
   qsort(v, (size_t)n, sizeof(*v), cmp_double);
   return v[(int)(q * (n - 1) + 0.5)];
 }
+
+/* pidfd_open(2) (Linux 5.3) and pidfd_getfd(2) (Linux 5.6), for the raw
+ * baselines, where the C library's headers lack the numbers. */
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
 
 /* ---- errors ---- */
 

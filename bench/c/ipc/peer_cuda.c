@@ -94,13 +94,6 @@ static struct {
   CUresult (*cuGetErrorName)(CUresult, const char **); /* optional */
 } rawcu;
 
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
-#ifndef SYS_pidfd_getfd
-#define SYS_pidfd_getfd 438
-#endif
-
 /* Handle kinds and offsets of docs/handle-format.md, wire version 2
  * (cuda_check refuses another version, and a pid that is not where it
  * should be, so that a format change cannot go unnoticed again: the

@@ -57,6 +57,18 @@ class CudaCoreAdapter(Adapter):
                 self._close_takes_stream = False
         buf.close()
 
+    def _sync_and_close(self, attr):
+        """Synchronizes, collects, then closes the memory resource in self.<attr>."""
+        self.dev.sync()
+        gc.collect()
+        mr = getattr(self, attr)
+        if mr is not None:
+            try:
+                mr.close()
+            except Exception:
+                pass
+            setattr(self, attr, None)
+
     def p_setup(self):
         self._common()
         self._desc_prop = hasattr(self.cc.Buffer, "ipc_descriptor")
@@ -102,14 +114,7 @@ class CudaCoreAdapter(Adapter):
             except Exception:
                 pass
         bufs.clear()
-        self.dev.sync()
-        gc.collect()
-        if self.mr is not None:
-            try:
-                self.mr.close()
-            except Exception:
-                pass
-            self.mr = None
+        self._sync_and_close("mr")
 
     def c_setup(self):
         self._common()
@@ -136,11 +141,4 @@ class CudaCoreAdapter(Adapter):
         self._close(holder.pop())
 
     def c_end_size(self):
-        self.dev.sync()
-        gc.collect()
-        if self.mmr is not None:
-            try:
-                self.mmr.close()
-            except Exception:
-                pass
-            self.mmr = None
+        self._sync_and_close("mmr")
