@@ -146,8 +146,9 @@ USMIPC_API int usmipc_malloc(usmipc_device_t *device, usmipc_mem_kind_t kind,
  * the exporter, and only processes the exporter's broker admits can open
  * it), or through the driver's own handle (cuMemAlloc + cuIpcGetMemHandle:
  * what PyTorch and CuPy allocate; a bearer token for the whole allocation).
- * 0 picks the backend's default (docs/cuda.md); USMIPC_CUDA_IPC=fd|native
- * changes it for the process. Backends with a single way ignore the flags. */
+ * 0 picks the backend's default (docs/cuda.md); USMIPC_CUDA_IPC=fd or
+ * USMIPC_CUDA_IPC=native changes it for the process. Backends with a single way
+ * ignore the flags. */
 #define USMIPC_ALLOC_IPC_FD 0x1u
 #define USMIPC_ALLOC_IPC_NATIVE 0x2u
 USMIPC_API int usmipc_malloc_flags(usmipc_device_t *device,
