@@ -22,7 +22,7 @@ PY := $(VENV)/bin/python
 PY_SETUP := $(VENV)/bin/python
 endif
 
-.PHONY: all build demo test test-c test-python test-asan test-tsan fuzz fuzz-build fuzz-ci bench python clean
+.PHONY: all build demo test test-c test-python test-asan test-tsan fuzz fuzz-build fuzz-ci bench python docs clean
 
 all: build
 
@@ -52,8 +52,18 @@ test: test-c test-python
 test-c: build $(PY_SETUP)
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
 
-test-python: python
-	$(PY) -m pytest -q tests/python
+# build: the C blocks of the docs (tests/python/test_doc_blocks.py) link
+# the library.
+test-python: python build
+	USMIPC_BUILD_DIR=$(BUILD) $(PY) -m pytest -q tests/python
+
+# The documentation site (mkdocs.yml) in $(BUILD)/site: docs/, the README,
+# the Python docstrings and include/usmipc.h. --strict: any warning (a
+# broken link or anchor, a C call without its doc block) fails the build.
+# The extension must be installed: the reference shows its docstrings.
+docs: python
+	$(PY) -m pip install -q -r tools/docs/requirements.txt
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir $(BUILD)/site
 
 # The C tests and the fuzz corpus replay under AddressSanitizer and UBSan.
 test-asan:

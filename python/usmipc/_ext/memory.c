@@ -875,16 +875,16 @@ static PyType_Spec memory_spec = {
 };
 
 #define USM_DOC(cls, what)                                                     \
-  cls "(nbytes, *, device=None, queue=None, sycl_device=None, "                \
-      "sycl_queue=None, ipc=None)\n--\n\n"                                     \
-      "nbytes of " what " allocated with usmipc on device (a Device or a "     \
-      "filter\nstring) or on the device of queue; with neither, on the "       \
-      "default device.\nsycl_device and sycl_queue are aliases. ipc picks "    \
-      "how "                                                                   \
-      "device memory\nwill be shared where a backend offers a choice (CUDA): " \
-      "'fd' (a file\ndescriptor; outlives the exporter) or 'native' (the "     \
-      "driver's handle);\nNone is the backend's default. Freed when the "      \
-      "object dies."
+  cls "(nbytes, alignment=0, *, device=None, queue=None, "                     \
+      "sycl_device=None, sycl_queue=None, ipc=None)\n--\n\n"                   \
+      "nbytes of " what " allocated with usmipc on device (a Device or a\n"    \
+      "filter string) or on the device of queue; with neither, on the\n"       \
+      "default device. alignment: 0 or a power of two (more than the\n"       \
+      "device's allocations give is refused). sycl_device and sycl_queue\n"    \
+      "are aliases. ipc picks how device memory will be shared where a\n"      \
+      "backend offers a choice (CUDA): 'fd' (a file descriptor; outlives\n"    \
+      "the exporter) or 'native' (the driver's handle); None is the\n"         \
+      "backend's default. Freed when the object dies."
 
 /* Each subtype names the GC slots again: a spec with Py_TPFLAGS_HAVE_GC
  * must have a traverse function before inheritance is applied. */
