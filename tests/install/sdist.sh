@@ -37,7 +37,9 @@ echo "sdist: $(wc -l < "$work/contents") files, $(du -k "$sdist" | cut -f1) KiB"
 
 t0=$SECONDS
 "$python" -m venv "$work/venv"
-(cd "$work" && env -u PYTHONPATH venv/bin/python -m pip install -q "$sdist")
+# --no-cache-dir: an identical sdist (they are reproducible) would otherwise
+# install the wheel pip built from it last time.
+(cd "$work" && env -u PYTHONPATH venv/bin/python -m pip install -q --no-cache-dir "$sdist")
 echo "built and installed from the sdist in $((SECONDS - t0)) s"
 cd "$work"
 env -u PYTHONPATH venv/bin/python - << 'EOF'

@@ -44,7 +44,7 @@ else
     command -v "python3.$n" > /dev/null && candidates+=("python3.$n")
   done
   candidates+=(python3)
-  pyenv_root=${PYENV_ROOT:-$HOME/.pyenv}
+  pyenv_root=${PYENV_ROOT:-$(pyenv root 2> /dev/null || echo "${HOME:-/root}/.pyenv")}
   for p in "$pyenv_root"/versions/*/bin/python3; do
     [ -x "$p" ] && candidates+=("$p")
   done
