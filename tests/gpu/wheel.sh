@@ -54,12 +54,20 @@ echo "wheel: $(basename "$wheel")"
 "$python" -c 'import sys; print(sys.version)'
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader 2>/dev/null
 
-step venv "$python" -m venv --system-site-packages "$venv"
+# Without ensurepip (Debian's python3-venv), a venv without pip, into which
+# the system's pip installs (pip >= 22.3: --python).
+pip=("$venv/bin/python" -m pip)
+if ! "$python" -m venv --system-site-packages "$venv" > "$work/venv.log" 2>&1; then
+  cat "$work/venv.log"
+  rm -rf "$venv"
+  pip=("$python" -m pip --python "$venv/bin/python")
+  step venv "$python" -m venv --system-site-packages --without-pip "$venv"
+fi
 # Where the system lacks them and there is a network: WHEEL_TEST_DEPS="pytest numpy".
 if [ -n "${WHEEL_TEST_DEPS:-}" ]; then
-  step deps "$venv/bin/python" -m pip install -q $WHEEL_TEST_DEPS
+  step deps "${pip[@]}" install -q $WHEEL_TEST_DEPS
 fi
-step install "$venv/bin/python" -m pip install --no-index --no-deps "$wheel"
+step install "${pip[@]}" install --no-index --no-deps "$wheel"
 # Where usmipc comes from, and which wheel: the environment's site-packages.
 step where "$venv/bin/python" -c 'import importlib.metadata as m, sys, sysconfig, usmipc
 d = m.distribution("usmipc")
