@@ -1,6 +1,7 @@
 # Developer entry points. The README's two commands are `make demo` and
-# `make test`; CI (.ci/run) installs the system packages and runs `make test`
-# and `make test-asan`.
+# `make test`; CI (.ci/run) installs the system packages and runs `make test`,
+# the release wheel's stages (wheel, test-wheel, test-sdist), the sanitizer
+# runs and the fuzzers.
 #
 # Python work happens in a virtual environment (.venv) unless PY names an
 # interpreter to use as it is (PY=python3 on a machine without network, where
