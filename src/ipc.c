@@ -721,11 +721,12 @@ int usmipc__export_allocation(const void *base, size_t nbytes,
   int rc = get_handle(base, nbytes, true, handle);
   for (int again = 0; rc == 0; again++) {
     /* The handle says what it exports: its fixed fields (handle.c). */
-    const uint8_t *d = (*handle)->data;
-    ref->buffer_id = usmipc__get64le(d + 112);
-    ref->base = (uintptr_t)usmipc__get64le(d + 120);
-    ref->size = usmipc__get64le(d + 128);
-    if (usmipc__get64le(d + 136) == 0 && usmipc__get64le(d + 144) == ref->size)
+    usmipc__wire_extent_t x;
+    usmipc__wire_extent((*handle)->data, &x);
+    ref->buffer_id = x.buffer_id;
+    ref->base = (uintptr_t)x.base;
+    ref->size = x.allocation_size;
+    if (x.offset == 0 && x.nbytes == x.allocation_size)
       return 0;
     /* A run of chunks ends with a whole chunk: export it whole (the same
      * export, found while the first handle still holds it: no new driver

@@ -59,12 +59,36 @@ struct usmipc_pool {
   usmipc_device_t *device;
   unsigned flags;
   pthread_mutex_t lock;
+  struct usmipc_pool *live_prev, *live_next; /* the live pools, for fork */
   size_t next_segment;
   segment_t *segments;
   block_t **buckets;
   size_t nbuckets, nblocks;
   size_t block_bytes; /* the sizes of the live blocks, summed */
 };
+
+/* Every live pool, so that fork() can take their locks: a child forked
+ * while another thread held a pool's lock would inherit it held, and its
+ * first allocation from that pool would wait forever. In the library's lock
+ * order the pools come after the registry (an export holds the registry
+ * lock when it asks the pool for its block) and before the export table (a
+ * pool lock is held while a block's slot is added or removed). */
+static pthread_mutex_t live_pools_lock = PTHREAD_MUTEX_INITIALIZER;
+static usmipc_pool_t *live_pools;
+
+void usmipc__pools_fork_prepare(void) {
+  pthread_mutex_lock(&live_pools_lock);
+  for (usmipc_pool_t *p = live_pools; p; p = p->live_next)
+    pthread_mutex_lock(&p->lock);
+}
+
+void usmipc__pools_fork_parent(void) {
+  for (usmipc_pool_t *p = live_pools; p; p = p->live_next)
+    pthread_mutex_unlock(&p->lock);
+  pthread_mutex_unlock(&live_pools_lock);
+}
+
+void usmipc__pools_fork_child(void) { usmipc__pools_fork_parent(); }
 
 static size_t hash_ptr(const void *p, size_t n) {
   uint64_t h = (uint64_t)(uintptr_t)p * 0x9e3779b97f4a7c15ull;
@@ -135,6 +159,12 @@ int usmipc_pool_create(usmipc_device_t *device, size_t capacity, unsigned flags,
     free(pool);
     return rc;
   }
+  pthread_mutex_lock(&live_pools_lock);
+  pool->live_next = live_pools;
+  if (live_pools != NULL)
+    live_pools->live_prev = pool;
+  live_pools = pool;
+  pthread_mutex_unlock(&live_pools_lock);
   *out = pool;
   return 0;
 }
@@ -382,6 +412,14 @@ int usmipc_pool_destroy(usmipc_pool_t *pool) {
   segment_t *seg = pool->segments;
   pool->segments = NULL;
   pthread_mutex_unlock(&pool->lock);
+  pthread_mutex_lock(&live_pools_lock);
+  if (pool->live_prev != NULL)
+    pool->live_prev->live_next = pool->live_next;
+  else
+    live_pools = pool->live_next;
+  if (pool->live_next != NULL)
+    pool->live_next->live_prev = pool->live_prev;
+  pthread_mutex_unlock(&live_pools_lock);
   while (seg) {
     segment_t *next = seg->next;
     pthread_mutex_lock(&usmipc__registry_lock);

@@ -172,8 +172,10 @@ static void draw_proof(void) {
  * used first, the opposite of the nesting order (a deadlock). */
 static void fork_prepare(void) {
   usmipc__bundles_fork_prepare(); /* taken alone: outermost */
+  usmipc__torch_fork_prepare();   /* a free under it takes the registry */
   usmipc__events_fork_prepare();
   usmipc__registry_fork_prepare();
+  usmipc__pools_fork_prepare(); /* under the registry, above the exports */
   usmipc__devices_fork_prepare();
   usmipc__exports_fork_prepare();
   usmipc__fdxfer_fork_prepare();
@@ -185,8 +187,10 @@ static void fork_parent(void) {
   usmipc__fdxfer_fork_parent();
   usmipc__exports_fork_parent();
   usmipc__devices_fork_parent();
+  usmipc__pools_fork_parent();
   usmipc__registry_fork_parent();
   usmipc__events_fork_parent();
+  usmipc__torch_fork_parent();
   usmipc__bundles_fork_parent();
 }
 
@@ -200,8 +204,10 @@ static void fork_child(void) {
   usmipc__fdxfer_fork_child();
   usmipc__exports_fork_child();
   usmipc__devices_fork_child();
+  usmipc__pools_fork_child();
   usmipc__registry_fork_child();
   usmipc__events_fork_child();
+  usmipc__torch_fork_child();
   usmipc__bundles_fork_child();
 }
 

@@ -68,6 +68,28 @@ static pthread_mutex_t torch_create_lock = PTHREAD_MUTEX_INITIALIZER;
 static size_t torch_segment_size; /* atomic; 0: the environment's, else the
                                      pool default */
 
+/* fork() from any thread: the creation lock, then every pool's lock (a
+ * free under one takes the registry lock, so these come before it in the
+ * library's lock order; see process.c). Pools exist until the process
+ * ends, and each one's lock is initialised before its pool is published. */
+void usmipc__torch_fork_prepare(void) {
+  pthread_mutex_lock(&torch_create_lock);
+  for (int b = 0; b < TORCH_BACKENDS; b++)
+    for (int d = 0; d < TORCH_MAX_DEVICES; d++)
+      if (torch_pools[b][d].pool != NULL)
+        pthread_mutex_lock(&torch_pools[b][d].lock);
+}
+
+void usmipc__torch_fork_parent(void) {
+  for (int b = 0; b < TORCH_BACKENDS; b++)
+    for (int d = 0; d < TORCH_MAX_DEVICES; d++)
+      if (torch_pools[b][d].pool != NULL)
+        pthread_mutex_unlock(&torch_pools[b][d].lock);
+  pthread_mutex_unlock(&torch_create_lock);
+}
+
+void usmipc__torch_fork_child(void) { usmipc__torch_fork_parent(); }
+
 /* The first segment of pools created from now on: usmipc_torch_set_segment_
  * size, else USMIPC_TORCH_POOL_SEGMENT (bytes, or a number with K, M or G),
  * else 0 (the pool default, 64 MiB). */

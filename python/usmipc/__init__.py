@@ -68,7 +68,9 @@ from usmipc import ipc  # noqa: E402
 # dpctl's names for the same classes, so that a program written for dpctl
 # runs with its import lines changed (the seed's example does).
 SyclDevice = Device
+"""dpctl's name for Device (the same class)."""
 SyclQueue = Queue
+"""dpctl's name for Queue (the same class)."""
 
 
 def get_num_devices(backend=None, device_type=None):
@@ -134,5 +136,8 @@ __all__ = [
     "share",
     "stats",
     "strerror",
-    *_usmipc.errorcode.values(),
 ]
+# Also public: the error codes (a list apart, so that tools that read
+# __all__ without running the module, as the documentation's griffe does,
+# still see the names above).
+__all__ += list(_usmipc.errorcode.values())

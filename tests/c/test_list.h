@@ -117,6 +117,7 @@
   X(pool_cross_process)                                                        \
   X(pool_hundred_thousand_blocks)                                              \
   X(pool_threads)                                                              \
+  X(pool_fork_from_thread)                                                     \
   X(stats_count_driver_work)                                                   \
   X(bundle_cross_process)                                                      \
   X(bundle_refused)                                                            \

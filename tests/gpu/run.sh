@@ -49,6 +49,8 @@ step demo-cuda python3 -m usmipc demo --device cuda:gpu
 step demo-host python3 -m usmipc demo --device host:cpu
 step pytest-host python3 -m pytest -q -rs tests/python
 step pytest-gpu python3 -m pytest -q -rs -s tests/gpu --ignore=tests/gpu/test_torch_allocator.py
+# Every code block of README.md and docs/, the GPU ones included.
+step doc-blocks bash tests/gpu/doc_blocks.sh
 # usmipc pools as torch's CUDA allocator: each case in a fresh process
 # (torch's allocator is chosen once per process); prints one RESULT line per
 # case (segments, driver exports and imports per sharing round).

@@ -15,6 +15,28 @@ import pytest
 
 import usmipc
 
+# Which usmipc the tests run against: the one the interpreter imports, an
+# installed package (make python installs the tree into .venv; make
+# test-wheel installs the release wheel into fresh environments). With
+# USMIPC_TEST_INSTALLED=1 (tests/install/wheel.sh) a usmipc imported from
+# anywhere but this interpreter's site-packages stops the run.
+PACKAGE = os.path.dirname(os.path.abspath(usmipc.__file__))
+if os.environ.get("USMIPC_TEST_INSTALLED") == "1":
+    import sysconfig
+    site = {os.path.realpath(sysconfig.get_paths()[k])
+            for k in ("purelib", "platlib")}
+    if os.path.dirname(os.path.realpath(PACKAGE)) not in site:
+        raise pytest.UsageError(
+            f"usmipc was imported from {PACKAGE}, not from this "
+            f"interpreter's site-packages ({', '.join(sorted(site))}): "
+            "run pytest from a directory without a usmipc package, with "
+            "PYTHONPATH unset")
+
+
+def pytest_report_header(config):
+    return f"usmipc {usmipc.__version__} from {PACKAGE}"
+
+
 HOST = "host:cpu"
 TIMEOUT = 60  # seconds for any helper process
 MAGIC = b"\x89USMIPC\n"

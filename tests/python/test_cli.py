@@ -47,6 +47,26 @@ def test_demo_on_the_host(transport, host):
         assert label in out
 
 
+def test_demo_reports_set_up_apart_and_warm_figures(host):
+    """The first figures a user sees: one-time set-up on lines of its own,
+    and every operation first and warm (median over fresh allocations)."""
+    result = run_module("demo", "--device", "host:cpu", "--nbytes", "4096",
+                        "--reopen", "10", "--warm", "5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    import re
+    assert "one-time set-up, once per process" in out
+    assert re.search(r"parent: +[0-9.]+ us \(device context", out), out
+    assert re.search(r"child: +[0-9.]+ us \(device context\)", out), out
+    assert "first in the process and then warm (median of 5)" in out
+    export = re.search(r"export: +([0-9.]+) us first .*, ([0-9.]+) us warm",
+                       out)
+    opened = re.search(r"open: +([0-9.]+) us first .*, ([0-9.]+) us warm",
+                       out)
+    assert export and opened, out
+    assert all(float(v) > 0 for v in export.groups() + opened.groups())
+
+
 def test_demo_with_a_bad_device_fails():
     result = run_module("demo", "--device", "nonsense")
     assert result.returncode == 2

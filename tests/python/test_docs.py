@@ -35,3 +35,12 @@ def test_classmethod_help_shows_the_text():
     assert "MemoryIPCDevice" in text
     assert str(inspect.signature(usmipc.memory.IPCMemoryHandle.open)) == \
         "(handle_bytes, device=None, nbytes=None, *, stream=None, ordered=True)"
+
+
+def test_constructor_signatures_show_what_they_take():
+    # dpctl's order: alignment is the second positional argument
+    for cls in (usmipc.memory.MemoryUSMDevice, usmipc.memory.MemoryUSMHost,
+                usmipc.memory.MemoryUSMShared):
+        assert str(inspect.signature(cls)).startswith(
+            "(nbytes, alignment=0, *, device=None"), cls
+        assert cls(64, 64, device="host:cpu").nbytes == 64

@@ -55,3 +55,40 @@ def test_bundle_on_level_zero():
     out = result.stdout.decode()
     assert result.returncode == 0, out + result.stderr.decode()
     assert "bundle OK" in out and "3 arrays in 1 allocations" in out
+
+
+def test_handle_sizes_on_level_zero():
+    # docs/handle-format.md: a Level Zero handle is 236 bytes (the fixed 216
+    # and record 0x0201 of 4 + 16), ordering adds 104 (record 0x8002 of
+    # 4 + 68 + a 32-byte event pool payload), an event handle is 268.
+    result = run("-c", """if True:
+        import usmipc
+        from usmipc.memory import IPCMemoryHandle, MemoryUSMDevice
+        d = usmipc.Device("level_zero:gpu")
+        mem = MemoryUSMDevice(4096, device=d)
+        ev = usmipc.Event(d)
+        ev.record()
+        print(len(IPCMemoryHandle(mem, ordered=False).to_bytes()),
+              len(IPCMemoryHandle(mem).to_bytes()),
+              len(usmipc.IPCEventHandle(ev).to_bytes()))
+        """)
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode().split() == ["236", "340", "268"]
+
+
+def test_selftest_runs_the_helper_beside_the_extension(tmp_path):
+    """The self-test on first IPC use (forced on the test driver) starts the
+    usmipc-helper that the package carries beside its extension (the wheel's
+    own executable, when tests/install/wheel.sh runs this); the verdict it
+    leaves says the helper exported memory that this process read back."""
+    import usmipc
+    helper = pathlib.Path(usmipc._usmipc.__file__).with_name("usmipc-helper")
+    assert os.access(helper, os.X_OK), f"{helper} is missing"
+    result = run("-c", "import usmipc; "
+                 "print(usmipc.Device('level_zero:gpu').has_aspect_ipc_memory)",
+                 USMIPC_ZE_SELFTEST="1", XDG_RUNTIME_DIR=str(tmp_path),
+                 USMIPC_HELPER="")
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode().strip() == "True", result.stderr.decode()
+    verdicts = list(tmp_path.glob("usmipc-ze-selftest-*"))
+    assert len(verdicts) == 1 and verdicts[0].read_text() == "ok\n", verdicts

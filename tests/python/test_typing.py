@@ -31,8 +31,11 @@ def test_package_is_typed():
 def test_mypy_strict_on_examples_and_readme(tmp_path):
     files = sorted(str(p) for p in (ROOT / "examples").glob("*.py"))
     readme = (ROOT / "README.md").read_text()
-    for i, block in enumerate(re.findall(r"```python\n(.*?)```", readme,
-                                         re.S)):
+    # Every Python block, run or not (the fence's words after the language
+    # say which: tests/python/test_doc_blocks.py).
+    blocks = re.findall(r"^```python[^\n]*\n(.*?)^```", readme, re.S | re.M)
+    assert len(blocks) >= 2, "the README's Python blocks were not found"
+    for i, block in enumerate(blocks):
         snippet = tmp_path / f"readme_{i}.py"
         snippet.write_text(CONTEXT + block)
         files.append(str(snippet))

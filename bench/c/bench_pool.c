@@ -17,7 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "bench_util.h"
+#include "harness.h"
 #include "usmipc.h"
 
 static void die(const char *what) {

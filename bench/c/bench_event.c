@@ -23,7 +23,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "bench_util.h"
+#include "harness.h"
 #include "usmipc.h"
 
 #define HANDLE_MAX 1024

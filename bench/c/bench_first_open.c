@@ -36,15 +36,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bench_util.h"
+#include "harness.h"
 #include "usmipc.h"
-
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
-#ifndef SYS_pidfd_getfd
-#define SYS_pidfd_getfd 438
-#endif
 
 #define HANDLE_MAX 2048
 

@@ -16,8 +16,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "bench_util.h"
 #include "common.h"
+#include "harness.h"
 
 static size_t n_fds = 600;
 static int rounds = 20;

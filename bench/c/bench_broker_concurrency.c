@@ -58,7 +58,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bench_util.h"
+#include "harness.h"
 #include "usmipc.h"
 
 #ifndef PR_SET_PTRACER
