@@ -4,7 +4,8 @@ the site does not show.
 
 - api/c.md: made from include/usmipc.h (tools/docs/c_api.py); a public call
   without a doc block is a warning, so the strict build fails.
-- index.md and benchmarks.md: README.md and bench/RESULTS.md, whose links
+- index.md, benchmarks.md, changelog.md: README.md, bench/RESULTS.md and
+  CHANGELOG.md, whose links
   are rewritten for the site (docs/x.md -> x.md; other files of the
   repository they show, such as plots, are copied in).
 """
@@ -24,7 +25,8 @@ import c_api  # noqa: E402
 log = logging.getLogger("mkdocs.plugins.usmipc")
 
 # Pages whose source lives outside docs/: site path -> repository path.
-OUTSIDE = {"index.md": "README.md", "benchmarks.md": "bench/RESULTS.md"}
+OUTSIDE = {"index.md": "README.md", "benchmarks.md": "bench/RESULTS.md",
+           "changelog.md": "CHANGELOG.md"}
 LINK = re.compile(r"(\]\()([^)\s]+)(\))")
 FENCE_WORDS = re.compile(r"^([ \t]*(?:`{3,}|~{3,})[\w+-]+)[ \t]+[^\n`]*$",
                          re.M)
