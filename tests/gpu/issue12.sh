@@ -23,7 +23,9 @@ step() { # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
   echo "=== $name: $*" >> "$LOG"
-  if timeout "$limit" "$@" >> "$LOG" 2>&1; then r=pass; else r="FAIL($?)"; fi
+  # The command may be one of the functions below: run in a bash that has them.
+  if timeout "$limit" bash -c "$(declare -f build install); \"\$@\"" step "$@" >> "$LOG" 2>&1
+  then r=pass; else r="FAIL($?)"; fi
   echo "$name $r $(( $(date +%s) - t0 ))s" | tee -a "$SUM" >> "$LOG"
 }
 { date -u; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
