@@ -602,13 +602,20 @@ static int check_target(const usmipc__wire_t *w, usmipc_device_t **device,
                         "device %s is a %s device",
                         usmipc_backend_name(w->backend), (*device)->filter,
                         (*device)->ops->name);
-  if (*owner == NULL) {
+  /* A device hidden from this process (CUDA_VISIBLE_DEVICES): opened on
+   * the target device where the backend can (as for memory, ipc.c). */
+  if (*owner == NULL &&
+      (*device == NULL || !(*device)->ops->ipc_import_hidden_owner)) {
     char uuid[37];
     usmipc__uuid_format(w->device_uuid, uuid);
     return usmipc__fail(USMIPC_EWRONGDEVICE,
                         "the event was recorded on %s device %s, which this "
-                        "process cannot see",
-                        usmipc_backend_name(w->backend), uuid);
+                        "process cannot see%s",
+                        usmipc_backend_name(w->backend), uuid,
+                        *device == NULL && w->backend == USMIPC_BACKEND_CUDA
+                            ? " (CUDA_VISIBLE_DEVICES hides it); name one of "
+                              "this process's GPUs as the device to wait on"
+                            : "");
   }
   if (*device == NULL)
     *device = *owner;
@@ -725,8 +732,9 @@ static int import_get(const usmipc__wire_t *w, usmipc_device_t *device,
     /* The backend sees its own event kind, not the handle's (128). */
     usmipc__payload_t payload = w->payload;
     payload.handle_kind = w->event_kind;
-    rc = device->ops->event_import(device->native, owner->native, &payload, fd,
-                                   &made->native);
+    rc = device->ops->event_import(device->native,
+                                   owner != NULL ? owner->native : NULL,
+                                   &payload, fd, &made->native);
   }
   if (fd >= 0)
     close(fd);

@@ -1187,14 +1187,29 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
                         "is a %s device; open it on a %s device",
                         usmipc_backend_name(w->backend), device->filter,
                         device->ops->name, usmipc_backend_name(w->backend));
-  if (owner == NULL) {
+  if (owner == NULL &&
+      (device == NULL || !device->ops->ipc_import_hidden_owner)) {
+    /* A device hidden from this process (CUDA_VISIBLE_DEVICES): a backend
+     * whose driver maps such memory onto a device we can see does so when
+     * told which one (docs/distributed.md); the others cannot. */
     char uuid[37];
     usmipc__uuid_format(w->device_uuid, uuid);
+    if (device == NULL && w->backend == USMIPC_BACKEND_CUDA)
+      return usmipc__fail(USMIPC_EWRONGDEVICE,
+                          "the handle was exported on cuda device %s, which "
+                          "this process cannot see (CUDA_VISIBLE_DEVICES "
+                          "hides it); name one of this process's GPUs as the "
+                          "device to open it on, and the memory is mapped "
+                          "there through peer access",
+                          uuid);
     return usmipc__fail(USMIPC_EWRONGDEVICE,
                         "the handle was exported on %s device %s, which this "
                         "process cannot see (check CUDA_VISIBLE_DEVICES / "
-                        "ZE_AFFINITY_MASK)",
-                        usmipc_backend_name(w->backend), uuid);
+                        "ZE_AFFINITY_MASK)%s",
+                        usmipc_backend_name(w->backend), uuid,
+                        device != NULL ? "; its backend cannot map memory of "
+                                         "a device this process cannot see"
+                                       : "");
   }
   if (device == NULL)
     device = owner;
@@ -1308,15 +1323,16 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
   if (nchunks > 0) {
     uint64_t sizes[USMIPC__CHUNKS_MAX];
     usmipc__wire_chunk_sizes(w, sizes);
-    rc = device->ops->ipc_import_chunks(device->native, owner->native,
-                                        &w->payload, chunk_fds, sizes, nchunks,
-                                        w->allocation_size, &r->alloc);
+    rc = device->ops->ipc_import_chunks(
+        device->native, owner != NULL ? owner->native : NULL, &w->payload,
+        chunk_fds, sizes, nchunks, w->allocation_size, &r->alloc);
     USMIPC__STAT_ADD(driver_imports, nchunks);
     for (uint32_t i = 0; i < nchunks; i++)
       close(chunk_fds[i]);
   } else {
-    rc = device->ops->ipc_import(device->native, owner->native, &w->payload, fd,
-                                 w->allocation_size, &r->alloc);
+    rc = device->ops->ipc_import(
+        device->native, owner != NULL ? owner->native : NULL, &w->payload, fd,
+        w->allocation_size, &r->alloc);
     USMIPC__STAT_ADD(driver_imports, 1);
   }
   if (fd >= 0)

@@ -187,6 +187,14 @@ typedef struct usmipc__backend_ops {
   /* Optional: fills what usmipc_device_get_info reports of a device (the
    * core zeroed it first), asking the driver. NULL: nothing is known. */
   int (*device_info)(void *dev, usmipc_device_info_t *info);
+
+  /* True when the backend can map memory (and open events) exported on a
+   * device this process cannot see onto one it can: ipc_import,
+   * ipc_import_chunks and event_import are then called with owner NULL and
+   * must decide from dev alone (CUDA: a launcher's CUDA_VISIBLE_DEVICES
+   * hides the exporter's GPU; the driver maps its memory for dev through
+   * peer access, docs/distributed.md). False: the core refuses such opens. */
+  bool ipc_import_hidden_owner;
 } usmipc__backend_ops_t;
 
 #define USMIPC__EVENT_PAYLOAD_MAX 128

@@ -1005,8 +1005,14 @@ static int cuda_chunks_export(void *dev, usmipc__chunk_run_t *run,
   return 0;
 }
 
+/* owner NULL: the exporting GPU is hidden from this process
+ * (CUDA_VISIBLE_DEVICES), so cuDeviceCanAccessPeer cannot be asked; the
+ * driver maps such memory for d all the same where the two GPUs have peer
+ * access (documented for cuIpcOpenMemHandle; cuMemImportFromShareableHandle
+ * and cuMemSetAccess for d do the same, as NCCL's P2P transport relies on),
+ * and its refusal is worded by hidden_fail below. */
 static int check_peer(cuda_device_t *d, cuda_device_t *owner) {
-  if (d == owner)
+  if (d == owner || owner == NULL)
     return 0;
   int can = 0;
   cu.cuDeviceCanAccessPeer(&can, d->dev, owner->dev);
@@ -1016,6 +1022,24 @@ static int check_peer(cuda_device_t *d, cuda_device_t *owner) {
                         "access between them); open the handle on GPU %d",
                         d->ordinal, owner->ordinal, owner->ordinal);
   return 0;
+}
+
+/* A driver failure mapping memory of a GPU this process cannot see. */
+static int hidden_fail(const cuda_device_t *d, CUresult res, const char *what) {
+  int rc = cu_fail(res, what);
+  usmipc__error_prefix("the exporting GPU is hidden from this process "
+                       "(CUDA_VISIBLE_DEVICES) and the driver could not map "
+                       "its memory for GPU %d (no peer access between them?): ",
+                       d->ordinal);
+  return rc;
+}
+
+/* The granularity of an allocation's GPU: the owner's, or for a hidden
+ * owner this GPU's (2 MiB on every GPU with VMM so far; a multiple of the
+ * larger of two power-of-two granularities is one of the smaller). */
+static size_t owner_granularity(const cuda_device_t *d,
+                                const cuda_device_t *owner) {
+  return owner != NULL ? owner->granularity : d->granularity;
 }
 
 static int cuda_ipc_import(void *dev, void *owner_dev,
@@ -1072,7 +1096,8 @@ static int cuda_ipc_import(void *dev, void *owner_dev,
                                  "(CUDA error 400): the exporter has exited or "
                                  "freed the allocation");
     if (res != CUDA_SUCCESS)
-      return cu_fail(res, "cuIpcOpenMemHandle");
+      return owner == NULL ? hidden_fail(d, res, "cuIpcOpenMemHandle")
+                           : cu_fail(res, "cuIpcOpenMemHandle");
     out->base = (void *)(uintptr_t)p;
     out->size = (size_t)allocation_size;
     out->reserved = (size_t)allocation_size;
@@ -1084,7 +1109,8 @@ static int cuda_ipc_import(void *dev, void *owner_dev,
     return usmipc__fail(USMIPC_EBADHANDLE, "CUDA handle of unknown kind %u",
                         payload->handle_kind);
   size_t size = (size_t)get_u64(payload->bytes);
-  if (size < allocation_size || size % owner->granularity != 0)
+  size_t granularity = owner_granularity(d, owner);
+  if (size < allocation_size || size % granularity != 0)
     return usmipc__fail(USMIPC_EBADHANDLE,
                         "CUDA fd handle maps %zu bytes, not a granule multiple "
                         "covering %llu",
@@ -1099,13 +1125,13 @@ static int cuda_ipc_import(void *dev, void *owner_dev,
   if (res == CUDA_SUCCESS) {
     /* Mapped for the target device d: for memory of another GPU that is
      * the peer mapping. */
-    res = vmm_map(handle, size, owner->granularity, d->dev, &p, &what);
+    res = vmm_map(handle, size, granularity, d->dev, &p, &what);
     /* The mapping holds its own reference to the physical memory. */
     cu.cuMemRelease(handle);
   }
   ctx_leave();
   if (res != CUDA_SUCCESS)
-    return cu_fail(res, what);
+    return owner == NULL ? hidden_fail(d, res, what) : cu_fail(res, what);
   out->base = (void *)(uintptr_t)p;
   out->size = (size_t)allocation_size;
   out->reserved = size;
@@ -1139,14 +1165,15 @@ static int cuda_ipc_import_chunks(void *dev, void *owner_dev,
   int rc = check_peer(d, owner);
   if (rc != 0)
     return rc;
+  size_t granularity = owner_granularity(d, owner);
   uint64_t total = 0;
   for (uint32_t i = 0; i < count; i++) {
-    if (sizes[i] == 0 || sizes[i] % owner->granularity != 0)
+    if (sizes[i] == 0 || sizes[i] % granularity != 0)
       return usmipc__fail(USMIPC_EBADHANDLE,
                           "not a valid usmipc IPC handle: chunk %u of %llu "
                           "bytes is not a multiple of the GPU's %zu-byte "
                           "granularity",
-                          i, (unsigned long long)sizes[i], owner->granularity);
+                          i, (unsigned long long)sizes[i], granularity);
     total += sizes[i]; /* the decoder bounded the sum by the allocation */
   }
   if (payload->handle_kind != CUDA_HANDLE_FD || payload->len != 8 ||
@@ -1166,8 +1193,7 @@ static int cuda_ipc_import_chunks(void *dev, void *owner_dev,
   }
   CUdeviceptr p = 0;
   const char *what = "cuMemAddressReserve";
-  CUresult res =
-      cu.cuMemAddressReserve(&p, (size_t)total, owner->granularity, 0, 0);
+  CUresult res = cu.cuMemAddressReserve(&p, (size_t)total, granularity, 0, 0);
   uint32_t mapped = 0;
   uint64_t at = 0;
   while (res == CUDA_SUCCESS && mapped < count) {
@@ -1201,7 +1227,7 @@ static int cuda_ipc_import_chunks(void *dev, void *owner_dev,
   ctx_leave();
   if (res != CUDA_SUCCESS) {
     free(keep);
-    return cu_fail(res, what);
+    return owner == NULL ? hidden_fail(d, res, what) : cu_fail(res, what);
   }
   out->base = (void *)(uintptr_t)p;
   out->size = (size_t)allocation_size;
@@ -1285,4 +1311,5 @@ const usmipc__backend_ops_t usmipc__cuda_backend = {
     .chunks_export = cuda_chunks_export,
     .ipc_import_chunks = cuda_ipc_import_chunks,
     .device_info = cuda_device_info,
+    .ipc_import_hidden_owner = true,
 };
