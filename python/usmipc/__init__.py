@@ -64,6 +64,7 @@ if VERSION_HEX != COMPILED_VERSION_HEX:  # pragma: no cover
 from usmipc import _usmipc  # noqa: E402
 from usmipc import memory  # noqa: E402  (after the version check)
 from usmipc import ipc  # noqa: E402
+from usmipc import distributed  # noqa: E402  (imports torch/mpi4py lazily)
 
 # dpctl's names for the same classes, so that a program written for dpctl
 # runs with its import lines changed (the seed's example does).
@@ -119,6 +120,7 @@ __all__ = [
     "__version__",
     "backends",
     "close_shared",
+    "distributed",
     "errorcode",
     "get_devices",
     "get_num_devices",

@@ -125,11 +125,6 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
   Py_DECREF(is_cpu);
   if (cpu < 0)
     return -1;
-  if (cpu) {
-    usmipc_kind_error("a CPU tensor: only device memory can be shared (move it "
-                    "to the GPU, or into usmipc memory)");
-    return -1;
-  }
   PyObject *dtype = PyObject_GetAttrString(obj, "dtype");
   if (dtype == NULL)
     return -1;
@@ -181,6 +176,22 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
       fill_int_tuple(stride, L->strides, &nd, "the tensor") == 0) {
     L->ptr = PyLong_AsVoidPtr(ptr);
     rc = PyErr_Occurred() ? -1 : 0;
+  }
+  /* A CPU tensor shares only over usmipc's own memory (a view of host:cpu
+   * device memory, as torch.distributed's gloo ranks use): torch's own
+   * CPU allocations are private to the process. */
+  int empty = 0;
+  for (int i = 0; rc == 0 && i < nd; i++)
+    empty |= L->shape[i] == 0;
+  usmipc_pointer_info_t info;
+  if (rc == 0 && cpu && !empty &&
+      (usmipc_pointer_query(L->ptr, &info) != 0 ||
+       info.kind != USMIPC_MEM_DEVICE)) {
+    usmipc_kind_error("a CPU tensor of torch's own memory: only device "
+                      "memory can be shared (move it to the GPU, or make it "
+                      "a view of usmipc memory: torch.from_dlpack("
+                      "MemoryUSMDevice(n, device='host:cpu')))");
+    rc = -1;
   }
   Py_XDECREF(shape);
   Py_XDECREF(stride);

@@ -1,0 +1,267 @@
+"""One rank of tests/python/test_distributed.py (not a test module itself).
+
+    python distributed_rank.py ENGINE SCENARIO OUTDIR
+
+ENGINE is 'torch' (gloo; RANK, WORLD_SIZE, USMIPC_TEST_INIT and
+USMIPC_TEST_PG_TIMEOUT in the environment) or 'mpi' (mpi4py under mpirun).
+Each rank checks what it sees itself (an AssertionError fails it) and writes
+what it saw to OUTDIR/rank<N>.json for the test to compare across ranks.
+Memory is usmipc host memory (host:cpu): a memfd every rank of the node maps.
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import usmipc
+import usmipc.distributed as ud
+from usmipc.memory import MemoryUSMDevice
+
+NBYTES = 4096
+WORDS = NBYTES // 8
+HOST = usmipc.Device("host:cpu")
+
+
+class Torch:
+    def __init__(self):
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist = torch, dist
+        timeout = float(os.environ.get("USMIPC_TEST_PG_TIMEOUT", "30"))
+        dist.init_process_group(
+            "gloo", init_method=os.environ["USMIPC_TEST_INIT"],
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=datetime.timedelta(seconds=timeout))
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def exchange(self, mem):
+        return ud.exchange(mem)
+
+    def barrier(self):
+        self.dist.barrier()
+
+    def allgather(self, obj):
+        out = [None] * self.size
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def own_buffer(self, mem):
+        # Odd ranks pass a torch tensor over the memory (int64 words), even
+        # ranks the usmipc memory itself: both kinds in one exchange.
+        if self.rank % 2:
+            return self.torch.from_dlpack(mem).view(self.torch.int64)
+        return mem
+
+    def finish(self):
+        self.dist.destroy_process_group()
+
+
+class MPI:
+    def __init__(self):
+        from mpi4py import MPI as mpi
+        self.comm = mpi.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+
+    def exchange(self, mem):
+        return ud.exchange_mpi(mem, self.comm)
+
+    def barrier(self):
+        self.comm.Barrier()
+
+    def allgather(self, obj):
+        return self.comm.allgather(obj)
+
+    def own_buffer(self, mem):
+        return mem
+
+    def finish(self):
+        pass
+
+
+def words(entry):
+    """int64 words of a rank's buffer as this rank sees it, without a copy:
+    usmipc memory, a torch CPU tensor or a SharedArray of host memory."""
+    if hasattr(entry, "numpy"):  # torch tensor
+        return entry.numpy()
+    return np.asarray(memoryview(entry)).view(np.int64)
+
+
+def fresh_memory(value):
+    mem = MemoryUSMDevice(NBYTES, device=HOST)
+    w = np.asarray(memoryview(mem)).view(np.int64)
+    w[:] = -1
+    w[0] = value
+    return mem, w
+
+
+def scenario_basic(eng, out):
+    me, n = eng.rank, eng.size
+    # A bad buffer on one rank fails the exchange on every rank, and the
+    # group is usable afterwards.
+    bad = np.zeros(16) if me == 1 else fresh_memory(me)[0]
+    try:
+        eng.exchange(bad)
+        raise AssertionError("an exchange with a bad buffer succeeded")
+    except ud.ExchangeError as e:
+        assert set(e.failures) == {1}, e.failures
+        assert "rank 1 could not share its memory" in str(e), str(e)
+        assert (e.__cause__ is not None) == (me == 1), e.__cause__
+        out["bad_input_error"] = str(e)
+
+    mem, mine = fresh_memory(me)
+    buf = eng.own_buffer(mem)
+    t0 = time.perf_counter()
+    ex = eng.exchange(buf)
+    out["exchange_s"] = time.perf_counter() - t0
+    assert len(ex) == n and ex.rank == me
+    assert ex.local_ranks == tuple(range(n)), ex.local_ranks
+    assert ex.reasons == {}, ex.reasons
+    assert ex[me] is buf
+    peers = {r: words(ex[r]) for r in range(n)}
+    # Every rank reads every other rank's value through the mapping.
+    seen = [int(peers[r][0]) for r in range(n)]
+    assert seen == list(range(n)), seen
+    out["kinds"] = [type(ex[r]).__name__ for r in range(n)]
+    eng.barrier()
+    # Every rank writes a new value; after a barrier its peers see it (a
+    # copy made at the exchange would still hold the old one).
+    mine[0] = 100 + me
+    # ... and writes into the next rank's buffer, which that rank reads in
+    # its own memory.
+    nxt = (me + 1) % n
+    peers[nxt][1 + me] = 1000 * me + nxt
+    eng.barrier()
+    seen = [int(peers[r][0]) for r in range(n)]
+    assert seen == [100 + r for r in range(n)], seen
+    prev = (me - 1) % n
+    assert int(mine[1 + prev]) == 1000 * prev + me, mine[:n + 1]
+    out["after_write"] = seen
+    del peers
+    ex.close()
+    assert ex.closed
+    try:
+        ex[0]
+        raise AssertionError("a closed exchange gave an entry")
+    except ValueError:
+        pass
+    ex.close()  # idempotent, and no second collective
+    # The context manager closes too.
+    with eng.exchange(buf) as ex2:
+        assert int(words(ex2[(me + 1) % n])[0]) == 100 + (me + 1) % n
+    assert ex2.closed
+
+
+def scenario_two_nodes(eng, out):
+    """Ranks listed in USMIPC_TEST_OTHER_NODE run under another boot id (a
+    bind mount in their own mount namespace): another node to usmipc."""
+    me, n = eng.rank, eng.size
+    other = {int(r) for r in os.environ["USMIPC_TEST_OTHER_NODE"].split(",")}
+    node = other if me in other else set(range(n)) - other
+    mem, mine = fresh_memory(me)
+    ex = eng.exchange(mem)
+    assert ex.local_ranks == tuple(sorted(node)), ex.local_ranks
+    assert set(ex.reasons) == set(range(n)) - node, ex.reasons
+    for r in range(n):
+        if r in node:
+            assert int(words(ex[r])[0]) == r
+        else:
+            assert ex[r] is None
+    out["reasons"] = {str(r): why for r, why in ex.reasons.items()}
+    # The library refuses a handle of the other node by itself, whatever
+    # asks it to open one.
+    bundle = usmipc.share(mem)
+    raws = eng.allgather(bundle.to_bytes())
+    refused = {}
+    for r in sorted(set(range(n)) - node):
+        try:
+            usmipc.open_shared(raws[r], device=HOST)
+            refused[str(r)] = None
+        except usmipc.Error as e:
+            refused[str(r)] = [e.name, str(e)]
+    out["library_refusals"] = refused
+    eng.barrier()
+    ex.close()
+
+
+def scenario_death_after(eng, out):
+    """The last rank dies (SIGKILL) after the exchange: the others keep its
+    memory mapped and readable, a new open of it fails cleanly, and close()
+    fails with the engine's error instead of hanging."""
+    me, n = eng.rank, eng.size
+    victim = n - 1
+    mem, mine = fresh_memory(me)
+    ex = eng.exchange(mem)
+    keep = usmipc.share(mem)  # bytes for a new open, valid while it lives
+    raws = eng.allgather(keep.to_bytes())
+    mine[0] = 500 + me
+    eng.barrier()
+    if me == victim:
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    dead = words(ex[victim])
+    deadline = time.monotonic() + 30
+    while True:  # until the library sees the exporter gone
+        try:
+            usmipc.close_shared(usmipc.open_shared(raws[victim], device=HOST))
+        except usmipc.Error as e:
+            out["reopen_error"] = [e.name, str(e)]
+            break
+        assert time.monotonic() < deadline, "the dead rank still exports"
+        time.sleep(0.05)
+    out["dead_rank_value"] = int(dead[0])
+    dead[1] = 7  # still mapped, still writable
+    assert int(dead[1]) == 7
+    del dead
+    t0 = time.perf_counter()
+    try:
+        ex.close()
+        out["close"] = "returned"
+    except ud.ExchangeError as e:
+        out["close"] = str(e)
+    out["close_s"] = time.perf_counter() - t0
+    assert ex.closed
+
+
+def scenario_death_during(eng, out):
+    """The last rank never joins the exchange (it hangs, alive, past the
+    group's timeout): the others fail with the engine's own timeout."""
+    me, n = eng.rank, eng.size
+    if me == n - 1:
+        time.sleep(float(os.environ["USMIPC_TEST_PG_TIMEOUT"]) + 10)
+        sys.stdout.flush()
+        os._exit(0)
+    mem, _ = fresh_memory(me)
+    t0 = time.perf_counter()
+    try:
+        eng.exchange(mem)
+        out["exchange"] = "returned"
+    except Exception as e:  # the engine's error, whatever its class
+        out["exchange"] = f"{type(e).__name__}: {e}"[:500]
+    out["failed_after_s"] = time.perf_counter() - t0
+
+
+def main():
+    engine, scenario, outdir = sys.argv[1:4]
+    t0 = time.perf_counter()
+    eng = Torch() if engine == "torch" else MPI()
+    out = {"rank": eng.rank, "size": eng.size, "pid": os.getpid(),
+           "boot_id": ud._boot_id(), "init_s": time.perf_counter() - t0}
+    globals()[f"scenario_{scenario}"](eng, out)
+    out["ok"] = True
+    with open(os.path.join(outdir, f"rank{eng.rank}.json"), "w") as f:
+        json.dump(out, f)
+    if scenario.startswith("death"):
+        # The group has a dead member: tearing it down may wait on it.
+        sys.stdout.flush()
+        os._exit(0)
+    eng.finish()
+
+
+if __name__ == "__main__":
+    main()

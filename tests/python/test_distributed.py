@@ -1,0 +1,249 @@
+"""usmipc.distributed on host memory, over the engines' own launchers:
+torch.distributed with gloo (4 processes) and mpi4py under mpirun (4
+ranks). Every rank reads every other rank's value through its mapping, then
+sees its peers' new values after a barrier (a copy would not); ranks that
+run under another boot id (a bind mount over
+/proc/sys/kernel/random/boot_id in their own mount and UTS namespaces, as
+root) are another node: None with a reason, and the library itself refuses
+their handles. A rank that dies after the exchange leaves its memory mapped
+and readable by the others, and one that never arrives fails the exchange
+with the engine's own timeout.
+
+The ranks are tests/python/distributed_rank.py. torch and mpi4py come from
+`make distributed-deps` (CI installs them): the tests skip without them,
+except under CI=true, where a missing one fails them."""
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import child_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RANK = os.path.join(HERE, "distributed_rank.py")
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+NRANKS = 4
+TIMEOUT = 240  # seconds for a whole group of ranks
+
+
+def need(module, what):
+    if importlib.util.find_spec(module) is None:
+        message = f"{module} is not installed ({what}: make distributed-deps)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message + "; CI must run these tests")
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def other_node(tmp_path_factory):
+    """A command prefix that runs a rank as if on another node: its own
+    mount namespace with another boot id bound over the kernel's, and its
+    own UTS namespace with another host name."""
+    path = tmp_path_factory.mktemp("node-b") / "boot_id"
+    fake = str(uuid.uuid4())
+    path.write_text(fake + "\n")
+    prefix = ["unshare", "--mount", "--uts", "--propagation", "private",
+              "sh", "-c",
+              f'mount --bind "$0" {BOOT_ID} && hostname node-b && exec "$@"',
+              str(path)]
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is missing (util-linux)")
+    probe = subprocess.run(prefix + ["cat", BOOT_ID], capture_output=True,
+                           text=True, timeout=30)
+    if probe.returncode != 0 or probe.stdout.strip() != fake:
+        pytest.skip("cannot bind another boot id in a mount namespace "
+                    f"(needs root): {probe.stderr.strip()}")
+    return prefix, fake
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def collect(procs, outdir, timeout=TIMEOUT):
+    """Waits for every rank (killing all past timeout); returns the exit
+    codes, each rank's output and the ranks' JSON reports by rank."""
+    deadline = time.monotonic() + timeout
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            out += b"\n[killed: the group ran past its timeout]"
+        outs.append(out.decode(errors="replace"))
+    reports = {}
+    for name in os.listdir(outdir):
+        if name.startswith("rank") and name.endswith(".json"):
+            with open(os.path.join(outdir, name)) as f:
+                report = json.load(f)
+            reports[report["rank"]] = report
+    return [p.returncode for p in procs], outs, reports
+
+
+def run_torch(tmp_path, scenario, n=NRANKS, prefix_for=None, pg_timeout=60):
+    need("torch", "torch.distributed with gloo")
+    env = child_env(USMIPC_TEST_INIT=f"tcp://127.0.0.1:{free_port()}",
+                    WORLD_SIZE=n, USMIPC_TEST_PG_TIMEOUT=pg_timeout,
+                    GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS=1)
+    procs = []
+    t0 = time.monotonic()
+    for r in range(n):
+        cmd = [sys.executable, RANK, "torch", scenario, str(tmp_path)]
+        if prefix_for is not None:
+            cmd = prefix_for(r) + cmd
+        procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(r)),
+                                      stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT))
+    codes, outs, reports = collect(procs, tmp_path)
+    print(f"torch/gloo {scenario}: {n} ranks in "
+          f"{time.monotonic() - t0:.1f} s")
+    return codes, outs, reports
+
+
+def mpirun():
+    need("mpi4py", "mpi4py under mpirun")
+    launcher = shutil.which("mpirun")
+    if launcher is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("mpirun is missing (apt-get install openmpi-bin); "
+                        "CI must run these tests")
+        pytest.skip("mpirun is missing (apt-get install openmpi-bin)")
+    return [launcher, "--allow-run-as-root", "--oversubscribe"]
+
+
+def run_mpi(tmp_path, scenario, apps, env=None):
+    """mpirun with one app context per (count, prefix) in apps."""
+    cmd = mpirun()
+    for i, (count, prefix) in enumerate(apps):
+        if i:
+            cmd.append(":")
+        cmd += ["-n", str(count), *prefix, sys.executable, RANK, "mpi",
+                scenario, str(tmp_path)]
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, env=child_env(OMP_NUM_THREADS=1, **(env or {})),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    codes, outs, reports = collect([p], tmp_path)
+    print(f"mpirun {scenario}: {sum(c for c, _ in apps)} ranks in "
+          f"{time.monotonic() - t0:.1f} s")
+    return codes[0], outs[0], reports
+
+
+def check_basic(reports, n):
+    assert sorted(reports) == list(range(n))
+    for r, rep in reports.items():
+        assert rep["ok"] and rep["size"] == n
+        assert rep["after_write"] == [100 + k for k in range(n)]
+        assert "rank 1 could not share its memory" in rep["bad_input_error"]
+        # its own memory for itself, a mapping of every peer
+        assert rep["kinds"][r] != "SharedArray"
+        assert all(kind == "SharedArray" for k, kind in
+                   enumerate(rep["kinds"]) if k != r)
+
+
+def check_two_nodes(reports, n, other, fake, reason_words):
+    assert sorted(reports) == list(range(n))
+    for r, rep in reports.items():
+        mine = other if r in other else set(range(n)) - other
+        assert (rep["boot_id"] == fake) == (r in other)
+        assert {int(k) for k in rep["reasons"]} == set(range(n)) - mine
+        for k, why in rep["reasons"].items():
+            assert f"rank {k} " in why and reason_words in why, why
+            assert reports[int(k)]["boot_id"] in why, why
+        for k, refusal in rep["library_refusals"].items():
+            assert refusal is not None, f"rank {r} opened rank {k}'s memory"
+            assert refusal[0] == "USMIPC_EOTHERHOST", refusal
+            assert "boot id differs" in refusal[1] or "another machine" in \
+                refusal[1], refusal
+
+
+# ---- torch.distributed (gloo) ----------------------------------------------
+
+
+def test_torch_gloo_four_ranks(tmp_path):
+    codes, outs, reports = run_torch(tmp_path, "basic")
+    assert codes == [0] * NRANKS, "\n".join(outs)
+    check_basic(reports, NRANKS)
+    # odd ranks passed torch tensors: their own entry is the tensor
+    assert reports[1]["kinds"][1] == "Tensor"
+    assert reports[0]["kinds"][0] == "MemoryUSMDevice"
+
+
+def test_torch_gloo_two_nodes(tmp_path, other_node):
+    prefix, fake = other_node
+    other = {2, 3}
+    env_other = ",".join(map(str, sorted(other)))
+    os.environ["USMIPC_TEST_OTHER_NODE"] = env_other
+    try:
+        codes, outs, reports = run_torch(
+            tmp_path, "two_nodes",
+            prefix_for=lambda r: prefix if r in other else [])
+    finally:
+        del os.environ["USMIPC_TEST_OTHER_NODE"]
+    assert codes == [0] * NRANKS, "\n".join(outs)
+    check_two_nodes(reports, NRANKS, other, fake, "runs on another node")
+    assert "host 'node-b'" in reports[0]["reasons"]["2"]
+
+
+def test_torch_rank_killed_after_exchange(tmp_path):
+    n = 3
+    codes, outs, reports = run_torch(tmp_path, "death_after", n=n,
+                                     pg_timeout=20)
+    assert codes[:-1] == [0] * (n - 1), "\n".join(outs)
+    assert codes[-1] == -9, "\n".join(outs)
+    for r in range(n - 1):
+        rep = reports[r]
+        # its memory stays mapped and holds what it last wrote
+        assert rep["dead_rank_value"] == 500 + n - 1
+        # a new open of it fails cleanly
+        assert rep["reopen_error"][0] == "USMIPC_EEXPORTERGONE", rep
+        # the collective close reports the engine's failure, not a hang
+        assert rep["close"].startswith(f"rank {r}: close() could not wait"), \
+            rep["close"]
+        assert rep["close_s"] < 60
+
+
+def test_torch_rank_missing_from_exchange(tmp_path):
+    n, timeout = 3, 5
+    codes, outs, reports = run_torch(tmp_path, "death_during", n=n,
+                                     pg_timeout=timeout)
+    assert codes == [0] * n, "\n".join(outs)
+    for r in range(n - 1):
+        rep = reports[r]
+        assert rep["exchange"] != "returned", rep
+        assert "timed out" in rep["exchange"].lower(), rep["exchange"]
+        assert timeout - 1 < rep["failed_after_s"] < timeout + 30, rep
+
+
+# ---- mpi4py under mpirun -----------------------------------------------------
+
+
+def test_mpi_four_ranks(tmp_path):
+    code, out, reports = run_mpi(tmp_path, "basic", [(NRANKS, [])])
+    assert code == 0, out
+    check_basic(reports, NRANKS)
+
+
+def test_mpi_ranks_of_another_kernel(tmp_path, other_node):
+    """mpirun starts every rank on this host, so MPI's COMM_TYPE_SHARED puts
+    all four on one node; ranks 2 and 3 run under another boot id, which
+    the library refuses: the exchange narrows MPI's node to this kernel's
+    ranks and says why."""
+    prefix, fake = other_node
+    code, out, reports = run_mpi(
+        tmp_path, "two_nodes", [(2, []), (2, prefix)],
+        env={"USMIPC_TEST_OTHER_NODE": "2,3"})
+    assert code == 0, out
+    check_two_nodes(reports, NRANKS, {2, 3}, fake,
+                    "MPI puts rank")
