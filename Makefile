@@ -23,7 +23,7 @@ PY := $(VENV)/bin/python
 PY_SETUP := $(VENV)/bin/python
 endif
 
-.PHONY: all build demo test test-c test-python test-asan test-tsan fuzz fuzz-build fuzz-ci bench python docs \
+.PHONY: all build demo test test-c test-python test-asan test-tsan fuzz fuzz-build fuzz-ci bench python distributed-deps docs \
         wheel test-wheel sdist test-sdist clean
 
 all: build
@@ -43,6 +43,14 @@ $(VENV)/bin/python:
 # Builds the wheel's extension and installs the package into $(PY).
 python: $(PY_SETUP)
 	$(PY) -m pip install -q --no-build-isolation --no-index --no-deps .
+
+# What tests/python/test_distributed.py runs on: torch (PyPI's wheel, used
+# on the CPU with gloo; about 3.5 GB with the CUDA libraries it pulls in) and
+# mpi4py built from source against the system's Open MPI (apt-get install
+# openmpi-bin libopenmpi-dev). Without them those tests skip (fail under CI).
+distributed-deps: $(PY_SETUP)
+	$(PY) -m pip install -q torch
+	$(PY) -m pip install -q --no-binary mpi4py mpi4py
 
 # The main job: the seed's example across two processes on DEVICE (default:
 # the first GPU, else the host).

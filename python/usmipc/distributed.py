@@ -387,8 +387,9 @@ class _MPIEngine:
             if r not in on_node:
                 apart[r] = (
                     f"rank {r} is on another node by MPI's "
-                    f"COMM_TYPE_SHARED split (host {rec['host']!r}; this "
-                    f"rank: host {mine['host']!r})")
+                    f"COMM_TYPE_SHARED split (host {rec['host']!r}, boot id "
+                    f"{rec['boot'] or 'unknown'}; this rank: host "
+                    f"{mine['host']!r}, boot id {mine['boot'] or 'unknown'})")
             elif rec["boot"] != mine["boot"]:
                 apart[r] = (
                     f"MPI puts rank {r} (host {rec['host']!r}) on this node "

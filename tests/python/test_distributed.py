@@ -63,6 +63,20 @@ def other_node(tmp_path_factory):
     return prefix, fake
 
 
+@pytest.fixture(scope="module")
+def fake_rsh(other_node, tmp_path_factory):
+    """An rsh for mpirun that reaches host 'node-b' by starting its command
+    (Open MPI's daemon, orted) here, under other_node's namespaces: mpirun
+    then runs a second daemon on what it takes for a second node."""
+    prefix, fake = other_node
+    path = tmp_path_factory.mktemp("rsh") / "fake_rsh"
+    # rsh's arguments: the host, then the remote command line as words.
+    path.write_text("#!/bin/sh\nshift\nexec " +
+                    " ".join(f"'{w}'" for w in prefix) + ' sh -c "$*"\n')
+    path.chmod(0o755)
+    return str(path), fake
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -123,9 +137,9 @@ def mpirun():
     return [launcher, "--allow-run-as-root", "--oversubscribe"]
 
 
-def run_mpi(tmp_path, scenario, apps, env=None):
+def run_mpi(tmp_path, scenario, apps, env=None, options=()):
     """mpirun with one app context per (count, prefix) in apps."""
-    cmd = mpirun()
+    cmd = mpirun() + list(options)
     for i, (count, prefix) in enumerate(apps):
         if i:
             cmd.append(":")
@@ -247,3 +261,21 @@ def test_mpi_ranks_of_another_kernel(tmp_path, other_node):
     assert code == 0, out
     check_two_nodes(reports, NRANKS, {2, 3}, fake,
                     "MPI puts rank")
+
+
+def test_mpi_two_nodes(tmp_path, fake_rsh):
+    """Two nodes as MPI itself sees them: mpirun starts ranks 2 and 3
+    through its rsh launcher on host 'node-b' (a daemon in other mount and
+    UTS namespaces, with another boot id), so COMM_TYPE_SHARED splits the
+    job in two."""
+    rsh, fake = fake_rsh
+    here = socket.gethostname()
+    code, out, reports = run_mpi(
+        tmp_path, "two_nodes", [(NRANKS, [])],
+        options=["--mca", "plm_rsh_agent", rsh,
+                 "--host", f"{here}:2,node-b:2",
+                 "-x", "USMIPC_TEST_OTHER_NODE=2,3"])
+    assert code == 0, out
+    check_two_nodes(reports, NRANKS, {2, 3}, fake,
+                    "is on another node by MPI's COMM_TYPE_SHARED split")
+    assert "host 'node-b'" in reports[0]["reasons"]["3"]
