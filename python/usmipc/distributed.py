@@ -32,6 +32,7 @@ import socket
 import threading
 import warnings
 from collections.abc import Sequence
+from typing import Any, Optional, Union, overload
 
 import usmipc
 
@@ -44,11 +45,13 @@ BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 # out), cannot know that its peers stopped mapping the memory, so it keeps
 # the memory until the process exits. (fd memory would survive its free in
 # the importers; native CUDA memory is undefined there, cuda.h.)
-_kept = []
+_kept: list[tuple[Any, Any]] = []
 _kept_lock = threading.Lock()
 
+DeviceLike = Union["usmipc.Device", str, None]
 
-def _keep_forever(bundle, mem):
+
+def _keep_forever(bundle: Any, mem: Any) -> None:
     with _kept_lock:
         _kept.append((bundle, mem))
 
@@ -62,12 +65,13 @@ class ExchangeError(usmipc.Error):
     ``__cause__``.
     """
 
-    def __init__(self, message, failures=None):
+    def __init__(self, message: str,
+                 failures: Optional[dict[int, str]] = None) -> None:
         super().__init__(message)
         self.failures = dict(failures or {})
 
 
-def _boot_id():
+def _boot_id() -> str:
     """This kernel's boot id: the identity usmipc's handles carry (a handle
     of another boot id is refused with USMIPC_EOTHERHOST), or '' where
     /proc does not say."""
@@ -82,7 +86,7 @@ def _boot_id():
 _DL_CPU, _DL_CUDA, _DL_CUDA_MANAGED, _DL_ONEAPI = 1, 2, 13, 14
 
 
-def _target_device(mem, device):
+def _target_device(mem: Any, device: DeviceLike) -> "usmipc.Device":
     """The device this rank maps its peers' memory on: device= if given,
     else the device of its own memory."""
     if device is not None:
@@ -109,7 +113,7 @@ def _target_device(mem, device):
         "is not memory usmipc shares; pass usmipc memory or a GPU array")
 
 
-class Exchange(Sequence):
+class Exchange(Sequence[Any]):
     """The buffers of every rank of a group, as this rank sees them.
 
     ``ex[r]`` is rank r's buffer: this rank's own memory for ``ex.rank``, a
@@ -127,7 +131,9 @@ class Exchange(Sequence):
     it dies: drop them before closing.
     """
 
-    def __init__(self, engine, entries, reasons, local_ranks, bundle, mem):
+    def __init__(self, engine: "_Engine", entries: list[Any],
+                 reasons: dict[int, str], local_ranks: tuple[int, ...],
+                 bundle: Any, mem: Any) -> None:
         self._engine = engine
         self._entries = entries
         self._bundle = bundle
@@ -137,20 +143,26 @@ class Exchange(Sequence):
         self.reasons = reasons
         self.local_ranks = local_ranks
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._entries)
 
-    def __getitem__(self, rank):
+    @overload
+    def __getitem__(self, rank: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, rank: slice) -> list[Any]: ...
+
+    def __getitem__(self, rank: Union[int, slice]) -> Any:
         if self._closed:
             raise ValueError("the exchange is closed")
         return self._entries[rank]
 
     @property
-    def closed(self):
+    def closed(self) -> bool:
         """True once close() has run on this rank."""
         return self._closed
 
-    def close(self):
+    def close(self) -> None:
         """Closes every mapping of this exchange on this rank, waits for
         every rank of the group to do the same (collective: each rank calls
         it), then releases this rank's own memory. Idempotent. If the wait
@@ -177,13 +189,13 @@ class Exchange(Sequence):
                 "kept until the process exits, since a peer may still map "
                 "it", {self.rank: str(exc)}) from exc
 
-    def __enter__(self):
+    def __enter__(self) -> "Exchange":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self):
+    def __del__(self) -> None:
         if getattr(self, "_closed", True):
             return
         # No collective is possible here: unmap (the mappings would close
@@ -196,14 +208,15 @@ class Exchange(Sequence):
             "still map it; call close() on every rank (or use 'with')",
             ResourceWarning, stacklevel=2)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "closed" if self._closed else \
             f"{len(self.local_ranks)} on this node"
         return (f"<usmipc.distributed.Exchange rank {self.rank} of "
                 f"{len(self._entries)}, {state}>")
 
 
-def _run(engine, mem, device, ordered):
+def _run(engine: "_Engine", mem: Any, device: DeviceLike,
+         ordered: Optional[bool]) -> Exchange:
     """The exchange itself, over any engine (rank, size, name, allgather,
     barrier, and local(records) -> {rank: reason or None})."""
     me = engine.rank
@@ -229,6 +242,7 @@ def _run(engine, mem, device, ordered):
     if failures:  # nothing is mapped yet: every rank raises
         raise ExchangeError(_summary(failures), failures) from failure
 
+    assert target is not None  # no failure: _target_device returned
     apart = engine.apart(records)
     local = tuple(r for r in range(engine.size) if r not in apart)
     entries = [None] * engine.size
@@ -264,13 +278,13 @@ def _run(engine, mem, device, ordered):
     return Exchange(engine, entries, apart, local, bundle, mem)
 
 
-def _close_mapped(entries, me):
+def _close_mapped(entries: list[Any], me: int) -> None:
     for r, entry in enumerate(entries):
         if r != me and entry is not None:
             entry.close()
 
 
-def _summary(failures):
+def _summary(failures: dict[int, str]) -> str:
     first = failures[min(failures)]
     more = len(failures) - 1
     return (f"usmipc.distributed: the exchange failed on {len(failures)} "
@@ -278,7 +292,8 @@ def _summary(failures):
                                    if more else ""))
 
 
-def _apart_by_boot_id(records, me):
+def _apart_by_boot_id(records: list[dict[str, Any]],
+                      me: int) -> dict[int, str]:
     """Ranks on another node than rank me, judged by boot id (the running
     kernel: what the library itself checks), with their reasons."""
     mine = records[me]
@@ -295,10 +310,28 @@ def _apart_by_boot_id(records, me):
     return apart
 
 
-class _TorchEngine:
+class _Engine:
+    """What an exchange needs of a distributed engine."""
+    name: str
+    rank: int
+    size: int
+
+    def allgather(self, obj: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def apart(self, records: list[dict[str, Any]]) -> dict[int, str]:
+        """The ranks on another node than this one, with the reasons
+        (collective: every rank calls it with the same records)."""
+        raise NotImplementedError
+
+
+class _TorchEngine(_Engine):
     name = "torch.distributed"
 
-    def __init__(self, group):
+    def __init__(self, group: Any) -> None:
         try:
             import torch.distributed as dist
         except ImportError as exc:
@@ -320,25 +353,25 @@ class _TorchEngine:
                 "of the group it was given")
         self.size = dist.get_world_size(group)
 
-    def allgather(self, obj):
-        out = [None] * self.size
+    def allgather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
         self._dist.all_gather_object(out, obj, group=self._group)
         return out
 
-    def barrier(self):
+    def barrier(self) -> None:
         # An object gather rather than dist.barrier(): it moves through the
         # same path as the exchange (NCCL: the current CUDA device), where
         # barrier() guesses a device when none was bound.
         self.allgather(None)
 
-    def apart(self, records):
+    def apart(self, records: list[dict[str, Any]]) -> dict[int, str]:
         return _apart_by_boot_id(records, self.rank)
 
 
-class _MPIEngine:
+class _MPIEngine(_Engine):
     name = "MPI"
 
-    def __init__(self, comm):
+    def __init__(self, comm: Any) -> None:
         try:
             from mpi4py import MPI
         except ImportError as exc:
@@ -364,13 +397,13 @@ class _MPIEngine:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
 
-    def allgather(self, obj):
-        return self._comm.allgather(obj)
+    def allgather(self, obj: Any) -> list[Any]:
+        return list(self._comm.allgather(obj))
 
-    def barrier(self):
+    def barrier(self) -> None:
         self._comm.Barrier()
 
-    def apart(self, records):
+    def apart(self, records: list[dict[str, Any]]) -> dict[int, str]:
         # MPI decides the node (the shared-memory split); the boot id must
         # agree too, since the library refuses handles of another kernel
         # (a container or VM that MPI takes for this node, or a simulated
@@ -400,7 +433,8 @@ class _MPIEngine:
         return apart
 
 
-def exchange(mem, group=None, *, device=None, ordered=None):
+def exchange(mem: Any, group: Any = None, *, device: DeviceLike = None,
+             ordered: Optional[bool] = None) -> Exchange:
     """Maps the buffers of the other ranks of a torch.distributed group
     that share this rank's node. Collective: every rank of ``group``
     (default: the whole job) calls it with its own memory.
@@ -425,7 +459,8 @@ def exchange(mem, group=None, *, device=None, ordered=None):
     return _run(_TorchEngine(group), mem, device, ordered)
 
 
-def exchange_mpi(mem, comm=None, *, device=None, ordered=None):
+def exchange_mpi(mem: Any, comm: Any = None, *, device: DeviceLike = None,
+                 ordered: Optional[bool] = None) -> Exchange:
     """``exchange()`` over an mpi4py communicator (default
     ``MPI.COMM_WORLD``): collective over ``comm``. The node is MPI's
     (``comm.Split_type(MPI.COMM_TYPE_SHARED)``), narrowed to the ranks of

@@ -58,6 +58,15 @@ class Torch:
             return self.torch.from_dlpack(mem).view(self.torch.int64)
         return mem
 
+    def bad_arguments(self, mem):
+        sub = self.dist.new_group([0])  # collective; only rank 0 is in it
+        if self.rank != 0:
+            try:
+                ud.exchange(mem, sub)
+                raise AssertionError("exchange() in a group without this rank")
+            except ValueError as e:
+                assert "not a member" in str(e), str(e)
+
     def finish(self):
         self.dist.destroy_process_group()
 
@@ -79,6 +88,17 @@ class MPI:
 
     def own_buffer(self, mem):
         return mem
+
+    def bad_arguments(self, mem):
+        from mpi4py import MPI as mpi
+        for comm, error, words in ((
+                "COMM_WORLD", TypeError, "must be an mpi4py communicator"),
+                (mpi.COMM_NULL, ValueError, "COMM_NULL")):
+            try:
+                ud.exchange_mpi(mem, comm)
+                raise AssertionError(f"exchange_mpi took {comm!r}")
+            except error as e:
+                assert words in str(e), str(e)
 
     def finish(self):
         pass
@@ -115,6 +135,7 @@ def scenario_basic(eng, out):
         out["bad_input_error"] = str(e)
 
     mem, mine = fresh_memory(me)
+    eng.bad_arguments(mem)
     buf = eng.own_buffer(mem)
     t0 = time.perf_counter()
     ex = eng.exchange(buf)

@@ -249,3 +249,21 @@ def test_open_shared_to_torch_on_host():
     assert a[5] == -1
     with pytest.raises(ValueError, match="'torch'"):
         usmipc.open_shared(bundle.to_bytes(), to="jax")
+
+
+def test_cpu_tensor_of_usmipc_memory_shares():
+    """A CPU tensor viewing usmipc host memory (what gloo ranks hand to
+    usmipc.distributed.exchange) shares like the memory; a CPU tensor of
+    torch's own allocator does not, and the error says what to do."""
+    torch = pytest.importorskip("torch")
+    mem = MemoryUSMDevice(4096, device=usmipc.Device(HOST))
+    t = torch.from_dlpack(mem).view(torch.int32)[4:20].view(4, 4)
+    t.copy_(torch.arange(16, dtype=torch.int32).view(4, 4))
+    bundle = usmipc.share({"t": t, "e": torch.empty(0)})
+    tree = usmipc.open_shared(bundle.to_bytes(), to="torch")
+    assert tree["t"].shape == (4, 4) and tree["t"].dtype == torch.int32
+    assert tree["t"].tolist() == t.tolist()
+    tree["t"][3, 3] = -7  # the same memory, not a copy
+    assert t[3, 3].item() == -7
+    with pytest.raises(TypeError, match="torch's own memory.*host:cpu"):
+        usmipc.share(torch.zeros(16))

@@ -185,6 +185,15 @@ def check_two_nodes(reports, n, other, fake, reason_words):
 # ---- torch.distributed (gloo) ----------------------------------------------
 
 
+def test_torch_not_initialized():
+    need("torch", "torch.distributed")
+    import usmipc.distributed
+    from usmipc.memory import MemoryUSMDevice
+    mem = MemoryUSMDevice(64, device="host:cpu")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        usmipc.distributed.exchange(mem)
+
+
 def test_torch_gloo_four_ranks(tmp_path):
     codes, outs, reports = run_torch(tmp_path, "basic")
     assert codes == [0] * NRANKS, "\n".join(outs)

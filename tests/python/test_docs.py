@@ -4,13 +4,15 @@ under CPython 3.11 while it was a PyCMethod)."""
 import inspect
 
 import usmipc
+import usmipc.distributed
 import usmipc.ipc
 import usmipc.memory
 
 
 def public_callables():
     for modname, mod in (("usmipc", usmipc), ("usmipc.memory", usmipc.memory),
-                         ("usmipc.ipc", usmipc.ipc)):
+                         ("usmipc.ipc", usmipc.ipc),
+                         ("usmipc.distributed", usmipc.distributed)):
         for name in getattr(mod, "__all__", []):
             obj = getattr(mod, name)
             if inspect.isclass(obj):
