@@ -254,7 +254,7 @@ def scenario_death_during(eng, out):
     group's timeout): the others fail with the engine's own timeout."""
     me, n = eng.rank, eng.size
     if me == n - 1:
-        time.sleep(float(os.environ["USMIPC_TEST_PG_TIMEOUT"]) + 10)
+        time.sleep(float(os.environ["USMIPC_TEST_PG_TIMEOUT"]) + 5)
         sys.stdout.flush()
         os._exit(0)
     mem, _ = fresh_memory(me)

@@ -156,6 +156,9 @@ def run_mpi(tmp_path, scenario, apps, env=None, options=()):
 
 def check_basic(reports, n):
     assert sorted(reports) == list(range(n))
+    print(f"exchange of {n} ranks: "
+          f"{max(r['exchange_s'] for r in reports.values()) * 1e3:.1f} ms "
+          "(slowest rank)")
     for r, rep in reports.items():
         assert rep["ok"] and rep["size"] == n
         assert rep["after_write"] == [100 + k for k in range(n)]

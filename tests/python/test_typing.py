@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("mypy")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The README's snippets are fragments: what they take from the reader's
-# program (a tensor, a stream, torch itself, which CI does not install) is
+# program (a tensor, a stream, torch itself, which they do not import) is
 # declared first, as Any.
 CONTEXT = """\
 from typing import Any
