@@ -217,8 +217,8 @@ class Exchange(Sequence[Any]):
 
 def _run(engine: "_Engine", mem: Any, device: DeviceLike,
          ordered: Optional[bool]) -> Exchange:
-    """The exchange itself, over any engine (rank, size, name, allgather,
-    barrier, and local(records) -> {rank: reason or None})."""
+    """The exchange itself, over any engine (_Engine: rank, size, name,
+    allgather, barrier, apart)."""
     me = engine.rank
     bundle = raw = target = failure = None
     try:

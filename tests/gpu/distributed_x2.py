@@ -13,9 +13,11 @@ USMIPC_CUDA_IPC picks: fd or native), exchanges it, and:
 
   1. reads the peer's pattern through the mapping, writes into the peer's
      buffer and sees the peer's write into its own after a barrier;
-  2. copies the peer's buffer into a local one (one rank at a time) and
-     compares the bandwidth with an in-process peer copy between the same
-     GPUs (the baseline; goal >= 0.97x);
+  2. copies the peer's buffer into a local one and back (one rank at a
+     time, on its own stream: a pull and a push through the mapping) and
+     compares the bandwidths with in-process copies between the same GPUs
+     made the same way (the baseline: cudaMemcpyAsync on the reading or
+     writing GPU's stream, with CuPy; goal >= 0.97x);
   3. runs the all-reduce of examples/distributed_allreduce.py on the
      mappings (the sum of two 256 MiB buffers, each rank reducing its half
      from both) and checks it against torch.distributed.all_reduce (NCCL),
@@ -79,7 +81,29 @@ def bandwidth(torch, dst, src, iters=ITERS):
         (start.elapsed_time(stop) * 1e-3) / 1e9
 
 
+def cupy_copy_gbps(cupy, stream_gpu, dst, src, nbytes, iters=ITERS):
+    """GB/s of cudaMemcpyAsync(dst, src) issued on a stream of stream_gpu
+    (pointers of either GPU: unified addressing and peer access), so that
+    stream_gpu's copy engine does the work, as for a mapping."""
+    rt = cupy.cuda.runtime
+    with cupy.cuda.Device(stream_gpu):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        for _ in range(3):
+            rt.memcpyAsync(dst, src, nbytes, rt.memcpyDefault, stream.ptr)
+        start.record(stream)
+        for _ in range(iters):
+            rt.memcpyAsync(dst, src, nbytes, rt.memcpyDefault, stream.ptr)
+        stop.record(stream)
+        stop.synchronize()
+        ms = cupy.cuda.get_elapsed_time(start, stop)
+    return iters * nbytes / (ms * 1e-3) / 1e9
+
+
 def baseline(args):
+    """In-process copies between the GPUs this process sees: a pull (the
+    reading GPU's stream copies from the other GPU into its own memory, as
+    a rank copying out of its mapping does) and a push, each way."""
     import torch
     n = MIB << 20
     out = {"what": "baseline", "gpus": torch.cuda.device_count(),
@@ -90,10 +114,31 @@ def baseline(args):
     if torch.cuda.device_count() >= 2:
         c = torch.empty(n, dtype=torch.uint8, device="cuda:1")
         out["peer_access"] = torch.cuda.can_device_access_peer(0, 1)
-        with torch.cuda.device(0):  # GPU 0 pulls from GPU 1 ...
-            out["peer_gbps_0_from_1"] = bandwidth(torch, a, c)
-        with torch.cuda.device(1):  # ... and GPU 1 from GPU 0
-            out["peer_gbps_1_from_0"] = bandwidth(torch, c, a)
+        try:
+            import cupy
+            for d in (0, 1):
+                with cupy.cuda.Device(d):
+                    try:
+                        cupy.cuda.runtime.deviceEnablePeerAccess(1 - d)
+                    except cupy.cuda.runtime.CUDARuntimeError:
+                        pass  # already enabled
+            mem = {0: a.data_ptr(), 1: c.data_ptr()}
+            for d in (0, 1):
+                out[f"pull_gbps_{d}"] = cupy_copy_gbps(
+                    cupy, d, mem[d], mem[1 - d], n)
+                out[f"push_gbps_{d}"] = cupy_copy_gbps(
+                    cupy, d, mem[1 - d], mem[d], n)
+            out["baseline_by"] = "cudaMemcpyAsync on the reading GPU's stream"
+        except ImportError:
+            # torch runs a cross-device copy_ on the source GPU's stream:
+            # a push by the other GPU, the best stand-in without CuPy.
+            with torch.cuda.device(0):
+                out["pull_gbps_0"] = bandwidth(torch, a, c)
+            with torch.cuda.device(1):
+                out["pull_gbps_1"] = bandwidth(torch, c, a)
+            out["push_gbps_0"] = out["pull_gbps_1"]
+            out["push_gbps_1"] = out["pull_gbps_0"]
+            out["baseline_by"] = "torch copy_ (source GPU's stream)"
     print(json.dumps(out))
     with open(args.json, "a") as f:
         f.write(json.dumps(out) + "\n")
@@ -200,13 +245,15 @@ def rank(args):
     mine.copy_(pattern * (me + 1))
     barrier()
 
-    # 2. bandwidth of a copy out of the peer's buffer, one rank at a time
+    # 2. copies out of (pull) and into (push) the peer's buffer through the
+    # mapping, on this rank's stream, one rank at a time
     local = torch.empty_like(mine)
     for turn in range(n):
         barrier()
         if turn == me:
-            out["mapped_copy_gbps"] = bandwidth(torch, local, theirs)
+            out["mapped_pull_gbps"] = bandwidth(torch, local, theirs)
             checks["copy_matches"] = bool(torch.equal(local, theirs))
+            out["mapped_push_gbps"] = bandwidth(torch, theirs, local)
     barrier()
     del local
 

@@ -78,19 +78,22 @@ rows = [json.loads(line) for line in open(sys.argv[1])]
 base = next((r for r in rows if r["what"] == "baseline"), {})
 print("baseline:", {k: (round(v, 1) if isinstance(v, float) else v)
                     for k, v in base.items() if k != "what"})
-print(f"{'engine':6} {'kind':6} {'visible':8} rk {'ordered':8} {'copy GB/s':>9} "
-      f"{'x base':>6} {'ar ms':>7} {'nccl ms':>7} ok")
+print(f"{'engine':6} {'kind':6} {'visible':8} rk {'ordered':8} {'pull GB/s':>9} "
+      f"{'x base':>6} {'push GB/s':>9} {'x base':>6} {'ar ms':>7} {'nccl ms':>7} ok")
+nan = float("nan")
 for r in rows:
     if r["what"] != "rank":
         continue
     if r["visible"] == "same":
-        ref = base.get("same_gpu_gbps")
+        pull_ref = push_ref = base.get("same_gpu_gbps")
     else:
-        ref = base.get(f"peer_gbps_{r['rank']}_from_{1 - r['rank']}")
-    ratio = r["mapped_copy_gbps"] / ref if ref else float("nan")
+        pull_ref = base.get(f"pull_gbps_{r['rank']}")
+        push_ref = base.get(f"push_gbps_{r['rank']}")
+    pull, push = r["mapped_pull_gbps"], r["mapped_push_gbps"]
     ordered = "ok" if r["ordered_exchange"] == "ok" else "FAILED"
     print(f"{r['engine']:6} {r['cuda_ipc']:6} {r['visible']:8} {r['rank']:2} "
-          f"{ordered:8} {r['mapped_copy_gbps']:9.1f} {ratio:6.3f} "
+          f"{ordered:8} {pull:9.1f} {pull / pull_ref if pull_ref else nan:6.3f} "
+          f"{push:9.1f} {push / push_ref if push_ref else nan:6.3f} "
           f"{r['allreduce_ms']:7.3f} {r['nccl_allreduce_ms']:7.3f} "
           f"{'yes' if r['ok'] else 'NO ' + str(r['checks'])}")
     if ordered != "ok":
