@@ -1,10 +1,10 @@
 """usmipc.distributed on GPUs: one rank of a 2-rank job, its launcher, and
-the in-process baseline. tests/gpu/distributed_x2.sh runs every variant.
+the in-process baseline. tests/gpu/distributed.sh runs every variant.
 
-    python3 tests/gpu/distributed_x2.py baseline --json F     (sees both GPUs)
-    python3 tests/gpu/distributed_x2.py launch --visible all|per-rank|same
+    python3 tests/gpu/distributed.py baseline --json F     (sees both GPUs)
+    python3 tests/gpu/distributed.py launch --visible all|per-rank|same
         [--engine torch|mpi] --json F                          (starts 2 ranks)
-    mpirun -n 2 ... python3 tests/gpu/distributed_x2.py rank --engine mpi ...
+    mpirun -n 2 ... python3 tests/gpu/distributed.py rank --engine mpi ...
 
 Each rank (torch.distributed with NCCL for the engine's own traffic; with
 --engine mpi, mpi4py moves the handles and NCCL only runs the reference

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # usmipc.distributed on GPUs (issue 13), for the device machine:
 #
-#   OUT=/tmp/out bash tests/gpu/distributed_x2.sh          # nvidia-h200-x2
-#   OUT=/tmp/out bash tests/gpu/distributed_x2.sh one-gpu  # nvidia-h200
+#   OUT=/tmp/out bash tests/gpu/distributed.sh          # nvidia-h200-x2
+#   OUT=/tmp/out bash tests/gpu/distributed.sh one-gpu  # nvidia-h200
 #
 # Two ranks of torch.distributed (NCCL for the engine's own traffic), and of
 # mpi4py under mpirun where the machine has both, for fd and native CUDA
@@ -14,8 +14,9 @@
 # runs examples/distributed_allreduce.py's all-reduce on 2 x 256 MiB against
 # torch.distributed.all_reduce. Results: $OUT/distributed.jsonl (one line
 # per rank and run, plus the baseline), $OUT/distributed.log, and a table at
-# the end. Needs python3 with torch (the device image has it); builds and
-# installs usmipc itself.
+# the end. Needs python3 with torch (the device image has it; CuPy for the
+# in-process baseline, else torch's copy); installs usmipc itself unless
+# SKIP_BUILD=1. About 2 minutes with one GPU, 4 with two.
 set -u
 OUT=${OUT:-/tmp/usmipc-gpu}
 mkdir -p "$OUT"
@@ -32,7 +33,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 nvidia-smi --query-gpu=index,name,driver_version,uuid --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -4
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
-python3 -m pip install -q --no-build-isolation --no-index --no-deps . 2>&1 | tail -2
+# SKIP_BUILD=1: usmipc is installed already (tests/gpu/issue12.sh does it).
+[ -n "${SKIP_BUILD:-}" ] || python3 -m pip install -q --no-build-isolation --no-index --no-deps . 2>&1 | tail -2
 python3 -m usmipc | head -8
 
 run() { # run NAME COMMAND...
@@ -45,10 +47,10 @@ run() { # run NAME COMMAND...
 
 if [ "$mode" = one-gpu ]; then
   visibilities="same"
-  run baseline env CUDA_VISIBLE_DEVICES=0 python3 "$here/distributed_x2.py" baseline --json "$JSON"
+  run baseline env CUDA_VISIBLE_DEVICES=0 python3 "$here/distributed.py" baseline --json "$JSON"
 else
   visibilities="all per-rank"
-  run baseline python3 "$here/distributed_x2.py" baseline --json "$JSON"
+  run baseline python3 "$here/distributed.py" baseline --json "$JSON"
 fi
 
 have_mpi=0
@@ -61,12 +63,12 @@ fi
 for kind in fd native; do
   for visible in $visibilities; do
     run "torch-$kind-$visible" env USMIPC_CUDA_IPC=$kind \
-      python3 "$here/distributed_x2.py" launch --visible "$visible" --json "$JSON"
+      python3 "$here/distributed.py" launch --visible "$visible" --json "$JSON"
     if [ $have_mpi = 1 ]; then
       run "mpi-$kind-$visible" mpirun --allow-run-as-root --oversubscribe -n 2 \
         -x USMIPC_CUDA_IPC=$kind -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST \
         -x NVSHMEM_DISABLE_NVLS -x PYTHONUNBUFFERED -x PATH -x LD_LIBRARY_PATH \
-        python3 "$here/distributed_x2.py" rank --engine mpi --visible "$visible" --json "$JSON"
+        python3 "$here/distributed.py" rank --engine mpi --visible "$visible" --json "$JSON"
     fi
   done
 done
