@@ -11,7 +11,7 @@ with the engine's own timeout.
 
 The ranks are tests/python/distributed_rank.py. torch and mpi4py come from
 `make distributed-deps` (CI installs them): the tests skip without them,
-except under CI=true, where a missing one fails them."""
+except in CI's own run (CI=true), where a missing one fails them."""
 import importlib.util
 import json
 import os
@@ -33,10 +33,17 @@ NRANKS = 4
 TIMEOUT = 240  # seconds for a whole group of ranks
 
 
+# CI's own venv has torch and mpi4py (make distributed-deps): a missing one
+# fails there. The installed-wheel runs (tests/install/wheel.sh) are fresh
+# venvs without them, and skip.
+MUST_RUN = os.environ.get("CI") == "true" and \
+    os.environ.get("USMIPC_TEST_INSTALLED") != "1"
+
+
 def need(module, what):
     if importlib.util.find_spec(module) is None:
         message = f"{module} is not installed ({what}: make distributed-deps)"
-        if os.environ.get("CI") == "true":
+        if MUST_RUN:
             pytest.fail(message + "; CI must run these tests")
         pytest.skip(message)
 
@@ -130,7 +137,7 @@ def mpirun():
     need("mpi4py", "mpi4py under mpirun")
     launcher = shutil.which("mpirun")
     if launcher is None:
-        if os.environ.get("CI") == "true":
+        if MUST_RUN:
             pytest.fail("mpirun is missing (apt-get install openmpi-bin); "
                         "CI must run these tests")
         pytest.skip("mpirun is missing (apt-get install openmpi-bin)")
