@@ -61,10 +61,11 @@ if [ "$half" = a ]; then
 else
   step build 240 build
   step pip 120 install
-  step wheel 400 env OUT="$OUT" NO_BUILD=1 WHEEL_SKIP_GPU=1 bash tests/gpu/wheel.sh
-  step bench-split 300 env OUT="$OUT/bench-split" SKIP_BUILD=1 bash tests/gpu/bench_split_check.sh
-  if [ -f tests/gpu/distributed.sh ]; then
-    step distributed 300 env OUT="$OUT/distributed" bash tests/gpu/distributed.sh one-gpu
-  fi
+  step c-cuda-native 200 env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native build-gpu/tests/c/usmipc_tests
+  step no-leak-uncached-x10 120 bash -c 'for i in $(seq 10); do USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native build-gpu/tests/c/usmipc_tests ipc_no_leak_uncached || exit 1; done'
+  step distributed 200 env OUT="$OUT/distributed" SKIP_BUILD=1 bash tests/gpu/distributed.sh one-gpu
+  step wheel 150 env OUT="$OUT" WHEEL_SKIP_GPU=1 bash tests/gpu/wheel.sh
+  step c-cuda-fd 200 env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=fd build-gpu/tests/c/usmipc_tests
+  step bench-split 200 env OUT="$OUT/bench-split" SKIP_BUILD=1 bash tests/gpu/bench_split_check.sh
 fi
 echo "=== summary" >> "$LOG"; cat "$SUM" | tee -a "$LOG"
