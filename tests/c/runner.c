@@ -14,6 +14,7 @@
  * (exit status 77, counted as passed); a failed assertion ends the process
  * with status 1. USMIPC_TEST_TIMEOUT sets the per-test limit in seconds. */
 #include <errno.h>
+#include <execinfo.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -89,6 +90,35 @@ static const test_entry_t *find_test(const char *name) {
   return NULL;
 }
 
+/* A test that crashes prints where (the frames of the crashing thread:
+ * exported functions by name, others as library+offset for addr2line),
+ * then dies of the same signal. The sanitizers' own reports are better:
+ * their handlers stay. */
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+static void crash_report(int sig) {
+  static const char head[] = "usmipc_tests: crashed; backtrace:\n";
+  void *frames[64];
+  (void)!write(STDERR_FILENO, head, sizeof(head) - 1);
+  backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
+  raise(sig); /* SA_RESETHAND: the default action now */
+}
+
+static void catch_crashes(void) {
+  static char stack[1 << 16];
+  stack_t ss = {.ss_sp = stack, .ss_size = sizeof(stack)};
+  sigaltstack(&ss, NULL);
+  struct sigaction sa = {.sa_handler = crash_report,
+                         .sa_flags = SA_RESETHAND | SA_ONSTACK};
+  int sigs[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE};
+  for (size_t i = 0; i < sizeof(sigs) / sizeof(sigs[0]); i++)
+    sigaction(sigs[i], &sa, NULL);
+  void *warm[1];
+  backtrace(warm, 1); /* loads libgcc now, not inside the handler */
+}
+#else
+static void catch_crashes(void) {}
+#endif
+
 /* In-process: the test's own process, under an alarm so that a hang ends it
  * even when no runner watches (helpers die with it: PR_SET_PDEATHSIG). */
 static int run_one(const char *name) {
@@ -101,6 +131,7 @@ static int run_one(const char *name) {
    * the write fails with EPIPE and the test reports it. */
   signal(SIGPIPE, SIG_IGN);
   setvbuf(stdout, NULL, _IOLBF, 0);
+  catch_crashes();
   alarm(timeout_seconds());
   int r = t->fn();
   fflush(stdout);

@@ -146,9 +146,9 @@ def baseline(args):
 
 
 class TorchEngine:
-    def __init__(self, dist):
+    def __init__(self, dist, backend):
         self.dist = dist
-        dist.init_process_group("nccl")
+        dist.init_process_group(backend)
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
 
     def exchange(self, mem, ordered):
@@ -160,7 +160,7 @@ class TorchEngine:
 
 
 class MPIEngine:
-    def __init__(self, dist):
+    def __init__(self, dist, backend):
         from mpi4py import MPI
         self.comm = MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
@@ -174,7 +174,7 @@ class MPIEngine:
         port = self.comm.bcast(port)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                           RANK=str(self.rank), WORLD_SIZE=str(self.size))
-        dist.init_process_group("nccl")
+        dist.init_process_group(backend)
 
     def exchange(self, mem, ordered):
         import usmipc.distributed
@@ -198,11 +198,15 @@ def rank(args):
     from distributed_allreduce import allreduce
 
     torch.cuda.set_device(gpu)
-    eng = TorchEngine(dist) if args.engine == "torch" else MPIEngine(dist)
+    # NCCL refuses two ranks on one GPU ("invalid usage"): with both ranks
+    # on GPU 0 the engine's own traffic and the reference all-reduce go
+    # through gloo (which reduces CUDA tensors too).
+    backend = "gloo" if args.visible == "same" else "nccl"
+    eng = (TorchEngine if args.engine == "torch" else MPIEngine)(dist, backend)
     me, n = eng.rank, eng.size
     peer = (me + 1) % n
     out = {"what": "rank", "rank": me, "engine": args.engine,
-           "visible": args.visible,
+           "visible": args.visible, "engine_backend": backend,
            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
            "cuda_ipc": os.environ.get("USMIPC_CUDA_IPC", "fd"),
            "gpus_seen": torch.cuda.device_count(), "checks": {}}

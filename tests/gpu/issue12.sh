@@ -9,6 +9,8 @@
 #   OUT=/tmp/out bash tests/gpu/issue12.sh b   the release wheel (dist/,
 #       carried) under python3.12, the bench split check, and the
 #       distributed tests on one GPU
+#   OUT=/tmp/out bash tests/gpu/issue12.sh c   a crash of ipc_no_leak_uncached
+#       (native), symbolised; the distributed and wheel runs again
 #
 # Every step runs even if one fails; logs to $OUT/issue12-<half>.log and a
 # summary line per step in $OUT/summary-<half>.txt.
@@ -24,7 +26,7 @@ step() { # step NAME SECONDS COMMAND...
   local t0=$(date +%s)
   echo "=== $name: $*" >> "$LOG"
   # The command may be one of the functions below: run in a bash that has them.
-  if timeout "$limit" bash -c "$(declare -f build install); \"\$@\"" step "$@" >> "$LOG" 2>&1
+  if timeout "$limit" bash -c "$(declare -f build install crash 2>/dev/null); \"\$@\"" step "$@" >> "$LOG" 2>&1
   then r=pass; else r="FAIL($?)"; fi
   echo "$name $r $(( $(date +%s) - t0 ))s" | tee -a "$SUM" >> "$LOG"
 }
@@ -58,7 +60,7 @@ if [ "$half" = a ]; then
   step doc-blocks 200 env USMIPC_BUILD_DIR=build-gpu USMIPC_DOC_GPU=1 python3 -m pytest -q -rs tests/python/test_doc_blocks.py
   step expandable 120 python3 -m pytest -q -rs tests/gpu/test_bundles_expandable.py
   step torch-allocator 200 python3 -m pytest -q -rs tests/gpu/test_torch_allocator.py
-else
+elif [ "$half" = b ]; then
   step build 240 build
   step pip 120 install
   step c-cuda-native 200 env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native build-gpu/tests/c/usmipc_tests
@@ -67,5 +69,35 @@ else
   step wheel 150 env OUT="$OUT" WHEEL_SKIP_GPU=1 bash tests/gpu/wheel.sh
   step c-cuda-fd 200 env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=fd build-gpu/tests/c/usmipc_tests
   step bench-split 200 env OUT="$OUT/bench-split" SKIP_BUILD=1 bash tests/gpu/bench_split_check.sh
+fi
+# Half c: a crash of ipc_no_leak_uncached on native handles (seen in
+# halves a and b), run alone with the runner's backtrace symbolised, and
+# the halves of b that failed on the machine's set-up.
+if [ "$half" = c ]; then
+  step build 240 build
+  step pip 120 install
+  crash() {
+    for i in 1 2 3 4 5; do
+      USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native \
+        build-gpu/tests/c/usmipc_tests ipc_no_leak_uncached > /tmp/crash.txt 2>&1
+      rc=$?; echo "run $i: exit $rc"; tail -5 /tmp/crash.txt
+      if [ $rc -ne 0 ]; then
+        # binary(+0xOFF) or binary(sym+0xOFF) frames: addr2line on the file.
+        grep -oE '^[^ ()]+\([^)]*\)' /tmp/crash.txt | while IFS='(' read -r file rest; do
+          off=${rest%)}; off=${off##*+}
+          [ -f "$file" ] && printf '%s %s: ' "$file" "$off" && addr2line -f -i -p -C -e "$file" "$off" 2>/dev/null | head -2
+        done
+        if command -v gdb > /dev/null; then
+          USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native timeout 60 gdb -q -batch \
+            -ex run -ex 'thread apply all bt 12' --args build-gpu/tests/c/usmipc_tests ipc_no_leak_uncached 2>&1 | tail -80
+        fi
+        return 1
+      fi
+    done
+  }
+  step crash 200 crash
+  step distributed 200 env OUT="$OUT/distributed" SKIP_BUILD=1 bash tests/gpu/distributed.sh one-gpu
+  step wheel 150 env OUT="$OUT/wheel" WHEEL_SKIP_GPU=1 bash tests/gpu/wheel.sh
+  (cd "$OUT" && tar czf logs-c.tgz distributed wheel 2>/dev/null && rm -rf distributed wheel)
 fi
 echo "=== summary" >> "$LOG"; cat "$SUM" | tee -a "$LOG"

@@ -68,6 +68,19 @@ fi
 if [ -n "${WHEEL_TEST_DEPS:-}" ]; then
   step deps "${pip[@]}" install -q $WHEEL_TEST_DEPS
 fi
+# An interpreter that is itself a virtual environment (the device image's
+# python3 is /opt/torch/.venv): --system-site-packages shows the base
+# interpreter's packages, not that environment's (pytest, torch, CuPy), so
+# a .pth file adds its site-packages behind the new environment's own.
+"$python" - "$venv" <<'PY'
+import pathlib, site, sys, sysconfig
+if sys.prefix != sys.base_prefix:
+    venv = pathlib.Path(sys.argv[1])
+    ver = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    target = venv / "lib" / ver / "site-packages" / "_outer_env.pth"
+    target.write_text("\n".join(site.getsitepackages()) + "\n")
+    print("outer environment's packages:", target.read_text().strip())
+PY
 step install "${pip[@]}" install --no-index --no-deps "$wheel"
 # Where usmipc comes from, and which wheel: the environment's site-packages.
 step where "$venv/bin/python" -c 'import importlib.metadata as m, sys, sysconfig, usmipc
