@@ -81,7 +81,9 @@ if sys.prefix != sys.base_prefix:
     target.write_text("\n".join(site.getsitepackages()) + "\n")
     print("outer environment's packages:", target.read_text().strip())
 PY
-step install "${pip[@]}" install --no-index --no-deps "$wheel"
+# --ignore-installed: the outer environment may hold a usmipc of its own,
+# which pip would otherwise call satisfied (and install nothing here).
+step install "${pip[@]}" install --no-index --no-deps --ignore-installed "$wheel"
 # Where usmipc comes from, and which wheel: the environment's site-packages.
 step where "$venv/bin/python" -c 'import importlib.metadata as m, sys, sysconfig, usmipc
 d = m.distribution("usmipc")
