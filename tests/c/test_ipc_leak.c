@@ -286,3 +286,56 @@ TEST_IMPL(ipc_cache_limit) {
   agent_stop_ok(&ex);
   return 0;
 }
+
+/* Threads that open the same handle at the same moment, for the first time,
+ * and keep it open: every open succeeds at the one address of the mapping.
+ * CUDA maps a legacy (native) handle once per process: the threads that
+ * lose the race get CUDA_ERROR_ALREADY_MAPPED from the driver, and the core
+ * must hand them the winner's mapping (they failed after 20 ms before). */
+#define SAME_THREADS 8
+
+static pthread_barrier_t same_line;
+static void *same_ptr[SAME_THREADS];
+
+static void *open_same_thread(void *arg) {
+  int t = (int)(intptr_t)arg;
+  pthread_barrier_wait(&same_line);
+  ASSERT_OK(usmipc_ipc_open(handle_data[0], handle_len[0], NULL, 0,
+                            &same_ptr[t], NULL));
+  return NULL;
+}
+
+TEST_IMPL(ipc_open_same_handle_threads) {
+  on_host = test_device_is_host();
+  agent_t ex;
+  agent_start(&ex, NULL);
+  export_buffers(&ex, 1, 256 * 1024, 90, handle_data, handle_len);
+  ASSERT_OK(usmipc_ipc_set_cache_size(0));
+  usmipc_queue_t *q = NULL;
+  if (!on_host)
+    ASSERT_OK(usmipc_queue_create(test_device(), &q));
+  for (int round = 0; round < 20; round++) {
+    pthread_t th[SAME_THREADS];
+    ASSERT_EQ(pthread_barrier_init(&same_line, NULL, SAME_THREADS), 0);
+    for (int t = 0; t < SAME_THREADS; t++)
+      ASSERT_EQ(
+          pthread_create(&th[t], NULL, open_same_thread, (void *)(intptr_t)t),
+          0);
+    for (int t = 0; t < SAME_THREADS; t++)
+      ASSERT_EQ(pthread_join(th[t], NULL), 0);
+    pthread_barrier_destroy(&same_line);
+    for (int t = 1; t < SAME_THREADS; t++)
+      ASSERT_PTR_EQ(same_ptr[t], same_ptr[0]);
+    if (on_host)
+      ASSERT_EQ(pattern_check(same_ptr[0], 64, 90, 0), SIZE_MAX);
+    else
+      ASSERT_EQ(dev_check_on(q, same_ptr[0], 64, 90, 0), SIZE_MAX);
+    for (int t = 0; t < SAME_THREADS; t++)
+      ASSERT_OK(usmipc_ipc_close(same_ptr[t]));
+  }
+  if (q != NULL)
+    ASSERT_OK(usmipc_queue_destroy(q));
+  ASSERT_OK(usmipc_ipc_set_cache_size(64));
+  agent_stop_ok(&ex);
+  return 0;
+}

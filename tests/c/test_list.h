@@ -56,6 +56,7 @@
   X(ipc_cache_limit)                                                           \
   X(ipc_no_leak_cached)                                                        \
   X(ipc_no_leak_uncached)                                                      \
+  X(ipc_open_same_handle_threads)                                              \
   X(handle_truncated)                                                          \
   X(handle_oversized)                                                          \
   X(handle_bit_flips)                                                          \
