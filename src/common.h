@@ -128,6 +128,10 @@ void usmipc__fdxfer_fork_parent(void);
 void usmipc__fdxfer_fork_child(void);
 int usmipc__random(void *buf, size_t len);
 
+/* A backend's ipc_import: the allocation is mapped by another thread of
+ * this process right now (positive: never one of the public codes). */
+#define USMIPC__IMPORT_BUSY 1
+
 /* ---- waiting with one deadline (linux/wait.c) ---------------------------- */
 
 uint64_t usmipc__now_ns(void); /* CLOCK_MONOTONIC */

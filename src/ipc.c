@@ -1330,10 +1330,38 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
     for (uint32_t i = 0; i < nchunks; i++)
       close(chunk_fds[i]);
   } else {
-    rc = device->ops->ipc_import(
-        device->native, owner != NULL ? owner->native : NULL, &w->payload, fd,
-        w->allocation_size, &r->alloc);
-    USMIPC__STAT_ADD(driver_imports, 1);
+    for (;;) {
+      rc = device->ops->ipc_import(
+          device->native, owner != NULL ? owner->native : NULL, &w->payload, fd,
+          w->allocation_size, &r->alloc);
+      if (rc != USMIPC__IMPORT_BUSY) {
+        USMIPC__STAT_ADD(driver_imports, 1);
+        break;
+      }
+      /* Another thread of ours holds the driver's one mapping of this
+       * allocation: take it from the registry once it is there, or map
+       * again once that thread has unmapped it. */
+      pthread_mutex_lock(&usmipc__registry_lock);
+      hit = import_find(&key);
+      if (hit != NULL) {
+        rc = cache_take(hit, w, ptr);
+        pthread_mutex_unlock(&usmipc__registry_lock);
+        if (fd >= 0)
+          close(fd);
+        free(r);
+        usmipc__peer_put(peer);
+        return rc;
+      }
+      pthread_mutex_unlock(&usmipc__registry_lock);
+      if (usmipc__now_ns() > deadline) {
+        rc = usmipc__fail(USMIPC_ETIMEDOUT,
+                          "the driver says this process maps the allocation "
+                          "already, but no mapping of it appeared within the "
+                          "IPC timeout (USMIPC_IPC_TIMEOUT_MS)");
+        break;
+      }
+      usleep(50);
+    }
   }
   if (fd >= 0)
     close(fd);

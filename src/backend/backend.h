@@ -113,7 +113,10 @@ typedef struct usmipc__backend_ops {
    * the device (as seen in this process) that exported it, equal to dev
    * unless the open crosses devices (peer access). fd is a descriptor
    * received from the exporter (or -1), owned by the caller; on success the
-   * backend keeps what it needs in *out (dup'ing fd if it must keep one). */
+   * backend keeps what it needs in *out (dup'ing fd if it must keep one).
+   * USMIPC__IMPORT_BUSY (common.h): the driver maps an allocation once per
+   * process and another thread of ours holds that mapping now (CUDA's
+   * legacy handles); the core looks for it in its registry and retries. */
   int (*ipc_export)(void *dev, usmipc__allocation_t *alloc,
                     usmipc__payload_t *payload, int *fd_to_share);
   int (*ipc_import)(void *dev, void *owner, const usmipc__payload_t *payload,

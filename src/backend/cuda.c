@@ -1042,6 +1042,9 @@ static size_t owner_granularity(const cuda_device_t *d,
   return owner != NULL ? owner->granularity : d->granularity;
 }
 
+/* Serialises cuIpcOpenMemHandle and cuIpcCloseMemHandle (see the open). */
+static pthread_mutex_t native_ipc_lock = PTHREAD_MUTEX_INITIALIZER;
+
 static int cuda_ipc_import(void *dev, void *owner_dev,
                            const usmipc__payload_t *payload, int fd,
                            uint64_t allocation_size,
@@ -1059,19 +1062,13 @@ static int cuda_ipc_import(void *dev, void *owner_dev,
     if ((rc = ctx_enter(d)) != 0)
       return rc;
     CUdeviceptr p = 0;
+    /* One legacy open or close at a time in this process: the driver maps a
+     * handle once per context, and an open racing a close of the same
+     * allocation on another thread is where ipc_no_leak_uncached crashed
+     * (SIGSEGV, rarely, on the H200). */
+    pthread_mutex_lock(&native_ipc_lock);
     CUresult res =
         cu.cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
-    /* Another thread of ours may be closing this very allocation: the core
-     * drops a mapping from its cache under its lock and unmaps it just
-     * after, and an open that misses the cache in between finds the driver
-     * still mapping it (CUDA_ERROR_ALREADY_MAPPED: 8 of 25 runs of
-     * ipc_no_leak_uncached on the H200). The close is microseconds away:
-     * retry for up to ~20 ms. */
-    for (int tries = 0; res == CUDA_ERROR_ALREADY_MAPPED && tries < 200;
-         tries++) {
-      usleep(100);
-      res = cu.cuIpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
-    }
     size_t mapped = 0;
     if (res == CUDA_SUCCESS) {
       /* The driver handle names a whole allocation, but the size comes from
@@ -1081,6 +1078,7 @@ static int cuda_ipc_import(void *dev, void *owner_dev,
       if (cu.cuPointerGetAttributes(1, &attr, &data, p) != CUDA_SUCCESS ||
           mapped < allocation_size) {
         cu.cuIpcCloseMemHandle(p);
+        pthread_mutex_unlock(&native_ipc_lock);
         ctx_leave();
         return usmipc__fail(USMIPC_EBADHANDLE,
                             "not a valid usmipc IPC handle: it claims a "
@@ -1089,7 +1087,14 @@ static int cuda_ipc_import(void *dev, void *owner_dev,
                             (unsigned long long)allocation_size, mapped);
       }
     }
+    pthread_mutex_unlock(&native_ipc_lock);
     ctx_leave();
+    /* Another thread of ours maps this allocation now (it opened it first,
+     * or is closing it: the core drops a mapping from its registry under
+     * its lock and unmaps it just after). The core takes that mapping, or
+     * tries again once it is gone. */
+    if (res == CUDA_ERROR_ALREADY_MAPPED)
+      return USMIPC__IMPORT_BUSY;
     if (res == CUDA_ERROR_INVALID_HANDLE)
       return usmipc__fail_native(USMIPC_EEXPORTERGONE, res,
                                  "cuIpcOpenMemHandle refused the handle "
@@ -1245,7 +1250,9 @@ static int cuda_ipc_unmap(void *dev, usmipc__allocation_t *m) {
   CUdeviceptr p = (CUdeviceptr)(uintptr_t)m->base;
   CUresult res;
   if (m->how == HOW_IPC_NATIVE) {
+    pthread_mutex_lock(&native_ipc_lock);
     res = cu.cuIpcCloseMemHandle(p);
+    pthread_mutex_unlock(&native_ipc_lock);
   } else if (m->how == HOW_IPC_CHUNKS) {
     chunk_sizes_t *keep = (chunk_sizes_t *)(uintptr_t)m->native;
     unmap_chunks(p, keep->sizes, keep->count);
