@@ -11,6 +11,8 @@
 #       distributed tests on one GPU
 #   OUT=/tmp/out bash tests/gpu/issue12.sh c   a crash of ipc_no_leak_uncached
 #       (native), symbolised; the distributed and wheel runs again
+#   OUT=/tmp/out bash tests/gpu/issue12.sh d   concurrent first opens of one
+#       native handle (before and after the fix), the C suite, the wheel
 #
 # Every step runs even if one fails; logs to $OUT/issue12-<half>.log and a
 # summary line per step in $OUT/summary-<half>.txt.
@@ -26,7 +28,7 @@ step() { # step NAME SECONDS COMMAND...
   local t0=$(date +%s)
   echo "=== $name: $*" >> "$LOG"
   # The command may be one of the functions below: run in a bash that has them.
-  if timeout "$limit" bash -c "$(declare -f build install crash 2>/dev/null); \"\$@\"" step "$@" >> "$LOG" 2>&1
+  if timeout "$limit" bash -c "$(declare -f build install crash before 2>/dev/null); \"\$@\"" step "$@" >> "$LOG" 2>&1
   then r=pass; else r="FAIL($?)"; fi
   echo "$name $r $(( $(date +%s) - t0 ))s" | tee -a "$SUM" >> "$LOG"
 }
@@ -99,5 +101,29 @@ if [ "$half" = c ]; then
   step distributed 200 env OUT="$OUT/distributed" SKIP_BUILD=1 bash tests/gpu/distributed.sh one-gpu
   step wheel 150 env OUT="$OUT/wheel" WHEEL_SKIP_GPU=1 bash tests/gpu/wheel.sh
   (cd "$OUT" && tar czf logs-c.tgz distributed wheel 2>/dev/null && rm -rf distributed wheel)
+fi
+# Half d: concurrent first opens of one native handle (the test first, on
+# the commit before the fix when git is at hand), the crash hunt, the C
+# suite again, and the wheel.
+if [ "$half" = d ]; then
+  before() {
+    command -v git > /dev/null && git rev-parse HEAD~1 > /dev/null 2>&1 || { echo "no git history here"; return 0; }
+    rm -rf /tmp/usmipc-before && git worktree add -f /tmp/usmipc-before HEAD~1 > /dev/null 2>&1 || return 1
+    cmake -S /tmp/usmipc-before -B /tmp/usmipc-before/build > /dev/null && cmake --build /tmp/usmipc-before/build -j 16 > /dev/null || return 1
+    git log --oneline -1 HEAD~1
+    # Expected to fail: the fix is the next commit.
+    USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native /tmp/usmipc-before/build/tests/c/usmipc_tests ipc_open_same_handle_threads
+    echo "before the fix: exit $?"
+  }
+  step before 200 before
+  step build 240 build
+  step pip 120 install
+  step same-handle 120 bash -c 'for k in native native native fd; do USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=$k build-gpu/tests/c/usmipc_tests ipc_open_same_handle_threads || exit 1; echo "$k ok"; done'
+  step no-leak-uncached-x10 120 bash -c 'for i in $(seq 10); do USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native build-gpu/tests/c/usmipc_tests ipc_no_leak_uncached 2>&1 | tail -3 || exit 1; done'
+  step c-cuda-native 200 env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native build-gpu/tests/c/usmipc_tests
+  step c-cuda-fd 200 env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=fd build-gpu/tests/c/usmipc_tests
+  step demo-cuda-native 60 env USMIPC_CUDA_IPC=native python3 -m usmipc demo --device cuda:gpu
+  step wheel 150 env OUT="$OUT/wheel" WHEEL_SKIP_GPU=1 bash tests/gpu/wheel.sh
+  (cd "$OUT" && tar czf logs-d.tgz wheel 2>/dev/null && rm -rf wheel)
 fi
 echo "=== summary" >> "$LOG"; cat "$SUM" | tee -a "$LOG"
