@@ -107,10 +107,12 @@ fi
 # suite again, and the wheel.
 if [ "$half" = d ]; then
   before() {
-    command -v git > /dev/null && git rev-parse HEAD~1 > /dev/null 2>&1 || { echo "no git history here"; return 0; }
-    rm -rf /tmp/usmipc-before && git worktree add -f /tmp/usmipc-before HEAD~1 > /dev/null 2>&1 || return 1
+    local c
+    c=$(git log --format=%h -1 --grep='^Test ipc_open_same_handle_threads' 2>/dev/null)
+    [ -n "$c" ] || { echo "no git history here"; return 0; }
+    rm -rf /tmp/usmipc-before && git worktree add -f /tmp/usmipc-before "$c" > /dev/null 2>&1 || return 1
     cmake -S /tmp/usmipc-before -B /tmp/usmipc-before/build > /dev/null && cmake --build /tmp/usmipc-before/build -j 16 > /dev/null || return 1
-    git log --oneline -1 HEAD~1
+    git log --oneline -1 "$c"
     # Expected to fail: the fix is the next commit.
     USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native /tmp/usmipc-before/build/tests/c/usmipc_tests ipc_open_same_handle_threads
     echo "before the fix: exit $?"
