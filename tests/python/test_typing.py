@@ -1,5 +1,6 @@
 """The package ships type information (py.typed and the extension's stubs):
 mypy --strict passes on the examples and on the README's Python snippets."""
+import importlib.util
 import pathlib
 import re
 import subprocess
@@ -39,7 +40,16 @@ def test_mypy_strict_on_examples_and_readme(tmp_path):
         snippet = tmp_path / f"readme_{i}.py"
         snippet.write_text(CONTEXT + block)
         files.append(str(snippet))
+    # Examples that use torch or mpi4py are checked against them where they
+    # are installed; elsewhere (the wheel's fresh environments) the missing
+    # modules are taken as Any, and only they.
+    config = tmp_path / "mypy.ini"
+    config.write_text("[mypy]\n" + "".join(
+        f"[mypy-{m}.*]\nignore_missing_imports = True\n"
+        f"[mypy-{m}]\nignore_missing_imports = True\n"
+        for m in ("torch", "mpi4py") if importlib.util.find_spec(m) is None))
     r = subprocess.run([sys.executable, "-m", "mypy", "--strict",
+                        "--config-file", str(config),
                         "--no-incremental", "--cache-dir", str(tmp_path / "c"),
                         *files], capture_output=True, text=True, timeout=600,
                        cwd=tmp_path)
