@@ -133,9 +133,11 @@ class Exchange(Sequence[Any]):
 
     def __init__(self, engine: "_Engine", entries: list[Any],
                  reasons: dict[int, str], local_ranks: tuple[int, ...],
-                 bundle: Any, mem: Any) -> None:
+                 bundle: Any, mem: Any, device: "usmipc.Device") -> None:
         self._engine = engine
         self._entries = entries
+        self._device = device
+        self._event: Optional["usmipc.Event"] = None
         self._bundle = bundle
         self._mem = mem
         self._closed = False
@@ -188,6 +190,35 @@ class Exchange(Sequence[Any]):
                 f"ranks ({self._engine.name}: {exc}); this rank's memory is "
                 "kept until the process exits, since a peer may still map "
                 "it", {self.rank: str(exc)}) from exc
+
+    def barrier(self, stream: Any = None) -> None:
+        """A barrier of the group that the device keeps (collective).
+
+        With a ``stream`` (a ``torch.cuda.Stream``, CuPy stream,
+        ``usmipc.Queue`` or CUstream): work this rank submits to ``stream``
+        after the call runs after the work every rank of its node submitted
+        to its own stream before its call, and the host waits for no GPU
+        work: each rank records an interprocess event on its stream, the
+        event handles travel in one all-gather of the engine, and each rank
+        makes its stream wait for its node's peers' events. Without a stream
+        the same, on the device's default queue, and the host then waits for
+        the peers' events (the host barrier a caller would otherwise write
+        after synchronising its own device)."""
+        if self._closed:
+            raise ValueError("the exchange is closed")
+        if self._event is None:
+            self._event = usmipc.Event(self._device)
+        self._event.record(stream)
+        raws = self._engine.allgather(
+            usmipc.IPCEventHandle(self._event).to_bytes())
+        for r in self.local_ranks:
+            if r == self.rank:
+                continue
+            peer = usmipc.IPCEventHandle.open(raws[r], self._device)
+            if stream is None:
+                peer.synchronize()
+            else:
+                peer.wait(stream)
 
     def __enter__(self) -> "Exchange":
         return self
@@ -275,7 +306,7 @@ def _run(engine: "_Engine", mem: Any, device: DeviceLike,
             _keep_forever(bundle, mem)
             raise
         raise ExchangeError(_summary(failures), failures) from failure
-    return Exchange(engine, entries, apart, local, bundle, mem)
+    return Exchange(engine, entries, apart, local, bundle, mem, target)
 
 
 def _close_mapped(entries: list[Any], me: int) -> None:

@@ -249,6 +249,25 @@ def rank(args):
     mine.copy_(pattern * (me + 1))
     barrier()
 
+    # 1b. Exchange.barrier(stream): the device keeps the order, the host
+    # waits for nothing. Each rank's stream sleeps ~50 ms, then writes a new
+    # value; the peer's stream, after the barrier, copies the value out of
+    # the mapping. A host barrier without a synchronize would let the copy
+    # run before the write (the value would be the old one).
+    stream = torch.cuda.current_stream()
+    for gen in (1, 2):
+        torch.cuda._sleep(100_000_000)  # cycles: ~50 ms on an H200
+        mine[0:1].fill_(7000 * gen + me)
+        t = time.perf_counter()
+        ex.barrier(stream)
+        out[f"device_barrier_host_ms_{gen}"] = (time.perf_counter() - t) * 1e3
+        got = theirs[0:1].clone()  # on this rank's stream, after the wait
+        torch.cuda.synchronize()
+        checks[f"device_barrier_orders_{gen}"] = int(got.item()) == 7000 * gen + peer
+        barrier()
+    mine.copy_(pattern * (me + 1))
+    barrier()
+
     # 2. copies out of (pull) and into (push) the peer's buffer through the
     # mapping, on this rank's stream, one rank at a time
     local = torch.empty_like(mine)

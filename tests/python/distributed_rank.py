@@ -154,17 +154,30 @@ def scenario_basic(eng, out):
     # copy made at the exchange would still hold the old one).
     mine[0] = 100 + me
     # ... and writes into the next rank's buffer, which that rank reads in
-    # its own memory.
+    # its own memory. The barrier is the exchange's own (events of the
+    # device, handles in one all-gather).
     nxt = (me + 1) % n
     peers[nxt][1 + me] = 1000 * me + nxt
-    eng.barrier()
+    ex.barrier()
     seen = [int(peers[r][0]) for r in range(n)]
     assert seen == [100 + r for r in range(n)], seen
     prev = (me - 1) % n
     assert int(mine[1 + prev]) == 1000 * prev + me, mine[:n + 1]
     out["after_write"] = seen
+    # Again: the barrier's events are recorded anew each time (the first
+    # barrier: everyone has read the values above before any is replaced).
+    ex.barrier()
+    mine[0] = 200 + me
+    ex.barrier()
+    seen = [int(peers[r][0]) for r in range(n)]
+    assert seen == [200 + r for r in range(n)], seen
     del peers
     ex.close()
+    try:
+        ex.barrier()
+        raise AssertionError("barrier() on a closed exchange succeeded")
+    except ValueError as e:
+        assert "closed" in str(e), e
     assert ex.closed
     try:
         ex[0]
@@ -174,7 +187,7 @@ def scenario_basic(eng, out):
     ex.close()  # idempotent, and no second collective
     # The context manager closes too.
     with eng.exchange(buf) as ex2:
-        assert int(words(ex2[(me + 1) % n])[0]) == 100 + (me + 1) % n
+        assert int(words(ex2[(me + 1) % n])[0]) == 200 + (me + 1) % n
     assert ex2.closed
 
 
