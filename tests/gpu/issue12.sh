@@ -13,6 +13,8 @@
 #       (native), symbolised; the distributed and wheel runs again
 #   OUT=/tmp/out bash tests/gpu/issue12.sh d   concurrent first opens of one
 #       native handle (before and after the fix), the C suite, the wheel
+#   OUT=/tmp/out bash tests/gpu/issue12.sh e   Exchange.barrier on one GPU,
+#       the wheel
 #
 # Every step runs even if one fails; logs to $OUT/issue12-<half>.log and a
 # summary line per step in $OUT/summary-<half>.txt.
@@ -127,5 +129,14 @@ if [ "$half" = d ]; then
   step demo-cuda-native 60 env USMIPC_CUDA_IPC=native python3 -m usmipc demo --device cuda:gpu
   step wheel 150 env OUT="$OUT/wheel" WHEEL_SKIP_GPU=1 bash tests/gpu/wheel.sh
   (cd "$OUT" && tar czf logs-d.tgz wheel 2>/dev/null && rm -rf wheel)
+fi
+# Half e: the device-side barrier of usmipc.distributed on one GPU, and
+# the wheel again.
+if [ "$half" = e ]; then
+  step build 240 build
+  step pip 120 install
+  step distributed 200 env OUT="$OUT/distributed" SKIP_BUILD=1 bash tests/gpu/distributed.sh one-gpu
+  step wheel 200 env OUT="$OUT/wheel" WHEEL_SKIP_GPU=1 bash tests/gpu/wheel.sh
+  (cd "$OUT" && tar czf logs-e.tgz distributed wheel 2>/dev/null && rm -rf distributed wheel)
 fi
 echo "=== summary" >> "$LOG"; cat "$SUM" | tee -a "$LOG"
