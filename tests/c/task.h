@@ -189,6 +189,12 @@ pid_t spawn_helper(const char *name, char *const extra_args[],
 int wait_pid_timeout(pid_t pid, double timeout_s);
 /* 0 when the status is a normal exit with code 0. */
 int exit_code_of(int status);
+/* fork() `forks` times while another thread calls step(arg) over and over:
+ * each child runs child(child_arg) and exits with 0 when it returned 0; every
+ * child must exit 0 within 10 s (one that inherited a lock held by the
+ * stepping thread hangs instead). The test of fork-safety from any thread. */
+void fork_beside_thread(void (*step)(void *), void *arg, int forks,
+                        int (*child)(void *), void *child_arg);
 
 /* ---- the agent helper ----------------------------------------------------
  * An agent is a helper process that runs usmipc calls on command, one line

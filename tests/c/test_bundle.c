@@ -525,31 +525,38 @@ TEST_IMPL(bundle_one_exchange) {
   return 0;
 }
 
-/* fork() while another thread makes and frees bundles: every child can make,
- * open and free a bundle of its own (none inherits a lock held). */
-static int churn_stop;
-
-static void *bundle_churn(void *arg) {
-  void *mem = arg;
-  int64_t shape[1] = {64};
+/* One bundle of one array of `elements` 8-byte elements of mem: made,
+ * opened, closed, freed. */
+static int bundle_cycle(void *mem, int64_t elements) {
+  int64_t shape[1] = {elements};
   usmipc_array_desc_t d = {1, 8, 1, 1, shape, NULL};
-  while (!__atomic_load_n(&churn_stop, __ATOMIC_ACQUIRE)) {
-    usmipc_bundle_t *b;
-    if (usmipc_bundle_create(&b) != 0)
-      break;
-    usmipc_bundle_add_array(b, NULL, 0, mem, &d);
-    usmipc_bundle_finish(b);
-    const void *data;
-    size_t len;
-    usmipc_opened_bundle_t *ob;
-    if (usmipc_bundle_data(b, &data, &len) == 0 &&
-        usmipc_bundle_open(data, len, NULL, NULL, 0, &ob) == 0)
-      usmipc_bundle_close(ob);
-    usmipc_bundle_free(b);
-  }
-  return NULL;
+  usmipc_bundle_t *b;
+  const void *data;
+  size_t len;
+  usmipc_opened_bundle_t *ob;
+  int rc = usmipc_bundle_create(&b);
+  if (rc != 0)
+    return rc;
+  if ((rc = usmipc_bundle_add_array(b, NULL, 0, mem, &d)) == 0 &&
+      (rc = usmipc_bundle_finish(b)) == 0 &&
+      (rc = usmipc_bundle_data(b, &data, &len)) == 0 &&
+      (rc = usmipc_bundle_open(data, len, NULL, NULL, 0, &ob)) == 0)
+    rc = usmipc_bundle_close(ob);
+  int freed = usmipc_bundle_free(b);
+  return rc != 0 ? rc : freed;
 }
 
+static void bundle_fork_step(void *mem) { (void)bundle_cycle(mem, 64); }
+
+/* The child makes, opens and frees a bundle of memory of its own. */
+static int bundle_fork_child(void *dev) {
+  void *own;
+  int rc = usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &own);
+  return rc != 0 ? rc : bundle_cycle(own, 16);
+}
+
+/* fork() while another thread makes and frees bundles: every child can make,
+ * open and free a bundle of its own (none inherits a lock held). */
 TEST_IMPL(bundle_fork_from_thread) {
   usmipc_device_t *dev = test_device();
   if (!test_device_is_host())
@@ -563,33 +570,7 @@ TEST_IMPL(bundle_fork_from_thread) {
 #endif
   void *mem;
   ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &mem));
-  pthread_t t;
-  __atomic_store_n(&churn_stop, 0, __ATOMIC_RELEASE);
-  ASSERT_EQ(pthread_create(&t, NULL, bundle_churn, mem), 0);
-  for (int i = 0; i < 200; i++) {
-    pid_t pid = fork();
-    if (pid == 0) {
-      void *own;
-      int64_t shape[1] = {16};
-      usmipc_array_desc_t d = {1, 8, 1, 1, shape, NULL};
-      usmipc_bundle_t *b;
-      const void *data;
-      size_t len;
-      usmipc_opened_bundle_t *ob;
-      int ok = usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &own) == 0 &&
-               usmipc_bundle_create(&b) == 0 &&
-               usmipc_bundle_add_array(b, NULL, 0, own, &d) == 0 &&
-               usmipc_bundle_finish(b) == 0 &&
-               usmipc_bundle_data(b, &data, &len) == 0 &&
-               usmipc_bundle_open(data, len, NULL, NULL, 0, &ob) == 0 &&
-               usmipc_bundle_close(ob) == 0 && usmipc_bundle_free(b) == 0;
-      _exit(ok ? 0 : 1);
-    }
-    ASSERT_GT(pid, 0);
-    ASSERT_EQ(exit_code_of(wait_pid_timeout(pid, 10)), 0);
-  }
-  __atomic_store_n(&churn_stop, 1, __ATOMIC_RELEASE);
-  pthread_join(t, NULL);
+  fork_beside_thread(bundle_fork_step, mem, 200, bundle_fork_child, dev);
   ASSERT_OK(usmipc_free(mem));
   return 0;
 }

@@ -314,21 +314,20 @@ TEST_IMPL(stats_count_driver_work) {
 /* fork() while another thread allocates, exports and frees pool blocks:
  * every child allocates, exports and frees a block of the same pool (none
  * inherits the pool's lock held by a thread that does not exist there). */
-static int pool_churn_stop;
-
-static void *pool_fork_churn(void *arg) {
-  usmipc_pool_t *pool = arg;
-  while (!__atomic_load_n(&pool_churn_stop, __ATOMIC_ACQUIRE)) {
-    void *p;
-    usmipc_ipc_handle_t *h;
-    if (usmipc_pool_malloc(pool, 4096, 0, &p) != 0)
-      break;
-    if (usmipc_ipc_get_handle(p, 0, &h) == 0)
-      usmipc_ipc_free_handle(h);
-    usmipc_free(p);
-  }
-  return NULL;
+static int pool_block_cycle(usmipc_pool_t *pool, size_t nbytes) {
+  void *p;
+  usmipc_ipc_handle_t *h;
+  int rc = usmipc_pool_malloc(pool, nbytes, 0, &p);
+  if (rc != 0)
+    return rc;
+  if ((rc = usmipc_ipc_get_handle(p, 0, &h)) == 0)
+    rc = usmipc_ipc_free_handle(h);
+  int freed = usmipc_free(p);
+  return rc != 0 ? rc : freed;
 }
+
+static void pool_fork_step(void *pool) { (void)pool_block_cycle(pool, 4096); }
+static int pool_fork_child(void *pool) { return pool_block_cycle(pool, 8192); }
 
 TEST_IMPL(pool_fork_from_thread) {
   usmipc_device_t *dev = test_device();
@@ -340,24 +339,7 @@ TEST_IMPL(pool_fork_from_thread) {
 #endif
   usmipc_pool_t *pool;
   ASSERT_OK(usmipc_pool_create(dev, 1 << 20, 0, &pool));
-  pthread_t t;
-  __atomic_store_n(&pool_churn_stop, 0, __ATOMIC_RELEASE);
-  ASSERT_EQ(pthread_create(&t, NULL, pool_fork_churn, pool), 0);
-  for (int i = 0; i < 300; i++) {
-    pid_t pid = fork();
-    if (pid == 0) {
-      void *p;
-      usmipc_ipc_handle_t *h;
-      int ok = usmipc_pool_malloc(pool, 8192, 0, &p) == 0 &&
-               usmipc_ipc_get_handle(p, 0, &h) == 0 &&
-               usmipc_ipc_free_handle(h) == 0 && usmipc_free(p) == 0;
-      _exit(ok ? 0 : 1);
-    }
-    ASSERT_GT(pid, 0);
-    ASSERT_EQ(exit_code_of(wait_pid_timeout(pid, 10)), 0);
-  }
-  __atomic_store_n(&pool_churn_stop, 1, __ATOMIC_RELEASE);
-  pthread_join(t, NULL);
+  fork_beside_thread(pool_fork_step, pool, 300, pool_fork_child, pool);
   ASSERT_OK(usmipc_pool_destroy(pool));
   return 0;
 }

@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdarg.h>
@@ -462,6 +463,35 @@ pid_t spawn_helper(const char *name, char *const extra_args[],
     *from_child = out[0];
   }
   return pid;
+}
+
+typedef struct stepper {
+  void (*step)(void *);
+  void *arg;
+  int stop;
+} stepper_t;
+
+static void *step_until_stopped(void *p) {
+  stepper_t *s = p;
+  while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE))
+    s->step(s->arg);
+  return NULL;
+}
+
+void fork_beside_thread(void (*step)(void *), void *arg, int forks,
+                        int (*child)(void *), void *child_arg) {
+  stepper_t s = {step, arg, 0};
+  pthread_t t;
+  ASSERT_EQ(pthread_create(&t, NULL, step_until_stopped, &s), 0);
+  for (int i = 0; i < forks; i++) {
+    pid_t pid = fork();
+    if (pid == 0)
+      _exit(child(child_arg) == 0 ? 0 : 1);
+    ASSERT_GT(pid, 0);
+    ASSERT_EQ(exit_code_of(wait_pid_timeout(pid, 10)), 0);
+  }
+  __atomic_store_n(&s.stop, 1, __ATOMIC_RELEASE);
+  pthread_join(t, NULL);
 }
 
 int wait_pid_timeout(pid_t pid, double timeout_s) {
