@@ -92,6 +92,15 @@ class Event:
     def is_opened(self) -> bool: ...
 
 class _Memory:
+    # The constructor of MemoryUSMDevice, MemoryUSMHost and MemoryUSMShared:
+    # nbytes, or usmipc memory or an object with __sycl_usm_array_interface__
+    def __init__(self, nbytes: Union[int, Any], alignment: int = 0, *,
+                 device: DeviceLike = None,
+                 queue: Optional[Queue] = None,
+                 sycl_device: DeviceLike = None,
+                 sycl_queue: Optional[Queue] = None,
+                 ipc: Optional[str] = None,
+                 copy: bool = False) -> None: ...
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...  # host memory
     def copy_from_host(self, obj: BytesLike, /) -> None: ...
@@ -137,35 +146,11 @@ class _Memory:
     @property
     def reference_obj(self) -> Any: ...
 
-class MemoryUSMDevice(_Memory):
-    # nbytes, or usmipc memory or an object with __sycl_usm_array_interface__
-    def __init__(self, nbytes: Union[int, Any], alignment: int = 0, *,
-                 device: DeviceLike = None,
-                 queue: Optional[Queue] = None,
-                 sycl_device: DeviceLike = None,
-                 sycl_queue: Optional[Queue] = None,
-                 ipc: Optional[str] = None,
-                 copy: bool = False) -> None: ...
+class MemoryUSMDevice(_Memory): ...
 
-class MemoryUSMHost(_Memory):
-    # nbytes, or usmipc memory or an object with __sycl_usm_array_interface__
-    def __init__(self, nbytes: Union[int, Any], alignment: int = 0, *,
-                 device: DeviceLike = None,
-                 queue: Optional[Queue] = None,
-                 sycl_device: DeviceLike = None,
-                 sycl_queue: Optional[Queue] = None,
-                 ipc: Optional[str] = None,
-                 copy: bool = False) -> None: ...
+class MemoryUSMHost(_Memory): ...
 
-class MemoryUSMShared(_Memory):
-    # nbytes, or usmipc memory or an object with __sycl_usm_array_interface__
-    def __init__(self, nbytes: Union[int, Any], alignment: int = 0, *,
-                 device: DeviceLike = None,
-                 queue: Optional[Queue] = None,
-                 sycl_device: DeviceLike = None,
-                 sycl_queue: Optional[Queue] = None,
-                 ipc: Optional[str] = None,
-                 copy: bool = False) -> None: ...
+class MemoryUSMShared(_Memory): ...
 
 class MemoryIPCDevice(MemoryUSMDevice):
     def close(self) -> None: ...

@@ -195,6 +195,21 @@ int exit_code_of(int status);
  * stepping thread hangs instead). The test of fork-safety from any thread. */
 void fork_beside_thread(void (*step)(void *), void *arg, int forks,
                         int (*child)(void *), void *child_arg);
+/* Where fork_beside_thread cannot test the library: a device the child
+ * cannot use after fork (the GPU drivers), and ASan, whose allocator takes
+ * no lock at fork (a child forked while the stepping thread is inside
+ * malloc inherits its size-class lock held and hangs in its first malloc
+ * of that class; glibc's malloc is fork-safe). */
+#if defined(__SANITIZE_ADDRESS__)
+#define RETURN_SKIP_UNLESS_FORK_BESIDE_THREAD_TESTS()                          \
+  RETURN_SKIP("ASan's allocator is not fork-safe with a thread in malloc")
+#else
+#define RETURN_SKIP_UNLESS_FORK_BESIDE_THREAD_TESTS()                          \
+  do {                                                                         \
+    if (!test_device_is_host())                                                \
+      RETURN_SKIP("the fork child needs a device that survives fork");         \
+  } while (0)
+#endif
 
 /* ---- the agent helper ----------------------------------------------------
  * An agent is a helper process that runs usmipc calls on command, one line

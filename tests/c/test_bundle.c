@@ -558,16 +558,8 @@ static int bundle_fork_child(void *dev) {
 /* fork() while another thread makes and frees bundles: every child can make,
  * open and free a bundle of its own (none inherits a lock held). */
 TEST_IMPL(bundle_fork_from_thread) {
+  RETURN_SKIP_UNLESS_FORK_BESIDE_THREAD_TESTS();
   usmipc_device_t *dev = test_device();
-  if (!test_device_is_host())
-    RETURN_SKIP("the fork child needs a device that survives fork");
-#if defined(__SANITIZE_ADDRESS__)
-  /* ASan's allocator takes no lock at fork: a child forked while the
-   * churning thread is inside malloc inherits its size-class lock held and
-   * hangs in its first malloc of that class (seen: the child's broker
-   * thread). glibc's malloc is fork-safe; this test is for the library. */
-  RETURN_SKIP("ASan's allocator is not fork-safe with a thread in malloc");
-#endif
   void *mem;
   ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &mem));
   fork_beside_thread(bundle_fork_step, mem, 200, bundle_fork_child, dev);

@@ -330,14 +330,9 @@ static void pool_fork_step(void *pool) { (void)pool_block_cycle(pool, 4096); }
 static int pool_fork_child(void *pool) { return pool_block_cycle(pool, 8192); }
 
 TEST_IMPL(pool_fork_from_thread) {
-  usmipc_device_t *dev = test_device();
-  if (!test_device_is_host())
-    RETURN_SKIP("the fork child needs a device that survives fork");
-#if defined(__SANITIZE_ADDRESS__)
-  /* As in bundle_fork_from_thread: ASan's allocator takes no lock at fork. */
-  RETURN_SKIP("ASan's allocator is not fork-safe with a thread in malloc");
-#endif
+  RETURN_SKIP_UNLESS_FORK_BESIDE_THREAD_TESTS();
   usmipc_pool_t *pool;
+  usmipc_device_t *dev = test_device();
   ASSERT_OK(usmipc_pool_create(dev, 1 << 20, 0, &pool));
   fork_beside_thread(pool_fork_step, pool, 300, pool_fork_child, pool);
   ASSERT_OK(usmipc_pool_destroy(pool));

@@ -5,6 +5,7 @@ Cross-process tests start helper processes with subprocess (never fork):
 the test instead of the suite.
 """
 
+import ctypes.util
 import os
 import select
 import subprocess
@@ -40,6 +41,35 @@ def pytest_report_header(config):
 HOST = "host:cpu"
 TIMEOUT = 60  # seconds for any helper process
 MAGIC = b"\x89USMIPC\n"
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+# The Level Zero test driver (tests/level_zero), as make build leaves it.
+ZE_TEST_DRIVER = os.environ.get(
+    "USMIPC_ZE_TEST_DRIVER", os.path.join(
+        ROOT, "build", "tests", "level_zero", "libze_usmipc_test_driver.so"))
+
+# A test file's own tests again, on level_zero:gpu through the test driver,
+# in a subprocess that must pass with no skip: the file's test named
+# test_the_same_on_level_zero_with_no_skip calls rerun_on_level_zero.
+skip_unless_level_zero_rerun = pytest.mark.skipif(
+    ctypes.util.find_library("ze_loader") is None or
+    not os.path.exists(ZE_TEST_DRIVER) or
+    os.environ.get("USMIPC_DEFAULT_DEVICE") is not None,
+    reason="no Level Zero loader or test driver (or nested)")
+
+
+def rerun_on_level_zero(test_file):
+    env = dict(os.environ, ZE_ENABLE_ALT_DRIVERS=ZE_TEST_DRIVER,
+               USMIPC_DEFAULT_DEVICE="level_zero:gpu")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs",
+                        "-p", "no:cacheprovider", "-k",
+                        "not the_same_on_level_zero", test_file],
+                       capture_output=True, text=True, timeout=300, env=env,
+                       cwd=os.path.dirname(os.path.abspath(test_file)))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "skipped" not in r.stdout.splitlines()[-1], r.stdout
+
 
 # A period of 251 (prime) bytes, so that an offset error cannot go unseen;
 # the same function is pasted into helper processes (PATTERN_SRC).

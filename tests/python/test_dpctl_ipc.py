@@ -3,10 +3,8 @@ SyclIPCOpenMemHandle, SyclIPCCloseMemHandle, MemoryIPCDevice) as a dpctl
 program uses it, on the default device: host:cpu here, and level_zero:gpu
 through the test driver when run again with USMIPC_DEFAULT_DEVICE (the last
 test does that, and requires no test to skip there)."""
-import ctypes.util
 import gc
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -18,10 +16,7 @@ from usmipc.memory import (IPCMemoryHandle, MemoryIPCDevice, MemoryUSMDevice,
                            SyclIPCCloseMemHandle, SyclIPCGetMemHandle,
                            SyclIPCOpenMemHandle)
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-DRIVER = pathlib.Path(os.environ.get(
-    "USMIPC_ZE_TEST_DRIVER",
-    ROOT / "build" / "tests" / "level_zero" / "libze_usmipc_test_driver.so"))
+from conftest import rerun_on_level_zero, skip_unless_level_zero_rerun
 
 
 @pytest.fixture
@@ -114,20 +109,9 @@ def test_default_device_from_the_environment():
     assert "USMIPC_DEFAULT_DEVICE='gpu:99'" in bad.stderr
 
 
-@pytest.mark.skipif(ctypes.util.find_library("ze_loader") is None or
-                    not DRIVER.exists() or
-                    os.environ.get("USMIPC_DEFAULT_DEVICE") is not None,
-                    reason="no Level Zero loader or test driver (or nested)")
+@skip_unless_level_zero_rerun
 def test_the_same_on_level_zero_with_no_skip():
-    env = dict(os.environ, ZE_ENABLE_ALT_DRIVERS=str(DRIVER),
-               USMIPC_DEFAULT_DEVICE="level_zero:gpu")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs",
-                        "-p", "no:cacheprovider", "-k",
-                        "not the_same_on_level_zero", __file__],
-                       capture_output=True, text=True, timeout=300, env=env,
-                       cwd=pathlib.Path(__file__).parent)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "skipped" not in r.stdout.splitlines()[-1], r.stdout
+    rerun_on_level_zero(__file__)
 
 
 def test_handle_close(queue):

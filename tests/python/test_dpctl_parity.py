@@ -6,10 +6,8 @@ from it, copy_to_host() and copy_from_device(), DLPack to NumPy.
 The tests run on the default device: host:cpu here, and level_zero:gpu
 through the test driver when run again with USMIPC_DEFAULT_DEVICE (the
 last test does that, and requires that no test skips there)."""
-import ctypes.util
 import gc
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -20,12 +18,9 @@ import usmipc
 from usmipc.memory import (IPCMemoryHandle, MemoryIPCDevice, MemoryUSMDevice,
                            MemoryUSMHost, MemoryUSMShared)
 
-from conftest import PATTERN_SRC, is_known, pattern
+from conftest import (PATTERN_SRC, is_known, pattern, rerun_on_level_zero,
+                      skip_unless_level_zero_rerun)
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-DRIVER = pathlib.Path(os.environ.get(
-    "USMIPC_ZE_TEST_DRIVER",
-    ROOT / "build" / "tests" / "level_zero" / "libze_usmipc_test_driver.so"))
 ZE_TEST_DEVICE = "usmipc Level Zero test device"
 KINDS = {"device": MemoryUSMDevice, "host": MemoryUSMHost,
          "shared": MemoryUSMShared}
@@ -455,17 +450,6 @@ def test_dlpack_to_numpy(queue, kind):
 # ---- the same on level_zero:gpu ---------------------------------------------
 
 
-@pytest.mark.skipif(ctypes.util.find_library("ze_loader") is None or
-                    not DRIVER.exists() or
-                    os.environ.get("USMIPC_DEFAULT_DEVICE") is not None,
-                    reason="no Level Zero loader or test driver (or nested)")
+@skip_unless_level_zero_rerun
 def test_the_same_on_level_zero_with_no_skip():
-    env = dict(os.environ, ZE_ENABLE_ALT_DRIVERS=str(DRIVER),
-               USMIPC_DEFAULT_DEVICE="level_zero:gpu")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs",
-                        "-p", "no:cacheprovider", "-k",
-                        "not the_same_on_level_zero", __file__],
-                       capture_output=True, text=True, timeout=300, env=env,
-                       cwd=pathlib.Path(__file__).parent)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "skipped" not in r.stdout.splitlines()[-1], r.stdout
+    rerun_on_level_zero(__file__)
