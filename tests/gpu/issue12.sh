@@ -139,4 +139,12 @@ if [ "$half" = e ]; then
   step wheel 200 env OUT="$OUT/wheel" WHEEL_SKIP_GPU=1 bash tests/gpu/wheel.sh
   (cd "$OUT" && tar czf logs-e.tgz distributed wheel 2>/dev/null && rm -rf distributed wheel)
 fi
+# Half f: tests/gpu/test_cuda.py whole (a legacy handle another library
+# opened first in the importer among them), concurrent first opens.
+if [ "$half" = f ]; then
+  step build 240 build
+  step pip 120 install
+  step test-cuda 300 python3 -m pytest -q -rs tests/gpu/test_cuda.py
+  step same-handle 120 bash -c 'for k in native native fd; do USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=$k build-gpu/tests/c/usmipc_tests ipc_open_same_handle_threads || exit 1; echo "$k ok"; done'
+fi
 echo "=== summary" >> "$LOG"; cat "$SUM" | tee -a "$LOG"

@@ -83,8 +83,9 @@ def test_cross_process_roundtrip(kind, transport):
         data = bytes(m.copy_to_host())
         assert data == bytes((i * 7 + 1) & 0xFF for i in range(len(data))), "pattern"
         m.copy_from_host(bytes((i * 7 + 2) & 0xFF for i in range(m.nbytes)))
+        n = m.nbytes  # 0 once closed (dpctl's MemoryIPCDevice)
         IPCMemoryHandle.close_mapping(m)
-        print("child ok", m.nbytes)
+        print("child ok", n)
     """, h.to_bytes(), env={"USMIPC_FD_TRANSPORT": transport}))
     assert f"child ok {N}" in out
     assert bytes(mem.copy_to_host()) == pattern(N, 2)
@@ -114,6 +115,34 @@ def test_same_process_open_is_alias(kind):
     m2 = IPCMemoryHandle.open(IPCMemoryHandle(mem).to_bytes(), GPU)
     assert m2._pointer == mem._pointer
     IPCMemoryHandle.close_mapping(m2)
+
+
+def test_native_handle_opened_by_another_library_first():
+    """A legacy handle that CuPy opened in the importer first: usmipc opens
+    it too (the driver, 580 on the H200, maps it for both), both see the
+    exporter's bytes, and usmipc's mapping outlives CuPy's close."""
+    cupy = pytest.importorskip("cupy")
+    mem = device_mem(4096, "native")
+    mem.copy_from_host(pattern(4096, 9))
+    raw = IPCMemoryHandle(mem, ordered=False).to_bytes()
+    out = check(child("""
+        import struct, cupy
+        assert struct.unpack_from("<H", raw, 208)[0] == 64  # a CUipcMemHandle
+        p = cupy.cuda.runtime.ipcOpenMemHandle(raw[212:212 + 64])
+        theirs = cupy.ndarray((4096,), cupy.uint8,
+                              cupy.cuda.MemoryPointer(
+                                  cupy.cuda.UnownedMemory(p, 4096, None), 0))
+        m = IPCMemoryHandle.open(raw, usmipc.Device("cuda:gpu:0"),
+                                 ordered=False)
+        want = bytes((i * 7 + 9) & 0xFF for i in range(4096))
+        assert bytes(theirs.get()) == want, "CuPy's mapping"
+        assert bytes(m.copy_to_host()) == want, "usmipc's mapping"
+        cupy.cuda.runtime.ipcCloseMemHandle(p)
+        assert bytes(m.copy_to_host()) == want, "after CuPy's close"
+        print("both mappings ok", m.nbytes)
+        IPCMemoryHandle.close_mapping(m)
+    """, raw))
+    assert "both mappings ok 4096" in out, out
 
 
 def test_host_and_managed_memory_refused():
