@@ -9,9 +9,9 @@
  *    cuMemSetAccess + cuMemRelease + close(fd), timed as one (what usmipc's
  *    fd import does, minus its checks); close: cuMemUnmap + cuMemAddressFree.
  *
- * The CUDA driver comes through dlopen, like src/backend/cuda.c: the few
- * types it needs are declared here with cuda.h's layouts, so that the
- * benchmark builds without the CUDA toolkit. */
+ * The CUDA driver comes through dlopen, like src/backend/cuda.c, with the
+ * backend's declarations of cuda.h's types (src/backend/cuda_driver.h), so
+ * that the benchmark builds without the CUDA toolkit. */
 #include <dlfcn.h>
 #include <errno.h>
 #include <stdio.h>
@@ -23,44 +23,8 @@
 #include "ipc.h"
 #include "usmipc.h"
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef struct CUctx_st *CUcontext;
-typedef unsigned long long CUdeviceptr;
-typedef unsigned long long CUmemGenericAllocationHandle;
-typedef struct {
-  char reserved[64];
-} CUipcMemHandle;
-typedef struct {
-  int type; /* CUmemLocationType */
-  int id;
-} CUmemLocation;
-typedef struct {
-  int type;                 /* CUmemAllocationType */
-  int requestedHandleTypes; /* CUmemAllocationHandleType */
-  CUmemLocation location;
-  void *win32HandleMetaData;
-  struct {
-    unsigned char compressionType;
-    unsigned char gpuDirectRDMACapable;
-    unsigned short usage;
-    unsigned char reserved[4];
-  } allocFlags;
-} CUmemAllocationProp;
-typedef struct {
-  CUmemLocation location;
-  int flags; /* CUmemAccess_flags */
-} CUmemAccessDesc;
-
-enum {
-  CUDA_SUCCESS = 0,
-  CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1,
-  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
-  CU_MEM_ALLOCATION_TYPE_PINNED = 1,
-  CU_MEM_LOCATION_TYPE_DEVICE = 1,
-  CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
-  CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
-};
+/* The driver types and constants, shared with the backend. */
+#include "backend/cuda_driver.h"
 
 /* Versioned names spelled out: cuda.h maps some names by macro. */
 #define RAW_CUDA_SYMBOLS(X)                                                    \
