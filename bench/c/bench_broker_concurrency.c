@@ -474,6 +474,7 @@ static void usage(void) {
 }
 
 int main(int argc, char **argv) {
+  bench_name = "usmipc_bench_broker";
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   int n = cpus < 2 ? 2 : (int)cpus, rounds = 5;
   const char *json_path = NULL, *which = "both";
@@ -484,14 +485,9 @@ int main(int argc, char **argv) {
       opens = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--rounds") && i + 1 < argc)
       rounds = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--size") && i + 1 < argc) {
-      char *end;
-      size = strtoull(argv[++i], &end, 10);
-      if (*end == 'K' || *end == 'k')
-        size <<= 10;
-      else if (*end == 'M' || *end == 'm')
-        size <<= 20;
-    } else if (!strcmp(argv[i], "--transport") && i + 1 < argc)
+    else if (!strcmp(argv[i], "--size") && i + 1 < argc)
+      size = parse_size(argv[++i]);
+    else if (!strcmp(argv[i], "--transport") && i + 1 < argc)
       which = argv[++i];
     else if (!strcmp(argv[i], "--json") && i + 1 < argc)
       json_path = argv[++i];

@@ -139,6 +139,7 @@ typedef struct {
 } raw_event_handle_t;
 
 int main(int argc, char **argv) {
+  bench_name = "usmipc_bench_event";
   const char *json = NULL;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--device") && i + 1 < argc)
@@ -158,18 +159,11 @@ int main(int argc, char **argv) {
   if (k < 4)
     k = 4;
   /* Fork first: no driver may be initialised in the parent yet. */
-  int out[2], in[2];
-  if (pipe(out) != 0 || pipe(in) != 0)
-    die("pipe");
-  pid_t pid = fork();
-  if (pid == 0) {
-    close(out[0]);
-    close(in[1]);
-    exporter_main(fdopen(out[1], "w"), in[0]);
-  }
-  close(out[1]);
-  close(in[0]);
-  FILE *from = fdopen(out[0], "r");
+  int from_fd, to_fd;
+  pid_t pid = fork_with_pipes(&from_fd, &to_fd);
+  if (pid == 0)
+    exporter_main(fdopen(to_fd, "w"), from_fd);
+  FILE *from = fdopen(from_fd, "r");
   uint8_t(*handles)[HANDLE_MAX] = calloc((size_t)k, HANDLE_MAX);
   size_t *lens = calloc((size_t)k, sizeof(size_t));
   for (int i = 0; i < k; i++)
@@ -286,7 +280,7 @@ int main(int argc, char **argv) {
   }
   for (int i = 0; i < half; i++)
     usmipc_event_destroy(opened[i]);
-  close(in[1]);
+  close(to_fd);
   waitpid(pid, NULL, 0);
   return 0;
 }

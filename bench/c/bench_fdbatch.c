@@ -87,6 +87,7 @@ static double run(const char *transport, enum how how,
 }
 
 int main(int argc, char **argv) {
+  bench_name = "usmipc_bench_fdbatch";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (strcmp(argv[i], "--n") == 0)
       n_fds = (size_t)strtoul(argv[i + 1], NULL, 10);

@@ -149,19 +149,12 @@ typedef struct exporter {
 } exporter_t;
 
 static void exporter_start(exporter_t *e, int n) {
-  int out[2], in[2];
-  if (pipe(out) != 0 || pipe(in) != 0)
-    die("pipe");
-  pid_t pid = fork();
-  if (pid == 0) {
-    close(out[0]);
-    close(in[1]);
-    exporter_main(n, out[1], in[0]);
-  }
-  close(out[1]);
-  close(in[0]);
-  e->hangup = in[1];
-  FILE *f = fdopen(out[0], "r");
+  int from, to;
+  pid_t pid = fork_with_pipes(&from, &to);
+  if (pid == 0)
+    exporter_main(n, to, from);
+  e->hangup = to;
+  FILE *f = fdopen(from, "r");
   int pid_read;
   if (fscanf(f, "%d %d %d\n", &pid_read, &e->memfd, &e->n) != 3)
     die("exporter output");
@@ -303,26 +296,24 @@ static void report(FILE *json, series_t *s, const char *raw_name, double target,
 }
 
 int main(int argc, char **argv) {
+  bench_name = "usmipc_bench_first";
   int k = 40;
   size = 1 << 20;
   const char *json_path = NULL;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--k") && i + 1 < argc)
       k = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--size") && i + 1 < argc) {
-      char *end;
-      size = strtoull(argv[++i], &end, 10);
-      if (*end == 'K' || *end == 'k')
-        size <<= 10;
-      else if (*end == 'M' || *end == 'm')
-        size <<= 20;
-    } else if (!strcmp(argv[i], "--json") && i + 1 < argc)
+    else if (!strcmp(argv[i], "--size") && i + 1 < argc)
+      size = parse_size(argv[++i]);
+    else if (!strcmp(argv[i], "--json") && i + 1 < argc)
       json_path = argv[++i];
-    else {
-      fprintf(stderr, "usage: usmipc_bench_first [--k 40] [--size 1M] "
-                      "[--json FILE]\n");
-      return 2;
-    }
+    else
+      k = 0; /* the usage below */
+  }
+  if (k < 1 || size == 0) {
+    fprintf(stderr, "usage: usmipc_bench_first [--k 40] [--size 1M] "
+                    "[--json FILE]\n");
+    return 2;
   }
   signal(SIGPIPE, SIG_IGN);
   /* Exporters first, before this process touches usmipc (they are fork

@@ -100,6 +100,7 @@ static blob_t read_handle(int fd) {
 }
 
 int main(int argc, char **argv) {
+  bench_name = "usmipc_bench_pool";
   const char *filter = "host:cpu", *json = NULL;
   int nblocks = 100000;
   for (int i = 1; i < argc; i++) {
@@ -115,23 +116,16 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  int out[2], in[2];
-  if (pipe(out) != 0 || pipe(in) != 0)
-    die("pipe");
-  pid_t pid = fork();
-  if (pid == 0) {
-    close(out[0]);
-    close(in[1]);
-    exporter(filter, nblocks, out[1], in[0]);
-  }
-  close(out[1]);
-  close(in[0]);
+  int from, to;
+  pid_t pid = fork_with_pipes(&from, &to);
+  if (pid == 0)
+    exporter(filter, nblocks, to, from);
   blob_t by_size[NSIZES];
   for (size_t i = 0; i < NSIZES; i++)
-    by_size[i] = read_handle(out[0]);
+    by_size[i] = read_handle(from);
   blob_t *blocks = calloc((size_t)nblocks, sizeof(*blocks));
   for (int i = 0; i < nblocks; i++)
-    blocks[i] = read_handle(out[0]);
+    blocks[i] = read_handle(from);
 
   usmipc_device_t *dev;
   if (usmipc_device_select(filter, &dev) != 0)
@@ -208,7 +202,7 @@ int main(int argc, char **argv) {
   }
   for (int i = 0; i < nblocks; i++)
     usmipc_ipc_close(held[i]);
-  close(in[1]);
+  close(to);
   waitpid(pid, NULL, 0);
   return 0;
 }

@@ -125,6 +125,27 @@ int read_full(int fd, void *buf, size_t len) {
   return 0;
 }
 
+pid_t fork_with_pipes(int *from, int *to) {
+  int up[2], down[2]; /* child -> parent, parent -> child */
+  if (pipe(up) != 0 || pipe(down) != 0)
+    bench_die("pipe", 0);
+  pid_t pid = fork();
+  if (pid < 0)
+    bench_die("fork", 0);
+  if (pid == 0) {
+    close(up[0]);
+    close(down[1]);
+    *to = up[1];
+    *from = down[0];
+    return 0;
+  }
+  close(up[1]);
+  close(down[0]);
+  *from = up[0];
+  *to = down[1];
+  return pid;
+}
+
 pid_t spawn_self(const char *role, const char *env_name, const char *env_value,
                  int *to, int *from) {
   int in[2], out[2];

@@ -93,6 +93,12 @@ int read_full(int fd, void *buf, size_t len);
  * its stdin, *from its stdout. */
 pid_t spawn_self(const char *role, const char *env_name, const char *env_value,
                  int *to, int *from);
+/* fork(2) with a pipe each way, for an exporter child: in the parent it
+ * returns the child's pid, *from reading what the child writes and *to
+ * writing to the child; in the child it returns 0, *to being the child's
+ * write end and *from its read end. The ends the other side uses are closed
+ * on each side. Exits when a pipe or the fork fails. */
+pid_t fork_with_pipes(int *from, int *to);
 /* Reaps child pid, through EINTR. */
 void wait_child(pid_t pid);
 
