@@ -8,7 +8,12 @@
  * lock rests on an observation: run it unlocked and locked, several times,
  * and compare the exit statuses (139 = SIGSEGV) and the result codes.
  *
- *   probe_native_open_close [unlocked|locked] [THREADS] [ITERS]
+ *   probe_native_open_close [unlocked|locked] [THREADS] [ITERS] [distinct]
+ *
+ * With "distinct" each thread opens and closes a handle of its own (one
+ * allocation each) instead of all sharing one: the wall time, locked against
+ * unlocked, is what the lock costs concurrent first opens of different
+ * handles (if the driver serialises them anyway, nothing).
  *
  * It also prints, once, what a second open of a handle already open in this
  * process returns (docs/cuda.md relies on CUDA_ERROR_ALREADY_MAPPED). Built
@@ -16,10 +21,12 @@
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "backend/cuda_driver.h"
@@ -82,7 +89,8 @@ static CUcontext context(void) {
 /* ---- the importer's threads ---- */
 
 enum { MAX_CODES = 1024 };
-static CUipcMemHandle handle;
+static CUipcMemHandle handles[256];
+static int distinct;
 static CUcontext ctx;
 static int locked, iters;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -97,7 +105,7 @@ static void count(atomic_long *codes, CUresult rc) {
 }
 
 static void *worker(void *arg) {
-  (void)arg;
+  CUipcMemHandle handle = handles[distinct ? (int)(intptr_t)arg : 0];
   cu.cuCtxSetCurrent(ctx);
   for (int i = 0; i < iters; i++) {
     CUdeviceptr p = 0;
@@ -131,9 +139,10 @@ int main(int argc, char **argv) {
   locked = argc > 1 && strcmp(argv[1], "locked") == 0;
   int threads = argc > 2 ? atoi(argv[2]) : 8;
   iters = argc > 3 ? atoi(argv[3]) : 2000;
+  distinct = argc > 4 && strcmp(argv[4], "distinct") == 0;
   if (threads < 1 || threads > 256 || iters < 1) {
     fprintf(stderr, "usage: probe_native_open_close [unlocked|locked] "
-                    "[THREADS 1-256] [ITERS]\n");
+                    "[THREADS 1-256] [ITERS] [distinct]\n");
     return 2;
   }
   load();
@@ -147,16 +156,18 @@ int main(int argc, char **argv) {
     close(up[0]);
     close(down[1]);
     context();
-    CUdeviceptr d;
-    CUipcMemHandle h;
-    CUresult rc;
-    if ((rc = cu.cuMemAlloc(&d, 1 << 20)) != CUDA_SUCCESS ||
-        (rc = cu.cuIpcGetMemHandle(&h, d)) != CUDA_SUCCESS) {
-      fprintf(stderr, "probe exporter: %s\n", name(rc));
-      _exit(1);
+    for (int i = 0; i < threads; i++) {
+      CUdeviceptr d;
+      CUipcMemHandle h;
+      CUresult rc;
+      if ((rc = cu.cuMemAlloc(&d, 1 << 20)) != CUDA_SUCCESS ||
+          (rc = cu.cuIpcGetMemHandle(&h, d)) != CUDA_SUCCESS) {
+        fprintf(stderr, "probe exporter: %s\n", name(rc));
+        _exit(1);
+      }
+      if (write(up[1], &h, sizeof(h)) != (ssize_t)sizeof(h))
+        _exit(1);
     }
-    if (write(up[1], &h, sizeof(h)) != (ssize_t)sizeof(h))
-      _exit(1);
     char c;
     while (read(down[0], &c, 1) > 0) {
     }
@@ -164,7 +175,8 @@ int main(int argc, char **argv) {
   }
   close(up[1]);
   close(down[0]);
-  if (read(up[0], &handle, sizeof(handle)) != (ssize_t)sizeof(handle)) {
+  ssize_t want = (ssize_t)(sizeof(handles[0]) * (size_t)threads);
+  if (read(up[0], handles, (size_t)want) != want) {
     fprintf(stderr, "probe: the exporter sent no handle\n");
     return 1;
   }
@@ -173,9 +185,9 @@ int main(int argc, char **argv) {
   /* Once: a second open of a handle this process has open. */
   CUdeviceptr a = 0, b = 0;
   CUresult r1 =
-      cu.cuIpcOpenMemHandle(&a, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+      cu.cuIpcOpenMemHandle(&a, handles[0], CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
   CUresult r2 =
-      cu.cuIpcOpenMemHandle(&b, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+      cu.cuIpcOpenMemHandle(&b, handles[0], CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
   printf("second open of an open handle: first %s, second %s%s\n", name(r1),
          name(r2),
          r2 == CUDA_SUCCESS ? (a == b ? " (same address)" : " (new address)")
@@ -188,12 +200,20 @@ int main(int argc, char **argv) {
     printf("  close once more: %s\n", name(cu.cuIpcCloseMemHandle(a)));
 
   pthread_t t[256];
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
   for (int i = 0; i < threads; i++)
-    pthread_create(&t[i], NULL, worker, NULL);
+    pthread_create(&t[i], NULL, worker, (void *)(intptr_t)i);
   for (int i = 0; i < threads; i++)
     pthread_join(t[i], NULL);
-  printf("%s, %d threads x %d open/close of one handle:\n",
-         locked ? "locked" : "unlocked", threads, iters);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double us = (double)(t1.tv_sec - t0.tv_sec) * 1e6 +
+              (double)(t1.tv_nsec - t0.tv_nsec) / 1e3;
+  printf("%s, %d threads x %d open/close of %s: %.0f ms, %.2f us per "
+         "open+close\n",
+         locked ? "locked" : "unlocked", threads, iters,
+         distinct ? "a handle each" : "one handle", us / 1e3,
+         us / ((double)threads * iters));
   print_codes("open", open_codes);
   print_codes("close", close_codes);
   if (atomic_load(&other_codes))
