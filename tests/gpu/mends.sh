@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The GPU runs of the mends after issue 13 (release tickets for bundles, the
+# extension's shared helpers, the CUDA declarations' header, the driver
+# probe behind the legacy-handle lock), in halves that each fit one device
+# call:
+#
+#   OUT=/tmp/out bash tests/gpu/mends.sh a   build, the driver probe
+#       (unlocked and locked, one handle and a handle per thread), the C
+#       suite on CUDA (fd, native), the --raw benchmark peer
+#   OUT=/tmp/out bash tests/gpu/mends.sh probe   build and the probe alone
+#   OUT=/tmp/out bash tests/gpu/mends.sh b   build, tests/gpu/test_bundles.py,
+#       test_events.py, test_cuda.py, tests/python on the GPU machine, the demo
+#
+# Every step runs even if one fails; logs to $OUT/mends-<half>.log and a
+# summary line per step in $OUT/summary-<half>.txt.
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/usmipc-gpu}; mkdir -p "$OUT"
+half=${1:-a}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+LOG="$OUT/mends-$half.log"; SUM="$OUT/summary-$half.txt"; : > "$LOG"; : > "$SUM"
+step() { # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  echo "=== $name: $*" >> "$LOG"
+  if timeout "$limit" bash -c "$(declare -f build install probe 2>/dev/null); \"\$@\"" step "$@" >> "$LOG" 2>&1
+  then r=pass; else r="FAIL($?)"; fi
+  echo "$name $r $(( $(date +%s) - t0 ))s" | tee -a "$SUM" >> "$LOG"
+}
+{ date -u; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+  python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)'
+} >> "$LOG" 2>&1
+
+build() {
+  cmake -S . -B build-gpu -DUSMIPC_WERROR=ON > /dev/null &&
+    cmake --build build-gpu -j 16 2>&1 | grep -E "error|warning|Built target usmipc_tests"
+}
+install() {
+  python3 -m pip install -q --no-build-isolation --no-index --no-deps .
+}
+# The driver, threads opening and closing legacy handles at once: each run
+# in a process of its own, so that a crash (exit 139) is counted, not fatal.
+probe() {
+  local p=build-gpu/tests/c/probe_native_open_close crashes=0
+  for mode in unlocked unlocked unlocked unlocked unlocked unlocked locked locked; do
+    "$p" $mode 8 2000; rc=$?
+    echo "exit $rc ($mode)"; [ $rc -ge 128 ] && crashes=$((crashes + 1))
+  done
+  for mode in unlocked locked unlocked locked; do
+    "$p" $mode 8 500 distinct; echo "exit $? ($mode, distinct)"
+  done
+  "$p" unlocked 1 4000 distinct; echo "exit $? (one thread)"
+  echo "crashes: $crashes"
+}
+
+if [ "$half" = probe ]; then
+  step build 240 build
+  step probe 240 probe
+fi
+if [ "$half" = a ]; then
+  step build 240 build
+  step probe 240 probe
+  step c-cuda-fd 200 env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=fd build-gpu/tests/c/usmipc_tests
+  step c-cuda-native 200 env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native build-gpu/tests/c/usmipc_tests
+  step raw-native 60 build-gpu/bench/usmipc_bench --raw --device cuda:gpu:0 --kind native --sizes 4096,1048576 --k 10 --rounds 1
+  step raw-fd 60 build-gpu/bench/usmipc_bench --raw --device cuda:gpu:0 --kind fd --sizes 4096,1048576 --k 10 --rounds 1
+fi
+if [ "$half" = b ]; then
+  step build 240 build
+  step pip 120 install
+  step bundles 200 python3 -m pytest -q -rs tests/gpu/test_bundles.py
+  step events 200 python3 -m pytest -q -rs tests/gpu/test_events.py
+  step test-cuda 300 python3 -m pytest -q -rs tests/gpu/test_cuda.py
+  step pytest-host 240 python3 -m pytest -q -rs tests/python
+  step demo-cuda 60 python3 -m usmipc demo --device cuda:gpu
+fi
+echo "=== summary" >> "$LOG"; cat "$SUM" | tee -a "$LOG"
