@@ -175,8 +175,13 @@ int main(int argc, char **argv) {
   }
   close(up[1]);
   close(down[0]);
-  ssize_t want = (ssize_t)(sizeof(handles[0]) * (size_t)threads);
-  if (read(up[0], handles, (size_t)want) != want) {
+  /* The exporter writes a handle at a time: read until all have come. */
+  size_t want = sizeof(handles[0]) * (size_t)threads, got = 0;
+  ssize_t n = 1;
+  while (got < want && n > 0)
+    if ((n = read(up[0], (char *)handles + got, want - got)) > 0)
+      got += (size_t)n;
+  if (got != want) {
     fprintf(stderr, "probe: the exporter sent no handle\n");
     return 1;
   }
