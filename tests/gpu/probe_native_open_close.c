@@ -145,8 +145,7 @@ int main(int argc, char **argv) {
                     "[THREADS 1-256] [ITERS] [distinct]\n");
     return 2;
   }
-  load();
-  /* The exporter: a child (fork before any CUDA call in the parent) that
+  /* The exporter: a child (forked before the parent loads the driver) that
    * allocates, sends the handle and lives until the parent hangs up. */
   int up[2], down[2];
   if (pipe(up) != 0 || pipe(down) != 0)
@@ -155,6 +154,7 @@ int main(int argc, char **argv) {
   if (pid == 0) {
     close(up[0]);
     close(down[1]);
+    load();
     context();
     for (int i = 0; i < threads; i++) {
       CUdeviceptr d;
@@ -182,9 +182,16 @@ int main(int argc, char **argv) {
     if ((n = read(up[0], (char *)handles + got, want - got)) > 0)
       got += (size_t)n;
   if (got != want) {
-    fprintf(stderr, "probe: the exporter sent no handle\n");
+    int status = 0;
+    waitpid(pid, &status, 0);
+    fprintf(stderr,
+            "probe: the exporter sent %zu of %zu handle bytes and ended "
+            "with %s %d\n",
+            got, want, WIFSIGNALED(status) ? "signal" : "exit status",
+            WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
     return 1;
   }
+  load();
   ctx = context();
 
   /* Once: a second open of a handle this process has open. */
