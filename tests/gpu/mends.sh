@@ -33,6 +33,7 @@ step() { # step NAME SECONDS COMMAND...
 } >> "$LOG" 2>&1
 
 build() {
+  set -o pipefail # a failed build fails the step, whatever grep finds
   cmake -S . -B build-gpu -DUSMIPC_WERROR=ON > /dev/null &&
     cmake --build build-gpu -j 16 2>&1 | grep -E "error|warning|Built target usmipc_tests"
 }

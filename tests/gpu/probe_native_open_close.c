@@ -175,12 +175,19 @@ int main(int argc, char **argv) {
   }
   close(up[1]);
   close(down[0]);
-  /* The exporter writes a handle at a time: read until all have come. */
+  /* The exporter writes a handle at a time: read each until it has come. */
   size_t want = sizeof(handles[0]) * (size_t)threads, got = 0;
-  ssize_t n = 1;
-  while (got < want && n > 0)
-    if ((n = read(up[0], (char *)handles + got, want - got)) > 0)
-      got += (size_t)n;
+  for (int i = 0; i < threads; i++) {
+    size_t have = 0;
+    ssize_t n = 1;
+    while (have < sizeof(handles[i]) && n > 0)
+      if ((n = read(up[0], handles[i].reserved + have,
+                    sizeof(handles[i]) - have)) > 0)
+        have += (size_t)n;
+    got += have;
+    if (have < sizeof(handles[i]))
+      break;
+  }
   if (got != want) {
     int status = 0;
     waitpid(pid, &status, 0);
