@@ -30,8 +30,10 @@ static int sys_fail(const char *what) {
   if (e == EMFILE || e == ENFILE)
     return usmipc__fail_native(USMIPC_EMFILE, e,
                                "%s: %s: every exported host allocation holds "
-                               "one file descriptor; free some, or raise the "
-                               "limit (ulimit -n)",
+                               "one file descriptor; free some, raise the "
+                               "limit (ulimit -n), or share many small "
+                               "buffers as blocks of one pool "
+                               "(usmipc_pool_create, docs/pools.md)",
                                what, strerror(e));
   return usmipc__fail_native(usmipc__errno_code(e), e, "%s: %s", what,
                              strerror(e));

@@ -1552,6 +1552,14 @@ TEST_IMPL(trust_fd_limit_code) {
   ASSERT_MSG(strcasestr(reply_message(&ag), "descriptor") != NULL,
              "the message does not mention descriptors: %s",
              reply_message(&ag));
+  /* It names the ways out, the pool being the one for many small buffers. */
+  ASSERT_MSG(strstr(reply_message(&ag), "ulimit -n") != NULL &&
+                 strstr(reply_message(&ag), "pool") != NULL,
+             "the message names neither ulimit -n nor pools: %s",
+             reply_message(&ag));
+  /* Nothing was lost: with one freed, the next allocation fits again. */
+  AGENT_OK(&ag, "free %d", i - 2);
+  AGENT_OK(&ag, "alloc %d device 4096", i - 2);
   /* Back to a normal limit: LeakSanitizer needs descriptors at exit. */
   AGENT_OK(&ag, "nofile 1024");
   agent_stop_ok(&ag);
