@@ -1187,6 +1187,22 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
                         "is a %s device; open it on a %s device",
                         usmipc_backend_name(w->backend), device->filter,
                         device->ops->name, usmipc_backend_name(w->backend));
+  const char *no_backend = NULL;
+  if (owner == NULL && device == NULL &&
+      usmipc_backend_status(w->backend, &no_backend) != 0) {
+    /* Not one device of the handle's backend here: no device to name. */
+    char uuid[37];
+    usmipc__uuid_format(w->device_uuid, uuid);
+    return usmipc__fail(
+        USMIPC_EUNAVAILABLE,
+        "the handle holds memory of %s device %s, but this process has no %s "
+        "device to map it on (%s)%s",
+        usmipc_backend_name(w->backend), uuid, usmipc_backend_name(w->backend),
+        no_backend,
+        w->backend == USMIPC_BACKEND_CUDA
+            ? "; CUDA_VISIBLE_DEVICES may hide every GPU from this process"
+            : "");
+  }
   if (owner == NULL &&
       (device == NULL || !device->ops->ipc_import_hidden_owner)) {
     /* A device hidden from this process (CUDA_VISIBLE_DEVICES): a backend

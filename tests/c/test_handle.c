@@ -344,6 +344,20 @@ TEST_IMPL(handle_wrong_backend) {
     /* On the device the handle names: no such device here. */
     ASSERT_ERR3(open_here(b, len, NULL), USMIPC_EWRONGDEVICE, USMIPC_EBADHANDLE,
                 USMIPC_EUNAVAILABLE);
+    /* Where the backend has no device at all, the message says so and why,
+     * rather than asking for a device of it to be named. */
+    const char *why = NULL;
+    if (usmipc_backend_status(other, &why) != 0) {
+      ASSERT_ERR(open_here(b, len, NULL), USMIPC_EUNAVAILABLE);
+      char want[64];
+      snprintf(want, sizeof(want), "this process has no %s device",
+               usmipc_backend_name(other));
+      ASSERT_MSG(strstr(usmipc_last_error(), want) != NULL &&
+                     strstr(usmipc_last_error(), why) != NULL,
+                 "%s", usmipc_last_error());
+      if (other == USMIPC_BACKEND_CUDA)
+        ASSERT(strstr(usmipc_last_error(), "CUDA_VISIBLE_DEVICES") != NULL);
+    }
   }
   ASSERT_EQ(others, 2);
   /* Backend numbers that do not exist are malformed. */

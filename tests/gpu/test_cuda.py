@@ -367,6 +367,31 @@ def test_bad_handles(kind):
         IPCMemoryHandle.open(raw, usmipc.Device("host:cpu"))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_open_where_no_gpu_is_visible(kind):
+    """An importer that CUDA_VISIBLE_DEVICES leaves without a GPU gets an
+    error that says so (and why the backend has no device), not advice to
+    name a GPU it does not have, and not a crash."""
+    mem = device_mem(4096, kind)
+    out = check(child("""
+        try:
+            IPCMemoryHandle.open(raw)
+        except usmipc.Error as e:
+            print(e.name, "|", e)
+        else:
+            print("opened")
+        try:
+            IPCMemoryHandle.open(raw, usmipc.Device("host"))
+        except usmipc.Error as e:
+            print(e.name, "|", e)
+    """, IPCMemoryHandle(mem).to_bytes(), env={"CUDA_VISIBLE_DEVICES": ""}))
+    first, second = out.strip().splitlines()[-2:]
+    assert first.startswith("USMIPC_EUNAVAILABLE |"), out
+    assert "this process has no cuda device" in first, out
+    assert "CUDA_VISIBLE_DEVICES" in first, out
+    assert second.startswith("USMIPC_EWRONGDEVICE |"), out
+
+
 # ---- across GPUs --------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)
