@@ -252,6 +252,18 @@ static usmipc__region_t *idle_drop_dead(usmipc__region_t *evicted) {
   return evicted;
 }
 
+/* Unmaps every idle mapping, for an import that ran out of room: the cache
+ * must never be why an open fails. Returns whether there was any. */
+static bool idle_drop_all(void) {
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__region_t *evicted = NULL;
+  while (idle_tail != NULL)
+    idle_detach(idle_tail, &evicted);
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  unmap_list(evicted);
+  return evicted != NULL;
+}
+
 /* Sets one of the cache's bounds and evicts what no longer fits. */
 static int set_cache_limit(size_t *limit, size_t value) {
   pthread_once(&cache_once, cache_init);
@@ -1346,10 +1358,21 @@ static int open_mapping(const usmipc__wire_t *w, usmipc_device_t *device,
     for (uint32_t i = 0; i < nchunks; i++)
       close(chunk_fds[i]);
   } else {
+    bool cache_dropped = false;
     for (;;) {
       rc = device->ops->ipc_import(
           device->native, owner != NULL ? owner->native : NULL, &w->payload, fd,
           w->allocation_size, &r->alloc);
+      /* Out of room (address space, device memory for a mapping): idle
+       * mappings of this cache may be what fills it. Drop them, once. */
+      if (rc == USMIPC_ENOMEM && !cache_dropped) {
+        cache_dropped = true;
+        if (idle_drop_all()) {
+          usmipc__debug("open: out of room; dropped the idle mappings and "
+                        "trying again");
+          continue;
+        }
+      }
       if (rc != USMIPC__IMPORT_BUSY) {
         USMIPC__STAT_ADD(driver_imports, 1);
         break;

@@ -278,6 +278,13 @@ static int host_ipc_import(void *dev, void *owner,
                         (unsigned long long)allocation_size,
                         (long long)st.st_size);
   void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED && errno == ENOMEM)
+    return usmipc__fail_native(
+        USMIPC_ENOMEM, ENOMEM,
+        "mapping the exporter's %zu bytes: this process has no room left in "
+        "its address space (ulimit -v / RLIMIT_AS, or too many mappings: "
+        "vm.max_map_count); close mappings it no longer needs",
+        size);
   if (p == MAP_FAILED)
     return sys_fail("mmap of the exporter's memory");
   out->base = p;

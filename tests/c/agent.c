@@ -237,6 +237,36 @@ static void do_nofile(const char *arg) {
   reply_ok("%llu %zu", (unsigned long long)limit, open_now);
 }
 
+/* aslimit +MIB | aslimit off: sets the soft RLIMIT_AS to the address space
+ * in use now (VmSize) plus MIB MiB, or back to the hard limit. */
+static void do_aslimit(const char *arg) {
+  struct rlimit rl;
+  if (arg == NULL || getrlimit(RLIMIT_AS, &rl) != 0) {
+    reply_err(USMIPC_EINVAL, "usage: aslimit +MIB|off");
+    return;
+  }
+  if (strcmp(arg, "off") == 0) {
+    rl.rlim_cur = rl.rlim_max;
+  } else {
+    unsigned long long pages = 0;
+    FILE *f = fopen("/proc/self/statm", "re");
+    if (f == NULL || fscanf(f, "%llu", &pages) != 1) {
+      if (f != NULL)
+        fclose(f);
+      reply_err(USMIPC_EIO, "cannot read /proc/self/statm");
+      return;
+    }
+    fclose(f);
+    rl.rlim_cur = (rlim_t)(pages * (unsigned long long)sysconf(_SC_PAGESIZE) +
+                           (strtoull(arg + (arg[0] == '+'), NULL, 10) << 20));
+  }
+  if (setrlimit(RLIMIT_AS, &rl) != 0) {
+    reply_err(-errno, strerror(errno));
+    return;
+  }
+  reply_ok("%llu", (unsigned long long)rl.rlim_cur);
+}
+
 static int agent_queue(void) {
   return queue != NULL ? 0 : usmipc_queue_create(test_device(), &queue);
 }
@@ -430,6 +460,8 @@ static void do_command(char *line) {
     }
   } else if (strcmp(cmd, "nofile") == 0) {
     do_nofile(a1);
+  } else if (strcmp(cmd, "aslimit") == 0) {
+    do_aslimit(a1);
   } else if (strcmp(cmd, "cache") == 0) {
     r = usmipc_ipc_set_cache_size((size_t)strtoull(a1 ? a1 : "0", NULL, 10));
     if (r)

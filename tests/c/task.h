@@ -246,6 +246,8 @@ void fork_beside_thread(void (*step)(void *), void *arg, int forks,
  *                              of the slot's first handle)
  *   nofile N | nofile +K    -> ok LIMIT OPEN       (soft RLIMIT_NOFILE to N,
  *                              or to the open descriptors + K)
+ *   aslimit +MIB | off      -> ok LIMIT            (soft RLIMIT_AS to the
+ *                              address space in use + MIB MiB, or the hard)
  *   unshare net             -> ok                  (unshare(CLONE_NEWNET))
  * Any failure of a usmipc call replies "err CODE NAME message". */
 /* Room for one reply line, and for a handle as hex. */

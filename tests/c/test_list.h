@@ -90,6 +90,7 @@
   X(trust_container_socket_dir_machine_id)                                     \
   X(trust_container_socket_dir_userns)                                         \
   X(trust_fd_limit_code)                                                       \
+  X(trust_importer_out_of_address_space)                                       \
   X(trust_idle_cache_drop_freed)                                               \
   X(trust_idle_cache_byte_cap)                                                 \
   X(trust_sealed_memfd)                                                        \

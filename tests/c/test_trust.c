@@ -1566,6 +1566,74 @@ TEST_IMPL(trust_fd_limit_code) {
   return 0;
 }
 
+/* ---- trust_importer_out_of_address_space ----------------------------------
+ * An importer that cannot map (RLIMIT_AS, as under a memory cap): the open
+ * fails with USMIPC_ENOMEM and a message that says how much it tried to map,
+ * keeps no descriptor it fetched, and the same handle opens with the right
+ * bytes once the importer has room again. Idle mappings of the import cache
+ * never cause the failure: an open out of room drops them and tries again.
+ * The exporter is not disturbed. */
+
+TEST_IMPL(trust_importer_out_of_address_space) {
+  REQUIRE_HOST();
+#if defined(__SANITIZE_ADDRESS__) || TSAN_BUILD
+  RETURN_SKIP("the sanitizers reserve terabytes of shadow: RLIMIT_AS would "
+              "stop them first");
+#endif
+  static char small[HEX_MAX], big[HEX_MAX];
+  agent_t ex, im;
+  agent_start(&ex, NULL);
+  agent_start(&im, NULL);
+  agent_export(&ex, 4096, 1301, small, sizeof(small));
+  AGENT_OK(&ex, "alloc 1 device %zu", (size_t)256 * MiB);
+  AGENT_OK(&ex, "fill 1 1302");
+  AGENT_OK(&ex, "export 1 0 0");
+  snprintf(big, sizeof(big), "%s", ex.reply);
+  /* First contact made, so that only the mapping is left to fail. */
+  AGENT_OK(&im, "cache 0");
+  AGENT_OK(&im, "open 0 %s 0", small);
+  AGENT_OK(&im, "close 0");
+  AGENT_OK(&im, "fds");
+  const size_t fds0 = strtoull(im.reply, NULL, 10);
+  AGENT_OK(&im, "aslimit +64");
+  int r = agent_call(&im, "open 1 %s 0", big);
+  printf("open under RLIMIT_AS: %s\n", im.reply);
+  ASSERT_MSG(r == USMIPC_ENOMEM, "got %d: %s", r, im.reply);
+  ASSERT_MSG(strstr(reply_message(&im), "268435456") != NULL ||
+                 strstr(reply_message(&im), "256 MiB") != NULL,
+             "the message does not say what it tried to map: %s",
+             reply_message(&im));
+  AGENT_OK(&im, "aslimit off");
+  AGENT_OK(&im, "fds");
+  ASSERT_EQ(strtoull(im.reply, NULL, 10), fds0);
+  AGENT_OK(&im, "open 1 %s 0", big);
+  AGENT_OK(&im, "check 1 1302");
+  AGENT_OK(&im, "close 1");
+  AGENT_OK(&ex, "check 1 1302");
+
+  /* 4 x 64 MiB kept idle by the cache, then room for 64 MiB more: the big
+   * buffer fits only if the open drops the idle mappings. */
+  static char mid[4][HEX_MAX];
+  for (int i = 0; i < 4; i++) {
+    AGENT_OK(&ex, "alloc %d device %zu", 2 + i, 64 * MiB);
+    AGENT_OK(&ex, "export %d 0 0", 2 + i);
+    snprintf(mid[i], sizeof(mid[i]), "%s", ex.reply);
+  }
+  AGENT_OK(&im, "cache 64");
+  for (int i = 0; i < 4; i++) {
+    AGENT_OK(&im, "open %d %s 0", 2 + i, mid[i]);
+    AGENT_OK(&im, "close %d", 2 + i);
+  }
+  AGENT_OK(&im, "aslimit +64");
+  AGENT_OK(&im, "open 1 %s 0", big);
+  AGENT_OK(&im, "check 1 1302");
+  AGENT_OK(&im, "close 1");
+  AGENT_OK(&im, "aslimit off");
+  agent_stop_ok(&im);
+  agent_stop_ok(&ex);
+  return 0;
+}
+
 /* ---- trust_idle_cache_drop_freed / _byte_cap -------------------------------
  * A producer streams fresh 256 MiB buffers (each filled, so its pages
  * exist); the importer opens each, reads a few bytes, closes; the producer
