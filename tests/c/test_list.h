@@ -99,6 +99,7 @@
   X(trust_kept_connection)                                                     \
   X(trust_kept_connection_fork)                                                \
   X(trust_broker_threads)                                                      \
+  X(trust_importers_killed_mid_open)                                           \
   X(dmabuf_check_refuses_others)                                               \
   X(dmabuf_check_cuda)                                                         \
   X(event_local)                                                               \

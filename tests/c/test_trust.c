@@ -2069,3 +2069,105 @@ TEST_IMPL(trust_broker_threads) {
   agent_stop_ok(&ex);
   return 0;
 }
+
+/* ---- trust_importers_killed_mid_open ---------------------------------------
+ * Importers SIGKILLed at random moments while they open and close (over the
+ * broker's socket, and by pidfd): the exporter must not keep a descriptor or
+ * a thread for any of them, and must serve the next importer at once with
+ * the right bytes. */
+
+/* Entries of /proc/<pid>/<what> (fd or task). */
+static size_t proc_entries(pid_t pid, const char *what) {
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%d/%s", (int)pid, what);
+  DIR *d = opendir(path);
+  ASSERT_NOT_NULL(d);
+  size_t n = 0;
+  for (struct dirent *e; (e = readdir(d)) != NULL;)
+    n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+enum { KILLED_BUFFERS = 8, KILLED_ROUNDS = 80 };
+static uint8_t killed_handles[KILLED_BUFFERS][1024];
+static size_t killed_lens[KILLED_BUFFERS];
+
+/* The importer: opens, reads and closes every buffer, rounds times (0:
+ * until killed); exits 0 when every byte read was right. */
+static void killed_importer(const char *transport, int rounds) {
+  setenv("USMIPC_FD_TRANSPORT", transport, 1);
+  usmipc_ipc_set_cache_size(0);
+  for (int r = 0; rounds == 0 || r < rounds; r++)
+    for (int b = 0; b < KILLED_BUFFERS; b++) {
+      void *p = NULL;
+      if (usmipc_ipc_open(killed_handles[b], killed_lens[b], NULL, 0, &p,
+                          NULL) != 0 ||
+          pattern_check(p, 4096, 1400 + (uint64_t)b, 0) != SIZE_MAX ||
+          usmipc_ipc_close(p) != 0)
+        _exit(1);
+    }
+  _exit(0);
+}
+
+TEST_IMPL(trust_importers_killed_mid_open) {
+  REQUIRE_HOST();
+  agent_t ex;
+  agent_start(&ex, NULL);
+  for (int b = 0; b < KILLED_BUFFERS; b++) {
+    AGENT_OK(&ex, "alloc %d device 262144", b);
+    AGENT_OK(&ex, "fill %d %d", b, 1400 + b);
+    AGENT_OK(&ex, "export %d 0 0", b);
+    killed_lens[b] = hex_bytes(ex.reply, killed_handles[b], 1024);
+  }
+  static const char *const transports[] = {"socket", "pidfd"};
+  /* The baseline: after one importer of each transport came and went. */
+  for (int t = 0; t < 2; t++) {
+    pid_t pid = fork();
+    if (pid == 0)
+      killed_importer(transports[t], 1);
+    ASSERT_EQ(exit_code_of(wait_pid_timeout(pid, 20)), 0);
+  }
+  const size_t fds0 = proc_entries(ex.pid, "fd");
+  const size_t threads0 = proc_entries(ex.pid, "task");
+  uint64_t seed = 0x9e3779b97f4a7c15ull;
+  for (int r = 0; r < KILLED_ROUNDS; r++) {
+    pid_t pid = fork();
+    if (pid == 0)
+      killed_importer(transports[r % 2], 0);
+    seed ^= seed << 13, seed ^= seed >> 7, seed ^= seed << 17;
+    usleep(100 + (useconds_t)(seed % 3000));
+    kill(pid, SIGKILL);
+    int status = wait_pid_timeout(pid, 20);
+    ASSERT_MSG(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL,
+               "importer %d ended before it was killed (status %#x)", r,
+               status);
+  }
+  /* The broker notices a dead peer's socket at once: allow it a moment. */
+  size_t fds = 0, threads = 0;
+  for (int i = 0; i < 300; i++) {
+    fds = proc_entries(ex.pid, "fd");
+    threads = proc_entries(ex.pid, "task");
+    if (fds == fds0 && threads == threads0)
+      break;
+    usleep(10000);
+  }
+  printf("exporter after %d killed importers: fds %zu -> %zu, threads %zu -> "
+         "%zu\n",
+         KILLED_ROUNDS, fds0, fds, threads0, threads);
+  ASSERT_EQ(fds, fds0);
+  ASSERT_EQ(threads, threads0);
+  /* The next importer is served at once, with the right bytes. */
+  for (int t = 0; t < 2; t++) {
+    double t0 = now_seconds();
+    pid_t pid = fork();
+    if (pid == 0)
+      killed_importer(transports[t], 3);
+    ASSERT_EQ(exit_code_of(wait_pid_timeout(pid, 20)), 0);
+    ASSERT_LT(now_seconds() - t0, 2.0);
+  }
+  for (int b = 0; b < KILLED_BUFFERS; b++)
+    AGENT_OK(&ex, "check %d %d", b, 1400 + b);
+  agent_stop_ok(&ex);
+  return 0;
+}
