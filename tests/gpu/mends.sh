@@ -6,7 +6,8 @@
 #
 #   OUT=/tmp/out bash tests/gpu/mends.sh a   build, the driver probe
 #       (unlocked and locked, one handle and a handle per thread), the C
-#       suite on CUDA (fd, native), the --raw benchmark peer
+#       suite on CUDA (fd, native), the threaded legacy-handle tests again
+#       (5 and 10 runs), the --raw benchmark peer
 #   OUT=/tmp/out bash tests/gpu/mends.sh probe   build and the probe alone
 #   OUT=/tmp/out bash tests/gpu/mends.sh b   build, tests/gpu/test_bundles.py,
 #       test_events.py, test_cuda.py, tests/python on the GPU machine, the demo
@@ -64,6 +65,9 @@ if [ "$half" = a ]; then
   step probe 240 probe
   step c-cuda-fd 200 env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=fd build-gpu/tests/c/usmipc_tests
   step c-cuda-native 200 env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native build-gpu/tests/c/usmipc_tests
+  # The striped legacy-handle locks: the tests of threads opening at once.
+  step same-handle-x5 120 bash -c 'for i in 1 2 3 4 5; do USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native build-gpu/tests/c/usmipc_tests ipc_open_same_handle_threads > /dev/null || exit 1; done; echo 5 passed'
+  step no-leak-uncached-x10 200 bash -c 'for i in $(seq 10); do USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=native build-gpu/tests/c/usmipc_tests ipc_no_leak_uncached 2>&1 | tail -2; [ ${PIPESTATUS[0]} -eq 0 ] || exit 1; done'
   step raw-native 60 build-gpu/bench/usmipc_bench --raw --device cuda:gpu:0 --kind native --sizes 4096,1048576 --k 10 --rounds 1
   step raw-fd 60 build-gpu/bench/usmipc_bench --raw --device cuda:gpu:0 --kind fd --sizes 4096,1048576 --k 10 --rounds 1
 fi
