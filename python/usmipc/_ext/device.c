@@ -59,10 +59,7 @@ static PyObject *device_new(PyTypeObject *type, PyObject *args,
 }
 
 static void device_dealloc(PyObject *self) {
-  PyTypeObject *tp = Py_TYPE(self);
-  freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
-  tp_free(self);
-  Py_DECREF(tp);
+  usmipc_object_free(self);
 }
 
 static PyObject *device_get_name(PyObject *self, void *closure) {

@@ -56,8 +56,7 @@ static PyObject *event_wrap(usmipc_module_state_t *st, PyObject *device_obj,
     usmipc_event_destroy(event);
     return usmipc_state_cleared();
   }
-  allocfunc alloc = (allocfunc)PyType_GetSlot(st->EventType, Py_tp_alloc);
-  Event *self = (Event *)alloc(st->EventType, 0);
+  Event *self = (Event *)usmipc_object_alloc(st->EventType);
   if (self == NULL) {
     usmipc_event_destroy(event);
     return NULL;
@@ -113,7 +112,6 @@ static int event_clear(PyObject *op) {
 
 static void event_dealloc(PyObject *op) {
   Event *self = (Event *)op;
-  PyTypeObject *tp = Py_TYPE(op);
   PyObject_GC_UnTrack(op);
   if (self->event != NULL) {
     usmipc_event_t *event = self->event;
@@ -123,9 +121,7 @@ static void event_dealloc(PyObject *op) {
     Py_END_ALLOW_THREADS
   }
   event_clear(op);
-  freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
-  tp_free(op);
-  Py_DECREF(tp);
+  usmipc_object_free(op);
 }
 
 /* The queue of a stream= argument (new reference): the event's device's
@@ -383,8 +379,7 @@ static PyObject *ehandle_new(PyTypeObject *type, PyObject *args,
         "IPCEventHandle(): this Event was opened from a handle; forward the "
         "original handle bytes instead");
   }
-  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
-  EventHandle *self = (EventHandle *)alloc(type, 0);
+  EventHandle *self = (EventHandle *)usmipc_object_alloc(type);
   if (self == NULL) {
     return NULL;
   }
@@ -491,8 +486,7 @@ static PyObject *ehandle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
   if (ehandle_bytes(st, raw, &data, &len, &view, &have_view) < 0) {
     return NULL;
   }
-  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
-  EventHandle *self = (EventHandle *)alloc(type, 0);
+  EventHandle *self = (EventHandle *)usmipc_object_alloc(type);
   if (self != NULL) {
     int rc = usmipc_ipc_handle_inspect(data, (size_t)len, &self->info);
     if (rc < 0) {
@@ -611,7 +605,6 @@ static int ehandle_clear(PyObject *op) {
 
 static void ehandle_dealloc(PyObject *op) {
   EventHandle *self = (EventHandle *)op;
-  PyTypeObject *tp = Py_TYPE(op);
   PyObject_GC_UnTrack(op);
   if (self->handle != NULL) {
     usmipc_ipc_handle_t *handle = self->handle;
@@ -621,9 +614,7 @@ static void ehandle_dealloc(PyObject *op) {
     Py_END_ALLOW_THREADS
   }
   ehandle_clear(op);
-  freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
-  tp_free(op);
-  Py_DECREF(tp);
+  usmipc_object_free(op);
 }
 
 static PyObject *ehandle_to_bytes(PyObject *self,

@@ -65,6 +65,26 @@ typedef struct usmipc_module_state {
 
 extern PyModuleDef usmipc_module_def;
 
+/* ---- heap-type objects ---------------------------------------------------
+ * Every type of the extension is a heap type; the limited API reaches its
+ * tp_alloc and tp_free only through PyType_GetSlot. */
+
+/* A new instance of type, zero-filled (its tp_alloc), or NULL with an
+ * exception set. */
+static inline PyObject *usmipc_object_alloc(PyTypeObject *type) {
+  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+  return alloc(type, 0);
+}
+
+/* The last step of a tp_dealloc: frees op with its type's tp_free and drops
+ * the reference every instance of a heap type holds to its type. */
+static inline void usmipc_object_free(PyObject *op) {
+  PyTypeObject *tp = Py_TYPE(op);
+  freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+  tp_free(op);
+  Py_DECREF(tp);
+}
+
 /* ---- module.c ------------------------------------------------------------ */
 
 /* The state of the module that defined type (or one of its bases); sets

@@ -92,8 +92,7 @@ static PyObject *export_memory(PyTypeObject *type, usmipc_module_state_t *st,
                                PyObject *owner, PyObject *tensor,
                                usmipc_memory_object_t *mem, const char *ptr,
                                Py_ssize_t nbytes) {
-  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
-  Handle *self = (Handle *)alloc(type, 0);
+  Handle *self = (Handle *)usmipc_object_alloc(type);
   if (self == NULL) {
     return NULL;
   }
@@ -577,8 +576,7 @@ static PyObject *handle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
   if (handle_bytes(st, raw, &data, &len, &view, &have_view, &keep, 1) < 0) {
     return NULL;
   }
-  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
-  Handle *self = (Handle *)alloc(type, 0);
+  Handle *self = (Handle *)usmipc_object_alloc(type);
   if (self != NULL) {
     int rc = usmipc_ipc_handle_inspect(data, (size_t)len, &self->info);
     if (rc < 0) {
@@ -631,7 +629,6 @@ static int handle_clear(PyObject *op) {
 
 static void handle_dealloc(PyObject *op) {
   Handle *self = (Handle *)op;
-  PyTypeObject *tp = Py_TYPE(op);
   PyObject_GC_UnTrack(op);
   if (self->handle != NULL) {
     /* Before dropping the memory: the handle names that allocation. */
@@ -650,9 +647,7 @@ static void handle_dealloc(PyObject *op) {
     pthread_mutex_destroy(&self->order_lock);
     self->lock_ready = 0;
   }
-  freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
-  tp_free(op);
-  Py_DECREF(tp);
+  usmipc_object_free(op);
 }
 
 /* ---- the importer's side ------------------------------------------------- */

@@ -203,8 +203,7 @@ static PyObject *new_allocation(PyTypeObject *type, usmipc_module_state_t *st,
                                 usmipc_mem_kind_t kind, Py_ssize_t nbytes,
                                 Py_ssize_t alignment, unsigned flags,
                                 PyObject *device_obj, PyObject *queue_obj) {
-  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
-  Mem *self = (Mem *)alloc(type, 0);
+  Mem *self = (Mem *)usmipc_object_alloc(type);
   if (self == NULL) {
     Py_DECREF(device_obj);
     Py_DECREF(queue_obj);
@@ -375,8 +374,7 @@ static int copy_in(Mem *self, void *dst, source_t *src, size_t n) {
  * alive (reference_obj) and, for usmipc memory, one export of it. */
 static PyObject *make_view(PyTypeObject *type, PyObject *obj, source_t *src,
                            PyObject *queue) {
-  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
-  Mem *self = (Mem *)alloc(type, 0);
+  Mem *self = (Mem *)usmipc_object_alloc(type);
   if (self == NULL) {
     return NULL;
   }
@@ -558,8 +556,7 @@ PyObject *usmipc_mapping_new(usmipc_module_state_t *st, PyObject *device_obj,
   if (type == NULL) {
     return usmipc_state_cleared();
   }
-  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
-  Mem *self = (Mem *)alloc(type, 0);
+  Mem *self = (Mem *)usmipc_object_alloc(type);
   if (self == NULL) {
     return NULL;
   }
@@ -641,7 +638,6 @@ static int memory_clear(PyObject *op) {
 
 static void memory_dealloc(PyObject *op) {
   Mem *self = (Mem *)op;
-  PyTypeObject *tp = Py_TYPE(op);
   PyObject_GC_UnTrack(op);
   /* No export can be alive: each holds a reference to this object. Errors
    * cannot be reported from here; a failed free leaks, nothing worse. */
@@ -665,9 +661,7 @@ static void memory_dealloc(PyObject *op) {
   view_release(self);
   memory_clear(op);
   Py_CLEAR(self->pool); /* after the block went back to it */
-  freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
-  tp_free(op);
-  Py_DECREF(tp);
+  usmipc_object_free(op);
 }
 
 /* ---- the buffer protocol ------------------------------------------------- */
@@ -1368,8 +1362,7 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
       0) {
     return NULL;
   }
-  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
-  Pool *self = (Pool *)alloc(type, 0);
+  Pool *self = (Pool *)usmipc_object_alloc(type);
   if (self == NULL) {
     Py_DECREF(device_obj);
     Py_DECREF(queue_obj);
@@ -1405,8 +1398,7 @@ static PyObject *pool_allocate(PyObject *op, PyObject *args, PyObject *kwds) {
   }
   usmipc_module_state_t *st = usmipc_state_from_device(pool->device);
   PyTypeObject *type = st->MemoryUSMDeviceType;
-  allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
-  Mem *self = (Mem *)alloc(type, 0);
+  Mem *self = (Mem *)usmipc_object_alloc(type);
   if (self == NULL) {
     return NULL;
   }
@@ -1455,7 +1447,6 @@ static int pool_traverse(PyObject *op, visitproc visit, void *arg) {
 
 static void pool_dealloc(PyObject *op) {
   Pool *self = (Pool *)op;
-  PyTypeObject *tp = Py_TYPE(op);
   PyObject_GC_UnTrack(op);
   /* Every block held a reference: none is live now. */
   if (self->pool != NULL) {
@@ -1467,9 +1458,7 @@ static void pool_dealloc(PyObject *op) {
   }
   Py_CLEAR(self->device);
   Py_CLEAR(self->queue);
-  freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
-  tp_free(op);
-  Py_DECREF(tp);
+  usmipc_object_free(op);
 }
 
 static PyMethodDef pool_methods[] = {

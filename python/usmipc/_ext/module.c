@@ -307,8 +307,7 @@ PyObject *usmipc_device_object(usmipc_module_state_t *st,
     st->slots = slots;
     st->slots_capacity = capacity;
   }
-  allocfunc alloc = (allocfunc)PyType_GetSlot(st->DeviceType, Py_tp_alloc);
-  PyObject *obj = alloc(st->DeviceType, 0);
+  PyObject *obj = usmipc_object_alloc(st->DeviceType);
   if (obj == NULL) {
     return NULL;
   }

@@ -19,9 +19,8 @@ PyObject *usmipc_queue_new(usmipc_module_state_t *st, PyObject *device_obj) {
   if (st->QueueType == NULL) {
     return usmipc_state_cleared();
   }
-  allocfunc alloc = (allocfunc)PyType_GetSlot(st->QueueType, Py_tp_alloc);
   usmipc_queue_object_t *self =
-      (usmipc_queue_object_t *)alloc(st->QueueType, 0);
+      (usmipc_queue_object_t *)usmipc_object_alloc(st->QueueType);
   if (self == NULL) {
     return NULL;
   }
@@ -83,7 +82,6 @@ static int queue_clear(PyObject *self) {
 
 static void queue_dealloc(PyObject *op) {
   usmipc_queue_object_t *self = (usmipc_queue_object_t *)op;
-  PyTypeObject *tp = Py_TYPE(op);
   PyObject_GC_UnTrack(op);
   if (self->queue != NULL) {
     usmipc_queue_t *queue = self->queue;
@@ -94,9 +92,7 @@ static void queue_dealloc(PyObject *op) {
   }
   queue_clear(op);
   Py_CLEAR(self->stream); /* after the wrapper is gone */
-  freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
-  tp_free(op);
-  Py_DECREF(tp);
+  usmipc_object_free(op);
 }
 
 /* ---- wrapping other libraries' streams ----------------------------------- */
@@ -133,9 +129,8 @@ PyObject *usmipc_queue_wrap(usmipc_module_state_t *st, PyObject *device_obj,
   if (st->QueueType == NULL) {
     return usmipc_state_cleared();
   }
-  allocfunc alloc = (allocfunc)PyType_GetSlot(st->QueueType, Py_tp_alloc);
   usmipc_queue_object_t *self =
-      (usmipc_queue_object_t *)alloc(st->QueueType, 0);
+      (usmipc_queue_object_t *)usmipc_object_alloc(st->QueueType);
   if (self == NULL) {
     return NULL;
   }
