@@ -412,35 +412,20 @@ static PyObject *ehandle_new(PyTypeObject *type, PyObject *args,
   return (PyObject *)self;
 }
 
-/* Pointer and length of event handle bytes: bytes, an IPCEventHandle or
- * any buffer (*view filled and *have_view set then: release it). */
+/* Event handle bytes given as bytes, an IPCEventHandle or any buffer. 0,
+ * or -1 with an exception set. */
 static int ehandle_bytes(usmipc_module_state_t *st, PyObject *obj,
-                         const char **data, Py_ssize_t *len, Py_buffer *view,
-                         int *have_view) {
-  *have_view = 0;
+                         usmipc_handle_bytes_t *hb) {
   if (st->IPCEventHandleType != NULL &&
       Py_IS_TYPE(obj, st->IPCEventHandleType)) {
-    char *p;
-    if (PyBytes_AsStringAndSize(((EventHandle *)obj)->data, &p, len) < 0) {
-      return -1;
-    }
-    *data = p;
-    return 0;
+    return usmipc_handle_bytes_of(obj, Py_NewRef(((EventHandle *)obj)->data),
+                                  hb);
   }
-  int found = usmipc_buffer_bytes(obj, data, len, view, have_view);
-  if (found != 0) {
-    return found < 0 ? -1 : 0;
-  }
-  if (st->IPCMemoryHandleType != NULL &&
-      Py_IS_TYPE(obj, st->IPCMemoryHandleType)) {
-    usmipc_type_error("expected the bytes of an event handle or an "
-                    "IPCEventHandle, not an IPCMemoryHandle (open it with "
-                    "IPCMemoryHandle.open())");
-    return -1;
-  }
-  usmipc_type_error("expected event handle bytes or an IPCEventHandle, not %R",
-               (PyObject *)Py_TYPE(obj));
-  return -1;
+  return usmipc_handle_bytes_read(
+      obj, hb, st->IPCMemoryHandleType,
+      "expected the bytes of an event handle or an IPCEventHandle, not an "
+      "IPCMemoryHandle (open it with IPCMemoryHandle.open())",
+      "event handle bytes or an IPCEventHandle");
 }
 
 /* Memory handle bytes given where event handle bytes belong: 1 (and the
@@ -479,34 +464,24 @@ static PyObject *ehandle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
   if (type == NULL) {
     return usmipc_state_cleared();
   }
-  const char *data;
-  Py_ssize_t len;
-  Py_buffer view;
-  int have_view;
-  if (ehandle_bytes(st, raw, &data, &len, &view, &have_view) < 0) {
+  usmipc_handle_bytes_t hb;
+  if (ehandle_bytes(st, raw, &hb) < 0) {
     return NULL;
   }
   EventHandle *self = (EventHandle *)usmipc_object_alloc(type);
   if (self != NULL) {
-    int rc = usmipc_ipc_handle_inspect(data, (size_t)len, &self->info);
+    int rc = usmipc_ipc_handle_inspect(hb.data, (size_t)hb.len, &self->info);
     if (rc < 0) {
       usmipc_raise(st, rc);
       Py_CLEAR(self);
     } else if (refuse_memory_handle(st, &self->info,
                                     "IPCEventHandle.from_bytes()")) {
       Py_CLEAR(self);
-    } else if (PyBytes_CheckExact(raw)) {
-      self->data = Py_NewRef(raw);
-    } else {
-      self->data = PyBytes_FromStringAndSize(data, len);
-      if (self->data == NULL) {
-        Py_CLEAR(self);
-      }
+    } else if ((self->data = usmipc_handle_bytes_object(&hb)) == NULL) {
+      Py_CLEAR(self);
     }
   }
-  if (have_view) {
-    PyBuffer_Release(&view);
-  }
+  usmipc_handle_bytes_release(&hb);
   return (PyObject *)self;
 }
 
@@ -533,19 +508,18 @@ static PyObject *ehandle_open(PyObject *cls, PyTypeObject *defining_class,
     }
     device = ((usmipc_device_object_t *)device_obj)->device;
   }
-  const char *data;
-  Py_ssize_t len;
-  Py_buffer view;
-  int have_view;
-  if (ehandle_bytes(st, a[0], &data, &len, &view, &have_view) < 0) {
+  usmipc_handle_bytes_t hb;
+  if (ehandle_bytes(st, a[0], &hb) < 0) {
     Py_XDECREF(device_obj);
     return NULL;
   }
+  const char *data = hb.data;
+  size_t len = (size_t)hb.len;
   usmipc_event_t *event = NULL;
   int rc;
   /* Opening may talk to the exporting process (the first time). */
   Py_BEGIN_ALLOW_THREADS
-  rc = usmipc_ipc_open_event(data, (size_t)len, device, &event);
+  rc = usmipc_ipc_open_event(data, len, device, &event);
   Py_END_ALLOW_THREADS
   if (rc < 0) {
     if (rc == USMIPC_EINTR && PyErr_Occurred()) {
@@ -554,22 +528,18 @@ static PyObject *ehandle_open(PyObject *cls, PyTypeObject *defining_class,
       char message[512];
       snprintf(message, sizeof(message), "%s", usmipc_last_error());
       usmipc_ipc_handle_info_t info;
-      if (usmipc_ipc_handle_inspect(data, (size_t)len, &info) != 0 ||
+      if (usmipc_ipc_handle_inspect(data, len, &info) != 0 ||
           !refuse_memory_handle(st, &info, "IPCEventHandle.open()")) {
         usmipc_raise_msg(st, rc, message);
       }
     } else {
       usmipc_raise(st, rc);
     }
-    if (have_view) {
-      PyBuffer_Release(&view);
-    }
+    usmipc_handle_bytes_release(&hb);
     Py_XDECREF(device_obj);
     return NULL;
   }
-  if (have_view) {
-    PyBuffer_Release(&view);
-  }
+  usmipc_handle_bytes_release(&hb);
   if (PyErr_Occurred()) { /* a signal handler raised; the open completed */
     usmipc_event_destroy(event);
     Py_XDECREF(device_obj);

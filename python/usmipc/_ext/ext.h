@@ -350,11 +350,36 @@ PyObject *usmipc_device_of_info(usmipc_module_state_t *st,
 /* The info dict of IPCMemoryHandle.inspect() (shared with IPCEventHandle). */
 PyObject *usmipc_handle_info_dict(const usmipc_ipc_handle_info_t *info,
                                   Py_ssize_t len);
-/* The raw bytes of handle bytes given as bytes or any buffer: 1 with
- * *data and *len set (and, for a buffer, *view filled and *have_view set:
- * release it), 0 if obj is neither, -1 with an exception set. */
-int usmipc_buffer_bytes(PyObject *obj, const char **data, Py_ssize_t *len,
-                        Py_buffer *view, int *have_view);
+
+/* Handle bytes taken from an argument of IPCMemoryHandle's or
+ * IPCEventHandle's methods: bytes, any buffer, or a handle object (its
+ * bytes). data and len stay valid until usmipc_handle_bytes_release. */
+typedef struct usmipc_handle_bytes {
+  const char *data;
+  Py_ssize_t len;
+  PyObject *arg;  /* the argument (borrowed) */
+  PyObject *keep; /* new reference: the bytes object holding data, or NULL */
+  Py_buffer view; /* the argument's buffer, when have_view */
+  int have_view;
+} usmipc_handle_bytes_t;
+/* Fills *hb from bytes (a bytes object, stolen, also on failure) that the
+ * handle object obj gave. 0, or -1 with an exception set. */
+int usmipc_handle_bytes_of(PyObject *obj, PyObject *bytes,
+                           usmipc_handle_bytes_t *hb);
+/* Fills *hb from obj given as bytes or any buffer; for anything else raises
+ * usmipc.ArgumentTypeError: other_message for a handle object of
+ * other_type (the other kind of handle), else "expected <expected>, not
+ * <obj's type>". 0 or -1. A reader first takes its own handle objects
+ * (usmipc_handle_bytes_of), then calls this. */
+int usmipc_handle_bytes_read(PyObject *obj, usmipc_handle_bytes_t *hb,
+                             PyTypeObject *other_type,
+                             const char *other_message, const char *expected);
+/* The bytes as a bytes object for a handle or mapping to keep (new
+ * reference): the handle object's, the argument if it is exactly bytes,
+ * else a copy. */
+PyObject *usmipc_handle_bytes_object(const usmipc_handle_bytes_t *hb);
+/* Releases the buffer and the bytes *hb holds. */
+void usmipc_handle_bytes_release(usmipc_handle_bytes_t *hb);
 
 /* ---- bundle.c ------------------------------------------------------------ */
 

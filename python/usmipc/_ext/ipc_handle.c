@@ -484,39 +484,75 @@ static PyObject *handle_current_bytes(Handle *self) {
   return bytes;
 }
 
-int usmipc_buffer_bytes(PyObject *obj, const char **data, Py_ssize_t *len,
-                        Py_buffer *view, int *have_view) {
-  *have_view = 0;
-  if (PyBytes_Check(obj)) {
-    char *p;
-    if (PyBytes_AsStringAndSize(obj, &p, len) < 0) {
-      return -1;
-    }
-    *data = p;
-    return 1;
+int usmipc_handle_bytes_of(PyObject *obj, PyObject *bytes,
+                           usmipc_handle_bytes_t *hb) {
+  hb->arg = obj;
+  hb->keep = bytes;
+  hb->have_view = 0;
+  char *p;
+  if (PyBytes_AsStringAndSize(bytes, &p, &hb->len) < 0) {
+    Py_CLEAR(hb->keep);
+    return -1;
   }
-  if (PyObject_CheckBuffer(obj)) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) {
-      return -1;
-    }
-    *have_view = 1;
-    *data = view->buf;
-    *len = view->len;
-    return 1;
-  }
+  hb->data = p;
   return 0;
 }
 
-/* Pointer and length of handle bytes given as bytes, an IPCMemoryHandle or
- * any buffer; *view is filled (and must be released) only in the last
- * case, *have_view says so. For an IPCMemoryHandle, fresh != 0 takes the
- * bytes of a new handoff (ordered afresh), fresh == 0 the bytes it last
- * gave out; *keep (else NULL) then holds a reference to release. */
+int usmipc_handle_bytes_read(PyObject *obj, usmipc_handle_bytes_t *hb,
+                             PyTypeObject *other_type,
+                             const char *other_message, const char *expected) {
+  hb->arg = obj;
+  hb->keep = NULL;
+  hb->have_view = 0;
+  if (PyBytes_Check(obj)) {
+    char *p;
+    if (PyBytes_AsStringAndSize(obj, &p, &hb->len) < 0) {
+      return -1;
+    }
+    hb->data = p;
+    return 0;
+  }
+  if (PyObject_CheckBuffer(obj)) {
+    if (PyObject_GetBuffer(obj, &hb->view, PyBUF_SIMPLE) < 0) {
+      return -1;
+    }
+    hb->have_view = 1;
+    hb->data = hb->view.buf;
+    hb->len = hb->view.len;
+    return 0;
+  }
+  if (other_type != NULL && Py_IS_TYPE(obj, other_type)) {
+    usmipc_type_error("%s", other_message);
+    return -1;
+  }
+  usmipc_type_error("expected %s, not %R", expected, (PyObject *)Py_TYPE(obj));
+  return -1;
+}
+
+PyObject *usmipc_handle_bytes_object(const usmipc_handle_bytes_t *hb) {
+  if (hb->keep != NULL) {
+    return Py_NewRef(hb->keep);
+  }
+  if (PyBytes_CheckExact(hb->arg)) {
+    return Py_NewRef(hb->arg);
+  }
+  return PyBytes_FromStringAndSize(hb->data, hb->len);
+}
+
+void usmipc_handle_bytes_release(usmipc_handle_bytes_t *hb) {
+  if (hb->have_view) {
+    PyBuffer_Release(&hb->view);
+    hb->have_view = 0;
+  }
+  Py_CLEAR(hb->keep);
+}
+
+/* Memory handle bytes given as bytes, an IPCMemoryHandle or any buffer.
+ * For an IPCMemoryHandle, fresh != 0 takes the bytes of a new handoff
+ * (ordered afresh), fresh == 0 the bytes it last gave out. 0, or -1 with
+ * an exception set. */
 static int handle_bytes(usmipc_module_state_t *st, PyObject *obj,
-                        const char **data, Py_ssize_t *len, Py_buffer *view,
-                        int *have_view, PyObject **keep, int fresh) {
-  *keep = NULL;
-  *have_view = 0;
+                        usmipc_handle_bytes_t *hb, int fresh) {
   if (Py_IS_TYPE(obj, st->IPCMemoryHandleType)) {
     Handle *h = (Handle *)obj;
     PyObject *bytes = fresh ? handle_current_bytes(h)
@@ -524,29 +560,13 @@ static int handle_bytes(usmipc_module_state_t *st, PyObject *obj,
     if (bytes == NULL) {
       return -1;
     }
-    char *p;
-    if (PyBytes_AsStringAndSize(bytes, &p, len) < 0) {
-      Py_DECREF(bytes);
-      return -1;
-    }
-    *data = p;
-    *keep = bytes;
-    return 0;
+    return usmipc_handle_bytes_of(obj, bytes, hb);
   }
-  int found = usmipc_buffer_bytes(obj, data, len, view, have_view);
-  if (found != 0) {
-    return found < 0 ? -1 : 0;
-  }
-  if (st->IPCEventHandleType != NULL &&
-      Py_IS_TYPE(obj, st->IPCEventHandleType)) {
-    usmipc_type_error("expected the bytes of a memory handle or an "
-                    "IPCMemoryHandle, not an IPCEventHandle (open it with "
-                    "IPCEventHandle.open())");
-    return -1;
-  }
-  usmipc_type_error("expected handle bytes or an IPCMemoryHandle, not %R",
-               (PyObject *)Py_TYPE(obj));
-  return -1;
+  return usmipc_handle_bytes_read(
+      obj, hb, st->IPCEventHandleType,
+      "expected the bytes of a memory handle or an IPCMemoryHandle, not an "
+      "IPCEventHandle (open it with IPCEventHandle.open())",
+      "handle bytes or an IPCMemoryHandle");
 }
 
 static PyObject *handle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
@@ -568,17 +588,13 @@ static PyObject *handle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
   if (type == NULL) {
     return usmipc_state_cleared();
   }
-  const char *data;
-  Py_ssize_t len;
-  Py_buffer view;
-  int have_view;
-  PyObject *keep;
-  if (handle_bytes(st, raw, &data, &len, &view, &have_view, &keep, 1) < 0) {
+  usmipc_handle_bytes_t hb;
+  if (handle_bytes(st, raw, &hb, 1) < 0) {
     return NULL;
   }
   Handle *self = (Handle *)usmipc_object_alloc(type);
   if (self != NULL) {
-    int rc = usmipc_ipc_handle_inspect(data, (size_t)len, &self->info);
+    int rc = usmipc_ipc_handle_inspect(hb.data, (size_t)hb.len, &self->info);
     if (rc < 0) {
       usmipc_raise(st, rc);
       Py_CLEAR(self);
@@ -588,21 +604,11 @@ static PyObject *handle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
                        "an event handle, not of memory; use "
                        "IPCEventHandle.from_bytes()");
       Py_CLEAR(self);
-    } else if (keep != NULL) {
-      self->data = Py_NewRef(keep);
-    } else if (PyBytes_CheckExact(raw)) {
-      self->data = Py_NewRef(raw);
-    } else {
-      self->data = PyBytes_FromStringAndSize(data, len);
-      if (self->data == NULL) {
-        Py_CLEAR(self);
-      }
+    } else if ((self->data = usmipc_handle_bytes_object(&hb)) == NULL) {
+      Py_CLEAR(self);
     }
   }
-  if (have_view) {
-    PyBuffer_Release(&view);
-  }
-  Py_XDECREF(keep);
+  usmipc_handle_bytes_release(&hb);
   return (PyObject *)self;
 }
 
@@ -797,15 +803,13 @@ static PyObject *open_common(PyTypeObject *defining_class,
     device = ((usmipc_device_object_t *)device_obj)->device;
   }
 
-  const char *data;
-  Py_ssize_t len;
-  Py_buffer view;
-  int have_view;
-  PyObject *keep;
-  if (handle_bytes(st, a[0], &data, &len, &view, &have_view, &keep, 1) < 0) {
+  usmipc_handle_bytes_t hb;
+  if (handle_bytes(st, a[0], &hb, 1) < 0) {
     Py_XDECREF(device_obj);
     return NULL;
   }
+  const char *data = hb.data;
+  Py_ssize_t len = hb.len;
 
   /* The consumer's stream: its work waits for the producer's on the
    * device. An int or a stream that does not name its GPU is taken on the
@@ -902,10 +906,7 @@ static PyObject *open_common(PyTypeObject *defining_class,
    * streams: nothing to keep there). */
   if (queue != NULL && flags == 0 &&
       usmipc_device_backend(device) != USMIPC_BACKEND_HOST) {
-    PyObject *bytes = keep ? Py_NewRef(keep)
-                      : PyBytes_CheckExact(a[0])
-                          ? Py_NewRef(a[0])
-                          : PyBytes_FromStringAndSize(data, len);
+    PyObject *bytes = usmipc_handle_bytes_object(&hb);
     if (bytes == NULL) {
       Py_DECREF(mem); /* closes the mapping */
       ptr = NULL;
@@ -914,10 +915,7 @@ static PyObject *open_common(PyTypeObject *defining_class,
     ((usmipc_memory_object_t *)mem)->order_handle = bytes;
   }
   if (!sycl && carries_release_ticket(data, len)) {
-    PyObject *bytes = keep ? Py_NewRef(keep)
-                      : PyBytes_CheckExact(a[0])
-                          ? Py_NewRef(a[0])
-                          : PyBytes_FromStringAndSize(data, len);
+    PyObject *bytes = usmipc_handle_bytes_object(&hb);
     if (bytes == NULL || !PyBytes_Check(bytes)) {
       Py_XDECREF(bytes);
       Py_DECREF(mem);
@@ -929,10 +927,7 @@ static PyObject *open_common(PyTypeObject *defining_class,
     }
     ((usmipc_memory_object_t *)mem)->release_handle = bytes;
   }
-  if (have_view) {
-    PyBuffer_Release(&view);
-  }
-  Py_XDECREF(keep);
+  usmipc_handle_bytes_release(&hb);
   Py_XDECREF(queue_obj);
   Py_DECREF(device_obj);
   return mem;
@@ -942,10 +937,7 @@ fail:
   usmipc_ipc_close(ptr);
   Py_END_ALLOW_THREADS
 fail_args:
-  if (have_view) {
-    PyBuffer_Release(&view);
-  }
-  Py_XDECREF(keep);
+  usmipc_handle_bytes_release(&hb);
   Py_XDECREF(queue_obj);
   Py_XDECREF(device_obj);
   return NULL;
@@ -1138,34 +1130,21 @@ static PyObject *handle_inspect(PyObject *cls, PyTypeObject *defining_class,
     usmipc_type_error("inspect() missing argument 'handle'");
     return NULL;
   }
-  const char *data;
-  Py_ssize_t len;
-  Py_buffer view;
-  int have_view;
-  PyObject *keep = NULL;
+  usmipc_handle_bytes_t hb;
   if (st->IPCEventHandleType != NULL &&
       Py_IS_TYPE(raw, st->IPCEventHandleType)) {
     /* Any handle's bytes can be inspected: take the event handle's. */
-    keep = PyObject_CallMethod(raw, "to_bytes", NULL);
-    if (keep == NULL) {
+    PyObject *bytes = PyObject_CallMethod(raw, "to_bytes", NULL);
+    if (bytes == NULL || usmipc_handle_bytes_of(raw, bytes, &hb) < 0) {
       return NULL;
     }
-    raw = keep;
-  }
-  PyObject *keep2;
-  int failed =
-      handle_bytes(st, raw, &data, &len, &view, &have_view, &keep2, 0) < 0;
-  if (failed) {
-    Py_XDECREF(keep);
+  } else if (handle_bytes(st, raw, &hb, 0) < 0) {
     return NULL;
   }
+  Py_ssize_t len = hb.len;
   usmipc_ipc_handle_info_t info;
-  int rc = usmipc_ipc_handle_inspect(data, (size_t)len, &info);
-  if (have_view) {
-    PyBuffer_Release(&view);
-  }
-  Py_XDECREF(keep2);
-  Py_XDECREF(keep);
+  int rc = usmipc_ipc_handle_inspect(hb.data, (size_t)len, &info);
+  usmipc_handle_bytes_release(&hb);
   if (rc < 0) {
     return usmipc_raise(st, rc);
   }
