@@ -22,7 +22,6 @@
 
 #include <limits.h>
 #include <math.h>
-#include <stdio.h>
 #include <string.h>
 
 typedef usmipc_event_object_t Event;
@@ -428,22 +427,11 @@ static int ehandle_bytes(usmipc_module_state_t *st, PyObject *obj,
       "event handle bytes or an IPCEventHandle");
 }
 
-/* Memory handle bytes given where event handle bytes belong: 1 (and the
- * error raised) if info says so. */
-static int refuse_memory_handle(usmipc_module_state_t *st,
-                                const usmipc_ipc_handle_info_t *info,
-                                const char *what) {
-  if (info->is_event) {
-    return 0;
-  }
-  char message[256];
-  snprintf(message, sizeof(message),
-           "%s: these are the bytes of a memory handle, not of an event; "
-           "open them with IPCMemoryHandle.open()",
-           what);
-  usmipc_raise_msg(st, USMIPC_EINVAL, message);
-  return 1;
-}
+/* The refusal of memory handle bytes given to what, a method of
+ * IPCEventHandle. */
+#define MEMORY_BYTES_REFUSED(what)                                             \
+  what ": these are the bytes of a memory handle, not of an event; open "      \
+       "them with IPCMemoryHandle.open()"
 
 static PyObject *ehandle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
                                     PyObject *const *args, Py_ssize_t nargs,
@@ -469,17 +457,11 @@ static PyObject *ehandle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
     return NULL;
   }
   EventHandle *self = (EventHandle *)usmipc_object_alloc(type);
-  if (self != NULL) {
-    int rc = usmipc_ipc_handle_inspect(hb.data, (size_t)hb.len, &self->info);
-    if (rc < 0) {
-      usmipc_raise(st, rc);
-      Py_CLEAR(self);
-    } else if (refuse_memory_handle(st, &self->info,
-                                    "IPCEventHandle.from_bytes()")) {
-      Py_CLEAR(self);
-    } else if ((self->data = usmipc_handle_bytes_object(&hb)) == NULL) {
-      Py_CLEAR(self);
-    }
+  if (self != NULL &&
+      (self->data = usmipc_handle_bytes_decode(
+           st, &hb, &self->info, 1,
+           MEMORY_BYTES_REFUSED("IPCEventHandle.from_bytes()"))) == NULL) {
+    Py_CLEAR(self);
   }
   usmipc_handle_bytes_release(&hb);
   return (PyObject *)self;
@@ -513,28 +495,17 @@ static PyObject *ehandle_open(PyObject *cls, PyTypeObject *defining_class,
     Py_XDECREF(device_obj);
     return NULL;
   }
-  const char *data = hb.data;
-  size_t len = (size_t)hb.len;
   usmipc_event_t *event = NULL;
   int rc;
   /* Opening may talk to the exporting process (the first time). */
   Py_BEGIN_ALLOW_THREADS
-  rc = usmipc_ipc_open_event(data, len, device, &event);
+  rc = usmipc_ipc_open_event(hb.data, (size_t)hb.len, device, &event);
   Py_END_ALLOW_THREADS
   if (rc < 0) {
-    if (rc == USMIPC_EINTR && PyErr_Occurred()) {
-      /* Ctrl-C while it waited: KeyboardInterrupt propagates */
-    } else if (rc == USMIPC_EINVAL) {
-      char message[512];
-      snprintf(message, sizeof(message), "%s", usmipc_last_error());
-      usmipc_ipc_handle_info_t info;
-      if (usmipc_ipc_handle_inspect(data, len, &info) != 0 ||
-          !refuse_memory_handle(st, &info, "IPCEventHandle.open()")) {
-        usmipc_raise_msg(st, rc, message);
-      }
-    } else {
-      usmipc_raise(st, rc);
-    }
+    /* A Ctrl-C while it waited left KeyboardInterrupt pending, which
+     * propagates (usmipc_raise). */
+    usmipc_raise_open_error(st, rc, hb.data, hb.len, 1,
+                            MEMORY_BYTES_REFUSED("IPCEventHandle.open()"));
     usmipc_handle_bytes_release(&hb);
     Py_XDECREF(device_obj);
     return NULL;

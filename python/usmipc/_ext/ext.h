@@ -380,6 +380,22 @@ int usmipc_handle_bytes_read(PyObject *obj, usmipc_handle_bytes_t *hb,
 PyObject *usmipc_handle_bytes_object(const usmipc_handle_bytes_t *hb);
 /* Releases the buffer and the bytes *hb holds. */
 void usmipc_handle_bytes_release(usmipc_handle_bytes_t *hb);
+/* from_bytes() of both handle types: decodes *hb into *info and returns
+ * the bytes object the new handle keeps (usmipc_handle_bytes_object).
+ * want_event says which kind of handle the caller makes (1: an event's, 0:
+ * memory's); bytes of the other kind raise usmipc.ArgumentError
+ * wrong_kind, invalid bytes the library's error. NULL then. */
+PyObject *usmipc_handle_bytes_decode(usmipc_module_state_t *st,
+                                     const usmipc_handle_bytes_t *hb,
+                                     usmipc_ipc_handle_info_t *info,
+                                     int want_event, const char *wrong_kind);
+/* After a failed open of handle bytes (data, len; data may be NULL) with
+ * code rc: for USMIPC_EINVAL on bytes that decode as a handle of the other
+ * kind (want_event as above), usmipc.ArgumentError wrong_kind; otherwise
+ * the library's error. Returns NULL. */
+PyObject *usmipc_raise_open_error(usmipc_module_state_t *st, int rc,
+                                  const char *data, Py_ssize_t len,
+                                  int want_event, const char *wrong_kind);
 
 /* ---- bundle.c ------------------------------------------------------------ */
 

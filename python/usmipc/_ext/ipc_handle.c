@@ -547,6 +547,33 @@ void usmipc_handle_bytes_release(usmipc_handle_bytes_t *hb) {
   Py_CLEAR(hb->keep);
 }
 
+/* 1 with usmipc.ArgumentError wrong_kind raised when info is a handle of
+ * the other kind than want_event asks for (1: an event's, 0: memory's);
+ * else 0. */
+static int refuse_other_kind(usmipc_module_state_t *st,
+                             const usmipc_ipc_handle_info_t *info,
+                             int want_event, const char *wrong_kind) {
+  if (!info->is_event == !want_event) {
+    return 0;
+  }
+  usmipc_raise_msg(st, USMIPC_EINVAL, wrong_kind);
+  return 1;
+}
+
+PyObject *usmipc_handle_bytes_decode(usmipc_module_state_t *st,
+                                     const usmipc_handle_bytes_t *hb,
+                                     usmipc_ipc_handle_info_t *info,
+                                     int want_event, const char *wrong_kind) {
+  int rc = usmipc_ipc_handle_inspect(hb->data, (size_t)hb->len, info);
+  if (rc < 0) {
+    return usmipc_raise(st, rc);
+  }
+  if (refuse_other_kind(st, info, want_event, wrong_kind)) {
+    return NULL;
+  }
+  return usmipc_handle_bytes_object(hb);
+}
+
 /* Memory handle bytes given as bytes, an IPCMemoryHandle or any buffer.
  * For an IPCMemoryHandle, fresh != 0 takes the bytes of a new handoff
  * (ordered afresh), fresh == 0 the bytes it last gave out. 0, or -1 with
@@ -593,20 +620,13 @@ static PyObject *handle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
     return NULL;
   }
   Handle *self = (Handle *)usmipc_object_alloc(type);
-  if (self != NULL) {
-    int rc = usmipc_ipc_handle_inspect(hb.data, (size_t)hb.len, &self->info);
-    if (rc < 0) {
-      usmipc_raise(st, rc);
-      Py_CLEAR(self);
-    } else if (self->info.is_event) {
-      usmipc_raise_msg(st, USMIPC_EINVAL,
-                       "IPCMemoryHandle.from_bytes(): these are the bytes of "
-                       "an event handle, not of memory; use "
-                       "IPCEventHandle.from_bytes()");
-      Py_CLEAR(self);
-    } else if ((self->data = usmipc_handle_bytes_object(&hb)) == NULL) {
-      Py_CLEAR(self);
-    }
+  if (self != NULL &&
+      (self->data = usmipc_handle_bytes_decode(
+           st, &hb, &self->info, 0,
+           "IPCMemoryHandle.from_bytes(): these are the bytes of an event "
+           "handle, not of memory; use IPCEventHandle.from_bytes()")) ==
+          NULL) {
+    Py_CLEAR(self);
   }
   usmipc_handle_bytes_release(&hb);
   return (PyObject *)self;
@@ -658,10 +678,9 @@ static void handle_dealloc(PyObject *op) {
 
 /* ---- the importer's side ------------------------------------------------- */
 
-/* After a failed open with code rc: when the bytes are an event handle's,
- * a Python message naming the right call; otherwise the library's. */
-static PyObject *raise_open_error(usmipc_module_state_t *st, int rc,
-                                  const char *data, Py_ssize_t len) {
+PyObject *usmipc_raise_open_error(usmipc_module_state_t *st, int rc,
+                                  const char *data, Py_ssize_t len,
+                                  int want_event, const char *wrong_kind) {
   if (rc != USMIPC_EINVAL) {
     return usmipc_raise(st, rc);
   }
@@ -670,15 +689,16 @@ static PyObject *raise_open_error(usmipc_module_state_t *st, int rc,
   usmipc_ipc_handle_info_t info;
   if (data != NULL &&
       usmipc_ipc_handle_inspect(data, (size_t)len, &info) == 0 &&
-      info.is_event) {
-    return usmipc_raise_msg(
-        st, rc,
-        "IPCMemoryHandle.open(): these are the bytes of an event handle "
-        "(IPCEventHandle), not of memory; open them with "
-        "IPCEventHandle.open()");
+      refuse_other_kind(st, &info, want_event, wrong_kind)) {
+    return NULL;
   }
   return usmipc_raise_msg(st, rc, message);
 }
+
+/* IPCMemoryHandle.open()'s refusal of event handle bytes. */
+#define EVENT_BYTES_TO_OPEN                                                    \
+  "IPCMemoryHandle.open(): these are the bytes of an event handle "            \
+  "(IPCEventHandle), not of memory; open them with IPCEventHandle.open()"
 
 /* Whether handle bytes carry a release ticket: the record is always the
  * last one (usmipc_ipc_handle_order_ex appends it), so a look at the tail
@@ -822,7 +842,7 @@ static PyObject *open_common(PyTypeObject *defining_class,
       usmipc_ipc_handle_info_t info;
       int rc = usmipc_ipc_handle_inspect(data, (size_t)len, &info);
       if (rc < 0) {
-        raise_open_error(st, rc, NULL, 0);
+        usmipc_raise_open_error(st, rc, NULL, 0, 0, EVENT_BYTES_TO_OPEN);
       } else {
         fallback = usmipc_device_of_info(st, &info);
         if (fallback == Py_None) {
@@ -887,7 +907,7 @@ static PyObject *open_common(PyTypeObject *defining_class,
     } else if (sycl) {
       usmipc_raise(st, rc);
     } else {
-      raise_open_error(st, rc, data, len);
+      usmipc_raise_open_error(st, rc, data, len, 0, EVENT_BYTES_TO_OPEN);
     }
     goto fail_args;
   }
