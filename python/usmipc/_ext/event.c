@@ -437,15 +437,10 @@ static PyObject *ehandle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
                                     PyObject *const *args, Py_ssize_t nargs,
                                     PyObject *kwnames) {
   (void)cls;
-  static const char *const names[] = {"data"};
   PyObject *raw;
   usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
-  if (usmipc_parse_fastcall("from_bytes", args, nargs, kwnames, names, 1, 1,
-                            &raw) < 0) {
-    return NULL;
-  }
-  if (raw == NULL) {
-    usmipc_type_error("from_bytes() missing argument 'data'");
+  if (usmipc_parse_one_arg("from_bytes", "data", args, nargs, kwnames,
+                           &raw) < 0) {
     return NULL;
   }
   PyTypeObject *type = st->IPCEventHandleType;

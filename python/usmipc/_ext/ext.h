@@ -143,6 +143,12 @@ int usmipc_parse_fastcall(const char *funcname, PyObject *const *args,
                           Py_ssize_t nargs, PyObject *kwnames,
                           const char *const *names, Py_ssize_t nnames,
                           Py_ssize_t npositional, PyObject **out);
+/* usmipc_parse_fastcall for a function of one parameter, name, which must
+ * be given (positionally or by keyword): 0 with *out borrowed, or -1 with
+ * TypeError set ("<funcname>() missing argument '<name>'" if absent). */
+int usmipc_parse_one_arg(const char *funcname, const char *name,
+                         PyObject *const *args, Py_ssize_t nargs,
+                         PyObject *kwnames, PyObject **out);
 
 /* Classmethods are METH_CLASS functions without METH_METHOD: CPython 3.11
  * gives a bound PyCMethod no __doc__ (help(IPCMemoryHandle.open) showed

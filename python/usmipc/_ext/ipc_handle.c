@@ -600,15 +600,10 @@ static PyObject *handle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
                                    PyObject *const *args, Py_ssize_t nargs,
                                    PyObject *kwnames) {
   (void)cls;
-  static const char *const names[] = {"data"};
   PyObject *raw;
   usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
-  if (usmipc_parse_fastcall("from_bytes", args, nargs, kwnames, names, 1, 1,
-                            &raw) < 0) {
-    return NULL;
-  }
-  if (raw == NULL) {
-    usmipc_type_error("from_bytes() missing argument 'data'");
+  if (usmipc_parse_one_arg("from_bytes", "data", args, nargs, kwnames,
+                           &raw) < 0) {
     return NULL;
   }
   PyTypeObject *type = st->IPCMemoryHandleType;
@@ -1091,15 +1086,10 @@ static PyObject *handle_set_cache_size(PyObject *cls,
                                        PyObject *const *args, Py_ssize_t nargs,
                                        PyObject *kwnames) {
   (void)cls;
-  static const char *const names[] = {"entries"};
   PyObject *arg;
   usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
-  if (usmipc_parse_fastcall("set_cache_size", args, nargs, kwnames, names, 1, 1,
-                            &arg) < 0) {
-    return NULL;
-  }
-  if (arg == NULL) {
-    usmipc_type_error("set_cache_size() missing argument 'entries'");
+  if (usmipc_parse_one_arg("set_cache_size", "entries", args, nargs, kwnames,
+                           &arg) < 0) {
     return NULL;
   }
   Py_ssize_t entries = PyLong_AsSsize_t(arg);
@@ -1139,15 +1129,10 @@ static PyObject *handle_inspect(PyObject *cls, PyTypeObject *defining_class,
                                 PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames) {
   (void)cls;
-  static const char *const names[] = {"handle"};
   PyObject *raw;
   usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
-  if (usmipc_parse_fastcall("inspect", args, nargs, kwnames, names, 1, 1,
-                            &raw) < 0) {
-    return NULL;
-  }
-  if (raw == NULL) {
-    usmipc_type_error("inspect() missing argument 'handle'");
+  if (usmipc_parse_one_arg("inspect", "handle", args, nargs, kwnames,
+                           &raw) < 0) {
     return NULL;
   }
   usmipc_handle_bytes_t hb;

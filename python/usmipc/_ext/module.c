@@ -408,6 +408,21 @@ int usmipc_parse_fastcall(const char *funcname, PyObject *const *args,
   return 0;
 }
 
+int usmipc_parse_one_arg(const char *funcname, const char *name,
+                         PyObject *const *args, Py_ssize_t nargs,
+                         PyObject *kwnames, PyObject **out) {
+  const char *const names[] = {name};
+  if (usmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 1, 1,
+                            out) < 0) {
+    return -1;
+  }
+  if (*out == NULL) {
+    usmipc_type_error("%s() missing argument '%s'", funcname, name);
+    return -1;
+  }
+  return 0;
+}
+
 /* ---- module functions ---------------------------------------------------- */
 
 static PyObject *get_devices(PyObject *module, PyObject *Py_UNUSED(ignored)) {
