@@ -120,6 +120,10 @@ PyObject *usmipc_kind_error(const char *format, ...);
  * Returns -1. */
 int usmipc_retype_parse_error(void);
 
+/* usmipc.set_ipc_cache_size(entries), which
+ * IPCMemoryHandle.set_cache_size(entries) is too. */
+PyObject *usmipc_set_ipc_cache_size(usmipc_module_state_t *st, PyObject *arg);
+
 /* Raises RuntimeError for use after the module state was cleared (only
  * possible from finalizers at interpreter shutdown). Returns NULL. */
 PyObject *usmipc_state_cleared(void);

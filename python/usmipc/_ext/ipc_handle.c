@@ -1092,20 +1092,7 @@ static PyObject *handle_set_cache_size(PyObject *cls,
                            &arg) < 0) {
     return NULL;
   }
-  Py_ssize_t entries = PyLong_AsSsize_t(arg);
-  if (entries == -1 && PyErr_Occurred()) {
-    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
-    return NULL;
-  }
-  if (entries < 0) {
-    usmipc_value_error("entries must be >= 0");
-    return NULL;
-  }
-  int rc = usmipc_ipc_set_cache_size((size_t)entries);
-  if (rc < 0) {
-    return usmipc_raise(st, rc);
-  }
-  Py_RETURN_NONE;
+  return usmipc_set_ipc_cache_size(st, arg);
 }
 
 PyObject *usmipc_handle_info_dict(const usmipc_ipc_handle_info_t *info,

@@ -499,8 +499,7 @@ static PyObject *backends(PyObject *module, PyObject *Py_UNUSED(ignored)) {
   return result;
 }
 
-static PyObject *set_ipc_cache_size(PyObject *module, PyObject *arg) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+PyObject *usmipc_set_ipc_cache_size(usmipc_module_state_t *st, PyObject *arg) {
   Py_ssize_t entries = PyLong_AsSsize_t(arg);
   if (entries == -1 && PyErr_Occurred()) {
     usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
@@ -515,6 +514,10 @@ static PyObject *set_ipc_cache_size(PyObject *module, PyObject *arg) {
     return usmipc_raise(st, rc);
   }
   Py_RETURN_NONE;
+}
+
+static PyObject *set_ipc_cache_size(PyObject *module, PyObject *arg) {
+  return usmipc_set_ipc_cache_size(PyModule_GetState(module), arg);
 }
 
 static PyObject *set_ipc_cache_bytes(PyObject *module, PyObject *arg) {
