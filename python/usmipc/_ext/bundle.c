@@ -1389,7 +1389,7 @@ static PyMethodDef arr_methods[] = {
     {"close", arr_close, METH_NOARGS,
      "close()\n--\n\nDrops this array's mapping (deferred while a DLPack "
      "tensor or a buffer view of it lives). Idempotent."},
-    {"__dlpack__", (PyCFunction)(void (*)(void))arr_dlpack,
+    {"__dlpack__", USMIPC_CMETHOD(arr_dlpack),
      METH_FASTCALL | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, "
      "copy=None)\n--\n\nA DLPack capsule of the array, without a copy."},
@@ -1740,7 +1740,7 @@ static PyObject *reset_stats(PyObject *module, PyObject *Py_UNUSED(x)) {
 }
 
 static PyMethodDef bundle_functions[] = {
-    {"share", (PyCFunction)(void (*)(void))share,
+    {"share", USMIPC_CMETHOD(share),
      METH_FASTCALL | METH_KEYWORDS,
      "share(obj, stream=None, ordered=None)\n--\n\n"
      "Exports an array (usmipc memory, a torch tensor, anything with "
@@ -1750,7 +1750,7 @@ static PyMethodDef bundle_functions[] = {
      "keeps the arrays alive. Ordered like IPCMemoryHandle: each "
      "to_bytes() records an event on stream (default: the arrays' current "
      "stream) that open_shared waits for; ordered=False turns that off."},
-    {"open_shared", (PyCFunction)(void (*)(void))open_shared,
+    {"open_shared", USMIPC_CMETHOD(open_shared),
      METH_FASTCALL | METH_KEYWORDS,
      "open_shared(data, device=None, stream=None, to=None)\n--\n\n"
      "Opens the bytes of a SharedBundle (or the bundle itself): the same "

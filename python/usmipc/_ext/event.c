@@ -277,19 +277,17 @@ static PyObject *event_reduce(PyObject *op, PyObject *Py_UNUSED(ignored)) {
 }
 
 
-#define CMETHOD(f) (PyCFunction)(void (*)(void))(f)
 #define METHOD_FLAGS (METH_METHOD | METH_FASTCALL | METH_KEYWORDS)
-#define CLASS_FLAGS (METH_CLASS | METHOD_FLAGS)
 
 static PyMethodDef event_methods[] = {
-    {"record", CMETHOD(event_record), METHOD_FLAGS,
+    {"record", USMIPC_CMETHOD(event_record), METHOD_FLAGS,
      "record($self, /, stream=None)\n--\n\n"
      "Marks the work submitted to stream so far (None: the default queue "
      "of\nthe event's device). stream: a usmipc.Queue, a torch or CuPy "
      "stream, an\nobject with __cuda_stream__, or an int (a native stream "
      "handle). Each\nrecord replaces the previous one. Raises usmipc.Error "
      "(ValueError) for an\nEvent opened from a handle: those only wait."},
-    {"wait", CMETHOD(event_wait), METHOD_FLAGS,
+    {"wait", USMIPC_CMETHOD(event_wait), METHOD_FLAGS,
      "wait($self, /, stream=None)\n--\n\n"
      "With a stream, work submitted to it later waits for the event's "
      "record\non the device (the host does not block); without, the same "
@@ -636,7 +634,7 @@ USMIPC_CLASSMETHOD(ehandle_open_cls, ehandle_open, IPCEventHandleType)
 USMIPC_CLASSMETHOD(ehandle_from_bytes_cls, ehandle_from_bytes, IPCEventHandleType)
 
 static PyMethodDef ehandle_methods[] = {
-    {"open", CMETHOD(ehandle_open_cls), USMIPC_CLASS_FLAGS,
+    {"open", USMIPC_CMETHOD(ehandle_open_cls), USMIPC_CLASS_FLAGS,
      "open($cls, /, handle_bytes, device=None)\n--\n\n"
      "Returns an Event that waits for the record the handle names (bytes, "
      "an\nIPCEventHandle or any buffer), opened on device (None: the device "
@@ -644,7 +642,7 @@ static PyMethodDef ehandle_methods[] = {
      "open in\nthis process is a cheap lookup. Memory handle bytes raise "
      "ValueError; a\ndestroyed event or a dead exporter usmipc.Error "
      "USMIPC_EEXPORTERGONE."},
-    {"from_bytes", CMETHOD(ehandle_from_bytes_cls), USMIPC_CLASS_FLAGS,
+    {"from_bytes", USMIPC_CMETHOD(ehandle_from_bytes_cls), USMIPC_CLASS_FLAGS,
      "from_bytes($cls, /, data)\n--\n\nAn IPCEventHandle carrying only the "
      "given bytes (validated), as after\nunpickling."},
     {"to_bytes", ehandle_to_bytes, METH_NOARGS,

@@ -154,19 +154,33 @@ int usmipc_parse_one_arg(const char *funcname, const char *name,
                          PyObject *const *args, Py_ssize_t nargs,
                          PyObject *kwnames, PyObject **out);
 
+/* A method table's entry for a function of another signature than
+ * PyCFunction (METH_FASTCALL, METH_KEYWORDS, METH_METHOD). */
+#define USMIPC_CMETHOD(f) (PyCFunction)(void (*)(void))(f)
+
 /* Classmethods are METH_CLASS functions without METH_METHOD: CPython 3.11
  * gives a bound PyCMethod no __doc__ (help(IPCMemoryHandle.open) showed
  * nothing), a bound PyCFunction its docstring. This defines name, calling
  * impl (a PyCMethod) with the defining class found from cls (the type, or
  * a subclass, of the module's typefield). */
 #define USMIPC_CLASSMETHOD(name, impl, typefield)                              \
+  USMIPC_CLASSMETHOD_CALLING_(name, typefield,                                 \
+                              impl(cls, defining_class_, args, (size_t)nargs,  \
+                                   kwnames))
+/* The same for one impl behind several classmethods, told apart by which:
+ * name calls impl(defining_class, args, nargs, kwnames, which). */
+#define USMIPC_CLASSMETHOD_WHICH(name, impl, typefield, which)                 \
+  USMIPC_CLASSMETHOD_CALLING_(name, typefield,                                 \
+                              impl(defining_class_, args, nargs, kwnames,      \
+                                   which))
+#define USMIPC_CLASSMETHOD_CALLING_(name, typefield, call)                     \
   static PyObject *name(PyObject *cls, PyObject *const *args,                 \
                         Py_ssize_t nargs, PyObject *kwnames) {                \
     usmipc_module_state_t *st_ = usmipc_state_from_type((PyTypeObject *)cls); \
     if (st_ == NULL)                                                          \
       return NULL;                                                            \
-    return impl(cls, (PyTypeObject *)st_->typefield, args, (size_t)nargs,     \
-                kwnames);                                                     \
+    PyTypeObject *defining_class_ = (PyTypeObject *)st_->typefield;           \
+    return call;                                                              \
   }
 #define USMIPC_CLASS_FLAGS (METH_CLASS | METH_FASTCALL | METH_KEYWORDS)
 

@@ -958,20 +958,6 @@ fail_args:
   return NULL;
 }
 
-static PyObject *handle_open(PyObject *cls, PyTypeObject *defining_class,
-                             PyObject *const *args, Py_ssize_t nargs,
-                             PyObject *kwnames) {
-  (void)cls;
-  return open_common(defining_class, args, nargs, kwnames, 0);
-}
-
-static PyObject *handle_open_sycl(PyObject *cls, PyTypeObject *defining_class,
-                                  PyObject *const *args, Py_ssize_t nargs,
-                                  PyObject *kwnames) {
-  (void)cls;
-  return open_common(defining_class, args, nargs, kwnames, 1);
-}
-
 /* close_mapping(memory, stream=None) and release(memory, stream=None):
  * both return the mapping's release ticket (if the producer asked for one
  * and it was not returned yet) after the work submitted to stream (None:
@@ -1036,21 +1022,6 @@ static PyObject *mapping_release_or_close(PyTypeObject *defining_class,
     return NULL;
   }
   Py_RETURN_NONE;
-}
-
-static PyObject *handle_close_mapping(PyObject *cls,
-                                      PyTypeObject *defining_class,
-                                      PyObject *const *args, Py_ssize_t nargs,
-                                      PyObject *kwnames) {
-  (void)cls;
-  return mapping_release_or_close(defining_class, args, nargs, kwnames, 1);
-}
-
-static PyObject *handle_release(PyObject *cls, PyTypeObject *defining_class,
-                                PyObject *const *args, Py_ssize_t nargs,
-                                PyObject *kwnames) {
-  (void)cls;
-  return mapping_release_or_close(defining_class, args, nargs, kwnames, 0);
 }
 
 static PyObject *handle_is_available(PyObject *cls,
@@ -1352,13 +1323,13 @@ static Py_hash_t handle_hash(PyObject *self) {
 }
 
 
-#define CMETHOD(f) (PyCFunction)(void (*)(void))(f)
-#define CLASS_FLAGS (METH_CLASS | METH_METHOD | METH_FASTCALL | METH_KEYWORDS)
-
-USMIPC_CLASSMETHOD(handle_open_cls, handle_open, IPCMemoryHandleType)
-USMIPC_CLASSMETHOD(handle_open_sycl_cls, handle_open_sycl, IPCMemoryHandleType)
-USMIPC_CLASSMETHOD(handle_close_mapping_cls, handle_close_mapping, IPCMemoryHandleType)
-USMIPC_CLASSMETHOD(handle_release_cls, handle_release, IPCMemoryHandleType)
+USMIPC_CLASSMETHOD_WHICH(handle_open_cls, open_common, IPCMemoryHandleType, 0)
+USMIPC_CLASSMETHOD_WHICH(handle_open_sycl_cls, open_common, IPCMemoryHandleType,
+                         1)
+USMIPC_CLASSMETHOD_WHICH(handle_close_mapping_cls, mapping_release_or_close,
+                         IPCMemoryHandleType, 1)
+USMIPC_CLASSMETHOD_WHICH(handle_release_cls, mapping_release_or_close,
+                         IPCMemoryHandleType, 0)
 USMIPC_CLASSMETHOD(handle_is_available_cls, handle_is_available, IPCMemoryHandleType)
 USMIPC_CLASSMETHOD(handle_inspect_cls, handle_inspect, IPCMemoryHandleType)
 USMIPC_CLASSMETHOD(handle_set_cache_size_cls, handle_set_cache_size, IPCMemoryHandleType)
@@ -1405,7 +1376,7 @@ static PyMethodDef handle_methods[] = {
      "lives (the export belongs to the allocation); for another library's "
      "array, the last handle closed ends the export, and its bytes are "
      "refused. Idempotent."},
-    {"open", CMETHOD(handle_open_cls), USMIPC_CLASS_FLAGS,
+    {"open", USMIPC_CMETHOD(handle_open_cls), USMIPC_CLASS_FLAGS,
      "open($cls, /, handle_bytes, device=None, nbytes=None, *, stream=None, "
      "ordered=True)\n--\n\n"
      "Returns a MemoryIPCDevice. "
@@ -1422,7 +1393,7 @@ static PyMethodDef handle_methods[] = {
      "wait too; without, the host waits\n(set_event_timeout(), Ctrl-C). "
      "ordered=False skips the wait, for callers\nthat order the work "
      "themselves. Event handle bytes raise ValueError."},
-    {"open_sycl", CMETHOD(handle_open_sycl_cls), USMIPC_CLASS_FLAGS,
+    {"open_sycl", USMIPC_CMETHOD(handle_open_sycl_cls), USMIPC_CLASS_FLAGS,
      "open_sycl($cls, /, handle_bytes, device=None, nbytes=None)\n--\n\n"
      "Returns a MemoryIPCDevice mapping memory that a SYCL program "
      "exported:\nthe bytes of dpctl's IPCMemoryHandle.to_bytes() (a UMF "
@@ -1432,38 +1403,41 @@ static PyMethodDef handle_methods[] = {
      "allocation. Weaker than open(): the\nblob does not prove who exported "
      "it, and a freed allocation is not\ndetected (docs/level-zero.md). "
      "Each call maps anew; close with\nclose_mapping()."},
-    {"close_mapping", CMETHOD(handle_close_mapping_cls), USMIPC_CLASS_FLAGS,
+    {"close_mapping", USMIPC_CMETHOD(handle_close_mapping_cls),
+     USMIPC_CLASS_FLAGS,
      "close_mapping($cls, /, memory, stream=None)\n--\n\nCloses a mapping "
      "returned by open(); idempotent. While memoryviews of it are\nalive the "
      "unmap waits for the last one. If the producer asked for a\nrelease "
      "(IPCMemoryHandle(..., release=True)), its ticket is returned first,\n"
      "after the work submitted to stream (None: now)."},
-    {"release", CMETHOD(handle_release_cls), USMIPC_CLASS_FLAGS,
+    {"release", USMIPC_CMETHOD(handle_release_cls), USMIPC_CLASS_FLAGS,
      "release($cls, /, memory, stream=None)\n--\n\nTells the producer "
      "that this consumer is done with the mapping, after the\nwork "
      "submitted to stream (None: now), without closing it. Does nothing\n"
      "when the producer asked for no release or was told already."},
-    {"wait_released", (PyCFunction)(void (*)(void))handle_wait_released,
+    {"wait_released", USMIPC_CMETHOD(handle_wait_released),
      METH_FASTCALL | METH_KEYWORDS,
      "wait_released($self, /, stream=None)\n--\n\nWaits until every "
      "release ticket handed out so far came back (the\nevent timeout "
      "applies), then makes stream wait on the device for the\nconsumers' "
      "work, or (stream None) waits on the host."},
-    {"is_available", CMETHOD(handle_is_available_cls), USMIPC_CLASS_FLAGS,
+    {"is_available", USMIPC_CMETHOD(handle_is_available_cls),
+     USMIPC_CLASS_FLAGS,
      "is_available($cls, /)\n--\n\nTrue if any available device supports IPC."},
-    {"inspect", CMETHOD(handle_inspect_cls), USMIPC_CLASS_FLAGS,
+    {"inspect", USMIPC_CMETHOD(handle_inspect_cls), USMIPC_CLASS_FLAGS,
      "inspect($cls, /, handle)\n--\n\nValidates handle bytes without opening "
      "them "
      "and returns their metadata\n(backend, device_uuid, exporter_pid, "
      "buffer_id, allocation_size, offset,\nnbytes, handle_kind, length, "
      "is_event, is_ordered, event_point). Takes\nmemory and event handle "
      "bytes; for an IPCMemoryHandle object, the bytes\nit last gave out."},
-    {"set_cache_size", CMETHOD(handle_set_cache_size_cls), USMIPC_CLASS_FLAGS,
+    {"set_cache_size", USMIPC_CMETHOD(handle_set_cache_size_cls),
+     USMIPC_CLASS_FLAGS,
      "set_cache_size($cls, /, entries)\n--\n\n"
      "How many closed mappings this process keeps for cheap re-opens\n"
      "(default 64, or USMIPC_IPC_CACHE_SIZE); 0 unmaps on the last close.\n"
      "The same as usmipc.set_ipc_cache_size()."},
-    {"from_bytes", CMETHOD(handle_from_bytes_cls), USMIPC_CLASS_FLAGS,
+    {"from_bytes", USMIPC_CMETHOD(handle_from_bytes_cls), USMIPC_CLASS_FLAGS,
      "from_bytes($cls, /, data)\n--\n\nAn IPCMemoryHandle carrying only the "
      "given bytes (validated), as after unpickling: its to_bytes() returns "
      "them\nas they are."},

@@ -1147,7 +1147,7 @@ static PyObject *memory_array(PyObject *op, PyObject *const *args,
 }
 
 static PyMethodDef memory_methods[] = {
-    {"__array__", (PyCFunction)(void (*)(void))memory_array,
+    {"__array__", USMIPC_CMETHOD(memory_array),
      METH_FASTCALL | METH_KEYWORDS,
      "__array__(dtype=None, copy=None)\n--\n\nA NumPy view of host-"
      "accessible memory (uint8); a closed mapping raises ValueError, device "
@@ -1156,7 +1156,7 @@ static PyMethodDef memory_methods[] = {
      "copy_from_host($self, obj, /)\n--\n\nCopies a bytes-like object (at most "
      "nbytes) to "
      "the start of the memory."},
-    {"copy_to_host", (PyCFunction)(void (*)(void))memory_copy_to_host,
+    {"copy_to_host", USMIPC_CMETHOD(memory_copy_to_host),
      METH_FASTCALL | METH_KEYWORDS,
      "copy_to_host($self, /, obj=None)\n--\n\nCopies the memory to the host "
      "and returns the copy: as dpctl does, a new\nnumpy.ndarray of nbytes "
@@ -1175,10 +1175,10 @@ static PyMethodDef memory_methods[] = {
     {"__bytes__", memory_tobytes, METH_NOARGS,
      "__bytes__($self, /)\n--\n\nbytes(memory): the same as tobytes() "
      "(device memory too)."},
-    {"memset", (PyCFunction)(void (*)(void))memory_memset,
+    {"memset", USMIPC_CMETHOD(memory_memset),
      METH_FASTCALL | METH_KEYWORDS,
      "memset($self, /, value=0)\n--\n\nFills the memory with the byte value."},
-    {"__dlpack__", (PyCFunction)(void (*)(void))usmipc_memory_dlpack,
+    {"__dlpack__", USMIPC_CMETHOD(usmipc_memory_dlpack),
      METH_FASTCALL | METH_KEYWORDS,
      "__dlpack__($self, /, stream=None, *, max_version=None, dl_device=None, "
      "copy=None)\n--\n\n"
@@ -1195,7 +1195,7 @@ static PyMethodDef memory_methods[] = {
     {"__dlpack_device__", usmipc_memory_dlpack_device, METH_NOARGS,
      "__dlpack_device__($self, /)\n--\n\n"
      "The (DLPack device type, device id) of the memory."},
-    {"get_usm_type", (PyCFunction)(void (*)(void))memory_get_usm_type,
+    {"get_usm_type", USMIPC_CMETHOD(memory_get_usm_type),
      METH_FASTCALL | METH_KEYWORDS,
      "get_usm_type(syclobj=None)\n--\n\n'device', 'host' or 'shared'; "
      "'unknown' relative to a Device or Queue (syclobj) of another "
@@ -1462,7 +1462,7 @@ static void pool_dealloc(PyObject *op) {
 }
 
 static PyMethodDef pool_methods[] = {
-    {"allocate", (PyCFunction)(void (*)(void))pool_allocate,
+    {"allocate", USMIPC_CMETHOD(pool_allocate),
      METH_VARARGS | METH_KEYWORDS,
      "allocate($self, /, nbytes, alignment=0)\n--\n\nA block of the pool "
      "as a MemoryUSMDevice (aligned to alignment, 0: 256\nbytes); its "

@@ -519,7 +519,7 @@ static PyMethodDef queue_methods[] = {
      "synchronize()\n\nWaits until every operation on the queue has "
      "completed."},
     {"wait", queue_synchronize, METH_NOARGS, "Alias of synchronize()."},
-    {"from_stream", (PyCFunction)(void (*)(void))queue_from_stream_cls,
+    {"from_stream", USMIPC_CMETHOD(queue_from_stream_cls),
      USMIPC_CLASS_FLAGS,
      "from_stream($cls, /, stream, device=None)\n--\n\n"
      "A Queue over another library's stream, which it does not own (the "
