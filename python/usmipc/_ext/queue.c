@@ -15,16 +15,27 @@
 #include <stdio.h>
 #include <string.h>
 
-PyObject *usmipc_queue_new(usmipc_module_state_t *st, PyObject *device_obj) {
+/* A new Queue object on device_obj, its usmipc queue still to be set; NULL
+ * with an exception set. */
+static usmipc_queue_object_t *queue_alloc(usmipc_module_state_t *st,
+                                          PyObject *device_obj) {
   if (st->QueueType == NULL) {
-    return usmipc_state_cleared();
+    usmipc_state_cleared();
+    return NULL;
   }
   usmipc_queue_object_t *self =
       (usmipc_queue_object_t *)usmipc_object_alloc(st->QueueType);
+  if (self != NULL) {
+    self->device = Py_NewRef(device_obj);
+  }
+  return self;
+}
+
+PyObject *usmipc_queue_new(usmipc_module_state_t *st, PyObject *device_obj) {
+  usmipc_queue_object_t *self = queue_alloc(st, device_obj);
   if (self == NULL) {
     return NULL;
   }
-  self->device = Py_NewRef(device_obj);
   usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
   usmipc_queue_t *queue = NULL;
   int rc;
@@ -126,15 +137,10 @@ PyObject *usmipc_queue_wrap(usmipc_module_state_t *st, PyObject *device_obj,
         "usmipc.Queue of that device",
         what, usmipc_device_filter_string(device), native);
   }
-  if (st->QueueType == NULL) {
-    return usmipc_state_cleared();
-  }
-  usmipc_queue_object_t *self =
-      (usmipc_queue_object_t *)usmipc_object_alloc(st->QueueType);
+  usmipc_queue_object_t *self = queue_alloc(st, device_obj);
   if (self == NULL) {
     return NULL;
   }
-  self->device = Py_NewRef(device_obj);
   usmipc_queue_t *queue = NULL;
   int rc = usmipc_queue_from_native(device, native, &queue);
   if (rc < 0) {
