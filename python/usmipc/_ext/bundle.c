@@ -1055,23 +1055,12 @@ static PyObject *arr_cai(PyObject *op, void *c) {
 }
 
 static DLDevice arr_dl_device(const Arr *self) {
-  DLDevice d = {kDLCPU, 0};
   if (self->device == NULL)
-    return d;
+    return (DLDevice){kDLCPU, 0};
+  /* A shared array is a mapping of exported device memory. */
   usmipc_device_t *dev = ((usmipc_device_object_t *)self->device)->device;
-  switch (usmipc_device_backend(dev)) {
-  case USMIPC_BACKEND_CUDA:
-    d.device_type = kDLCUDA;
-    d.device_id = usmipc_device_index(dev);
-    break;
-  case USMIPC_BACKEND_LEVEL_ZERO:
-    d.device_type = kDLOneAPI;
-    d.device_id = usmipc_device_index(dev);
-    break;
-  default:
-    break;
-  }
-  return d;
+  return usmipc_dl_device(usmipc_device_backend(dev), USMIPC_MEM_DEVICE,
+                          usmipc_device_index(dev));
 }
 
 static PyObject *arr_dlpack_device(PyObject *op, PyObject *Py_UNUSED(x)) {
@@ -1107,17 +1096,6 @@ static void arr_deleter(DLManagedTensor *m) { arr_ctx_release(m->manager_ctx); }
 
 static void arr_deleter_versioned(DLManagedTensorVersioned *m) {
   arr_ctx_release(m->manager_ctx);
-}
-
-static void arr_capsule_destructor(PyObject *capsule) {
-  if (PyCapsule_IsValid(capsule, "dltensor")) {
-    DLManagedTensor *m = PyCapsule_GetPointer(capsule, "dltensor");
-    m->deleter(m);
-  } else if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
-    DLManagedTensorVersioned *m =
-        PyCapsule_GetPointer(capsule, "dltensor_versioned");
-    m->deleter(m);
-  }
 }
 
 /* Makes the consumer's stream wait for the stream the bundle was opened on
@@ -1251,13 +1229,13 @@ static PyObject *arr_capsule(Arr *self, int versioned) {
     ctx->managed.versioned.deleter = arr_deleter_versioned;
     ctx->managed.versioned.dl_tensor = t;
     capsule = PyCapsule_New(&ctx->managed.versioned, "dltensor_versioned",
-                            arr_capsule_destructor);
+                            usmipc_dl_capsule_destructor);
   } else {
     ctx->managed.unversioned.manager_ctx = ctx;
     ctx->managed.unversioned.deleter = arr_deleter;
     ctx->managed.unversioned.dl_tensor = t;
     capsule = PyCapsule_New(&ctx->managed.unversioned, "dltensor",
-                            arr_capsule_destructor);
+                            usmipc_dl_capsule_destructor);
   }
   if (capsule == NULL) {
     Py_DECREF(op);

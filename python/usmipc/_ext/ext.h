@@ -21,6 +21,8 @@
 
 #include "usmipc.h"
 
+#include "dlpack.h"
+
 /* One entry per usmipc_device_t seen by this module: its Python Device
  * object (devices live as long as the process, so one object per device)
  * and the device's default Queue, created on first use. */
@@ -333,6 +335,17 @@ typedef struct usmipc_suai {
  * is not memory of that device). what names the caller in messages. */
 int usmipc_suai_read(usmipc_module_state_t *st, PyObject *obj,
                      const char *what, usmipc_suai_t *out);
+
+/* The DLPack device of memory of kind on a device of backend whose
+ * usmipc_device_index is index: on CUDA kDLCUDA (device memory),
+ * kDLCUDAHost or kDLCUDAManaged; on Level Zero kDLOneAPI; on the host the
+ * CPU. */
+DLDevice usmipc_dl_device(usmipc_backend_t backend, usmipc_mem_kind_t kind,
+                          int index);
+/* The destructor of the DLPack capsules usmipc exports (memory objects,
+ * shared arrays): a capsule no consumer took deletes its tensor, keeping a
+ * pending exception aside meanwhile. */
+void usmipc_dl_capsule_destructor(PyObject *capsule);
 
 /* _Memory.__dlpack_device__(), __dlpack__(...), __cuda_array_interface__. */
 PyObject *usmipc_memory_dlpack_device(PyObject *self, PyObject *ignored);

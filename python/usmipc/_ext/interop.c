@@ -39,22 +39,17 @@
 /* ---- the device of a memory object ----------------------------------------
  */
 
-static DLDevice dl_device_of(usmipc_memory_object_t *mem) {
+DLDevice usmipc_dl_device(usmipc_backend_t backend, usmipc_mem_kind_t kind,
+                          int index) {
   DLDevice dev = {kDLCPU, 0};
-  int index = 0;
-  if (mem->device != NULL) {
-    index =
-        usmipc_device_index(((usmipc_device_object_t *)mem->device)->device);
-  }
-  switch (mem->backend) {
+  switch (backend) {
   case USMIPC_BACKEND_HOST:
     break;
   case USMIPC_BACKEND_CUDA:
-    if (mem->kind == USMIPC_MEM_HOST) {
+    if (kind == USMIPC_MEM_HOST) {
       dev.device_type = kDLCUDAHost;
     } else {
-      dev.device_type =
-          mem->kind == USMIPC_MEM_SHARED ? kDLCUDAManaged : kDLCUDA;
+      dev.device_type = kind == USMIPC_MEM_SHARED ? kDLCUDAManaged : kDLCUDA;
       dev.device_id = index;
     }
     break;
@@ -64,6 +59,15 @@ static DLDevice dl_device_of(usmipc_memory_object_t *mem) {
     break;
   }
   return dev;
+}
+
+static DLDevice dl_device_of(usmipc_memory_object_t *mem) {
+  int index = 0;
+  if (mem->device != NULL) {
+    index =
+        usmipc_device_index(((usmipc_device_object_t *)mem->device)->device);
+  }
+  return usmipc_dl_device(mem->backend, mem->kind, index);
 }
 
 PyObject *usmipc_memory_dlpack_device(PyObject *self,
@@ -115,7 +119,7 @@ static void dl_deleter_versioned(DLManagedTensorVersioned *self) {
 }
 
 /* A capsule that no consumer took still owns its tensor. */
-static void dl_capsule_destructor(PyObject *capsule) {
+void usmipc_dl_capsule_destructor(PyObject *capsule) {
   if (PyCapsule_IsValid(capsule, "used_dltensor") ||
       PyCapsule_IsValid(capsule, "used_dltensor_versioned")) {
     return;
@@ -307,11 +311,12 @@ static PyObject *dl_host_copy(usmipc_memory_object_t *mem, int versioned) {
     m->version.minor = 0;
     m->deleter = dl_deleter_owned_versioned;
     m->flags = DLPACK_FLAG_BITMASK_IS_COPIED;
-    capsule = PyCapsule_New(m, "dltensor_versioned", dl_capsule_destructor);
+    capsule = PyCapsule_New(m, "dltensor_versioned",
+                            usmipc_dl_capsule_destructor);
   } else {
     DLManagedTensor *m = &ctx->managed.unversioned;
     m->deleter = dl_deleter_owned;
-    capsule = PyCapsule_New(m, "dltensor", dl_capsule_destructor);
+    capsule = PyCapsule_New(m, "dltensor", usmipc_dl_capsule_destructor);
   }
   if (capsule == NULL) {
     free(ctx);
@@ -463,7 +468,8 @@ PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
     m->manager_ctx = self;
     m->deleter = dl_deleter_versioned;
     m->flags = 0; /* writable, not a copy */
-    capsule = PyCapsule_New(m, "dltensor_versioned", dl_capsule_destructor);
+    capsule = PyCapsule_New(m, "dltensor_versioned",
+                            usmipc_dl_capsule_destructor);
     if (capsule == NULL) {
       m->deleter(m);
     }
@@ -471,7 +477,7 @@ PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
     DLManagedTensor *m = &ctx->managed.unversioned;
     m->manager_ctx = self;
     m->deleter = dl_deleter;
-    capsule = PyCapsule_New(m, "dltensor", dl_capsule_destructor);
+    capsule = PyCapsule_New(m, "dltensor", usmipc_dl_capsule_destructor);
     if (capsule == NULL) {
       m->deleter(m);
     }
