@@ -367,16 +367,14 @@ static int leaf_read(usmipc_module_state_t *st, PyObject *obj,
       if (leaf_dlpack(obj, L, &found) < 0)
         return -1;
       if (!found) { /* an interface set on the instance, not its type */
-        cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
+        cai = usmipc_optional_attr(obj, "__cuda_array_interface__");
         if (cai != NULL) {
           int rc = leaf_cai(obj, cai, L);
           Py_DECREF(cai);
           if (rc < 0)
             return -1;
           found = 1;
-        } else if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-          PyErr_Clear();
-        } else {
+        } else if (PyErr_Occurred()) {
           return -1;
         }
       }

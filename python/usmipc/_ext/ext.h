@@ -149,6 +149,9 @@ int usmipc_parse_fastcall(const char *funcname, PyObject *const *args,
                           Py_ssize_t nargs, PyObject *kwnames,
                           const char *const *names, Py_ssize_t nnames,
                           Py_ssize_t npositional, PyObject **out);
+/* obj.name (new reference), or NULL: with an exception set, or without one
+ * when obj has no such attribute (the AttributeError is cleared). */
+PyObject *usmipc_optional_attr(PyObject *obj, const char *name);
 /* usmipc_parse_fastcall for a function of one parameter, name, which must
  * be given (positionally or by keyword): 0 with *out borrowed, or -1 with
  * TypeError set ("<funcname>() missing argument '<name>'" if absent). */

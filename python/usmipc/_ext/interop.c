@@ -526,13 +526,9 @@ static int dict_item(PyObject *dict, const char *key, PyObject **out) {
 }
 
 int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
-  PyObject *cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
+  PyObject *cai = usmipc_optional_attr(obj, "__cuda_array_interface__");
   if (cai == NULL) {
-    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-      PyErr_Clear();
-      return 0;
-    }
-    return -1;
+    return PyErr_Occurred() ? -1 : 0;
   }
   PyObject *data = NULL, *shape = NULL, *typestr = NULL, *strides = NULL;
   int rc = -1;
@@ -852,28 +848,32 @@ static int dl_check_device(const DLTensor *t, const void *ptr) {
   return -1;
 }
 
-int usmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
-                        PyObject **owner) {
+int usmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
+                       PyObject **owner) {
   *owner = NULL;
-  PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
+  PyObject *method = usmipc_optional_attr(obj, "__dlpack__");
   if (method == NULL) {
-    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-      PyErr_Clear();
-      return 0;
-    }
-    return -1;
+    return PyErr_Occurred() ? -1 : 0;
   }
   PyObject *capsule = call_dlpack(method);
   Py_DECREF(method);
   if (capsule == NULL) {
     return -1;
   }
+  *owner = dl_consume(capsule, tensor, flags);
+  Py_DECREF(capsule);
+  return *owner == NULL ? -1 : 1;
+}
+
+int usmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
+                        PyObject **owner) {
   DLTensor t;
   uint64_t flags;
-  PyObject *tensor_owner = dl_consume(capsule, &t, &flags);
-  Py_DECREF(capsule);
-  if (tensor_owner == NULL) {
-    return -1;
+  PyObject *tensor_owner;
+  *owner = NULL;
+  int found = usmipc_dlpack_read(obj, &t, &flags, &tensor_owner);
+  if (found <= 0) {
+    return found;
   }
   void *address = (char *)t.data + t.byte_offset;
   Py_ssize_t size;
@@ -886,27 +886,6 @@ int usmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
   *nbytes = size;
   *owner = tensor_owner;
   return 1;
-}
-
-int usmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
-                       PyObject **owner) {
-  *owner = NULL;
-  PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
-  if (method == NULL) {
-    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-      PyErr_Clear();
-      return 0;
-    }
-    return -1;
-  }
-  PyObject *capsule = call_dlpack(method);
-  Py_DECREF(method);
-  if (capsule == NULL) {
-    return -1;
-  }
-  *owner = dl_consume(capsule, tensor, flags);
-  Py_DECREF(capsule);
-  return *owner == NULL ? -1 : 1;
 }
 
 /* ---- __sycl_usm_array_interface__ -----------------------------------------
@@ -1117,13 +1096,9 @@ static int suai_syclobj(usmipc_module_state_t *st, PyObject *syclobj,
 int usmipc_suai_read(usmipc_module_state_t *st, PyObject *obj,
                      const char *what, usmipc_suai_t *out) {
   memset(out, 0, sizeof(*out));
-  PyObject *iface = PyObject_GetAttrString(obj, "__sycl_usm_array_interface__");
+  PyObject *iface = usmipc_optional_attr(obj, "__sycl_usm_array_interface__");
   if (iface == NULL) {
-    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
-      PyErr_Clear();
-      return 0;
-    }
-    return -1;
+    return PyErr_Occurred() ? -1 : 0;
   }
   PyObject *data = NULL, *shape = NULL, *typestr = NULL, *strides = NULL,
            *offset_obj = NULL, *version = NULL, *syclobj = NULL;

@@ -423,6 +423,14 @@ int usmipc_parse_one_arg(const char *funcname, const char *name,
   return 0;
 }
 
+PyObject *usmipc_optional_attr(PyObject *obj, const char *name) {
+  PyObject *value = PyObject_GetAttrString(obj, name);
+  if (value == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+    PyErr_Clear();
+  }
+  return value;
+}
+
 /* ---- module functions ---------------------------------------------------- */
 
 static PyObject *get_devices(PyObject *module, PyObject *Py_UNUSED(ignored)) {

@@ -174,15 +174,6 @@ int usmipc_type_module_is(PyObject *obj, const char *package) {
   return r;
 }
 
-/* obj.name, or NULL without an exception when obj has no such attribute. */
-static PyObject *optional_attr(PyObject *obj, const char *name) {
-  PyObject *value = PyObject_GetAttrString(obj, name);
-  if (value == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
-    PyErr_Clear();
-  }
-  return value;
-}
-
 /* A native stream handle given as a Python int (never a bool). 0, or -1
  * with an exception set. */
 static int native_from_int(PyObject *value, void **native, const char *what,
@@ -271,7 +262,7 @@ static PyObject *cuda_stream_device(usmipc_module_state_t *st, PyObject *obj,
 /* An int attribute of obj as a long, -1 when absent or None. -2 with an
  * exception set on a bad value. */
 static long ordinal_attr(PyObject *obj, const char *name) {
-  PyObject *value = optional_attr(obj, name);
+  PyObject *value = usmipc_optional_attr(obj, name);
   if (value == NULL) {
     return PyErr_Occurred() ? -2 : -1;
   }
@@ -338,10 +329,10 @@ PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
 
   /* torch.cuda.Stream (and ExternalStream): .cuda_stream, .device.index */
   if (usmipc_type_module_is(obj, "torch")) {
-    PyObject *handle = optional_attr(obj, "cuda_stream");
+    PyObject *handle = usmipc_optional_attr(obj, "cuda_stream");
     if (handle != NULL) {
       long ordinal = -1;
-      PyObject *dev = optional_attr(obj, "device");
+      PyObject *dev = usmipc_optional_attr(obj, "device");
       if (dev != NULL) {
         ordinal = ordinal_attr(dev, "index");
         Py_DECREF(dev);
@@ -361,7 +352,7 @@ PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
   /* cupy.cuda.Stream (and ExternalStream): .ptr, .device_id */
   if (usmipc_type_module_is(obj, "cupy") ||
       usmipc_type_module_is(obj, "cupy_backends")) {
-    PyObject *handle = optional_attr(obj, "ptr");
+    PyObject *handle = usmipc_optional_attr(obj, "ptr");
     if (handle != NULL) {
       long ordinal = ordinal_attr(obj, "device_id");
       PyObject *queue = ordinal == -2
@@ -377,7 +368,7 @@ PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
   }
 
   /* The CUDA stream protocol: __cuda_stream__() -> (version, handle). */
-  PyObject *method = optional_attr(obj, "__cuda_stream__");
+  PyObject *method = usmipc_optional_attr(obj, "__cuda_stream__");
   if (method != NULL) {
     PyObject *pair = PyCallable_Check(method) ? PyObject_CallNoArgs(method)
                                               : Py_NewRef(method);
