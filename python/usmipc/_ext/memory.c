@@ -705,6 +705,44 @@ static Py_ssize_t memory_length(PyObject *op) { return ((Mem *)op)->nbytes; }
 
 /* ---- methods ------------------------------------------------------------- */
 
+/* Copies n bytes from src to dst, or (src NULL) fills them with value, on
+ * the memory's queue and waits, the GIL released; an operation on the
+ * memory (usmipc_memory_begin and _end: closed memory is refused, a close
+ * meanwhile waits for it). n 0 copies nothing. source (or NULL) is the
+ * caller's buffer of src, released before the operation ends (it may be an
+ * export of this memory). 0, or -1 with an exception set. */
+static int memory_run(Mem *self, void *dst, const void *src, int value,
+                      size_t n, Py_buffer *source) {
+  if (usmipc_memory_begin(self) < 0) {
+    if (source != NULL) {
+      PyBuffer_Release(source);
+    }
+    return -1;
+  }
+  usmipc_queue_t *queue = memory_queue(self);
+  int rc = 0;
+  if (queue != NULL && n > 0) {
+    Py_BEGIN_ALLOW_THREADS
+    rc = src != NULL ? usmipc_memcpy(queue, dst, src, n)
+                     : usmipc_memset(queue, dst, value, n);
+    if (rc == 0) {
+      rc = usmipc_queue_synchronize(queue);
+    }
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+      usmipc_raise(usmipc_state_from_device(self->device), rc);
+    }
+  }
+  if (source != NULL) {
+    PyBuffer_Release(source);
+  }
+  int failed = queue == NULL || rc < 0;
+  if (usmipc_memory_end(self) < 0 || failed) {
+    return -1;
+  }
+  return 0;
+}
+
 static PyObject *memory_copy_from_host(PyObject *op, PyObject *obj) {
   Mem *self = (Mem *)op;
   Py_buffer src;
@@ -717,27 +755,7 @@ static PyObject *memory_copy_from_host(PyObject *op, PyObject *obj) {
     PyBuffer_Release(&src);
     return NULL;
   }
-  if (usmipc_memory_begin(self) < 0) {
-    PyBuffer_Release(&src);
-    return NULL;
-  }
-  usmipc_queue_t *queue = memory_queue(self);
-  int rc = 0;
-  if (queue != NULL && src.len > 0) {
-    void *dst = self->ptr;
-    Py_BEGIN_ALLOW_THREADS
-    rc = usmipc_memcpy(queue, dst, src.buf, (size_t)src.len);
-    if (rc == 0) {
-      rc = usmipc_queue_synchronize(queue);
-    }
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
-      usmipc_raise(usmipc_state_from_device(self->device), rc);
-    }
-  }
-  PyBuffer_Release(&src);
-  int failed = queue == NULL || rc < 0;
-  if (usmipc_memory_end(self) < 0 || failed) {
+  if (memory_run(self, self->ptr, src.buf, 0, (size_t)src.len, &src) < 0) {
     return NULL;
   }
   Py_RETURN_NONE;
@@ -745,29 +763,7 @@ static PyObject *memory_copy_from_host(PyObject *op, PyObject *obj) {
 
 /* Copies all nbytes of the memory to dst. Returns 0 or -1 (exception set). */
 static int copy_out(Mem *self, void *dst) {
-  if (usmipc_memory_begin(self) < 0) {
-    return -1;
-  }
-  usmipc_queue_t *queue = memory_queue(self);
-  int rc = 0;
-  if (queue != NULL) {
-    void *src = self->ptr;
-    size_t n = (size_t)self->nbytes;
-    Py_BEGIN_ALLOW_THREADS
-    rc = usmipc_memcpy(queue, dst, src, n);
-    if (rc == 0) {
-      rc = usmipc_queue_synchronize(queue);
-    }
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
-      usmipc_raise(usmipc_state_from_device(self->device), rc);
-    }
-  }
-  int failed = queue == NULL || rc < 0;
-  if (usmipc_memory_end(self) < 0 || failed) {
-    return -1;
-  }
-  return 0;
+  return memory_run(self, dst, self->ptr, 0, (size_t)self->nbytes, NULL);
 }
 
 int usmipc_memory_copy_out(Mem *self, void *dst) { return copy_out(self, dst); }
@@ -910,26 +906,8 @@ static PyObject *memory_memset(PyObject *op, PyObject *const *args,
       return NULL;
     }
   }
-  if (usmipc_memory_begin(self) < 0) {
-    return NULL;
-  }
-  usmipc_queue_t *queue = memory_queue(self);
-  int rc = 0;
-  if (queue != NULL) {
-    void *dst = self->ptr;
-    size_t n = (size_t)self->nbytes;
-    Py_BEGIN_ALLOW_THREADS
-    rc = usmipc_memset(queue, dst, (int)value, n);
-    if (rc == 0) {
-      rc = usmipc_queue_synchronize(queue);
-    }
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
-      usmipc_raise(usmipc_state_from_device(self->device), rc);
-    }
-  }
-  int failed = queue == NULL || rc < 0;
-  if (usmipc_memory_end(self) < 0 || failed) {
+  if (memory_run(self, self->ptr, NULL, (int)value, (size_t)self->nbytes,
+                 NULL) < 0) {
     return NULL;
   }
   Py_RETURN_NONE;
