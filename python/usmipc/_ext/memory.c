@@ -197,26 +197,39 @@ static int ipc_flags(const char *ipc, unsigned *flags) {
   return 0;
 }
 
+/* A new memory object of type describing nbytes of kind on device_obj,
+ * its copies ordered on queue_obj (NULL: the device's default queue, taken
+ * on first use); ptr is the caller's to set. NULL with an exception set. */
+static Mem *memory_new(PyTypeObject *type, PyObject *device_obj,
+                       PyObject *queue_obj, Py_ssize_t nbytes,
+                       usmipc_mem_kind_t kind) {
+  Mem *self = (Mem *)usmipc_object_alloc(type);
+  if (self == NULL) {
+    return NULL;
+  }
+  self->device = Py_NewRef(device_obj);
+  self->queue = Py_XNewRef(queue_obj);
+  self->nbytes = nbytes;
+  self->kind = kind;
+  self->backend =
+      usmipc_device_backend(((usmipc_device_object_t *)device_obj)->device);
+  self->host_accessible = (char)is_host_accessible(self->backend, kind);
+  return self;
+}
+
 /* A new allocation of nbytes of kind on device_obj, its copies ordered on
  * queue_obj (both references are stolen, also on failure). */
 static PyObject *new_allocation(PyTypeObject *type, usmipc_module_state_t *st,
                                 usmipc_mem_kind_t kind, Py_ssize_t nbytes,
                                 Py_ssize_t alignment, unsigned flags,
                                 PyObject *device_obj, PyObject *queue_obj) {
-  Mem *self = (Mem *)usmipc_object_alloc(type);
+  Mem *self = memory_new(type, device_obj, queue_obj, nbytes, kind);
+  Py_DECREF(device_obj);
+  Py_DECREF(queue_obj);
   if (self == NULL) {
-    Py_DECREF(device_obj);
-    Py_DECREF(queue_obj);
     return NULL;
   }
-  usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
-  self->device = device_obj; /* steals */
-  self->queue = queue_obj;   /* steals */
-  self->nbytes = nbytes;
-  self->kind = kind;
-  self->backend = usmipc_device_backend(device);
-  self->host_accessible = (char)is_host_accessible(self->backend, kind);
-
+  usmipc_device_t *device = ((usmipc_device_object_t *)self->device)->device;
   void *ptr = NULL;
   int rc;
   Py_BEGIN_ALLOW_THREADS
@@ -374,18 +387,13 @@ static int copy_in(Mem *self, void *dst, source_t *src, size_t n) {
  * alive (reference_obj) and, for usmipc memory, one export of it. */
 static PyObject *make_view(PyTypeObject *type, PyObject *obj, source_t *src,
                            PyObject *queue) {
-  Mem *self = (Mem *)usmipc_object_alloc(type);
+  Mem *self = memory_new(type, src->device,
+                         queue != NULL ? queue : src->queue, src->nbytes,
+                         src->kind);
   if (self == NULL) {
     return NULL;
   }
-  self->device = Py_NewRef(src->device);
-  self->queue = Py_NewRef(queue != NULL ? queue : src->queue);
   self->ptr = src->ptr;
-  self->nbytes = src->nbytes;
-  self->kind = src->kind;
-  self->backend =
-      usmipc_device_backend(((usmipc_device_object_t *)src->device)->device);
-  self->host_accessible = (char)is_host_accessible(self->backend, src->kind);
   self->is_view = 1;
   self->base = Py_NewRef(obj);
   if (src->mem != NULL) {
@@ -556,18 +564,11 @@ PyObject *usmipc_mapping_new(usmipc_module_state_t *st, PyObject *device_obj,
   if (type == NULL) {
     return usmipc_state_cleared();
   }
-  Mem *self = (Mem *)usmipc_object_alloc(type);
+  Mem *self = memory_new(type, device_obj, NULL, (Py_ssize_t)nbytes,
+                         USMIPC_MEM_DEVICE);
   if (self == NULL) {
     return NULL;
   }
-  self->device = Py_NewRef(device_obj);
-  self->queue = NULL;
-  self->nbytes = (Py_ssize_t)nbytes;
-  self->kind = USMIPC_MEM_DEVICE;
-  self->backend =
-      usmipc_device_backend(((usmipc_device_object_t *)device_obj)->device);
-  self->host_accessible =
-      (char)is_host_accessible(self->backend, USMIPC_MEM_DEVICE);
   self->is_mapping = 1;
   self->ptr = ptr;
   return (PyObject *)self;
@@ -1375,19 +1376,11 @@ static PyObject *pool_allocate(PyObject *op, PyObject *args, PyObject *kwds) {
     return NULL;
   }
   usmipc_module_state_t *st = usmipc_state_from_device(pool->device);
-  PyTypeObject *type = st->MemoryUSMDeviceType;
-  Mem *self = (Mem *)usmipc_object_alloc(type);
+  Mem *self = memory_new(st->MemoryUSMDeviceType, pool->device, pool->queue,
+                         nbytes, USMIPC_MEM_DEVICE);
   if (self == NULL) {
     return NULL;
   }
-  usmipc_device_t *device = ((usmipc_device_object_t *)pool->device)->device;
-  self->device = Py_NewRef(pool->device);
-  self->queue = Py_NewRef(pool->queue);
-  self->nbytes = nbytes;
-  self->kind = USMIPC_MEM_DEVICE;
-  self->backend = usmipc_device_backend(device);
-  self->host_accessible =
-      (char)is_host_accessible(self->backend, USMIPC_MEM_DEVICE);
   void *ptr = NULL;
   int rc;
   usmipc_pool_t *p = pool->pool;
