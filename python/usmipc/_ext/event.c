@@ -123,14 +123,32 @@ static void event_dealloc(PyObject *op) {
   usmipc_object_free(op);
 }
 
-/* The queue of a stream= argument (new reference): the event's device's
- * default queue for None, else the resolved stream. */
-static PyObject *event_queue(usmipc_module_state_t *st, Event *self,
-                             PyObject *stream, const char *what) {
-  if (stream == NULL || stream == Py_None) {
-    return usmipc_default_queue(st, self->device);
+/* Runs op (usmipc_event_record or usmipc_event_wait) on the event and the
+ * queue of a stream= argument (None: the default queue of the event's
+ * device), the GIL released; what names the caller in messages. None, or
+ * NULL with an exception set. */
+static PyObject *event_on_stream(usmipc_module_state_t *st, Event *self,
+                                 PyObject *stream, const char *what,
+                                 int (*op)(usmipc_event_t *,
+                                           usmipc_queue_t *)) {
+  PyObject *queue_obj =
+      stream == NULL || stream == Py_None
+          ? usmipc_default_queue(st, self->device)
+          : usmipc_queue_from_stream(st, stream, NULL, self->device, what);
+  if (queue_obj == NULL) {
+    return NULL;
   }
-  return usmipc_queue_from_stream(st, stream, NULL, self->device, what);
+  usmipc_queue_t *queue = ((usmipc_queue_object_t *)queue_obj)->queue;
+  usmipc_event_t *event = self->event;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = op(event, queue);
+  Py_END_ALLOW_THREADS
+  Py_DECREF(queue_obj);
+  if (rc < 0) {
+    return usmipc_raise(st, rc);
+  }
+  Py_RETURN_NONE;
 }
 
 static PyObject *event_record(PyObject *op, PyTypeObject *defining_class,
@@ -153,21 +171,8 @@ static PyObject *event_record(PyObject *op, PyTypeObject *defining_class,
         "itself. Record an Event created in this process (usmipc.Event()) "
         "and send IPCEventHandle(event) instead");
   }
-  PyObject *queue_obj = event_queue(st, self, stream, "Event.record()");
-  if (queue_obj == NULL) {
-    return NULL;
-  }
-  usmipc_queue_t *queue = ((usmipc_queue_object_t *)queue_obj)->queue;
-  usmipc_event_t *event = self->event;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  rc = usmipc_event_record(event, queue);
-  Py_END_ALLOW_THREADS
-  Py_DECREF(queue_obj);
-  if (rc < 0) {
-    return usmipc_raise(st, rc);
-  }
-  Py_RETURN_NONE;
+  return event_on_stream(st, self, stream, "Event.record()",
+                         usmipc_event_record);
 }
 
 /* The host waits for the event (usmipc_event_synchronize) without the GIL.
@@ -203,22 +208,7 @@ static PyObject *event_wait(PyObject *op, PyTypeObject *defining_class,
   if (stream == NULL || stream == Py_None) {
     return event_host_wait(st, self);
   }
-  PyObject *queue_obj =
-      usmipc_queue_from_stream(st, stream, NULL, self->device, "Event.wait()");
-  if (queue_obj == NULL) {
-    return NULL;
-  }
-  usmipc_queue_t *queue = ((usmipc_queue_object_t *)queue_obj)->queue;
-  usmipc_event_t *event = self->event;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  rc = usmipc_event_wait(event, queue);
-  Py_END_ALLOW_THREADS
-  Py_DECREF(queue_obj);
-  if (rc < 0) {
-    return usmipc_raise(st, rc);
-  }
-  Py_RETURN_NONE;
+  return event_on_stream(st, self, stream, "Event.wait()", usmipc_event_wait);
 }
 
 static PyObject *event_synchronize(PyObject *op, PyObject *Py_UNUSED(ignored)) {
