@@ -387,6 +387,22 @@ PyObject *usmipc_foreign_current_stream(PyObject *obj);
  * reference); Py_None (new reference) if not; NULL with an exception. */
 PyObject *usmipc_device_of_info(usmipc_module_state_t *st,
                                 const usmipc_ipc_handle_info_t *info);
+/* The serialized bytes (*data, *len: the handle's own, valid while it
+ * lives) and the decoded *info of a library handle, after rc, the code of
+ * the call that made it (an error is returned as it is). Needs no GIL: the
+ * exporting constructors call it in the same GIL-free stretch as that
+ * call. */
+static inline int usmipc_handle_describe(int rc, usmipc_ipc_handle_t *handle,
+                                         const void **data, size_t *len,
+                                         usmipc_ipc_handle_info_t *info) {
+  if (rc == 0) {
+    rc = usmipc_ipc_handle_data(handle, data, len);
+  }
+  if (rc == 0) {
+    rc = usmipc_ipc_handle_inspect(*data, *len, info);
+  }
+  return rc;
+}
 /* The info dict of IPCMemoryHandle.inspect() (shared with IPCEventHandle). */
 PyObject *usmipc_handle_info_dict(const usmipc_ipc_handle_info_t *info,
                                   Py_ssize_t len);

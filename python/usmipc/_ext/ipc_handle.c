@@ -107,12 +107,7 @@ static PyObject *export_memory(PyTypeObject *type, usmipc_module_state_t *st,
   int rc;
   Py_BEGIN_ALLOW_THREADS
   rc = usmipc_ipc_get_handle(ptr, (size_t)nbytes, &handle);
-  if (rc == 0) {
-    rc = usmipc_ipc_handle_data(handle, &data, &len);
-  }
-  if (rc == 0) {
-    rc = usmipc_ipc_handle_inspect(data, len, &self->info);
-  }
+  rc = usmipc_handle_describe(rc, handle, &data, &len, &self->info);
   Py_END_ALLOW_THREADS
   self->handle = handle; /* freed by dealloc, even after a failure */
   if (rc < 0) {
