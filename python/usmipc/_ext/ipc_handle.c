@@ -1019,6 +1019,23 @@ static PyObject *mapping_release_or_close(PyTypeObject *defining_class,
   Py_RETURN_NONE;
 }
 
+/* The devices of every available backend, the first MAX_DEVICES of them,
+ * into devices: 0 with *count set, or -1 with the library's error raised. */
+#define MAX_DEVICES 64
+static int list_devices(usmipc_module_state_t *st,
+                        usmipc_device_t *devices[MAX_DEVICES], size_t *count) {
+  *count = 0;
+  int rc = usmipc_get_devices(devices, MAX_DEVICES, count);
+  if (rc < 0) {
+    usmipc_raise(st, rc);
+    return -1;
+  }
+  if (*count > MAX_DEVICES) {
+    *count = MAX_DEVICES;
+  }
+  return 0;
+}
+
 static PyObject *handle_is_available(PyObject *cls,
                                      PyTypeObject *defining_class,
                                      PyObject *const *args, Py_ssize_t nargs,
@@ -1030,14 +1047,10 @@ static PyObject *handle_is_available(PyObject *cls,
     usmipc_type_error("is_available() takes no arguments");
     return NULL;
   }
-  usmipc_device_t *devices[64];
-  size_t count = 0;
-  int rc = usmipc_get_devices(devices, 64, &count);
-  if (rc < 0) {
-    return usmipc_raise(st, rc);
-  }
-  if (count > 64) {
-    count = 64;
+  usmipc_device_t *devices[MAX_DEVICES];
+  size_t count;
+  if (list_devices(st, devices, &count) < 0) {
+    return NULL;
   }
   for (size_t i = 0; i < count; i++) {
     if (usmipc_device_has_ipc(devices[i])) {
@@ -1243,14 +1256,10 @@ static PyObject *handle_get_device(PyObject *op, void *closure) {
 
 PyObject *usmipc_device_of_info(usmipc_module_state_t *st,
                                 const usmipc_ipc_handle_info_t *info) {
-  usmipc_device_t *devices[64];
-  size_t count = 0;
-  int rc = usmipc_get_devices(devices, 64, &count);
-  if (rc < 0) {
-    return usmipc_raise(st, rc);
-  }
-  if (count > 64) {
-    count = 64;
+  usmipc_device_t *devices[MAX_DEVICES];
+  size_t count;
+  if (list_devices(st, devices, &count) < 0) {
+    return NULL;
   }
   for (size_t i = 0; i < count; i++) {
     uint8_t uuid[16];
