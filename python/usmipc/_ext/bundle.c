@@ -1571,9 +1571,9 @@ static PyObject *open_shared(PyObject *module, PyObject *const *args,
     Py_XDECREF(convert);
     return NULL;
   }
-  PyObject *device = NULL, *queue = NULL;
-  if (a[1] != NULL && a[1] != Py_None &&
-      (device = usmipc_device_from_arg(st, a[1])) == NULL) {
+  PyObject *device, *queue = NULL;
+  usmipc_device_t *dev;
+  if (usmipc_optional_device_arg(st, a[1], &device, &dev) < 0) {
     Py_DECREF(bytes);
     Py_XDECREF(convert);
     return NULL;
@@ -1586,8 +1586,6 @@ static PyObject *open_shared(PyObject *module, PyObject *const *args,
     Py_XDECREF(convert);
     return NULL;
   }
-  usmipc_device_t *dev =
-      device ? ((usmipc_device_object_t *)device)->device : NULL;
   usmipc_queue_t *q = queue ? ((usmipc_queue_object_t *)queue)->queue : NULL;
   const char *data = PyBytes_AsString(bytes);
   size_t len = (size_t)PyBytes_Size(bytes);

@@ -43,6 +43,26 @@ PyObject *usmipc_device_from_arg(usmipc_module_state_t *st, PyObject *arg) {
   return usmipc_device_object(st, device);
 }
 
+int usmipc_optional_device_arg(usmipc_module_state_t *st, PyObject *arg,
+                               PyObject **device_obj,
+                               usmipc_device_t **device) {
+  *device_obj = NULL;
+  if (device != NULL) {
+    *device = NULL;
+  }
+  if (arg == NULL || arg == Py_None) {
+    return 0;
+  }
+  *device_obj = usmipc_device_from_arg(st, arg);
+  if (*device_obj == NULL) {
+    return -1;
+  }
+  if (device != NULL) {
+    *device = DEV(*device_obj);
+  }
+  return 0;
+}
+
 static PyObject *device_new(PyTypeObject *type, PyObject *args,
                             PyObject *kwds) {
   static char *kwlist[] = {"filter", NULL};

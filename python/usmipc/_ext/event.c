@@ -459,14 +459,10 @@ static PyObject *ehandle_open(PyObject *cls, PyTypeObject *defining_class,
     usmipc_type_error("open() missing required argument 'handle_bytes'");
     return NULL;
   }
-  PyObject *device_obj = NULL;
-  usmipc_device_t *device = NULL;
-  if (a[1] != NULL && a[1] != Py_None) {
-    device_obj = usmipc_device_from_arg(st, a[1]);
-    if (device_obj == NULL) {
-      return NULL;
-    }
-    device = ((usmipc_device_object_t *)device_obj)->device;
+  PyObject *device_obj;
+  usmipc_device_t *device;
+  if (usmipc_optional_device_arg(st, a[1], &device_obj, &device) < 0) {
+    return NULL;
   }
   usmipc_handle_bytes_t hb;
   if (ehandle_bytes(st, a[0], &hb) < 0) {

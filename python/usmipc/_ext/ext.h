@@ -204,6 +204,12 @@ static inline usmipc_module_state_t *usmipc_state_from_device(PyObject *dev) {
 /* Converts None (the default device), a Device, a Queue (its device) or a
  * filter string into a Device object (new reference). */
 PyObject *usmipc_device_from_arg(usmipc_module_state_t *st, PyObject *arg);
+/* The same for a device= whose None (or absence: arg NULL) means no device
+ * given: 0 with *device_obj NULL, or a new reference (and *device, unless
+ * device is NULL, its usmipc device); -1 with an exception set. */
+int usmipc_optional_device_arg(usmipc_module_state_t *st, PyObject *arg,
+                               PyObject **device_obj,
+                               usmipc_device_t **device);
 
 /* ---- queue.c ------------------------------------------------------------- */
 

@@ -799,18 +799,10 @@ static PyObject *open_common(PyTypeObject *defining_class,
     nbytes = (size_t)n;
   }
 
-  PyObject *device_obj = NULL; /* strong */
-  usmipc_device_t *device = NULL;
-  if (a[1] != NULL && a[1] != Py_None) {
-    if (Py_IS_TYPE(a[1], st->DeviceType)) {
-      device_obj = Py_NewRef(a[1]);
-    } else {
-      device_obj = usmipc_device_from_arg(st, a[1]);
-      if (device_obj == NULL) {
-        return NULL;
-      }
-    }
-    device = ((usmipc_device_object_t *)device_obj)->device;
+  PyObject *device_obj; /* strong, or NULL */
+  usmipc_device_t *device;
+  if (usmipc_optional_device_arg(st, a[1], &device_obj, &device) < 0) {
+    return NULL;
   }
 
   usmipc_handle_bytes_t hb;

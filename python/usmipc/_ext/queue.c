@@ -425,12 +425,9 @@ static PyObject *queue_from_stream(PyObject *cls, PyTypeObject *defining_class,
     usmipc_type_error("from_stream() missing required argument 'stream'");
     return NULL;
   }
-  PyObject *device = NULL;
-  if (a[1] != NULL && a[1] != Py_None) {
-    device = usmipc_device_from_arg(st, a[1]);
-    if (device == NULL) {
-      return NULL;
-    }
+  PyObject *device;
+  if (usmipc_optional_device_arg(st, a[1], &device, NULL) < 0) {
+    return NULL;
   }
   PyObject *queue =
       usmipc_queue_from_stream(st, a[0], device, NULL, "Queue.from_stream()");
