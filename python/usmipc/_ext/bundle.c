@@ -787,13 +787,7 @@ static void bundle_dealloc(PyObject *op) {
   PyObject_GC_UnTrack(op);
   /* The slot first (its bytes are refused from now on), then the sources
    * may go. */
-  if (self->bundle != NULL) {
-    usmipc_bundle_t *b = self->bundle;
-    self->bundle = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    usmipc_bundle_free(b);
-    Py_END_ALLOW_THREADS
-  }
+  USMIPC_DESTROY_WITHOUT_GIL(usmipc_bundle_t, self->bundle, usmipc_bundle_free);
   bundle_clear(op);
   Py_CLEAR(self->keep);
   PyObject_GC_Del(op);

@@ -112,13 +112,7 @@ static int event_clear(PyObject *op) {
 static void event_dealloc(PyObject *op) {
   Event *self = (Event *)op;
   PyObject_GC_UnTrack(op);
-  if (self->event != NULL) {
-    usmipc_event_t *event = self->event;
-    self->event = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    usmipc_event_destroy(event);
-    Py_END_ALLOW_THREADS
-  }
+  USMIPC_DESTROY_WITHOUT_GIL(usmipc_event_t, self->event, usmipc_event_destroy);
   event_clear(op);
   usmipc_object_free(op);
 }
@@ -521,13 +515,8 @@ static int ehandle_clear(PyObject *op) {
 static void ehandle_dealloc(PyObject *op) {
   EventHandle *self = (EventHandle *)op;
   PyObject_GC_UnTrack(op);
-  if (self->handle != NULL) {
-    usmipc_ipc_handle_t *handle = self->handle;
-    self->handle = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    usmipc_ipc_free_handle(handle);
-    Py_END_ALLOW_THREADS
-  }
+  USMIPC_DESTROY_WITHOUT_GIL(usmipc_ipc_handle_t, self->handle,
+                             usmipc_ipc_free_handle);
   ehandle_clear(op);
   usmipc_object_free(op);
 }

@@ -87,6 +87,21 @@ static inline void usmipc_object_free(PyObject *op) {
   Py_DECREF(tp);
 }
 
+/* For a tp_dealloc: takes the library object (a type *) out of field, an
+ * lvalue left NULL, and passes it to destroy without the GIL, as every
+ * library call that may block (a driver call) runs; nothing if field is
+ * NULL. */
+#define USMIPC_DESTROY_WITHOUT_GIL(type, field, destroy)                       \
+  do {                                                                         \
+    if ((field) != NULL) {                                                     \
+      type *taken_ = (field);                                                  \
+      (field) = NULL;                                                          \
+      Py_BEGIN_ALLOW_THREADS                                                   \
+      (void)destroy(taken_);                                                   \
+      Py_END_ALLOW_THREADS                                                     \
+    }                                                                          \
+  } while (0)
+
 /* ---- module.c ------------------------------------------------------------ */
 
 /* The state of the module that defined type (or one of its bases); sets

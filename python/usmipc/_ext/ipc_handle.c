@@ -646,14 +646,9 @@ static int handle_clear(PyObject *op) {
 static void handle_dealloc(PyObject *op) {
   Handle *self = (Handle *)op;
   PyObject_GC_UnTrack(op);
-  if (self->handle != NULL) {
-    /* Before dropping the memory: the handle names that allocation. */
-    usmipc_ipc_handle_t *handle = self->handle;
-    self->handle = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    usmipc_ipc_free_handle(handle);
-    Py_END_ALLOW_THREADS
-  }
+  /* Before dropping the memory: the handle names that allocation. */
+  USMIPC_DESTROY_WITHOUT_GIL(usmipc_ipc_handle_t, self->handle,
+                             usmipc_ipc_free_handle);
   /* The producer may free its memory once the deleter has run, so only
    * after the library's handle is gone; not in tp_clear, which may run
    * before (the capsule is no GC object and takes part in no cycle). */

@@ -652,13 +652,8 @@ static void memory_dealloc(PyObject *op) {
     (void)usmipc_ipc_release(data, len, NULL);
     Py_END_ALLOW_THREADS
   }
-  if (self->order_event != NULL) {
-    usmipc_event_t *event = self->order_event;
-    self->order_event = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    usmipc_event_destroy(event);
-    Py_END_ALLOW_THREADS
-  }
+  USMIPC_DESTROY_WITHOUT_GIL(usmipc_event_t, self->order_event,
+                             usmipc_event_destroy);
   view_release(self);
   memory_clear(op);
   Py_CLEAR(self->pool); /* after the block went back to it */
@@ -1420,13 +1415,7 @@ static void pool_dealloc(PyObject *op) {
   Pool *self = (Pool *)op;
   PyObject_GC_UnTrack(op);
   /* Every block held a reference: none is live now. */
-  if (self->pool != NULL) {
-    usmipc_pool_t *p = self->pool;
-    self->pool = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    (void)usmipc_pool_destroy(p);
-    Py_END_ALLOW_THREADS
-  }
+  USMIPC_DESTROY_WITHOUT_GIL(usmipc_pool_t, self->pool, usmipc_pool_destroy);
   Py_CLEAR(self->device);
   Py_CLEAR(self->queue);
   usmipc_object_free(op);

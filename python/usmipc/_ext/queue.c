@@ -94,13 +94,7 @@ static int queue_clear(PyObject *self) {
 static void queue_dealloc(PyObject *op) {
   usmipc_queue_object_t *self = (usmipc_queue_object_t *)op;
   PyObject_GC_UnTrack(op);
-  if (self->queue != NULL) {
-    usmipc_queue_t *queue = self->queue;
-    self->queue = NULL;
-    Py_BEGIN_ALLOW_THREADS
-    usmipc_queue_destroy(queue);
-    Py_END_ALLOW_THREADS
-  }
+  USMIPC_DESTROY_WITHOUT_GIL(usmipc_queue_t, self->queue, usmipc_queue_destroy);
   queue_clear(op);
   Py_CLEAR(self->stream); /* after the wrapper is gone */
   usmipc_object_free(op);
