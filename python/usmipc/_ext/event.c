@@ -145,16 +145,26 @@ static PyObject *event_on_stream(usmipc_module_state_t *st, Event *self,
   Py_RETURN_NONE;
 }
 
+/* The argument of record(stream=None) and wait(stream=None), parsed into
+ * *stream, and the event checked. 0 or -1. */
+static int event_stream_arg(Event *self, const char *funcname,
+                            PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames, PyObject **stream) {
+  static const char *const names[] = {"stream"};
+  if (usmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 1, 1,
+                            stream) < 0) {
+    return -1;
+  }
+  return event_check(self);
+}
+
 static PyObject *event_record(PyObject *op, PyTypeObject *defining_class,
                               PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames) {
-  static const char *const names[] = {"stream"};
   PyObject *stream;
   Event *self = (Event *)op;
   usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
-  if (usmipc_parse_fastcall("record", args, nargs, kwnames, names, 1, 1,
-                            &stream) < 0 ||
-      event_check(self) < 0) {
+  if (event_stream_arg(self, "record", args, nargs, kwnames, &stream) < 0) {
     return NULL;
   }
   if (self->opened) {
@@ -190,13 +200,10 @@ static PyObject *event_host_wait(usmipc_module_state_t *st, Event *self) {
 static PyObject *event_wait(PyObject *op, PyTypeObject *defining_class,
                             PyObject *const *args, Py_ssize_t nargs,
                             PyObject *kwnames) {
-  static const char *const names[] = {"stream"};
   PyObject *stream;
   Event *self = (Event *)op;
   usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
-  if (usmipc_parse_fastcall("wait", args, nargs, kwnames, names, 1, 1,
-                            &stream) < 0 ||
-      event_check(self) < 0) {
+  if (event_stream_arg(self, "wait", args, nargs, kwnames, &stream) < 0) {
     return NULL;
   }
   if (stream == NULL || stream == Py_None) {
