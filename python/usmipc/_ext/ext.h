@@ -121,6 +121,9 @@ PyObject *usmipc_raise_as(usmipc_module_state_t *st, PyObject *type, int code);
 /* The same with a message of the extension's own. */
 PyObject *usmipc_raise_msg(usmipc_module_state_t *st, int code,
                            const char *message);
+/* The same with the message formatted as PyUnicode_FromFormat does. */
+PyObject *usmipc_raise_format(usmipc_module_state_t *st, int code,
+                              const char *format, ...);
 
 /* The extension's own errors, each a usmipc.Error with .code and .name
  * (PyUnicode_FromFormat's conversions; no state needed, the module is

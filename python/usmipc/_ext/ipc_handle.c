@@ -372,17 +372,14 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
   usmipc_memory_object_t *mem = (usmipc_memory_object_t *)mem_obj;
   if (mem->kind != USMIPC_MEM_DEVICE) {
     PyObject *name = PyType_GetName(Py_TYPE(mem_obj));
-    PyObject *msg =
-        name ? PyUnicode_FromFormat(
-                   "IPCMemoryHandle() exports device memory only "
-                   "(MemoryUSMDevice); %U memory is of kind '%s'",
-                   name, mem->kind == USMIPC_MEM_HOST ? "host" : "shared")
-             : NULL;
-    Py_XDECREF(name);
-    const char *text = msg ? PyUnicode_AsUTF8AndSize(msg, NULL) : NULL;
-    if (text != NULL) /* usmipc.MemoryKindError, a TypeError */
-      usmipc_raise_msg(st, USMIPC_EMEMKIND, text);
-    Py_XDECREF(msg);
+    if (name != NULL) { /* usmipc.MemoryKindError, a TypeError */
+      usmipc_raise_format(st, USMIPC_EMEMKIND,
+                          "IPCMemoryHandle() exports device memory only "
+                          "(MemoryUSMDevice); %U memory is of kind '%s'",
+                          name,
+                          mem->kind == USMIPC_MEM_HOST ? "host" : "shared");
+      Py_DECREF(name);
+    }
     return NULL;
   }
   if (mem->closed || mem->released) {
@@ -971,17 +968,12 @@ static PyObject *mapping_release_or_close(PyTypeObject *defining_class,
                                "IPCMemoryHandle.open(), not a %R",
                                funcname, (PyObject *)Py_TYPE(mem));
     }
-    PyObject *text = PyUnicode_FromFormat(
+    return usmipc_raise_format(
+        st, USMIPC_ENOTMAPPED,
         "%s() takes a MemoryIPCDevice returned by IPCMemoryHandle.open(), "
         "not non-IPC memory %R (memory allocated here is freed by dropping "
         "it)",
         funcname, (PyObject *)Py_TYPE(mem));
-    const char *message = text ? PyUnicode_AsUTF8AndSize(text, NULL) : NULL;
-    if (message != NULL) {
-      usmipc_raise_msg(st, USMIPC_ENOTMAPPED, message);
-    }
-    Py_XDECREF(text);
-    return NULL;
   }
   usmipc_memory_object_t *m = (usmipc_memory_object_t *)mem;
   if (a[1] != NULL && a[1] != Py_None && m->release_handle != NULL) {

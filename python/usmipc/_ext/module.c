@@ -145,6 +145,23 @@ PyObject *usmipc_raise_msg(usmipc_module_state_t *st, int code,
   return raise_with(st, code, message, 0);
 }
 
+PyObject *usmipc_raise_format(usmipc_module_state_t *st, int code,
+                              const char *format, ...) {
+  va_list ap;
+  va_start(ap, format);
+  PyObject *text = PyUnicode_FromFormatV(format, ap);
+  va_end(ap);
+  if (text == NULL) {
+    return NULL;
+  }
+  const char *message = PyUnicode_AsUTF8AndSize(text, NULL);
+  if (message != NULL) {
+    usmipc_raise_msg(st, code, message);
+  }
+  Py_DECREF(text);
+  return NULL;
+}
+
 /* ---- the extension's own argument errors ---------------------------------
  *
  * Errors the extension finds itself (a bad argument, memory of the wrong

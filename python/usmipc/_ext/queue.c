@@ -10,7 +10,6 @@
  * the module of their type, and read through their attributes. */
 #include "ext.h"
 
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -102,29 +101,11 @@ static void queue_dealloc(PyObject *op) {
 
 /* ---- wrapping other libraries' streams ----------------------------------- */
 
-/* A message for usmipc_raise_msg, formatted like PyUnicode_FromFormat. */
-static PyObject *raise_format(usmipc_module_state_t *st, int code,
-                              const char *format, ...) {
-  va_list ap;
-  va_start(ap, format);
-  PyObject *text = PyUnicode_FromFormatV(format, ap);
-  va_end(ap);
-  if (text == NULL) {
-    return NULL;
-  }
-  const char *message = PyUnicode_AsUTF8AndSize(text, NULL);
-  if (message != NULL) {
-    usmipc_raise_msg(st, code, message);
-  }
-  Py_DECREF(text);
-  return NULL;
-}
-
 PyObject *usmipc_queue_wrap(usmipc_module_state_t *st, PyObject *device_obj,
                             void *native, PyObject *keep, const char *what) {
   usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
   if (usmipc_device_backend(device) == USMIPC_BACKEND_HOST && native != NULL) {
-    return raise_format(
+    return usmipc_raise_format(
         st, USMIPC_EINVAL,
         "%s: %s has no native streams (its work completes at once), so the "
         "only stream it accepts is 0, not %p; pass 0, None or a "
@@ -224,13 +205,13 @@ static PyObject *cuda_stream_device(usmipc_module_state_t *st, PyObject *obj,
     if (rc < 0) {
       char reason[384];
       snprintf(reason, sizeof(reason), "%s", usmipc_last_error());
-      return raise_format(st, rc,
-                          "%s: %R is a CUDA stream (%s), but this process has "
-                          "no CUDA device%s%s (%s); pass device= or use the "
-                          "stream in a process that sees its GPU",
-                          what, (PyObject *)Py_TYPE(obj), kind,
-                          ordinal >= 0 ? " " : "", ordinal >= 0 ? filter : "",
-                          reason);
+      return usmipc_raise_format(
+          st, rc,
+          "%s: %R is a CUDA stream (%s), but this process has no CUDA "
+          "device%s%s (%s); pass device= or use the stream in a process that "
+          "sees its GPU",
+          what, (PyObject *)Py_TYPE(obj), kind, ordinal >= 0 ? " " : "",
+          ordinal >= 0 ? filter : "", reason);
     }
     dev = usmipc_device_object(st, d);
     if (dev == NULL) {
@@ -241,12 +222,12 @@ static PyObject *cuda_stream_device(usmipc_module_state_t *st, PyObject *obj,
   }
   usmipc_device_t *d = ((usmipc_device_object_t *)dev)->device;
   if (usmipc_device_backend(d) != USMIPC_BACKEND_CUDA) {
-    raise_format(st, USMIPC_EWRONGDEVICE,
-                 "%s: %R is a CUDA stream (%s), but %s is not a CUDA device; "
-                 "give a stream of that device's backend (a usmipc.Queue, or "
-                 "0 for the default stream), or a CUDA device",
-                 what, (PyObject *)Py_TYPE(obj), kind,
-                 usmipc_device_filter_string(d));
+    usmipc_raise_format(
+        st, USMIPC_EWRONGDEVICE,
+        "%s: %R is a CUDA stream (%s), but %s is not a CUDA device; give a "
+        "stream of that device's backend (a usmipc.Queue, or 0 for the "
+        "default stream), or a CUDA device",
+        what, (PyObject *)Py_TYPE(obj), kind, usmipc_device_filter_string(d));
     Py_DECREF(dev);
     return NULL;
   }
