@@ -553,18 +553,6 @@ static PyObject *ehandle_get_event(PyObject *self, void *closure) {
   return Py_NewRef(event ? event : Py_None);
 }
 
-static PyObject *ehandle_get_backend(PyObject *self, void *closure) {
-  (void)closure;
-  return PyUnicode_FromString(
-      usmipc_backend_name(((EventHandle *)self)->info.backend));
-}
-
-static PyObject *ehandle_get_device_uuid(PyObject *self, void *closure) {
-  (void)closure;
-  return PyBytes_FromStringAndSize(
-      (const char *)((EventHandle *)self)->info.device_uuid, 16);
-}
-
 static PyObject *ehandle_get_exporter_pid(PyObject *self, void *closure) {
   (void)closure;
   return PyLong_FromUnsignedLong(((EventHandle *)self)->info.exporter_pid);
@@ -635,9 +623,10 @@ static PyMethodDef ehandle_methods[] = {
 static PyGetSetDef ehandle_getset[] = {
     {"event", ehandle_get_event, NULL,
      "The shared Event (None for a handle made from bytes).", NULL},
-    {"backend", ehandle_get_backend, NULL, "The backend's name.", NULL},
-    {"device_uuid", ehandle_get_device_uuid, NULL,
-     "UUID of the recording device.", NULL},
+    {"backend", usmipc_info_get_backend, NULL, "The backend's name.",
+     USMIPC_INFO_OF(EventHandle)},
+    {"device_uuid", usmipc_info_get_device_uuid, NULL,
+     "UUID of the recording device.", USMIPC_INFO_OF(EventHandle)},
     {"device", ehandle_get_device, NULL,
      "The recording Device, or None if this process does not see it.", NULL},
     {"exporter_pid", ehandle_get_exporter_pid, NULL,

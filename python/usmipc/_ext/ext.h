@@ -19,6 +19,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <stddef.h>
+#include <stdint.h>
+
 #include "usmipc.h"
 
 #include "dlpack.h"
@@ -427,6 +430,12 @@ static inline int usmipc_handle_describe(int rc, usmipc_ipc_handle_t *handle,
   }
   return rc;
 }
+/* Getters (PyGetSetDef) of the fields IPCMemoryHandle and IPCEventHandle
+ * decode from their bytes, backend and device_uuid: their closure is
+ * USMIPC_INFO_OF(the object's struct), where its info member lies. */
+PyObject *usmipc_info_get_backend(PyObject *self, void *closure);
+PyObject *usmipc_info_get_device_uuid(PyObject *self, void *closure);
+#define USMIPC_INFO_OF(type) ((void *)(uintptr_t)offsetof(type, info))
 /* The info dict of IPCMemoryHandle.inspect() (shared with IPCEventHandle). */
 PyObject *usmipc_handle_info_dict(const usmipc_ipc_handle_info_t *info,
                                   Py_ssize_t len);

@@ -1200,16 +1200,20 @@ static PyObject *handle_get_queue(PyObject *op, void *closure) {
   return Py_NewRef(queue ? queue : Py_None);
 }
 
-static PyObject *handle_get_backend(PyObject *self, void *closure) {
-  (void)closure;
-  return PyUnicode_FromString(
-      usmipc_backend_name(((Handle *)self)->info.backend));
+static const usmipc_ipc_handle_info_t *info_at(PyObject *self,
+                                               void *closure) {
+  return (const usmipc_ipc_handle_info_t *)((const char *)self +
+                                            (uintptr_t)closure);
 }
 
-static PyObject *handle_get_device_uuid(PyObject *self, void *closure) {
-  (void)closure;
+PyObject *usmipc_info_get_backend(PyObject *self, void *closure) {
+  return PyUnicode_FromString(
+      usmipc_backend_name(info_at(self, closure)->backend));
+}
+
+PyObject *usmipc_info_get_device_uuid(PyObject *self, void *closure) {
   return PyBytes_FromStringAndSize(
-      (const char *)((Handle *)self)->info.device_uuid, 16);
+      (const char *)info_at(self, closure)->device_uuid, 16);
 }
 
 static PyObject *handle_get_memory(PyObject *self, void *closure) {
@@ -1450,9 +1454,10 @@ static PyMemberDef handle_members[] = {
 };
 
 static PyGetSetDef handle_getset[] = {
-    {"backend", handle_get_backend, NULL, "The backend's name.", NULL},
-    {"device_uuid", handle_get_device_uuid, NULL,
-     "UUID of the exporting device.", NULL},
+    {"backend", usmipc_info_get_backend, NULL, "The backend's name.",
+     USMIPC_INFO_OF(Handle)},
+    {"device_uuid", usmipc_info_get_device_uuid, NULL,
+     "UUID of the exporting device.", USMIPC_INFO_OF(Handle)},
     {"device", handle_get_device, NULL,
      "The exporting Device, or None if this process does not see it.", NULL},
     {"memory", handle_get_memory, NULL,
