@@ -317,6 +317,9 @@ int usmipc_mapping_release(usmipc_module_state_t *st, usmipc_memory_object_t *m,
                            usmipc_queue_t *queue);
 
 int usmipc_init_memory_types(PyObject *module, usmipc_module_state_t *st);
+/* "device", "host", "shared", or "unknown": the name of a memory kind in
+ * messages and in usm_type. */
+const char *usmipc_kind_name(usmipc_mem_kind_t kind);
 /* Wraps an open IPC mapping in a new MemoryIPCDevice (steals nothing; on
  * failure the caller still owns the mapping). */
 PyObject *usmipc_mapping_new(usmipc_module_state_t *st, PyObject *device_obj,

@@ -425,9 +425,7 @@ PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
                  "%s memory of a %s device is not accessible from the host: "
                  "it reaches the CPU (dl_device=(1, 0)) only as a copy; pass "
                  "copy=True",
-                 mem->kind == USMIPC_MEM_DEVICE ? "device"
-                 : mem->kind == USMIPC_MEM_HOST ? "host"
-                                                : "shared",
+                 usmipc_kind_name(mem->kind),
                  usmipc_backend_name(mem->backend));
     return NULL;
   }
@@ -834,10 +832,8 @@ static int dl_check_device(const DLTensor *t, const void *ptr) {
     }
     if (info.kind != USMIPC_MEM_DEVICE) {
       usmipc_kind_error("IPCMemoryHandle() exports device memory only; this "
-                   "DLPack tensor is usmipc memory of kind '%s'",
-                   info.kind == USMIPC_MEM_HOST     ? "host"
-                   : info.kind == USMIPC_MEM_SHARED ? "shared"
-                                                    : "unknown");
+                        "DLPack tensor is usmipc memory of kind '%s'",
+                        usmipc_kind_name(info.kind));
       return -1;
     }
     return 0;

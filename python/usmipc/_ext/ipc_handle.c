@@ -376,8 +376,7 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
       usmipc_raise_format(st, USMIPC_EMEMKIND,
                           "IPCMemoryHandle() exports device memory only "
                           "(MemoryUSMDevice); %U memory is of kind '%s'",
-                          name,
-                          mem->kind == USMIPC_MEM_HOST ? "host" : "shared");
+                          name, usmipc_kind_name(mem->kind));
       Py_DECREF(name);
     }
     return NULL;

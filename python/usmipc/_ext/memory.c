@@ -18,7 +18,7 @@
 
 typedef usmipc_memory_object_t Mem;
 
-static const char *kind_name(usmipc_mem_kind_t kind) {
+const char *usmipc_kind_name(usmipc_mem_kind_t kind) {
   switch (kind) {
   case USMIPC_MEM_DEVICE:
     return "device";
@@ -449,8 +449,8 @@ static PyObject *memory_from_object(PyTypeObject *type,
     usmipc_value_error(
         "%s: the memory of the %R is USM %s memory, not %s: it cannot be "
         "taken without a copy; pass copy=True, or use %s",
-        what, (PyObject *)Py_TYPE(obj), kind_name(src.kind), kind_name(kind),
-        class_name(src.kind));
+        what, (PyObject *)Py_TYPE(obj), usmipc_kind_name(src.kind),
+        usmipc_kind_name(kind), class_name(src.kind));
     goto done;
   }
   if (!given) {
@@ -674,7 +674,8 @@ static int memory_getbuffer(PyObject *op, Py_buffer *view, int flags) {
     PyErr_Format(PyExc_BufferError,
                  "%s memory on a %s device is not accessible from the host; "
                  "use copy_to_host() and copy_from_host()",
-                 kind_name(self->kind), usmipc_backend_name(self->backend));
+                 usmipc_kind_name(self->kind),
+                 usmipc_backend_name(self->backend));
     return -1;
   }
   if (self->ptr == NULL) {
@@ -934,7 +935,7 @@ static PyObject *memory_get_usm_type(PyObject *op, PyObject *const *args,
       return PyUnicode_FromString("unknown");
     }
   }
-  return PyUnicode_FromString(kind_name(self->kind));
+  return PyUnicode_FromString(usmipc_kind_name(self->kind));
 }
 
 static PyObject *mapping_close(PyObject *op, PyObject *Py_UNUSED(ignored)) {
@@ -1000,7 +1001,7 @@ static PyObject *memory_get_queue(PyObject *op, void *closure) {
 
 static PyObject *memory_get_kind(PyObject *op, void *closure) {
   (void)closure;
-  return PyUnicode_FromString(kind_name(((Mem *)op)->kind));
+  return PyUnicode_FromString(usmipc_kind_name(((Mem *)op)->kind));
 }
 
 static PyObject *memory_get_pointer(PyObject *op, void *closure) {
@@ -1104,7 +1105,8 @@ static PyObject *memory_array(PyObject *op, PyObject *const *args,
     usmipc_kind_error("%s memory on a %s device is not accessible from the host: "
                  "numpy cannot view it; use copy_to_host(), or DLPack with "
                  "a device array library",
-                 kind_name(self->kind), usmipc_backend_name(self->backend));
+                 usmipc_kind_name(self->kind),
+                 usmipc_backend_name(self->backend));
     return NULL;
   }
   PyObject *numpy = PyImport_ImportModule("numpy");

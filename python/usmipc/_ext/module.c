@@ -639,10 +639,8 @@ static PyObject *pointer_query(PyObject *module, PyObject *arg) {
   } else {
     Py_INCREF(device);
   }
-  static const char *const kinds[] = {"unknown", "device", "host", "shared"};
-  const char *kind =
-      (unsigned)info.kind < 4 ? kinds[(unsigned)info.kind] : "unknown";
-  return Py_BuildValue("{sNsssNsnsKsOsO}", "device", device, "kind", kind,
+  return Py_BuildValue("{sNsssNsnsKsOsO}", "device", device, "kind",
+                       usmipc_kind_name(info.kind),
                        "base", PyLong_FromVoidPtr(info.base), "size",
                        (Py_ssize_t)info.size, "buffer_id",
                        (unsigned long long)info.buffer_id, "is_ipc_mapping",
