@@ -17,39 +17,9 @@
 #       the wheel
 #
 # Every step runs even if one fails; logs to $OUT/issue12-<half>.log and a
-# summary line per step in $OUT/summary-<half>.txt.
-set -u
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/usmipc-gpu}; mkdir -p "$OUT"
+# summary line per step in $OUT/summary-issue12-<half>.txt (tests/gpu/steps.sh).
 half=${1:-a}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-LOG="$OUT/issue12-$half.log"; SUM="$OUT/summary-$half.txt"; : > "$LOG"; : > "$SUM"
-step() { # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  echo "=== $name: $*" >> "$LOG"
-  # The command may be one of the functions below: run in a bash that has them.
-  if timeout "$limit" bash -c "$(declare -f build install crash before 2>/dev/null); \"\$@\"" step "$@" >> "$LOG" 2>&1
-  then r=pass; else r="FAIL($?)"; fi
-  echo "$name $r $(( $(date +%s) - t0 ))s" | tee -a "$SUM" >> "$LOG"
-}
-{ date -u; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
-  python3 -c 'import sys, torch, scikit_build_core as s; print(sys.version.split()[0], "torch", torch.__version__, "scikit-build-core", s.__version__)'
-} >> "$LOG" 2>&1
-
-build() {
-  cmake -S . -B build-gpu -DUSMIPC_WERROR=ON > /dev/null &&
-    cmake --build build-gpu -j 16 2>&1 | grep -E "error|warning|Built target usmipc_tests"
-}
-# scikit-build-core older than 0.11 refuses the SPDX license field (PEP
-# 639): then the install is retried with the older form, and the log says so.
-install() {
-  python3 -m pip install -q --no-build-isolation --no-index --no-deps . && return 0
-  echo "pip install failed: retrying with license = { text = ... } (old scikit-build-core)"
-  sed -i 's/^license = "Apache-2.0"/license = { text = "Apache-2.0" }/; /^license-files/d' pyproject.toml
-  python3 -m pip install -q --no-build-isolation --no-index --no-deps .
-}
+. "$(dirname "$0")/steps.sh" "issue12-$half"
 
 if [ "$half" = a ]; then
   step build 240 build
@@ -147,4 +117,4 @@ if [ "$half" = f ]; then
   step test-cuda 300 python3 -m pytest -q -rs tests/gpu/test_cuda.py
   step same-handle 120 bash -c 'for k in native native fd; do USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=$k build-gpu/tests/c/usmipc_tests ipc_open_same_handle_threads || exit 1; echo "$k ok"; done'
 fi
-echo "=== summary" >> "$LOG"; cat "$SUM" | tee -a "$LOG"
+summary

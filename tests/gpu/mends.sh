@@ -13,34 +13,10 @@
 #       test_events.py, test_cuda.py, tests/python on the GPU machine, the demo
 #
 # Every step runs even if one fails; logs to $OUT/mends-<half>.log and a
-# summary line per step in $OUT/summary-<half>.txt.
-set -u
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/usmipc-gpu}; mkdir -p "$OUT"
+# summary line per step in $OUT/summary-mends-<half>.txt (tests/gpu/steps.sh).
 half=${1:-a}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-LOG="$OUT/mends-$half.log"; SUM="$OUT/summary-$half.txt"; : > "$LOG"; : > "$SUM"
-step() { # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  echo "=== $name: $*" >> "$LOG"
-  if timeout "$limit" bash -c "$(declare -f build install probe 2>/dev/null); \"\$@\"" step "$@" >> "$LOG" 2>&1
-  then r=pass; else r="FAIL($?)"; fi
-  echo "$name $r $(( $(date +%s) - t0 ))s" | tee -a "$SUM" >> "$LOG"
-}
-{ date -u; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
-  python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)'
-} >> "$LOG" 2>&1
+. "$(dirname "$0")/steps.sh" "mends-$half"
 
-build() {
-  set -o pipefail # a failed build fails the step, whatever grep finds
-  cmake -S . -B build-gpu -DUSMIPC_WERROR=ON > /dev/null &&
-    cmake --build build-gpu -j 16 2>&1 | grep -E "error|warning|Built target usmipc_tests"
-}
-install() {
-  python3 -m pip install -q --no-build-isolation --no-index --no-deps .
-}
 # The driver, threads opening and closing legacy handles at once: each run
 # in a process of its own, so that a crash (exit 139) is counted, not fatal.
 probe() {
@@ -80,4 +56,4 @@ if [ "$half" = b ]; then
   step pytest-host 240 python3 -m pytest -q -rs tests/python
   step demo-cuda 60 python3 -m usmipc demo --device cuda:gpu
 fi
-echo "=== summary" >> "$LOG"; cat "$SUM" | tee -a "$LOG"
+summary
