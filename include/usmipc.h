@@ -444,8 +444,12 @@ USMIPC_API int usmipc_ipc_handle_order_ex(usmipc_ipc_handle_t *handle,
                                           unsigned flags);
 /* Consumer: returns the ticket of handle bytes data (as opened) to their
  * producer, after the work submitted to queue so far (NULL: now, from the
- * host). USMIPC_EEXPORTERGONE when the producer is gone or no longer waits
- * for it (its handle was freed). */
+ * host). data may be bundle bytes too (usmipc_bundle_order_ex); a bundle
+ * that names no memory has no ticket, and returns 0 at once.
+ * USMIPC_EEXPORTERGONE when the producer is gone or no longer waits for it
+ * (its handle or bundle was freed); USMIPC_EINVAL when the bytes carry no
+ * ticket; USMIPC_EACCES (wrong token) or USMIPC_EBADHANDLE (a ticket never
+ * handed out) for forged bytes. Returning a ticket twice counts once. */
 USMIPC_API int usmipc_ipc_release(const void *data, size_t len,
                                   usmipc_queue_t *queue);
 /* Producer: tickets handed out and come back so far. */
@@ -534,6 +538,12 @@ USMIPC_API void usmipc_set_interrupt_handler(usmipc_interrupt_fn fn, void *arg);
  *   consumer: usmipc_bundle_open -> nodes and arrays -> use the pointers ->
  *             usmipc_bundle_close (or usmipc_ipc_close of each pointer
  *             after usmipc_bundle_release).
+ *   done:     a producer that will overwrite the arrays orders each handoff
+ *             with usmipc_bundle_order_ex(b, q, USMIPC_ORDER_RELEASE); each
+ *             consumer returns the ticket with usmipc_ipc_release(bytes,
+ *             len, its queue) after its work; usmipc_bundle_wait_released
+ *             waits for all of them (the release signals of single handles,
+ *             above).
  *
  * The bytes are a documented format (docs/handle-format.md, "Bundles") that
  * names each allocation once and each array as an offset, a DLPack dtype, a
@@ -597,6 +607,23 @@ USMIPC_API int usmipc_bundle_finish(usmipc_bundle_t *bundle);
  * usmipc_ipc_handle_order); each call records anew. NULL: unordered. */
 USMIPC_API int usmipc_bundle_order(usmipc_bundle_t *bundle,
                                    usmipc_queue_t *queue);
+/* usmipc_bundle_order with flags, as usmipc_ipc_handle_order_ex:
+ * USMIPC_ORDER_RELEASE also puts a fresh release ticket in the bytes (one
+ * per call; queue may be NULL for a ticket without ordering). A bundle that
+ * names no memory carries none. flags 0 is usmipc_bundle_order. */
+USMIPC_API int usmipc_bundle_order_ex(usmipc_bundle_t *bundle,
+                                      usmipc_queue_t *queue, unsigned flags);
+/* Producer: release tickets the bundle handed out and that came back so
+ * far (usmipc_ipc_release of its bytes). */
+USMIPC_API int usmipc_bundle_releases(const usmipc_bundle_t *bundle,
+                                      uint64_t *sent, uint64_t *released);
+/* Producer: waits until every ticket the bundle handed out so far came
+ * back, then makes queue wait on the device for the work the consumers
+ * submitted before returning them (queue NULL: the host waits). A consumer
+ * that never returns its ticket (it died) makes it fail with
+ * USMIPC_ETIMEDOUT past the event timeout (usmipc_event_set_timeout). */
+USMIPC_API int usmipc_bundle_wait_released(usmipc_bundle_t *bundle,
+                                           usmipc_queue_t *queue);
 /* The bytes of a finished bundle, to send; valid until usmipc_bundle_free
  * (usmipc_bundle_order rewrites them, and their length, in place). */
 USMIPC_API int usmipc_bundle_data(const usmipc_bundle_t *bundle,
@@ -605,7 +632,8 @@ USMIPC_API int usmipc_bundle_data(const usmipc_bundle_t *bundle,
 USMIPC_API int usmipc_bundle_counts(const usmipc_bundle_t *bundle,
                                     size_t *arrays, size_t *allocations);
 /* Frees the bundle and withdraws its bytes: importers refuse them from now
- * on (mappings already open stay valid). NULL is accepted. */
+ * on (mappings already open stay valid), and tickets still out are refused
+ * when returned (USMIPC_EEXPORTERGONE). NULL is accepted. */
 USMIPC_API int usmipc_bundle_free(usmipc_bundle_t *bundle);
 
 /* Maps every allocation the bytes name (each once; the descriptors of one

@@ -12,6 +12,11 @@
  *         the bundle's slot -> map each allocation once (a cache hit when
  *         mapped already) and take one reference per array -> wait for the
  *         producer's work once -> describe the tree.
+ * Handoff: the records an ordered handle appends (an ordering event, a
+ *         release ticket) follow the tree, as if appended to allocation 0's
+ *         handle, so that a bundle is ordered and released exactly as one
+ *         handle is (usmipc_bundle_order_ex; usmipc_ipc_release returns the
+ *         ticket of bundle bytes too).
  *
  * The format is in docs/handle-format.md ("Bundles"); tests/fuzz/
  * fuzz_bundle.c fuzzes the decoder. */
@@ -36,7 +41,7 @@ enum {
   OFF_NSEG = 48,
   OFF_NARR = 52,
   OFF_NNODE = 56,
-  OFF_ORDER_LEN = 60,
+  OFF_TAIL_LEN = 60, /* the handoff records after the tree */
   HDR_LEN = 64,
   ARRAY_FIXED = 24,
   NODE_FIXED = 8,
@@ -49,8 +54,11 @@ enum {
 #define NO_SEGMENT UINT32_MAX
 #define NO_SLOT UINT32_MAX
 #define MAX_DIM ((int64_t)1 << 62)
-/* Room for an ordering record at the end of the bytes. */
-#define ORDER_MAX (4 + USMIPC__ORDER_FIXED_LEN + USMIPC__EVENT_PAYLOAD_MAX)
+/* Room for the handoff records at the end of the bytes: an ordering record
+ * and a release ticket. */
+#define TAIL_MAX                                                               \
+  (4 + USMIPC__ORDER_FIXED_LEN + USMIPC__EVENT_PAYLOAD_MAX + 4 +               \
+   USMIPC__RELEASE_RECORD_LEN)
 
 /* ---- checks shared by both sides ---------------------------------------- */
 
@@ -224,8 +232,9 @@ struct usmipc_bundle {
   uint64_t id;
   uint32_t slot;
   uint8_t token[16];
-  uint8_t *bytes; /* base_len bytes + room for an order and the checksum */
+  uint8_t *bytes; /* base_len bytes + room for the tail and the checksum */
   size_t base_len, len;
+  usmipc__release_t *release; /* tickets handed out, or NULL */
   struct usmipc_bundle *next_live;
 };
 
@@ -571,12 +580,12 @@ int usmipc_bundle_finish(usmipc_bundle_t *b) {
   for (size_t i = 0; i < b->narr; i++)
     len += ARRAY_FIXED + 16u * b->arrays[i].ndim;
   len += b->nodes_len;
-  if (len + ORDER_MAX + 4 > MAX_LEN)
+  if (len + TAIL_MAX + 4 > MAX_LEN)
     return usmipc__fail(USMIPC_ENOMEM,
                         "the bundle would take %zu bytes, more than the "
                         "%zu a bundle may",
                         len, MAX_LEN);
-  if ((b->bytes = malloc(len + ORDER_MAX + 4)) == NULL)
+  if ((b->bytes = malloc(len + TAIL_MAX + 4)) == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
   /* The bundle's own slot: its bytes are good while it lives. */
   if (b->nseg > 0) {
@@ -638,10 +647,24 @@ int usmipc_bundle_finish(usmipc_bundle_t *b) {
 }
 
 int usmipc_bundle_order(usmipc_bundle_t *b, usmipc_queue_t *queue) {
+  return usmipc_bundle_order_ex(b, queue, 0);
+}
+
+/* The tail is rebuilt at every handoff, as usmipc_ipc_handle_order_ex
+ * rebuilds a handle's records: the bytes before it never change. A bundle
+ * of no memory carries neither record: there is nothing to wait for or to
+ * give back, and no allocation names the producer to a consumer. */
+int usmipc_bundle_order_ex(usmipc_bundle_t *b, usmipc_queue_t *queue,
+                           unsigned flags) {
   if (b == NULL || !b->finished)
     return usmipc__fail(USMIPC_EINVAL, "usmipc_bundle_order: %s",
                         b == NULL ? "NULL bundle" : "finish the bundle first");
-  size_t rec_len = 0;
+  if (flags & ~USMIPC_ORDER_RELEASE)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_bundle_order_ex: unknown flags 0x%x", flags);
+  /* Built aside: a failure leaves the bytes of the last handoff intact. */
+  uint8_t tail[TAIL_MAX];
+  size_t tail_len = 0;
   int rc;
   if (queue != NULL && b->nseg > 0) {
     if (queue->device->ops->backend != b->segs[0].ref.device->ops->backend)
@@ -649,16 +672,43 @@ int usmipc_bundle_order(usmipc_bundle_t *b, usmipc_queue_t *queue) {
                           "usmipc_bundle_order: the bundle holds %s memory "
                           "but the queue is on %s",
                           b->segs[0].ref.device->filter, queue->device->filter);
-    if ((rc = usmipc__event_order(queue, b->bytes + b->base_len, &rec_len)) !=
-        0)
+    if ((rc = usmipc__event_order(queue, tail, &tail_len)) != 0)
       return rc;
   }
-  b->len = b->base_len + rec_len + 4;
+  if ((flags & USMIPC_ORDER_RELEASE) && b->nseg > 0) {
+    if (b->release == NULL && (rc = usmipc__release_new(&b->release)) != 0)
+      return rc;
+    tail_len += usmipc__release_ticket(b->release, tail + tail_len);
+  }
+  memcpy(b->bytes + b->base_len, tail, tail_len);
+  b->len = b->base_len + tail_len + 4;
   usmipc__put32le(b->bytes + OFF_LENGTH, (uint32_t)b->len);
-  usmipc__put32le(b->bytes + OFF_ORDER_LEN, (uint32_t)rec_len);
+  usmipc__put32le(b->bytes + OFF_TAIL_LEN, (uint32_t)tail_len);
   usmipc__put32le(b->bytes + b->len - 4,
                   usmipc__crc32c(0, b->bytes, b->len - 4));
   return 0;
+}
+
+int usmipc_bundle_releases(const usmipc_bundle_t *b, uint64_t *sent,
+                           uint64_t *released) {
+  if (b == NULL)
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_bundle_releases: NULL bundle");
+  if (b->release == NULL) {
+    if (sent)
+      *sent = 0;
+    if (released)
+      *released = 0;
+    return 0;
+  }
+  usmipc__release_counts(b->release, sent, released);
+  return 0;
+}
+
+int usmipc_bundle_wait_released(usmipc_bundle_t *b, usmipc_queue_t *queue) {
+  if (b == NULL)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_bundle_wait_released: NULL bundle");
+  return b->release ? usmipc__release_wait(b->release, queue) : 0;
 }
 
 int usmipc_bundle_data(const usmipc_bundle_t *b, const void **data,
@@ -698,6 +748,8 @@ int usmipc_bundle_free(usmipc_bundle_t *b) {
   }
   if (b->slot != NO_SLOT) /* the bytes are refused from now on */
     usmipc__exports_remove(b->slot);
+  /* Tickets still out are refused from now on: USMIPC_EEXPORTERGONE. */
+  usmipc__release_free(b->release);
   for (size_t i = 0; i < b->nseg; i++)
     usmipc_ipc_free_handle(b->segs[i].handle);
   free(b->segs);
@@ -724,8 +776,9 @@ struct usmipc_opened_bundle {
   usmipc_bundle_array_t *arrays;
   int64_t *dims;
   usmipc_bundle_node_t *nodes;
-  size_t order_len;            /* of the ordering record, bytes */
-  usmipc__wire_t *order_event; /* its event (decoded), or NULL */
+  usmipc__wire_t *handoff;     /* allocation 0's handle with the tail's
+                                  records (decoded), or NULL without them */
+  usmipc__wire_t *order_event; /* the event to wait for (decoded), or NULL */
   uint8_t *bytes;              /* a copy: the keys point into it */
   size_t len;
   usmipc_device_t *device; /* where the arrays are mapped */
@@ -734,6 +787,7 @@ struct usmipc_opened_bundle {
 static void opened_free(usmipc_opened_bundle_t *ob) {
   if (ob == NULL)
     return;
+  free(ob->handoff);
   free(ob->order_event);
   free(ob->segs);
   free(ob->array_seg);
@@ -747,6 +801,67 @@ static void opened_free(usmipc_opened_bundle_t *ob) {
 
 #define BAD(...)                                                               \
   usmipc__fail(USMIPC_EBADHANDLE, "not valid bundle bytes: " __VA_ARGS__)
+
+/* The records after the tree are what a handoff adds to allocation 0's
+ * handle, in the order usmipc_ipc_handle_order_ex appends them: an ordering
+ * record (0x8002), then a release ticket (0x8003), each optional. Nothing
+ * else may ride there: a forger could otherwise attach a record (a pool
+ * block, say) that the allocation's own handle was checked without
+ * (bundle_release_same_process shows one refused). */
+static int check_tail(const uint8_t *r, size_t len) {
+  unsigned last = 0;
+  for (size_t at = 0; at < len;) {
+    if (len - at < 4)
+      return BAD("the records after the tree are truncated");
+    uint16_t type = usmipc__get16le(r + at), rlen = usmipc__get16le(r + at + 2);
+    unsigned rank = type == USMIPC__EXT_ORDER     ? 1
+                    : type == USMIPC__EXT_RELEASE ? 2
+                                                  : 0;
+    if (rank == 0 || rank <= last)
+      return BAD("a record of type 0x%04x after the tree: only an ordering "
+                 "record (0x8002), then a release ticket (0x8003), may "
+                 "follow it, each once",
+                 type);
+    if (rlen > len - at - 4)
+      return BAD("record 0x%04x after the tree overruns the bundle", type);
+    last = rank;
+    at += 4u + rlen;
+  }
+  return 0;
+}
+
+/* Checks the tail as the handle it extends (allocation 0's, already
+ * decoded: the records' own checks are the handle decoder's) and keeps
+ * what the open and a release need from it. */
+static int decode_tail(usmipc_opened_bundle_t *ob, const uint8_t *tail,
+                       uint32_t tail_len) {
+  const uint8_t *seg0 = ob->bytes + HDR_LEN + 2;
+  size_t seg0_len = usmipc__get16le(ob->bytes + HDR_LEN);
+  if (tail_len > TAIL_MAX || seg0_len + tail_len > UINT16_MAX)
+    return BAD("%u bytes of records after the tree", tail_len);
+  int rc = check_tail(tail, tail_len);
+  if (rc != 0)
+    return rc;
+  uint8_t *buf = malloc(UINT16_MAX + 1);
+  ob->handoff = malloc(sizeof(*ob->handoff));
+  if (buf == NULL || ob->handoff == NULL) {
+    free(buf);
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  }
+  size_t n = usmipc__wire_reorder(buf, seg0, seg0_len, tail, tail_len);
+  rc = usmipc__wire_decode(buf, n, ob->handoff);
+  free(buf);
+  if (rc != 0) {
+    usmipc__error_prefix("the records after the bundle's tree: ");
+    return rc;
+  }
+  if (ob->handoff->order_len > 0) { /* the event the open waits for */
+    if ((ob->order_event = malloc(sizeof(*ob->order_event))) == NULL)
+      return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+    usmipc__wire_order_event(ob->handoff, ob->order_event);
+  }
+  return 0;
+}
 
 /* Checks everything about the bytes and describes them (pointers unset). */
 static int decode(const void *data, size_t len, usmipc_opened_bundle_t **out) {
@@ -781,19 +896,20 @@ static int decode(const void *data, size_t len, usmipc_opened_bundle_t **out) {
   uint32_t nseg = usmipc__get32le(p + OFF_NSEG),
            narr = usmipc__get32le(p + OFF_NARR),
            nnode = usmipc__get32le(p + OFF_NNODE),
-           order_len = usmipc__get32le(p + OFF_ORDER_LEN);
+           tail_len = usmipc__get32le(p + OFF_TAIL_LEN);
   if (nseg > MAX_SEGMENTS || narr > MAX_ARRAYS || nnode > MAX_NODES ||
       nnode == 0)
     return BAD("%u allocations, %u arrays, %u nodes: out of range", nseg, narr,
                nnode);
   /* Each takes bytes: counts beyond the length are lies. */
   if ((uint64_t)nseg * 2 + (uint64_t)narr * ARRAY_FIXED +
-          (uint64_t)nnode * NODE_FIXED + order_len >
+          (uint64_t)nnode * NODE_FIXED + tail_len >
       len - HDR_LEN - 4)
     return BAD("the counts need more bytes than there are");
   if ((nseg == 0) != (usmipc__get32le(p + OFF_SLOT) == NO_SLOT) ||
-      (nseg == 0 && order_len != 0))
-    return BAD("a bundle without allocations has no slot and no order");
+      (nseg == 0 && tail_len != 0))
+    return BAD("a bundle without allocations has no slot, no order and no "
+               "release ticket");
   usmipc_opened_bundle_t *ob = calloc(1, sizeof(*ob));
   if (ob == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
@@ -819,7 +935,7 @@ static int decode(const void *data, size_t len, usmipc_opened_bundle_t **out) {
   }
   memcpy(ob->bytes, p, len);
   p = ob->bytes;
-  size_t at = HDR_LEN, end = len - 4 - order_len;
+  size_t at = HDR_LEN, end = len - 4 - tail_len;
   for (uint32_t i = 0; i < nseg; i++) {
     if (end - at < 2) {
       rc = BAD("allocation %u is truncated", i);
@@ -987,32 +1103,8 @@ static int decode(const void *data, size_t len, usmipc_opened_bundle_t **out) {
                                          : "bytes left after the tree");
     goto fail;
   }
-  ob->order_len = order_len;
-  if (order_len > 0) { /* checked as the handle it will extend */
-    usmipc__wire_t *ord = malloc(sizeof(*ord));
-    uint8_t *buf = malloc(UINT16_MAX + 1);
-    const uint8_t *seg0 = p + HDR_LEN + 2;
-    size_t seg0_len = usmipc__get16le(p + HDR_LEN);
-    if (ord == NULL || buf == NULL) {
-      rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
-    } else if (order_len > ORDER_MAX || seg0_len + order_len > UINT16_MAX) {
-      rc = BAD("an ordering record of %u bytes", order_len);
-    } else {
-      size_t n = usmipc__wire_reorder(buf, seg0, seg0_len, p + end, order_len);
-      if ((rc = usmipc__wire_decode(buf, n, ord)) != 0)
-        usmipc__error_prefix("the bundle's ordering record: ");
-      else if (ord->order_len == 0 || ord->has_release)
-        rc = BAD("its ordering record is not one");
-      else if ((ob->order_event = malloc(sizeof(*ob->order_event))) == NULL)
-        rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
-      else /* the event the open waits for, decoded once */
-        usmipc__wire_order_event(ord, ob->order_event);
-    }
-    free(ord);
-    free(buf);
-    if (rc != 0)
-      goto fail;
-  }
+  if (tail_len > 0 && (rc = decode_tail(ob, p + end, tail_len)) != 0)
+    goto fail;
   free(seg_uses);
   *out = ob;
   return 0;
@@ -1038,6 +1130,29 @@ int usmipc__bundle_decode_check(const void *data, size_t len, size_t *arrays,
   else
     opened_free(ob);
   return 0;
+}
+
+bool usmipc__bundle_magic(const void *data, size_t len) {
+  return data != NULL && len >= 8 && memcmp(data, MAGIC, 8) == 0;
+}
+
+int usmipc__bundle_ticket(const void *data, size_t len, usmipc__wire_t *w,
+                          bool *no_memory) {
+  usmipc_opened_bundle_t *ob;
+  int rc = decode(data, len, &ob);
+  if (rc != 0)
+    return rc;
+  *no_memory = ob->nseg == 0;
+  if (ob->handoff != NULL && ob->handoff->has_release)
+    *w = *ob->handoff;
+  else if (!*no_memory)
+    rc = usmipc__fail(USMIPC_EINVAL,
+                      "usmipc_ipc_release: the bundle carries no release "
+                      "ticket (its producer did not order it with "
+                      "usmipc_bundle_order_ex(..., USMIPC_ORDER_RELEASE), or "
+                      "share(..., release=True) in Python)");
+  opened_free(ob);
+  return rc;
 }
 
 int usmipc_bundle_inspect(const void *data, size_t len, size_t *arrays,
@@ -1188,7 +1303,7 @@ int usmipc_bundle_open(const void *data, size_t len, usmipc_device_t *device,
   }
   free(base);
   free(uses);
-  if (rc == 0 && ob->order_len > 0 && !(flags & USMIPC_OPEN_UNORDERED)) {
+  if (rc == 0 && ob->order_event != NULL && !(flags & USMIPC_OPEN_UNORDERED)) {
     /* One wait for every array: the producer recorded one event. */
     if ((rc = usmipc__event_wait_wire(ob->order_event, device, queue)) != 0)
       usmipc__error_prefix("waiting for the producer's work: ");

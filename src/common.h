@@ -288,6 +288,16 @@ int usmipc__bundle_decode_check(const void *data, size_t len, size_t *arrays,
                                 size_t *allocations,
                                 usmipc_opened_bundle_t **kept);
 
+/* Whether data starts as bundle bytes do (bundle.c). */
+bool usmipc__bundle_magic(const void *data, size_t len);
+/* For usmipc_ipc_release of bundle bytes (bundle.c), decoded in full: *w
+ * becomes allocation 0's handle with the records that follow the tree,
+ * which name the producer and carry the ticket. *no_memory: the bundle
+ * names no allocation, so it has no ticket and needs none. USMIPC_EINVAL
+ * when the producer asked for no release. */
+int usmipc__bundle_ticket(const void *data, size_t len, struct usmipc__wire *w,
+                          bool *no_memory);
+
 /* ---- USMIPC_DEBUG and malformed settings (debug.c) ------------------------
  */
 

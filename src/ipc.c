@@ -457,14 +457,25 @@ int usmipc_ipc_handle_wait_released(usmipc_ipc_handle_t *handle,
 
 int usmipc_ipc_release(const void *data, size_t len, usmipc_queue_t *queue) {
   usmipc__wire_t w;
-  int rc = usmipc__wire_decode(data, len, &w);
-  if (rc != 0)
-    return rc;
-  if (!w.has_release)
-    return usmipc__fail(USMIPC_EINVAL,
-                        "usmipc_ipc_release: the handle asks for no release "
-                        "(its producer did not order it with "
-                        "USMIPC_ORDER_RELEASE)");
+  int rc;
+  if (usmipc__bundle_magic(data, len)) {
+    /* Bundle bytes: their ticket rides after the tree as if appended to
+     * allocation 0's handle, which names the producer; from here on a
+     * bundle's ticket goes back exactly as a handle's does. */
+    bool no_memory = false;
+    if ((rc = usmipc__bundle_ticket(data, len, &w, &no_memory)) != 0)
+      return rc;
+    if (no_memory)
+      return 0; /* a bundle of no memory: nothing was lent */
+  } else {
+    if ((rc = usmipc__wire_decode(data, len, &w)) != 0)
+      return rc;
+    if (!w.has_release)
+      return usmipc__fail(USMIPC_EINVAL,
+                          "usmipc_ipc_release: the handle asks for no release "
+                          "(its producer did not order it with "
+                          "USMIPC_ORDER_RELEASE)");
+  }
   const usmipc__process_t *self = usmipc__self_basic();
   if (memcmp(w.boot_id, self->boot_id, 16) != 0)
     return usmipc__fail(USMIPC_EOTHERHOST,
@@ -487,12 +498,22 @@ int usmipc_ipc_release(const void *data, size_t len, usmipc_queue_t *queue) {
     usmipc__release_capability(req, w.release_token, body, 10 + ev_len,
                                req + 64);
     uint32_t status = usmipc__release_arrived(req, body, 10 + ev_len);
+    /* The codes and reasons of the broker's answer (usmipc__reply_check). */
     if (status == 0)
       return 0;
-    return usmipc__fail(status == 1 ? USMIPC_EEXPORTERGONE : USMIPC_EACCES,
-                        "usmipc_ipc_release: this process no longer waits "
-                        "for that release (its handle was freed), or the "
-                        "ticket is forged");
+    if (status == 1)
+      return usmipc__fail(USMIPC_EEXPORTERGONE,
+                          "usmipc_ipc_release: this process no longer waits "
+                          "for that release (its handle or bundle was "
+                          "freed)");
+    if (status == 2)
+      return usmipc__fail(USMIPC_EACCES,
+                          "usmipc_ipc_release: the release ticket's token is "
+                          "wrong (forged or corrupted bytes)");
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "usmipc_ipc_release: the ticket was never handed out "
+                        "(forged), or the consumer's event handle is "
+                        "malformed");
   }
   rc = usmipc__broker_release(&w, body, 10 + ev_len,
                               usmipc__deadline_after_timeout());

@@ -1268,7 +1268,7 @@ int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
     if (status == REPLY_UNKNOWN_BUFFER)
       return usmipc__fail(USMIPC_EEXPORTERGONE,
                           "process %u no longer waits for this release (the "
-                          "producer freed its handle)",
+                          "producer freed its handle or bundle)",
                           w->pid);
     if (status == REPLY_BAD_CAPABILITY)
       return usmipc__fail(USMIPC_EACCES,

@@ -1,6 +1,7 @@
 /* Bundles: many arrays in one handoff, opened by an unrelated process (the
  * bundle_reader helper), on the device under test. */
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,9 +15,13 @@
  * Requests: u8 op, u32 code, u32 len, len bytes. 'O' opens the bundle and
  * checks every array against pattern seed (index + 1) over its extent, then
  * writes seed 500 over array 0; 'E' expects the open to fail with code; 'C'
- * closes what was opened; 'Q' quits. Reply: 6 u64: status (0 ok, else the
- * usmipc code or -1 wrong data), arrays, allocations, driver imports and
- * descriptors taken so far, nodes, broker round trips so far. */
+ * closes what was opened; 'Q' quits. Release tickets: 'W' opens the bundle,
+ * writes seed 700 + index over every array and returns the ticket; 'R' only
+ * returns it; both after the work on the reader's queue when code is 1,
+ * else from the host, and reply with usmipc_ipc_release's code. Reply: 7
+ * u64: status (0 ok, else the usmipc code or -1 wrong data), arrays,
+ * allocations, driver imports and descriptors taken so far, nodes, broker
+ * round trips so far. */
 static int read_full(int fd, void *p, size_t n) {
   while (n > 0) {
     ssize_t r = read(fd, p, n);
@@ -42,6 +47,19 @@ static void reply(int64_t status, size_t arrays, size_t allocs, size_t nodes) {
     _exit(5);
 }
 
+/* The reader's queue for 'W' and 'R' (code 1): NULL where the device has
+ * no events, so that the ticket goes back from the host. */
+static usmipc_queue_t *reader_queue(void) {
+  static usmipc_queue_t *q;
+  usmipc_event_t *probe;
+  if (q == NULL && usmipc_event_create(test_device(), 0, &probe) == 0) {
+    usmipc_event_destroy(probe);
+    if (usmipc_queue_create(test_device(), &q) != 0)
+      _exit(6);
+  }
+  return q;
+}
+
 HELPER_IMPL(bundle_reader) {
   (void)argc;
   (void)argv;
@@ -64,6 +82,31 @@ HELPER_IMPL(bundle_reader) {
         usmipc_bundle_close(opened[i]);
       nopen = 0;
       reply(0, 0, 0, 0);
+    } else if (op == 'R') {
+      int r = usmipc_ipc_release(data, len, code ? reader_queue() : NULL);
+      fprintf(stderr, "reader: release: %d %s\n", r,
+              r ? usmipc_last_error() : "");
+      reply(r, 0, 0, 0);
+    } else if (op == 'W') {
+      usmipc_queue_t *q = code ? reader_queue() : NULL;
+      usmipc_opened_bundle_t *ob;
+      int r = usmipc_bundle_open(data, len, test_device(), q, 0, &ob);
+      size_t narr = 0;
+      if (r == 0) {
+        const usmipc_bundle_array_t *a = usmipc_opened_bundle_arrays(ob, &narr);
+        for (size_t i = 0; i < narr; i++)
+          if (a[i].extent > 0) {
+            if (q != NULL)
+              dev_fill_on(q, a[i].ptr, a[i].extent, 700 + i, 0);
+            else
+              dev_fill(a[i].ptr, a[i].extent, 700 + i, 0);
+          }
+        opened[nopen++] = ob;
+        r = usmipc_ipc_release(data, len, q);
+      }
+      if (r != 0)
+        fprintf(stderr, "reader: %s\n", usmipc_last_error());
+      reply(r, narr, 0, 0);
     } else if (op == 'E') {
       usmipc_opened_bundle_t *ob = NULL;
       int r = usmipc_bundle_open(data, len, test_device(), NULL, 0, &ob);
@@ -564,5 +607,329 @@ TEST_IMPL(bundle_fork_from_thread) {
   ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &mem));
   fork_beside_thread(bundle_fork_step, mem, 200, bundle_fork_child, dev);
   ASSERT_OK(usmipc_free(mem));
+  return 0;
+}
+
+/* ---- release tickets ------------------------------------------------------
+ * A bundle ordered with USMIPC_ORDER_RELEASE ends with its ticket record
+ * (0x8003: u64 release id, u64 ticket, 16-byte token) right before the
+ * checksum, so a forgery flips bytes counted from the end. */
+#define TICKET_AT(len) ((len)-4 - 4 - USMIPC__RELEASE_RECORD_LEN)
+#define TICKET_NUMBER_AT(len) (TICKET_AT(len) + 4 + 8)
+#define TICKET_TOKEN_AT(len) (TICKET_AT(len) + 4 + 16)
+
+/* A queue of the device under test where it has events (handoffs are then
+ * ordered and tickets carry the consumer's event), else NULL. */
+static usmipc_queue_t *events_queue(void) {
+  usmipc_event_t *probe;
+  usmipc_queue_t *q = NULL;
+  int rc = usmipc_event_create(test_device(), 0, &probe);
+  if (rc == USMIPC_ENOTSUP)
+    return NULL;
+  ASSERT_OK(rc);
+  usmipc_event_destroy(probe);
+  ASSERT_OK(usmipc_queue_create(test_device(), &q));
+  return q;
+}
+
+/* The bytes of the bundle's next handoff, copied (the bundle rewrites its
+ * own at every order). */
+static uint8_t *handoff(usmipc_bundle_t *b, usmipc_queue_t *q, unsigned flags,
+                        size_t *len) {
+  const void *data;
+  ASSERT_OK(usmipc_bundle_order_ex(b, q, flags));
+  ASSERT_OK(usmipc_bundle_data(b, &data, len));
+  uint8_t *copy = malloc(*len);
+  ASSERT_NOT_NULL(copy);
+  memcpy(copy, data, *len);
+  return copy;
+}
+
+#define ASSERT_RELEASES(b, s, r)                                               \
+  do {                                                                         \
+    uint64_t sent_, back_;                                                     \
+    ASSERT_OK(usmipc_bundle_releases((b), &sent_, &back_));                    \
+    ASSERT_UEQ(sent_, (s));                                                    \
+    ASSERT_UEQ(back_, (r));                                                    \
+  } while (0)
+
+typedef struct waiter {
+  usmipc_bundle_t *b;
+  usmipc_queue_t *q;
+  int rc;
+  int done; /* atomic */
+} waiter_t;
+
+static void *wait_released_thread(void *arg) {
+  waiter_t *w = arg;
+  w->rc = usmipc_bundle_wait_released(w->b, w->q);
+  __atomic_store_n(&w->done, 1, __ATOMIC_RELEASE);
+  return NULL;
+}
+
+/* Three arrays over two allocations, {"a", "b", "c"}, each filled with
+ * pattern seed index + 1. */
+static usmipc_bundle_t *three_arrays(void *ptr[3], size_t extent[3]) {
+  usmipc_device_t *dev = test_device();
+  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 8192, &ptr[0]));
+  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &ptr[2]));
+  ptr[1] = (uint8_t *)ptr[0] + 4096;
+  int64_t shape[] = {1024};
+  usmipc_array_desc_t f32 = {2, 32, 1, 1, shape, NULL};
+  usmipc_bundle_t *b;
+  ASSERT_OK(usmipc_bundle_create(&b));
+  ASSERT_OK(usmipc_bundle_add_container(b, USMIPC_BUNDLE_DICT, 3, NULL, 0));
+  for (int i = 0; i < 3; i++) {
+    extent[i] = 4096;
+    ASSERT_OK(usmipc_bundle_add_array(b, &"abc"[i], 1, ptr[i], &f32));
+  }
+  fill_arrays(ptr, extent, 3);
+  ASSERT_OK(usmipc_bundle_finish(b));
+  return b;
+}
+
+/* A consumer in another process writes into every array and returns the
+ * ticket; the producer's wait ends only then, and sees the writes. Tickets
+ * come back once each; forged, unasked-for and late ones are refused. */
+TEST_IMPL(bundle_release_cross_process) {
+  usmipc_queue_t *q = events_queue();
+  void *ptr[3];
+  size_t extent[3];
+  usmipc_bundle_t *b = three_arrays(ptr, extent);
+  size_t len_a;
+  uint8_t *a = handoff(b, q, USMIPC_ORDER_RELEASE, &len_a);
+  ASSERT_RELEASES(b, 1, 0);
+  /* Out and not back: a short event timeout ends the wait, saying so. */
+  ASSERT_OK(usmipc_event_set_timeout(300));
+  ASSERT_ERR(usmipc_bundle_wait_released(b, NULL), USMIPC_ETIMEDOUT);
+  ASSERT_MSG(strstr(usmipc_last_error(), "0 of 1") != NULL, "%s",
+             usmipc_last_error());
+
+  /* The wait (without limit) is still waiting while the consumer has not
+   * returned the ticket, and ends once it has. */
+  ASSERT_OK(usmipc_event_set_timeout(0));
+  reader_t r;
+  uint64_t out[7];
+  reader_start(&r);
+  waiter_t w = {.b = b, .q = q};
+  pthread_t t;
+  ASSERT_EQ(pthread_create(&t, NULL, wait_released_thread, &w), 0);
+  usleep(200 * 1000);
+  ASSERT_EQ(__atomic_load_n(&w.done, __ATOMIC_ACQUIRE), 0);
+  reader_send(&r, 'W', 1, a, len_a, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_UEQ(out[1], 3);
+  pthread_join(t, NULL);
+  ASSERT_OK(w.rc);
+  if (q != NULL)
+    ASSERT_OK(usmipc_queue_synchronize(q));
+  for (int i = 0; i < 3; i++)
+    ASSERT_PATTERN(ptr[i], extent[i], 700 + i, 0);
+  ASSERT_RELEASES(b, 1, 1);
+  /* Returning it again counts once. */
+  reader_send(&r, 'R', 1, a, len_a, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_RELEASES(b, 1, 1);
+  ASSERT_OK(usmipc_bundle_wait_released(b, q));
+
+  /* Three handoffs out, two back (one twice): the wait names the count. */
+  size_t len_b, len_c;
+  uint8_t *hb = handoff(b, q, USMIPC_ORDER_RELEASE, &len_b);
+  uint8_t *hc = handoff(b, NULL, USMIPC_ORDER_RELEASE, &len_c);
+  ASSERT_RELEASES(b, 3, 1);
+  reader_send(&r, 'R', 0, hb, len_b, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  reader_send(&r, 'R', 1, hb, len_b, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_RELEASES(b, 3, 2);
+  ASSERT_OK(usmipc_event_set_timeout(300));
+  ASSERT_ERR(usmipc_bundle_wait_released(b, q), USMIPC_ETIMEDOUT);
+  ASSERT_MSG(strstr(usmipc_last_error(), "2 of 3") != NULL, "%s",
+             usmipc_last_error());
+
+  /* Forged: a wrong token, a ticket never handed out. */
+  uint8_t *f = malloc(len_c);
+  memcpy(f, hc, len_c);
+  f[TICKET_TOKEN_AT(len_c)] ^= 1;
+  reseal(f, len_c);
+  reader_send(&r, 'R', 0, f, len_c, out);
+  ASSERT_EQ((int64_t)out[0], USMIPC_EACCES);
+  memcpy(f, hc, len_c);
+  usmipc__put64le(f + TICKET_NUMBER_AT(len_c), 99);
+  reseal(f, len_c);
+  reader_send(&r, 'R', 0, f, len_c, out);
+  ASSERT_EQ((int64_t)out[0], USMIPC_EBADHANDLE);
+  ASSERT_RELEASES(b, 3, 2);
+  reader_send(&r, 'R', 0, hc, len_c, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_OK(usmipc_bundle_wait_released(b, q));
+  ASSERT_RELEASES(b, 3, 3);
+
+  /* Bytes that ask for no release. */
+  size_t len_d;
+  uint8_t *hd = handoff(b, q, 0, &len_d);
+  reader_send(&r, 'R', 0, hd, len_d, out);
+  ASSERT_EQ((int64_t)out[0], USMIPC_EINVAL);
+  ASSERT_RELEASES(b, 3, 3);
+
+  /* The producer freed the bundle: nobody waits for its tickets. */
+  ASSERT_OK(usmipc_bundle_free(b));
+  reader_send(&r, 'R', 1, a, len_a, out);
+  ASSERT_EQ((int64_t)out[0], USMIPC_EEXPORTERGONE);
+  reader_send(&r, 'C', 0, NULL, 0, out);
+  reader_stop(&r);
+  ASSERT_OK(usmipc_event_set_timeout(0));
+  free(a);
+  free(hb);
+  free(hc);
+  free(hd);
+  free(f);
+  ASSERT_OK(usmipc_free(ptr[0]));
+  ASSERT_OK(usmipc_free(ptr[2]));
+  if (q != NULL)
+    ASSERT_OK(usmipc_queue_destroy(q));
+  return 0;
+}
+
+/* A consumer that dies never returns its ticket: the producer's wait ends
+ * with USMIPC_ETIMEDOUT after the event timeout, not sooner. */
+TEST_IMPL(bundle_release_consumer_dies) {
+  usmipc_queue_t *q = events_queue();
+  void *ptr[3];
+  size_t extent[3];
+  usmipc_bundle_t *b = three_arrays(ptr, extent);
+  size_t len;
+  uint8_t *data = handoff(b, q, USMIPC_ORDER_RELEASE, &len);
+  reader_t r;
+  uint64_t out[7];
+  reader_start(&r);
+  reader_send(&r, 'O', 0, data, len, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_EQ(kill(r.pid, SIGKILL), 0);
+  int status = wait_pid_timeout(r.pid, 10);
+  ASSERT(WIFSIGNALED(status));
+  close(r.to);
+  close(r.from);
+  ASSERT_OK(usmipc_event_set_timeout(400));
+  double t0 = now_seconds();
+  ASSERT_ERR(usmipc_bundle_wait_released(b, q), USMIPC_ETIMEDOUT);
+  double took = now_seconds() - t0;
+  ASSERT_MSG(took >= 0.35, "the wait ended after %.3f s", took);
+  ASSERT_MSG(strstr(usmipc_last_error(), "0 of 1") != NULL, "%s",
+             usmipc_last_error());
+  ASSERT_RELEASES(b, 1, 0);
+  ASSERT_OK(usmipc_event_set_timeout(0));
+  ASSERT_OK(usmipc_bundle_free(b));
+  free(data);
+  ASSERT_OK(usmipc_free(ptr[0]));
+  ASSERT_OK(usmipc_free(ptr[2]));
+  if (q != NULL)
+    ASSERT_OK(usmipc_queue_destroy(q));
+  return 0;
+}
+
+/* In one process (the ticket is filed without the broker), and the
+ * producer's and the bytes' edge cases, each with its own error. */
+TEST_IMPL(bundle_release_same_process) {
+  usmipc_device_t *dev = test_device();
+  usmipc_queue_t *q = events_queue();
+  void *ptr[3];
+  size_t extent[3];
+  usmipc_bundle_t *b = three_arrays(ptr, extent);
+  ASSERT_RELEASES(b, 0, 0);
+  ASSERT_OK(usmipc_bundle_wait_released(b, q)); /* nothing handed out */
+  ASSERT_ERR(usmipc_bundle_order_ex(b, q, 0x40), USMIPC_EINVAL);
+  ASSERT_ERR(usmipc_bundle_releases(NULL, NULL, NULL), USMIPC_EINVAL);
+  ASSERT_ERR(usmipc_bundle_wait_released(NULL, NULL), USMIPC_EINVAL);
+  usmipc_bundle_t *unfinished;
+  ASSERT_OK(usmipc_bundle_create(&unfinished));
+  ASSERT_ERR(usmipc_bundle_order_ex(unfinished, q, USMIPC_ORDER_RELEASE),
+             USMIPC_EINVAL);
+  ASSERT_OK(usmipc_bundle_free(unfinished));
+
+  /* Ordered with a ticket: opened (waiting for the producer), written,
+   * returned after the consumer's queue. */
+  size_t len;
+  uint8_t *data = handoff(b, q, USMIPC_ORDER_RELEASE, &len);
+  size_t narr;
+  ASSERT_OK(usmipc_bundle_inspect(data, len, &narr, NULL));
+  ASSERT_EQ(narr, 3);
+  usmipc_opened_bundle_t *ob;
+  ASSERT_OK(usmipc_bundle_open(data, len, dev, q, 0, &ob));
+  ASSERT_OK(usmipc_ipc_release(data, len, q));
+  ASSERT_OK(usmipc_bundle_close(ob));
+  ASSERT_RELEASES(b, 1, 1);
+  ASSERT_OK(usmipc_bundle_wait_released(b, q));
+  ASSERT_OK(usmipc_bundle_wait_released(b, NULL));
+  free(data);
+
+  /* A ticket without ordering (a host-only producer): opens without a
+   * wait, and goes back from the host. */
+  data = handoff(b, NULL, USMIPC_ORDER_RELEASE, &len);
+  ASSERT_OK(usmipc_bundle_open(data, len, dev, NULL, 0, &ob));
+  ASSERT_OK(usmipc_bundle_close(ob));
+  uint8_t *f = malloc(len);
+  /* Forged: a wrong token, a ticket never handed out. */
+  memcpy(f, data, len);
+  f[TICKET_TOKEN_AT(len)] ^= 1;
+  reseal(f, len);
+  ASSERT_ERR(usmipc_ipc_release(f, len, NULL), USMIPC_EACCES);
+  ASSERT_MSG(strstr(usmipc_last_error(), "token") != NULL, "%s",
+             usmipc_last_error());
+  memcpy(f, data, len);
+  usmipc__put64le(f + TICKET_NUMBER_AT(len), 99);
+  reseal(f, len);
+  ASSERT_ERR(usmipc_ipc_release(f, len, NULL), USMIPC_EBADHANDLE);
+  ASSERT_MSG(strstr(usmipc_last_error(), "never handed out") != NULL, "%s",
+             usmipc_last_error());
+  /* Only an ordering record and then a ticket may follow the tree. */
+  memcpy(f, data, len);
+  usmipc__put16le(f + TICKET_AT(len), 0x8101); /* a pool block record */
+  reseal(f, len);
+  ASSERT_ERR(usmipc_bundle_open(f, len, dev, NULL, 0, &ob), USMIPC_EBADHANDLE);
+  ASSERT_MSG(strstr(usmipc_last_error(), "after the tree") != NULL, "%s",
+             usmipc_last_error());
+  ASSERT_ERR(usmipc_ipc_release(f, len, NULL), USMIPC_EBADHANDLE);
+  ASSERT_RELEASES(b, 2, 1);
+  ASSERT_OK(usmipc_ipc_release(data, len, NULL));
+  ASSERT_OK(usmipc_ipc_release(data, len, NULL)); /* counts once */
+  ASSERT_RELEASES(b, 2, 2);
+  ASSERT_OK(usmipc_bundle_wait_released(b, NULL));
+
+  /* Bytes without a ticket: ordered only, and unordered. */
+  size_t len_u;
+  uint8_t *u = handoff(b, q, 0, &len_u);
+  ASSERT_ERR(usmipc_ipc_release(u, len_u, q), USMIPC_EINVAL);
+  ASSERT_MSG(strstr(usmipc_last_error(), "usmipc_bundle_order_ex") != NULL,
+             "%s", usmipc_last_error());
+  free(u);
+  u = handoff(b, NULL, 0, &len_u);
+  ASSERT_ERR(usmipc_ipc_release(u, len_u, NULL), USMIPC_EINVAL);
+  free(u);
+  ASSERT_RELEASES(b, 2, 2);
+
+  /* Freed: a late ticket finds nobody waiting. */
+  ASSERT_OK(usmipc_bundle_free(b));
+  ASSERT_ERR(usmipc_ipc_release(data, len, NULL), USMIPC_EEXPORTERGONE);
+  free(data);
+  free(f);
+
+  /* A bundle of no memory lends nothing: no ticket, none to wait for, and
+   * returning its bytes is no error. */
+  int64_t zero[] = {0};
+  usmipc_array_desc_t empty = {2, 32, 1, 1, zero, NULL};
+  ASSERT_OK(usmipc_bundle_create(&b));
+  ASSERT_OK(usmipc_bundle_add_array(b, NULL, 0, NULL, &empty));
+  ASSERT_OK(usmipc_bundle_finish(b));
+  data = handoff(b, q, USMIPC_ORDER_RELEASE, &len);
+  ASSERT_RELEASES(b, 0, 0);
+  ASSERT_OK(usmipc_ipc_release(data, len, q));
+  ASSERT_OK(usmipc_bundle_wait_released(b, q));
+  ASSERT_OK(usmipc_bundle_free(b));
+  free(data);
+  ASSERT_OK(usmipc_free(ptr[0]));
+  ASSERT_OK(usmipc_free(ptr[2]));
+  if (q != NULL)
+    ASSERT_OK(usmipc_queue_destroy(q));
   return 0;
 }

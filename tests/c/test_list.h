@@ -127,6 +127,9 @@
   X(bundle_ten_thousand_arrays)                                                \
   X(bundle_one_exchange)                                                       \
   X(bundle_fork_from_thread)                                                   \
+  X(bundle_release_cross_process)                                              \
+  X(bundle_release_consumer_dies)                                              \
+  X(bundle_release_same_process)                                               \
   X(cuda_vmm_foreign_chunks)                                                   \
   X(cuda_vmm_foreign_limits)                                                   \
   X(torch_alloc_host_threads)                                                  \

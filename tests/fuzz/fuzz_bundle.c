@@ -6,7 +6,9 @@
  * bundle promises, checked here: every array of memory lies inside the
  * allocation it names, arrays of no element name none, every allocation is
  * named by some array, the tree is a well-formed preorder walk that holds
- * every array once, in order, and its keys are UTF-8.
+ * every array once, in order, and its keys are UTF-8; the records after the
+ * tree (ordering, release ticket) are what usmipc_ipc_release reads too, and
+ * it judges the bytes as the decoder does.
  *
  * Nothing here opens a bundle: no mapping, no descriptor, no side effect.
  *   cmake --build build-fuzz --target fuzz_bundle
@@ -27,6 +29,20 @@ static void check_one(const uint8_t *data, size_t size) {
   int ri = usmipc_bundle_inspect(data, size, &narr, &nseg);
   int rd = usmipc__bundle_decode_check(data, size, NULL, NULL, &ob);
   FUZZ_CHECK(ri == rd, "inspect %d, decode %d", ri, rd);
+  /* The ticket's reader (usmipc_ipc_release of bundle bytes): refuses what
+   * the decoder refuses; of good bytes it finds a ticket, or says that
+   * there is none (EINVAL) or that the bundle lends no memory. */
+  usmipc__wire_t w;
+  bool no_memory = false;
+  int rt = usmipc__bundle_ticket(data, size, &w, &no_memory);
+  if (rd != 0)
+    FUZZ_CHECK(rt == rd, "ticket %d, decode %d", rt, rd);
+  else if (rt == 0 && !no_memory)
+    FUZZ_CHECK(w.has_release && w.release_id != 0 && w.release_ticket != 0,
+               "a ticket without its record");
+  else
+    FUZZ_CHECK(rt == USMIPC_EINVAL || (rt == 0 && no_memory && nseg == 0),
+               "ticket %d (no memory %d) of good bytes", rt, (int)no_memory);
   if (rd != 0) {
     FUZZ_CHECK(rd == USMIPC_EBADHANDLE || rd == USMIPC_EHANDLEVERSION,
                "decode failed with %d (%s)", rd, usmipc_err_name(rd));
@@ -152,6 +168,37 @@ int fuzz_make_corpus(void) {
       }
       free(c);
     }
+    usmipc_bundle_free(b);
+  }
+  /* Release tickets: ordered with a ticket, a ticket alone, and a tail
+   * record that may not follow the tree (a pool block's type). */
+  for (int variant = 0; variant < 3; variant++) {
+    usmipc_bundle_t *b;
+    usmipc_bundle_create(&b);
+    usmipc_bundle_add_container(b, USMIPC_BUNDLE_LIST, 2, NULL, 0);
+    usmipc_bundle_add_array(b, NULL, 0, mem, &f32);
+    usmipc_bundle_add_array(b, NULL, 0, mem2, &bytes);
+    if (usmipc_bundle_finish(b) != 0 ||
+        usmipc_bundle_order_ex(b, variant == 1 ? NULL : q,
+                               USMIPC_ORDER_RELEASE) != 0) {
+      fprintf(stderr, "fuzz_bundle: %s\n", usmipc_last_error());
+      return 1;
+    }
+    const void *d;
+    size_t len;
+    usmipc_bundle_data(b, &d, &len);
+    uint8_t *c = malloc(len);
+    memcpy(c, d, len);
+    if (variant == 2) {
+      usmipc__put16le(c + len - 4 - 4 - USMIPC__RELEASE_RECORD_LEN,
+                      USMIPC__EXT_BLOCK);
+      usmipc__put32le(c + len - 4, usmipc__crc32c(0, c, len - 4));
+    }
+    fuzz_write_seed(variant == 0   ? "valid-ticket"
+                    : variant == 1 ? "valid-ticket-only"
+                                   : "forged-tail-record",
+                    c, len);
+    free(c);
     usmipc_bundle_free(b);
   }
   /* A bundle of nothing but a zero-size array: no allocation, no slot. */
