@@ -658,6 +658,11 @@ usmipc_opened_bundle_arrays(const usmipc_opened_bundle_t *opened,
  * memory and no device was given). */
 USMIPC_API usmipc_device_t *
 usmipc_opened_bundle_device(const usmipc_opened_bundle_t *opened);
+/* The release ticket the opened bytes carry (usmipc_bundle_order_ex with
+ * USMIPC_ORDER_RELEASE), to return with usmipc_ipc_release of the same
+ * bytes once done; 0 when the producer asked for none. */
+USMIPC_API uint64_t
+usmipc_opened_bundle_ticket(const usmipc_opened_bundle_t *opened);
 /* Closes every array's mapping reference and frees the description. */
 USMIPC_API int usmipc_bundle_close(usmipc_opened_bundle_t *opened);
 /* Frees the description only: the caller closes each array's pointer with

@@ -1336,6 +1336,12 @@ usmipc_device_t *usmipc_opened_bundle_device(const usmipc_opened_bundle_t *ob) {
   return ob ? ob->device : NULL;
 }
 
+uint64_t usmipc_opened_bundle_ticket(const usmipc_opened_bundle_t *ob) {
+  return ob && ob->handoff && ob->handoff->has_release
+             ? ob->handoff->release_ticket
+             : 0;
+}
+
 int usmipc_bundle_close(usmipc_opened_bundle_t *ob) {
   if (ob == NULL)
     return 0;

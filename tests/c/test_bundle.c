@@ -856,6 +856,7 @@ TEST_IMPL(bundle_release_same_process) {
   ASSERT_EQ(narr, 3);
   usmipc_opened_bundle_t *ob;
   ASSERT_OK(usmipc_bundle_open(data, len, dev, q, 0, &ob));
+  ASSERT_UEQ(usmipc_opened_bundle_ticket(ob), 1);
   ASSERT_OK(usmipc_ipc_release(data, len, q));
   ASSERT_OK(usmipc_bundle_close(ob));
   ASSERT_RELEASES(b, 1, 1);
@@ -867,6 +868,7 @@ TEST_IMPL(bundle_release_same_process) {
    * wait, and goes back from the host. */
   data = handoff(b, NULL, USMIPC_ORDER_RELEASE, &len);
   ASSERT_OK(usmipc_bundle_open(data, len, dev, NULL, 0, &ob));
+  ASSERT_UEQ(usmipc_opened_bundle_ticket(ob), 2);
   ASSERT_OK(usmipc_bundle_close(ob));
   uint8_t *f = malloc(len);
   /* Forged: a wrong token, a ticket never handed out. */
@@ -899,6 +901,9 @@ TEST_IMPL(bundle_release_same_process) {
   /* Bytes without a ticket: ordered only, and unordered. */
   size_t len_u;
   uint8_t *u = handoff(b, q, 0, &len_u);
+  ASSERT_OK(usmipc_bundle_open(u, len_u, dev, q, 0, &ob));
+  ASSERT_UEQ(usmipc_opened_bundle_ticket(ob), 0);
+  ASSERT_OK(usmipc_bundle_close(ob));
   ASSERT_ERR(usmipc_ipc_release(u, len_u, q), USMIPC_EINVAL);
   ASSERT_MSG(strstr(usmipc_last_error(), "usmipc_bundle_order_ex") != NULL,
              "%s", usmipc_last_error());

@@ -19,9 +19,16 @@
  *
  * A SharedArray holds one open reference to its mapping; close() (or
  * close_shared(tree), or collection) drops it, deferred while a DLPack
- * tensor or a buffer view of it is alive, as for memory objects. */
+ * tensor or a buffer view of it is alive, as for memory objects.
+ *
+ * Release tickets follow IPCMemoryHandle(release=True) too: share(...,
+ * release=True) puts one in every to_bytes() (and pickle); the consumer
+ * returns it with release_shared(tree, stream) after its work, or from the
+ * host when the last array of the open is closed or collected; the
+ * producer's SharedBundle.wait_released(stream) waits for all of them. */
 #include "ext.h"
 
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -412,6 +419,13 @@ typedef struct {
   PyObject *device; /* usmipc.Device of the memory, or NULL */
   PyObject *bytes;  /* a bundle made from bytes (unpickled) */
   Py_ssize_t arrays, allocations;
+  char release; /* release=True: every handoff carries a release ticket */
+  /* One thread at a time rewrites the library's bytes (a handoff's event
+   * and ticket) and copies them out, without the GIL: two interleaved
+   * handoffs would otherwise send one ticket twice and lose the other,
+   * which the producer would then wait for in vain. */
+  pthread_mutex_t order_lock;
+  char lock_ready;
 } Bundle;
 
 typedef struct walk {
@@ -609,17 +623,19 @@ static PyObject *order_queue(usmipc_module_state_t *st, walk_t *w,
 
 static PyObject *share(PyObject *module, PyObject *const *args,
                        Py_ssize_t nargs, PyObject *kwnames) {
-  static const char *const names[] = {"obj", "stream", "ordered"};
-  PyObject *a[3];
-  if (usmipc_parse_fastcall("share", args, nargs, kwnames, names, 3, 1, a) < 0)
+  static const char *const names[] = {"obj", "stream", "ordered", "release"};
+  PyObject *a[4];
+  if (usmipc_parse_fastcall("share", args, nargs, kwnames, names, 4, 1, a) < 0)
     return NULL;
   if (a[0] == NULL) {
     usmipc_type_error("share() missing argument 'obj'");
     return NULL;
   }
-  int ordered = -1;
+  int ordered = -1, release = 0;
   if (a[2] != NULL && a[2] != Py_None &&
       (ordered = PyObject_IsTrue(a[2])) < 0)
+    return NULL;
+  if (a[3] != NULL && (release = PyObject_IsTrue(a[3])) < 0)
     return NULL;
   if (ordered == 0 && a[1] != NULL && a[1] != Py_None) {
     usmipc_value_error("share(): stream= is what the handoff is ordered on, so "
@@ -634,8 +650,16 @@ static PyObject *share(PyObject *module, PyObject *const *args,
   self->bundle = NULL;
   self->queue = self->device = self->bytes = NULL;
   self->arrays = self->allocations = 0;
+  self->release = (char)release;
+  self->lock_ready = pthread_mutex_init(&self->order_lock, NULL) == 0;
   self->keep = PyList_New(0);
   PyObject_GC_Track(self);
+  if (!self->lock_ready) {
+    PyErr_SetString(PyExc_RuntimeError, "share(): could not initialize a "
+                                        "mutex");
+    Py_DECREF(self);
+    return NULL;
+  }
   walk_t w = {.st = st, .keep = self->keep};
   int rc = 0;
   if (self->keep == NULL || (w.path = PyList_New(0)) == NULL)
@@ -689,19 +713,35 @@ static PyObject *bundle_to_bytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   Bundle *self = (Bundle *)op;
   if (self->bundle == NULL)
     return Py_NewRef(self->bytes);
-  int rc = 0;
-  if (self->queue != NULL) { /* each handoff records anew */
-    usmipc_queue_t *q = ((usmipc_queue_object_t *)self->queue)->queue;
-    Py_BEGIN_ALLOW_THREADS
-    rc = usmipc_bundle_order(self->bundle, q);
-    Py_END_ALLOW_THREADS
-  }
-  if (rc != 0)
-    return usmipc_raise(usmipc_state_from_device(self->device), rc);
   const void *data;
   size_t len;
-  usmipc_bundle_data(self->bundle, &data, &len);
-  return PyBytes_FromStringAndSize(data, (Py_ssize_t)len);
+  if (self->queue == NULL && !self->release) { /* the same bytes each time */
+    usmipc_bundle_data(self->bundle, &data, &len);
+    return PyBytes_FromStringAndSize(data, (Py_ssize_t)len);
+  }
+  /* Each handoff records anew (an event on the queue, a ticket), and its
+   * bytes are copied before another handoff may rewrite them. */
+  usmipc_queue_t *q =
+      self->queue ? ((usmipc_queue_object_t *)self->queue)->queue : NULL;
+  unsigned flags = self->release ? USMIPC_ORDER_RELEASE : 0;
+  usmipc_bundle_t *b = self->bundle;
+  char *copy = NULL;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  pthread_mutex_lock(&self->order_lock);
+  rc = usmipc_bundle_order_ex(b, q, flags);
+  if (rc == 0 && (rc = usmipc_bundle_data(b, &data, &len)) == 0 &&
+      (copy = malloc(len)) != NULL)
+    memcpy(copy, data, len);
+  pthread_mutex_unlock(&self->order_lock);
+  Py_END_ALLOW_THREADS
+  if (rc != 0)
+    return usmipc_raise(usmipc_state_from_device(self->device), rc);
+  if (copy == NULL)
+    return PyErr_NoMemory();
+  PyObject *out = PyBytes_FromStringAndSize(copy, (Py_ssize_t)len);
+  free(copy);
+  return out;
 }
 
 static PyObject *bundle_from_bytes(PyObject *module, PyObject *arg) {
@@ -720,6 +760,7 @@ static PyObject *bundle_from_bytes(PyObject *module, PyObject *arg) {
     return NULL;
   self->bundle = NULL;
   self->keep = self->queue = self->device = NULL;
+  self->release = self->lock_ready = 0;
   self->bytes = Py_NewRef(arg);
   self->arrays = (Py_ssize_t)narr;
   self->allocations = (Py_ssize_t)nseg;
@@ -753,6 +794,56 @@ static PyObject *bundle_get_allocations(PyObject *op, void *c) {
 static PyObject *bundle_get_ordered(PyObject *op, void *c) {
   (void)c;
   return PyBool_FromLong(((Bundle *)op)->queue != NULL);
+}
+
+static PyObject *bundle_get_releases(PyObject *op, void *c) {
+  (void)c;
+  Bundle *self = (Bundle *)op;
+  uint64_t sent = 0, back = 0;
+  if (self->bundle != NULL)
+    usmipc_bundle_releases(self->bundle, &sent, &back);
+  return Py_BuildValue("(KK)", (unsigned long long)sent,
+                       (unsigned long long)back);
+}
+
+/* wait_released(stream=None): every ticket handed out so far came back;
+ * then stream waits for the consumers' work on the device, or the host
+ * waits (IPCMemoryHandle.wait_released). */
+static PyObject *bundle_wait_released(PyObject *op, PyObject *const *args,
+                                      Py_ssize_t nargs, PyObject *kwnames) {
+  static const char *const names[] = {"stream"};
+  PyObject *stream = NULL;
+  Bundle *self = (Bundle *)op;
+  usmipc_module_state_t *st = PyType_GetModuleState(Py_TYPE(op));
+  if (usmipc_parse_fastcall("wait_released", args, nargs, kwnames, names, 1,
+                            0, &stream) < 0)
+    return NULL;
+  if (self->bundle == NULL) {
+    usmipc_value_error("wait_released(): this SharedBundle was made from "
+                       "bytes; only the producer's own (from share()) hands "
+                       "out release tickets");
+    return NULL;
+  }
+  PyObject *queue_obj = NULL;
+  usmipc_queue_t *queue = NULL;
+  if (stream != NULL && stream != Py_None) {
+    if ((queue_obj = usmipc_queue_from_stream(st, stream, NULL, self->device,
+                                              "SharedBundle.wait_released()"))
+        == NULL)
+      return NULL;
+    queue = ((usmipc_queue_object_t *)queue_obj)->queue;
+  }
+  usmipc_bundle_t *b = self->bundle;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_bundle_wait_released(b, queue);
+  Py_END_ALLOW_THREADS
+  Py_XDECREF(queue_obj);
+  if (rc == USMIPC_EINTR && PyErr_Occurred())
+    return NULL; /* KeyboardInterrupt from the interrupt hook */
+  if (rc != 0)
+    return usmipc_raise(st, rc);
+  Py_RETURN_NONE;
 }
 
 static PyObject *bundle_repr(PyObject *op) {
@@ -790,6 +881,8 @@ static void bundle_dealloc(PyObject *op) {
   USMIPC_DESTROY_WITHOUT_GIL(usmipc_bundle_t, self->bundle, usmipc_bundle_free);
   bundle_clear(op);
   Py_CLEAR(self->keep);
+  if (self->lock_ready)
+    pthread_mutex_destroy(&self->order_lock);
   PyObject_GC_Del(op);
   Py_DECREF(tp);
 }
@@ -800,6 +893,14 @@ static PyMethodDef bundle_methods[] = {
      "(usmipc.open_shared opens them). Ordered bundles record a fresh event "
      "on the producer's stream at every call."},
     {"__reduce__", bundle_reduce, METH_NOARGS, NULL},
+    {"wait_released", USMIPC_CMETHOD(bundle_wait_released),
+     METH_FASTCALL | METH_KEYWORDS,
+     "wait_released(stream=None)\n--\n\nWaits until every release ticket "
+     "handed out so far came back (the\nevent timeout, "
+     "usmipc.set_event_timeout, bounds the wait: a consumer\nthat died never "
+     "returns its ticket), then makes stream wait on the device\nfor the "
+     "work the consumers submitted before returning them (no stream:\nthe "
+     "host waits). A bundle of share(..., release=True)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -811,6 +912,11 @@ static PyGetSetDef bundle_getset[] = {
      NULL},
     {"ordered", bundle_get_ordered, NULL,
      "Whether each to_bytes() orders the handoff after the producer's work.",
+     NULL},
+    {"releases", bundle_get_releases, NULL,
+     "(sent, returned): release tickets handed out (one per to_bytes() or "
+     "pickle of\na bundle shared with release=True) and returned by "
+     "consumers so far.",
      NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -863,6 +969,107 @@ static void ready_put(ready_t *r) {
   free(r);
 }
 
+/* What the arrays of one open share when its bytes carry a release ticket:
+ * the bytes, and whether the ticket went back. It goes back once: by
+ * release_shared() after the work on a stream, or from the host when the
+ * last of the open's arrays is closed or collected (as a mapping of
+ * IPCMemoryHandle.open returns its ticket when closed). Every open with a
+ * ticket is listed while it lives, so that release_shared(bytes) -- the way
+ * back for to="torch" trees, whose leaves are torch's tensors -- finds it
+ * too, and so that all opens of the same bytes (one ticket) count as
+ * returned once one of them has returned it. GIL held throughout. */
+typedef struct ticket {
+  Py_ssize_t refs;  /* arrays alive, and the open while it builds them */
+  Py_ssize_t open;  /* arrays not closed yet */
+  PyObject *bytes;  /* the bundle's bytes: they carry the ticket */
+  PyObject *device; /* the arrays' usmipc.Device (stream= resolves on it) */
+  char returned;
+  struct ticket *prev, *next; /* tickets_of_opens */
+} ticket_t;
+
+static ticket_t *tickets_of_opens;
+
+static int same_bytes(PyObject *a, const char *data, Py_ssize_t len) {
+  return PyBytes_Size(a) == len &&
+         memcmp(PyBytes_AsString(a), data, (size_t)len) == 0;
+}
+
+/* The first listed open of these bytes, or NULL. */
+static ticket_t *ticket_of_bytes(const char *data, Py_ssize_t len) {
+  for (ticket_t *t = tickets_of_opens; t != NULL; t = t->next)
+    if (same_bytes(t->bytes, data, len))
+      return t;
+  return NULL;
+}
+
+/* Returns the ticket of bundle bytes after the work on queue (NULL: from
+ * the host), and marks every open of those bytes returned first (once,
+ * even if sending fails). A producer that no longer waits (gone, or its
+ * bundle freed) is no error, as for mappings. 0, or -1 with an exception
+ * set (quiet: none, for deallocation). */
+static int ticket_send(usmipc_module_state_t *st, PyObject *bytes,
+                       usmipc_queue_t *queue, int quiet) {
+  const char *data = PyBytes_AsString(bytes);
+  Py_ssize_t len = PyBytes_Size(bytes);
+  for (ticket_t *t = tickets_of_opens; t != NULL; t = t->next)
+    if (same_bytes(t->bytes, data, len))
+      t->returned = 1;
+  Py_INCREF(bytes); /* an open may die while the GIL is released */
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_ipc_release(data, (size_t)len, queue);
+  Py_END_ALLOW_THREADS
+  Py_DECREF(bytes);
+  if (rc == 0 || rc == USMIPC_EEXPORTERGONE || quiet)
+    return 0;
+  usmipc_raise(st, rc);
+  return -1;
+}
+
+/* The ticket of t's open, unless returned already, after the work on
+ * stream (NULL or None: from the host). */
+static int ticket_return(ticket_t *t, PyObject *stream, const char *what,
+                         int quiet) {
+  if (t == NULL || t->returned)
+    return 0;
+  usmipc_module_state_t *st = usmipc_state_from_device(t->device);
+  PyObject *queue_obj = NULL;
+  if (stream != NULL && stream != Py_None &&
+      (queue_obj = usmipc_queue_from_stream(st, stream, NULL, t->device,
+                                            what)) == NULL)
+    return -1;
+  int rc = ticket_send(
+      st, t->bytes,
+      queue_obj ? ((usmipc_queue_object_t *)queue_obj)->queue : NULL, quiet);
+  Py_XDECREF(queue_obj);
+  return rc;
+}
+
+/* An array of t's open was closed (or collected unclosed): the last one
+ * gives the ticket back from the host. */
+static int ticket_close(ticket_t *t, int quiet) {
+  if (t == NULL || --t->open > 0)
+    return 0;
+  return ticket_return(t, NULL, "close()", quiet);
+}
+
+static void ticket_put(ticket_t *t) {
+  if (t == NULL || --t->refs > 0)
+    return;
+  /* No array was made (the open failed while building): nothing holds the
+   * memory any more. */
+  (void)ticket_return(t, NULL, "open_shared()", 1);
+  if (t->prev)
+    t->prev->next = t->next;
+  else
+    tickets_of_opens = t->next;
+  if (t->next)
+    t->next->prev = t->prev;
+  Py_DECREF(t->bytes);
+  Py_XDECREF(t->device);
+  free(t);
+}
+
 typedef struct {
   PyObject_HEAD void *ptr;
   size_t extent;
@@ -871,6 +1078,7 @@ typedef struct {
   int64_t *dims; /* shape then strides (elements) */
   PyObject *device;
   ready_t *ready;
+  ticket_t *ticket; /* the open's release ticket, or NULL */
   Py_ssize_t exports; /* capsules and buffer views alive */
   char closed, released;
 } Arr;
@@ -893,8 +1101,11 @@ static int arr_release(Arr *self) {
 
 static PyObject *arr_close(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   Arr *self = (Arr *)op;
+  int first = !self->closed;
   self->closed = 1;
   if (self->exports == 0 && arr_release(self) < 0)
+    return NULL;
+  if (first && ticket_close(self->ticket, 0) < 0)
     return NULL;
   Py_RETURN_NONE;
 }
@@ -1314,6 +1525,11 @@ static void arr_dealloc(PyObject *op) {
   PyObject_GC_UnTrack(op);
   if (arr_release(self) < 0)
     PyErr_WriteUnraisable(op);
+  /* Collected unclosed: the producer still learns of it (best effort;
+   * nothing can be reported from here). */
+  if (!self->closed)
+    (void)ticket_close(self->ticket, 1);
+  ticket_put(self->ticket);
   ready_put(self->ready);
   free(self->dims);
   Py_CLEAR(self->device);
@@ -1358,7 +1574,9 @@ static PyMethodDef arr_methods[] = {
      "C-contiguous array, its elements in order)."},
     {"close", arr_close, METH_NOARGS,
      "close()\n--\n\nDrops this array's mapping (deferred while a DLPack "
-     "tensor or a buffer view of it lives). Idempotent."},
+     "tensor or a buffer view of it lives). Idempotent. Closing the last "
+     "array of an open returns its release ticket, if the producer asked "
+     "for one and it was not returned yet, from the host."},
     {"__dlpack__", USMIPC_CMETHOD(arr_dlpack),
      METH_FASTCALL | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, "
@@ -1420,6 +1638,7 @@ typedef struct build {
   PyObject **made; /* the arrays made so far, to close on failure */
   PyObject *device;
   ready_t *ready;
+  ticket_t *ticket;
   PyObject *convert; /* to="torch": torch._C._from_dlpack; else NULL */
 } build_t;
 
@@ -1438,6 +1657,11 @@ static PyObject *make_array(build_t *b, const usmipc_bundle_array_t *a) {
   self->ready = b->ready;
   if (b->ready)
     b->ready->refs++;
+  self->ticket = b->ticket;
+  if (b->ticket) {
+    b->ticket->refs++;
+    b->ticket->open++;
+  }
   self->dims = malloc(sizeof(int64_t) * 2 * (size_t)(a->desc.ndim + 1));
   if (self->dims == NULL) {
     self->released = 1; /* the caller still owns the reference */
@@ -1588,9 +1812,9 @@ static PyObject *open_shared(PyObject *module, PyObject *const *args,
   Py_BEGIN_ALLOW_THREADS
   rc = usmipc_bundle_open(data, len, dev, q, 0, &ob);
   Py_END_ALLOW_THREADS
-  Py_DECREF(bytes);
   Py_XDECREF(device);
   if (rc != 0) {
+    Py_DECREF(bytes);
     Py_XDECREF(queue);
     Py_XDECREF(convert);
     return usmipc_raise(st, rc);
@@ -1623,6 +1847,22 @@ static PyObject *open_shared(PyObject *module, PyObject *const *args,
     else
       b.ready->event = NULL; /* a backend without events: host waited */
   }
+  if (usmipc_opened_bundle_ticket(ob) != 0) {
+    /* The producer asked for a release: the arrays keep the bytes until
+     * the ticket goes back (the bytes carry it, and name the producer). */
+    b.ticket = calloc(1, sizeof(*b.ticket));
+    if (b.ticket == NULL) {
+      PyErr_NoMemory();
+      goto done;
+    }
+    b.ticket->refs = 1;
+    b.ticket->bytes = Py_NewRef(bytes);
+    b.ticket->device = Py_XNewRef(b.device);
+    b.ticket->next = tickets_of_opens;
+    if (tickets_of_opens)
+      tickets_of_opens->prev = b.ticket;
+    tickets_of_opens = b.ticket;
+  }
   tree = build_node(&b);
 done:
   if (tree == NULL) {
@@ -1638,9 +1878,11 @@ done:
     Py_XDECREF(b.made[i]);
   free(b.made);
   ready_put(b.ready);
+  ticket_put(b.ticket);
   Py_XDECREF(b.device);
   Py_XDECREF(queue);
   Py_XDECREF(convert);
+  Py_DECREF(bytes);
   usmipc_bundle_release(ob);
   return tree;
 }
@@ -1684,8 +1926,128 @@ static int close_tree(usmipc_module_state_t *st, PyObject *obj, int depth) {
   return -1;
 }
 
-static PyObject *close_shared(PyObject *module, PyObject *tree) {
-  if (close_tree(PyModule_GetState(module), tree, 0) < 0)
+/* Returns the tickets of the opens a tree's SharedArray leaves belong to,
+ * each once, after the work on stream. */
+static int release_tree(usmipc_module_state_t *st, PyObject *obj,
+                        PyObject *stream, const char *what, int depth) {
+  if (depth > 64) {
+    usmipc_value_error("%s: nested too deeply", what);
+    return -1;
+  }
+  if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedArrayType))
+    return ticket_return(((Arr *)obj)->ticket, stream, what, 0);
+  if (PyDict_Check(obj)) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(obj, &pos, &k, &v))
+      if (release_tree(st, v, stream, what, depth + 1) < 0)
+        return -1;
+    return 0;
+  }
+  if (PyList_Check(obj) || PyTuple_Check(obj)) {
+    PyObject *seq = PySequence_Tuple(obj);
+    if (seq == NULL)
+      return -1;
+    for (Py_ssize_t i = 0; i < PyTuple_Size(seq); i++)
+      if (release_tree(st, PyTuple_GetItem(seq, i), stream, what,
+                       depth + 1) < 0) {
+        Py_DECREF(seq);
+        return -1;
+      }
+    Py_DECREF(seq);
+    return 0;
+  }
+  PyObject *tn = type_name(obj);
+  if (tn != NULL)
+    usmipc_type_error("%s: a %U is not a shared array (pass what "
+                      "open_shared() returned; for open_shared(..., "
+                      "to='torch'), whose leaves are torch tensors, pass the "
+                      "bytes it opened)",
+                      what, tn);
+  Py_XDECREF(tn);
+  return -1;
+}
+
+/* release_shared(bytes): the ticket of bundle bytes. Of bytes opened here
+ * it is the opens' ticket (returned once; their arrays then send nothing
+ * when they close); other bytes go back as given, and are refused as C
+ * refuses them (no ticket: USMIPC_EINVAL). */
+static int release_bytes(usmipc_module_state_t *st, PyObject *bytes,
+                         PyObject *stream) {
+  ticket_t *t = ticket_of_bytes(PyBytes_AsString(bytes), PyBytes_Size(bytes));
+  if (t != NULL)
+    return ticket_return(t, stream, "release_shared()", 0);
+  PyObject *queue_obj = NULL;
+  if (stream != NULL && stream != Py_None &&
+      (queue_obj = usmipc_queue_from_stream(st, stream, NULL, NULL,
+                                            "release_shared()")) == NULL)
+    return -1;
+  int rc = ticket_send(
+      st, bytes,
+      queue_obj ? ((usmipc_queue_object_t *)queue_obj)->queue : NULL, 0);
+  Py_XDECREF(queue_obj);
+  return rc;
+}
+
+static PyObject *release_shared(PyObject *module, PyObject *const *args,
+                                Py_ssize_t nargs, PyObject *kwnames) {
+  static const char *const names[] = {"tree", "stream"};
+  PyObject *a[2];
+  if (usmipc_parse_fastcall("release_shared", args, nargs, kwnames, names, 2,
+                            1, a) < 0)
+    return NULL;
+  if (a[0] == NULL) {
+    usmipc_type_error("release_shared() missing argument 'tree'");
+    return NULL;
+  }
+  usmipc_module_state_t *st = PyModule_GetState(module);
+  PyObject *obj = a[0];
+  int rc;
+  if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedArrayType) ||
+      PyDict_Check(obj) || PyList_Check(obj) || PyTuple_Check(obj)) {
+    rc = release_tree(st, obj, a[1], "release_shared()", 0);
+  } else if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedBundleType)) {
+    if (((Bundle *)obj)->bundle != NULL) {
+      usmipc_value_error("release_shared(): this SharedBundle is the "
+                         "producer's own (from share()), which hands tickets "
+                         "out; a consumer passes what open_shared() returned, "
+                         "or the bytes it opened");
+      return NULL;
+    }
+    rc = release_bytes(st, ((Bundle *)obj)->bytes, a[1]);
+  } else if (PyBytes_Check(obj) || PyObject_CheckBuffer(obj)) {
+    PyObject *bytes = PyBytes_Check(obj) ? Py_NewRef(obj)
+                                         : PyBytes_FromObject(obj);
+    if (bytes == NULL)
+      return NULL;
+    rc = release_bytes(st, bytes, a[1]);
+    Py_DECREF(bytes);
+  } else {
+    rc = release_tree(st, obj, a[1], "release_shared()", 0); /* says why */
+  }
+  if (rc < 0)
+    return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyObject *close_shared(PyObject *module, PyObject *const *args,
+                              Py_ssize_t nargs, PyObject *kwnames) {
+  static const char *const names[] = {"tree", "stream"};
+  PyObject *a[2];
+  if (usmipc_parse_fastcall("close_shared", args, nargs, kwnames, names, 2, 1,
+                            a) < 0)
+    return NULL;
+  if (a[0] == NULL) {
+    usmipc_type_error("close_shared() missing argument 'tree'");
+    return NULL;
+  }
+  usmipc_module_state_t *st = PyModule_GetState(module);
+  /* With a stream, the tickets go back after its work first; without, the
+   * last close of each open returns its ticket from the host. */
+  if (a[1] != NULL && a[1] != Py_None &&
+      release_tree(st, a[0], a[1], "close_shared()", 0) < 0)
+    return NULL;
+  if (close_tree(st, a[0], 0) < 0)
     return NULL;
   Py_RETURN_NONE;
 }
@@ -1710,14 +2072,18 @@ static PyObject *reset_stats(PyObject *module, PyObject *Py_UNUSED(x)) {
 static PyMethodDef bundle_functions[] = {
     {"share", USMIPC_CMETHOD(share),
      METH_FASTCALL | METH_KEYWORDS,
-     "share(obj, stream=None, ordered=None)\n--\n\n"
+     "share(obj, stream=None, ordered=None, release=False)\n--\n\n"
      "Exports an array (usmipc memory, a torch tensor, anything with "
      "__cuda_array_interface__ or __dlpack__) or a dict / list / tuple of "
      "them (a state_dict) for other processes: each allocation once, every "
      "array as metadata. Returns a SharedBundle (to_bytes(), pickle) that "
      "keeps the arrays alive. Ordered like IPCMemoryHandle: each "
      "to_bytes() records an event on stream (default: the arrays' current "
-     "stream) that open_shared waits for; ordered=False turns that off."},
+     "stream) that open_shared waits for; ordered=False turns that off. "
+     "release=True: every to_bytes() (and pickle) also carries a release "
+     "ticket, which the consumer returns with release_shared() (or by "
+     "closing what it opened); SharedBundle.wait_released() waits for all "
+     "of them."},
     {"open_shared", USMIPC_CMETHOD(open_shared),
      METH_FASTCALL | METH_KEYWORDS,
      "open_shared(data, device=None, stream=None, to=None)\n--\n\n"
@@ -1727,9 +2093,24 @@ static PyMethodDef bundle_functions[] = {
      "to='torch' gives torch tensors instead (made from DLPack capsules in "
      "C, faster than torch.from_dlpack per leaf), ready on stream; each "
      "keeps its mapping until it dies."},
-    {"close_shared", close_shared, METH_O,
-     "close_shared(tree)\n--\n\nCloses every SharedArray of a tree "
-     "open_shared() returned (they also close when collected)."},
+    {"close_shared", USMIPC_CMETHOD(close_shared),
+     METH_FASTCALL | METH_KEYWORDS,
+     "close_shared(tree, stream=None)\n--\n\nCloses every SharedArray of "
+     "a tree open_shared() returned (they also close when collected). If "
+     "the producer asked for a release (share(..., release=True)), the "
+     "ticket goes back first: after the work submitted to stream, or, "
+     "without one, from the host."},
+    {"release_shared", USMIPC_CMETHOD(release_shared),
+     METH_FASTCALL | METH_KEYWORDS,
+     "release_shared(tree, stream=None)\n--\n\nTells the producer of a "
+     "bundle shared with release=True that this consumer is done with it, "
+     "after the work submitted to stream (None: now): its "
+     "SharedBundle.wait_released() counts the ticket and makes its stream "
+     "wait for that work. tree is what open_shared() returned (or any of "
+     "its SharedArray leaves), or the bytes it opened (for "
+     "to='torch' trees). Once per open: closing the last array of an open "
+     "returns its ticket from the host, if nothing did before. Bytes that "
+     "carry no ticket are refused; a tree of them needs nothing."},
     {"stats", stats, METH_NOARGS,
      "stats()\n--\n\nWhat IPC has cost this process: driver exports, "
      "imports and queries, descriptors sent and received, round trips to "

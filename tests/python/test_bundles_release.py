@@ -1,0 +1,286 @@
+"""Release tickets of bundles on host memory: share(..., release=True) hands
+one out with every to_bytes(); a consumer process writes into every array
+and returns it (release_shared, close_shared, collection, or the bytes);
+the producer's wait_released() ends only then and sees the writes. Counts,
+a ticket returned twice, forged and ticketless bytes, a consumer that dies,
+and the arguments, each with its own outcome."""
+
+import gc
+import multiprocessing
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import usmipc
+from usmipc.memory import MemoryPool
+
+from conftest import TIMEOUT, reseal
+
+HOST = "host:cpu"
+# The ticket record (0x8003: u64 release id, u64 ticket, 16-byte token)
+# ends right before a bundle's checksum.
+TOKEN_AT = -4 - 16
+
+
+@pytest.fixture(autouse=True)
+def _event_timeout():
+    yield
+    usmipc.set_event_timeout(None)
+
+
+def _tree(pool):
+    """Three float32 arrays over two pool blocks, filled with 1, 2, 3."""
+    a = np.from_dlpack(pool.allocate(4096)).view(np.float32)
+    b = np.from_dlpack(pool.allocate(1024)).view(np.float32)
+    tree = {"w": a[:512].reshape(16, 32), "layers": [a[512:], b]}
+    for i, x in enumerate((tree["w"], *tree["layers"])):
+        x[...] = i + 1
+    return tree
+
+
+def _leaves(tree):
+    return [tree["w"], *tree["layers"]]
+
+
+def _spawn(target, *args):
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args))
+    proc.start()
+    child.close()
+    return parent, proc
+
+
+def _recv(conn, proc):
+    if not conn.poll(TIMEOUT):
+        proc.kill()
+        pytest.fail("the consumer did not answer")
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(TIMEOUT)
+        pytest.fail(f"the consumer died (exit {proc.exitcode})")
+
+
+def _join(proc):
+    proc.join(TIMEOUT)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("the consumer did not exit")
+    assert proc.exitcode == 0
+
+
+def _write(tree):
+    """10 + index into every array (no leaf stays referenced here: the last
+    array of an open to die returns its ticket)."""
+    for i, leaf in enumerate(_leaves(tree)):
+        np.from_dlpack(leaf)[...] = 10 + i
+
+
+def _writing_consumer(conn, raw, how):
+    """Opens the bundle, writes 10 + index into every array, waits for the
+    word, then returns the ticket as `how` says; then returns it again
+    (counted once, and sent no more: the open knows it went back)."""
+    dev = usmipc.Device(HOST)
+    tree = usmipc.open_shared(raw, device=dev)
+    _write(tree)
+    conn.send("written")
+    conn.recv()
+    if how == "release":
+        usmipc.release_shared(tree, stream=usmipc.Queue(dev))
+    elif how == "close":
+        usmipc.close_shared(tree)  # the last close returns it, from the host
+    elif how == "close-stream":
+        usmipc.close_shared(tree, stream=usmipc.Queue(dev))
+    elif how == "gc":
+        del tree
+        gc.collect()
+    elif how == "bytes":
+        usmipc.release_shared(raw, stream=usmipc.Queue(dev))
+    sent = usmipc.stats()["transport_exchanges"]
+    conn.send("returned")
+    conn.recv()
+    if how in ("release", "bytes"):
+        usmipc.release_shared(tree)
+        usmipc.release_shared(raw)
+        usmipc.close_shared(tree)
+    conn.send(usmipc.stats()["transport_exchanges"] - sent)
+    conn.recv()
+
+
+@pytest.mark.parametrize("how", ["release", "close", "close-stream", "gc",
+                                 "bytes"])
+def test_wait_released_ends_after_the_consumer_wrote(how):
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    tree = _tree(pool)
+    bundle = usmipc.share(tree, release=True)
+    assert bundle.releases == (0, 0)
+    raw = bundle.to_bytes()
+    assert bundle.releases == (1, 0)
+    usmipc.set_event_timeout(0.3)
+    with pytest.raises(usmipc.Error) as e:
+        bundle.wait_released()
+    assert e.value.name == "USMIPC_ETIMEDOUT" and "0 of 1" in str(e.value)
+    usmipc.set_event_timeout(None)
+
+    conn, proc = _spawn(_writing_consumer, raw, how)
+    outcome = []
+    waiter = threading.Thread(target=lambda: outcome.append(
+        bundle.wait_released(stream=usmipc.Queue(usmipc.Device(HOST)))))
+    try:
+        assert _recv(conn, proc) == "written"
+        waiter.start()
+        time.sleep(0.2)
+        assert waiter.is_alive(), "wait_released() ended before the release"
+        assert bundle.releases == (1, 0)
+        conn.send("go")
+        assert _recv(conn, proc) == "returned"
+        waiter.join(TIMEOUT)
+        assert not waiter.is_alive() and outcome == [None]
+        assert bundle.releases == (1, 1)
+        for i, leaf in enumerate(_leaves(tree)):
+            assert (leaf == 10 + i).all(), f"array {i} lacks the writes"
+        conn.send("again")
+        assert _recv(conn, proc) == 0  # nothing sent a second time
+        assert bundle.releases == (1, 1)
+        bundle.wait_released()
+        conn.send("done")
+        _join(proc)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+def _dying_consumer(conn, raw):
+    tree = usmipc.open_shared(raw)
+    conn.send(len(_leaves(tree)))
+    conn.recv()  # killed here, the ticket still out
+
+
+def test_a_consumer_that_dies_makes_the_wait_time_out():
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    bundle = usmipc.share(_tree(pool), release=True)
+    conn, proc = _spawn(_dying_consumer, bundle.to_bytes())
+    assert _recv(conn, proc) == 3
+    proc.kill()
+    proc.join(TIMEOUT)
+    usmipc.set_event_timeout(0.4)
+    start = time.monotonic()
+    with pytest.raises(usmipc.IPCTimeoutError) as e:
+        bundle.wait_released()
+    assert time.monotonic() - start >= 0.35
+    assert e.value.name == "USMIPC_ETIMEDOUT" and "0 of 1" in str(e.value)
+    assert bundle.releases == (1, 0)
+
+
+def _returning_consumer(conn):
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        try:
+            usmipc.release_shared(msg)
+            conn.send("ok")
+        except usmipc.Error as e:
+            conn.send((e.name, str(e)))
+
+
+def test_forged_ticketless_and_late_tickets():
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    bundle = usmipc.share(_tree(pool), release=True)
+    raws = [bundle.to_bytes() for _ in range(3)]
+    conn, proc = _spawn(_returning_consumer)
+    try:
+        def send(raw):
+            conn.send(raw)
+            return _recv(conn, proc)
+
+        forged = bytearray(raws[0])
+        forged[TOKEN_AT] ^= 1
+        name, message = send(reseal(forged))
+        assert name == "USMIPC_EACCES" and "token" in message
+        never = bytearray(raws[0])
+        never[TOKEN_AT - 8] = 99  # ticket 99: never handed out
+        name, message = send(reseal(never))
+        assert name == "USMIPC_EBADHANDLE" and "never handed out" in message
+        assert bundle.releases == (3, 0)
+        assert send(raws[0]) == "ok"
+        assert send(raws[0]) == "ok"  # counts once
+        assert bundle.releases == (3, 1)
+        name, message = send(usmipc.share(_tree(pool)).to_bytes())
+        assert name == "USMIPC_EINVAL" and "no release ticket" in message
+        # The producer drops the bundle: nobody waits for the tickets still
+        # out, and returning one is no error (as for a mapping's).
+        del bundle
+        gc.collect()
+        assert send(raws[1]) == "ok"
+        conn.send(None)
+        _join(proc)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_release_arguments():
+    import pickle
+    dev = usmipc.Device(HOST)
+    pool = MemoryPool(device=dev)
+    tree = _tree(pool)
+    bundle = usmipc.share(tree, ordered=False, release=True)
+    assert bundle.releases == (0, 0)
+    bundle.wait_released()  # nothing handed out
+    raw = bundle.to_bytes()
+    assert bundle.to_bytes() != raw  # a ticket of its own each time
+    # Pickling is a handoff too; the unpickled bundle is the bytes.
+    carried = pickle.loads(pickle.dumps(bundle))
+    assert bundle.releases == (3, 0)
+    assert carried.releases == (0, 0)
+    with pytest.raises(ValueError, match="made from bytes"):
+        carried.wait_released()
+    usmipc.release_shared(carried)
+    assert bundle.releases == (3, 1)
+    with pytest.raises(ValueError, match="producer's own"):
+        usmipc.release_shared(bundle)
+    with pytest.raises(TypeError, match="not a shared array.*to='torch'"):
+        usmipc.release_shared({"x": 1})
+    # An open in this process: a leaf returns its open's ticket; closing
+    # the rest sends nothing more.
+    opened = usmipc.open_shared(raw)
+    usmipc.release_shared(opened["layers"][1])
+    assert bundle.releases == (3, 2)
+    usmipc.close_shared(opened)
+    usmipc.release_shared(raw)
+    assert bundle.releases == (3, 2)
+    # Without a ticket: a tree needs nothing, bytes are refused.
+    plain = usmipc.share(tree)
+    assert plain.releases == (0, 0)
+    usmipc.release_shared(usmipc.open_shared(plain.to_bytes()))
+    with pytest.raises(usmipc.ArgumentError, match="no release ticket"):
+        usmipc.release_shared(plain.to_bytes())
+    # A bundle of no memory lends nothing: no ticket, nothing to wait for.
+    empty = usmipc.share({"e": np.from_dlpack(pool.allocate(8))[:0]},
+                         release=True)
+    usmipc.release_shared(empty.to_bytes())
+    assert empty.releases == (0, 0)
+    empty.wait_released()
+
+
+def test_to_torch_trees_return_by_bytes():
+    torch = pytest.importorskip("torch")
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    bundle = usmipc.share(_tree(pool), release=True)
+    raw = bundle.to_bytes()
+    tensors = usmipc.open_shared(raw, to="torch")
+    assert isinstance(tensors["w"], torch.Tensor)
+    with pytest.raises(TypeError, match="pass the bytes"):
+        usmipc.release_shared(tensors)
+    usmipc.release_shared(raw)
+    assert bundle.releases == (1, 1)
+    raw2 = bundle.to_bytes()
+    tensors = usmipc.open_shared(raw2, to="torch")
+    del tensors  # the tensors die: the ticket goes back from the host
+    gc.collect()
+    assert bundle.releases == (2, 2)
+    bundle.wait_released()
