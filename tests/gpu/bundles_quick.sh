@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c 'import torch, cupy; print("torch", torch.__version__, "cupy", cupy.__version__)'
 cmake -S . -B build-gpu -DUSMIPC_WERROR=ON >/dev/null && cmake --build build-gpu -j 16 2>&1 | grep -E "error|warning" ; echo "build done"
 for kind in fd native; do
-  for t in pool_basics pool_threads pool_hundred_thousand_blocks stats_count_driver_work bundle_cross_process bundle_refused bundle_ten_thousand_arrays ipc_no_leak_uncached; do
+  for t in pool_basics pool_threads pool_hundred_thousand_blocks stats_count_driver_work bundle_cross_process bundle_refused bundle_ten_thousand_arrays bundle_release_cross_process bundle_release_consumer_dies bundle_release_same_process ipc_no_leak_uncached; do
     USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=$kind timeout 120 build-gpu/tests/c/usmipc_tests $t > /tmp/t.log 2>&1
     echo "c $kind $t rc=$?"; grep -E "FAIL|opened and checked" /tmp/t.log | head -5
   done

@@ -13,7 +13,12 @@ tensors in one producer, usmipc.open_shared() in a consumer process.
     stream at once; the consumer opens on its own stream and reads the new
     value every time, and share() returns while the kernel still runs;
   - a second share of the same tensors after an in-place update makes no
-    driver export or import and moves no descriptor (usmipc.stats()).
+    driver export or import and moves no descriptor (usmipc.stats());
+  - release tickets: the consumer queues a long kernel and a write on its
+    stream and returns the ticket at once (release_shared(tree, stream));
+    the producer's wait_released(stream) returns while that kernel still
+    runs, and its stream then reads the consumer's write; without a stream
+    the host waits for it.
 
 The consumer is a separate interpreter (subprocess) that answers one request
 per line; every wait on it has a timeout so that a hang fails fast. Runs
@@ -54,11 +59,15 @@ ORDER_TRIALS = 10
 
 # The consumer: one JSON request per line in, one hex pickle per line out.
 #   {"op": "open", "data": hex, "cupy": bool, "stream": bool, "keep": bool,
-#    "write": [path...] or null, "last": [path...] or null}
+#    "write": [path...] or null, "last": [path...] or null,
+#    "release": {"cycles": n, "fill": [path...], "value": v} or null}
 # open_shared's the bundle (on a torch stream of its own with "stream", else
 # the host waits), describes every leaf as torch (and CuPy) see it, or with
 # "last" only reads the last element of that leaf on its stream; "write"
 # fills that leaf with 42 through torch; "keep" keeps the tree open.
+# "release" queues a sleep of n cycles and then fills those leaves with v
+# on its stream, returns the ticket after that work (on the device) and
+# answers at once, without waiting for it (keep the tree: it is in use).
 CONSUMER = textwrap.dedent(r"""
     import json, pickle, sys
     import numpy as np
@@ -123,7 +132,15 @@ CONSUMER = textwrap.dedent(r"""
         else:
             tree = usmipc.open_shared(data)
         out = {"skeleton": skeleton(tree)}
-        if req.get("last"):
+        if req.get("release"):
+            rel = req["release"]
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(rel["cycles"])
+                for path in rel["fill"]:
+                    torch.from_dlpack(get(tree, path)).fill_(rel["value"])
+            usmipc.release_shared(tree, stream=stream)
+            out["released"] = True
+        elif req.get("last"):
             with torch.cuda.stream(stream):
                 t = torch.from_dlpack(get(tree, req["last"]))
                 out["last"] = host(t.reshape(-1)[-1:]).tolist()[0]
@@ -415,3 +432,34 @@ def test_second_share_moves_no_descriptor(consumer):
     assert produced["driver_exports"] == 0, produced
     assert produced["descriptors_sent"] == 0, produced
     del b1, b2
+
+
+# ---- (vi) release tickets: the producer ordered after the consumer's work -----
+
+def test_wait_released_is_ordered_after_the_consumers_kernel(consumer):
+    x = torch.zeros(1 << 20, dtype=torch.int32, device="cuda")
+    y = torch.zeros(4096, dtype=torch.float32, device="cuda")
+    s = torch.cuda.current_stream()
+    b = usmipc.share({"x": x, "y": [y]}, stream=s, release=True)
+    running = []
+    for trial, how in enumerate(["stream", "host"] * 3):
+        torch.cuda.synchronize()
+        raw = b.to_bytes()
+        assert b.releases == (trial + 1, trial)
+        got = consumer.open(raw, stream=True, keep=True, release={
+            "cycles": sleep_cycles(SLEEP_MS), "fill": [["x"], ["y", 0]],
+            "value": 100 + trial})
+        assert got["released"]
+        assert b.releases == (trial + 1, trial + 1)
+        if how == "stream":
+            b.wait_released(stream=s)      # s waits on the device
+            running.append(not s.query())  # ... for the consumer's kernel
+        else:
+            b.wait_released()              # the host waits for it
+        # Read on s: after the consumer's write only if the wait was kept.
+        assert x[-1].item() == 100 + trial, f"trial {trial} ({how})"
+        assert y[0].item() == 100 + trial, f"trial {trial} ({how})"
+    print(f"\nrelease: the producer's stream still waited after "
+          f"wait_released(stream) in {sum(running)}/{len(running)} trials")
+    assert all(running), "wait_released(stream) waited on the host"
+    del b
