@@ -621,7 +621,9 @@ USMIPC_API int usmipc_bundle_releases(const usmipc_bundle_t *bundle,
  * back, then makes queue wait on the device for the work the consumers
  * submitted before returning them (queue NULL: the host waits). A consumer
  * that never returns its ticket (it died) makes it fail with
- * USMIPC_ETIMEDOUT past the event timeout (usmipc_event_set_timeout). */
+ * USMIPC_ETIMEDOUT past the event timeout (usmipc_event_set_timeout). It
+ * and usmipc_bundle_releases may run while another thread orders the
+ * bundle. */
 USMIPC_API int usmipc_bundle_wait_released(usmipc_bundle_t *bundle,
                                            usmipc_queue_t *queue);
 /* The bytes of a finished bundle, to send; valid until usmipc_bundle_free
