@@ -44,6 +44,9 @@ def fuzz(seed: int, rounds: int) -> int:
         o["event"] = usmipc.Event(q)
         o["event_handle"] = usmipc.IPCEventHandle(o["event"])
         o["bundle"] = usmipc.share({"a": o["mem"], "b": [o["poolmem"]]})
+        # With release tickets, and a leaf of an open that holds one.
+        o["ticketed"] = usmipc.share([o["mem"]], release=True)
+        o["leaf"] = usmipc.open_shared(o["ticketed"].to_bytes())[0]
         return o
 
     weird = [None, -1, 0, 1, 2**64, -2**63, 1.5, float("nan"), "", "host",
@@ -51,6 +54,7 @@ def fuzz(seed: int, rounds: int) -> int:
              memoryview(raw)[::2], object(), [], {}, d, first, True,
              np.zeros(3), np.zeros((2, 2))[:, 0], lambda: 0, type]
     functions = [usmipc.open_shared, usmipc.close_shared, usmipc.share,
+                 usmipc.release_shared,
                  usmipc.strerror, usmipc.errorcode, usmipc.Device,
                  usmipc.Queue, usmipc.Event, usmipc.IPCEventHandle,
                  M.IPCMemoryHandle, M.IPCMemoryHandle.open,
