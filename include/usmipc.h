@@ -452,7 +452,9 @@ USMIPC_API int usmipc_ipc_handle_order_ex(usmipc_ipc_handle_t *handle,
  * handed out) for forged bytes. Returning a ticket twice counts once. */
 USMIPC_API int usmipc_ipc_release(const void *data, size_t len,
                                   usmipc_queue_t *queue);
-/* Producer: tickets handed out and come back so far. */
+/* Producer: tickets handed out and come back so far. This and
+ * usmipc_ipc_handle_wait_released may run while another thread orders the
+ * handle. */
 USMIPC_API int usmipc_ipc_handle_releases(const usmipc_ipc_handle_t *handle,
                                           uint64_t *sent, uint64_t *released);
 /* Producer: waits until every ticket handed out so far came back, then

@@ -5,6 +5,7 @@
  * driver (tests/level_zero) and the GPU suite (tests/gpu) prove waits. */
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -680,5 +681,53 @@ TEST_IMPL(event_import_sweep) {
              "%zu descriptors after importing from %d exporters that exited "
              "(%zu after the first): imports pin dead exporters",
              fds, exporters, fds0);
+  return 0;
+}
+
+/* The first ticket creates the handle's ticket registry while another
+ * thread asks for the counts (a producer's background wait, Python's
+ * releases): the registry is published whole (ThreadSanitizer saw the
+ * plain pointer race). */
+static atomic_int release_watch_stop;
+static void *release_watcher(void *arg) {
+  usmipc_ipc_handle_t *h = arg;
+  while (!atomic_load(&release_watch_stop)) {
+    uint64_t sent = 0, back = 0;
+    if (usmipc_ipc_handle_releases(h, &sent, &back) != 0 || back > sent)
+      return (void *)1;
+    if (sent > 0 && usmipc_ipc_handle_wait_released(h, NULL) == USMIPC_EINVAL)
+      return (void *)1;
+  }
+  return NULL;
+}
+
+TEST_IMPL(event_release_first_ticket_threads) {
+  usmipc_device_t *dev = test_device();
+  for (int round = 0; round < 200; round++) {
+    void *p;
+    usmipc_ipc_handle_t *h;
+    ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &p));
+    ASSERT_OK(usmipc_ipc_get_handle(p, 0, &h));
+    atomic_store(&release_watch_stop, 0);
+    pthread_t t;
+    ASSERT_EQ(pthread_create(&t, NULL, release_watcher, h), 0);
+    ASSERT_OK(usmipc_ipc_handle_order_ex(h, NULL, USMIPC_ORDER_RELEASE));
+    const void *data;
+    size_t len;
+    ASSERT_OK(usmipc_ipc_handle_data(h, &data, &len));
+    uint8_t b[1024];
+    memcpy(b, data, len);
+    ASSERT_OK(usmipc_ipc_release(b, len, NULL));
+    atomic_store(&release_watch_stop, 1);
+    void *bad;
+    ASSERT_EQ(pthread_join(t, &bad), 0);
+    ASSERT_PTR_EQ(bad, NULL);
+    uint64_t sent, back;
+    ASSERT_OK(usmipc_ipc_handle_releases(h, &sent, &back));
+    ASSERT_UEQ(sent, 1);
+    ASSERT_UEQ(back, 1);
+    ASSERT_OK(usmipc_ipc_free_handle(h));
+    ASSERT_OK(usmipc_free(p));
+  }
   return 0;
 }

@@ -115,6 +115,7 @@
   X(event_threads)                                                             \
   X(event_release_cross_process)                                               \
   X(event_release_same_process)                                                \
+  X(event_release_first_ticket_threads)                                        \
   X(event_import_sweep)                                                        \
   X(pool_basics)                                                               \
   X(pool_cross_process)                                                        \
