@@ -10,7 +10,8 @@
 #       (5 and 10 runs), the --raw benchmark peer
 #   OUT=/tmp/out bash tests/gpu/mends.sh probe   build and the probe alone
 #   OUT=/tmp/out bash tests/gpu/mends.sh b   build, tests/gpu/test_bundles.py,
-#       test_events.py, test_cuda.py, tests/python on the GPU machine, the demo
+#       test_events.py, test_cuda.py, the GPU code blocks of the docs,
+#       tests/python on the GPU machine, the demo
 #
 # Every step runs even if one fails; logs to $OUT/mends-<half>.log and a
 # summary line per step in $OUT/summary-mends-<half>.txt (tests/gpu/steps.sh).
@@ -53,6 +54,7 @@ if [ "$half" = b ]; then
   step bundles 200 python3 -m pytest -q -rs tests/gpu/test_bundles.py
   step events 200 python3 -m pytest -q -rs tests/gpu/test_events.py
   step test-cuda 300 python3 -m pytest -q -rs tests/gpu/test_cuda.py
+  step doc-blocks-gpu 200 env USMIPC_BUILD_DIR=build-gpu USMIPC_DOC_GPU=1 python3 -m pytest -q -rs tests/python/test_doc_blocks.py
   step pytest-host 240 python3 -m pytest -q -rs tests/python
   step demo-cuda 60 python3 -m usmipc demo --device cuda:gpu
 fi
