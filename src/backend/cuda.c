@@ -973,9 +973,9 @@ static size_t owner_granularity(const cuda_device_t *d,
  * never caught, and tests/gpu/probe_native_open_close.c, which races the
  * driver's calls alone, saw no crash in 96,000 of them). The locks are
  * striped by the driver handle's bytes, which name the allocation: opens of
- * different allocations run side by side, which the driver takes 2.3-3.7x
- * faster than one at a time (the probe, 8 threads, driver 580). A mapping
- * keeps its stripe in `native` for its close. */
+ * different allocations run side by side, which the driver takes
+ * faster than one at a time (2.3-5.1x in the probe, 8 threads, driver 580). A
+ * mapping keeps its stripe in `native` for its close. */
 enum { NATIVE_IPC_STRIPES = 64 };
 static pthread_mutex_t native_ipc_locks[NATIVE_IPC_STRIPES] = {
     [0 ... NATIVE_IPC_STRIPES - 1] = PTHREAD_MUTEX_INITIALIZER};
