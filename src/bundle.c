@@ -675,17 +675,10 @@ int usmipc_bundle_order_ex(usmipc_bundle_t *b, usmipc_queue_t *queue,
     if ((rc = usmipc__event_order(queue, tail, &tail_len)) != 0)
       return rc;
   }
-  if ((flags & USMIPC_ORDER_RELEASE) && b->nseg > 0) {
-    usmipc__release_t *rel = b->release;
-    if (rel == NULL) {
-      if ((rc = usmipc__release_new(&rel)) != 0)
-        return rc;
-      /* Published whole: a thread in usmipc_bundle_wait_released or
-       * usmipc_bundle_releases may read it meanwhile. */
-      __atomic_store_n(&b->release, rel, __ATOMIC_RELEASE);
-    }
-    tail_len += usmipc__release_ticket(rel, tail + tail_len);
-  }
+  if ((flags & USMIPC_ORDER_RELEASE) && b->nseg > 0 &&
+      (rc = usmipc__release_ticket(&b->release, tail + tail_len, &tail_len)) !=
+          0)
+    return rc;
   memcpy(b->bytes + b->base_len, tail, tail_len);
   b->len = b->base_len + tail_len + 4;
   usmipc__put32le(b->bytes + OFF_LENGTH, (uint32_t)b->len);
@@ -699,15 +692,7 @@ int usmipc_bundle_releases(const usmipc_bundle_t *b, uint64_t *sent,
                            uint64_t *released) {
   if (b == NULL)
     return usmipc__fail(USMIPC_EINVAL, "usmipc_bundle_releases: NULL bundle");
-  usmipc__release_t *rel = __atomic_load_n(&b->release, __ATOMIC_ACQUIRE);
-  if (rel == NULL) {
-    if (sent)
-      *sent = 0;
-    if (released)
-      *released = 0;
-    return 0;
-  }
-  usmipc__release_counts(rel, sent, released);
+  usmipc__release_counts(&b->release, sent, released);
   return 0;
 }
 
@@ -715,8 +700,7 @@ int usmipc_bundle_wait_released(usmipc_bundle_t *b, usmipc_queue_t *queue) {
   if (b == NULL)
     return usmipc__fail(USMIPC_EINVAL,
                         "usmipc_bundle_wait_released: NULL bundle");
-  usmipc__release_t *rel = __atomic_load_n(&b->release, __ATOMIC_ACQUIRE);
-  return rel ? usmipc__release_wait(rel, queue) : 0;
+  return usmipc__release_wait(&b->release, queue);
 }
 
 int usmipc_bundle_data(const usmipc_bundle_t *b, const void **data,

@@ -470,13 +470,19 @@ int usmipc__event_ring_handle(usmipc_queue_t *queue, uint8_t *out, size_t *len);
  * 0x8003); consumers return them through the producer's broker with an
  * event of their own, which the producer waits for. */
 typedef struct usmipc__release usmipc__release_t;
-int usmipc__release_new(usmipc__release_t **rel);
+/* The owner (a handle, a bundle) keeps a usmipc__release_t * field, NULL
+ * until its first ticket, and passes its address: the registry is made on
+ * the first ticket and published whole, so that the counts and the wait may
+ * run on other threads meanwhile (they see none, or all of it). */
 void usmipc__release_free(usmipc__release_t *rel);
-/* A new ticket: writes record 0x8003 (4 + 32 bytes) into out. */
-size_t usmipc__release_ticket(usmipc__release_t *rel, uint8_t *out);
-void usmipc__release_counts(usmipc__release_t *rel, uint64_t *sent,
+/* A new ticket of *slot's registry (made on the first): writes record
+ * 0x8003 (4 + 32 bytes) at out and adds its length to *len. */
+int usmipc__release_ticket(usmipc__release_t **slot, uint8_t *out, size_t *len);
+/* Tickets handed out and come back (0 and 0 before the first). */
+void usmipc__release_counts(usmipc__release_t *const *slot, uint64_t *sent,
                             uint64_t *released);
-int usmipc__release_wait(usmipc__release_t *rel, usmipc_queue_t *queue);
+/* Waits for every ticket handed out so far (none: returns 0 at once). */
+int usmipc__release_wait(usmipc__release_t *const *slot, usmipc_queue_t *queue);
 /* The broker's side: a release request (header req, body of len bytes)
  * for this process; returns the reply status (0 accepted). */
 uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,

@@ -1078,7 +1078,7 @@ struct usmipc__release {
   struct usmipc__release *next;
 };
 
-int usmipc__release_new(usmipc__release_t **out) {
+static int release_new(usmipc__release_t **out) {
   usmipc__release_t *r = calloc(1, sizeof(*r));
   if (r == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
@@ -1126,7 +1126,20 @@ void usmipc__release_free(usmipc__release_t *r) {
   free(r);
 }
 
-size_t usmipc__release_ticket(usmipc__release_t *r, uint8_t *out) {
+int usmipc__release_ticket(usmipc__release_t **slot, uint8_t *out,
+                           size_t *len) {
+  usmipc__release_t *r = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+  if (r == NULL) {
+    int rc = release_new(&r);
+    if (rc != 0)
+      return rc;
+    usmipc__release_t *none = NULL;
+    if (!__atomic_compare_exchange_n(slot, &none, r, false, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE)) {
+      usmipc__release_free(r); /* another thread's came first */
+      r = none;
+    }
+  }
   pthread_mutex_lock(&events_lock);
   uint64_t ticket = ++r->sent;
   pthread_mutex_unlock(&events_lock);
@@ -1135,16 +1148,18 @@ size_t usmipc__release_ticket(usmipc__release_t *r, uint8_t *out) {
   usmipc__put64le(out + 4, r->id);
   usmipc__put64le(out + 12, ticket);
   memcpy(out + 20, r->token, 16);
-  return 4 + USMIPC__RELEASE_RECORD_LEN;
+  *len += 4 + USMIPC__RELEASE_RECORD_LEN;
+  return 0;
 }
 
-void usmipc__release_counts(usmipc__release_t *r, uint64_t *sent,
+void usmipc__release_counts(usmipc__release_t *const *slot, uint64_t *sent,
                             uint64_t *released) {
+  usmipc__release_t *r = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
   pthread_mutex_lock(&events_lock);
   if (sent)
-    *sent = r->sent;
+    *sent = r ? r->sent : 0;
   if (released)
-    *released = r->released;
+    *released = r ? r->released : 0;
   pthread_mutex_unlock(&events_lock);
 }
 
@@ -1234,7 +1249,11 @@ out:
   return status;
 }
 
-int usmipc__release_wait(usmipc__release_t *r, usmipc_queue_t *queue) {
+int usmipc__release_wait(usmipc__release_t *const *slot,
+                         usmipc_queue_t *queue) {
+  usmipc__release_t *r = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+  if (r == NULL)
+    return 0; /* no ticket handed out */
   unsigned long long limit_ms = timeout_now();
   uint64_t start = usmipc__now_ns();
   pthread_mutex_lock(&events_lock);

@@ -420,17 +420,10 @@ int usmipc_ipc_handle_order_ex(usmipc_ipc_handle_t *handle,
   int rc;
   if (queue != NULL && (rc = usmipc__event_order(queue, rec, &rec_len)) != 0)
     return rc;
-  if (flags & USMIPC_ORDER_RELEASE) {
-    usmipc__release_t *rel = handle->release;
-    if (rel == NULL) {
-      if ((rc = usmipc__release_new(&rel)) != 0)
-        return rc;
-      /* Published whole: a thread in usmipc_ipc_handle_wait_released or
-       * usmipc_ipc_handle_releases may read it meanwhile. */
-      __atomic_store_n(&handle->release, rel, __ATOMIC_RELEASE);
-    }
-    rec_len += usmipc__release_ticket(rel, rec + rec_len);
-  }
+  if ((flags & USMIPC_ORDER_RELEASE) &&
+      (rc = usmipc__release_ticket(&handle->release, rec + rec_len,
+                                   &rec_len)) != 0)
+    return rc;
   handle->len = usmipc__wire_reorder(handle->data, handle->base,
                                      handle->base_len, rec, rec_len);
   return 0;
@@ -441,15 +434,7 @@ int usmipc_ipc_handle_releases(const usmipc_ipc_handle_t *handle,
   if (handle == NULL)
     return usmipc__fail(USMIPC_EINVAL,
                         "usmipc_ipc_handle_releases: NULL handle");
-  usmipc__release_t *rel = __atomic_load_n(&handle->release, __ATOMIC_ACQUIRE);
-  if (rel == NULL) {
-    if (sent)
-      *sent = 0;
-    if (released)
-      *released = 0;
-    return 0;
-  }
-  usmipc__release_counts(rel, sent, released);
+  usmipc__release_counts(&handle->release, sent, released);
   return 0;
 }
 
@@ -458,8 +443,7 @@ int usmipc_ipc_handle_wait_released(usmipc_ipc_handle_t *handle,
   if (handle == NULL)
     return usmipc__fail(USMIPC_EINVAL,
                         "usmipc_ipc_handle_wait_released: NULL handle");
-  usmipc__release_t *rel = __atomic_load_n(&handle->release, __ATOMIC_ACQUIRE);
-  return rel ? usmipc__release_wait(rel, queue) : 0;
+  return usmipc__release_wait(&handle->release, queue);
 }
 
 int usmipc_ipc_release(const void *data, size_t len, usmipc_queue_t *queue) {
