@@ -1887,60 +1887,26 @@ done:
   return tree;
 }
 
-static int close_tree(usmipc_module_state_t *st, PyObject *obj, int depth) {
-  if (depth > 64) {
-    usmipc_value_error("close_shared(): nested too deeply");
-    return -1;
-  }
-  if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedArrayType)) {
-    PyObject *r = arr_close(obj, NULL);
-    Py_XDECREF(r);
-    return r ? 0 : -1;
-  }
-  if (PyDict_Check(obj)) {
-    Py_ssize_t pos = 0;
-    PyObject *k, *v;
-    while (PyDict_Next(obj, &pos, &k, &v))
-      if (close_tree(st, v, depth + 1) < 0)
-        return -1;
-    return 0;
-  }
-  if (PyList_Check(obj) || PyTuple_Check(obj)) {
-    PyObject *seq = PySequence_Tuple(obj);
-    if (seq == NULL)
-      return -1;
-    for (Py_ssize_t i = 0; i < PyTuple_Size(seq); i++)
-      if (close_tree(st, PyTuple_GetItem(seq, i), depth + 1) < 0) {
-        Py_DECREF(seq);
-        return -1;
-      }
-    Py_DECREF(seq);
-    return 0;
-  }
-  PyObject *tn = type_name(obj);
-  if (tn != NULL)
-    usmipc_type_error("close_shared(): a %U is not a shared array (pass what "
-                 "open_shared() returned)",
-                 tn);
-  Py_XDECREF(tn);
-  return -1;
-}
+/* Calls leaf(leaf_ctx, array) on every SharedArray of a tree of dicts,
+ * lists and tuples (what open_shared() returned), stopping at the first
+ * failure. Anything else in the tree is refused: "WHAT: a T is not a shared
+ * array (pass what open_shared() returned HINT)". */
+typedef int (*tree_leaf_fn)(void *leaf_ctx, PyObject *array);
 
-/* Returns the tickets of the opens a tree's SharedArray leaves belong to,
- * each once, after the work on stream. */
-static int release_tree(usmipc_module_state_t *st, PyObject *obj,
-                        PyObject *stream, const char *what, int depth) {
+static int walk_tree(usmipc_module_state_t *st, PyObject *obj,
+                     tree_leaf_fn leaf, void *leaf_ctx, const char *what,
+                     const char *hint, int depth) {
   if (depth > 64) {
     usmipc_value_error("%s: nested too deeply", what);
     return -1;
   }
   if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedArrayType))
-    return ticket_return(((Arr *)obj)->ticket, stream, what, 0);
+    return leaf(leaf_ctx, obj);
   if (PyDict_Check(obj)) {
     Py_ssize_t pos = 0;
     PyObject *k, *v;
     while (PyDict_Next(obj, &pos, &k, &v))
-      if (release_tree(st, v, stream, what, depth + 1) < 0)
+      if (walk_tree(st, v, leaf, leaf_ctx, what, hint, depth + 1) < 0)
         return -1;
     return 0;
   }
@@ -1949,8 +1915,8 @@ static int release_tree(usmipc_module_state_t *st, PyObject *obj,
     if (seq == NULL)
       return -1;
     for (Py_ssize_t i = 0; i < PyTuple_Size(seq); i++)
-      if (release_tree(st, PyTuple_GetItem(seq, i), stream, what,
-                       depth + 1) < 0) {
+      if (walk_tree(st, PyTuple_GetItem(seq, i), leaf, leaf_ctx, what, hint,
+                    depth + 1) < 0) {
         Py_DECREF(seq);
         return -1;
       }
@@ -1960,12 +1926,42 @@ static int release_tree(usmipc_module_state_t *st, PyObject *obj,
   PyObject *tn = type_name(obj);
   if (tn != NULL)
     usmipc_type_error("%s: a %U is not a shared array (pass what "
-                      "open_shared() returned; for open_shared(..., "
-                      "to='torch'), whose leaves are torch tensors, pass the "
-                      "bytes it opened)",
-                      what, tn);
+                      "open_shared() returned%s)",
+                      what, tn, hint);
   Py_XDECREF(tn);
   return -1;
+}
+
+static int close_leaf(void *unused, PyObject *array) {
+  (void)unused;
+  PyObject *r = arr_close(array, NULL);
+  Py_XDECREF(r);
+  return r ? 0 : -1;
+}
+
+static int close_tree(usmipc_module_state_t *st, PyObject *obj) {
+  return walk_tree(st, obj, close_leaf, NULL, "close_shared()", "", 0);
+}
+
+/* Returns the tickets of the opens a tree's SharedArray leaves belong to,
+ * each once, after the work on stream. */
+typedef struct {
+  PyObject *stream;
+  const char *what;
+} release_leaf_ctx;
+
+static int release_leaf(void *ctx, PyObject *array) {
+  release_leaf_ctx *c = ctx;
+  return ticket_return(((Arr *)array)->ticket, c->stream, c->what, 0);
+}
+
+static int release_tree(usmipc_module_state_t *st, PyObject *obj,
+                        PyObject *stream, const char *what) {
+  release_leaf_ctx c = {stream, what};
+  return walk_tree(st, obj, release_leaf, &c, what,
+                   "; for open_shared(..., to='torch'), whose leaves are "
+                   "torch tensors, pass the bytes it opened",
+                   0);
 }
 
 /* release_shared(bytes): the ticket of bundle bytes. Of bytes opened here
@@ -2005,7 +2001,7 @@ static PyObject *release_shared(PyObject *module, PyObject *const *args,
   int rc;
   if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedArrayType) ||
       PyDict_Check(obj) || PyList_Check(obj) || PyTuple_Check(obj)) {
-    rc = release_tree(st, obj, a[1], "release_shared()", 0);
+    rc = release_tree(st, obj, a[1], "release_shared()");
   } else if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedBundleType)) {
     if (((Bundle *)obj)->bundle != NULL) {
       usmipc_value_error("release_shared(): this SharedBundle is the "
@@ -2023,7 +2019,7 @@ static PyObject *release_shared(PyObject *module, PyObject *const *args,
     rc = release_bytes(st, bytes, a[1]);
     Py_DECREF(bytes);
   } else {
-    rc = release_tree(st, obj, a[1], "release_shared()", 0); /* says why */
+    rc = release_tree(st, obj, a[1], "release_shared()"); /* says why */
   }
   if (rc < 0)
     return NULL;
@@ -2045,9 +2041,9 @@ static PyObject *close_shared(PyObject *module, PyObject *const *args,
   /* With a stream, the tickets go back after its work first; without, the
    * last close of each open returns its ticket from the host. */
   if (a[1] != NULL && a[1] != Py_None &&
-      release_tree(st, a[0], a[1], "close_shared()", 0) < 0)
+      release_tree(st, a[0], a[1], "close_shared()") < 0)
     return NULL;
-  if (close_tree(st, a[0], 0) < 0)
+  if (close_tree(st, a[0]) < 0)
     return NULL;
   Py_RETURN_NONE;
 }
