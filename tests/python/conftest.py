@@ -6,6 +6,7 @@ the test instead of the suite.
 """
 
 import ctypes.util
+import multiprocessing
 import os
 import select
 import subprocess
@@ -93,6 +94,39 @@ def run_python(source, *, input=None, env=None, timeout=TIMEOUT, args=()):
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(source), *args],
         input=input, capture_output=True, env=env, timeout=timeout)
+
+
+def spawn_peer(target, *args):
+    """Runs target(conn, *args) in a process started with spawn (never
+    fork); returns the parent's end of a pipe and the process."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args))
+    proc.start()
+    child.close()
+    return parent, proc
+
+
+def recv_from(conn, proc):
+    """The spawned process's next message; a dead or hung one fails the
+    test."""
+    if not conn.poll(TIMEOUT):
+        proc.kill()
+        pytest.fail("the spawned process did not answer")
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(TIMEOUT)
+        pytest.fail(f"the spawned process died (exit {proc.exitcode})")
+
+
+def join_ok(proc):
+    """Waits for the spawned process, which must exit with 0."""
+    proc.join(TIMEOUT)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("the spawned process did not exit")
+    assert proc.exitcode == 0
 
 
 def crc32c(data, crc=0):

@@ -6,7 +6,6 @@ a ticket returned twice, forged and ticketless bytes, a consumer that dies,
 and the arguments, each with its own outcome."""
 
 import gc
-import multiprocessing
 import threading
 import time
 
@@ -16,7 +15,7 @@ import pytest
 import usmipc
 from usmipc.memory import MemoryPool
 
-from conftest import TIMEOUT, reseal
+from conftest import TIMEOUT, join_ok, recv_from, reseal, spawn_peer
 
 HOST = "host:cpu"
 # The ticket record (0x8003: u64 release id, u64 ticket, 16-byte token)
@@ -44,32 +43,6 @@ def _leaves(tree):
     return [tree["w"], *tree["layers"]]
 
 
-def _spawn(target, *args):
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, *args))
-    proc.start()
-    child.close()
-    return parent, proc
-
-
-def _recv(conn, proc):
-    if not conn.poll(TIMEOUT):
-        proc.kill()
-        pytest.fail("the consumer did not answer")
-    try:
-        return conn.recv()
-    except EOFError:
-        proc.join(TIMEOUT)
-        pytest.fail(f"the consumer died (exit {proc.exitcode})")
-
-
-def _join(proc):
-    proc.join(TIMEOUT)
-    if proc.is_alive():
-        proc.kill()
-        pytest.fail("the consumer did not exit")
-    assert proc.exitcode == 0
 
 
 def _write(tree):
@@ -125,29 +98,29 @@ def test_wait_released_ends_after_the_consumer_wrote(how):
     assert e.value.name == "USMIPC_ETIMEDOUT" and "0 of 1" in str(e.value)
     usmipc.set_event_timeout(None)
 
-    conn, proc = _spawn(_writing_consumer, raw, how)
+    conn, proc = spawn_peer(_writing_consumer, raw, how)
     outcome = []
     waiter = threading.Thread(target=lambda: outcome.append(
         bundle.wait_released(stream=usmipc.Queue(usmipc.Device(HOST)))))
     try:
-        assert _recv(conn, proc) == "written"
+        assert recv_from(conn, proc) == "written"
         waiter.start()
         time.sleep(0.2)
         assert waiter.is_alive(), "wait_released() ended before the release"
         assert bundle.releases == (1, 0)
         conn.send("go")
-        assert _recv(conn, proc) == "returned"
+        assert recv_from(conn, proc) == "returned"
         waiter.join(TIMEOUT)
         assert not waiter.is_alive() and outcome == [None]
         assert bundle.releases == (1, 1)
         for i, leaf in enumerate(_leaves(tree)):
             assert (leaf == 10 + i).all(), f"array {i} lacks the writes"
         conn.send("again")
-        assert _recv(conn, proc) == 0  # nothing sent a second time
+        assert recv_from(conn, proc) == 0  # nothing sent a second time
         assert bundle.releases == (1, 1)
         bundle.wait_released()
         conn.send("done")
-        _join(proc)
+        join_ok(proc)
     finally:
         if proc.is_alive():
             proc.kill()
@@ -162,8 +135,8 @@ def _dying_consumer(conn, raw):
 def test_a_consumer_that_dies_makes_the_wait_time_out():
     pool = MemoryPool(device=usmipc.Device(HOST))
     bundle = usmipc.share(_tree(pool), release=True)
-    conn, proc = _spawn(_dying_consumer, bundle.to_bytes())
-    assert _recv(conn, proc) == 3
+    conn, proc = spawn_peer(_dying_consumer, bundle.to_bytes())
+    assert recv_from(conn, proc) == 3
     proc.kill()
     proc.join(TIMEOUT)
     usmipc.set_event_timeout(0.4)
@@ -191,11 +164,11 @@ def test_forged_ticketless_and_late_tickets():
     pool = MemoryPool(device=usmipc.Device(HOST))
     bundle = usmipc.share(_tree(pool), release=True)
     raws = [bundle.to_bytes() for _ in range(3)]
-    conn, proc = _spawn(_returning_consumer)
+    conn, proc = spawn_peer(_returning_consumer)
     try:
         def send(raw):
             conn.send(raw)
-            return _recv(conn, proc)
+            return recv_from(conn, proc)
 
         forged = bytearray(raws[0])
         forged[TOKEN_AT] ^= 1
@@ -217,7 +190,7 @@ def test_forged_ticketless_and_late_tickets():
         gc.collect()
         assert send(raws[1]) == "ok"
         conn.send(None)
-        _join(proc)
+        join_ok(proc)
     finally:
         if proc.is_alive():
             proc.kill()

@@ -11,7 +11,6 @@ a device wait (tests/gpu does those on CUDA).
 
 import ctypes.util
 import gc
-import multiprocessing
 import os
 import pathlib
 import pickle
@@ -28,7 +27,8 @@ import usmipc
 from usmipc import Event, IPCEventHandle, Queue
 from usmipc.memory import IPCMemoryHandle, MemoryUSMDevice
 
-from conftest import TIMEOUT, child_env, pattern, reseal
+from conftest import (TIMEOUT, child_env, join_ok, pattern, recv_from, reseal,
+                      spawn_peer)
 
 SIGNAL_LATENCY = 0.1  # seconds from SIGINT to KeyboardInterrupt
 
@@ -37,35 +37,6 @@ def _fd_count():
     return len(os.listdir("/proc/self/fd"))
 
 
-def _spawn(target, *args):
-    """Runs target(conn, *args) in a process started with spawn (never
-    fork); returns the parent's end of a pipe and the process."""
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, *args))
-    proc.start()
-    child.close()
-    return parent, proc
-
-
-def _recv(conn, proc):
-    """The child's next message; a dead or hung child fails the test."""
-    if not conn.poll(TIMEOUT):
-        proc.kill()
-        pytest.fail("the spawned process did not answer")
-    try:
-        return conn.recv()
-    except EOFError:
-        proc.join(TIMEOUT)
-        pytest.fail(f"the spawned process died (exit {proc.exitcode})")
-
-
-def _join(proc):
-    proc.join(TIMEOUT)
-    if proc.is_alive():
-        proc.kill()
-        pytest.fail("the spawned process did not exit")
-    assert proc.exitcode == 0
 
 
 # ---- exports -----------------------------------------------------------------
@@ -248,21 +219,21 @@ def test_event_handle_pickled_into_a_spawned_process(host):
     e.record()
     e.record()
     h = IPCEventHandle(e)
-    conn, proc = _spawn(_event_importer, h)  # the handle travels by pickle
+    conn, proc = spawn_peer(_event_importer, h)  # the handle travels by pickle
     try:
-        reply = _recv(conn, proc)
+        reply = recv_from(conn, proc)
         assert reply[0] == "opened", reply
         assert reply[1:5] == (True, True, "host:cpu:0", 2)
         assert reply[5] != os.getpid()
         del h, e
         gc.collect()  # destroys the event: importers are refused
         conn.send("destroyed")
-        reply = _recv(conn, proc)
+        reply = recv_from(conn, proc)
         assert reply == ("after", "USMIPC_EEXPORTERGONE",
                          "USMIPC_EEXPORTERGONE"), reply
     finally:
         conn.close()
-        _join(proc)
+        join_ok(proc)
 
 
 def _event_reopener(conn, raw, count):
@@ -293,16 +264,16 @@ def test_reopen_is_cached(host):
     e = Event(host)
     e.record()
     raw = IPCEventHandle(e).to_bytes()
-    conn, proc = _spawn(_event_reopener, raw, 1000)
+    conn, proc = spawn_peer(_event_reopener, raw, 1000)
     try:
-        reply = _recv(conn, proc)
+        reply = recv_from(conn, proc)
         assert reply[0] == "ok", reply
         _, before, after, per_open = reply
         assert after == before, f"fd count grew from {before} to {after}"
         assert per_open < 200e-6, f"{per_open * 1e6:.1f} us per re-open"
     finally:
         conn.close()
-        _join(proc)
+        join_ok(proc)
 
 
 # ---- bad event bytes -------------------------------------------------------------
@@ -523,9 +494,9 @@ def test_ordered_handoffs_open_in_a_spawned_process(host):
     assert not i1["is_event"]
     # the handle object stands for its latest handoff
     assert IPCMemoryHandle.inspect(h)["event_point"] == i2["event_point"]
-    conn, proc = _spawn(_memory_importer, [b1, b2, h], nbytes)
+    conn, proc = spawn_peer(_memory_importer, [b1, b2, h], nbytes)
     try:
-        reply = _recv(conn, proc)
+        reply = recv_from(conn, proc)
         assert reply[0] == "ok", reply
         results = reply[1]
         assert [r[0] for r in results] == [True, True, True]
@@ -534,7 +505,7 @@ def test_ordered_handoffs_open_in_a_spawned_process(host):
         assert all(all(r[2]) for r in results), results
     finally:
         conn.close()
-        _join(proc)
+        join_ok(proc)
     assert bytes(mem.copy_to_host()) == pattern(nbytes, 9)
 
 
@@ -826,10 +797,10 @@ def test_release_tickets_come_back_from_a_spawned_process(host, how):
         raws.append(h.to_bytes())
     assert h.releases == (3, 0)
     assert len({IPCMemoryHandle.inspect(r)["length"] for r in raws}) == 1
-    conn, proc = _spawn(_releasing_consumer, raws, how)
+    conn, proc = spawn_peer(_releasing_consumer, raws, how)
     try:
-        assert _recv(conn, proc) == [3, 3, 3]  # one memory, the last fill
-        assert _recv(conn, proc) == "some"
+        assert recv_from(conn, proc) == [3, 3, 3]  # one memory, the last fill
+        assert recv_from(conn, proc) == "some"
         assert h.releases == (3, 2)
         usmipc.set_event_timeout(0.3)
         with pytest.raises(usmipc.Error) as e:
@@ -838,12 +809,12 @@ def test_release_tickets_come_back_from_a_spawned_process(host, how):
         assert "2 of 3" in str(e.value)
         usmipc.set_event_timeout(None)
         conn.send("go")
-        assert _recv(conn, proc) == "all"
+        assert recv_from(conn, proc) == "all"
         h.wait_released()
         h.wait_released(stream=Queue(host))
         assert h.releases == (3, 3)
         conn.send("done")
-        _join(proc)
+        join_ok(proc)
     finally:
         usmipc.set_event_timeout(None)
 
