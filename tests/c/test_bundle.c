@@ -688,6 +688,14 @@ static usmipc_bundle_t *three_arrays(void *ptr[3], size_t extent[3]) {
   return b;
 }
 
+/* Frees what three_arrays allocated, and the events queue. */
+static void three_arrays_free(void *ptr[3], usmipc_queue_t *q) {
+  ASSERT_OK(usmipc_free(ptr[0]));
+  ASSERT_OK(usmipc_free(ptr[2]));
+  if (q != NULL)
+    ASSERT_OK(usmipc_queue_destroy(q));
+}
+
 /* A consumer in another process writes into every array and returns the
  * ticket; the producer's wait ends only then, and sees the writes. Tickets
  * come back once each; forged, unasked-for and late ones are refused. */
@@ -784,10 +792,7 @@ TEST_IMPL(bundle_release_cross_process) {
   free(hc);
   free(hd);
   free(f);
-  ASSERT_OK(usmipc_free(ptr[0]));
-  ASSERT_OK(usmipc_free(ptr[2]));
-  if (q != NULL)
-    ASSERT_OK(usmipc_queue_destroy(q));
+  three_arrays_free(ptr, q);
   return 0;
 }
 
@@ -821,10 +826,7 @@ TEST_IMPL(bundle_release_consumer_dies) {
   ASSERT_OK(usmipc_event_set_timeout(0));
   ASSERT_OK(usmipc_bundle_free(b));
   free(data);
-  ASSERT_OK(usmipc_free(ptr[0]));
-  ASSERT_OK(usmipc_free(ptr[2]));
-  if (q != NULL)
-    ASSERT_OK(usmipc_queue_destroy(q));
+  three_arrays_free(ptr, q);
   return 0;
 }
 
@@ -932,9 +934,6 @@ TEST_IMPL(bundle_release_same_process) {
   ASSERT_OK(usmipc_bundle_wait_released(b, q));
   ASSERT_OK(usmipc_bundle_free(b));
   free(data);
-  ASSERT_OK(usmipc_free(ptr[0]));
-  ASSERT_OK(usmipc_free(ptr[2]));
-  if (q != NULL)
-    ASSERT_OK(usmipc_queue_destroy(q));
+  three_arrays_free(ptr, q);
   return 0;
 }
