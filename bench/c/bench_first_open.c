@@ -206,6 +206,19 @@ static double usmipc_sample(const uint8_t *h, size_t len, void **out) {
   return t;
 }
 
+/* The raw baselines' last step: maps the descriptor, touches the memory
+ * and closes the descriptor; returns the microseconds since t0. */
+static double map_touch_since(int fd, double t0, void **out) {
+  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED)
+    die("raw mmap");
+  touch(p);
+  double t = now_us() - t0;
+  close(fd);
+  *out = p;
+  return t;
+}
+
 static double raw_pidfd_sample(const exporter_t *e, int pidfd_cached,
                                void **out) {
   double t0 = now_us();
@@ -214,15 +227,9 @@ static double raw_pidfd_sample(const exporter_t *e, int pidfd_cached,
   int fd = (int)syscall(SYS_pidfd_getfd, pidfd, e->memfd, 0);
   if (fd < 0)
     die("pidfd_getfd");
-  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED)
-    die("raw mmap");
-  touch(p);
-  double t = now_us() - t0;
-  close(fd);
+  double t = map_touch_since(fd, t0, out);
   if (pidfd_cached < 0)
     close(pidfd);
-  *out = p;
   return t;
 }
 
@@ -251,14 +258,7 @@ static double raw_socket_sample(const exporter_t *e, void **out) {
   close(s);
   int fd;
   memcpy(&fd, CMSG_DATA(CMSG_FIRSTHDR(&msg)), sizeof(int));
-  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED)
-    die("raw mmap");
-  touch(p);
-  double t = now_us() - t0;
-  close(fd);
-  *out = p;
-  return t;
+  return map_touch_since(fd, t0, out);
 }
 
 typedef struct series {
