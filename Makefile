@@ -23,7 +23,7 @@ PY := $(VENV)/bin/python
 PY_SETUP := $(VENV)/bin/python
 endif
 
-.PHONY: all build demo test test-c test-python test-asan test-tsan fuzz fuzz-build fuzz-ci bench python distributed-deps docs \
+.PHONY: all build demo test test-c test-python test-asan test-python-asan test-tsan fuzz fuzz-build fuzz-ci bench python distributed-deps docs \
         wheel test-wheel sdist test-sdist clean
 
 all: build
@@ -80,6 +80,33 @@ test-asan:
 	cmake -S . -B $(BUILD)-asan -DUSMIPC_SANITIZE=ON -DUSMIPC_WERROR=ON $(CMAKE_FLAGS)
 	cmake --build $(BUILD)-asan -j $(JOBS)
 	ctest --test-dir $(BUILD)-asan --output-on-failure -j $(JOBS)
+
+# The extension under ASan and UBSan. pip's build would take
+# -Ccmake.define.USMIPC_SANITIZE=ON (and CMake reads CFLAGS), but it
+# installs over the extension of $(VENV); so CMake builds it here in
+# $(BUILD)-pyasan (USMIPC_SANITIZE instruments the extension and the
+# library linked into it), staged
+# with the package in $(BUILD)-pyasan/pkg and imported through PYTHONPATH
+# by a pytest with libasan and libubsan preloaded (the interpreter is not
+# instrumented; its runtime must come first). Leak checking is off:
+# CPython keeps its own objects at exit. The helper processes of
+# PYASAN_TESTS inherit all of it (test_mutation.py allocates every object
+# with malloc there, so that ASan sees each).
+PYASAN_TESTS ?= tests/python/test_mutation.py tests/python/test_bundles.py
+PY_ABS_PATH = $(if $(findstring /,$(PY)),$(abspath $(PY)),$(shell command -v $(PY)))
+test-python-asan: $(PY_SETUP)
+	cmake -S . -B $(BUILD)-pyasan -DUSMIPC_BUILD_PYTHON=ON -DUSMIPC_BUILD_TESTS=OFF \
+	    -DUSMIPC_SANITIZE=ON -DUSMIPC_WERROR=ON -DPython_EXECUTABLE=$(PY_ABS_PATH) $(CMAKE_FLAGS)
+	cmake --build $(BUILD)-pyasan -j $(JOBS) --target _usmipc usmipc-helper
+	rm -rf $(BUILD)-pyasan/pkg
+	mkdir -p $(BUILD)-pyasan/pkg
+	cp -r python/usmipc $(BUILD)-pyasan/pkg/
+	cp $(BUILD)-pyasan/python/_usmipc.abi3.so $(BUILD)-pyasan/usmipc-helper \
+	    $(BUILD)-pyasan/pkg/usmipc/
+	USMIPC_TEST_ASAN=1 PYTHONPATH=$(abspath $(BUILD)-pyasan/pkg) \
+	    LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libubsan.so)" \
+	    ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	    USMIPC_BUILD_DIR=$(BUILD) $(PY) -m pytest -q -p no:cacheprovider $(PYASAN_TESTS)
 
 # The C tests under ThreadSanitizer. Forking tests run with die_after_fork=0
 # (a fork child of a threaded process is what they test); the suppressions
@@ -178,4 +205,4 @@ bench: build python
 	$(PY) bench/bench_python.py $(if $(DEVICE),--device $(DEVICE))
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-tsan $(BUILD)-fuzz $(BUILD)-wheel
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-pyasan $(BUILD)-tsan $(BUILD)-fuzz $(BUILD)-wheel

@@ -267,3 +267,59 @@ def test_cpu_tensor_of_usmipc_memory_shares():
     assert t[3, 3].item() == -7
     with pytest.raises(TypeError, match="torch's own memory.*host:cpu"):
         usmipc.share(torch.zeros(16))
+
+
+class _Interface:
+    """A leaf described by __cuda_array_interface__ over host memory."""
+
+    def __init__(self, base, shape, strides, typestr="|u1"):
+        self.base = base
+        self.__cuda_array_interface__ = {
+            "data": (base.ctypes.data, False), "shape": shape,
+            "typestr": typestr, "strides": strides, "version": 3}
+
+
+def test_broadcast_array_sizes_do_not_wrap():
+    # A valid broadcast array (zero strides) of 2^120 one-byte elements:
+    # size and nbytes were 0 (the product wrapped in 64 bits) and the
+    # buffer's len too. Now exact Python ints, and no buffer.
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    base = np.from_dlpack(pool.allocate(64))
+    tree = {"b": _Interface(base, (2**40,) * 3, (0, 0, 0)),
+            "f": _Interface(base, (2**31, 2**31), (0, 0), "<f8"),
+            "s": _Interface(base, (4,), (1,))}
+    bundle = usmipc.share(tree, ordered=False)
+    opened = usmipc.open_shared(bundle.to_bytes())
+    b, f = opened["b"], opened["f"]
+    assert (b.size, b.nbytes, b.shape) == (2**120, 2**120, (2**40,) * 3)
+    assert (f.size, f.nbytes) == (2**62, 2**65)
+    assert f.strides == (0, 0)
+    for arr in (b, f):
+        with pytest.raises(BufferError, match="does not fit in a Py_ssize_t"):
+            memoryview(arr)
+    assert (opened["s"].size, opened["s"].nbytes) == (4, 4)
+    assert memoryview(opened["s"]).nbytes == 4
+    usmipc.close_shared(opened)
+
+
+def test_contiguous_strides_that_overflow_are_refused():
+    # No strides given: C-contiguous ones are computed, and a shape whose
+    # element count passes 64 bits has none (before: a signed overflow).
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    base = np.from_dlpack(pool.allocate(64))
+    with pytest.raises(usmipc.ArgumentError,
+                       match=r"at \['x'\]: .*more elements than 64 bits"):
+        usmipc.share({"x": _Interface(base, (2**40,) * 3, None)},
+                     ordered=False)
+
+
+def test_lone_surrogate_key_names_its_path():
+    # Before: a bare UnicodeEncodeError, without saying which key.
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    leaf = np.from_dlpack(pool.allocate(8))
+    with pytest.raises(usmipc.ArgumentError,
+                       match=r"share\(\): at \['layers'\]\[0\]\['\\ud800x'\]: "
+                             r"the dict key has no UTF-8 form") as info:
+        usmipc.share({"layers": [{"ok": leaf, "\ud800x": leaf}]},
+                     ordered=False)
+    assert not isinstance(info.value, UnicodeError)

@@ -226,16 +226,28 @@ def test_release_arguments():
     usmipc.close_shared(opened)
     usmipc.release_shared(raw)
     assert bundle.releases == (3, 2)
-    # Without a ticket: a tree needs nothing, bytes are refused.
+    # Without a ticket: the bytes, their tree and a leaf of it are refused
+    # alike (before: the tree and the leaf returned quietly).
     plain = usmipc.share(tree)
     assert plain.releases == (0, 0)
-    usmipc.release_shared(usmipc.open_shared(plain.to_bytes()))
-    with pytest.raises(usmipc.ArgumentError, match="no release ticket"):
-        usmipc.release_shared(plain.to_bytes())
-    # A bundle of no memory lends nothing: no ticket, nothing to wait for.
+    plain_tree = usmipc.open_shared(plain.to_bytes())
+    said = set()
+    for what in (plain.to_bytes(), plain_tree, plain_tree["layers"][1]):
+        with pytest.raises(usmipc.ArgumentError,
+                           match=r"the bundle carries no release ticket "
+                                 r"\(its producer did not order it .*"
+                                 r"share\(\.\.\., release=True\)") as info:
+            usmipc.release_shared(what)
+        said.add((str(info.value), info.value.name))
+    assert len(said) == 1, said
+    # Closing needs no ticket, with a stream or without.
+    usmipc.close_shared(plain_tree, stream=usmipc.Queue(dev))
+    # A bundle of no memory lends nothing: no ticket, nothing to wait for,
+    # as bytes or as a tree.
     empty = usmipc.share({"e": np.from_dlpack(pool.allocate(8))[:0]},
                          release=True)
     usmipc.release_shared(empty.to_bytes())
+    usmipc.release_shared(usmipc.open_shared(empty.to_bytes()))
     assert empty.releases == (0, 0)
     empty.wait_released()
 

@@ -124,6 +124,21 @@ static int fill_int_tuple(PyObject *seq, int64_t *out, int *ndim,
   return 0;
 }
 
+/* C-contiguous strides (elements) of shape; -1 with ValueError when the
+ * array has more elements than 64 bits count. */
+static int contiguous_strides(const int64_t *shape, int64_t *strides, int nd) {
+  int64_t step = 1;
+  for (int i = nd - 1; i >= 0; i--) {
+    strides[i] = step;
+    if (shape[i] > 1 && __builtin_mul_overflow(step, shape[i], &step)) {
+      usmipc_value_error("the array has more elements than 64 bits count; "
+                         "it cannot travel in a bundle");
+      return -1;
+    }
+  }
+  return 0;
+}
+
 static int leaf_torch(PyObject *obj, leaf_info_t *L) {
   PyObject *is_cpu = PyObject_GetAttrString(obj, "is_cpu");
   if (is_cpu == NULL)
@@ -170,8 +185,15 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
     Py_DECREF(v);
     idx = PyDict_GetItemWithError(torch_dtypes, dtype);
   }
+  /* Read before dtype goes: releasing it may run a __del__. */
+  long at = idx != NULL ? PyLong_AsLong(idx) : -1;
   Py_DECREF(dtype);
-  const dtype_entry_t *dt = &DTYPES[PyLong_AsLong(idx)];
+  if (at < 0 || at >= (long)NDTYPES) {
+    if (!PyErr_Occurred())
+      usmipc_type_error("the tensor's dtype changed while it was read");
+    return -1;
+  }
+  const dtype_entry_t *dt = &DTYPES[at];
   L->desc.dtype_code = dt->code;
   L->desc.dtype_bits = dt->bits;
   L->desc.dtype_lanes = 1;
@@ -208,15 +230,23 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
   return rc;
 }
 
-static int leaf_cai(PyObject *obj, PyObject *cai, leaf_info_t *L) {
-  if (!PyDict_Check(cai)) {
-    usmipc_type_error("__cuda_array_interface__ is not a dict");
-    return -1;
-  }
-  PyObject *data = PyDict_GetItemString(cai, "data");
-  PyObject *shape = PyDict_GetItemString(cai, "shape");
-  PyObject *typestr = PyDict_GetItemString(cai, "typestr");
-  PyObject *strides = PyDict_GetItemString(cai, "strides");
+/* cai[key] as a new reference; NULL with no exception when absent. The
+ * lookup may run the code of a colliding key's __eq__, and reading one
+ * field may run code (a shape's __len__) that empties the dict: each field
+ * is held by a reference of its own (tests/python/test_mutation.py). */
+static PyObject *cai_field(PyObject *cai, const char *key) {
+  PyObject *k = PyUnicode_FromString(key);
+  if (k == NULL)
+    return NULL;
+  PyObject *v = PyDict_GetItemWithError(cai, k);
+  Py_XINCREF(v);
+  Py_DECREF(k);
+  return v;
+}
+
+static int leaf_cai_fields(PyObject *obj, PyObject *data, PyObject *shape,
+                           PyObject *typestr, PyObject *strides,
+                           leaf_info_t *L) {
   if (data == NULL || !PyTuple_Check(data) || PyTuple_Size(data) < 1 ||
       shape == NULL || typestr == NULL || !PyUnicode_Check(typestr)) {
     usmipc_type_error("__cuda_array_interface__ lacks data, shape or typestr");
@@ -255,12 +285,8 @@ static int leaf_cai(PyObject *obj, PyObject *cai, leaf_info_t *L) {
       }
       L->strides[i] /= item;
     }
-  } else {
-    int64_t step = 1;
-    for (int i = nd - 1; i >= 0; i--) {
-      L->strides[i] = step;
-      step *= L->shape[i] > 1 ? L->shape[i] : 1;
-    }
+  } else if (contiguous_strides(L->shape, L->strides, nd) < 0) {
+    return -1;
   }
   L->ptr = PyLong_AsVoidPtr(PyTuple_GetItem(data, 0));
   if (PyErr_Occurred())
@@ -268,6 +294,25 @@ static int leaf_cai(PyObject *obj, PyObject *cai, leaf_info_t *L) {
   if (usmipc_type_module_is(obj, "cupy"))
     L->stream_of = obj;
   return 0;
+}
+
+static int leaf_cai(PyObject *obj, PyObject *cai, leaf_info_t *L) {
+  if (!PyDict_Check(cai)) {
+    usmipc_type_error("__cuda_array_interface__ is not a dict");
+    return -1;
+  }
+  PyObject *data = NULL, *shape = NULL, *typestr = NULL, *strides = NULL;
+  int rc = -1;
+  if (((data = cai_field(cai, "data")) != NULL || !PyErr_Occurred()) &&
+      ((shape = cai_field(cai, "shape")) != NULL || !PyErr_Occurred()) &&
+      ((typestr = cai_field(cai, "typestr")) != NULL || !PyErr_Occurred()) &&
+      ((strides = cai_field(cai, "strides")) != NULL || !PyErr_Occurred()))
+    rc = leaf_cai_fields(obj, data, shape, typestr, strides, L);
+  Py_XDECREF(data);
+  Py_XDECREF(shape);
+  Py_XDECREF(typestr);
+  Py_XDECREF(strides);
+  return rc;
 }
 
 static int leaf_dlpack(PyObject *obj, leaf_info_t *L, int *found) {
@@ -291,11 +336,14 @@ static int leaf_dlpack(PyObject *obj, leaf_info_t *L, int *found) {
   L->desc.dtype_bits = t.dtype.bits;
   L->desc.dtype_lanes = 1;
   L->desc.ndim = t.ndim;
-  int64_t step = 1;
-  for (int i = t.ndim - 1; i >= 0; i--) {
+  for (int i = 0; i < t.ndim; i++)
     L->shape[i] = t.shape[i];
-    L->strides[i] = t.strides ? t.strides[i] : step;
-    step *= t.shape[i] > 1 ? t.shape[i] : 1;
+  if (t.strides != NULL) {
+    for (int i = 0; i < t.ndim; i++)
+      L->strides[i] = t.strides[i];
+  } else if (contiguous_strides(L->shape, L->strides, t.ndim) < 0) {
+    Py_DECREF(owner);
+    return -1;
   }
   L->ptr = (char *)t.data + t.byte_offset;
   L->keep = owner;
@@ -309,14 +357,16 @@ enum { LEAF_TORCH = 1, LEAF_CAI = 2, LEAF_DLPACK = 3 };
 static PyObject *leaf_kinds; /* type -> kind */
 
 static int leaf_kind(PyObject *obj) {
-  PyObject *type = (PyObject *)Py_TYPE(obj);
   if (leaf_kinds == NULL && (leaf_kinds = PyDict_New()) == NULL)
     return -1;
-  PyObject *k = PyDict_GetItemWithError(leaf_kinds, type);
+  PyObject *k = PyDict_GetItemWithError(leaf_kinds, (PyObject *)Py_TYPE(obj));
   if (k != NULL)
     return (int)PyLong_AsLong(k);
   if (PyErr_Occurred())
     return -1;
+  /* The type is held: the attribute reads below run the caller's code,
+   * which may give obj another class and collect this one. */
+  PyObject *type = Py_NewRef((PyObject *)Py_TYPE(obj));
   int kind;
   if (usmipc_type_module_is(obj, "torch") &&
       PyObject_HasAttrString(obj, "data_ptr"))
@@ -328,9 +378,11 @@ static int leaf_kind(PyObject *obj) {
   PyObject *v = PyLong_FromLong(kind);
   if (v == NULL || PyDict_SetItem(leaf_kinds, type, v) < 0) {
     Py_XDECREF(v);
+    Py_DECREF(type);
     return -1;
   }
   Py_DECREF(v);
+  Py_DECREF(type);
   return kind;
 }
 
@@ -461,6 +513,23 @@ static int bundle_fail(walk_t *w, int rc) {
   return -1;
 }
 
+/* A dict key that has no UTF-8 form (a lone surrogate such as '\\ud800',
+ * which str allows and UTF-8 does not): usmipc's ArgumentError, with the
+ * key in the path, instead of a bare UnicodeEncodeError. */
+static void key_not_utf8(walk_t *w, PyObject *k) {
+  if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError))
+    return;
+  PyErr_Clear();
+  usmipc_value_error("the dict key has no UTF-8 form (a lone surrogate?), "
+                     "and bundle keys travel as UTF-8: use a key of valid "
+                     "text");
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  if (w->path != NULL && PyList_Append(w->path, k) < 0)
+    PyErr_Clear();
+  PyErr_Restore(type, value, tb);
+}
+
 static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
   if (++w->depth > 64) {
     usmipc_value_error("the tree is nested deeper than 64 levels");
@@ -468,52 +537,75 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
   }
   int rc;
   if (PyDict_Check(obj) || PyList_Check(obj) || PyTuple_Check(obj)) {
-    Py_ssize_t n = PyDict_Check(obj)   ? PyDict_Size(obj)
-                   : PyList_Check(obj) ? PyList_Size(obj)
-                                       : PyTuple_Size(obj);
     usmipc_bundle_node_kind_t kind = PyDict_Check(obj)   ? USMIPC_BUNDLE_DICT
                                      : PyList_Check(obj) ? USMIPC_BUNDLE_LIST
                                                          : USMIPC_BUNDLE_TUPLE;
+    /* A copy of the container, walked instead of it: reading a leaf runs
+     * the caller's code (a property, __index__, a __del__), which may
+     * clear the dict or list, delete the key being read or drop the last
+     * reference to the leaf. The copy holds every key and child while the
+     * walk is inside it (tests/python/test_mutation.py). A tuple cannot
+     * change, and the caller holds it. */
+    PyObject *items = kind == USMIPC_BUNDLE_DICT ? PyDict_Items(obj)
+                      : kind == USMIPC_BUNDLE_LIST
+                          ? PyList_GetSlice(obj, 0, PY_SSIZE_T_MAX)
+                          : Py_NewRef(obj);
+    if (items == NULL)
+      return -1;
+    Py_ssize_t n =
+        kind == USMIPC_BUNDLE_TUPLE ? PyTuple_Size(items) : PyList_Size(items);
     if (n > UINT32_MAX) {
+      Py_DECREF(items);
       usmipc_value_error("a container too large for a bundle");
       return -1;
     }
     if ((rc = usmipc_bundle_add_container(w->b, kind, (uint32_t)n, key,
-                                          (size_t)key_len)) != 0)
+                                          (size_t)key_len)) != 0) {
+      Py_DECREF(items);
       return bundle_fail(w, rc);
-    if (kind == USMIPC_BUNDLE_DICT) {
-      Py_ssize_t pos = 0;
-      PyObject *k, *v;
-      while (PyDict_Next(obj, &pos, &k, &v)) {
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+      if (kind == USMIPC_BUNDLE_DICT) {
+        /* (key, value): a tuple the copy holds, borrowed items of it */
+        PyObject *pair = PyList_GetItem(items, i);
+        PyObject *k = PyTuple_GetItem(pair, 0), *v = PyTuple_GetItem(pair, 1);
         if (!PyUnicode_Check(k)) {
           PyObject *tn = type_name(k);
           if (tn != NULL)
-            usmipc_type_error("dict keys must be str to travel in a bundle, not "
-                         "%U",
-                         tn);
+            usmipc_type_error("dict keys must be str to travel in a bundle, "
+                              "not %U",
+                              tn);
           Py_XDECREF(tn);
+          Py_DECREF(items);
           return -1;
         }
+        /* The UTF-8 lives in k, which the copy keeps. */
         Py_ssize_t kl;
         const char *ks = PyUnicode_AsUTF8AndSize(k, &kl);
-        if (ks == NULL || walk_child(w, v, k, ks, kl) < 0)
+        if (ks == NULL) {
+          key_not_utf8(w, k);
+          Py_DECREF(items);
           return -1;
-      }
-    } else {
-      for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *child = kind == USMIPC_BUNDLE_LIST ? PyList_GetItem(obj, i)
-                                                     : PyTuple_GetItem(obj, i);
+        }
+        rc = walk_child(w, v, k, ks, kl);
+      } else {
+        PyObject *child = kind == USMIPC_BUNDLE_LIST
+                              ? PyList_GetItem(items, i)
+                              : PyTuple_GetItem(items, i);
         PyObject *label = PyLong_FromSsize_t(i);
-        if (label == NULL)
+        if (label == NULL) {
+          Py_DECREF(items);
           return -1;
-        Py_INCREF(child);
+        }
         rc = walk_child(w, child, label, NULL, 0);
-        Py_DECREF(child);
         Py_DECREF(label);
-        if (rc < 0)
-          return -1;
+      }
+      if (rc < 0) {
+        Py_DECREF(items);
+        return -1;
       }
     }
+    Py_DECREF(items);
     w->depth--;
     return 0;
   }
@@ -1028,20 +1120,32 @@ static int ticket_send(usmipc_module_state_t *st, PyObject *bytes,
 
 /* The ticket of t's open, unless returned already, after the work on
  * stream (NULL or None: from the host). */
+static void ticket_put(ticket_t *t);
+
 static int ticket_return(ticket_t *t, PyObject *stream, const char *what,
                          int quiet) {
   if (t == NULL || t->returned)
     return 0;
   usmipc_module_state_t *st = usmipc_state_from_device(t->device);
   PyObject *queue_obj = NULL;
-  if (stream != NULL && stream != Py_None &&
-      (queue_obj = usmipc_queue_from_stream(st, stream, NULL, t->device,
-                                            what)) == NULL)
-    return -1;
+  if (stream != NULL && stream != Py_None) {
+    /* The stream's code may drop every array of the open (and release
+     * the bytes' open list entry): t is held across it. */
+    t->refs++;
+    queue_obj = usmipc_queue_from_stream(st, stream, NULL, t->device, what);
+    if (queue_obj == NULL || t->returned) {
+      ticket_put(t);
+      Py_XDECREF(queue_obj);
+      return queue_obj == NULL ? -1 : 0;
+    }
+  }
   int rc = ticket_send(
       st, t->bytes,
       queue_obj ? ((usmipc_queue_object_t *)queue_obj)->queue : NULL, quiet);
-  Py_XDECREF(queue_obj);
+  if (queue_obj != NULL) {
+    ticket_put(t);
+    Py_DECREF(queue_obj);
+  }
   return rc;
 }
 
@@ -1081,6 +1185,7 @@ typedef struct {
   ticket_t *ticket; /* the open's release ticket, or NULL */
   Py_ssize_t exports; /* capsules and buffer views alive */
   char closed, released;
+  char unticketed; /* of bytes that name memory but carry no ticket */
 } Arr;
 
 static int arr_release(Arr *self) {
@@ -1115,17 +1220,49 @@ static void arr_end_export(Arr *self) {
     PyErr_WriteUnraisable((PyObject *)self);
 }
 
-static Py_ssize_t arr_numel(const Arr *self) {
-  Py_ssize_t n = 1;
+/* The number of elements times scale, in *out; 0, or -1 when that does
+ * not fit a Py_ssize_t. A broadcast array (zero strides) is valid with any
+ * shape the decoder accepts: 2^120 elements of one byte each. */
+static int arr_count(const Arr *self, Py_ssize_t scale, Py_ssize_t *out) {
+  Py_ssize_t n = scale;
   for (int i = 0; i < self->ndim; i++)
-    n *= (Py_ssize_t)self->dims[i];
-  return n;
+    if (self->dims[i] > PY_SSIZE_T_MAX ||
+        __builtin_mul_overflow(n, (Py_ssize_t)self->dims[i], &n))
+      return -1;
+  *out = n;
+  return 0;
+}
+
+/* The number of elements times scale as a Python int, exact however
+ * large (size, nbytes). */
+static PyObject *arr_count_object(const Arr *self, Py_ssize_t scale) {
+  Py_ssize_t n;
+  if (arr_count(self, scale, &n) == 0)
+    return PyLong_FromSsize_t(n);
+  PyObject *r = PyLong_FromSsize_t(scale);
+  for (int i = 0; r != NULL && i < self->ndim; i++) {
+    PyObject *d = PyLong_FromLongLong(self->dims[i]);
+    PyObject *m = d ? PyNumber_Multiply(r, d) : NULL;
+    Py_XDECREF(d);
+    Py_DECREF(r);
+    r = m;
+  }
+  return r;
 }
 
 static PyObject *arr_tuple(const int64_t *v, int n, int64_t scale) {
   PyObject *t = PyTuple_New(n);
   for (int i = 0; t && i < n; i++) {
-    PyObject *x = PyLong_FromLongLong(v[i] * scale);
+    int64_t scaled;
+    PyObject *x;
+    if (!__builtin_mul_overflow(v[i], scale, &scaled)) {
+      x = PyLong_FromLongLong(scaled);
+    } else { /* strides in bytes past 64 bits: exact as a Python int */
+      PyObject *a = PyLong_FromLongLong(v[i]), *b = PyLong_FromLongLong(scale);
+      x = a && b ? PyNumber_Multiply(a, b) : NULL;
+      Py_XDECREF(a);
+      Py_XDECREF(b);
+    }
     if (x == NULL) {
       Py_CLEAR(t);
       break;
@@ -1168,13 +1305,13 @@ static PyObject *arr_get_ndim(PyObject *op, void *c) {
 
 static PyObject *arr_get_size(PyObject *op, void *c) {
   (void)c;
-  return PyLong_FromSsize_t(arr_numel((Arr *)op));
+  return arr_count_object((Arr *)op, 1);
 }
 
 static PyObject *arr_get_nbytes(PyObject *op, void *c) {
   (void)c;
   Arr *self = (Arr *)op;
-  return PyLong_FromSsize_t(arr_numel(self) * (self->bits / 8));
+  return arr_count_object(self, self->bits / 8);
 }
 
 static PyObject *arr_get_itemsize(PyObject *op, void *c) {
@@ -1211,10 +1348,11 @@ static usmipc_backend_t arr_backend(const Arr *self) {
 
 static int arr_contiguous(const Arr *self) {
   int64_t expect = 1;
+  int past = 0; /* expect went past 64 bits: no stride can equal it */
   for (int i = self->ndim - 1; i >= 0; i--) {
-    if (self->dims[i] > 1 && self->dims[self->ndim + i] != expect)
+    if (self->dims[i] > 1 && (past || self->dims[self->ndim + i] != expect))
       return 0;
-    expect *= self->dims[i];
+    past |= __builtin_mul_overflow(expect, self->dims[i], &expect);
   }
   return 1;
 }
@@ -1369,7 +1507,10 @@ static PyObject *arr_dlpack(PyObject *op, PyObject *const *args,
     return NULL;
   if (check_open(self) < 0)
     return NULL;
-  if (a[3] != NULL && a[3] != Py_None && PyObject_IsTrue(a[3])) {
+  int copy = a[3] != NULL && a[3] != Py_None ? PyObject_IsTrue(a[3]) : 0;
+  if (copy < 0)
+    return NULL;
+  if (copy) {
     PyErr_SetString(PyExc_BufferError,
                     "__dlpack__(copy=True): a shared array is exported "
                     "without a copy");
@@ -1404,6 +1545,10 @@ static PyObject *arr_dlpack(PyObject *op, PyObject *const *args,
     versioned = major >= 1;
   }
   if (arr_dlpack_sync(self, a[0]) < 0)
+    return NULL;
+  /* Again: reading the arguments (__index__, __bool__) and the stream ran
+   * the caller's code, which may have closed the array. */
+  if (check_open(self) < 0)
     return NULL;
   return arr_capsule(self, versioned);
 }
@@ -1463,6 +1608,25 @@ static int arr_getbuffer(PyObject *op, Py_buffer *view, int flags) {
                                       "the host");
     return -1;
   }
+  /* The buffer's len is the elements' bytes, a Py_ssize_t: a broadcast
+   * array of more (its strides zero) has no buffer, as NumPy makes no
+   * array of more than PY_SSIZE_T_MAX bytes. */
+  Py_ssize_t len;
+  int too_large = arr_count(self, self->bits / 8, &len) < 0;
+  for (int i = 0; !too_large && i < self->ndim; i++) {
+    Py_ssize_t step;
+    too_large = self->dims[self->ndim + i] > PY_SSIZE_T_MAX ||
+                __builtin_mul_overflow((Py_ssize_t)self->dims[self->ndim + i],
+                                       (Py_ssize_t)(self->bits / 8), &step);
+  }
+  if (too_large) {
+    PyErr_SetString(PyExc_BufferError,
+                    "the shared array's size in bytes (or a stride) does "
+                    "not fit in a Py_ssize_t, so it has no buffer (a "
+                    "broadcast array of that many elements); use __dlpack__, "
+                    "or share a smaller view");
+    return -1;
+  }
   /* shape and strides in bytes, kept in one block freed at release. */
   Py_ssize_t *sv = malloc(sizeof(Py_ssize_t) * 2 * (size_t)(self->ndim + 1));
   if (sv == NULL) {
@@ -1476,7 +1640,7 @@ static int arr_getbuffer(PyObject *op, Py_buffer *view, int flags) {
   }
   view->buf = self->ptr;
   view->obj = Py_NewRef(op);
-  view->len = arr_numel(self) * (self->bits / 8);
+  view->len = len;
   view->itemsize = self->bits / 8;
   view->readonly = 0;
   view->ndim = self->ndim;
@@ -1639,6 +1803,7 @@ typedef struct build {
   PyObject *device;
   ready_t *ready;
   ticket_t *ticket;
+  char unticketed;   /* the bytes name memory and carry no ticket */
   PyObject *convert; /* to="torch": torch._C._from_dlpack; else NULL */
 } build_t;
 
@@ -1653,6 +1818,7 @@ static PyObject *make_array(build_t *b, const usmipc_bundle_array_t *a) {
   self->ndim = a->desc.ndim;
   self->exports = 0;
   self->closed = self->released = 0;
+  self->unticketed = b->unticketed;
   self->device = Py_XNewRef(b->device);
   self->ready = b->ready;
   if (b->ready)
@@ -1862,6 +2028,11 @@ static PyObject *open_shared(PyObject *module, PyObject *const *args,
     if (tickets_of_opens)
       tickets_of_opens->prev = b.ticket;
     tickets_of_opens = b.ticket;
+  } else {
+    /* As usmipc_ipc_release judges the bytes: with no memory there is
+     * nothing to give back, with memory the missing ticket is an error. */
+    for (size_t i = 0; i < narr; i++)
+      b.unticketed |= b.arrays[i].ptr != NULL;
   }
   tree = build_node(&b);
 done:
@@ -1902,16 +2073,16 @@ static int walk_tree(usmipc_module_state_t *st, PyObject *obj,
   }
   if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedArrayType))
     return leaf(leaf_ctx, obj);
-  if (PyDict_Check(obj)) {
-    Py_ssize_t pos = 0;
-    PyObject *k, *v;
-    while (PyDict_Next(obj, &pos, &k, &v))
-      if (walk_tree(st, v, leaf, leaf_ctx, what, hint, depth + 1) < 0)
-        return -1;
-    return 0;
-  }
-  if (PyList_Check(obj) || PyTuple_Check(obj)) {
-    PyObject *seq = PySequence_Tuple(obj);
+  if (PyDict_Check(obj) || PyList_Check(obj) || PyTuple_Check(obj)) {
+    /* A copy: a leaf (release_shared's stream=) runs the caller's code,
+     * which may empty the container and free the arrays in it. */
+    PyObject *seq =
+        PyDict_Check(obj) ? PyDict_Values(obj) : PySequence_Tuple(obj);
+    if (seq != NULL && PyList_Check(seq)) {
+      PyObject *t = PyList_AsTuple(seq);
+      Py_DECREF(seq);
+      seq = t;
+    }
     if (seq == NULL)
       return -1;
     for (Py_ssize_t i = 0; i < PyTuple_Size(seq); i++)
@@ -1946,18 +2117,32 @@ static int close_tree(usmipc_module_state_t *st, PyObject *obj) {
 /* Returns the tickets of the opens a tree's SharedArray leaves belong to,
  * each once, after the work on stream. */
 typedef struct {
+  usmipc_module_state_t *st;
   PyObject *stream;
   const char *what;
+  int strict; /* release_shared(): a leaf without a ticket is refused */
 } release_leaf_ctx;
 
 static int release_leaf(void *ctx, PyObject *array) {
   release_leaf_ctx *c = ctx;
-  return ticket_return(((Arr *)array)->ticket, c->stream, c->what, 0);
+  Arr *a = (Arr *)array;
+  if (a->ticket == NULL && a->unticketed && c->strict) {
+    /* What release_shared(bytes) says of the same bytes (the library's
+     * message, src/bundle.c usmipc__bundle_ticket), word for word. */
+    usmipc_raise_msg(c->st, USMIPC_EINVAL,
+                     "usmipc_ipc_release: the bundle carries no release "
+                     "ticket (its producer did not order it with "
+                     "usmipc_bundle_order_ex(..., USMIPC_ORDER_RELEASE), or "
+                     "share(..., release=True) in Python)");
+    return -1;
+  }
+  return ticket_return(a->ticket, c->stream, c->what, 0);
 }
 
 static int release_tree(usmipc_module_state_t *st, PyObject *obj,
                         PyObject *stream, const char *what) {
-  release_leaf_ctx c = {stream, what};
+  release_leaf_ctx c = {st, stream, what,
+                        strcmp(what, "release_shared()") == 0};
   return walk_tree(st, obj, release_leaf, &c, what,
                    "; for open_shared(..., to='torch'), whose leaves are "
                    "torch tensors, pass the bytes it opened",

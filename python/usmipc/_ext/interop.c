@@ -575,7 +575,16 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
       }
       goto done;
     }
-    count *= n;
+    if (__builtin_mul_overflow(count, n, &count)) {
+      usmipc_value_error("__cuda_array_interface__ shape has more elements "
+                         "than a Py_ssize_t counts");
+      goto done;
+    }
+  }
+  if (count > PY_SSIZE_T_MAX / itemsize) {
+    usmipc_value_error("__cuda_array_interface__ describes more bytes than a "
+                       "Py_ssize_t counts");
+    goto done;
   }
   /* Only a C-contiguous array is one byte range. */
   if (strides != NULL && strides != Py_None) {
@@ -595,7 +604,11 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
                         "array contiguous first");
         goto done;
       }
-      expect *= extent;
+      /* At most count * itemsize (checked above) unless count is 0, which
+       * is refused below. */
+      if (__builtin_mul_overflow(expect, extent, &expect)) {
+        break;
+      }
     }
   }
   if (count == 0) {
@@ -1004,6 +1017,9 @@ static int suai_extent(PyObject *shape, PyObject *strides, long long offset,
     }
   }
   *low = *high = offset;
+  /* Each extent is read once: a second read through __index__ could give
+   * another value than the one checked. */
+  long long count = 1;
   for (Py_ssize_t i = 0; i < nd; i++) {
     long long n, step = 0;
     if (suai_int(PyTuple_GetItem(sh, i), "shape", &n) < 0 ||
@@ -1022,8 +1038,13 @@ static int suai_extent(PyObject *shape, PyObject *strides, long long offset,
                          "take");
       goto done;
     }
-    if (sd == NULL) {
-      continue; /* C-contiguous: counted below */
+    if (sd == NULL) { /* C-contiguous: counted */
+      if (__builtin_mul_overflow(count, n, &count)) {
+        usmipc_value_error("__sycl_usm_array_interface__ is malformed: "
+                           "shape overflows");
+        goto done;
+      }
+      continue;
     }
     long long span;
     if (__builtin_mul_overflow(step, n - 1, &span) ||
@@ -1034,18 +1055,10 @@ static int suai_extent(PyObject *shape, PyObject *strides, long long offset,
       goto done;
     }
   }
-  if (sd == NULL) {
-    long long count = 1;
-    for (Py_ssize_t i = 0; i < nd; i++) {
-      long long n;
-      (void)suai_int(PyTuple_GetItem(sh, i), "shape", &n);
-      if (__builtin_mul_overflow(count, n, &count)) {
-        usmipc_value_error("__sycl_usm_array_interface__ is malformed: "
-                           "shape overflows");
-        goto done;
-      }
-    }
-    *high = offset + count - 1;
+  if (sd == NULL && __builtin_add_overflow(offset, count - 1, high)) {
+    usmipc_value_error("__sycl_usm_array_interface__ is malformed: "
+                       "offset and shape overflow");
+    goto done;
   }
   rc = 0;
 done:
