@@ -166,8 +166,11 @@ def test_interface_key_comparison_clears_the_interface_dict():
         class L(Leaf):
             @property
             def __cuda_array_interface__(self):
+                # a fresh typestr: a str the dict alone holds (freed, not
+                # kept on a free list as small tuples are)
                 d = {key: 0, "data": (int(self.a.ctypes.data), False),
-                     "shape": (64,), "typestr": "|u1", "version": 3}
+                     "shape": (64,), "typestr": "".join(["|u", "1"]),
+                     "version": 3}
                 key.d = d
                 return d
         try:
@@ -235,6 +238,9 @@ def test_dlpack_argument_closes_the_array():
 def test_release_stream_drops_the_tree():
     # release_shared(tree, stream=S): S's attributes run Python code that
     # drops the tree (the only reference to its arrays and their ticket).
+    # A guard, not a reproduction: on the host such a stream is refused
+    # right after its code ran, so the old code never used the freed
+    # ticket here; a CUDA stream (torch's, CuPy's) would go on to send it.
     run_case("""
         src = host_array(64)
         b = usmipc.share({"w": src, "v": host_array(8)}, ordered=False,
