@@ -508,6 +508,10 @@ int usmipc__pool_query(void *segment, const void *ptr,
                        usmipc_pointer_info_t *info);
 /* 1 while the block w's record names is allocated (same process). */
 int usmipc__pool_block_live(void *segment, const usmipc__wire_t *w);
+/* The pool's free space: bytes and ranges (a test hook: after every block
+ * is freed, one range per segment holding all its bytes). */
+void usmipc__pool_free_space(usmipc_pool_t *pool, size_t *bytes,
+                             size_t *ranges);
 /* ---- the PyTorch allocator (torch_allocator.c) ----------------------------
  * usmipc_torch_* on any backend's device ordinal (the public calls are the
  * CUDA ones): the C tests drive the host's pools with these. */
