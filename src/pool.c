@@ -57,6 +57,7 @@ typedef struct segment {
   usmipc_pool_t *pool;
   void *base;
   size_t size;
+  uint64_t buffer_id; /* its region's, with USMIPC__POOL_SEGMENT_ID */
   size_t live; /* blocks allocated in it */
   struct segment *next;
 } segment_t;
@@ -268,6 +269,9 @@ static int segment_new(usmipc_pool_t *pool, size_t need, segment_t **out) {
   pthread_mutex_lock(&usmipc__registry_lock);
   usmipc__region_t *r = usmipc__region_find(base);
   r->pool_segment = seg;
+  /* Not exported yet, so no handle names the old id. */
+  r->buffer_id |= USMIPC__POOL_SEGMENT_ID;
+  seg->buffer_id = r->buffer_id;
   pthread_mutex_unlock(&usmipc__registry_lock);
   pthread_mutex_lock(&pool->lock);
   /* Appended, oldest first (pool_get_info walks them). */
@@ -679,10 +683,13 @@ int usmipc__pool_export(void *segment, const void *ptr, size_t *nbytes,
                         *nbytes, in, b->size);
   }
   if (rc == 0 && !b->exported) {
+    uint8_t bound[16];
     rc = usmipc__random(b->token, 16);
+    usmipc__pool_block_slot_token(b->token, seg->buffer_id, b->off, b->size,
+                                  bound);
     if (rc == 0)
       rc = usmipc__exports_add(b->id, UINT32_MAX, b->size,
-                               usmipc__slot_tag(usmipc__self()->key, b->token),
+                               usmipc__slot_tag(usmipc__self()->key, bound),
                                &b->slot, &(uint32_t){0});
     b->exported = rc == 0;
   }
@@ -702,6 +709,20 @@ int usmipc__pool_export(void *segment, const void *ptr, size_t *nbytes,
   }
   pthread_mutex_unlock(&pool->lock);
   return rc;
+}
+
+void usmipc__pool_block_slot_token(const uint8_t token[16], uint64_t segment_id,
+                                   uint64_t offset, uint64_t size,
+                                   uint8_t out[16]) {
+  /* A MAC keyed by the record's token: whoever edits the segment, offset or
+   * size of a record (or moves a record to another segment) would need
+   * another token with the same slot tag. */
+  uint8_t msg[16 + 24];
+  memcpy(msg, "usmipc-poolblk-1", 16);
+  usmipc__put64le(msg + 16, segment_id);
+  usmipc__put64le(msg + 24, offset);
+  usmipc__put64le(msg + 32, size);
+  usmipc__mac(out, token, msg, sizeof(msg));
 }
 
 int usmipc__pool_block_live(void *segment, const usmipc__wire_t *w) {

@@ -119,6 +119,7 @@
   X(event_import_sweep)                                                        \
   X(pool_basics)                                                               \
   X(pool_cross_process)                                                        \
+  X(pool_block_record_forged)                                                  \
   X(pool_hundred_thousand_blocks)                                              \
   X(pool_million_blocks)                                                       \
   X(pool_odd_sizes_coalesce)                                                   \
