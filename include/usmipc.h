@@ -208,7 +208,8 @@ USMIPC_API int usmipc_malloc_flags(usmipc_device_t *device,
 USMIPC_API int usmipc_pool_create(usmipc_device_t *device, size_t capacity,
                                   unsigned flags, usmipc_pool_t **pool);
 /* A block of nbytes aligned to alignment (0: 256; a power of two up to
- * 2 MiB). usmipc_free returns it to the pool. */
+ * 2 MiB; less gives 256), taking nbytes rounded up to a multiple of 256.
+ * usmipc_free returns it to the pool. */
 USMIPC_API int usmipc_pool_malloc(usmipc_pool_t *pool, size_t nbytes,
                                   size_t alignment, void **ptr);
 /* Frees the pool's segments (importers keep their mappings);

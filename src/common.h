@@ -349,6 +349,12 @@ extern usmipc__stats_t usmipc__stats;
 #define USMIPC__RELEASE_RECORD_LEN 32
 #define USMIPC__EXT_BLOCK 0x8101u /* in memory handles: a pool block */
 #define USMIPC__BLOCK_RECORD_LEN 48
+/* The buffer id of a pool segment has this bit set, and no other buffer id
+ * has (usmipc__new_buffer_id stays below it). The exporter's table states
+ * the id, so an edited handle cannot clear the bit and still open: a handle
+ * of a pool segment is opened only with a block record (usmipc_ipc_open;
+ * bundles, whose own slot is their capability, map segments whole). */
+#define USMIPC__POOL_SEGMENT_ID ((uint64_t)1 << 63)
 /* In memory handles: the allocation is a run of physical chunks (another
  * library's CUDA VMM memory), each shared as its own descriptor. u16 chunk
  * count, u16 run count, u32 0, then per run of equal chunks u64 chunk size,
@@ -508,6 +514,16 @@ int usmipc__pool_query(void *segment, const void *ptr,
                        usmipc_pointer_info_t *info);
 /* 1 while the block w's record names is allocated (same process). */
 int usmipc__pool_block_live(void *segment, const usmipc__wire_t *w);
+/* The token whose usmipc__slot_tag a block's export slot holds: the block
+ * record's token bound to the segment (its buffer id), the block's offset
+ * and size, so that a record opens only the block it was issued for. */
+void usmipc__pool_block_slot_token(const uint8_t token[16], uint64_t segment_id,
+                                   uint64_t offset, uint64_t size,
+                                   uint8_t out[16]);
+/* The pool's free space: bytes and ranges (a test hook: after every block
+ * is freed, one range per segment holding all its bytes). */
+void usmipc__pool_free_space(usmipc_pool_t *pool, size_t *bytes,
+                             size_t *ranges);
 /* ---- the PyTorch allocator (torch_allocator.c) ----------------------------
  * usmipc_torch_* on any backend's device ordinal (the public calls are the
  * CUDA ones): the C tests drive the host's pools with these. */

@@ -1109,9 +1109,14 @@ static int check_block(const usmipc__wire_t *w) {
                         "the pool block this handle names has been freed "
                         "(this process exported it)");
   }
+  /* The slot's tag binds the record to the segment, offset and size it was
+   * issued for: a record moved to another segment or block is refused. */
+  uint8_t bound[16];
+  usmipc__pool_block_slot_token(w->block_token, w->buffer_id, w->block_offset,
+                                w->block_size, bound);
   int state;
-  int rc = usmipc__peer_slot_state(w, w->block_slot, w->block_id,
-                                   w->block_token, &w->block_size, &state);
+  int rc = usmipc__peer_slot_state(w, w->block_slot, w->block_id, bound,
+                                   &w->block_size, &state);
   if (rc != 0 || state > 0)
     return rc;
   return usmipc__fail(USMIPC_EEXPORTERGONE,
@@ -1120,6 +1125,48 @@ static int check_block(const usmipc__wire_t *w) {
                             "names (or the handle's block record is forged)"
                           : "process %u, which exported the pool block, has "
                             "exited",
+                      w->pid);
+}
+
+/* A pool segment opens only through a live block: its bare handle (the
+ * block record cut off, the checksum recomputed) would map the whole
+ * segment for as long as the segment lives, whatever was freed and reused
+ * in it. Segment ids carry USMIPC__POOL_SEGMENT_ID, and the exporter's
+ * table states the id, so clearing the bit makes the handle name nothing;
+ * an id with the bit that the exporter does not export is reported as
+ * such. Bundles map segments whole through usmipc__open_mapping: their own
+ * slot is their capability. (test: pool_block_record_forged) */
+static int refuse_bare_segment(const usmipc__wire_t *w) {
+  const usmipc__process_t *self = usmipc__self_basic();
+  int state = 1;
+  if (w->nonce == self->nonce && w->pid == self->pid) {
+    pthread_mutex_lock(&usmipc__registry_lock);
+    usmipc__region_t *r =
+        usmipc__region_find((const void *)(uintptr_t)w->exporter_base);
+    state = r != NULL && r->origin == USMIPC__LOCAL &&
+            r->buffer_id == w->buffer_id && r->pool_segment != NULL;
+    pthread_mutex_unlock(&usmipc__registry_lock);
+  } else if (w->export_slot >= USMIPC__TABLE_SLOTS) {
+    state = 0;
+  } else {
+    uint64_t size = w->allocation_size;
+    int rc = usmipc__peer_slot_state(w, w->export_slot, w->buffer_id, w->token,
+                                     &size, &state);
+    if (rc != 0)
+      return rc;
+  }
+  if (state < 0)
+    return usmipc__fail_exporter_exited(w, 0);
+  if (state == 0)
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "process %u does not export the memory this handle "
+                        "names (freed, revoked, or the handle is forged)",
+                        w->pid);
+  return usmipc__fail(USMIPC_EBADHANDLE,
+                      "not a valid usmipc IPC handle: it names a pool segment "
+                      "of process %u but carries no pool block record "
+                      "(0x8101); open the handle of a block, as the exporter "
+                      "made it",
                       w->pid);
 }
 
@@ -1158,6 +1205,8 @@ int usmipc_ipc_open_ex(const void *data, size_t len, usmipc_device_t *device,
                         queue->device->filter, device->filter);
   if (device == NULL && queue != NULL)
     device = queue->device;
+  if ((w.buffer_id & USMIPC__POOL_SEGMENT_ID) && !w.has_block)
+    return refuse_bare_segment(&w);
   if (w.has_block && (rc = check_block(&w)) != 0)
     return rc;
   if ((rc = usmipc__open_mapping(&w, device, nbytes, -1, ptr, mapped_nbytes)) !=

@@ -39,7 +39,8 @@ static void registry_init(void) {
    * guessable by another; they are unique within the process, and the
    * (pid, nonce) pair in the handle makes them unique on the host. */
   usmipc__random(&next_buffer_id, sizeof(next_buffer_id));
-  next_buffer_id |= 1;
+  /* Below 2^62: never reaches USMIPC__POOL_SEGMENT_ID, the pools' bit. */
+  next_buffer_id = (next_buffer_id >> 2) | 1;
 }
 
 static void registry_ensure(void) {

@@ -12,8 +12,15 @@
  *
  * Growth: the first segment has the pool's capacity (64 MiB when 0), each
  * next one twice the last, up to 1 GiB, and always enough for the request:
- * a block never spans two segments. Blocks are placed first fit in a
- * segment's free list (sorted by offset; neighbours coalesce on free).
+ * a block never spans two segments.
+ *
+ * Placement: every block starts at a multiple of 256 bytes and takes a
+ * multiple of 256 bytes, so no gap a block leaves is too small for another
+ * (a 64-byte block once left a 192-byte range that first fit walked past
+ * at every later allocation: quadratic). The free ranges of all segments
+ * sit in size classes (powers of two, a bitmap of the non-empty ones) and
+ * in two hashes keyed by where they start and end, so that allocation and
+ * free, coalescing included, cost O(1) however many blocks live.
  *
  * The trust unit is the segment: whoever holds a block's handle maps the
  * whole segment (the block record only decides what usmipc opens). Users
@@ -30,18 +37,28 @@
 #define POOL_MIN_SEGMENT ((size_t)64 << 20)
 #define POOL_MAX_GROWTH ((size_t)1 << 30)
 #define POOL_DEFAULT_ALIGN 256
+#define POOL_GRANULE ((size_t)256) /* offsets and spans are multiples */
+#define POOL_CLASSES 64
+/* Ranges of a block's own size class looked at before a larger class's
+ * first one (which always fits): a bound, so a class full of ranges a
+ * little too small (or misaligned) costs no walk. */
+#define POOL_CLASS_SCAN 16
+
+struct segment;
 
 typedef struct range {
-  size_t off, size;
-  struct range *next;
+  struct segment *seg;
+  size_t off, size;                      /* multiples of POOL_GRANULE */
+  struct range *class_prev, *class_next; /* its size class, newest first */
+  struct range *at_start, *at_end;       /* hash chains */
 } range_t;
 
 typedef struct segment {
   usmipc_pool_t *pool;
   void *base;
   size_t size;
-  range_t *free; /* sorted by offset, coalesced */
-  size_t live;   /* blocks allocated in it */
+  uint64_t buffer_id; /* its region's, with USMIPC__POOL_SEGMENT_ID */
+  size_t live; /* blocks allocated in it */
   struct segment *next;
 } segment_t;
 
@@ -49,6 +66,7 @@ typedef struct block {
   uint64_t id;
   segment_t *seg;
   size_t off, size;
+  size_t span; /* size rounded up to POOL_GRANULE: what it takes */
   bool exported;
   uint32_t slot;
   uint8_t token[16];
@@ -65,7 +83,49 @@ struct usmipc_pool {
   block_t **buckets;
   size_t nbuckets, nblocks;
   size_t block_bytes; /* the sizes of the live blocks, summed */
+  /* The free ranges: size classes, class i holding sizes in [2^i, 2^i+1). */
+  range_t *classes[POOL_CLASSES];
+  uint64_t class_map;       /* bit i: class i is not empty */
+  range_t **starts, **ends; /* hashes by (segment, start) and (segment, end) */
+  size_t nslots, nranges;
+  size_t free_bytes;
+  range_t *spare; /* so that splitting a range cannot fail */
+  /* Blocks come from slabs of the pool's own, kept until it is destroyed:
+   * a million allocations after a million frees touch no new page and call
+   * no malloc. */
+  struct block_slab *slabs;
+  block_t *free_blocks; /* chained by next */
 };
+
+#define POOL_SLAB_BLOCKS 4096
+typedef struct block_slab {
+  struct block_slab *next;
+  block_t blocks[POOL_SLAB_BLOCKS];
+} block_slab_t;
+
+/* A zeroed block, or NULL; pool lock held. */
+static block_t *block_new(usmipc_pool_t *pool) {
+  if (pool->free_blocks == NULL) {
+    block_slab_t *slab = malloc(sizeof(*slab));
+    if (slab == NULL)
+      return NULL;
+    slab->next = pool->slabs;
+    pool->slabs = slab;
+    for (size_t i = POOL_SLAB_BLOCKS; i-- > 0;) {
+      slab->blocks[i].next = pool->free_blocks;
+      pool->free_blocks = &slab->blocks[i];
+    }
+  }
+  block_t *b = pool->free_blocks;
+  pool->free_blocks = b->next;
+  memset(b, 0, sizeof(*b));
+  return b;
+}
+
+static void block_release(usmipc_pool_t *pool, block_t *b) {
+  b->next = pool->free_blocks;
+  pool->free_blocks = b;
+}
 
 /* Every live pool, so that fork() can take their locks: a child forked
  * while another thread held a pool's lock would inherit it held, and its
@@ -90,9 +150,14 @@ void usmipc__pools_fork_parent(void) {
 
 void usmipc__pools_fork_child(void) { usmipc__pools_fork_parent(); }
 
+/* The 64 KiB window of p hashed, plus p's granule in it: blocks allocated
+ * one after another land in neighbouring buckets, so that a million of
+ * them cost no more cache misses each than a thousand; large blocks, one a
+ * window, still spread over the whole table. */
 static size_t hash_ptr(const void *p, size_t n) {
-  uint64_t h = (uint64_t)(uintptr_t)p * 0x9e3779b97f4a7c15ull;
-  return (size_t)(h >> 17) & (n - 1);
+  uint64_t a = (uint64_t)(uintptr_t)p;
+  uint64_t h = ((a >> 16) * 0x9e3779b97f4a7c15ull) >> 24;
+  return (size_t)(h + ((a >> 8) & 255)) & (n - 1);
 }
 
 static block_t *block_at(usmipc_pool_t *pool, const void *p) {
@@ -169,6 +234,8 @@ int usmipc_pool_create(usmipc_device_t *device, size_t capacity, unsigned flags,
   return 0;
 }
 
+static void range_insert(usmipc_pool_t *pool, range_t *r);
+
 /* A new segment of at least need bytes; pool lock held, and dropped while
  * the segment is allocated (the lock order is registry, then pool: an
  * export holds the registry lock when it asks the pool for its block). */
@@ -196,23 +263,26 @@ static int segment_new(usmipc_pool_t *pool, size_t need, segment_t **out) {
   seg->pool = pool;
   seg->base = base;
   seg->size = size;
-  all->off = 0;
-  all->size = size;
-  seg->free = all;
   /* The region is ours alone until its pointer is handed out: marked
    * without the registry lock held under the pool's (lock order). */
   pthread_mutex_unlock(&pool->lock);
   pthread_mutex_lock(&usmipc__registry_lock);
   usmipc__region_t *r = usmipc__region_find(base);
   r->pool_segment = seg;
+  /* Not exported yet, so no handle names the old id. */
+  r->buffer_id |= USMIPC__POOL_SEGMENT_ID;
+  seg->buffer_id = r->buffer_id;
   pthread_mutex_unlock(&usmipc__registry_lock);
   pthread_mutex_lock(&pool->lock);
-  /* Appended: first fit walks the segments oldest first, so freed space
-   * of the first segments is taken again before new segments fill. */
+  /* Appended, oldest first (pool_get_info walks them). */
   segment_t **tail = &pool->segments;
   while (*tail)
     tail = &(*tail)->next;
   *tail = seg;
+  all->seg = seg;
+  all->off = 0;
+  all->size = size & ~(POOL_GRANULE - 1);
+  range_insert(pool, all);
   size_t grown = pool->next_segment * 2;
   pool->next_segment = grown > POOL_MAX_GROWTH ? POOL_MAX_GROWTH : grown;
   if (pool->next_segment < POOL_MIN_SEGMENT)
@@ -221,66 +291,199 @@ static int segment_new(usmipc_pool_t *pool, size_t need, segment_t **out) {
   return 0;
 }
 
-/* First fit of nbytes at alignment in seg: the offset, or SIZE_MAX. */
-static size_t segment_take(segment_t *seg, size_t nbytes, size_t align) {
-  for (range_t **l = &seg->free; *l; l = &(*l)->next) {
-    range_t *r = *l;
-    size_t start = (r->off + align - 1) & ~(align - 1);
-    if (start < r->off || start - r->off > r->size ||
-        r->size - (start - r->off) < nbytes)
-      continue;
-    size_t before = start - r->off, after = r->size - before - nbytes;
-    if (before == 0 && after == 0) {
-      *l = r->next;
-      free(r);
-    } else if (before == 0) {
-      r->off += nbytes;
-      r->size = after;
-    } else if (after == 0) {
-      r->size = before;
-    } else {
-      range_t *tail = malloc(sizeof(*tail));
-      if (tail == NULL)
-        return SIZE_MAX;
-      tail->off = start + nbytes;
-      tail->size = after;
-      tail->next = r->next;
-      r->size = before;
-      r->next = tail;
-    }
-    return start;
-  }
-  return SIZE_MAX;
+/* ---- free ranges ----------------------------------------------------------
+ * Pool lock held throughout. */
+
+static unsigned size_class(size_t size) {
+  return 63u - (unsigned)__builtin_clzll((unsigned long long)size);
 }
 
-static void segment_give(segment_t *seg, size_t off, size_t size) {
-  range_t **l = &seg->free, *prev = NULL;
-  while (*l && (*l)->off < off) {
-    prev = *l;
-    l = &(*l)->next;
+static size_t range_hash(const segment_t *seg, size_t at, size_t n) {
+  uint64_t h =
+      ((uint64_t)(uintptr_t)seg ^ (uint64_t)at * 0xff51afd7ed558ccdull) *
+      0x9e3779b97f4a7c15ull;
+  return (size_t)(h >> 23) & (n - 1);
+}
+
+/* Doubles the hashes when they hold more ranges than slots; a failed
+ * allocation keeps the old ones (longer chains, nothing lost). */
+static void ranges_rehash(usmipc_pool_t *pool) {
+  size_t n = pool->nslots ? pool->nslots * 2 : 256;
+  range_t **starts = calloc(n, sizeof(*starts)),
+          **ends = calloc(n, sizeof(*ends));
+  if (starts == NULL || ends == NULL) {
+    free(starts);
+    free(ends);
+    return;
   }
-  range_t *next = *l;
-  if (prev && prev->off + prev->size == off) {
-    prev->size += size;
-    if (next && prev->off + prev->size == next->off) {
-      prev->size += next->size;
-      prev->next = next->next;
-      free(next);
+  for (size_t i = 0; i < pool->nslots; i++)
+    for (range_t *r = pool->starts[i], *next; r; r = next) {
+      next = r->at_start;
+      size_t hs = range_hash(r->seg, r->off, n),
+             he = range_hash(r->seg, r->off + r->size, n);
+      r->at_start = starts[hs];
+      starts[hs] = r;
+      r->at_end = ends[he];
+      ends[he] = r;
     }
-    return;
+  free(pool->starts);
+  free(pool->ends);
+  pool->starts = starts;
+  pool->ends = ends;
+  pool->nslots = n;
+}
+
+static void range_insert(usmipc_pool_t *pool, range_t *r) {
+  if (pool->nranges + 1 > pool->nslots)
+    ranges_rehash(pool);
+  unsigned c = size_class(r->size);
+  r->class_prev = NULL;
+  r->class_next = pool->classes[c];
+  if (r->class_next != NULL)
+    r->class_next->class_prev = r;
+  pool->classes[c] = r;
+  pool->class_map |= (uint64_t)1 << c;
+  size_t hs = range_hash(r->seg, r->off, pool->nslots),
+         he = range_hash(r->seg, r->off + r->size, pool->nslots);
+  r->at_start = pool->starts[hs];
+  pool->starts[hs] = r;
+  r->at_end = pool->ends[he];
+  pool->ends[he] = r;
+  pool->nranges++;
+  pool->free_bytes += r->size;
+}
+
+static void range_unlink(usmipc_pool_t *pool, range_t *r) {
+  unsigned c = size_class(r->size);
+  if (r->class_prev != NULL)
+    r->class_prev->class_next = r->class_next;
+  else if ((pool->classes[c] = r->class_next) == NULL)
+    pool->class_map &= ~((uint64_t)1 << c);
+  if (r->class_next != NULL)
+    r->class_next->class_prev = r->class_prev;
+  range_t **l = &pool->starts[range_hash(r->seg, r->off, pool->nslots)];
+  while (*l != r)
+    l = &(*l)->at_start;
+  *l = r->at_start;
+  l = &pool->ends[range_hash(r->seg, r->off + r->size, pool->nslots)];
+  while (*l != r)
+    l = &(*l)->at_end;
+  *l = r->at_end;
+  pool->nranges--;
+  pool->free_bytes -= r->size;
+}
+
+/* The free range of seg that starts (or ends) at offset at, or NULL. */
+static range_t *range_starting(usmipc_pool_t *pool, segment_t *seg, size_t at) {
+  range_t *r = pool->starts[range_hash(seg, at, pool->nslots)];
+  while (r != NULL && (r->seg != seg || r->off != at))
+    r = r->at_start;
+  return r;
+}
+
+static range_t *range_ending(usmipc_pool_t *pool, segment_t *seg, size_t at) {
+  range_t *r = pool->ends[range_hash(seg, at, pool->nslots)];
+  while (r != NULL && (r->seg != seg || r->off + r->size != at))
+    r = r->at_end;
+  return r;
+}
+
+/* Where a block of span bytes at alignment (at least the granule) starts in
+ * r, aligned as an address (a segment's base may be aligned less than the
+ * block), or SIZE_MAX if it does not fit. */
+static size_t range_fit(const range_t *r, size_t span, size_t align) {
+  uintptr_t base = (uintptr_t)r->seg->base;
+  size_t start =
+      (size_t)(((base + r->off + align - 1) & ~(uintptr_t)(align - 1)) - base);
+  if (start - r->off > r->size || r->size - (start - r->off) < span)
+    return SIZE_MAX;
+  return start;
+}
+
+/* Gives [off, off + size) of seg back, merged with the free neighbours. */
+static void pool_give(usmipc_pool_t *pool, segment_t *seg, size_t off,
+                      size_t size) {
+  range_t *r = range_ending(pool, seg, off);
+  if (r != NULL) {
+    range_unlink(pool, r);
+    off = r->off;
+    size += r->size;
   }
-  if (next && off + size == next->off) {
-    next->off = off;
-    next->size += size;
-    return;
+  range_t *next = range_starting(pool, seg, off + size);
+  if (next != NULL) {
+    range_unlink(pool, next);
+    size += next->size;
+    if (r == NULL)
+      r = next;
+    else
+      free(next);
   }
-  range_t *r = malloc(sizeof(*r));
-  if (r == NULL)
+  if (r == NULL && (r = pool->spare) != NULL)
+    pool->spare = NULL;
+  if (r == NULL && (r = malloc(sizeof(*r))) == NULL)
     return; /* the space is lost to the pool, nothing worse */
+  r->seg = seg;
   r->off = off;
   r->size = size;
-  r->next = next;
-  *l = r;
+  range_insert(pool, r);
+}
+
+/* Takes span bytes at alignment: good fit from the size classes. A range of
+ * the block's own class if one of the first few fits, else the first range
+ * of any larger class that fits (looking a few deep into each class too
+ * small to fit always); from the first class whose every range fits (size
+ * at least span + align - granule), its first. O(1): at most
+ * POOL_CLASS_SCAN ranges per class, and 64 classes. pool->spare must be
+ * set. */
+static bool pool_take(usmipc_pool_t *pool, size_t span, size_t align,
+                      segment_t **seg, size_t *off) {
+  size_t sure = span + align - POOL_GRANULE;
+  unsigned lo = size_class(span);
+  unsigned sure_class = size_class(sure) + ((sure & (sure - 1)) != 0);
+  range_t *found = NULL;
+  size_t start = SIZE_MAX;
+  for (unsigned c = lo; c < sure_class && c < POOL_CLASSES && !found; c++) {
+    range_t *r = pool->classes[c];
+    for (int k = 0; r != NULL && k < POOL_CLASS_SCAN; k++, r = r->class_next)
+      if ((start = range_fit(r, span, align)) != SIZE_MAX) {
+        found = r;
+        break;
+      }
+  }
+  /* (Each class's first fits unless a segment's base is aligned less than
+   * the granule, which no backend does: then the next class is tried.) */
+  uint64_t map = sure_class < POOL_CLASSES
+                     ? pool->class_map & ~(((uint64_t)1 << sure_class) - 1)
+                     : 0;
+  for (; found == NULL && map != 0; map &= map - 1)
+    if ((start = range_fit(pool->classes[__builtin_ctzll(map)], span, align)) !=
+        SIZE_MAX)
+      found = pool->classes[__builtin_ctzll(map)];
+  if (found == NULL)
+    return false;
+  *seg = found->seg;
+  range_unlink(pool, found);
+  size_t before = start - found->off, after = found->size - before - span;
+  if (before > 0) { /* the range keeps what lies before the block */
+    found->size = before;
+    range_insert(pool, found);
+    found = NULL;
+  }
+  if (after > 0) { /* ... and what lies after, in it or in the spare */
+    range_t *tail = found;
+    if (tail == NULL) {
+      tail = pool->spare;
+      pool->spare = NULL;
+    }
+    tail->seg = *seg;
+    tail->off = start + span;
+    tail->size = after;
+    range_insert(pool, tail);
+  } else {
+    free(found); /* taken whole (NULL when split before) */
+  }
+  *off = start;
+  return true;
 }
 
 int usmipc_pool_malloc(usmipc_pool_t *pool, size_t nbytes, size_t alignment,
@@ -304,36 +507,43 @@ int usmipc_pool_malloc(usmipc_pool_t *pool, size_t nbytes, size_t alignment,
                         "usmipc_pool_malloc: %zu bytes is more than any "
                         "device holds",
                         nbytes);
-  block_t *b = calloc(1, sizeof(*b));
-  if (b == NULL)
-    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  /* A multiple of the granule, at an alignment of at least the granule:
+   * what the block leaves free stays usable (see the top of the file). */
+  size_t span = (nbytes + POOL_GRANULE - 1) & ~(POOL_GRANULE - 1);
+  if (alignment < POOL_GRANULE)
+    alignment = POOL_GRANULE;
   pthread_mutex_lock(&pool->lock);
-  size_t off = SIZE_MAX;
-  segment_t *seg;
-  for (seg = pool->segments; seg && off == SIZE_MAX;
-       seg = off == SIZE_MAX ? seg->next : seg)
-    off = segment_take(seg, nbytes, alignment);
   int rc = 0;
-  if (off == SIZE_MAX) {
-    rc = segment_new(pool, nbytes + alignment, &seg);
-    if (rc == 0)
-      off = segment_take(seg, nbytes, alignment);
-    if (rc == 0 && off == SIZE_MAX)
+  if (pool->spare == NULL && (pool->spare = malloc(sizeof(range_t))) == NULL)
+    rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  segment_t *seg = NULL;
+  size_t off = SIZE_MAX;
+  if (rc == 0 && !pool_take(pool, span, alignment, &seg, &off)) {
+    rc = segment_new(pool, span + alignment, &seg);
+    /* The lock was dropped meanwhile: another thread may have taken the
+     * spare, or the new segment. */
+    if (rc == 0 && pool->spare == NULL &&
+        (pool->spare = malloc(sizeof(range_t))) == NULL)
+      rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+    if (rc == 0 && !pool_take(pool, span, alignment, &seg, &off))
       rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
   }
   if (rc == 0 && pool->nblocks + 1 > pool->nbuckets)
     rc = hash_grow(pool);
+  block_t *b = rc == 0 ? block_new(pool) : NULL;
+  if (rc == 0 && b == NULL)
+    rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
   if (rc != 0) {
     if (off != SIZE_MAX)
-      segment_give(seg, off, nbytes);
+      pool_give(pool, seg, off, span);
     pthread_mutex_unlock(&pool->lock);
-    free(b);
     return rc;
   }
   b->id = usmipc__new_buffer_id();
   b->seg = seg;
   b->off = off;
   b->size = nbytes;
+  b->span = span;
   b->slot = USMIPC__NO_SLOT;
   void *p = (uint8_t *)seg->base + off;
   size_t h = hash_ptr(p, pool->nbuckets);
@@ -371,9 +581,9 @@ int usmipc__pool_free(void *segment, void *ptr) {
    * space may be handed out again at once: a new block has a new id. */
   if (b->exported)
     usmipc__exports_remove(b->slot);
-  segment_give(b->seg, b->off, b->size);
+  pool_give(pool, b->seg, b->off, b->span);
+  block_release(pool, b);
   pthread_mutex_unlock(&pool->lock);
-  free(b);
   return 0;
 }
 
@@ -428,14 +638,22 @@ int usmipc_pool_destroy(usmipc_pool_t *pool) {
       r->pool_segment = NULL;
     pthread_mutex_unlock(&usmipc__registry_lock);
     usmipc_free(seg->base); /* importers keep their mappings */
-    for (range_t *f = seg->free, *fn; f; f = fn) {
-      fn = f->next;
-      free(f);
-    }
     free(seg);
     seg = next;
   }
   free(pool->buckets);
+  for (size_t i = 0; i < pool->nslots; i++) /* each range is in one chain */
+    for (range_t *r = pool->starts[i], *next; r; r = next) {
+      next = r->at_start;
+      free(r);
+    }
+  free(pool->starts);
+  free(pool->ends);
+  free(pool->spare);
+  for (block_slab_t *slab = pool->slabs, *next; slab; slab = next) {
+    next = slab->next;
+    free(slab);
+  }
   pthread_mutex_destroy(&pool->lock);
   free(pool);
   return 0;
@@ -465,10 +683,13 @@ int usmipc__pool_export(void *segment, const void *ptr, size_t *nbytes,
                         *nbytes, in, b->size);
   }
   if (rc == 0 && !b->exported) {
+    uint8_t bound[16];
     rc = usmipc__random(b->token, 16);
+    usmipc__pool_block_slot_token(b->token, seg->buffer_id, b->off, b->size,
+                                  bound);
     if (rc == 0)
       rc = usmipc__exports_add(b->id, UINT32_MAX, b->size,
-                               usmipc__slot_tag(usmipc__self()->key, b->token),
+                               usmipc__slot_tag(usmipc__self()->key, bound),
                                &b->slot, &(uint32_t){0});
     b->exported = rc == 0;
   }
@@ -488,6 +709,20 @@ int usmipc__pool_export(void *segment, const void *ptr, size_t *nbytes,
   }
   pthread_mutex_unlock(&pool->lock);
   return rc;
+}
+
+void usmipc__pool_block_slot_token(const uint8_t token[16], uint64_t segment_id,
+                                   uint64_t offset, uint64_t size,
+                                   uint8_t out[16]) {
+  /* A MAC keyed by the record's token: whoever edits the segment, offset or
+   * size of a record (or moves a record to another segment) would need
+   * another token with the same slot tag. */
+  uint8_t msg[16 + 24];
+  memcpy(msg, "usmipc-poolblk-1", 16);
+  usmipc__put64le(msg + 16, segment_id);
+  usmipc__put64le(msg + 24, offset);
+  usmipc__put64le(msg + 32, size);
+  usmipc__mac(out, token, msg, sizeof(msg));
 }
 
 int usmipc__pool_block_live(void *segment, const usmipc__wire_t *w) {
@@ -523,4 +758,12 @@ int usmipc__pool_query(void *segment, const void *ptr,
                         ptr);
   }
   return 0;
+}
+
+void usmipc__pool_free_space(usmipc_pool_t *pool, size_t *bytes,
+                             size_t *ranges) {
+  pthread_mutex_lock(&pool->lock);
+  *bytes = pool->free_bytes;
+  *ranges = pool->nranges;
+  pthread_mutex_unlock(&pool->lock);
 }

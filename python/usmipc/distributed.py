@@ -268,8 +268,18 @@ def _run(engine: "_Engine", mem: Any, device: DeviceLike,
         if bundle is not None:  # a peer that got our bytes may map them
             _keep_forever(bundle, mem)
         raise
-    failures = {r: f"rank {r} could not share its memory: {rec['error']}"
-                for r, rec in enumerate(records) if rec["error"] is not None}
+    # Peers' records are checked before any field is used: a rank that sends
+    # something else fails the exchange alike on every rank, named.
+    failures = {}
+    for r, rec in enumerate(records):
+        why = _record_problem(rec)
+        if why is not None:
+            failures[r] = (f"rank {r} sent a malformed exchange record "
+                           f"({why}); every rank must run the same "
+                           "usmipc.distributed")
+        elif rec["error"] is not None:
+            failures[r] = (f"rank {r} could not share its memory: "
+                           f"{rec['error']}")
     if failures:  # nothing is mapped yet: every rank raises
         raise ExchangeError(_summary(failures), failures) from failure
 
@@ -297,7 +307,11 @@ def _run(engine: "_Engine", mem: Any, device: DeviceLike,
         _close_mapped(entries, me)
         _keep_forever(bundle, mem)
         raise
-    failures = {r: e for r, e in enumerate(errors) if e is not None}
+    failures = {r: e if isinstance(e, str) else
+                (f"rank {r} sent a malformed error report (a "
+                 f"{type(e).__name__}, not a string or None); every rank "
+                 "must run the same usmipc.distributed")
+                for r, e in enumerate(errors) if e is not None}
     if failures:
         _close_mapped(entries, me)
         try:
@@ -307,6 +321,30 @@ def _run(engine: "_Engine", mem: Any, device: DeviceLike,
             raise
         raise ExchangeError(_summary(failures), failures) from failure
     return Exchange(engine, entries, apart, local, bundle, mem, target)
+
+
+# What each rank's record holds: its key, the types its value may have.
+_RECORD_FIELDS = (("boot", (str,)), ("host", (str,)), ("pid", (int,)),
+                  ("bundle", (bytes, type(None))),
+                  ("error", (str, type(None))))
+
+
+def _record_problem(rec: Any) -> Optional[str]:
+    """What is wrong with a peer's record (a clause), or None."""
+    if not isinstance(rec, dict):
+        return f"a {type(rec).__name__}, not a dict"
+    for key, types in _RECORD_FIELDS:
+        if key not in rec:
+            return f"no {key!r} key"
+        value = rec[key]
+        # bool is an int to isinstance; a pid is not a bool
+        if not isinstance(value, types) or isinstance(value, bool):
+            allowed = " or ".join(t.__name__ for t in types)
+            return (f"{key!r} is a {type(value).__name__}, not "
+                    f"{allowed}")
+    if rec["bundle"] is None and rec["error"] is None:
+        return "neither a bundle nor an error"
+    return None
 
 
 def _close_mapped(entries: list[Any], me: int) -> None:

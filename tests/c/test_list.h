@@ -119,7 +119,10 @@
   X(event_import_sweep)                                                        \
   X(pool_basics)                                                               \
   X(pool_cross_process)                                                        \
+  X(pool_block_record_forged)                                                  \
   X(pool_hundred_thousand_blocks)                                              \
+  X(pool_million_blocks)                                                       \
+  X(pool_odd_sizes_coalesce)                                                   \
   X(pool_threads)                                                              \
   X(pool_fork_from_thread)                                                     \
   X(stats_count_driver_work)                                                   \

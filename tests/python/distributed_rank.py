@@ -280,6 +280,56 @@ def scenario_death_during(eng, out):
     out["failed_after_s"] = time.perf_counter() - t0
 
 
+# Bad records that rank 1 sends in place of its own (the first gather), or
+# of its error report (the second gather, when the name starts "report").
+BAD_RECORDS = {
+    "a list": lambda rec: ["boot", "host", "pid", "bundle", "error"],
+    "None": lambda rec: None,
+    "no bundle key": lambda rec: {k: v for k, v in rec.items()
+                                  if k != "bundle"},
+    "no keys": lambda rec: {},
+    "pid a string": lambda rec: dict(rec, pid=str(rec["pid"])),
+    "pid a bool": lambda rec: dict(rec, pid=True),
+    "bundle an int": lambda rec: dict(rec, bundle=7),
+    "bundle None without an error": lambda rec: dict(rec, bundle=None),
+    "error a list": lambda rec: dict(rec, error=["no"]),
+    "boot None": lambda rec: dict(rec, boot=None),
+    "host bytes": lambda rec: dict(rec, host=b"node"),
+    "report a dict": lambda report: {"error": report},
+}
+
+
+def scenario_bad_records(eng, out):
+    """Every honest rank raises ExchangeError naming rank 1, whatever rank 1
+    sends in place of its record; then the group still exchanges."""
+    me = eng.rank
+    cls = ud._TorchEngine if isinstance(eng, Torch) else ud._MPIEngine
+    original = cls.allgather
+    out["bad_records"] = {}
+    for name, forge in BAD_RECORDS.items():
+        report = name.startswith("report")
+        if me == 1:
+            def patched(self, obj, forge=forge, report=report):
+                if isinstance(obj, dict) != report:
+                    obj = forge(obj)
+                return original(self, obj)
+            cls.allgather = patched
+        mem, _ = fresh_memory(me)
+        try:
+            eng.exchange(mem)
+            raise AssertionError(f"{name}: the exchange succeeded")
+        except ud.ExchangeError as e:
+            assert set(e.failures) == {1}, (name, e.failures)
+            assert str(e).count("rank 1 ") >= 1, (name, str(e))
+            out["bad_records"][name] = str(e)
+        finally:
+            cls.allgather = original
+    mem, _ = fresh_memory(me)
+    ex = eng.exchange(mem)
+    assert len(ex) == eng.size
+    ex.close()
+
+
 def main():
     engine, scenario, outdir = sys.argv[1:4]
     t0 = time.perf_counter()

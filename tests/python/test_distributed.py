@@ -260,6 +260,30 @@ def test_torch_rank_missing_from_exchange(tmp_path):
         assert timeout - 1 < rep["failed_after_s"] < timeout + 30, rep
 
 
+def check_bad_records(reports, n):
+    """Every rank, rank 1 included, raised ExchangeError naming rank 1 for
+    each bad record it sent, and said what was wrong with it."""
+    assert sorted(reports) == list(range(n))
+    for r, rep in reports.items():
+        assert rep["ok"]
+        seen = rep["bad_records"]
+        assert len(seen) == 12, seen
+        for name, message in seen.items():
+            assert "rank 1 sent a malformed" in message, (r, name, message)
+        assert "not a dict" in seen["a list"]
+        assert "'bundle'" in seen["no bundle key"]
+        assert "'pid'" in seen["pid a string"] and "str" in seen["pid a string"]
+        assert "'pid'" in seen["pid a bool"]
+        assert "'host'" in seen["host bytes"]
+        assert "error report" in seen["report a dict"]
+
+
+def test_torch_gloo_bad_records(tmp_path):
+    codes, outs, reports = run_torch(tmp_path, "bad_records")
+    assert codes == [0] * NRANKS, "\n".join(outs)
+    check_bad_records(reports, NRANKS)
+
+
 # ---- mpi4py under mpirun -----------------------------------------------------
 
 
@@ -307,3 +331,9 @@ def test_mpi_two_nodes(tmp_path, fake_rsh):
     check_two_nodes(reports, NRANKS, {2, 3}, fake,
                     "is on another node by MPI's COMM_TYPE_SHARED split")
     assert "host 'node-b'" in reports[0]["reasons"]["3"]
+
+
+def test_mpi_bad_records(tmp_path):
+    code, out, reports = run_mpi(tmp_path, "bad_records", [(NRANKS, [])])
+    assert code == 0, out
+    check_bad_records(reports, NRANKS)
