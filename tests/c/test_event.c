@@ -589,6 +589,62 @@ TEST_IMPL(event_release_cross_process) {
   return 0;
 }
 
+/* A ticket of h as hex (no ordering event) into out. */
+static void ticket_hex(usmipc_ipc_handle_t *h, char *out) {
+  const void *data;
+  size_t len;
+  ASSERT_OK(usmipc_ipc_handle_order_ex(h, NULL, USMIPC_ORDER_RELEASE));
+  ASSERT_OK(usmipc_ipc_handle_data(h, &data, &len));
+  hex_encode(data, len, out);
+}
+
+/* Consumers that exit after returning their tickets: A exits normally, B
+ * has not returned its ticket yet; then B returns it and is killed. Every
+ * call of the producer's wait gives the same answer: it waits for B while B
+ * holds its ticket, and an exited consumer's returned ticket leaves nothing
+ * to wait for. Before, on a device with events (level_zero.c.*), the wait
+ * failed with EEXPORTERGONE opening the exited consumer's event and forgot
+ * the other events, so a second call returned 0 at once (the Level Zero
+ * suite's release_consumer_* tests show it with work still queued). */
+TEST_IMPL(event_release_consumer_exits) {
+  usmipc_device_t *dev = test_device();
+  void *p;
+  usmipc_ipc_handle_t *h;
+  static char ta[HEX_MAX], tb[HEX_MAX], tc[HEX_MAX];
+  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &p));
+  ASSERT_OK(usmipc_ipc_get_handle(p, 0, &h));
+  ticket_hex(h, ta);
+  ticket_hex(h, tb);
+  agent_t a, b;
+  agent_start(&a, NULL);
+  agent_start(&b, NULL);
+  AGENT_OK(&a, "release 0 %s", ta);
+  agent_stop_ok(&a);
+  ASSERT_OK(usmipc_event_set_timeout(200));
+  for (int call = 0; call < 3; call++) {
+    ASSERT_ERR(usmipc_ipc_handle_wait_released(h, NULL), USMIPC_ETIMEDOUT);
+    ASSERT_MSG(strstr(usmipc_last_error(), "1 of 2") != NULL, "%s",
+               usmipc_last_error());
+  }
+  AGENT_OK(&b, "release 0 %s", tb);
+  for (int call = 0; call < 3; call++)
+    ASSERT_OK(usmipc_ipc_handle_wait_released(h, NULL));
+  /* B returns another ticket and is killed: nothing left to wait for. */
+  ticket_hex(h, tc);
+  AGENT_OK(&b, "release 0 %s", tc);
+  agent_kill(&b);
+  usmipc_queue_t *q;
+  ASSERT_OK(usmipc_queue_create(dev, &q));
+  for (int call = 0; call < 3; call++)
+    ASSERT_OK(usmipc_ipc_handle_wait_released(h, call == 1 ? q : NULL));
+  ASSERT_OK(usmipc_queue_synchronize(q));
+  ASSERT_OK(usmipc_queue_destroy(q));
+  ASSERT_OK(usmipc_event_set_timeout(0));
+  ASSERT_OK(usmipc_ipc_free_handle(h));
+  ASSERT_OK(usmipc_free(p));
+  return 0;
+}
+
 /* In one process: the ticket is filed without the broker. */
 TEST_IMPL(event_release_same_process) {
   SKIP_WITHOUT_EVENTS();
