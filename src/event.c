@@ -1062,7 +1062,8 @@ int usmipc_event_destroy(usmipc_event_t *event) {
  * broker (usmipc__broker_release) with the handle of an event of its own,
  * recorded after its work on its queue (none for the host, or when it
  * releases from the host). The broker checks the capability (a MAC keyed by
- * the release's token, which only holders of the handle know) and files
+ * the ticket's own token, which only holders of that handoff's bytes know)
+ * and files
  * the ticket; the producer's usmipc_ipc_handle_wait_released waits until
  * every ticket came back, then for the consumers' events, on the device
  * where it can. Each ticket counts once, however often it is returned. */
@@ -1098,7 +1099,7 @@ struct pending {
 
 struct usmipc__release {
   uint64_t id;
-  uint8_t token[16];
+  uint8_t secret[16]; /* keys each ticket's own token (ticket_token) */
   uint64_t sent, released;
   uint8_t *returned; /* bit t-1: ticket t came back */
   size_t returned_bytes;
@@ -1112,7 +1113,7 @@ static int release_new(usmipc__release_t **out) {
   usmipc__release_t *r = calloc(1, sizeof(*r));
   if (r == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
-  int rc = usmipc__random(r->token, 16);
+  int rc = usmipc__random(r->secret, 16);
   if (rc == 0)
     rc = usmipc__fdxfer_serve(); /* consumers return tickets to the broker */
   if (rc != 0) {
@@ -1201,6 +1202,20 @@ void usmipc__release_free(usmipc__release_t *r) {
   free(r);
 }
 
+/* Ticket t's own token: MAC(registry secret, label || id || t). A holder
+ * of one handoff's bytes knows only its ticket's token, and the broker
+ * recomputes the token of the ticket a request names, so edited bytes that
+ * name another ticket (the number changed, the checksum recomputed) prove
+ * nothing: tests/c test_event.c event_release_ticket_own_capability. */
+static void ticket_token(const usmipc__release_t *r, uint64_t ticket,
+                         uint8_t out[16]) {
+  uint8_t msg[16 + 8 + 8];
+  memcpy(msg, "usmipc-ticket--2", 16);
+  usmipc__put64le(msg + 16, r->id);
+  usmipc__put64le(msg + 24, ticket);
+  usmipc__mac(out, r->secret, msg, sizeof(msg));
+}
+
 int usmipc__release_ticket(usmipc__release_t **slot, uint8_t *out,
                            size_t *len) {
   usmipc__release_t *r = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
@@ -1222,7 +1237,7 @@ int usmipc__release_ticket(usmipc__release_t **slot, uint8_t *out,
   usmipc__put16le(out + 2, USMIPC__RELEASE_RECORD_LEN);
   usmipc__put64le(out + 4, r->id);
   usmipc__put64le(out + 12, ticket);
-  memcpy(out + 20, r->token, 16);
+  ticket_token(r, ticket, out + 20);
   *len += 4 + USMIPC__RELEASE_RECORD_LEN;
   return 0;
 }
@@ -1273,15 +1288,19 @@ uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
   usmipc__release_t *r = releases[id % RELEASE_BUCKETS];
   while (r != NULL && r->id != id)
     r = r->next;
-  uint8_t cap[16];
-  if (r != NULL)
-    usmipc__release_capability(req, r->token, body, len, cap);
+  /* The capability is the MAC of the request under the token of the
+   * ticket it names (a never-issued number is refused first, as before). */
+  uint8_t token[16], cap[16];
+  if (r != NULL && ticket <= r->sent) {
+    ticket_token(r, ticket, token);
+    usmipc__release_capability(req, token, body, len, cap);
+  }
   if (r == NULL) {
     status = UNKNOWN;
-  } else if (!usmipc__ct_equal(cap, req + 64, 16)) {
-    status = BAD_CAPABILITY;
   } else if (ticket > r->sent) {
     status = BAD_REQUEST;
+  } else if (!usmipc__ct_equal(cap, req + 64, 16)) {
+    status = BAD_CAPABILITY;
   } else {
     status = OK;
     size_t byte = (size_t)((ticket - 1) / 8);

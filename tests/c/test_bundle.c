@@ -928,6 +928,13 @@ TEST_IMPL(bundle_release_same_process) {
   ASSERT_ERR(usmipc_ipc_release(f, len, NULL), USMIPC_EBADHANDLE);
   ASSERT_MSG(strstr(usmipc_last_error(), "never handed out") != NULL, "%s",
              usmipc_last_error());
+  /* Ticket 1's bytes edited to name ticket 2 (out, not back): each ticket
+   * is its own capability, so they return nothing. */
+  memcpy(f, data, len);
+  usmipc__put64le(f + TICKET_NUMBER_AT(len), 1);
+  reseal(f, len);
+  ASSERT_ERR(usmipc_ipc_release(f, len, NULL), USMIPC_EACCES);
+  ASSERT_RELEASES(b, 2, 1);
   /* Only an ordering record and then a ticket may follow the tree. */
   memcpy(f, data, len);
   usmipc__put16le(f + TICKET_AT(len), 0x8101); /* a pool block record */

@@ -589,6 +589,46 @@ TEST_IMPL(event_release_cross_process) {
   return 0;
 }
 
+/* Each ticket is its own capability: a holder of one handoff's bytes that
+ * edits the ticket number (and the checksum) cannot return another
+ * consumer's ticket. Before, every ticket of a handle carried the same
+ * token, so the edited ticket was accepted and the producer's wait counted
+ * a consumer that still used the memory. */
+TEST_IMPL(event_release_ticket_own_capability) {
+  agent_t ex, im;
+  static char hex[2][HEX_MAX], forged[HEX_MAX];
+  agent_start(&ex, NULL);
+  agent_start(&im, NULL);
+  AGENT_OK(&ex, "alloc 0 device 8192");
+  for (int i = 0; i < 2; i++) {
+    AGENT_OK(&ex, "exportrel 0");
+    snprintf(hex[i], sizeof(hex[i]), "%s", ex.reply);
+  }
+  /* The holder of ticket 1 returns "ticket 2" with ticket 1's token. */
+  uint8_t b[4096];
+  size_t len = hex_to_bytes(hex[0], b, sizeof(b));
+  uint8_t *rel = record_of(b, len, USMIPC__EXT_RELEASE);
+  ASSERT_NOT_NULL(rel);
+  ASSERT_UEQ(usmipc__get64le(rel + 8), 1);
+  usmipc__put64le(rel + 8, 2);
+  reseal(b, len);
+  hex_encode(b, len, forged);
+  AGENT_ERR(&im, USMIPC_EACCES, "release 0 %s", forged);
+  ASSERT_MSG(strstr(im.reply, "ticket") != NULL, "%s", im.reply);
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "2 0");
+  /* Ticket 2 is still out: its real holder returns it, then ticket 1's. */
+  AGENT_OK(&im, "release 0 %s", hex[1]);
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "2 1");
+  AGENT_OK(&im, "release 0 %s", hex[0]);
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "2 2");
+  agent_stop_ok(&ex);
+  agent_stop_ok(&im);
+  return 0;
+}
+
 /* A ticket of h as hex (no ordering event) into out. */
 static void ticket_hex(usmipc_ipc_handle_t *h, char *out) {
   const void *data;

@@ -116,6 +116,7 @@
   X(event_release_cross_process)                                               \
   X(event_release_same_process)                                                \
   X(event_release_consumer_exits)                                              \
+  X(event_release_ticket_own_capability)                                       \
   X(event_release_first_ticket_threads)                                        \
   X(event_import_sweep)                                                        \
   X(pool_basics)                                                               \
