@@ -195,7 +195,9 @@ static int host_poll(usmipc_device_t *dev, void *native, const uint8_t *table,
                             "work it ordered after may never complete",
                             pid);
     }
-    if (limit_ms != 0 && now - start >= limit_ms * 1000000ull)
+    /* Compared in milliseconds: limit_ms * 10^6 would wrap above 2^64 /
+     * 10^6 ms (18446744073709552) and time out at once. */
+    if (limit_ms != 0 && (now - start) / 1000000u >= limit_ms)
       return usmipc__fail(USMIPC_ETIMEDOUT,
                           "timed out after %llu ms waiting for an event (the "
                           "device work it follows is still running; raise "
@@ -1434,7 +1436,7 @@ int usmipc__release_wait(usmipc__release_t *const *slot,
   pthread_mutex_lock(&events_lock);
   while (r->released < r->sent) {
     uint64_t now = usmipc__now_ns();
-    if (limit_ms != 0 && now - start >= limit_ms * 1000000ull) {
+    if (limit_ms != 0 && (now - start) / 1000000u >= limit_ms) {
       uint64_t sent = r->sent, released = r->released;
       pthread_mutex_unlock(&events_lock);
       return usmipc__fail(USMIPC_ETIMEDOUT,

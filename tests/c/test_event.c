@@ -629,6 +629,57 @@ TEST_IMPL(event_release_ticket_own_capability) {
   return 0;
 }
 
+typedef struct handle_waiter {
+  usmipc_ipc_handle_t *h;
+  int rc;
+  int done; /* atomic */
+} handle_waiter_t;
+
+static void *handle_wait_thread(void *arg) {
+  handle_waiter_t *w = arg;
+  w->rc = usmipc_ipc_handle_wait_released(w->h, NULL);
+  __atomic_store_n(&w->done, 1, __ATOMIC_RELEASE);
+  return NULL;
+}
+
+/* Event timeouts of any size: milliseconds times 10^6 overflowed 64 bits
+ * above 2^64 / 10^6 ms, so usmipc_event_set_timeout(18446744073709552)
+ * timed out after 50 ms "after 18446744073709552 ms". A wait under such a
+ * limit (the largest, ULLONG_MAX, too) goes on until its ticket comes
+ * back. */
+TEST_IMPL(event_timeout_no_wrap) {
+  usmipc_device_t *dev = test_device();
+  static const unsigned long long limits[] = {18446744073709552ull,
+                                              18446744073709551615ull};
+  void *p;
+  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &p));
+  for (size_t i = 0; i < 2; i++) {
+    usmipc_ipc_handle_t *h;
+    ASSERT_OK(usmipc_ipc_get_handle(p, 0, &h));
+    ASSERT_OK(usmipc_ipc_handle_order_ex(h, NULL, USMIPC_ORDER_RELEASE));
+    const void *data;
+    size_t len;
+    uint8_t b[1024];
+    ASSERT_OK(usmipc_ipc_handle_data(h, &data, &len));
+    memcpy(b, data, len);
+    ASSERT_OK(usmipc_event_set_timeout(limits[i]));
+    handle_waiter_t w = {.h = h};
+    pthread_t t;
+    ASSERT_EQ(pthread_create(&t, NULL, handle_wait_thread, &w), 0);
+    sleep_ms(300);
+    ASSERT_MSG(__atomic_load_n(&w.done, __ATOMIC_ACQUIRE) == 0,
+               "the wait under a limit of %llu ms ended after 300 ms: %s",
+               limits[i], usmipc_err_name(w.rc));
+    ASSERT_OK(usmipc_ipc_release(b, len, NULL));
+    pthread_join(t, NULL);
+    ASSERT_OK(w.rc);
+    ASSERT_OK(usmipc_ipc_free_handle(h));
+  }
+  ASSERT_OK(usmipc_event_set_timeout(0));
+  ASSERT_OK(usmipc_free(p));
+  return 0;
+}
+
 /* A ticket of h as hex (no ordering event) into out. */
 static void ticket_hex(usmipc_ipc_handle_t *h, char *out) {
   const void *data;

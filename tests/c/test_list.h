@@ -117,6 +117,7 @@
   X(event_release_same_process)                                                \
   X(event_release_consumer_exits)                                              \
   X(event_release_ticket_own_capability)                                       \
+  X(event_timeout_no_wrap)                                                     \
   X(event_release_first_ticket_threads)                                        \
   X(event_import_sweep)                                                        \
   X(pool_basics)                                                               \
