@@ -91,7 +91,7 @@ static pthread_mutex_t events_lock = PTHREAD_MUTEX_INITIALIZER;
 #define RELEASE_BUCKETS 64
 static usmipc__release_t *releases[RELEASE_BUCKETS]; /* under events_lock */
 typedef struct consumer consumer_t;
-static consumer_t *consumers; /* returned tickets' consumers; events_lock */
+static consumer_t *consumers;  /* returned tickets' consumers; events_lock */
 static usmipc_event_t *locals; /* every live local event */
 static imported_t *imports[IMPORT_BUCKETS];
 static size_t import_count, sweep_at = 32;  /* import_sweep */
@@ -1405,8 +1405,8 @@ static int pending_wait(const struct pending *p, usmipc_queue_t *queue,
     return 0;
   }
   usmipc_event_t *ev;
-  int rc = usmipc_ipc_open_event(p->bytes, p->len,
-                                 queue ? queue->device : NULL, &ev);
+  int rc = usmipc_ipc_open_event(p->bytes, p->len, queue ? queue->device : NULL,
+                                 &ev);
   if (rc == 0) {
     rc = queue ? usmipc_event_wait(ev, queue) : usmipc_event_synchronize(ev);
     if (rc == 0)

@@ -259,8 +259,7 @@ static void check_ticket_capability(const uint8_t *data, size_t size) {
     FUZZ_CHECK(status == (k == n ? 0u : 2u),
                "ticket %u with ticket %u's token: status %u", n, k, status);
   else
-    FUZZ_CHECK(status == 0 || status == 2, "raw capability: status %u",
-               status);
+    FUZZ_CHECK(status == 0 || status == 2, "raw capability: status %u", status);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
