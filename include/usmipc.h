@@ -394,8 +394,10 @@ USMIPC_API int usmipc_event_synchronize(usmipc_event_t *event);
 USMIPC_API int usmipc_event_query(usmipc_event_t *event);
 /* The limit of every host wait on an event, in milliseconds; 0 (the
  * default, or USMIPC_EVENT_TIMEOUT_MS) waits without limit: device work may
- * legitimately take minutes. Separate from usmipc_ipc_set_timeout, which
- * bounds only the talk with an exporter. */
+ * legitimately take minutes. Every value is a limit of that many
+ * milliseconds, up to ULLONG_MAX (compared without overflow: no large
+ * value wraps into a short one). Separate from usmipc_ipc_set_timeout,
+ * which bounds only the talk with an exporter. */
 USMIPC_API int usmipc_event_set_timeout(unsigned long long timeout_ms);
 
 /* The handle of the event's latest record (none yet: a handle that is

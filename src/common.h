@@ -758,6 +758,13 @@ int usmipc__reply_check_fds(const uint8_t *rep, size_t n, const uint8_t *req,
                             bool truncated, const char *name, size_t *failed);
 /* EEXPORTERGONE for an exporter that has exited (errno e, or 0). */
 int usmipc__fail_exporter_exited(const usmipc__wire_t *w, int e);
+/* A pidfd of w's pid, proven to be w's exporter (its pidfs inode or start
+ * time); USMIPC_EEXPORTERGONE when that process has exited (peers.c). Only
+ * for a w of this PID namespace (usmipc__same_pid_namespace). */
+int usmipc__exporter_pidfd(const usmipc__wire_t *w, int *out);
+/* Whether the process of pidfd has exited, waiting up to wait_ms for it: 1
+ * exited, 0 not (yet), -1 the poll failed. */
+int usmipc__pidfd_exited(int pidfd, unsigned wait_ms);
 /* pidfd_getfd(2) of descriptor number n from the process of pidfd. */
 int usmipc__pidfd_take(int pidfd, uint32_t pid, uint32_t n, int *out);
 /* Reopens /proc/<pid>/fd/<n> without blocking on what it finds: opened

@@ -33,6 +33,7 @@
  * taken before the registry's (peer references) and the export table's,
  * never held across a wait on another process or on the device.
  */
+#include <errno.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -89,6 +90,8 @@ struct usmipc_event {
 static pthread_mutex_t events_lock = PTHREAD_MUTEX_INITIALIZER;
 #define RELEASE_BUCKETS 64
 static usmipc__release_t *releases[RELEASE_BUCKETS]; /* under events_lock */
+typedef struct consumer consumer_t;
+static consumer_t *consumers;  /* returned tickets' consumers; events_lock */
 static usmipc_event_t *locals; /* every live local event */
 static imported_t *imports[IMPORT_BUCKETS];
 static size_t import_count, sweep_at = 32;  /* import_sweep */
@@ -116,6 +119,7 @@ void usmipc__events_fork_child(void) {
   import_count = 0;
   sweep_at = 32;
   memset(releases, 0, sizeof(releases)); /* the parent's handles' */
+  consumers = NULL; /* their pidfds stay open: the parent's */
   pthread_mutex_unlock(&events_lock);
 }
 
@@ -191,7 +195,9 @@ static int host_poll(usmipc_device_t *dev, void *native, const uint8_t *table,
                             "work it ordered after may never complete",
                             pid);
     }
-    if (limit_ms != 0 && now - start >= limit_ms * 1000000ull)
+    /* Compared in milliseconds: limit_ms * 10^6 would wrap above 2^64 /
+     * 10^6 ms (18446744073709552) and time out at once. */
+    if (limit_ms != 0 && (now - start) / 1000000u >= limit_ms)
       return usmipc__fail(USMIPC_ETIMEDOUT,
                           "timed out after %llu ms waiting for an event (the "
                           "device work it follows is still running; raise "
@@ -1058,21 +1064,48 @@ int usmipc_event_destroy(usmipc_event_t *event) {
  * broker (usmipc__broker_release) with the handle of an event of its own,
  * recorded after its work on its queue (none for the host, or when it
  * releases from the host). The broker checks the capability (a MAC keyed by
- * the release's token, which only holders of the handle know) and files
+ * the ticket's own token, which only holders of that handoff's bytes know)
+ * and files
  * the ticket; the producer's usmipc_ipc_handle_wait_released waits until
  * every ticket came back, then for the consumers' events, on the device
  * where it can. Each ticket counts once, however often it is returned. */
 
+/* A returned ticket's consumer event, waited for by wait_released until it
+ * is known complete. A consumer that exits takes its device work with it
+ * (the driver tears its contexts down as the process's descriptors close),
+ * so its event then has nothing left to wait for; but an event of an exited
+ * process can no longer be opened, and an export table's owner-died mark
+ * appears before the process's descriptors are closed. So each consumer is
+ * pinned, when its ticket arrives and it lives, by a pidfd (one per
+ * process, shared by its tickets): a consumer whose event cannot be opened
+ * or waited for any more is done once that pidfd says it exited, and
+ * waited for until then. Without a pidfd (another PID namespace, a kernel
+ * without pidfd_open) the exporter-gone answer itself counts as the exit. */
+struct consumer {
+  uint32_t pid;
+  uint64_t nonce;
+  int pidfd;
+  unsigned refs; /* under events_lock */
+  struct consumer *next;
+};
+
+struct pending {
+  uint8_t *bytes; /* a consumer's event handle */
+  size_t len;
+  consumer_t *consumer; /* NULL: no pidfd (see above) */
+  bool exited;          /* the consumer had exited when its ticket came */
+  bool self;            /* an event of this process */
+  bool complete;        /* known complete: off the list; events_lock */
+  unsigned refs;        /* the registry's list and waiters; events_lock */
+};
+
 struct usmipc__release {
   uint64_t id;
-  uint8_t token[16];
+  uint8_t secret[16]; /* keys each ticket's own token (ticket_token) */
   uint64_t sent, released;
   uint8_t *returned; /* bit t-1: ticket t came back */
   size_t returned_bytes;
-  struct pending {
-    uint8_t *bytes; /* a consumer's event handle */
-    size_t len;
-  } * pending;
+  struct pending **pending; /* events not yet known complete */
   size_t npending, cap_pending;
   pthread_cond_t cond;
   struct usmipc__release *next;
@@ -1082,7 +1115,7 @@ static int release_new(usmipc__release_t **out) {
   usmipc__release_t *r = calloc(1, sizeof(*r));
   if (r == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
-  int rc = usmipc__random(r->token, 16);
+  int rc = usmipc__random(r->secret, 16);
   if (rc == 0)
     rc = usmipc__fdxfer_serve(); /* consumers return tickets to the broker */
   if (rc != 0) {
@@ -1103,9 +1136,53 @@ static int release_new(usmipc__release_t **out) {
   return 0;
 }
 
-static void pending_clear(struct pending *p, size_t n) {
-  for (size_t i = 0; i < n; i++)
-    free(p[i].bytes);
+/* Drops a reference to a pending event, and to its consumer with the last;
+ * events_lock held. */
+static void pending_drop(struct pending *p) {
+  if (--p->refs != 0)
+    return;
+  consumer_t *c = p->consumer;
+  if (c != NULL && --c->refs == 0) {
+    for (consumer_t **l = &consumers; *l; l = &(*l)->next)
+      if (*l == c) {
+        *l = c->next;
+        break;
+      }
+    close(c->pidfd);
+    free(c);
+  }
+  free(p->bytes);
+  free(p);
+}
+
+/* The consumer record of event wire w's process, with a reference: found,
+ * or made with a pidfd proven to be that process. NULL when there is none
+ * to make (another PID namespace, no pidfd_open); *exited when the process
+ * has exited already. events_lock held; the proof is a pidfd_open and a
+ * read of /proc, no talk with the consumer. */
+static consumer_t *consumer_get(const usmipc__wire_t *w, bool *exited) {
+  *exited = false;
+  for (consumer_t *c = consumers; c; c = c->next)
+    if (c->pid == w->pid && c->nonce == w->nonce) {
+      c->refs++;
+      return c;
+    }
+  if (!usmipc__same_pid_namespace(w))
+    return NULL;
+  int pidfd;
+  int rc = usmipc__exporter_pidfd(w, &pidfd);
+  if (rc != 0) {
+    *exited = rc == USMIPC_EEXPORTERGONE;
+    return NULL;
+  }
+  consumer_t *c = malloc(sizeof(*c));
+  if (c == NULL) {
+    close(pidfd);
+    return NULL;
+  }
+  *c = (consumer_t){w->pid, w->nonce, pidfd, 1, consumers};
+  consumers = c;
+  return c;
 }
 
 void usmipc__release_free(usmipc__release_t *r) {
@@ -1118,12 +1195,27 @@ void usmipc__release_free(usmipc__release_t *r) {
       *l = r->next;
       break;
     }
+  for (size_t i = 0; i < r->npending; i++)
+    pending_drop(r->pending[i]);
   pthread_mutex_unlock(&events_lock);
-  pending_clear(r->pending, r->npending);
   free(r->pending);
   free(r->returned);
   pthread_cond_destroy(&r->cond);
   free(r);
+}
+
+/* Ticket t's own token: MAC(registry secret, label || id || t). A holder
+ * of one handoff's bytes knows only its ticket's token, and the broker
+ * recomputes the token of the ticket a request names, so edited bytes that
+ * name another ticket (the number changed, the checksum recomputed) prove
+ * nothing: tests/c test_event.c event_release_ticket_own_capability. */
+static void ticket_token(const usmipc__release_t *r, uint64_t ticket,
+                         uint8_t out[16]) {
+  uint8_t msg[16 + 8 + 8];
+  memcpy(msg, "usmipc-ticket--2", 16);
+  usmipc__put64le(msg + 16, r->id);
+  usmipc__put64le(msg + 24, ticket);
+  usmipc__mac(out, r->secret, msg, sizeof(msg));
 }
 
 int usmipc__release_ticket(usmipc__release_t **slot, uint8_t *out,
@@ -1147,7 +1239,7 @@ int usmipc__release_ticket(usmipc__release_t **slot, uint8_t *out,
   usmipc__put16le(out + 2, USMIPC__RELEASE_RECORD_LEN);
   usmipc__put64le(out + 4, r->id);
   usmipc__put64le(out + 12, ticket);
-  memcpy(out + 20, r->token, 16);
+  ticket_token(r, ticket, out + 20);
   *len += 4 + USMIPC__RELEASE_RECORD_LEN;
   return 0;
 }
@@ -1198,15 +1290,19 @@ uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
   usmipc__release_t *r = releases[id % RELEASE_BUCKETS];
   while (r != NULL && r->id != id)
     r = r->next;
-  uint8_t cap[16];
-  if (r != NULL)
-    usmipc__release_capability(req, r->token, body, len, cap);
+  /* The capability is the MAC of the request under the token of the
+   * ticket it names (a never-issued number is refused first, as before). */
+  uint8_t token[16], cap[16];
+  if (r != NULL && ticket <= r->sent) {
+    ticket_token(r, ticket, token);
+    usmipc__release_capability(req, token, body, len, cap);
+  }
   if (r == NULL) {
     status = UNKNOWN;
-  } else if (!usmipc__ct_equal(cap, req + 64, 16)) {
-    status = BAD_CAPABILITY;
   } else if (ticket > r->sent) {
     status = BAD_REQUEST;
+  } else if (!usmipc__ct_equal(cap, req + 64, 16)) {
+    status = BAD_CAPABILITY;
   } else {
     status = OK;
     size_t byte = (size_t)((ticket - 1) / 8);
@@ -1227,7 +1323,7 @@ uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
       if (copy != NULL) {
         if (r->npending == r->cap_pending) {
           size_t n = r->cap_pending ? 2 * r->cap_pending : 8;
-          struct pending *grown = realloc(r->pending, n * sizeof(*grown));
+          struct pending **grown = realloc(r->pending, n * sizeof(*grown));
           if (grown == NULL) {
             status = BAD_REQUEST;
             goto out;
@@ -1235,7 +1331,20 @@ uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
           r->pending = grown;
           r->cap_pending = n;
         }
-        r->pending[r->npending++] = (struct pending){copy, ev_len};
+        struct pending *p = calloc(1, sizeof(*p));
+        if (p == NULL) {
+          status = BAD_REQUEST;
+          goto out;
+        }
+        const usmipc__process_t *self = usmipc__self_basic();
+        p->bytes = copy;
+        p->len = ev_len;
+        p->refs = 1;
+        p->self = w.pid == self->pid && w.nonce == self->nonce;
+        /* Pinned now, while the consumer waits for this answer (alive). */
+        if (!p->self)
+          p->consumer = consumer_get(&w, &p->exited);
+        r->pending[r->npending++] = p;
         copy = NULL;
       }
       r->returned[byte] |= bit;
@@ -1249,6 +1358,74 @@ out:
   return status;
 }
 
+/* Waits until the consumer of p has exited (its pidfd polls readable), for
+ * an event that can no longer be opened or waited for; the wait's limit and
+ * Ctrl-C end it. rc is the error that sent us here: returned as it is where
+ * no exit can be seen (the event is this process's own). 0 once the
+ * consumer has exited. */
+static int consumer_wait_exit(const struct pending *p, int rc,
+                              unsigned long long limit_ms, uint64_t start) {
+  if (p->self)
+    return rc;
+  if (p->consumer == NULL)
+    return 0; /* no pidfd: exporter-gone is all there is to see */
+  char said[256];
+  snprintf(said, sizeof(said), "%s", usmipc_last_error());
+  for (;;) {
+    int e = usmipc__pidfd_exited(p->consumer->pidfd, 50);
+    if (e == 1)
+      return 0;
+    if (e < 0)
+      return usmipc__fail_native(usmipc__errno_code(errno), errno,
+                                 "polling the pidfd of process %u failed: %s",
+                                 p->consumer->pid, strerror(errno));
+    if (usmipc__interrupted())
+      return usmipc__fail(USMIPC_EINTR, "interrupted while waiting for "
+                                        "releases");
+    if (limit_ms != 0 && (usmipc__now_ns() - start) / 1000000u >= limit_ms)
+      return usmipc__fail(USMIPC_ETIMEDOUT,
+                          "timed out after %llu ms waiting for process %u, "
+                          "which returned a release ticket: its event can "
+                          "no longer be waited for (%s), and the process "
+                          "has not exited, so its work may still use the "
+                          "memory",
+                          limit_ms, p->consumer->pid, said);
+  }
+}
+
+/* Waits for one consumer's event: on queue's device, or the host. *complete
+ * when the event is known complete (or its consumer exited): it need never
+ * be waited for again. */
+static int pending_wait(const struct pending *p, usmipc_queue_t *queue,
+                        unsigned long long limit_ms, uint64_t start,
+                        bool *complete) {
+  *complete = false;
+  if (p->exited) {
+    *complete = true;
+    return 0;
+  }
+  usmipc_event_t *ev;
+  int rc = usmipc_ipc_open_event(p->bytes, p->len, queue ? queue->device : NULL,
+                                 &ev);
+  if (rc == 0) {
+    rc = queue ? usmipc_event_wait(ev, queue) : usmipc_event_synchronize(ev);
+    if (rc == 0)
+      *complete = queue == NULL || usmipc_event_query(ev) == 0;
+    usmipc_event_destroy(ev);
+  }
+  if (rc == 0 || p->self)
+    return rc;
+  /* Could not open or wait: the consumer exited (or is exiting), or its
+   * event is gone while it lives. Exited, its work can no longer touch the
+   * memory; alive, it is waited for until it exits. */
+  if (rc != USMIPC_EEXPORTERGONE &&
+      (p->consumer == NULL || usmipc__pidfd_exited(p->consumer->pidfd, 0) != 1))
+    return rc;
+  rc = consumer_wait_exit(p, rc, limit_ms, start);
+  *complete = rc == 0;
+  return rc;
+}
+
 int usmipc__release_wait(usmipc__release_t *const *slot,
                          usmipc_queue_t *queue) {
   usmipc__release_t *r = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
@@ -1259,7 +1436,7 @@ int usmipc__release_wait(usmipc__release_t *const *slot,
   pthread_mutex_lock(&events_lock);
   while (r->released < r->sent) {
     uint64_t now = usmipc__now_ns();
-    if (limit_ms != 0 && now - start >= limit_ms * 1000000ull) {
+    if (limit_ms != 0 && (now - start) / 1000000u >= limit_ms) {
       uint64_t sent = r->sent, released = r->released;
       pthread_mutex_unlock(&events_lock);
       return usmipc__fail(USMIPC_ETIMEDOUT,
@@ -1281,27 +1458,46 @@ int usmipc__release_wait(usmipc__release_t *const *slot,
                                         "releases");
     }
   }
-  struct pending *p = r->pending;
-  size_t n = r->npending;
-  r->pending = NULL;
-  r->npending = r->cap_pending = 0;
-  pthread_mutex_unlock(&events_lock);
   /* Every ticket is back: now the consumers' own work, on the device where
-   * the producer gave a queue. */
+   * the producer gave a queue. The events stay filed until each is known
+   * complete, so that every call waits for the same work (a failed or
+   * device-side wait leaves them for the next). */
+  size_t n = r->npending;
+  struct pending **snap = n ? malloc(n * sizeof(*snap)) : NULL;
+  if (n != 0 && snap == NULL) {
+    pthread_mutex_unlock(&events_lock);
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  }
+  for (size_t i = 0; i < n; i++) {
+    snap[i] = r->pending[i];
+    snap[i]->refs++;
+  }
+  pthread_mutex_unlock(&events_lock);
   int rc = 0;
+  bool *complete = n ? calloc(n, sizeof(*complete)) : NULL;
+  if (n != 0 && complete == NULL)
+    rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
   for (size_t i = 0; i < n && rc == 0; i++) {
-    usmipc_event_t *ev;
-    usmipc_device_t *dev = queue ? queue->device : NULL;
-    rc = usmipc_ipc_open_event(p[i].bytes, p[i].len, dev, &ev);
-    if (rc == 0) {
-      rc = queue ? usmipc_event_wait(ev, queue) : usmipc_event_synchronize(ev);
-      usmipc_event_destroy(ev);
-    }
+    rc = pending_wait(snap[i], queue, limit_ms, start, &complete[i]);
     if (rc != 0)
       usmipc__error_prefix("waiting for a consumer's release: ");
   }
-  pending_clear(p, n);
-  free(p);
+  pthread_mutex_lock(&events_lock);
+  for (size_t i = 0; i < n; i++)
+    if (complete != NULL && complete[i])
+      snap[i]->complete = true;
+  size_t kept = 0;
+  for (size_t j = 0; j < r->npending; j++)
+    if (r->pending[j]->complete)
+      pending_drop(r->pending[j]); /* the list's reference */
+    else
+      r->pending[kept++] = r->pending[j];
+  r->npending = kept;
+  for (size_t i = 0; i < n; i++)
+    pending_drop(snap[i]);
+  pthread_mutex_unlock(&events_lock);
+  free(complete);
+  free(snap);
   return rc;
 }
 

@@ -500,7 +500,9 @@ int usmipc_ipc_release(const void *data, size_t len, usmipc_queue_t *queue) {
     if (status == 2)
       return usmipc__fail(USMIPC_EACCES,
                           "usmipc_ipc_release: the release ticket's token is "
-                          "wrong (forged or corrupted bytes)");
+                          "wrong for its ticket number (forged, edited or "
+                          "corrupted bytes: each handoff's bytes return only "
+                          "their own ticket)");
     return usmipc__fail(USMIPC_EBADHANDLE,
                         "usmipc_ipc_release: the ticket was never handed out "
                         "(forged), or the consumer's event handle is "

@@ -1273,7 +1273,9 @@ int usmipc__reply_check(const uint8_t *rep, size_t n, const uint8_t *req,
     if (status == REPLY_BAD_CAPABILITY)
       return usmipc__fail(USMIPC_EACCES,
                           "process %u refused the release ticket: its token "
-                          "is wrong (forged or corrupted handle)",
+                          "is wrong for its ticket number (forged, edited or "
+                          "corrupted bytes: each handoff's bytes return only "
+                          "their own ticket)",
                           w->pid);
     if (status == REPLY_BAD_REQUEST)
       return usmipc__fail(USMIPC_EBADHANDLE,

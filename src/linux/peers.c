@@ -16,7 +16,9 @@
  * an importer opening handle after handle of one exporter pays the proof
  * once), at most IDLE_PEERS_MAX of them.
  */
+#include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -110,8 +112,9 @@ void usmipc__peer_put(usmipc__peer_t *p) {
   }
 }
 
-/* A pidfd of w's pid that is provably the exporter, or an error. */
-static int open_exporter_pidfd(const usmipc__wire_t *w, int *out) {
+/* A pidfd of w's pid that is provably the exporter, or an error
+ * (USMIPC_EEXPORTERGONE when it has exited). */
+int usmipc__exporter_pidfd(const usmipc__wire_t *w, int *out) {
   int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)w->pid, 0);
   if (pidfd < 0) {
     int e = errno;
@@ -142,6 +145,17 @@ static int open_exporter_pidfd(const usmipc__wire_t *w, int *out) {
   }
   *out = pidfd;
   return 0;
+}
+
+int usmipc__pidfd_exited(int pidfd, unsigned wait_ms) {
+  /* A pidfd polls readable once its process has exited: after the kernel
+   * closed its descriptors (exit_files comes before exit_notify), so after
+   * its device contexts were torn down. */
+  struct pollfd pfd = {.fd = pidfd, .events = POLLIN};
+  int n = poll(&pfd, 1, (int)wait_ms);
+  if (n < 0)
+    return errno == EINTR ? 0 : -1;
+  return n > 0 && (pfd.revents & (POLLIN | POLLHUP | POLLERR)) != 0;
 }
 
 static int check_identity(int fd, const usmipc__wire_t *w) {
@@ -187,7 +201,7 @@ static int prove(const usmipc__wire_t *w, uint64_t deadline, usmipc__peer_t *p,
                         w->pid, getenv("USMIPC_FD_TRANSPORT"));
   if (p->same_pid_ns && mode != USMIPC__TRANSPORT_SOCKET) {
     int pidfd = -1, tfd = -1;
-    if ((rc = open_exporter_pidfd(w, &pidfd)) != 0)
+    if ((rc = usmipc__exporter_pidfd(w, &pidfd)) != 0)
       return rc;
     if (mode != USMIPC__TRANSPORT_PROCFD) {
       rc = usmipc__pidfd_take(pidfd, w->pid, w->table_fd_number, &tfd);

@@ -830,6 +830,48 @@ TEST_IMPL(bundle_release_consumer_dies) {
   return 0;
 }
 
+/* Two consumers write into the arrays and return their tickets after
+ * their queues; one exits normally, the other is killed. Their work is
+ * done or died with them: every call of the wait returns 0, on the host and
+ * with a queue. Before, on a device with events, the first call failed with
+ * EEXPORTERGONE (opening the exited consumer's event) and the next
+ * returned 0. */
+TEST_IMPL(bundle_release_consumer_exits) {
+  usmipc_queue_t *q = events_queue();
+  void *ptr[3];
+  size_t extent[3];
+  usmipc_bundle_t *b = three_arrays(ptr, extent);
+  size_t len_a, len_b;
+  uint8_t *a = handoff(b, q, USMIPC_ORDER_RELEASE, &len_a);
+  uint8_t *hb = handoff(b, q, USMIPC_ORDER_RELEASE, &len_b);
+  reader_t ra, rb;
+  uint64_t out[7];
+  reader_start(&ra);
+  reader_start(&rb);
+  reader_send(&ra, 'W', 1, a, len_a, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  reader_send(&rb, 'W', 1, hb, len_b, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  reader_send(&ra, 'C', 0, NULL, 0, out);
+  reader_stop(&ra);
+  ASSERT_EQ(kill(rb.pid, SIGKILL), 0);
+  ASSERT(WIFSIGNALED(wait_pid_timeout(rb.pid, 10)));
+  close(rb.to);
+  close(rb.from);
+  ASSERT_RELEASES(b, 2, 2);
+  ASSERT_OK(usmipc_event_set_timeout(2000));
+  for (int call = 0; call < 3; call++)
+    ASSERT_OK(usmipc_bundle_wait_released(b, call == 1 ? q : NULL));
+  ASSERT_OK(usmipc_event_set_timeout(0));
+  if (q != NULL)
+    ASSERT_OK(usmipc_queue_synchronize(q));
+  ASSERT_OK(usmipc_bundle_free(b));
+  free(a);
+  free(hb);
+  three_arrays_free(ptr, q);
+  return 0;
+}
+
 /* In one process (the ticket is filed without the broker), and the
  * producer's and the bytes' edge cases, each with its own error. */
 TEST_IMPL(bundle_release_same_process) {
@@ -886,6 +928,13 @@ TEST_IMPL(bundle_release_same_process) {
   ASSERT_ERR(usmipc_ipc_release(f, len, NULL), USMIPC_EBADHANDLE);
   ASSERT_MSG(strstr(usmipc_last_error(), "never handed out") != NULL, "%s",
              usmipc_last_error());
+  /* Ticket 1's bytes edited to name ticket 2 (out, not back): each ticket
+   * is its own capability, so they return nothing. */
+  memcpy(f, data, len);
+  usmipc__put64le(f + TICKET_NUMBER_AT(len), 1);
+  reseal(f, len);
+  ASSERT_ERR(usmipc_ipc_release(f, len, NULL), USMIPC_EACCES);
+  ASSERT_RELEASES(b, 2, 1);
   /* Only an ordering record and then a ticket may follow the tree. */
   memcpy(f, data, len);
   usmipc__put16le(f + TICKET_AT(len), 0x8101); /* a pool block record */

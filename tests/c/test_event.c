@@ -589,6 +589,153 @@ TEST_IMPL(event_release_cross_process) {
   return 0;
 }
 
+/* Each ticket is its own capability: a holder of one handoff's bytes that
+ * edits the ticket number (and the checksum) cannot return another
+ * consumer's ticket. Before, every ticket of a handle carried the same
+ * token, so the edited ticket was accepted and the producer's wait counted
+ * a consumer that still used the memory. */
+TEST_IMPL(event_release_ticket_own_capability) {
+  agent_t ex, im;
+  static char hex[2][HEX_MAX], forged[HEX_MAX];
+  agent_start(&ex, NULL);
+  agent_start(&im, NULL);
+  AGENT_OK(&ex, "alloc 0 device 8192");
+  for (int i = 0; i < 2; i++) {
+    AGENT_OK(&ex, "exportrel 0");
+    snprintf(hex[i], sizeof(hex[i]), "%s", ex.reply);
+  }
+  /* The holder of ticket 1 returns "ticket 2" with ticket 1's token. */
+  uint8_t b[4096];
+  size_t len = hex_to_bytes(hex[0], b, sizeof(b));
+  uint8_t *rel = record_of(b, len, USMIPC__EXT_RELEASE);
+  ASSERT_NOT_NULL(rel);
+  ASSERT_UEQ(usmipc__get64le(rel + 8), 1);
+  usmipc__put64le(rel + 8, 2);
+  reseal(b, len);
+  hex_encode(b, len, forged);
+  AGENT_ERR(&im, USMIPC_EACCES, "release 0 %s", forged);
+  ASSERT_MSG(strstr(im.reply, "ticket") != NULL, "%s", im.reply);
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "2 0");
+  /* Ticket 2 is still out: its real holder returns it, then ticket 1's. */
+  AGENT_OK(&im, "release 0 %s", hex[1]);
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "2 1");
+  AGENT_OK(&im, "release 0 %s", hex[0]);
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "2 2");
+  agent_stop_ok(&ex);
+  agent_stop_ok(&im);
+  return 0;
+}
+
+typedef struct handle_waiter {
+  usmipc_ipc_handle_t *h;
+  int rc;
+  int done; /* atomic */
+} handle_waiter_t;
+
+static void *handle_wait_thread(void *arg) {
+  handle_waiter_t *w = arg;
+  w->rc = usmipc_ipc_handle_wait_released(w->h, NULL);
+  __atomic_store_n(&w->done, 1, __ATOMIC_RELEASE);
+  return NULL;
+}
+
+/* Event timeouts of any size: milliseconds times 10^6 overflowed 64 bits
+ * above 2^64 / 10^6 ms, so usmipc_event_set_timeout(18446744073709552)
+ * timed out after 50 ms "after 18446744073709552 ms". A wait under such a
+ * limit (the largest, ULLONG_MAX, too) goes on until its ticket comes
+ * back. */
+TEST_IMPL(event_timeout_no_wrap) {
+  usmipc_device_t *dev = test_device();
+  static const unsigned long long limits[] = {18446744073709552ull,
+                                              18446744073709551615ull};
+  void *p;
+  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &p));
+  for (size_t i = 0; i < 2; i++) {
+    usmipc_ipc_handle_t *h;
+    ASSERT_OK(usmipc_ipc_get_handle(p, 0, &h));
+    ASSERT_OK(usmipc_ipc_handle_order_ex(h, NULL, USMIPC_ORDER_RELEASE));
+    const void *data;
+    size_t len;
+    uint8_t b[1024];
+    ASSERT_OK(usmipc_ipc_handle_data(h, &data, &len));
+    memcpy(b, data, len);
+    ASSERT_OK(usmipc_event_set_timeout(limits[i]));
+    handle_waiter_t w = {.h = h};
+    pthread_t t;
+    ASSERT_EQ(pthread_create(&t, NULL, handle_wait_thread, &w), 0);
+    sleep_ms(300);
+    ASSERT_MSG(__atomic_load_n(&w.done, __ATOMIC_ACQUIRE) == 0,
+               "the wait under a limit of %llu ms ended after 300 ms: %s",
+               limits[i], usmipc_err_name(w.rc));
+    ASSERT_OK(usmipc_ipc_release(b, len, NULL));
+    pthread_join(t, NULL);
+    ASSERT_OK(w.rc);
+    ASSERT_OK(usmipc_ipc_free_handle(h));
+  }
+  ASSERT_OK(usmipc_event_set_timeout(0));
+  ASSERT_OK(usmipc_free(p));
+  return 0;
+}
+
+/* A ticket of h as hex (no ordering event) into out. */
+static void ticket_hex(usmipc_ipc_handle_t *h, char *out) {
+  const void *data;
+  size_t len;
+  ASSERT_OK(usmipc_ipc_handle_order_ex(h, NULL, USMIPC_ORDER_RELEASE));
+  ASSERT_OK(usmipc_ipc_handle_data(h, &data, &len));
+  hex_encode(data, len, out);
+}
+
+/* Consumers that exit after returning their tickets: A exits normally, B
+ * has not returned its ticket yet; then B returns it and is killed. Every
+ * call of the producer's wait gives the same answer: it waits for B while B
+ * holds its ticket, and an exited consumer's returned ticket leaves nothing
+ * to wait for. Before, on a device with events (level_zero.c.*), the wait
+ * failed with EEXPORTERGONE opening the exited consumer's event and forgot
+ * the other events, so a second call returned 0 at once (the Level Zero
+ * suite's release_consumer_* tests show it with work still queued). */
+TEST_IMPL(event_release_consumer_exits) {
+  usmipc_device_t *dev = test_device();
+  void *p;
+  usmipc_ipc_handle_t *h;
+  static char ta[HEX_MAX], tb[HEX_MAX], tc[HEX_MAX];
+  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &p));
+  ASSERT_OK(usmipc_ipc_get_handle(p, 0, &h));
+  ticket_hex(h, ta);
+  ticket_hex(h, tb);
+  agent_t a, b;
+  agent_start(&a, NULL);
+  agent_start(&b, NULL);
+  AGENT_OK(&a, "release 0 %s", ta);
+  agent_stop_ok(&a);
+  ASSERT_OK(usmipc_event_set_timeout(200));
+  for (int call = 0; call < 3; call++) {
+    ASSERT_ERR(usmipc_ipc_handle_wait_released(h, NULL), USMIPC_ETIMEDOUT);
+    ASSERT_MSG(strstr(usmipc_last_error(), "1 of 2") != NULL, "%s",
+               usmipc_last_error());
+  }
+  AGENT_OK(&b, "release 0 %s", tb);
+  for (int call = 0; call < 3; call++)
+    ASSERT_OK(usmipc_ipc_handle_wait_released(h, NULL));
+  /* B returns another ticket and is killed: nothing left to wait for. */
+  ticket_hex(h, tc);
+  AGENT_OK(&b, "release 0 %s", tc);
+  agent_kill(&b);
+  usmipc_queue_t *q;
+  ASSERT_OK(usmipc_queue_create(dev, &q));
+  for (int call = 0; call < 3; call++)
+    ASSERT_OK(usmipc_ipc_handle_wait_released(h, call == 1 ? q : NULL));
+  ASSERT_OK(usmipc_queue_synchronize(q));
+  ASSERT_OK(usmipc_queue_destroy(q));
+  ASSERT_OK(usmipc_event_set_timeout(0));
+  ASSERT_OK(usmipc_ipc_free_handle(h));
+  ASSERT_OK(usmipc_free(p));
+  return 0;
+}
+
 /* In one process: the ticket is filed without the broker. */
 TEST_IMPL(event_release_same_process) {
   SKIP_WITHOUT_EVENTS();

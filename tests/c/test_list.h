@@ -115,6 +115,9 @@
   X(event_threads)                                                             \
   X(event_release_cross_process)                                               \
   X(event_release_same_process)                                                \
+  X(event_release_consumer_exits)                                              \
+  X(event_release_ticket_own_capability)                                       \
+  X(event_timeout_no_wrap)                                                     \
   X(event_release_first_ticket_threads)                                        \
   X(event_import_sweep)                                                        \
   X(pool_basics)                                                               \
@@ -133,6 +136,7 @@
   X(bundle_fork_from_thread)                                                   \
   X(bundle_release_cross_process)                                              \
   X(bundle_release_consumer_dies)                                              \
+  X(bundle_release_consumer_exits)                                             \
   X(bundle_release_same_process)                                               \
   X(cuda_vmm_foreign_chunks)                                                   \
   X(cuda_vmm_foreign_limits)                                                   \

@@ -216,9 +216,56 @@ static void check_release(const uint8_t *data, size_t size) {
   FUZZ_CHECK(status == 1 || status == 4, "release status %u", status);
 }
 
+/* Each ticket is its own capability (issue 21 #3): against a registry of
+ * this process with tickets 1 to 3 handed out, a release naming ticket n
+ * (from the input; 4 was never handed out) whose capability is the MAC
+ * under ticket k's token (from the input), or raw input bytes, is filed
+ * only when k == n: a holder of one ticket's bytes returns no other. */
+static usmipc__release_t *registry;
+static uint8_t ticket_records[3][4 + USMIPC__RELEASE_RECORD_LEN];
+
+static void check_ticket_capability(const uint8_t *data, size_t size) {
+  if (size < 2)
+    return;
+  if (registry == NULL)
+    for (int i = 0; i < 3; i++) {
+      size_t len = 0;
+      FUZZ_CHECK(usmipc__release_ticket(&registry, ticket_records[i], &len) ==
+                     0,
+                 "making the ticket registry: %s", usmipc_last_error());
+    }
+  const uint8_t *rec = ticket_records[0];
+  unsigned n = 1 + data[0] % 4, k = 1 + data[1] % 3;
+  bool raw = (data[0] & 0x80) != 0 && size >= 2 + 16;
+  usmipc__wire_t w;
+  memset(&w, 0, sizeof(w));
+  w.pid = PID;
+  w.nonce = NONCE;
+  w.buffer_id = usmipc__get64le(rec + 4); /* the release id */
+  memcpy(w.key, KEY, 16);
+  static const uint8_t client[16] = {7};
+  uint8_t req[USMIPC__REQUEST_LEN], body[10] = {0};
+  usmipc__request_build(req, &w, USMIPC__WANT_RELEASE, client);
+  usmipc__put64le(body, n);
+  if (raw)
+    memcpy(req + 64, data + 2, 16);
+  else
+    usmipc__release_capability(req, ticket_records[k - 1] + 20, body, 10,
+                               req + 64);
+  uint32_t status = usmipc__release_arrived(req, body, 10);
+  if (n == 4)
+    FUZZ_CHECK(status == 4, "ticket never handed out: status %u", status);
+  else if (!raw)
+    FUZZ_CHECK(status == (k == n ? 0u : 2u),
+               "ticket %u with ticket %u's token: status %u", n, k, status);
+  else
+    FUZZ_CHECK(status == 0 || status == 2, "raw capability: status %u", status);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   check_one(data, size);
   check_release(data, size);
+  check_ticket_capability(data, size);
   check_fds(data, size);
   if (size >= 48) {
     /* The same bytes with a valid proof (and, from the fuzzer's first
@@ -280,6 +327,12 @@ int fuzz_make_corpus(void) {
   memset(rel + USMIPC__REQUEST_LEN + 2, 0, 10);
   rel[USMIPC__REQUEST_LEN + 2] = 1; /* ticket 1 */
   fuzz_write_seed("release-empty-event", rel, sizeof(rel));
+  /* check_ticket_capability: ticket 2 with ticket 1's token, and with its
+   * own; ticket 4 (never handed out). */
+  static const uint8_t other[2] = {1, 0}, own[2] = {1, 1}, never[2] = {3, 0};
+  fuzz_write_seed("ticket-2-token-of-1", other, sizeof(other));
+  fuzz_write_seed("ticket-2-own-token", own, sizeof(own));
+  fuzz_write_seed("ticket-never-handed-out", never, sizeof(never));
   /* WANT_FDS: request, length, count, entries. */
   static uint8_t fds[USMIPC__REQUEST_LEN + 2 + USMIPC__FDS_BODY_MAX];
   for (int form = 0; form < 6; form++) {

@@ -18,6 +18,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -781,6 +782,7 @@ static void say_rc(int rc) {
  *   evcreate K, evrecord K, evhandle K, evdestroy K    local events
  *   evopen K HEX, evsync K, evquery K, evwait K        opened events
  *   sync              usmipc_queue_synchronize of the queue -> "ok MS"
+ *   release HEX       usmipc_ipc_release of handle bytes after the queue
  *   check BYTE        the memory copied to the host holds BYTE
  *   fds               "fds N"
  *   stats             the driver's counters
@@ -855,6 +857,10 @@ static int helper_evagent(void) {
     } else if (sscanf(cmd, "evwait %d", &k) == 1 && k >= 0 &&
                k < EVAGENT_EVENTS) {
       say_rc(usmipc_event_wait(ev[k], q));
+    } else if (sscanf(cmd, "release %n", &used) == 0 && used > 0) {
+      uint8_t b[2048];
+      size_t len = from_hex(cmd + used, b, sizeof(b));
+      say_rc(usmipc_ipc_release(b, len, q));
     } else if (!strcmp(cmd, "sync")) {
       uint64_t t0 = mono_ms();
       int rc = usmipc_queue_synchronize(q);
@@ -2409,6 +2415,192 @@ static int test_event_exporter_killed(void) {
   return PASS;
 }
 
+/* ---- release tickets whose consumers exit ---------------------------------
+ * A consumer returns its ticket with the handle of an event recorded after
+ * its work; the producer's wait_released waits for that event. A consumer
+ * that exits afterwards (cleanly, or killed) must neither turn the wait
+ * into an error nor make the producer forget the other consumers' events:
+ * before, the wait failed with EEXPORTERGONE opening the exited consumer's
+ * event and had dropped every pending event, so a second call returned 0
+ * at once while another consumer's work still ran. */
+
+/* One ticketed handoff of p (no ordering event) as hex into out. */
+static int ticket_hex(usmipc_ipc_handle_t *h, char *out) {
+  const void *data;
+  size_t len;
+  int rc = usmipc_ipc_handle_order_ex(h, NULL, USMIPC_ORDER_RELEASE);
+  if (rc == 0)
+    rc = usmipc_ipc_handle_data(h, &data, &len);
+  if (rc == 0)
+    to_hex(data, len, out);
+  return rc;
+}
+
+typedef struct release_waiter {
+  usmipc_ipc_handle_t *h;
+  int rc;
+  uint64_t ended_ms;
+  int done; /* atomic */
+} release_waiter_t;
+
+static void *release_wait_thread(void *arg) {
+  release_waiter_t *w = arg;
+  w->rc = usmipc_ipc_handle_wait_released(w->h, NULL);
+  w->ended_ms = mono_ms();
+  __atomic_store_n(&w->done, 1, __ATOMIC_RELEASE);
+  return NULL;
+}
+
+/* release_consumer_exits: A returns its ticket and exits normally; B
+ * returns its ticket with 2 s of work still queued. Every call waits for
+ * B's work: a short timeout times out each time, a full wait ends only
+ * once B's work is done. */
+static int test_release_consumer_exits(void) {
+  usmipc_device_t *d = gpu();
+  CHECK(d != NULL, "no device");
+  void *p = NULL;
+  usmipc_ipc_handle_t *h = NULL;
+  static char ta[4096], tb[4096];
+  CHECK_OK(usmipc_malloc(d, USMIPC_MEM_DEVICE, 4096, &p));
+  CHECK_OK(usmipc_ipc_get_handle(p, 0, &h));
+  CHECK_OK(ticket_hex(h, ta));
+  CHECK_OK(ticket_hex(h, tb));
+  child_t a, b;
+  CHECK(start_helper(&a, "evagent", NULL) == 0, "spawn A");
+  CHECK(start_helper(&b, "evagent", NULL) == 0, "spawn B");
+  ASK_OK(&a, "asyncq");
+  ASK_OK(&a, "release %s", ta);
+  ASK_OK(&a, "sync");
+  ask(&a, "exit");
+  CHECK(child_end(&a) == 0, "consumer A did not exit cleanly");
+  ASK_OK(&b, "asyncq");
+  ASK_OK(&b, "delay 2000");
+  uint64_t t0 = mono_ms();
+  ASK_OK(&b, "release %s", tb);
+  CHECK_OK(usmipc_event_set_timeout(200));
+  for (int call = 0; call < 3; call++) {
+    int rc = usmipc_ipc_handle_wait_released(h, NULL);
+    CHECK(rc == USMIPC_ETIMEDOUT,
+          "call %d of the wait returned %s (%s) while consumer B's work "
+          "still ran (%llu ms after its release)",
+          call + 1, usmipc_err_name(rc), usmipc_last_error(),
+          (unsigned long long)(mono_ms() - t0));
+  }
+  CHECK_OK(usmipc_event_set_timeout(0));
+  CHECK_OK(usmipc_ipc_handle_wait_released(h, NULL));
+  uint64_t took = mono_ms() - t0;
+  CHECK(took >= 1800,
+        "the wait ended %llu ms after B's release, before its 2 s of work",
+        (unsigned long long)took);
+  /* Done now, and the same on every later call, with a queue too. */
+  CHECK_OK(usmipc_ipc_handle_wait_released(h, NULL));
+  usmipc_queue_t *q = NULL;
+  CHECK_OK(usmipc_queue_create(d, &q));
+  CHECK_OK(usmipc_ipc_handle_wait_released(h, q));
+  CHECK_OK(usmipc_queue_synchronize(q));
+  ask(&b, "exit");
+  CHECK(child_end(&b) == 0, "consumer B did not exit cleanly");
+  CHECK_OK(usmipc_ipc_handle_wait_released(h, q));
+  CHECK_OK(usmipc_queue_destroy(q));
+  CHECK_OK(usmipc_ipc_free_handle(h));
+  CHECK_OK(usmipc_free(p));
+  return PASS;
+}
+
+/* release_lone_consumer_exits: one consumer returns its ticket after its
+ * work, synchronizes and exits. Its work is done: the wait returns 0, on
+ * the host and with a queue, the same on every call. */
+static int test_release_lone_consumer_exits(void) {
+  usmipc_device_t *d = gpu();
+  CHECK(d != NULL, "no device");
+  void *p = NULL;
+  usmipc_ipc_handle_t *h = NULL;
+  static char t[4096];
+  CHECK_OK(usmipc_malloc(d, USMIPC_MEM_DEVICE, 4096, &p));
+  CHECK_OK(usmipc_ipc_get_handle(p, 0, &h));
+  CHECK_OK(ticket_hex(h, t));
+  child_t a;
+  CHECK(start_helper(&a, "evagent", NULL) == 0, "spawn");
+  ASK_OK(&a, "asyncq");
+  ASK_OK(&a, "delay 200");
+  ASK_OK(&a, "release %s", t);
+  ASK_OK(&a, "sync");
+  ask(&a, "exit");
+  CHECK(child_end(&a) == 0, "the consumer did not exit cleanly");
+  CHECK_OK(usmipc_event_set_timeout(2000));
+  usmipc_queue_t *q = NULL;
+  CHECK_OK(usmipc_queue_create(d, &q));
+  for (int call = 0; call < 3; call++) {
+    int rc = usmipc_ipc_handle_wait_released(h, call == 1 ? q : NULL);
+    CHECK(rc == 0, "call %d of the wait returned %s: %s", call + 1,
+          usmipc_err_name(rc), usmipc_last_error());
+  }
+  CHECK_OK(usmipc_queue_synchronize(q));
+  CHECK_OK(usmipc_queue_destroy(q));
+  CHECK_OK(usmipc_event_set_timeout(0));
+  CHECK_OK(usmipc_ipc_handle_wait_released(h, NULL));
+  CHECK_OK(usmipc_ipc_free_handle(h));
+  CHECK_OK(usmipc_free(p));
+  return PASS;
+}
+
+/* release_consumer_killed: a consumer returns its ticket behind 10 s of
+ * work and is killed while the producer waits for that work. Its work
+ * died with it (the driver tears its context down), so the wait ends soon
+ * after the kill, with 0, and the same on the next call; so does a wait
+ * that begins after the death. */
+static int test_release_consumer_killed(void) {
+  usmipc_device_t *d = gpu();
+  CHECK(d != NULL, "no device");
+  void *p = NULL;
+  usmipc_ipc_handle_t *h = NULL;
+  static char t1[4096], t2[4096];
+  CHECK_OK(usmipc_malloc(d, USMIPC_MEM_DEVICE, 4096, &p));
+  CHECK_OK(usmipc_ipc_get_handle(p, 0, &h));
+  CHECK_OK(ticket_hex(h, t1));
+  child_t a;
+  CHECK(start_helper(&a, "evagent", NULL) == 0, "spawn");
+  ASK_OK(&a, "asyncq");
+  ASK_OK(&a, "delay 10000");
+  ASK_OK(&a, "release %s", t1);
+  release_waiter_t w = {.h = h};
+  pthread_t thread;
+  CHECK(pthread_create(&thread, NULL, release_wait_thread, &w) == 0, "thread");
+  usleep(300 * 1000);
+  CHECK(__atomic_load_n(&w.done, __ATOMIC_ACQUIRE) == 0,
+        "the wait ended (%s) while the consumer's work ran",
+        usmipc_err_name(w.rc));
+  uint64_t killed = mono_ms();
+  kill(a.pid, SIGKILL);
+  CHECK(child_end(&a) == 128 + SIGKILL, "the consumer was not killed");
+  pthread_join(thread, NULL);
+  CHECK(w.rc == 0, "the wait returned %s after the consumer was killed",
+        usmipc_err_name(w.rc));
+  CHECK(w.ended_ms - killed < 3000, "the wait ended %llu ms after the kill",
+        (unsigned long long)(w.ended_ms - killed));
+  CHECK_OK(usmipc_ipc_handle_wait_released(h, NULL));
+
+  /* Killed before the producer waits: nothing left to wait for. */
+  CHECK_OK(ticket_hex(h, t2));
+  CHECK(start_helper(&a, "evagent", NULL) == 0, "spawn");
+  ASK_OK(&a, "asyncq");
+  ASK_OK(&a, "delay 10000");
+  ASK_OK(&a, "release %s", t2);
+  kill(a.pid, SIGKILL);
+  CHECK(child_end(&a) == 128 + SIGKILL, "the consumer was not killed");
+  usmipc_queue_t *q = NULL;
+  CHECK_OK(usmipc_queue_create(d, &q));
+  uint64_t t0 = mono_ms();
+  CHECK_OK(usmipc_ipc_handle_wait_released(h, q));
+  CHECK_OK(usmipc_ipc_handle_wait_released(h, NULL));
+  CHECK(mono_ms() - t0 < 3000, "the waits took %llu ms",
+        (unsigned long long)(mono_ms() - t0));
+  CHECK_OK(usmipc_queue_destroy(q));
+  CHECK_OK(usmipc_ipc_free_handle(h));
+  CHECK_OK(usmipc_free(p));
+  return PASS;
+}
+
 /* event_rerecord_never_early: a user's event recorded on an asynchronous
  * list behind a 1 s command, then recorded again on another asynchronous
  * list with nothing pending, must not look complete until the first
@@ -2704,6 +2896,9 @@ static const struct {
     {"event_exporter_killed", test_event_exporter_killed, false},
     {"event_rerecord_never_early", test_event_rerecord_never_early, false},
     {"event_refusals", test_event_refusals, false},
+    {"release_consumer_exits", test_release_consumer_exits, false},
+    {"release_lone_consumer_exits", test_release_lone_consumer_exits, false},
+    {"release_consumer_killed", test_release_consumer_killed, false},
     {"cr_stale_cache_2609", test_cr_stale_cache_2609, true},
     {"cr_pool_free_neighbour", test_cr_pool_free_neighbour, true},
     {"cr_newer_loader_uninitialized", test_cr_newer_loader_uninitialized, true},

@@ -6,6 +6,7 @@ import concurrent.futures
 import gc
 import multiprocessing
 import pickle
+import time
 
 import pytest
 
@@ -88,3 +89,52 @@ def test_plain_pickle_is_a_copy():
     m.close()
     with pytest.raises(ValueError, match="closed"):
         pickle.dumps(m)
+
+
+def _held_bytes():
+    """Bytes of usmipc host allocations mapped in this process (memfds named
+    "usmipc", not the export table)."""
+    total = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith("/memfd:usmipc (deleted)"):
+                lo, hi = line.split()[0].split("-")
+                total += int(hi, 16) - int(lo, 16)
+    return total
+
+
+def _close_all(q, done, go, n):
+    got = [q.get(timeout=TIMEOUT) for _ in range(n)]
+    for m in got:
+        m.close()  # returns the sender's ticket
+    done.put(len(got))
+    go.get(timeout=TIMEOUT)  # alive until the sender has looked
+
+
+def test_sender_frees_when_tickets_return():
+    """The sender holds what it put only until the receiver is done: once
+    the receiver closed all 20 mappings, the 20 MiB are freed without
+    another put() (before, the reducer dropped handles whose tickets had
+    come back only at its next put())."""
+    ctx = multiprocessing.get_context("spawn")
+    q, done, go = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_close_all, args=(q, done, go, 20))
+    p.start()
+    try:
+        base = _held_bytes()
+        for _ in range(20):
+            mem = MemoryUSMDevice(1 << 20, device=usmipc.Device(HOST))
+            q.put(mem)  # the only reference goes with the put
+            del mem
+        assert done.get(timeout=TIMEOUT) == 20
+        deadline = time.monotonic() + 5
+        while _held_bytes() > base and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = _held_bytes() - base
+        assert held == 0, f"{held >> 20} MiB still held 5 s after the " \
+            "receiver closed every mapping"
+        assert not usmipc.memory._kept
+    finally:
+        go.put(None)
+        p.join(TIMEOUT)
+    assert p.exitcode == 0
