@@ -648,6 +648,10 @@ int usmipc__fdxfer_publish_fds(const int *fds, uint32_t nfds,
 void usmipc__fdxfer_withdraw(uint64_t buffer_id);
 /* 1 when the exporter also listens in USMIPC_SOCKET_DIR. */
 bool usmipc__fdxfer_socket_dir(void);
+/* Tests only: how long the broker waits between binding its socket file in
+ * USMIPC_SOCKET_DIR and using it (0, the default: not at all), to widen the
+ * window an attacker who can write the directory would race. */
+extern unsigned usmipc__test_socket_bind_delay_ms;
 
 typedef enum usmipc__transport {
   USMIPC__TRANSPORT_AUTO,
