@@ -96,6 +96,10 @@ bool usmipc__same_pid_namespace(const struct usmipc__wire *w);
 uint64_t usmipc__start_time(const char *pid);
 /* st_ino of a pidfd (pidfs), 0 when the kernel has no pidfs. */
 uint64_t usmipc__pidfd_inode(int pidfd);
+/* The effective uid of the process pidfd refers to (pid, in this PID
+ * namespace), read so that a reused pid cannot answer for it: 0, -ESRCH
+ * when that process is gone, or another negative errno. */
+int usmipc__pidfd_euid(int pidfd, uint32_t pid, uint32_t *euid);
 /* A usmipc code for an errno value, so that no raw -errno escapes: EMFILE
  * and ENFILE become USMIPC_EMFILE, ENOMEM USMIPC_ENOMEM, EACCES and EPERM
  * USMIPC_EACCES, the rest USMIPC_EIO (the errno stays the native code). */
