@@ -751,8 +751,8 @@ static int listen_on(const struct sockaddr_un *addr, socklen_t len, int *out) {
  *    private 0700 subdirectory per process would change the path importers
  *    compute. The mode is defence in depth anyway: the broker checks every
  *    peer's uid (SO_PEERCRED) when it accepts.
- * Tests: trust_socket_dir_modes, _symlink_swap, _squatted_name,
- * _userns_overflow, _stale_files. */
+ * Tests: trust_socket_dir_modes, _symlink_swap (+ _sticky), _squatted_name,
+ * _sweep_links, _userns_overflow, _stale_files. */
 unsigned usmipc__test_socket_bind_delay_ms;
 
 static bool in_user_namespace(void) {

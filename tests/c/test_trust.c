@@ -1472,6 +1472,68 @@ TEST_IMPL(trust_socket_dir_userns_overflow) {
   return 0;
 }
 
+/* A socket bound at path and closed: a stale socket file (connect refused).
+ * As uid when uid != 0, in a child. */
+static void stale_socket_as(const char *path, uid_t uid) {
+  fflush(stdout);
+  pid_t pid = fork();
+  ASSERT(pid >= 0);
+  if (pid == 0) {
+    if (uid != 0 && drop_to(uid) != 0)
+      _exit(2);
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path);
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    _exit(s >= 0 && bind(s, (struct sockaddr *)&addr, sizeof(addr)) == 0 ? 0
+                                                                         : 3);
+  }
+  ASSERT_EQ(exit_code_of(wait_pid_timeout(pid, 10)), 0);
+}
+
+TEST_IMPL(trust_socket_dir_sweep_links) {
+  /* The stale-file sweep of a root exporter in a sticky directory removes
+   * root's dead sockets only: not another user's, not a link another user
+   * planted there, nor what the link points to. */
+  REQUIRE_HOST();
+  REQUIRE_ROOT("to plant files as another user (setuid)");
+  static char dir[] = "/tmp/usmipc-sweep-XXXXXX";
+  static char away[] = "/tmp/usmipc-away-XXXXXX";
+  ASSERT_NOT_NULL(mkdtemp(dir));
+  ASSERT_NOT_NULL(mkdtemp(away));
+  ASSERT_EQ(chmod(dir, 01777), 0);
+  char theirs[128], victim[128], link_path[128], mine[128];
+  snprintf(theirs, sizeof(theirs), "%s/usmipc.1.0000000000000001.sock", dir);
+  snprintf(victim, sizeof(victim), "%s/usmipc.2.0000000000000002.sock", away);
+  snprintf(link_path, sizeof(link_path), "%s/usmipc.3.0000000000000003.sock",
+           dir);
+  snprintf(mine, sizeof(mine), "%s/usmipc.4.0000000000000004.sock", dir);
+  stale_socket_as(theirs, NOBODY);
+  stale_socket_as(victim, 0);
+  stale_socket_as(mine, 0);
+  fflush(stdout);
+  pid_t planter = fork();
+  ASSERT(planter >= 0);
+  if (planter == 0)
+    _exit(drop_to(NOBODY) == 0 && symlink(victim, link_path) == 0 ? 0 : 2);
+  ASSERT_EQ(exit_code_of(wait_pid_timeout(planter, 10)), 0);
+  char reply[1024];
+  unsigned mode;
+  int r = socket_dir_export(dir, reply, sizeof(reply), &mode, NULL);
+  struct stat st;
+  int theirs_kept = lstat(theirs, &st) == 0 && S_ISSOCK(st.st_mode);
+  int link_kept = lstat(link_path, &st) == 0 && S_ISLNK(st.st_mode);
+  int victim_kept = lstat(victim, &st) == 0 && S_ISSOCK(st.st_mode);
+  int mine_gone = lstat(mine, &st) != 0;
+  remove_dir(dir);
+  remove_dir(away);
+  ASSERT_MSG(r == 0, "the export failed: %s", reply);
+  ASSERT_MSG(theirs_kept, "the sweep removed uid %d's socket file", NOBODY);
+  ASSERT_MSG(link_kept, "the sweep removed uid %d's link", NOBODY);
+  ASSERT_MSG(victim_kept, "the sweep removed the socket a link points to");
+  ASSERT_MSG(mine_gone, "the sweep kept root's own stale socket file");
+  return 0;
+}
+
 /* The attacker: uid 65534, owner of dir, swaps every socket file created
  * there for a symlink to target as soon as it appears. */
 static void swap_in_symlinks(const char *dir, const char *target, int ready) {
@@ -1500,13 +1562,20 @@ static void swap_in_symlinks(const char *dir, const char *target, int ready) {
   }
 }
 
-TEST_IMPL(trust_socket_dir_symlink_swap) {
+/* sticky 0: the directory is uid 65534's own (refused now; before, root
+ * chmod()ed the link's target). sticky 1: root's, 1777, as /tmp: used, and
+ * the attacker cannot replace root's file there. */
+static int symlink_swap(int sticky) {
   REQUIRE_HOST();
-  REQUIRE_ROOT("to play the user who owns the socket directory (setuid)");
+  REQUIRE_ROOT("to play the user who can write the socket directory "
+               "(setuid)");
   static char dir[] = "/tmp/usmipc-swap-XXXXXX";
   static char target[] = "/tmp/usmipc-target-XXXXXX";
   ASSERT_NOT_NULL(mkdtemp(dir));
-  ASSERT_EQ(chown(dir, NOBODY, NOBODY), 0);
+  if (sticky)
+    ASSERT_EQ(chmod(dir, 01777), 0);
+  else
+    ASSERT_EQ(chown(dir, NOBODY, NOBODY), 0);
   int t = mkstemp(target);
   ASSERT(t >= 0);
   ASSERT_EQ(fchmod(t, 0644), 0);
@@ -1528,32 +1597,52 @@ TEST_IMPL(trust_socket_dir_symlink_swap) {
   usmipc_ipc_handle_t *h = NULL;
   ASSERT_OK(usmipc_malloc(host_device(), USMIPC_MEM_DEVICE, 4096, &p));
   int r = usmipc_ipc_get_handle(p, 0, &h);
-  printf("export with USMIPC_SOCKET_DIR=%s (uid %d's): %s\n", dir, NOBODY,
+  printf("export with USMIPC_SOCKET_DIR=%s (%s): %s\n", dir,
+         sticky ? "root's, 1777" : "uid 65534's",
          r ? usmipc_last_error() : "exported");
   if (h != NULL)
     usmipc_ipc_free_handle(h);
   usmipc_free(p);
   kill(attacker, SIGKILL);
   int status = wait_pid_timeout(attacker, 10);
+  /* Root's own socket file, 0600, still there in the sticky directory. */
+  char name[64];
+  snprintf(name, sizeof(name), "usmipc.%u.%016llx.sock", usmipc__self()->pid,
+           (unsigned long long)usmipc__self()->nonce);
   struct stat st;
+  int own = 0;
+  int d = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (d >= 0 && fstatat(d, name, &st, AT_SYMLINK_NOFOLLOW) == 0)
+    own =
+        S_ISSOCK(st.st_mode) && st.st_uid == 0 && (st.st_mode & 07777) == 0600;
+  if (d >= 0)
+    close(d);
   ASSERT_EQ(stat(target, &st), 0);
   unlink(target);
   remove_dir(dir);
   printf("the attacker %s; %s has mode %04o\n",
-         WIFEXITED(status) && WEXITSTATUS(status) == 0
-             ? "swapped a symlink in"
-             : "found nothing to swap",
+         WIFEXITED(status) && WEXITSTATUS(status) == 0 ? "swapped a symlink in"
+                                                       : "swapped nothing in",
          target, (unsigned)(st.st_mode & 07777));
   ASSERT_MSG((st.st_mode & 07777) == 0644,
              "root changed the mode of %s (0644) to %04o through the symlink "
              "swapped in for its socket file",
              target, (unsigned)(st.st_mode & 07777));
-  ASSERT_MSG(r == USMIPC_EACCES,
-             "a socket directory of uid %d was used (expected "
-             "USMIPC_EACCES, got %d)",
-             NOBODY, r);
+  if (sticky) {
+    ASSERT_MSG(r == 0, "exporting in a sticky directory of root failed: %d", r);
+    ASSERT_MSG(own, "root's socket file %s/%s is not its 0600 socket", dir,
+               name);
+  } else {
+    ASSERT_MSG(r == USMIPC_EACCES,
+               "a socket directory of uid %d was used (expected "
+               "USMIPC_EACCES, got %d)",
+               NOBODY, r);
+  }
   return 0;
 }
+
+TEST_IMPL(trust_socket_dir_symlink_swap) { return symlink_swap(0); }
+TEST_IMPL(trust_socket_dir_symlink_swap_sticky) { return symlink_swap(1); }
 
 TEST_IMPL(trust_socket_dir_squatted_name) {
   /* Another user makes this process's socket file name first in a sticky
