@@ -96,6 +96,10 @@ bool usmipc__same_pid_namespace(const struct usmipc__wire *w);
 uint64_t usmipc__start_time(const char *pid);
 /* st_ino of a pidfd (pidfs), 0 when the kernel has no pidfs. */
 uint64_t usmipc__pidfd_inode(int pidfd);
+/* The effective uid of the process pidfd refers to (pid, in this PID
+ * namespace), read so that a reused pid cannot answer for it: 0, -ESRCH
+ * when that process is gone, or another negative errno. */
+int usmipc__pidfd_euid(int pidfd, uint32_t pid, uint32_t *euid);
 /* A usmipc code for an errno value, so that no raw -errno escapes: EMFILE
  * and ENFILE become USMIPC_EMFILE, ENOMEM USMIPC_ENOMEM, EACCES and EPERM
  * USMIPC_EACCES, the rest USMIPC_EIO (the errno stays the native code). */
@@ -664,6 +668,10 @@ int usmipc__fdxfer_publish_fds(const int *fds, uint32_t nfds,
 void usmipc__fdxfer_withdraw(uint64_t buffer_id);
 /* 1 when the exporter also listens in USMIPC_SOCKET_DIR. */
 bool usmipc__fdxfer_socket_dir(void);
+/* Tests only: how long the broker waits between binding its socket file in
+ * USMIPC_SOCKET_DIR and using it (0, the default: not at all), to widen the
+ * window an attacker who can write the directory would race. */
+extern unsigned usmipc__test_socket_bind_delay_ms;
 
 typedef enum usmipc__transport {
   USMIPC__TRANSPORT_AUTO,

@@ -1655,10 +1655,23 @@ int usmipc_ipc_close(void *ptr) {
 
 /* ---- memory a SYCL program exported ---------------------------------------
  * The blob names the exporter by pid only; its dma-buf is taken with
- * pidfd_getfd by its number there. What can be checked is: the pid is in
- * this PID namespace (else it names another process), the descriptor is a
- * dma-buf large enough for the allocation (the backend checks), the memory
- * is device memory. */
+ * pidfd_getfd by its number there. What can be checked is: the pid's
+ * process runs as this process's uid (the uid rule of every other path: a
+ * root importer must not map another user's buffer, which that user could
+ * truncate under it, SIGBUS), the pid is in this PID namespace (else it
+ * names another process), the descriptor is a dma-buf large enough for the
+ * allocation (the backend checks), the memory is device memory. The uid is
+ * read before the descriptor is taken, through a pidfd opened first, so a
+ * pid reused in between cannot answer for the process the descriptor comes
+ * from (usmipc__pidfd_euid). Tests: level_zero.sycl_blob (other uids). */
+static int sycl_exporter_gone(uint32_t pid) {
+  return usmipc__fail(USMIPC_EEXPORTERGONE,
+                      "no process %u here: the SYCL exporter exited, or it "
+                      "runs in another PID namespace (a container), where "
+                      "its pid names another process",
+                      pid);
+}
+
 static int sycl_take_fd(const usmipc__umf_blob_t *b, int *out) {
   *out = -1;
   if (b->pid == (uint32_t)getpid()) {
@@ -1671,28 +1684,55 @@ static int sycl_take_fd(const usmipc__umf_blob_t *b, int *out) {
     *out = fd;
     return 0;
   }
+  int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)b->pid, 0);
+  if (pidfd < 0) {
+    if (errno == ESRCH)
+      return sycl_exporter_gone(b->pid);
+    return usmipc__fail_native(USMIPC_ETRANSPORT, errno,
+                               "pidfd_open(%u) failed: %s", b->pid,
+                               strerror(errno));
+  }
+  /* The uid first: another user's /proc/<pid>/ns/pid is unreadable, which
+   * the namespace check below would report as no process at all. This
+   * process's own euid now, not as first seen: a program may drop
+   * privileges after its first call. */
+  uint32_t uid, me = (uint32_t)geteuid();
+  int e = usmipc__pidfd_euid(pidfd, b->pid, &uid);
+  if (e != 0) {
+    close(pidfd);
+    if (e == -ESRCH)
+      return sycl_exporter_gone(b->pid);
+    return usmipc__fail_native(USMIPC_ETRANSPORT, -e,
+                               "cannot read the uid of process %u: %s", b->pid,
+                               strerror(-e));
+  }
+  if (uid != me) {
+    close(pidfd);
+    return usmipc__fail(
+        USMIPC_EACCES,
+        "the SYCL handle names process %u, which runs as uid %u, and this "
+        "process runs as uid %u: IPC memory is shared only between processes "
+        "of the same user, root included (if the exporter runs in another "
+        "PID namespace, its pid names another process here)",
+        b->pid, uid, me);
+  }
   char pid[16];
   snprintf(pid, sizeof(pid), "%u", b->pid);
   uint64_t theirs = usmipc__ns_inode(pid, "pid"),
            mine = usmipc__ns_inode("self", "pid");
-  if (theirs == 0)
-    return usmipc__fail(USMIPC_EEXPORTERGONE,
-                        "no process %u here: the SYCL exporter exited, or it "
-                        "runs in another PID namespace (a container), where "
-                        "its pid names another process",
-                        b->pid);
-  if (mine == 0 || theirs != mine)
+  if (theirs == 0) {
+    close(pidfd);
+    return sycl_exporter_gone(b->pid);
+  }
+  if (mine == 0 || theirs != mine) {
+    close(pidfd);
     return usmipc__fail(USMIPC_ENAMESPACE,
                         "process %u is in another PID namespace than this "
                         "process: the pid in a SYCL handle is the exporter's "
                         "own, which this process cannot trust to name it; "
                         "run both in one PID namespace",
                         b->pid);
-  int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)b->pid, 0);
-  if (pidfd < 0)
-    return usmipc__fail_native(
-        errno == ESRCH ? USMIPC_EEXPORTERGONE : USMIPC_ETRANSPORT, errno,
-        "pidfd_open(%u) failed: %s", b->pid, strerror(errno));
+  }
   int rc = usmipc__pidfd_take(pidfd, b->pid, b->fd_number, out);
   close(pidfd);
   if (rc == USMIPC_EACCES) /* the transport's advice does not apply here */

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
@@ -114,6 +115,63 @@ uint64_t usmipc__pidfd_inode(int pidfd) {
       fstat(pidfd, &st) != 0)
     return 0;
   return (uint64_t)st.st_ino;
+}
+
+/* PIDFD_GET_INFO (Linux 6.13, linux/pidfd.h; the headers here may predate
+ * it): the credentials of the process a pidfd refers to, read through the
+ * pidfd itself, in this process's user namespace. The ioctl is extensible:
+ * the kernel reads the size from the request, 64 bytes is its version 0. */
+struct pidfd_info_v0 {
+  uint64_t mask, cgroupid;
+  uint32_t pid, tgid, ppid, ruid, rgid, euid, egid, suid, sgid, fsuid, fsgid;
+  uint32_t spare;
+};
+#define PIDFD_INFO_CREDS_ (1ull << 1)
+#define PIDFD_GET_INFO_ _IOWR(0xFF, 11, struct pidfd_info_v0)
+#ifndef SYS_pidfd_send_signal
+#define SYS_pidfd_send_signal 424
+#endif
+
+int usmipc__pidfd_euid(int pidfd, uint32_t pid, uint32_t *euid) {
+  struct pidfd_info_v0 info;
+  memset(&info, 0, sizeof(info));
+  info.mask = PIDFD_INFO_CREDS_;
+  int r = ioctl(pidfd, PIDFD_GET_INFO_, &info);
+  if (r == 0 && (info.mask & PIDFD_INFO_CREDS_)) {
+    *euid = info.euid;
+    return 0;
+  }
+  if (r != 0 && errno == ESRCH)
+    return -ESRCH;
+  /* An older kernel (ENOTTY): the pid's /proc entry, which names the
+   * pidfd's process only if that process still holds the pid once read. A
+   * pid is freed only when its process is reaped, and a signal 0 through
+   * the pidfd fails with ESRCH from then on (EPERM, for another user's
+   * process, still means it exists); the start time must not have changed
+   * either. */
+  char dir[16], path[48], text[4096];
+  snprintf(dir, sizeof(dir), "%u", pid);
+  uint64_t started = usmipc__start_time(dir);
+  snprintf(path, sizeof(path), "/proc/%u/status", pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return errno == ENOENT ? -ESRCH : -errno;
+  ssize_t n = read(fd, text, sizeof(text) - 1);
+  int e = errno;
+  close(fd);
+  if (n <= 0)
+    return n == 0 ? -ESRCH : -e;
+  text[n] = '\0';
+  const char *uid = strstr(text, "\nUid:");
+  unsigned long real, effective;
+  if (uid == NULL || sscanf(uid + 5, "%lu %lu", &real, &effective) != 2)
+    return -EIO;
+  if ((syscall(SYS_pidfd_send_signal, pidfd, 0, NULL, 0) != 0 &&
+       errno != EPERM) ||
+      started == 0 || usmipc__start_time(dir) != started)
+    return -ESRCH;
+  *euid = (uint32_t)effective;
+  return 0;
 }
 
 int usmipc__errno_code(int e) {

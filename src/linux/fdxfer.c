@@ -294,7 +294,14 @@ static grant_entry_t *grants; /* sorted by buffer_id */
 static size_t grant_count, grant_capacity;
 static bool broker_running;
 static int listen_fds[2] = {-1, -1}; /* abstract, socket dir */
-static char dir_socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+/* The socket file in USMIPC_SOCKET_DIR: the directory, opened and checked
+ * once (socket_dir_open), the file's name and identity in it, and the
+ * process that made it. Every later use names the file relative to
+ * socket_dir_fd, never by a path. */
+static int socket_dir_fd = -1;
+static char dir_socket_name[64];
+static dev_t dir_socket_dev;
+static ino_t dir_socket_ino;
 static pid_t dir_socket_owner;
 
 void usmipc__fdxfer_fork_prepare(void) { pthread_mutex_lock(&fdx_lock); }
@@ -317,7 +324,10 @@ void usmipc__fdxfer_fork_child(void) {
       close(listen_fds[i]);
     listen_fds[i] = -1;
   }
-  dir_socket_path[0] = '\0';
+  dir_socket_name[0] = '\0';
+  if (socket_dir_fd >= 0)
+    close(socket_dir_fd);
+  socket_dir_fd = -1;
   broker_running = false;
 }
 
@@ -704,7 +714,6 @@ static int listen_on(const struct sockaddr_un *addr, socklen_t len, int *out) {
   if (fd < 0)
     return -errno;
   if (bind(fd, (const struct sockaddr *)addr, len) != 0 ||
-      (addr->sun_path[0] != '\0' && chmod(addr->sun_path, 0600) != 0) ||
       listen(fd, 256) != 0) {
     int e = errno;
     close(fd);
@@ -714,42 +723,240 @@ static int listen_on(const struct sockaddr_un *addr, socklen_t len, int *out) {
   return 0;
 }
 
+/* ---- USMIPC_SOCKET_DIR ------------------------------------------------------
+ * The threat: the exporter (often root) creates and removes files in a
+ * directory the user named. Whoever else can write that directory can
+ * replace a file between two calls that name it by path (a symlink swapped
+ * in after bind made a root exporter's chmod change a file of the
+ * attacker's choosing), take the socket's name first (it is visible in
+ * /proc/net/unix as soon as the abstract socket listens), or plant links
+ * for the stale-file sweep. So:
+ *  - the directory must pass ssh's StrictModes rule (socket_dir_open):
+ *    owned by this uid or root, writable by no one else unless sticky
+ *    (where no one can remove or rename another user's file); in a user
+ *    namespace root's directories show as the overflow uid's, and a sticky
+ *    one of those (/dev/shm, /tmp of an unprivileged container) counts as
+ *    root's. A symbolic link as the directory is refused: its target is
+ *    not the directory that was checked;
+ *  - the directory is opened once (O_NOFOLLOW) and checked through that
+ *    descriptor, and every later call names a file relative to it: bind
+ *    and connect through /proc/self/fd/<dir>/<name> (a path that resolves
+ *    through the open directory, whatever happens to the path above it),
+ *    fstatat and unlinkat with AT_SYMLINK_NOFOLLOW semantics;
+ *  - the socket file gets mode 0600 at its creation, not by a chmod after
+ *    it: on Linux bind(2) creates the file with the socket inode's own mode
+ *    less the umask (net/unix/af_unix.c, unix_bind_bsd), and fchmod(2) on
+ *    the unbound socket sets that mode. umask(2) around bind would do the
+ *    same but is process-wide (another thread's files would get it too); a
+ *    private 0700 subdirectory per process would change the path importers
+ *    compute. The mode is defence in depth anyway: the broker checks every
+ *    peer's uid (SO_PEERCRED) when it accepts.
+ * Tests: trust_socket_dir_modes, _symlink_swap (+ _sticky), _squatted_name,
+ * _sweep_links, _userns_overflow, _stale_files. */
+unsigned usmipc__test_socket_bind_delay_ms;
+
+static bool in_user_namespace(void) {
+  /* The initial user namespace maps every uid to itself, in one line. */
+  char map[256];
+  int fd = open("/proc/self/uid_map", O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return false;
+  ssize_t n = read(fd, map, sizeof(map) - 1);
+  close(fd);
+  if (n <= 0)
+    return false;
+  map[n] = '\0';
+  unsigned long inside, outside, count;
+  int used = 0;
+  return !(sscanf(map, " %lu %lu %lu %n", &inside, &outside, &count, &used) ==
+               3 &&
+           inside == 0 && outside == 0 && count == 4294967295ul &&
+           map[used] == '\0');
+}
+
+static uint32_t overflow_uid(void) {
+  char text[32];
+  int fd = open("/proc/sys/kernel/overflowuid", O_RDONLY | O_CLOEXEC);
+  ssize_t n = fd >= 0 ? read(fd, text, sizeof(text) - 1) : -1;
+  if (fd >= 0)
+    close(fd);
+  if (n <= 0)
+    return 65534; /* the kernel's default */
+  text[n] = '\0';
+  return (uint32_t)strtoul(text, NULL, 10);
+}
+
+/* Opens dir into socket_dir_fd, refusing (USMIPC_EACCES) a directory that
+ * someone other than this user and root could change. */
+static int socket_dir_open(const char *dir) {
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    struct stat link;
+    /* O_DIRECTORY | O_NOFOLLOW on a link: ENOTDIR (ELOOP without it). */
+    if (e == ELOOP ||
+        (e == ENOTDIR && lstat(dir, &link) == 0 && S_ISLNK(link.st_mode)))
+      return usmipc__fail(USMIPC_EACCES,
+                          "USMIPC_SOCKET_DIR=%s is a symbolic link, which "
+                          "could be pointed elsewhere once checked: set it "
+                          "to the directory itself",
+                          dir);
+    return usmipc__fail_native(
+        e == EACCES || e == EPERM ? USMIPC_EACCES : USMIPC_ETRANSPORT, e,
+        "cannot open USMIPC_SOCKET_DIR=%s: %s (it "
+        "must be an existing directory)",
+        dir, strerror(e));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    int e = errno;
+    close(fd);
+    return usmipc__fail_native(usmipc__errno_code(e), e,
+                               "cannot stat USMIPC_SOCKET_DIR=%s: %s", dir,
+                               strerror(e));
+  }
+  uint32_t me = usmipc__self()->uid;
+  bool sticky = (st.st_mode & S_ISVTX) != 0;
+  bool owner_ok =
+      st.st_uid == me || st.st_uid == 0 ||
+      (sticky && st.st_uid == overflow_uid() && in_user_namespace());
+  if (!owner_ok) {
+    close(fd);
+    return usmipc__fail(USMIPC_EACCES,
+                        "USMIPC_SOCKET_DIR=%s is owned by uid %u, who could "
+                        "replace the socket files in it: use a directory "
+                        "owned by this user (uid %u) or by root, such as "
+                        "/dev/shm or /tmp",
+                        dir, (unsigned)st.st_uid, me);
+  }
+  if (!sticky && (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    close(fd);
+    return usmipc__fail(USMIPC_EACCES,
+                        "USMIPC_SOCKET_DIR=%s is writable by %s without the "
+                        "sticky bit, so they could replace the socket files "
+                        "in it: chmod go-w it, chmod +t it (as /tmp is), or "
+                        "use a directory only this user can write",
+                        dir, (st.st_mode & S_IWOTH) ? "others" : "its group");
+  }
+  socket_dir_fd = fd;
+  return 0;
+}
+
+/* name in the socket directory, as a path through its open descriptor;
+ * 0 when it does not fit. */
+static socklen_t in_dir_address(const char *name, struct sockaddr_un *addr) {
+  memset(addr, 0, sizeof(*addr));
+  addr->sun_family = AF_UNIX;
+  int n = snprintf(addr->sun_path, sizeof(addr->sun_path),
+                   "/proc/self/fd/%d/%s", socket_dir_fd, name);
+  if (n < 0 || (size_t)n >= sizeof(addr->sun_path))
+    return 0;
+  return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + (size_t)n + 1);
+}
+
+/* Listens on dir_socket_name in the (checked, open) socket directory dir. */
+static int listen_in_dir(const char *dir, int *out) {
+  struct sockaddr_un addr;
+  socklen_t len = in_dir_address(dir_socket_name, &addr);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0)
+    return usmipc__fail_native(usmipc__errno_code(errno), errno,
+                               "cannot create a socket: %s", strerror(errno));
+  int r = len == 0 || fchmod(fd, 0600) != 0
+              ? -1
+              : bind(fd, (const struct sockaddr *)&addr, len);
+  int e = errno;
+  if (r != 0 && e == ENOENT && access("/proc/self/fd", F_OK) != 0 &&
+      dir_address(dir, usmipc__self()->pid, usmipc__self()->nonce, &addr)) {
+    /* No /proc (a bare chroot): the checked directory by its path. Only a
+     * directory above it changed since the check could move the file, and
+     * nothing names the file by this path again. */
+    r = bind(fd, (const struct sockaddr *)&addr, SUN_LEN(&addr));
+    e = errno;
+  }
+  struct stat st;
+  if (r != 0 && e == EADDRINUSE &&
+      fstatat(socket_dir_fd, dir_socket_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+      st.st_uid != usmipc__self()->uid) {
+    close(fd);
+    return usmipc__fail(USMIPC_EACCES,
+                        "uid %u made a file named %s in USMIPC_SOCKET_DIR=%s "
+                        "before this process could listen there (someone "
+                        "standing in for it?); it was left alone: remove it, "
+                        "or use a directory only this user can write",
+                        (unsigned)st.st_uid, dir_socket_name, dir);
+  }
+  if (r == 0 && usmipc__test_socket_bind_delay_ms)
+    poll(NULL, 0, (int)usmipc__test_socket_bind_delay_ms);
+  /* Its identity, for the unlink at exit. In a checked directory no one
+   * else can replace the file, so this is the socket just bound. */
+  if (r == 0 &&
+      (fstatat(socket_dir_fd, dir_socket_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+       !S_ISSOCK(st.st_mode))) {
+    r = -1;
+    e = EEXIST; /* not the socket just bound: nothing to listen on */
+  }
+  if (r != 0 || listen(fd, 256) != 0) {
+    if (r == 0)
+      e = errno;
+    close(fd);
+    return usmipc__fail_native(
+        USMIPC_ETRANSPORT, e,
+        "cannot listen in USMIPC_SOCKET_DIR=%s: %s (it must be a directory "
+        "this process can write, with a short path)",
+        dir, len == 0 ? strerror(ENAMETOOLONG) : strerror(e));
+  }
+  dir_socket_dev = st.st_dev;
+  dir_socket_ino = st.st_ino;
+  *out = fd;
+  return 0;
+}
+
 /* The socket file outlives a process that is killed; one that exits
- * removes it (only the process that made it: not a fork child). */
+ * removes it (only the process that made it: not a fork child), if the
+ * name still holds that file. */
 static void unlink_dir_socket(void) {
-  if (dir_socket_path[0] != '\0' && dir_socket_owner == getpid())
-    unlink(dir_socket_path);
+  struct stat st;
+  if (socket_dir_fd >= 0 && dir_socket_name[0] != '\0' &&
+      dir_socket_owner == getpid() &&
+      fstatat(socket_dir_fd, dir_socket_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+      st.st_dev == dir_socket_dev && st.st_ino == dir_socket_ino)
+    unlinkat(socket_dir_fd, dir_socket_name, 0);
 }
 static void register_unlink_at_exit(void) { atexit(unlink_dir_socket); }
 
 /* A killed exporter leaves its socket file behind. Each new broker removes
  * the ones of its user that nothing listens on any more (connect refused):
- * the directory holds about as many files as live exporters. */
-static void remove_stale_sockets(const char *dir) {
-  DIR *d = opendir(dir);
-  if (d == NULL)
+ * the directory holds about as many files as live exporters. Only sockets
+ * of this uid, never followed through a link, in the checked directory,
+ * where no other user can swap them between the check and the unlink. */
+static void remove_stale_sockets(void) {
+  int fd = openat(socket_dir_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+  if (d == NULL) {
+    if (fd >= 0)
+      close(fd);
     return;
+  }
   struct dirent *e;
   while ((e = readdir(d)) != NULL) {
     size_t n = strlen(e->d_name);
     if (strncmp(e->d_name, "usmipc.", 7) != 0 || n < 12 ||
-        strcmp(e->d_name + n - 5, ".sock") != 0)
+        strcmp(e->d_name + n - 5, ".sock") != 0 ||
+        strcmp(e->d_name, dir_socket_name) == 0)
       continue;
-    struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    int len =
-        snprintf(addr.sun_path, sizeof(addr.sun_path), "%s/%s", dir, e->d_name);
+    struct sockaddr_un addr;
+    socklen_t len = in_dir_address(e->d_name, &addr);
     struct stat st;
-    if (len < 0 || (size_t)len >= sizeof(addr.sun_path) ||
-        lstat(addr.sun_path, &st) != 0 || !S_ISSOCK(st.st_mode) ||
-        st.st_uid != usmipc__self()->uid ||
-        strcmp(addr.sun_path, dir_socket_path) == 0)
+    if (len == 0 ||
+        fstatat(socket_dir_fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+        !S_ISSOCK(st.st_mode) || st.st_uid != usmipc__self()->uid)
       continue;
     int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (s < 0)
       break;
-    if (connect(s, (struct sockaddr *)&addr, sizeof(addr)) != 0 &&
-        errno == ECONNREFUSED)
-      unlink(addr.sun_path);
+    if (connect(s, (struct sockaddr *)&addr, len) != 0 && errno == ECONNREFUSED)
+      unlinkat(socket_dir_fd, e->d_name, 0);
     close(s);
   }
   closedir(d);
@@ -768,19 +975,28 @@ static int start_broker(pthread_mutex_t *alive) {
                                addr.sun_path + 1, strerror(-e));
   const char *dir = socket_dir_env();
   if (dir != NULL) {
-    len = dir_address(dir, self->pid, self->nonce, &addr);
-    e = len == 0 ? -ENAMETOOLONG : listen_on(&addr, len, &fds[1]);
-    if (e != 0) {
+    /* Importers name the file by its path in dir: that must fit too. */
+    if (dir_address(dir, self->pid, self->nonce, &addr) == 0) {
       close(fds[0]);
-      return usmipc__fail_native(USMIPC_ETRANSPORT, -e,
-                                 "cannot listen in USMIPC_SOCKET_DIR=%s: %s "
-                                 "(it must be an existing directory this "
-                                 "process can write, with a short path)",
-                                 dir, strerror(-e));
+      return usmipc__fail(USMIPC_ETRANSPORT,
+                          "cannot listen in USMIPC_SOCKET_DIR=%s: its path is "
+                          "too long for a socket address (use a shorter one)",
+                          dir);
     }
-    snprintf(dir_socket_path, sizeof(dir_socket_path), "%s", addr.sun_path);
+    snprintf(dir_socket_name, sizeof(dir_socket_name), "usmipc.%u.%016llx.sock",
+             self->pid, (unsigned long long)self->nonce);
+    int rc = socket_dir_open(dir);
+    if (rc == 0 && (rc = listen_in_dir(dir, &fds[1])) != 0) {
+      close(socket_dir_fd);
+      socket_dir_fd = -1;
+    }
+    if (rc != 0) {
+      dir_socket_name[0] = '\0';
+      close(fds[0]);
+      return rc;
+    }
     dir_socket_owner = getpid();
-    remove_stale_sockets(dir);
+    remove_stale_sockets();
     static pthread_once_t atexit_once = PTHREAD_ONCE_INIT;
     pthread_once(&atexit_once, register_unlink_at_exit);
   }
@@ -816,7 +1032,10 @@ static int start_broker(pthread_mutex_t *alive) {
       listen_fds[i] = -1;
     }
     unlink_dir_socket();
-    dir_socket_path[0] = '\0';
+    dir_socket_name[0] = '\0';
+    if (socket_dir_fd >= 0)
+      close(socket_dir_fd);
+    socket_dir_fd = -1;
     return usmipc__fail_native(USMIPC_ETRANSPORT, err ? err : start.status,
                                "cannot start the fd broker thread: %s",
                                strerror(err ? err : start.status));

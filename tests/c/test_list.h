@@ -96,6 +96,12 @@
   X(trust_sealed_memfd)                                                        \
   X(trust_pid_reuse)                                                           \
   X(trust_socket_dir_stale_files)                                              \
+  X(trust_socket_dir_modes)                                                    \
+  X(trust_socket_dir_userns_overflow)                                          \
+  X(trust_socket_dir_symlink_swap)                                             \
+  X(trust_socket_dir_symlink_swap_sticky)                                      \
+  X(trust_socket_dir_squatted_name)                                            \
+  X(trust_socket_dir_sweep_links)                                              \
   X(trust_kept_connection)                                                     \
   X(trust_kept_connection_fork)                                                \
   X(trust_broker_threads)                                                      \

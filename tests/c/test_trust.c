@@ -29,6 +29,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stddef.h>
+#include <sys/inotify.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -1338,6 +1339,354 @@ TEST_IMPL(trust_socket_dir_stale_files) {
   agent_stop_ok(&c);
   ASSERT_EQ(count_sockets(dir, NULL), 0);
   remove_dir(dir);
+  return 0;
+}
+
+/* ---- USMIPC_SOCKET_DIR: who may write the directory ------------------------
+ * A root exporter binds its socket file in USMIPC_SOCKET_DIR. A user who can
+ * write that directory could swap the file for a symlink between bind and
+ * any later call that names it by path, and make root change the file the
+ * link points to (trust_socket_dir_symlink_swap, the window widened with
+ * usmipc__test_socket_bind_delay_ms), squat the name first
+ * (trust_socket_dir_squatted_name), or plant links for the stale-file sweep.
+ * The library refuses such a directory (ssh's StrictModes rule: owned by
+ * this uid or root, writable by nobody else unless sticky) and names no file
+ * by path there (trust_socket_dir_modes); /dev/shm, /tmp, a directory of
+ * one's own and, inside a user namespace, /dev/shm owned by the overflow uid
+ * keep working (trust_socket_dir_userns_overflow). */
+
+/* An exporter agent with USMIPC_SOCKET_DIR=dir (and the environment's
+ * transport) exports; returns the export's code, the agent's reply in
+ * reply and, when it exported, the mode of its socket file (else 0). */
+static int socket_dir_export(const char *dir, char *reply, size_t cap,
+                             unsigned *sock_mode, const char *const wrapper[]) {
+  char setting[300];
+  snprintf(setting, sizeof(setting), "USMIPC_SOCKET_DIR=%s", dir);
+  const char *const env[] = {setting, NULL};
+  agent_t ex;
+  agent_spawn(&ex, env, wrapper);
+  AGENT_OK(&ex, "alloc 0 device 4096");
+  int r = agent_call(&ex, "export 0 0 0");
+  snprintf(reply, cap, "%.1000s", ex.reply);
+  *sock_mode = 0;
+  if (r == 0 && wrapper == NULL) {
+    char prefix[48];
+    snprintf(prefix, sizeof(prefix), "usmipc.%d.", (int)ex.pid);
+    DIR *d = opendir(dir);
+    ASSERT_NOT_NULL(d);
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+      struct stat st;
+      if (strncmp(e->d_name, prefix, strlen(prefix)) == 0 &&
+          fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+          S_ISSOCK(st.st_mode))
+        *sock_mode = st.st_mode & 07777;
+    }
+    closedir(d);
+  }
+  agent_stop_ok(&ex);
+  return r;
+}
+
+TEST_IMPL(trust_socket_dir_modes) {
+  REQUIRE_HOST();
+  REQUIRE_ROOT("to give the socket directory to another uid (chown)");
+  static const struct {
+    mode_t mode;
+    uid_t owner;
+    const char *words; /* what the refusal names */
+  } refused[] = {
+      {0777, 0, "writable by others"},
+      {0770, 0, "writable by its group"},
+      {0755, NOBODY, "owned by uid 65534"},
+      {01777, NOBODY, "owned by uid 65534"},
+  };
+  char reply[1024];
+  unsigned mode;
+  for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
+    char dir[] = "/tmp/usmipc-mode-XXXXXX";
+    ASSERT_NOT_NULL(mkdtemp(dir));
+    ASSERT_EQ(chown(dir, refused[i].owner, refused[i].owner), 0);
+    ASSERT_EQ(chmod(dir, refused[i].mode), 0);
+    int r = socket_dir_export(dir, reply, sizeof(reply), &mode, NULL);
+    int files = count_sockets(dir, NULL);
+    remove_dir(dir);
+    printf("directory %04o of uid %u: %s\n", (unsigned)refused[i].mode,
+           (unsigned)refused[i].owner, r ? reply : "exported");
+    ASSERT_MSG(r == USMIPC_EACCES,
+               "a socket directory %04o of uid %u was used (expected "
+               "USMIPC_EACCES, got %d: %s)",
+               (unsigned)refused[i].mode, (unsigned)refused[i].owner, r, reply);
+    ASSERT_MSG(strstr(reply, refused[i].words) != NULL &&
+                   strstr(reply, "USMIPC_SOCKET_DIR") != NULL,
+               "the refusal does not say \"%s\" and name USMIPC_SOCKET_DIR: %s",
+               refused[i].words, reply);
+    ASSERT_EQ(files, 0);
+  }
+  /* A symbolic link as the directory: its target is not what was checked. */
+  char dir[] = "/tmp/usmipc-mode-XXXXXX";
+  ASSERT_NOT_NULL(mkdtemp(dir));
+  char link_path[64];
+  snprintf(link_path, sizeof(link_path), "%s.link", dir);
+  ASSERT_EQ(symlink(dir, link_path), 0);
+  int r = socket_dir_export(link_path, reply, sizeof(reply), &mode, NULL);
+  unlink(link_path);
+  printf("a symbolic link as the directory: %s\n", r ? reply : "exported");
+  ASSERT_MSG(r == USMIPC_EACCES && strstr(reply, "symbolic link") != NULL,
+             "a symbolic link as USMIPC_SOCKET_DIR: expected USMIPC_EACCES "
+             "saying \"symbolic link\", got %d: %s",
+             r, reply);
+  /* What keeps working: the socket file is 0600 in each. */
+  const char *const fine[] = {"/dev/shm", "/tmp", dir};
+  for (size_t i = 0; i < sizeof(fine) / sizeof(fine[0]); i++) {
+    r = socket_dir_export(fine[i], reply, sizeof(reply), &mode, NULL);
+    printf("%s: %s, socket file %04o\n", fine[i], r ? reply : "exported", mode);
+    ASSERT_MSG(r == 0, "exporting with USMIPC_SOCKET_DIR=%s failed: %s",
+               fine[i], reply);
+    ASSERT_MSG(mode == 0600, "the socket file in %s has mode %04o, not 0600",
+               fine[i], mode);
+  }
+  ASSERT_EQ(count_sockets(dir, NULL), 0); /* the exit removed it */
+  remove_dir(dir);
+  return 0;
+}
+
+TEST_IMPL(trust_socket_dir_userns_overflow) {
+  /* An unprivileged user's container (unshare -U --map-root-user): root's
+   * /dev/shm shows as the overflow uid's, sticky; it counts as root's. */
+  REQUIRE_HOST();
+  REQUIRE_ROOT("to run the container as another user (setpriv)");
+  static const char *const wrapper[] = {"setpriv",         "--reuid=65534",
+                                        "--regid=65534",   "--clear-groups",
+                                        "unshare",         "-U",
+                                        "--map-root-user", NULL};
+  if (!wrapper_works(wrapper))
+    RETURN_SKIP("`setpriv ... unshare -U --map-root-user` is not permitted "
+                "here");
+  char reply[1024];
+  unsigned mode;
+  int r = socket_dir_export("/dev/shm", reply, sizeof(reply), &mode, wrapper);
+  printf("in a user namespace of uid %d, USMIPC_SOCKET_DIR=/dev/shm: %s\n",
+         NOBODY, r ? reply : "exported");
+  ASSERT_MSG(r == 0, "the export failed: %s", reply);
+  return 0;
+}
+
+/* A socket bound at path and closed: a stale socket file (connect refused).
+ * As uid when uid != 0, in a child. */
+static void stale_socket_as(const char *path, uid_t uid) {
+  fflush(stdout);
+  pid_t pid = fork();
+  ASSERT(pid >= 0);
+  if (pid == 0) {
+    if (uid != 0 && drop_to(uid) != 0)
+      _exit(2);
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path);
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    _exit(s >= 0 && bind(s, (struct sockaddr *)&addr, sizeof(addr)) == 0 ? 0
+                                                                         : 3);
+  }
+  ASSERT_EQ(exit_code_of(wait_pid_timeout(pid, 10)), 0);
+}
+
+TEST_IMPL(trust_socket_dir_sweep_links) {
+  /* The stale-file sweep of a root exporter in a sticky directory removes
+   * root's dead sockets only: not another user's, not a link another user
+   * planted there, nor what the link points to. */
+  REQUIRE_HOST();
+  REQUIRE_ROOT("to plant files as another user (setuid)");
+  static char dir[] = "/tmp/usmipc-sweep-XXXXXX";
+  static char away[] = "/tmp/usmipc-away-XXXXXX";
+  ASSERT_NOT_NULL(mkdtemp(dir));
+  ASSERT_NOT_NULL(mkdtemp(away));
+  ASSERT_EQ(chmod(dir, 01777), 0);
+  char theirs[128], victim[128], link_path[128], mine[128];
+  snprintf(theirs, sizeof(theirs), "%s/usmipc.1.0000000000000001.sock", dir);
+  snprintf(victim, sizeof(victim), "%s/usmipc.2.0000000000000002.sock", away);
+  snprintf(link_path, sizeof(link_path), "%s/usmipc.3.0000000000000003.sock",
+           dir);
+  snprintf(mine, sizeof(mine), "%s/usmipc.4.0000000000000004.sock", dir);
+  stale_socket_as(theirs, NOBODY);
+  stale_socket_as(victim, 0);
+  stale_socket_as(mine, 0);
+  fflush(stdout);
+  pid_t planter = fork();
+  ASSERT(planter >= 0);
+  if (planter == 0)
+    _exit(drop_to(NOBODY) == 0 && symlink(victim, link_path) == 0 ? 0 : 2);
+  ASSERT_EQ(exit_code_of(wait_pid_timeout(planter, 10)), 0);
+  char reply[1024];
+  unsigned mode;
+  int r = socket_dir_export(dir, reply, sizeof(reply), &mode, NULL);
+  struct stat st;
+  int theirs_kept = lstat(theirs, &st) == 0 && S_ISSOCK(st.st_mode);
+  int link_kept = lstat(link_path, &st) == 0 && S_ISLNK(st.st_mode);
+  int victim_kept = lstat(victim, &st) == 0 && S_ISSOCK(st.st_mode);
+  int mine_gone = lstat(mine, &st) != 0;
+  remove_dir(dir);
+  remove_dir(away);
+  ASSERT_MSG(r == 0, "the export failed: %s", reply);
+  ASSERT_MSG(theirs_kept, "the sweep removed uid %d's socket file", NOBODY);
+  ASSERT_MSG(link_kept, "the sweep removed uid %d's link", NOBODY);
+  ASSERT_MSG(victim_kept, "the sweep removed the socket a link points to");
+  ASSERT_MSG(mine_gone, "the sweep kept root's own stale socket file");
+  return 0;
+}
+
+/* The attacker: uid 65534, owner of dir, swaps every socket file created
+ * there for a symlink to target as soon as it appears. */
+static void swap_in_symlinks(const char *dir, const char *target, int ready) {
+  if (drop_to(NOBODY) != 0)
+    _exit(2);
+  int in = inotify_init1(IN_CLOEXEC);
+  if (in < 0 || inotify_add_watch(in, dir, IN_CREATE) < 0)
+    _exit(3);
+  if (write(ready, "r", 1) != 1)
+    _exit(4);
+  for (;;) {
+    char buf[4096] __attribute__((aligned(8)));
+    ssize_t n = read(in, buf, sizeof(buf));
+    if (n <= 0)
+      _exit(5);
+    for (char *p = buf; p < buf + n;) {
+      struct inotify_event *ev = (struct inotify_event *)p;
+      p += sizeof(*ev) + ev->len;
+      if (ev->len == 0 || strncmp(ev->name, "usmipc.", 7) != 0)
+        continue;
+      char path[512];
+      snprintf(path, sizeof(path), "%s/%s", dir, ev->name);
+      if (unlink(path) == 0 && symlink(target, path) == 0)
+        _exit(0);
+    }
+  }
+}
+
+/* sticky 0: the directory is uid 65534's own (refused now; before, root
+ * chmod()ed the link's target). sticky 1: root's, 1777, as /tmp: used, and
+ * the attacker cannot replace root's file there. */
+static int symlink_swap(int sticky) {
+  REQUIRE_HOST();
+  REQUIRE_ROOT("to play the user who can write the socket directory "
+               "(setuid)");
+  static char dir[] = "/tmp/usmipc-swap-XXXXXX";
+  static char target[] = "/tmp/usmipc-target-XXXXXX";
+  ASSERT_NOT_NULL(mkdtemp(dir));
+  if (sticky)
+    ASSERT_EQ(chmod(dir, 01777), 0);
+  else
+    ASSERT_EQ(chown(dir, NOBODY, NOBODY), 0);
+  int t = mkstemp(target);
+  ASSERT(t >= 0);
+  ASSERT_EQ(fchmod(t, 0644), 0);
+  close(t);
+  int ready[2];
+  ASSERT_EQ(pipe2(ready, O_CLOEXEC), 0);
+  fflush(stdout);
+  pid_t attacker = fork();
+  ASSERT(attacker >= 0);
+  if (attacker == 0)
+    swap_in_symlinks(dir, target, ready[1]);
+  char c;
+  ASSERT_EQ(read(ready[0], &c, 1), 1);
+  close(ready[0]);
+  close(ready[1]);
+  setenv("USMIPC_SOCKET_DIR", dir, 1);
+  usmipc__test_socket_bind_delay_ms = 300;
+  void *p = NULL;
+  usmipc_ipc_handle_t *h = NULL;
+  ASSERT_OK(usmipc_malloc(host_device(), USMIPC_MEM_DEVICE, 4096, &p));
+  int r = usmipc_ipc_get_handle(p, 0, &h);
+  printf("export with USMIPC_SOCKET_DIR=%s (%s): %s\n", dir,
+         sticky ? "root's, 1777" : "uid 65534's",
+         r ? usmipc_last_error() : "exported");
+  if (h != NULL)
+    usmipc_ipc_free_handle(h);
+  usmipc_free(p);
+  kill(attacker, SIGKILL);
+  int status = wait_pid_timeout(attacker, 10);
+  /* Root's own socket file, 0600, still there in the sticky directory. */
+  char name[64];
+  snprintf(name, sizeof(name), "usmipc.%u.%016llx.sock", usmipc__self()->pid,
+           (unsigned long long)usmipc__self()->nonce);
+  struct stat st;
+  int own = 0;
+  int d = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (d >= 0 && fstatat(d, name, &st, AT_SYMLINK_NOFOLLOW) == 0)
+    own =
+        S_ISSOCK(st.st_mode) && st.st_uid == 0 && (st.st_mode & 07777) == 0600;
+  if (d >= 0)
+    close(d);
+  ASSERT_EQ(stat(target, &st), 0);
+  unlink(target);
+  remove_dir(dir);
+  printf("the attacker %s; %s has mode %04o\n",
+         WIFEXITED(status) && WEXITSTATUS(status) == 0 ? "swapped a symlink in"
+                                                       : "swapped nothing in",
+         target, (unsigned)(st.st_mode & 07777));
+  ASSERT_MSG((st.st_mode & 07777) == 0644,
+             "root changed the mode of %s (0644) to %04o through the symlink "
+             "swapped in for its socket file",
+             target, (unsigned)(st.st_mode & 07777));
+  if (sticky) {
+    ASSERT_MSG(r == 0, "exporting in a sticky directory of root failed: %d", r);
+    ASSERT_MSG(own, "root's socket file %s/%s is not its 0600 socket", dir,
+               name);
+  } else {
+    ASSERT_MSG(r == USMIPC_EACCES,
+               "a socket directory of uid %d was used (expected "
+               "USMIPC_EACCES, got %d)",
+               NOBODY, r);
+  }
+  return 0;
+}
+
+TEST_IMPL(trust_socket_dir_symlink_swap) { return symlink_swap(0); }
+TEST_IMPL(trust_socket_dir_symlink_swap_sticky) { return symlink_swap(1); }
+
+TEST_IMPL(trust_socket_dir_squatted_name) {
+  /* Another user makes this process's socket file name first in a sticky
+   * directory (the name is in /proc/net/unix as soon as the abstract socket
+   * listens): refused as what it is, and the file left alone. */
+  REQUIRE_HOST();
+  REQUIRE_ROOT("to play the squatter (setuid)");
+  static char dir[] = "/tmp/usmipc-squat-XXXXXX";
+  ASSERT_NOT_NULL(mkdtemp(dir));
+  ASSERT_EQ(chmod(dir, 01777), 0);
+  const usmipc__process_t *self = usmipc__self();
+  char path[256];
+  snprintf(path, sizeof(path), "%s/usmipc.%u.%016llx.sock", dir, self->pid,
+           (unsigned long long)self->nonce);
+  fflush(stdout);
+  pid_t squatter = fork();
+  ASSERT(squatter >= 0);
+  if (squatter == 0) {
+    if (drop_to(NOBODY) != 0)
+      _exit(2);
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    _exit(fd >= 0 && write(fd, "x", 1) == 1 ? 0 : 3);
+  }
+  ASSERT_EQ(exit_code_of(wait_pid_timeout(squatter, 10)), 0);
+  setenv("USMIPC_SOCKET_DIR", dir, 1);
+  void *p = NULL;
+  usmipc_ipc_handle_t *h = NULL;
+  ASSERT_OK(usmipc_malloc(host_device(), USMIPC_MEM_DEVICE, 4096, &p));
+  test_error_sentinel();
+  int r = usmipc_ipc_get_handle(p, 0, &h);
+  char message[1024];
+  snprintf(message, sizeof(message), "%s", r ? usmipc_last_error() : "");
+  printf("the name taken by uid %d first: %s\n", NOBODY,
+         r ? message : "exported");
+  if (h != NULL)
+    usmipc_ipc_free_handle(h);
+  usmipc_free(p);
+  struct stat st;
+  int kept = lstat(path, &st) == 0 && S_ISREG(st.st_mode) &&
+             st.st_uid == NOBODY && st.st_size == 1;
+  remove_dir(dir);
+  ASSERT_MSG(kept, "the squatter's file %s was changed or removed", path);
+  ASSERT_MSG(r == USMIPC_EACCES && strstr(message, "uid 65534") != NULL,
+             "expected USMIPC_EACCES naming uid 65534, got %d: %s", r, message);
   return 0;
 }
 

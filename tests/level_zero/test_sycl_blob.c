@@ -7,6 +7,7 @@
  * (CTest: level_zero.sycl_blob). */
 #include <dlfcn.h>
 #include <errno.h>
+#include <grp.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -266,6 +267,106 @@ static int run(const char *layout_env) {
   return 0;
 }
 
+/* ---- the uid rule ----------------------------------------------------------
+ * A blob names its exporter by pid only. A root importer must not map the
+ * memory of another user's process (that user could truncate it under
+ * root: SIGBUS), and an importer given a blob of another user's live
+ * process is told so (the uid rule), not that no process is there. */
+
+static int drop_to(uid_t uid) {
+  return setgroups(0, NULL) == 0 && setgid(uid) == 0 && setuid(uid) == 0 ? 0
+                                                                         : -1;
+}
+
+/* An exporter (this program, --export) running as uid; its first blob (the
+ * 120-byte one) into blob. Returns its pid; *to is its stdin. */
+static pid_t spawn_exporter(uid_t uid, uint8_t *blob, size_t *len, int *to,
+                            FILE **from) {
+  int in[2], out[2];
+  if (pipe(in) || pipe(out))
+    return -1;
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(in[0], 0);
+    dup2(out[1], 1);
+    close(in[1]);
+    close(out[0]);
+    putenv((char *)"USMIPC_ZE_TEST_NO_PUT=1");
+    if (uid != 0 && drop_to(uid) != 0)
+      _exit(9);
+    execl("/proc/self/exe", "test_sycl_blob", "--export", (char *)NULL);
+    _exit(10);
+  }
+  close(in[0]);
+  close(out[1]);
+  *to = in[1];
+  *from = fdopen(out[0], "r");
+  char line[512];
+  if (*from == NULL || fgets(line, sizeof(line), *from) == NULL)
+    return -1;
+  *len = unhex(line, blob, 128);
+  return pid;
+}
+
+static int other_uid(void) {
+  const uid_t nobody = 65534;
+  uint8_t blob[128];
+  size_t len = 0;
+  int to;
+  FILE *from;
+  pid_t ex = spawn_exporter(nobody, blob, &len, &to, &from);
+  CHECK(ex > 0, "the exporter of uid %u failed", (unsigned)nobody);
+  /* Root opens the blob of uid 65534's process: refused. */
+  void *p = NULL;
+  int rc = usmipc_ipc_open_sycl(blob, len, NULL, 0, &p, NULL);
+  printf("root opening a blob of uid %u: %s\n", (unsigned)nobody,
+         rc ? usmipc_last_error() : "opened");
+  if (rc == 0)
+    usmipc_ipc_close(p);
+  close(to);
+  fclose(from);
+  waitpid(ex, NULL, 0);
+  CHECK(rc == USMIPC_EACCES, "got %s (%s), want USMIPC_EACCES",
+        usmipc_err_name(rc), rc ? usmipc_last_error() : "opened");
+  CHECK(strstr(usmipc_last_error(), "uid 65534") != NULL &&
+            strstr(usmipc_last_error(), "same user") != NULL,
+        "the message does not name the uid rule: %s", usmipc_last_error());
+
+  /* uid 65534 opens a blob of root's live process: EACCES, not "no process
+   * here" (its /proc/<pid>/ns/pid is unreadable across uids). */
+  ex = spawn_exporter(0, blob, &len, &to, &from);
+  CHECK(ex > 0, "the exporter of uid 0 failed");
+  int report[2];
+  CHECK(pipe(report) == 0, "pipe");
+  fflush(stdout);
+  pid_t im = fork();
+  if (im == 0) {
+    close(report[0]);
+    if (drop_to(nobody) != 0)
+      _exit(9);
+    void *q = NULL;
+    int r = usmipc_ipc_open_sycl(blob, len, NULL, 0, &q, NULL);
+    dprintf(report[1], "%d %s", r, r ? usmipc_last_error() : "opened");
+    _exit(0);
+  }
+  close(report[1]);
+  static char got[1024];
+  ssize_t n = read(report[0], got, sizeof(got) - 1);
+  got[n > 0 ? n : 0] = '\0';
+  close(report[0]);
+  waitpid(im, NULL, 0);
+  close(to);
+  fclose(from);
+  waitpid(ex, NULL, 0);
+  printf("uid %u opening a blob of root's live process: %s\n", (unsigned)nobody,
+         got);
+  CHECK(atoi(got) == USMIPC_EACCES && strstr(got, "uid 0") != NULL &&
+            strstr(got, "no process") == NULL,
+        "want USMIPC_EACCES naming uid 0, got: %s", got);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   /* --export: be the exporter on stdin and stdout (tests/python drives it:
    * three blobs in hex, 120-byte, 108-byte, host memory; then "free"). */
@@ -280,6 +381,13 @@ int main(int argc, char **argv) {
     int r = run(layouts[i]);
     printf("%s sycl_blob %s\n", r ? "FAIL" : "ok",
            layouts[i] ? layouts[i] : "(legacy layout)");
+  }
+  if (geteuid() == 0) {
+    int r = other_uid();
+    printf("%s sycl_blob other uids\n", r ? "FAIL" : "ok");
+  } else {
+    printf("skipped: sycl_blob other uids (needs root, to play another "
+           "user)\n");
   }
   return failures ? 1 : 0;
 }

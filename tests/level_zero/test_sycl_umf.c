@@ -6,6 +6,8 @@
  * points it at .venv/lib, where `pip install umf tcmlib` puts it); without
  * it the test is skipped. */
 #include <dlfcn.h>
+#include <grp.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,7 +116,9 @@ static void exporter(int out, int in) {
   _exit(0);
 }
 
-static int run(const char *layout_env) {
+/* exporter_uid: the exporter's (0, or another user's: root's open must then
+ * be refused by the uid rule, before the descriptor is taken). */
+static int run(const char *layout_env, uid_t exporter_uid) {
   int to[2], from[2];
   if (pipe(to) || pipe(from))
     FAIL("pipe");
@@ -123,6 +127,10 @@ static int run(const char *layout_env) {
   if (pid == 0) {
     if (layout_env)
       putenv((char *)layout_env);
+    if (exporter_uid != 0 &&
+        (setgroups(0, NULL) != 0 || setgid(exporter_uid) != 0 ||
+         setuid(exporter_uid) != 0))
+      _exit(9);
     exporter(from[1], to[0]);
   }
   close(from[1]);
@@ -136,6 +144,20 @@ static int run(const char *layout_env) {
   void *p = NULL;
   size_t mapped = 0;
   int rc = usmipc_ipc_open_sycl(blob, len, NULL, 0, &p, &mapped);
+  if (exporter_uid != 0) {
+    printf("root opening the UMF blob of uid %u: %s\n", (unsigned)exporter_uid,
+           rc ? usmipc_last_error() : "opened");
+    if (rc == 0)
+      usmipc_ipc_close(p);
+    kill(pid, SIGKILL); /* it waits for a write that will not come */
+    waitpid(pid, NULL, 0);
+    close(to[1]);
+    close(from[0]);
+    if (rc != USMIPC_EACCES || !strstr(usmipc_last_error(), "same user"))
+      FAIL("want USMIPC_EACCES naming the uid rule, got %s: %s",
+           usmipc_err_name(rc), rc ? usmipc_last_error() : "opened");
+    return 0;
+  }
   if (rc != 0)
     FAIL("usmipc_ipc_open_sycl: %s: %s", usmipc_err_name(rc),
          usmipc_last_error());
@@ -177,10 +199,17 @@ int main(void) {
   static const char *const layouts[] = {NULL, "USMIPC_ZE_TEST_PIDFD_HANDLE=1"};
   int failed = 0;
   for (int i = 0; i < 2; i++) {
-    int r = run(layouts[i]);
+    int r = run(layouts[i], 0);
     printf("%s sycl_umf %s\n", r ? "FAIL" : "ok",
            layouts[i] ? layouts[i] : "(legacy layout)");
     failed |= r;
+  }
+  if (geteuid() == 0) {
+    int r = run(NULL, 65534);
+    printf("%s sycl_umf another uid's exporter\n", r ? "FAIL" : "ok");
+    failed |= r;
+  } else {
+    printf("skipped: sycl_umf another uid's exporter (needs root)\n");
   }
   return failed;
 }
