@@ -158,6 +158,10 @@ size_t count_fds(void); /* entries of /proc/self/fd */
 /* The same without sockets, whose number a broker changes on its own (it
  * closes idle connections after a while). */
 size_t count_fds_except_sockets(void);
+/* count_fds() once it equals want, or after 3 s: the broker closes its end
+ * of a connection when it sees the peer's exit, a moment after the peer's
+ * wait returned, so an fd count taken at once can be one socket high. */
+size_t count_fds_settled(size_t want);
 size_t count_maps(void); /* lines of /proc/self/maps */
 /* Lines of /proc/self/maps whose text contains needle. */
 size_t count_maps_matching(const char *needle);

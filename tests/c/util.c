@@ -260,6 +260,15 @@ size_t count_fds(void) {
   return n - 1; /* the directory's own descriptor */
 }
 
+size_t count_fds_settled(size_t want) {
+  size_t n = count_fds();
+  for (int i = 0; i < 300 && n != want; i++) {
+    usleep(10000);
+    n = count_fds();
+  }
+  return n;
+}
+
 size_t count_fds_except_sockets(void) {
   DIR *d = opendir("/proc/self/fd");
   ASSERT_NOT_NULL(d);
