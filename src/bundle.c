@@ -902,6 +902,14 @@ static int decode(const void *data, size_t len, usmipc_opened_bundle_t **out) {
       (nseg == 0 && tail_len != 0))
     return BAD("a bundle without allocations has no slot, no order and no "
                "release ticket");
+  /* The slot is an index into the producer's export table, which an open
+   * reads: a forger's slot past the table's end would read outside the
+   * consumer's mapping of it (bundle_slot_out_of_range). */
+  if (nseg > 0 && usmipc__get32le(p + OFF_SLOT) >= USMIPC__TABLE_SLOTS)
+    return BAD("the bundle's slot %u is beyond the %u slots of an export "
+               "table (forged or corrupted bytes; ask the producer for the "
+               "bundle again)",
+               usmipc__get32le(p + OFF_SLOT), USMIPC__TABLE_SLOTS);
   usmipc_opened_bundle_t *ob = calloc(1, sizeof(*ob));
   if (ob == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");

@@ -610,7 +610,8 @@ int usmipc__exports_hold_alive(pthread_mutex_t *m, uint32_t tid);
 int usmipc__table_map(int fd, const usmipc__wire_t *w, const uint8_t **hdr);
 /* 1 while the exporter lives (its liveness word is held, not owner-died). */
 int usmipc__table_alive(const uint8_t *hdr);
-/* A consistent copy of a slot (seqlock); -1 if it stays mid-update. */
+/* A consistent copy of a slot (seqlock); -1 if it stays mid-update,
+ * USMIPC_EBADHANDLE (with a message) for a slot beyond the table. */
 int usmipc__table_read_slot(const uint8_t *hdr, uint32_t slot,
                             usmipc__export_slot_t *out, uint32_t *seq);
 uint32_t usmipc__table_slot_seq(const uint8_t *hdr, uint32_t slot);

@@ -794,7 +794,10 @@ static int imported_status(const imported_t *e, uint64_t point, void **native) {
   const uint8_t *table = usmipc__peer_table(e->peer);
   usmipc__export_slot_t s;
   bool alive = usmipc__table_alive(table);
-  if (usmipc__table_read_slot(table, e->slot, &s, NULL) != 0)
+  int read = usmipc__table_read_slot(table, e->slot, &s, NULL);
+  if (read == USMIPC_EBADHANDLE) /* a slot beyond the table: said why */
+    return read;
+  if (read != 0)
     return usmipc__fail(USMIPC_EEXPORTERGONE,
                         "process %u's export table is stuck mid-update; the "
                         "exporter probably died",

@@ -1077,8 +1077,12 @@ int usmipc__peer_slot_state(const usmipc__wire_t *w, uint32_t slot, uint64_t id,
     close(fd);
   usmipc__export_slot_t s;
   const uint8_t *table = usmipc__peer_table(peer);
-  *state = usmipc__table_read_slot(table, slot, &s, NULL) == 0 &&
-                   s.buffer_id == id &&
+  int read = usmipc__table_read_slot(table, slot, &s, NULL);
+  if (read == USMIPC_EBADHANDLE) { /* a slot beyond the table: forged */
+    usmipc__peer_put(peer);
+    return read;
+  }
+  *state = read == 0 && s.buffer_id == id &&
                    s.tag == usmipc__slot_tag(w->key, token) &&
                    (size == NULL || s.size == *size)
                ? 1

@@ -341,8 +341,24 @@ int usmipc__table_alive(const uint8_t *hdr) {
   return (word & FUTEX_OWNER_DIED_) == 0 && (word & FUTEX_TID_MASK_) != 0;
 }
 
+/* Every slot an importer reads comes from bytes it was sent (a handle, a
+ * bundle, a pool block's record, an event): the reader bounds it itself
+ * against the table's size (checked at usmipc__table_map), so that a caller
+ * that forgot to cannot read outside the mapping (bundle_slot_out_of_range
+ * feeds it 0x00100005 and 0xFFFFFFF0). */
+static bool slot_in_table(const uint8_t *hdr, uint32_t slot) {
+  return slot < USMIPC__TABLE_SLOTS &&
+         slot < usmipc__get64le(hdr + USMIPC__HDR_SLOTS);
+}
+
 int usmipc__table_read_slot(const uint8_t *hdr, uint32_t slot,
                             usmipc__export_slot_t *out, uint32_t *seq_out) {
+  if (!slot_in_table(hdr, slot))
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "export slot %u is beyond the %u slots of the "
+                        "exporter's table: the handle or bundle naming it is "
+                        "forged or corrupted",
+                        slot, USMIPC__TABLE_SLOTS);
   const usmipc__export_slot_t *s = slots_of((uint8_t *)hdr) + slot;
   uint32_t s1, s2;
   unsigned spins = 0;
@@ -366,6 +382,8 @@ int usmipc__table_read_slot(const uint8_t *hdr, uint32_t slot,
 }
 
 uint32_t usmipc__table_slot_seq(const uint8_t *hdr, uint32_t slot) {
+  if (!slot_in_table(hdr, slot))
+    return 1; /* odd: never the even count of a stable slot */
   const usmipc__export_slot_t *s = slots_of((uint8_t *)hdr) + slot;
   return __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
 }

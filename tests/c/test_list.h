@@ -125,6 +125,7 @@
   X(stats_count_driver_work)                                                   \
   X(bundle_cross_process)                                                      \
   X(bundle_refused)                                                            \
+  X(bundle_slot_out_of_range)                                                  \
   X(bundle_ten_thousand_arrays)                                                \
   X(bundle_one_exchange)                                                       \
   X(bundle_fork_from_thread)                                                   \
