@@ -126,6 +126,7 @@
   X(bundle_cross_process)                                                      \
   X(bundle_refused)                                                            \
   X(bundle_slot_out_of_range)                                                  \
+  X(bundle_decode_linear)                                                      \
   X(bundle_ten_thousand_arrays)                                                \
   X(bundle_one_exchange)                                                       \
   X(bundle_fork_from_thread)                                                   \
