@@ -202,7 +202,8 @@ typedef struct usmipc__region {
   uint64_t buffer_id; /* LOCAL: drawn at allocation; IMPORTED: the exporter's */
 
   /* LOCAL and FOREIGN_ALIAS */
-  unsigned alias_refs;        /* same-process opens not yet closed */
+  uint64_t alias_refs;        /* same-process opens not yet closed (64
+                                  bits: a bundle takes one per array) */
   bool user_freed;            /* usmipc_free called while aliases were open */
   bool exported;              /* payload and fd grant below are valid */
   usmipc__payload_t *payload; /* allocated at the first export: imports never
@@ -223,7 +224,9 @@ typedef struct usmipc__region {
                                 memory of another library (no slot) */
   uint8_t process_key[16];   /* the exporter's key, as the handle said */
   uint64_t slot_tag;         /* usmipc__slot_tag(process_key, token) */
-  unsigned open_refs;        /* usmipc_ipc_open calls not yet closed */
+  uint64_t open_refs;        /* usmipc_ipc_open calls not yet closed, and a
+                                bundle's one per array: 64 bits, since 4,096
+                                opens of 2^20 arrays wrapped 32 */
   struct usmipc__region *idle_prev, *idle_next; /* LRU of closed mappings */
 } usmipc__region_t;
 
@@ -280,6 +283,11 @@ int usmipc__peer_slot_state(const struct usmipc__wire *w, uint32_t slot,
 /* Takes n more open references on the mapping (or same-process alias) at
  * ptr, each to be dropped by usmipc_ipc_close. */
 int usmipc__mapping_addref(void *ptr, unsigned n);
+/* Tests only (tests/c bundle_mapping_refs_do_not_wrap): reads (get) and
+ * sets (set) the reference count of the open mapping at ptr, to start it
+ * near a limit. */
+int usmipc__mapping_refs_for_test(void *ptr, const uint64_t *set,
+                                  uint64_t *get);
 
 /* Decodes and checks bundle bytes (bundle.c); the fuzzer's entry point.
  * *kept (if not NULL) receives the description, freed by

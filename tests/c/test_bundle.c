@@ -689,6 +689,54 @@ TEST_IMPL(bundle_decode_linear) {
   return 0;
 }
 
+/* A mapping's reference count does not wrap: a bundle takes one reference
+ * per array on its allocations' mappings (usmipc__mapping_addref), so about
+ * 4,096 opens of a bundle of 2^20 arrays in one allocation used to wrap its
+ * 32-bit count, and the next close unmapped memory still in use. The test
+ * hook starts the count of another process's allocation mapped here at
+ * 2^32 - 1 (those 4,096 opens), and at the 64-bit limit, where a further
+ * reference is refused with a message. */
+TEST_IMPL(bundle_mapping_refs_do_not_wrap) {
+  agent_t ex;
+  agent_start(&ex, NULL);
+  AGENT_OK(&ex, "alloc 0 device 65536");
+  AGENT_OK(&ex, "fill 0 13");
+  AGENT_OK(&ex, "export 0 0 0");
+  uint8_t h[1024];
+  ssize_t hlen = hex_decode(ex.reply, h, sizeof(h));
+  ASSERT_GT(hlen, 0);
+  ASSERT_OK(usmipc_ipc_set_cache_size(0)); /* unmapped when unused */
+  void *m = NULL;
+  ASSERT_OK(usmipc_ipc_open(h, (size_t)hlen, test_device(), 0, &m, NULL));
+  uint64_t refs = 0, set = UINT32_MAX;
+  ASSERT_OK(usmipc__mapping_refs_for_test(m, &set, NULL));
+  ASSERT_OK(usmipc__mapping_addref(m, 2)); /* two more arrays */
+  ASSERT_OK(usmipc__mapping_refs_for_test(m, NULL, &refs));
+  ASSERT_MSG(refs == ((uint64_t)1 << 32) + 1, "the count wrapped to %llu",
+             (unsigned long long)refs);
+  ASSERT_OK(usmipc_ipc_close(m)); /* one of 2^32 + 1 */
+  ASSERT_OK(usmipc__mapping_refs_for_test(m, NULL, &refs));
+  ASSERT(refs == (uint64_t)1 << 32);
+  ASSERT_PATTERN(m, 65536, 13, 0); /* still mapped, the exporter's bytes */
+
+  /* At the limit of the count: refused, and the count is kept. */
+  set = UINT64_MAX - 1;
+  ASSERT_OK(usmipc__mapping_refs_for_test(m, &set, NULL));
+  ASSERT_ERR(usmipc__mapping_addref(m, 2), USMIPC_EBUSY);
+  ASSERT(strstr(usmipc_last_error(), "references") != NULL);
+  ASSERT_OK(usmipc__mapping_refs_for_test(m, NULL, &refs));
+  ASSERT(refs == UINT64_MAX - 1);
+  ASSERT_OK(usmipc__mapping_addref(m, 1));
+
+  set = 1; /* the one close left unmaps it */
+  ASSERT_OK(usmipc__mapping_refs_for_test(m, &set, NULL));
+  ASSERT_OK(usmipc_ipc_close(m));
+  ASSERT_ERR(usmipc__mapping_refs_for_test(m, NULL, &refs), USMIPC_ENOTMAPPED);
+  ASSERT_ERR(usmipc_ipc_close(m), USMIPC_ENOTMAPPED);
+  agent_stop_ok(&ex);
+  return 0;
+}
+
 /* Many arrays over few allocations: 10,000 pool blocks in one bundle open
  * with one import per segment. */
 TEST_IMPL(bundle_ten_thousand_arrays) {

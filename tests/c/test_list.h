@@ -127,6 +127,7 @@
   X(bundle_refused)                                                            \
   X(bundle_slot_out_of_range)                                                  \
   X(bundle_decode_linear)                                                      \
+  X(bundle_mapping_refs_do_not_wrap)                                           \
   X(bundle_ten_thousand_arrays)                                                \
   X(bundle_one_exchange)                                                       \
   X(bundle_fork_from_thread)                                                   \
