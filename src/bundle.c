@@ -171,6 +171,13 @@ static int tree_push(tree_check_t *t, usmipc_bundle_node_kind_t kind,
   if (in_dict && !has_key)
     return usmipc__fail(USMIPC_EBADHANDLE, "%s: a child of a dict needs a key",
                         what);
+  /* One limit, as share() counts it: every node is a level, the root the
+   * first, an array or an empty container as much as one with children (an
+   * empty 65th level used to pass here: bundle_depth_one_limit). */
+  if (t->depth == MAX_DEPTH)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "%s: the tree is nested deeper than %d levels", what,
+                        MAX_DEPTH);
   if (!in_dict && (has_key || key_len != 0))
     return usmipc__fail(USMIPC_EBADHANDLE,
                         "%s: only a child of a dict has a key", what);
@@ -178,11 +185,7 @@ static int tree_push(tree_check_t *t, usmipc_bundle_node_kind_t kind,
   if (t->depth > 0)
     t->stack[t->depth - 1].left--;
   if (kind != USMIPC_BUNDLE_ARRAY && count > 0) {
-    if (t->depth == MAX_DEPTH)
-      return usmipc__fail(USMIPC_EBADHANDLE,
-                          "%s: the tree is nested deeper than %d levels", what,
-                          MAX_DEPTH);
-    t->stack[t->depth].kind = kind;
+    t->stack[t->depth].kind = kind; /* depth < MAX_DEPTH: checked above */
     t->stack[t->depth].left = count;
     t->depth++;
   }
@@ -296,10 +299,13 @@ static int add_node(usmipc_bundle_t *b, usmipc_bundle_node_kind_t kind,
     return usmipc__fail(USMIPC_ENOMEM, "a bundle holds at most %u nodes",
                         MAX_NODES);
   int rc = tree_push(&b->tree, kind, count, key != NULL, key_len, "bundle");
+  if (rc == USMIPC_EBADHANDLE) { /* the caller's mistake: EINVAL */
+    char why[256]; /* a copy: the message is formatted into its own buffer */
+    snprintf(why, sizeof(why), "%s", usmipc_last_error());
+    return usmipc__fail(USMIPC_EINVAL, "%s", why);
+  }
   if (rc != 0)
-    return rc == USMIPC_EBADHANDLE
-               ? usmipc__fail(USMIPC_EINVAL, "%s", usmipc_last_error())
-               : rc;
+    return rc;
   if ((rc = grow((void **)&b->nodes, &b->nodes_cap,
                  b->nodes_len + NODE_FIXED + key_len, 1)) != 0)
     return rc;

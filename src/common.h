@@ -597,6 +597,12 @@ _Static_assert(sizeof(usmipc__export_slot_t) == 32, "slots are 32 bytes");
 /* A slot's tag: the first 8 bytes of MAC(process key, token). Importers
  * that hold the handle compute it; the table does not reveal the token. */
 uint64_t usmipc__slot_tag(const uint8_t key[16], const uint8_t token[16]);
+/* Its low two bits are the slot's kind: memory (an allocation, a bundle, a
+ * pool block: usmipc__slot_tag) or an event (usmipc__event_slot_tag). */
+#define USMIPC__SLOT_KIND_MASK 3u
+#define USMIPC__SLOT_KIND_MEMORY 1u
+#define USMIPC__SLOT_KIND_EVENT 2u
+uint64_t usmipc__event_slot_tag(const uint8_t key[16], const uint8_t token[16]);
 /* Exporter. */
 int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint64_t size,
                         uint64_t tag, uint32_t *slot,

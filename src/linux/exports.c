@@ -184,7 +184,19 @@ uint64_t usmipc__slot_tag(const uint8_t key[16], const uint8_t token[16]) {
   memcpy(msg, "usmipc-slottag-2", 16);
   memcpy(msg + 16, token, 16);
   usmipc__mac_keyed(mac, &last.keyed, msg, sizeof(msg));
-  return usmipc__get64le(mac) | 1; /* never 0, the tag of a free slot */
+  /* The low two bits say what the slot holds, never 0 (a free slot): an
+   * importer can then tell a handle that names another kind of export's
+   * slot (an event handle forged with a memory allocation's slot, token
+   * and buffer id, all in that allocation's handle) from a revoked one,
+   * and say what the slot holds (event_handle_names_another_export). */
+  return (usmipc__get64le(mac) & ~(uint64_t)USMIPC__SLOT_KIND_MASK) |
+         USMIPC__SLOT_KIND_MEMORY;
+}
+
+uint64_t usmipc__event_slot_tag(const uint8_t key[16],
+                                const uint8_t token[16]) {
+  return (usmipc__slot_tag(key, token) & ~(uint64_t)USMIPC__SLOT_KIND_MASK) |
+         USMIPC__SLOT_KIND_EVENT;
 }
 
 static void slot_write(usmipc__export_slot_t *s, uint64_t buffer_id,

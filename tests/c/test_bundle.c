@@ -737,6 +737,78 @@ TEST_IMPL(bundle_mapping_refs_do_not_wrap) {
   return 0;
 }
 
+/* Bundle bytes of no memory: `levels` nested lists, the innermost empty. */
+static size_t nested_lists(uint8_t *p, uint32_t levels) {
+  size_t len = 64 + 8u * levels + 4;
+  memset(p, 0, len);
+  memcpy(p, "\x89USMIPCB", 8);
+  usmipc__put16le(p + 8, 1);
+  usmipc__put32le(p + 12, (uint32_t)len);
+  usmipc__put32le(p + 24, UINT32_MAX); /* no slot */
+  usmipc__put32le(p + 56, levels);
+  for (uint32_t i = 0; i < levels; i++) {
+    p[64 + 8 * i] = USMIPC_BUNDLE_LIST;
+    usmipc__put32le(p + 64 + 8 * i + 4, i + 1 < levels ? 1 : 0);
+  }
+  reseal(p, len);
+  return len;
+}
+
+/* Adds `containers` nested lists, then an array (or, with mem NULL, an
+ * empty list) inside the innermost. */
+static int nest(uint32_t containers, void *mem, usmipc_bundle_t **out) {
+  usmipc_array_desc_t u8 = {1, 8, 1, 0, NULL, NULL};
+  int rc = usmipc_bundle_create(out);
+  for (uint32_t i = 0; rc == 0 && i < containers; i++)
+    rc = usmipc_bundle_add_container(*out, USMIPC_BUNDLE_LIST, 1, NULL, 0);
+  if (rc == 0)
+    rc = mem != NULL ? usmipc_bundle_add_array(*out, NULL, 0, mem, &u8)
+                     : usmipc_bundle_add_container(*out, USMIPC_BUNDLE_LIST, 0,
+                                                   NULL, 0);
+  return rc == 0 ? usmipc_bundle_finish(*out) : rc;
+}
+
+/* One depth limit with one meaning on both sides, as share() has it: a
+ * tree is at most 64 levels deep, the root at level 1, an array or an empty
+ * container counting as a level like any node. The decoder used to accept
+ * 65 levels when the innermost container was empty, and the C producer a
+ * 65th level of an array inside 64 containers. */
+TEST_IMPL(bundle_depth_one_limit) {
+  void *mem;
+  ASSERT_OK(usmipc_malloc(test_device(), USMIPC_MEM_DEVICE, 4096, &mem));
+  usmipc_bundle_t *b;
+  for (int leaf = 0; leaf < 2; leaf++) {
+    void *m = leaf ? mem : NULL;
+    ASSERT_OK(nest(63, m, &b)); /* 64 levels */
+    const void *data;
+    size_t len;
+    ASSERT_OK(usmipc_bundle_data(b, &data, &len));
+    ASSERT_OK(usmipc_bundle_inspect(data, len, NULL, NULL));
+    usmipc_bundle_free(b);
+    ASSERT_ERR(nest(64, m, &b), USMIPC_EINVAL); /* 65 */
+    ASSERT_MSG(strstr(usmipc_last_error(), "deeper than 64 levels") != NULL,
+               "%s", usmipc_last_error());
+    usmipc_bundle_free(b);
+  }
+  uint8_t p[64 + 8 * 80 + 4];
+  size_t len = nested_lists(p, 64);
+  usmipc_opened_bundle_t *ob;
+  ASSERT_OK(usmipc_bundle_open(p, len, NULL, NULL, 0, &ob));
+  size_t n;
+  usmipc_opened_bundle_nodes(ob, &n);
+  ASSERT_EQ(n, 64);
+  usmipc_bundle_close(ob);
+  for (uint32_t levels = 65; levels <= 80; levels += 15) {
+    len = nested_lists(p, levels);
+    ASSERT_ERR(usmipc_bundle_inspect(p, len, NULL, NULL), USMIPC_EBADHANDLE);
+    ASSERT_MSG(strstr(usmipc_last_error(), "node 64: the tree is nested "
+                                           "deeper than 64 levels") != NULL,
+               "%s", usmipc_last_error());
+  }
+  ASSERT_OK(usmipc_free(mem));
+  return 0;
+}
+
 /* Many arrays over few allocations: 10,000 pool blocks in one bundle open
  * with one import per segment. */
 TEST_IMPL(bundle_ten_thousand_arrays) {
