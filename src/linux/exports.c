@@ -276,6 +276,12 @@ int usmipc__exports_table_fd(void) {
 
 /* ---- reading another process's table ------------------------------------- */
 
+/* The liveness word lies inside the header's mutex, aligned. */
+static bool alive_offset_valid(uint32_t off) {
+  return off >= USMIPC__HDR_MUTEX &&
+         off <= USMIPC__HDR_MUTEX + USMIPC__HDR_MUTEX_BYTES - 4 && off % 4 == 0;
+}
+
 int usmipc__table_map(int fd, const usmipc__wire_t *w, const uint8_t **out) {
   /* Everything about the file is checked before it is mapped: a regular
    * shmem file of exactly the table's size that nobody can shrink or grow,
@@ -331,10 +337,7 @@ int usmipc__table_map(int fd, const usmipc__wire_t *w, const uint8_t **out) {
                         "forged",
                         w->pid);
   }
-  if (alive_off != 0 &&
-      (alive_off < USMIPC__HDR_MUTEX ||
-       alive_off + 4 > USMIPC__HDR_MUTEX + USMIPC__HDR_MUTEX_BYTES ||
-       alive_off % 4 != 0)) {
+  if (alive_off != 0 && !alive_offset_valid(alive_off)) {
     munmap(p, USMIPC__TABLE_BYTES);
     return usmipc__fail(USMIPC_EUNTRUSTED,
                         "process %u's export table is malformed", w->pid);
@@ -348,6 +351,13 @@ int usmipc__table_alive(const uint8_t *hdr) {
       (const uint32_t *)(hdr + USMIPC__HDR_ALIVE_OFFSET), __ATOMIC_ACQUIRE);
   if (off == 0)
     return 0; /* never held: the exporter's broker did not start */
+  /* Checked at every read, not only at usmipc__table_map: the exporter
+   * publishes the offset when its broker starts, which may be after this
+   * process mapped the table, and an offset outside the mutex would make
+   * every importer read outside its mapping (handle_table_indexes_bounded).
+   * Such an exporter counts as gone. */
+  if (!alive_offset_valid(off))
+    return 0;
   uint32_t word =
       __atomic_load_n((const uint32_t *)(hdr + off), __ATOMIC_ACQUIRE);
   return (word & FUTEX_OWNER_DIED_) == 0 && (word & FUTEX_TID_MASK_) != 0;

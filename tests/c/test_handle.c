@@ -1143,3 +1143,36 @@ TEST_IMPL(handle_slots_out_of_range) {
   ASSERT_OK(usmipc_queue_destroy(q));
   return 0;
 }
+
+/* The export table's own indexes, read by every importer on every open:
+ * the liveness word's offset in the header, which the exporter publishes
+ * after an importer may have mapped (and checked) the table, and the slot
+ * index. Out of range, neither is followed: the exporter counts as gone,
+ * the slot as forged. A table as an importer sees it (zero pages). */
+TEST_IMPL(handle_table_indexes_bounded) {
+  uint8_t *t = calloc(1, USMIPC__TABLE_BYTES);
+  ASSERT_NOT_NULL(t);
+  usmipc__put64le(t + USMIPC__HDR_SLOTS, USMIPC__TABLE_SLOTS);
+  const uint32_t offsets[] = {0xFFFFFFF0u,
+                              0xFFFFFFFCu,
+                              0x00100005u,
+                              USMIPC__HDR_MUTEX - 4,
+                              USMIPC__HDR_MUTEX + USMIPC__HDR_MUTEX_BYTES - 2,
+                              USMIPC__HDR_MUTEX + 2};
+  for (size_t i = 0; i < sizeof(offsets) / sizeof(offsets[0]); i++) {
+    __atomic_store_n((uint32_t *)(t + USMIPC__HDR_ALIVE_OFFSET), offsets[i],
+                     __ATOMIC_RELEASE);
+    ASSERT_EQ(usmipc__table_alive(t), 0);
+  }
+  /* In range, the word is read: a holder's tid, not owner-died. */
+  __atomic_store_n((uint32_t *)(t + USMIPC__HDR_ALIVE_OFFSET),
+                   USMIPC__HDR_MUTEX, __ATOMIC_RELEASE);
+  usmipc__put32le(t + USMIPC__HDR_MUTEX, 1234);
+  ASSERT_EQ(usmipc__table_alive(t), 1);
+  usmipc__export_slot_t s;
+  ASSERT_ERR(usmipc__table_read_slot(t, 0xFFFFFFF0u, &s, NULL),
+             USMIPC_EBADHANDLE);
+  ASSERT_OK(usmipc__table_read_slot(t, USMIPC__TABLE_SLOTS - 1, &s, NULL));
+  free(t);
+  return 0;
+}
