@@ -774,7 +774,7 @@ struct usmipc_opened_bundle {
   usmipc__wire_t seg0; /* allocation 0's, which names the exporter */
   uint32_t *seg_at;    /* offset in bytes of each allocation's handle */
   uint64_t *seg_nbytes;
-  usmipc__wire_t *segs; /* by usmipc_bundle_open only */
+  usmipc__wire_t *segs; /* by usmipc_bundle_open only, while it maps */
   uint32_t *array_seg;
   uint64_t *array_off;
   usmipc_bundle_array_t *arrays;
@@ -1432,6 +1432,8 @@ int usmipc_bundle_open(const void *data, size_t len, usmipc_device_t *device,
   }
   free(base);
   free(uses);
+  free(ob->segs); /* mapped: an opened bundle keeps 12 bytes an allocation */
+  ob->segs = NULL;
   if (rc == 0 && ob->order_event != NULL && !(flags & USMIPC_OPEN_UNORDERED)) {
     /* One wait for every array: the producer recorded one event. */
     if ((rc = usmipc__event_wait_wire(ob->order_event, device, queue)) != 0)
