@@ -507,6 +507,16 @@ TEST_IMPL(bundle_slot_out_of_range) {
     reader_send(&r, 'E', USMIPC_EBADHANDLE, p, len, out); /* alive after */
     ASSERT_EQ((int64_t)out[0], 0);
   }
+  /* The array node's array index (the node before the checksum): only 0
+   * follows, in a bundle of one array. */
+  const uint32_t indexes[] = {1, 0x00100005u, 0xFFFFFFF0u};
+  for (size_t i = 0; i < sizeof(indexes) / sizeof(indexes[0]); i++) {
+    memcpy(p, data, len);
+    usmipc__put32le(p + len - 4 - 8 + 4, indexes[i]);
+    reseal(p, len);
+    ASSERT_ERR(usmipc_bundle_inspect(p, len, NULL, NULL), USMIPC_EBADHANDLE);
+    ASSERT(strstr(usmipc_last_error(), "out of order") != NULL);
+  }
   reader_send(&r, 'O', 0, data, len, out); /* the honest bytes still open */
   ASSERT_EQ((int64_t)out[0], -1);          /* (no pattern in the memory) */
   reader_send(&r, 'C', 0, NULL, 0, out);
@@ -798,6 +808,14 @@ TEST_IMPL(bundle_depth_one_limit) {
   usmipc_opened_bundle_nodes(ob, &n);
   ASSERT_EQ(n, 64);
   usmipc_bundle_close(ob);
+  /* A container claiming more children than nodes follow it. */
+  len = nested_lists(p, 3);
+  usmipc__put32le(p + 64 + 4, 5);
+  reseal(p, len);
+  ASSERT_ERR(usmipc_bundle_inspect(p, len, NULL, NULL), USMIPC_EBADHANDLE);
+  ASSERT_MSG(strstr(usmipc_last_error(), "node 0 claims 5 children, more "
+                                         "than the nodes left") != NULL,
+             "%s", usmipc_last_error());
   for (uint32_t levels = 65; levels <= 80; levels += 15) {
     len = nested_lists(p, levels);
     ASSERT_ERR(usmipc_bundle_inspect(p, len, NULL, NULL), USMIPC_EBADHANDLE);

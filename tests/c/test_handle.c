@@ -1096,6 +1096,12 @@ TEST_IMPL(handle_slots_out_of_range) {
     usmipc__put32le(rec + 8, bad[i]);
     len = encode(&w, b);
     ASSERT_REFUSED_SAYING("pool block record's export slot is out of range");
+    /* The block's offset in its segment, past the segment. */
+    ASSERT_OK(usmipc__wire_decode(h, (size_t)hlen, &w));
+    rec = (uint8_t *)usmipc__wire_ext_find(&w, USMIPC__EXT_BLOCK, &rlen);
+    usmipc__put64le(rec + 32, w.allocation_size + (i ? UINT64_MAX / 2 : 1));
+    len = encode(&w, b);
+    ASSERT_REFUSED_SAYING("pool block lies outside the allocation");
   }
   ASSERT_OK(usmipc_ipc_free_handle(bh));
   ASSERT_OK(usmipc_free(blk));
