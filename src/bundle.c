@@ -171,6 +171,13 @@ static int tree_push(tree_check_t *t, usmipc_bundle_node_kind_t kind,
   if (in_dict && !has_key)
     return usmipc__fail(USMIPC_EBADHANDLE, "%s: a child of a dict needs a key",
                         what);
+  /* One limit, as share() counts it: every node is a level, the root the
+   * first, an array or an empty container as much as one with children (an
+   * empty 65th level used to pass here: bundle_depth_one_limit). */
+  if (t->depth == MAX_DEPTH)
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "%s: the tree is nested deeper than %d levels", what,
+                        MAX_DEPTH);
   if (!in_dict && (has_key || key_len != 0))
     return usmipc__fail(USMIPC_EBADHANDLE,
                         "%s: only a child of a dict has a key", what);
@@ -178,11 +185,7 @@ static int tree_push(tree_check_t *t, usmipc_bundle_node_kind_t kind,
   if (t->depth > 0)
     t->stack[t->depth - 1].left--;
   if (kind != USMIPC_BUNDLE_ARRAY && count > 0) {
-    if (t->depth == MAX_DEPTH)
-      return usmipc__fail(USMIPC_EBADHANDLE,
-                          "%s: the tree is nested deeper than %d levels", what,
-                          MAX_DEPTH);
-    t->stack[t->depth].kind = kind;
+    t->stack[t->depth].kind = kind; /* depth < MAX_DEPTH: checked above */
     t->stack[t->depth].left = count;
     t->depth++;
   }
@@ -296,10 +299,13 @@ static int add_node(usmipc_bundle_t *b, usmipc_bundle_node_kind_t kind,
     return usmipc__fail(USMIPC_ENOMEM, "a bundle holds at most %u nodes",
                         MAX_NODES);
   int rc = tree_push(&b->tree, kind, count, key != NULL, key_len, "bundle");
+  if (rc == USMIPC_EBADHANDLE) { /* the caller's mistake: EINVAL */
+    char why[256]; /* a copy: the message is formatted into its own buffer */
+    snprintf(why, sizeof(why), "%s", usmipc_last_error());
+    return usmipc__fail(USMIPC_EINVAL, "%s", why);
+  }
   if (rc != 0)
-    return rc == USMIPC_EBADHANDLE
-               ? usmipc__fail(USMIPC_EINVAL, "%s", usmipc_last_error())
-               : rc;
+    return rc;
   if ((rc = grow((void **)&b->nodes, &b->nodes_cap,
                  b->nodes_len + NODE_FIXED + key_len, 1)) != 0)
     return rc;
@@ -762,7 +768,13 @@ struct usmipc_opened_bundle {
   uint32_t slot;
   uint8_t token[16];
   size_t nseg, narr, nnode;
-  usmipc__wire_t *segs;
+  /* The allocations' handles: decoded and checked by decode(), which keeps
+   * of each only where its bytes are and its size (12 bytes an allocation,
+   * not a 1.9 KB wire); decoded again, all of them, by an open. */
+  usmipc__wire_t seg0; /* allocation 0's, which names the exporter */
+  uint32_t *seg_at;    /* offset in bytes of each allocation's handle */
+  uint64_t *seg_nbytes;
+  usmipc__wire_t *segs; /* by usmipc_bundle_open only, while it maps */
   uint32_t *array_seg;
   uint64_t *array_off;
   usmipc_bundle_array_t *arrays;
@@ -772,6 +784,7 @@ struct usmipc_opened_bundle {
                                   records (decoded), or NULL without them */
   usmipc__wire_t *order_event; /* the event to wait for (decoded), or NULL */
   uint8_t *bytes;              /* a copy: the keys point into it */
+  bool borrowed;               /* bytes are the caller's (no copy) */
   size_t len;
   usmipc_device_t *device; /* where the arrays are mapped */
 };
@@ -782,12 +795,15 @@ static void opened_free(usmipc_opened_bundle_t *ob) {
   free(ob->handoff);
   free(ob->order_event);
   free(ob->segs);
+  free(ob->seg_at);
+  free(ob->seg_nbytes);
   free(ob->array_seg);
   free(ob->array_off);
   free(ob->arrays);
   free(ob->dims);
   free(ob->nodes);
-  free(ob->bytes);
+  if (!ob->borrowed)
+    free(ob->bytes);
   free(ob);
 }
 
@@ -855,8 +871,99 @@ static int decode_tail(usmipc_opened_bundle_t *ob, const uint8_t *tail,
   return 0;
 }
 
-/* Checks everything about the bytes and describes them (pointers unset). */
-static int decode(const void *data, size_t len, usmipc_opened_bundle_t **out) {
+/* What makes two allocations the same one: the duplicate check sorts
+ * these. */
+typedef struct seg_key {
+  uint64_t buffer_id;
+  uint8_t uuid[16];
+  uint32_t backend, index;
+} seg_key_t;
+
+static int key_cmp(const seg_key_t *a, const seg_key_t *b) {
+  if (a->buffer_id != b->buffer_id)
+    return a->buffer_id < b->buffer_id ? -1 : 1;
+  if (a->backend != b->backend)
+    return a->backend < b->backend ? -1 : 1;
+  int c = memcmp(a->uuid, b->uuid, 16);
+  if (c != 0)
+    return c;
+  return a->index < b->index ? -1 : a->index > b->index;
+}
+
+/* No allocation twice, in O(S log S) for S allocations whatever the ids:
+ * they are the sender's, so comparing every pair (what this was) let 65,536
+ * crafted allocations cost 10 s of every consumer's CPU, and an unkeyed hash
+ * would be as slow under ids chosen to collide (bundle_decode_linear). A
+ * merge sort, bottom up: its worst case is its usual case, unlike the C
+ * library's qsort, which may be a quicksort. Reports the pair the old check
+ * reported: the first allocation that repeats an earlier one. */
+static int check_distinct(seg_key_t *keys, uint32_t n) {
+  if (n < 2)
+    return 0;
+  seg_key_t *tmp = malloc(n * sizeof(*tmp));
+  if (tmp == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  seg_key_t *from = keys, *to = tmp;
+  for (size_t width = 1; width < n; width *= 2) {
+    for (size_t lo = 0; lo < n; lo += 2 * width) {
+      size_t mid = lo + width < n ? lo + width : n;
+      size_t hi = lo + 2 * width < n ? lo + 2 * width : n;
+      size_t i = lo, j = mid, k = lo;
+      while (i < mid && j < hi)
+        to[k++] = key_cmp(&from[j], &from[i]) < 0 ? from[j++] : from[i++];
+      while (i < mid)
+        to[k++] = from[i++];
+      while (j < hi)
+        to[k++] = from[j++];
+    }
+    seg_key_t *t = from;
+    from = to;
+    to = t;
+  }
+  /* Sorted by index within equal allocations: the first repeat of each is
+   * its run's second entry. */
+  uint32_t first = 0, again = UINT32_MAX;
+  for (uint32_t i = 1, run = 0; i < n; i++) {
+    bool same = from[i].buffer_id == from[i - 1].buffer_id &&
+                from[i].backend == from[i - 1].backend &&
+                memcmp(from[i].uuid, from[i - 1].uuid, 16) == 0;
+    if (!same)
+      run = i;
+    else if (i == run + 1 && from[i].index < again) {
+      first = from[run].index;
+      again = from[i].index;
+    }
+  }
+  free(tmp);
+  if (again != UINT32_MAX)
+    return BAD("allocations %u and %u are the same", first, again);
+  return 0;
+}
+
+/* Every allocation's wire, for the open (decode() checked their bytes). */
+static int decode_segments(usmipc_opened_bundle_t *ob) {
+  if (ob->nseg == 0)
+    return 0;
+  if ((ob->segs = malloc(ob->nseg * sizeof(*ob->segs))) == NULL)
+    return usmipc__fail(USMIPC_ENOMEM,
+                        "out of memory opening a bundle of "
+                        "%zu allocations",
+                        ob->nseg);
+  for (size_t i = 0; i < ob->nseg; i++) {
+    const uint8_t *h = ob->bytes + ob->seg_at[i];
+    int rc = usmipc__wire_decode(h + 2, usmipc__get16le(h), &ob->segs[i]);
+    if (rc != 0)
+      return rc;
+  }
+  return 0;
+}
+
+/* Checks everything about the bytes and describes them (pointers unset).
+ * Without keep, the description borrows data (no copy: inspect and the
+ * ticket's reader free it before they return; a copy of 64 MiB is what
+ * their time would go to). */
+static int decode(const void *data, size_t len, bool keep,
+                  usmipc_opened_bundle_t **out) {
   *out = NULL;
   const uint8_t *p = data;
   if (data == NULL || len < HDR_LEN + 4)
@@ -902,6 +1009,14 @@ static int decode(const void *data, size_t len, usmipc_opened_bundle_t **out) {
       (nseg == 0 && tail_len != 0))
     return BAD("a bundle without allocations has no slot, no order and no "
                "release ticket");
+  /* The slot is an index into the producer's export table, which an open
+   * reads: a forger's slot past the table's end would read outside the
+   * consumer's mapping of it (bundle_slot_out_of_range). */
+  if (nseg > 0 && usmipc__get32le(p + OFF_SLOT) >= USMIPC__TABLE_SLOTS)
+    return BAD("the bundle's slot %u is beyond the %u slots of an export "
+               "table (forged or corrupted bytes; ask the producer for the "
+               "bundle again)",
+               usmipc__get32le(p + OFF_SLOT), USMIPC__TABLE_SLOTS);
   usmipc_opened_bundle_t *ob = calloc(1, sizeof(*ob));
   if (ob == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
@@ -913,19 +1028,26 @@ static int decode(const void *data, size_t len, usmipc_opened_bundle_t **out) {
   ob->narr = narr;
   ob->nnode = nnode;
   ob->len = len;
-  ob->segs = nseg ? malloc(nseg * sizeof(*ob->segs)) : NULL;
+  ob->seg_at = malloc((nseg ? nseg : 1) * sizeof(uint32_t));
+  ob->seg_nbytes = malloc((nseg ? nseg : 1) * sizeof(uint64_t));
   ob->array_seg = malloc((narr ? narr : 1) * sizeof(uint32_t));
   ob->array_off = malloc((narr ? narr : 1) * sizeof(uint64_t));
   ob->arrays = calloc(narr ? narr : 1, sizeof(*ob->arrays));
   ob->nodes = calloc(nnode, sizeof(*ob->nodes));
-  ob->bytes = malloc(len);
+  ob->borrowed = !keep;
+  ob->bytes = keep ? malloc(len) : (uint8_t *)(uintptr_t)data;
   uint32_t *seg_uses = calloc(nseg ? nseg : 1, sizeof(uint32_t));
-  if ((nseg && ob->segs == NULL) || !ob->array_seg || !ob->array_off ||
-      !ob->arrays || !ob->nodes || !ob->bytes || !seg_uses) {
+  /* For the duplicate check, freed once it is made; and a wire to decode
+   * allocations 1 and on into, one after the other. */
+  seg_key_t *keys = malloc((nseg ? nseg : 1) * sizeof(*keys));
+  usmipc__wire_t *wire = malloc(sizeof(*wire));
+  if (!keys || !wire || !ob->seg_at || !ob->seg_nbytes || !ob->array_seg ||
+      !ob->array_off || !ob->arrays || !ob->nodes || !ob->bytes || !seg_uses) {
     rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
     goto fail;
   }
-  memcpy(ob->bytes, p, len);
+  if (keep)
+    memcpy(ob->bytes, p, len);
   p = ob->bytes;
   size_t at = HDR_LEN, end = len - 4 - tail_len;
   for (uint32_t i = 0; i < nseg; i++) {
@@ -938,32 +1060,37 @@ static int decode(const void *data, size_t len, usmipc_opened_bundle_t **out) {
       rc = BAD("allocation %u overruns the bundle", i);
       goto fail;
     }
-    usmipc__wire_t *w = &ob->segs[i];
+    usmipc__wire_t *w = i == 0 ? &ob->seg0 : wire;
     if ((rc = usmipc__wire_decode(p + at + 2, hlen, w)) != 0) {
       usmipc__error_prefix("bundle allocation %u: ", i);
       goto fail;
     }
+    ob->seg_at[i] = (uint32_t)at;
+    ob->seg_nbytes[i] = w->nbytes;
     at += 2 + hlen;
     if (w->is_event || w->order_len != 0 || w->has_release || w->has_block ||
         w->offset != 0 || w->nbytes != w->allocation_size) {
       rc = BAD("allocation %u is not a plain handle of a whole allocation", i);
       goto fail;
     }
-    const usmipc__wire_t *w0 = &ob->segs[0];
+    const usmipc__wire_t *w0 = &ob->seg0;
     if (w->pid != w0->pid || w->nonce != w0->nonce ||
         memcmp(w->key, w0->key, 16) != 0 ||
         memcmp(w->boot_id, w0->boot_id, 16) != 0) {
       rc = BAD("allocation %u names another exporter than allocation 0", i);
       goto fail;
     }
-    for (uint32_t j = 0; j < i; j++)
-      if (ob->segs[j].buffer_id == w->buffer_id &&
-          ob->segs[j].backend == w->backend &&
-          memcmp(ob->segs[j].device_uuid, w->device_uuid, 16) == 0) {
-        rc = BAD("allocations %u and %u are the same", j, i);
-        goto fail;
-      }
+    keys[i].buffer_id = w->buffer_id;
+    memcpy(keys[i].uuid, w->device_uuid, 16);
+    keys[i].backend = (uint32_t)w->backend;
+    keys[i].index = i;
   }
+  if ((rc = check_distinct(keys, nseg)) != 0)
+    goto fail;
+  free(keys);
+  keys = NULL;
+  free(wire);
+  wire = NULL;
   /* Dimensions: the arrays' shape and strides, counted first. */
   size_t dims_total = 0, arrays_at = at;
   for (uint32_t i = 0; i < narr; i++) {
@@ -1031,12 +1158,12 @@ static int decode(const void *data, size_t len, usmipc_opened_bundle_t **out) {
     } else if (seg >= nseg) {
       rc = BAD("array %u names allocation %u of %u", i, seg, nseg);
       goto fail;
-    } else if (off > ob->segs[seg].nbytes ||
-               extent > ob->segs[seg].nbytes - off) {
+    } else if (off > ob->seg_nbytes[seg] ||
+               extent > ob->seg_nbytes[seg] - off) {
       rc = BAD("array %u (%zu bytes at offset %llu) overruns its %llu-byte "
                "allocation",
                i, extent, (unsigned long long)off,
-               (unsigned long long)ob->segs[seg].nbytes);
+               (unsigned long long)ob->seg_nbytes[seg]);
       goto fail;
     } else {
       seg_uses[seg]++;
@@ -1082,11 +1209,16 @@ static int decode(const void *data, size_t len, usmipc_opened_bundle_t **out) {
       rc = BAD("node %u names array %u out of order", i, n->count);
       goto fail;
     }
-    char what[48];
-    snprintf(what, sizeof(what), "not valid bundle bytes: node %u", i);
+    /* The node's number goes into the message on failure only: labels
+     * formatted for 2^21 nodes would cost more than the checks. */
     if ((rc = tree_push(&tree, n->kind, n->count, n->key != NULL, n->key_len,
-                        what)) != 0)
+                        "not valid bundle bytes")) != 0) {
+      char why[256];
+      snprintf(why, sizeof(why), "%s",
+               usmipc_last_error() + strlen("not valid bundle bytes: "));
+      rc = BAD("node %u: %s", i, why);
       goto fail;
+    }
     at += NODE_FIXED + n->key_len;
   }
   if (!tree_complete(&tree) || next_array != narr || at != end) {
@@ -1101,6 +1233,8 @@ static int decode(const void *data, size_t len, usmipc_opened_bundle_t **out) {
   *out = ob;
   return 0;
 fail:
+  free(keys);
+  free(wire);
   free(seg_uses);
   opened_free(ob);
   return rc;
@@ -1110,7 +1244,7 @@ int usmipc__bundle_decode_check(const void *data, size_t len, size_t *arrays,
                                 size_t *allocations,
                                 usmipc_opened_bundle_t **kept) {
   usmipc_opened_bundle_t *ob;
-  int rc = decode(data, len, &ob);
+  int rc = decode(data, len, kept != NULL, &ob);
   if (rc != 0)
     return rc;
   if (arrays)
@@ -1131,7 +1265,7 @@ bool usmipc__bundle_magic(const void *data, size_t len) {
 int usmipc__bundle_ticket(const void *data, size_t len, usmipc__wire_t *w,
                           bool *no_memory) {
   usmipc_opened_bundle_t *ob;
-  int rc = decode(data, len, &ob);
+  int rc = decode(data, len, false, &ob);
   if (rc != 0)
     return rc;
   *no_memory = ob->nseg == 0;
@@ -1155,7 +1289,7 @@ int usmipc_bundle_inspect(const void *data, size_t len, size_t *arrays,
 /* The producer still holds the bundle: its slot (another process) or its
  * place in the live list (this process). */
 static int check_live(const usmipc_opened_bundle_t *ob) {
-  const usmipc__wire_t *w = &ob->segs[0];
+  const usmipc__wire_t *w = &ob->seg0;
   const usmipc__process_t *self = usmipc__self_basic();
   if (w->nonce == self->nonce && w->pid == self->pid) {
     bool found = false;
@@ -1209,14 +1343,17 @@ int usmipc_bundle_open(const void *data, size_t len, usmipc_device_t *device,
   if (device == NULL && queue != NULL)
     device = queue->device;
   usmipc_opened_bundle_t *ob;
-  int rc = decode(data, len, &ob);
+  int rc = decode(data, len, true, &ob);
   if (rc != 0)
     return rc;
   if (device == NULL && ob->nseg > 0)
-    device =
-        usmipc__device_by_uuid(ob->segs[0].backend, ob->segs[0].device_uuid);
+    device = usmipc__device_by_uuid(ob->seg0.backend, ob->seg0.device_uuid);
   ob->device = device;
   if (ob->nseg > 0 && (rc = check_live(ob)) != 0) {
+    opened_free(ob);
+    return rc;
+  }
+  if ((rc = decode_segments(ob)) != 0) {
     opened_free(ob);
     return rc;
   }
@@ -1295,6 +1432,8 @@ int usmipc_bundle_open(const void *data, size_t len, usmipc_device_t *device,
   }
   free(base);
   free(uses);
+  free(ob->segs); /* mapped: an opened bundle keeps 12 bytes an allocation */
+  ob->segs = NULL;
   if (rc == 0 && ob->order_event != NULL && !(flags & USMIPC_OPEN_UNORDERED)) {
     /* One wait for every array: the producer recorded one event. */
     if ((rc = usmipc__event_wait_wire(ob->order_event, device, queue)) != 0)

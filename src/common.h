@@ -206,7 +206,8 @@ typedef struct usmipc__region {
   uint64_t buffer_id; /* LOCAL: drawn at allocation; IMPORTED: the exporter's */
 
   /* LOCAL and FOREIGN_ALIAS */
-  unsigned alias_refs;        /* same-process opens not yet closed */
+  uint64_t alias_refs;        /* same-process opens not yet closed (64
+                                  bits: a bundle takes one per array) */
   bool user_freed;            /* usmipc_free called while aliases were open */
   bool exported;              /* payload and fd grant below are valid */
   usmipc__payload_t *payload; /* allocated at the first export: imports never
@@ -227,7 +228,9 @@ typedef struct usmipc__region {
                                 memory of another library (no slot) */
   uint8_t process_key[16];   /* the exporter's key, as the handle said */
   uint64_t slot_tag;         /* usmipc__slot_tag(process_key, token) */
-  unsigned open_refs;        /* usmipc_ipc_open calls not yet closed */
+  uint64_t open_refs;        /* usmipc_ipc_open calls not yet closed, and a
+                                bundle's one per array: 64 bits, since 4,096
+                                opens of 2^20 arrays wrapped 32 */
   struct usmipc__region *idle_prev, *idle_next; /* LRU of closed mappings */
 } usmipc__region_t;
 
@@ -284,6 +287,11 @@ int usmipc__peer_slot_state(const struct usmipc__wire *w, uint32_t slot,
 /* Takes n more open references on the mapping (or same-process alias) at
  * ptr, each to be dropped by usmipc_ipc_close. */
 int usmipc__mapping_addref(void *ptr, unsigned n);
+/* Tests only (tests/c bundle_mapping_refs_do_not_wrap): reads (get) and
+ * sets (set) the reference count of the open mapping at ptr, to start it
+ * near a limit. */
+int usmipc__mapping_refs_for_test(void *ptr, const uint64_t *set,
+                                  uint64_t *get);
 
 /* Decodes and checks bundle bytes (bundle.c); the fuzzer's entry point.
  * *kept (if not NULL) receives the description, freed by
@@ -609,6 +617,12 @@ _Static_assert(sizeof(usmipc__export_slot_t) == 32, "slots are 32 bytes");
 /* A slot's tag: the first 8 bytes of MAC(process key, token). Importers
  * that hold the handle compute it; the table does not reveal the token. */
 uint64_t usmipc__slot_tag(const uint8_t key[16], const uint8_t token[16]);
+/* Its low two bits are the slot's kind: memory (an allocation, a bundle, a
+ * pool block: usmipc__slot_tag) or an event (usmipc__event_slot_tag). */
+#define USMIPC__SLOT_KIND_MASK 3u
+#define USMIPC__SLOT_KIND_MEMORY 1u
+#define USMIPC__SLOT_KIND_EVENT 2u
+uint64_t usmipc__event_slot_tag(const uint8_t key[16], const uint8_t token[16]);
 /* Exporter. */
 int usmipc__exports_add(uint64_t buffer_id, uint32_t fd_number, uint64_t size,
                         uint64_t tag, uint32_t *slot,
@@ -630,7 +644,8 @@ int usmipc__exports_hold_alive(pthread_mutex_t *m, uint32_t tid);
 int usmipc__table_map(int fd, const usmipc__wire_t *w, const uint8_t **hdr);
 /* 1 while the exporter lives (its liveness word is held, not owner-died). */
 int usmipc__table_alive(const uint8_t *hdr);
-/* A consistent copy of a slot (seqlock); -1 if it stays mid-update. */
+/* A consistent copy of a slot (seqlock); -1 if it stays mid-update,
+ * USMIPC_EBADHANDLE (with a message) for a slot beyond the table. */
 int usmipc__table_read_slot(const uint8_t *hdr, uint32_t slot,
                             usmipc__export_slot_t *out, uint32_t *seq);
 uint32_t usmipc__table_slot_seq(const uint8_t *hdr, uint32_t slot);

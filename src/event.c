@@ -372,10 +372,10 @@ static int export_local(usmipc_event_t *ev) {
              (rc = usmipc__fdxfer_serve()) != 0) {
     return rc;
   }
-  rc = usmipc__exports_add(ev->id, ev->fd_number,
-                           __atomic_load_n(&ev->points, __ATOMIC_ACQUIRE),
-                           usmipc__slot_tag(usmipc__self()->key, ev->token),
-                           &ev->slot, &ev->table_fd_number);
+  rc = usmipc__exports_add(
+      ev->id, ev->fd_number, __atomic_load_n(&ev->points, __ATOMIC_ACQUIRE),
+      usmipc__event_slot_tag(usmipc__self()->key, ev->token), &ev->slot,
+      &ev->table_fd_number);
   if (rc != 0) {
     if (fd >= 0)
       usmipc__fdxfer_withdraw(ev->id);
@@ -719,7 +719,7 @@ static int import_get(const usmipc__wire_t *w, usmipc_device_t *device,
   imported_t *dead = import_sweep();
   pthread_mutex_unlock(&events_lock);
   import_free(dead);
-  uint64_t tag = usmipc__slot_tag(w->key, w->token);
+  uint64_t tag = usmipc__event_slot_tag(w->key, w->token);
 
   uint64_t deadline = usmipc__deadline_after_timeout();
   usmipc__peer_t *peer = NULL;
@@ -800,7 +800,10 @@ static int imported_status(const imported_t *e, uint64_t point, void **native) {
   const uint8_t *table = usmipc__peer_table(e->peer);
   usmipc__export_slot_t s;
   bool alive = usmipc__table_alive(table);
-  if (usmipc__table_read_slot(table, e->slot, &s, NULL) != 0)
+  int read = usmipc__table_read_slot(table, e->slot, &s, NULL);
+  if (read == USMIPC_EBADHANDLE) /* a slot beyond the table: said why */
+    return read;
+  if (read != 0)
     return usmipc__fail(USMIPC_EEXPORTERGONE,
                         "process %u's export table is stuck mid-update; the "
                         "exporter probably died",

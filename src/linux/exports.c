@@ -184,7 +184,19 @@ uint64_t usmipc__slot_tag(const uint8_t key[16], const uint8_t token[16]) {
   memcpy(msg, "usmipc-slottag-2", 16);
   memcpy(msg + 16, token, 16);
   usmipc__mac_keyed(mac, &last.keyed, msg, sizeof(msg));
-  return usmipc__get64le(mac) | 1; /* never 0, the tag of a free slot */
+  /* The low two bits say what the slot holds, never 0 (a free slot): an
+   * importer can then tell a handle that names another kind of export's
+   * slot (an event handle forged with a memory allocation's slot, token
+   * and buffer id, all in that allocation's handle) from a revoked one,
+   * and say what the slot holds (event_handle_names_another_export). */
+  return (usmipc__get64le(mac) & ~(uint64_t)USMIPC__SLOT_KIND_MASK) |
+         USMIPC__SLOT_KIND_MEMORY;
+}
+
+uint64_t usmipc__event_slot_tag(const uint8_t key[16],
+                                const uint8_t token[16]) {
+  return (usmipc__slot_tag(key, token) & ~(uint64_t)USMIPC__SLOT_KIND_MASK) |
+         USMIPC__SLOT_KIND_EVENT;
 }
 
 static void slot_write(usmipc__export_slot_t *s, uint64_t buffer_id,
@@ -264,6 +276,12 @@ int usmipc__exports_table_fd(void) {
 
 /* ---- reading another process's table ------------------------------------- */
 
+/* The liveness word lies inside the header's mutex, aligned. */
+static bool alive_offset_valid(uint32_t off) {
+  return off >= USMIPC__HDR_MUTEX &&
+         off <= USMIPC__HDR_MUTEX + USMIPC__HDR_MUTEX_BYTES - 4 && off % 4 == 0;
+}
+
 int usmipc__table_map(int fd, const usmipc__wire_t *w, const uint8_t **out) {
   /* Everything about the file is checked before it is mapped: a regular
    * shmem file of exactly the table's size that nobody can shrink or grow,
@@ -319,10 +337,7 @@ int usmipc__table_map(int fd, const usmipc__wire_t *w, const uint8_t **out) {
                         "forged",
                         w->pid);
   }
-  if (alive_off != 0 &&
-      (alive_off < USMIPC__HDR_MUTEX ||
-       alive_off + 4 > USMIPC__HDR_MUTEX + USMIPC__HDR_MUTEX_BYTES ||
-       alive_off % 4 != 0)) {
+  if (alive_off != 0 && !alive_offset_valid(alive_off)) {
     munmap(p, USMIPC__TABLE_BYTES);
     return usmipc__fail(USMIPC_EUNTRUSTED,
                         "process %u's export table is malformed", w->pid);
@@ -336,13 +351,36 @@ int usmipc__table_alive(const uint8_t *hdr) {
       (const uint32_t *)(hdr + USMIPC__HDR_ALIVE_OFFSET), __ATOMIC_ACQUIRE);
   if (off == 0)
     return 0; /* never held: the exporter's broker did not start */
+  /* Checked at every read, not only at usmipc__table_map: the exporter
+   * publishes the offset when its broker starts, which may be after this
+   * process mapped the table, and an offset outside the mutex would make
+   * every importer read outside its mapping (handle_table_indexes_bounded).
+   * Such an exporter counts as gone. */
+  if (!alive_offset_valid(off))
+    return 0;
   uint32_t word =
       __atomic_load_n((const uint32_t *)(hdr + off), __ATOMIC_ACQUIRE);
   return (word & FUTEX_OWNER_DIED_) == 0 && (word & FUTEX_TID_MASK_) != 0;
 }
 
+/* Every slot an importer reads comes from bytes it was sent (a handle, a
+ * bundle, a pool block's record, an event): the reader bounds it itself
+ * against the table's size (checked at usmipc__table_map), so that a caller
+ * that forgot to cannot read outside the mapping (bundle_slot_out_of_range
+ * feeds it 0x00100005 and 0xFFFFFFF0). */
+static bool slot_in_table(const uint8_t *hdr, uint32_t slot) {
+  return slot < USMIPC__TABLE_SLOTS &&
+         slot < usmipc__get64le(hdr + USMIPC__HDR_SLOTS);
+}
+
 int usmipc__table_read_slot(const uint8_t *hdr, uint32_t slot,
                             usmipc__export_slot_t *out, uint32_t *seq_out) {
+  if (!slot_in_table(hdr, slot))
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "export slot %u is beyond the %u slots of the "
+                        "exporter's table: the handle or bundle naming it is "
+                        "forged or corrupted",
+                        slot, USMIPC__TABLE_SLOTS);
   const usmipc__export_slot_t *s = slots_of((uint8_t *)hdr) + slot;
   uint32_t s1, s2;
   unsigned spins = 0;
@@ -366,6 +404,8 @@ int usmipc__table_read_slot(const uint8_t *hdr, uint32_t slot,
 }
 
 uint32_t usmipc__table_slot_seq(const uint8_t *hdr, uint32_t slot) {
+  if (!slot_in_table(hdr, slot))
+    return 1; /* odd: never the even count of a stable slot */
   const usmipc__export_slot_t *s = slots_of((uint8_t *)hdr) + slot;
   return __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
 }

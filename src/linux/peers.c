@@ -323,8 +323,32 @@ int usmipc__peer_check(const usmipc__peer_t *p, const usmipc__wire_t *w,
                         "process %u's export table is stuck mid-update; the "
                         "exporter probably died",
                         w->pid);
-  if (s.buffer_id != w->buffer_id ||
-      ((w->flags & USMIPC__WIRE_FLAG_FD) && s.fd_number != w->fd_number))
+  /* What the slot holds, from its tag's kind bits (0: nothing). */
+  unsigned kind = (unsigned)(s.tag & USMIPC__SLOT_KIND_MASK);
+  const char *holds = kind == USMIPC__SLOT_KIND_EVENT ? "an event"
+                      : kind == 0                     ? "nothing"
+                                  : "a memory allocation (or a bundle or "
+                                    "pool block)";
+  /* The export the handle names, but of another kind: only a forger, who
+   * copied a memory handle's slot, buffer id and token into an event
+   * handle (or the other way round), names it so. */
+  if (s.buffer_id == w->buffer_id &&
+      kind != (unsigned)(tag & USMIPC__SLOT_KIND_MASK))
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "not a valid usmipc %s handle: export slot %u of "
+                        "process %u holds %s, not %s (forged)",
+                        w->is_event ? "event" : "IPC", w->export_slot, w->pid,
+                        holds, w->is_event ? "an event" : "memory");
+  bool gone =
+      s.buffer_id != w->buffer_id ||
+      ((w->flags & USMIPC__WIRE_FLAG_FD) && s.fd_number != w->fd_number);
+  if (gone && w->is_event)
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "process %u no longer exports the event this handle "
+                        "names (it was destroyed): its export slot %u now "
+                        "holds %s",
+                        w->pid, w->export_slot, holds);
+  if (gone)
     return usmipc__fail(USMIPC_EEXPORTERGONE,
                         "process %u no longer exports the memory this handle "
                         "names (the allocation was freed)",

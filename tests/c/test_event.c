@@ -878,3 +878,57 @@ TEST_IMPL(event_release_first_ticket_threads) {
   }
   return 0;
 }
+
+/* An event handle must name an event's slot. Forged with a memory
+ * allocation's slot, buffer id and token (all in that allocation's handle),
+ * it used to open as an event (the slot's size read as its record count);
+ * now it is refused, saying what the slot holds. And an event handle whose
+ * event was destroyed and whose slot now holds a memory allocation was told
+ * "no longer exports the memory this handle names": now it hears that the
+ * event was destroyed and what took its slot. */
+TEST_IMPL(event_handle_names_another_export) {
+  SKIP_WITHOUT_EVENTS();
+  agent_t ex, im;
+  static char hex[HEX_MAX];
+  agent_start(&ex, NULL);
+  agent_start(&im, NULL);
+  AGENT_OK(&ex, "alloc 0 device 4096");
+  AGENT_OK(&ex, "export 0 0 0");
+  uint8_t m[4096], e[4096];
+  size_t mlen = hex_to_bytes(ex.reply, m, sizeof(m));
+  AGENT_OK(&ex, "evcreate 0");
+  AGENT_OK(&ex, "evrecord 0");
+  AGENT_OK(&ex, "evhandle 0");
+  size_t elen = hex_to_bytes(ex.reply, e, sizeof(e));
+  ASSERT(mlen > 212 && elen > 212);
+  memcpy(e + 112, m + 112, 8);  /* buffer id */
+  memcpy(e + 184, m + 184, 16); /* token */
+  memcpy(e + 200, m + 200, 4);  /* export slot */
+  reseal(e, elen);
+  hex_encode(e, elen, hex);
+  AGENT_ERR(&im, USMIPC_EBADHANDLE, "evopen 0 %s", hex);
+  ASSERT_MSG(strstr(im.reply, "memory allocation") != NULL &&
+                 strstr(im.reply, "not an event") != NULL,
+             "%s", im.reply);
+
+  /* A destroyed event's slot, reused by the next export (the freed slots
+   * are a stack). */
+  AGENT_OK(&ex, "evcreate 1");
+  AGENT_OK(&ex, "evrecord 1");
+  AGENT_OK(&ex, "evhandle 1");
+  elen = hex_to_bytes(ex.reply, e, sizeof(e));
+  AGENT_OK(&ex, "evdestroy 1");
+  AGENT_OK(&ex, "alloc 1 device 4096");
+  AGENT_OK(&ex, "export 1 0 0");
+  mlen = hex_to_bytes(ex.reply, m, sizeof(m));
+  ASSERT_EQ(usmipc__get32le(m + 200), usmipc__get32le(e + 200));
+  hex_encode(e, elen, hex);
+  AGENT_ERR(&im, USMIPC_EEXPORTERGONE, "evopen 1 %s", hex);
+  ASSERT_MSG(strstr(im.reply, "no longer exports the event") != NULL &&
+                 strstr(im.reply, "now holds a memory allocation") != NULL,
+             "%s", im.reply);
+  ASSERT(strstr(im.reply, "memory this handle names") == NULL);
+  agent_stop_ok(&im);
+  agent_stop_ok(&ex);
+  return 0;
+}

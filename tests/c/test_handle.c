@@ -1028,3 +1028,157 @@ TEST_IMPL(handle_chunk_records) {
   export_drop(&e);
   return 0;
 }
+
+/* Every slot and descriptor index a handle carries, set past its range
+ * (0x00100005 and 0xFFFFFFF0, checksum recomputed), is refused with
+ * USMIPC_EBADHANDLE and a message naming it: the allocation's export slot
+ * (decoded as is, since only another process's open reads the exporter's
+ * table with it, and refuses it there), an event handle's slot, an ordering
+ * record's event slot, a pool block record's slot, and the descriptor
+ * numbers of the allocation and of the export table. */
+TEST_IMPL(handle_slots_out_of_range) {
+  const uint32_t bad[] = {0x00100005u, 0xFFFFFFF0u};
+  uint8_t b[1024], h[1024];
+  usmipc__wire_t w;
+  size_t len;
+#define ASSERT_REFUSED_SAYING(words)                                           \
+  do {                                                                         \
+    ASSERT_ERR(usmipc_ipc_handle_inspect(b, len, NULL), USMIPC_EBADHANDLE);    \
+    ASSERT_MSG(strstr(usmipc_last_error(), (words)) != NULL,                   \
+               "expected \"%s\" in: %s", (words), usmipc_last_error());        \
+  } while (0)
+
+  agent_t ex;
+  agent_start(&ex, NULL);
+  AGENT_OK(&ex, "alloc 0 device 4096");
+  AGENT_OK(&ex, "export 0 0 0");
+  ssize_t hlen = hex_decode(ex.reply, h, sizeof(h));
+  ASSERT_GT(hlen, 0);
+  for (int i = 0; i < 2; i++) {
+    ASSERT_OK(usmipc__wire_decode(h, (size_t)hlen, &w));
+    w.export_slot = bad[i];
+    len = encode(&w, b);
+    ASSERT_ERR(open_here(b, len, NULL), USMIPC_EBADHANDLE);
+    ASSERT_MSG(strstr(usmipc_last_error(), "export slot") != NULL &&
+                   strstr(usmipc_last_error(), "out of range") != NULL,
+               "%s", usmipc_last_error());
+    if (has_fd(&w)) {
+      ASSERT_OK(usmipc__wire_decode(h, (size_t)hlen, &w));
+      w.fd_number = bad[i] | 0x80000000u;
+      len = encode(&w, b);
+      ASSERT_REFUSED_SAYING("file descriptor number is out of range");
+    }
+    ASSERT_OK(usmipc__wire_decode(h, (size_t)hlen, &w));
+    w.table_fd_number = bad[i] | 0x80000000u;
+    len = encode(&w, b);
+    ASSERT_REFUSED_SAYING("export table descriptor number is out of range");
+  }
+  ASSERT_OK(open_here(h, (size_t)hlen, NULL)); /* the honest bytes open */
+  agent_stop_ok(&ex);
+
+  /* A pool block's own slot. */
+  usmipc_pool_t *pool;
+  void *blk;
+  usmipc_ipc_handle_t *bh;
+  const void *data;
+  ASSERT_OK(usmipc_pool_create(test_device(), 0, 0, &pool));
+  ASSERT_OK(usmipc_pool_malloc(pool, 256, 0, &blk));
+  ASSERT_OK(usmipc_ipc_get_handle(blk, 0, &bh));
+  ASSERT_OK(usmipc_ipc_handle_data(bh, &data, &len));
+  memcpy(h, data, len);
+  hlen = (ssize_t)len;
+  for (int i = 0; i < 2; i++) {
+    ASSERT_OK(usmipc__wire_decode(h, (size_t)hlen, &w));
+    uint16_t rlen;
+    uint8_t *rec =
+        (uint8_t *)usmipc__wire_ext_find(&w, USMIPC__EXT_BLOCK, &rlen);
+    ASSERT_NOT_NULL(rec);
+    usmipc__put32le(rec + 8, bad[i]);
+    len = encode(&w, b);
+    ASSERT_REFUSED_SAYING("pool block record's export slot is out of range");
+    /* The block's offset in its segment, past the segment. */
+    ASSERT_OK(usmipc__wire_decode(h, (size_t)hlen, &w));
+    rec = (uint8_t *)usmipc__wire_ext_find(&w, USMIPC__EXT_BLOCK, &rlen);
+    usmipc__put64le(rec + 32, w.allocation_size + (i ? UINT64_MAX / 2 : 1));
+    len = encode(&w, b);
+    ASSERT_REFUSED_SAYING("pool block lies outside the allocation");
+  }
+  ASSERT_OK(usmipc_ipc_free_handle(bh));
+  ASSERT_OK(usmipc_free(blk));
+  ASSERT_OK(usmipc_pool_destroy(pool));
+
+  /* An event handle's slot, and an ordering record's. */
+  usmipc_event_t *ev;
+  int rc = usmipc_event_create(test_device(), 0, &ev);
+  if (rc == USMIPC_ENOTSUP)
+    return 0; /* no events on this device */
+  ASSERT_OK(rc);
+  usmipc_queue_t *q;
+  usmipc_ipc_handle_t *eh, *mh;
+  void *mem;
+  ASSERT_OK(usmipc_queue_create(test_device(), &q));
+  ASSERT_OK(usmipc_event_record(ev, q));
+  ASSERT_OK(usmipc_ipc_get_event_handle(ev, &eh));
+  ASSERT_OK(usmipc_ipc_handle_data(eh, &data, &len));
+  memcpy(h, data, len);
+  hlen = (ssize_t)len;
+  for (int i = 0; i < 2; i++) {
+    ASSERT_OK(usmipc__wire_decode(h, (size_t)hlen, &w));
+    w.export_slot = bad[i];
+    len = encode(&w, b);
+    ASSERT_REFUSED_SAYING("event handle without an export-table slot");
+  }
+  ASSERT_OK(usmipc_malloc(test_device(), USMIPC_MEM_DEVICE, 4096, &mem));
+  ASSERT_OK(usmipc_ipc_get_handle(mem, 0, &mh));
+  ASSERT_OK(usmipc_ipc_handle_order(mh, q));
+  ASSERT_OK(usmipc_ipc_handle_data(mh, &data, &len));
+  memcpy(h, data, len);
+  hlen = (ssize_t)len;
+  for (int i = 0; i < 2; i++) {
+    ASSERT_OK(usmipc__wire_decode(h, (size_t)hlen, &w));
+    ASSERT(w.order_len > 0);
+    usmipc__put32le(w.ext + w.order_at + 16, bad[i]);
+    len = encode(&w, b);
+    ASSERT_REFUSED_SAYING("ordering record's export slot is out of range");
+  }
+#undef ASSERT_REFUSED_SAYING
+  ASSERT_OK(usmipc_ipc_free_handle(mh));
+  ASSERT_OK(usmipc_free(mem));
+  ASSERT_OK(usmipc_ipc_free_handle(eh));
+  ASSERT_OK(usmipc_event_destroy(ev));
+  ASSERT_OK(usmipc_queue_destroy(q));
+  return 0;
+}
+
+/* The export table's own indexes, read by every importer on every open:
+ * the liveness word's offset in the header, which the exporter publishes
+ * after an importer may have mapped (and checked) the table, and the slot
+ * index. Out of range, neither is followed: the exporter counts as gone,
+ * the slot as forged. A table as an importer sees it (zero pages). */
+TEST_IMPL(handle_table_indexes_bounded) {
+  uint8_t *t = calloc(1, USMIPC__TABLE_BYTES);
+  ASSERT_NOT_NULL(t);
+  usmipc__put64le(t + USMIPC__HDR_SLOTS, USMIPC__TABLE_SLOTS);
+  const uint32_t offsets[] = {0xFFFFFFF0u,
+                              0xFFFFFFFCu,
+                              0x00100005u,
+                              USMIPC__HDR_MUTEX - 4,
+                              USMIPC__HDR_MUTEX + USMIPC__HDR_MUTEX_BYTES - 2,
+                              USMIPC__HDR_MUTEX + 2};
+  for (size_t i = 0; i < sizeof(offsets) / sizeof(offsets[0]); i++) {
+    __atomic_store_n((uint32_t *)(t + USMIPC__HDR_ALIVE_OFFSET), offsets[i],
+                     __ATOMIC_RELEASE);
+    ASSERT_EQ(usmipc__table_alive(t), 0);
+  }
+  /* In range, the word is read: a holder's tid, not owner-died. */
+  __atomic_store_n((uint32_t *)(t + USMIPC__HDR_ALIVE_OFFSET),
+                   USMIPC__HDR_MUTEX, __ATOMIC_RELEASE);
+  usmipc__put32le(t + USMIPC__HDR_MUTEX, 1234);
+  ASSERT_EQ(usmipc__table_alive(t), 1);
+  usmipc__export_slot_t s;
+  ASSERT_ERR(usmipc__table_read_slot(t, 0xFFFFFFF0u, &s, NULL),
+             USMIPC_EBADHANDLE);
+  ASSERT_OK(usmipc__table_read_slot(t, USMIPC__TABLE_SLOTS - 1, &s, NULL));
+  free(t);
+  return 0;
+}

@@ -71,6 +71,8 @@
   X(handle_null_and_empty)                                                     \
   X(handle_extension_records)                                                  \
   X(handle_chunk_records)                                                      \
+  X(handle_slots_out_of_range)                                                 \
+  X(handle_table_indexes_bounded)                                              \
   X(mac_blake2s_vectors)                                                       \
   X(trust_fork_storm)                                                          \
   X(trust_squatter_after_exit)                                                 \
@@ -108,6 +110,7 @@
   X(trust_importers_killed_mid_open)                                           \
   X(dmabuf_check_refuses_others)                                               \
   X(dmabuf_check_cuda)                                                         \
+  X(event_handle_names_another_export)                                         \
   X(event_local)                                                               \
   X(event_queue_from_native)                                                   \
   X(event_same_process)                                                        \
@@ -137,6 +140,10 @@
   X(stats_count_driver_work)                                                   \
   X(bundle_cross_process)                                                      \
   X(bundle_refused)                                                            \
+  X(bundle_slot_out_of_range)                                                  \
+  X(bundle_decode_linear)                                                      \
+  X(bundle_mapping_refs_do_not_wrap)                                           \
+  X(bundle_depth_one_limit)                                                    \
   X(bundle_ten_thousand_arrays)                                                \
   X(bundle_one_exchange)                                                       \
   X(bundle_fork_from_thread)                                                   \

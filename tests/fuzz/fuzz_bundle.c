@@ -8,7 +8,12 @@
  * named by some array, the tree is a well-formed preorder walk that holds
  * every array once, in order, and its keys are UTF-8; the records after the
  * tree (ordering, release ticket) are what usmipc_ipc_release reads too, and
- * it judges the bytes as the decoder does.
+ * it judges the bytes as the decoder does. The bundle's own slot (offset 24)
+ * is an index into the producer's export table: a decoded bundle's slot lies
+ * inside the table, and the table reader, given the slot of any input,
+ * refuses one beyond the table instead of reading it (an overflow of the
+ * table's mapping under AddressSanitizer); every input is also tried with
+ * its slot moved past the table.
  *
  * Nothing here opens a bundle: no mapping, no descriptor, no side effect.
  *   cmake --build build-fuzz --target fuzz_bundle
@@ -22,6 +27,33 @@
 
 #define FUZZ_TARGET "fuzz_bundle"
 #include "fuzz.h"
+
+/* An export table as an importer maps it: all slots free, so reading one
+ * has no effect but the read (USMIPC__TABLE_BYTES of zero pages, once). */
+static const uint8_t *fake_table(void) {
+  static uint8_t *t;
+  if (t == NULL) {
+    t = calloc(1, USMIPC__TABLE_BYTES);
+    FUZZ_CHECK(t != NULL, "calloc of a table");
+    usmipc__put64le(t + USMIPC__HDR_SLOTS, USMIPC__TABLE_SLOTS);
+  }
+  return t;
+}
+
+static void check_slot(const uint8_t *data, size_t size, int rd,
+                       size_t nseg) {
+  if (size < 28)
+    return;
+  uint32_t slot = usmipc__get32le(data + 24);
+  if (rd == 0)
+    FUZZ_CHECK(nseg == 0 ? slot == UINT32_MAX : slot < USMIPC__TABLE_SLOTS,
+               "decoded bundle of %zu allocations with slot %u", nseg, slot);
+  usmipc__export_slot_t s;
+  int rs = usmipc__table_read_slot(fake_table(), slot, &s, NULL);
+  FUZZ_CHECK(rs == (slot < USMIPC__TABLE_SLOTS ? 0 : USMIPC_EBADHANDLE),
+             "table read of slot %u: %d", slot, rs);
+  FUZZ_CHECK(rs != 0 || (s.buffer_id == 0 && s.tag == 0), "slot %u", slot);
+}
 
 static void check_one(const uint8_t *data, size_t size) {
   size_t narr = 0, nseg = 0;
@@ -43,6 +75,7 @@ static void check_one(const uint8_t *data, size_t size) {
   else
     FUZZ_CHECK(rt == USMIPC_EINVAL || (rt == 0 && no_memory && nseg == 0),
                "ticket %d (no memory %d) of good bytes", rt, (int)no_memory);
+  check_slot(data, size, rd, nseg);
   if (rd != 0) {
     FUZZ_CHECK(rd == USMIPC_EBADHANDLE || rd == USMIPC_EHANDLEVERSION,
                "decode failed with %d (%s)", rd, usmipc_err_name(rd));
@@ -95,6 +128,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     memcpy(copy, data, size);
     /* The length too: most mutations change it. */
     usmipc__put32le(copy + 12, (uint32_t)size);
+    usmipc__put32le(copy + size - 4, usmipc__crc32c(0, copy, size - 4));
+    check_one(copy, size);
+    /* The slot moved past the table (bit 20 set: at least 2^20), as in
+     * issue 21's 0x00100005 and 0xFFFFFFF0: never decoded but for the
+     * no-slot value of a bundle without memory (check_slot). */
+    usmipc__put32le(copy + 24,
+                    usmipc__get32le(data + size - 8) | USMIPC__TABLE_SLOTS);
     usmipc__put32le(copy + size - 4, usmipc__crc32c(0, copy, size - 4));
     check_one(copy, size);
     free(copy);
@@ -156,6 +196,16 @@ int fuzz_make_corpus(void) {
         char name[32];
         snprintf(name, sizeof(name), "cut-%zu", cuts[i]);
         fuzz_write_seed(name, data, cuts[i]);
+      }
+      /* The bundle's slot past the export table (issue 21). */
+      uint32_t slots[] = {USMIPC__TABLE_SLOTS, 0x00100005u, 0xFFFFFFF0u};
+      for (size_t i = 0; i < sizeof(slots) / sizeof(slots[0]); i++) {
+        char name[32];
+        memcpy(c, data, len);
+        usmipc__put32le(c + 24, slots[i]);
+        usmipc__put32le(c + len - 4, usmipc__crc32c(0, c, len - 4));
+        snprintf(name, sizeof(name), "forged-slot-%08x", slots[i]);
+        fuzz_write_seed(name, c, len);
       }
       size_t flips[] = {9, 12, 48, 52, 56, 60, 66, len - 20, len - 9};
       for (size_t i = 0; i < sizeof(flips) / sizeof(flips[0]); i++) {

@@ -13,7 +13,7 @@ import pytest
 import usmipc
 from usmipc.memory import MemoryPool, MemoryUSMDevice
 
-from conftest import TIMEOUT
+from conftest import TIMEOUT, reseal
 
 HOST = "host:cpu"
 
@@ -220,6 +220,71 @@ def test_bad_input_is_refused_with_where():
         usmipc.open_shared(bytes(corrupt))
     with pytest.raises(TypeError):
         usmipc.open_shared(12)
+
+
+def test_slot_past_the_export_table_is_refused(consumer):
+    """The bundle's own slot (offset 24) past the producer's export table,
+    checksum recomputed: a consumer in another process used to read outside
+    its mapping of the table (SIGSEGV for 0xFFFFFFF0); now it is told the
+    bytes are forged, and still opens honest bytes afterwards."""
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    good = np.from_dlpack(pool.allocate(64)).view(np.float32)
+    bundle = usmipc.share({"x": good})
+    data = bundle.to_bytes()
+    for slot in (0x00100005, 0xFFFFFFF0):
+        forged = bytearray(data)
+        forged[24:28] = slot.to_bytes(4, "little")
+        forged = reseal(forged)
+        with pytest.raises(ValueError, match="slot .* export table") as e:
+            usmipc.open_shared(forged)
+        assert e.value.name == "USMIPC_EBADHANDLE"
+        status, name, message = consumer("open", forged)
+        assert status == "error" and name == "USMIPC_EBADHANDLE", message
+        assert f"slot {slot} is beyond" in message
+    status, _, _ = consumer("open", data)
+    assert status == "ok"
+
+
+def _nested_lists(levels):
+    """Bundle bytes of no memory: levels nested lists, the innermost empty
+    (docs/handle-format.md, "Bundles")."""
+    import struct
+    nodes = b"".join(struct.pack("<BBHI", 2, 0, 0, 1 if i + 1 < levels else 0)
+                     for i in range(levels))
+    length = 64 + len(nodes) + 4
+    header = (b"\x89USMIPCB" + struct.pack("<HHIQII", 1, 0, length, 0,
+                                          0xFFFFFFFF, 0)
+              + bytes(16) + struct.pack("<IIII", 0, 0, levels, 0))
+    return reseal(header + nodes + bytes(4))
+
+
+def test_one_depth_limit():
+    """share() and the decoder count levels alike: at most 64, the root the
+    first, a leaf or an empty container a level like any node. The decoder
+    used to open 65 levels whose innermost container was empty."""
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    leaf = np.from_dlpack(pool.allocate(64)).view(np.float32)
+    tree, empty = leaf, []
+    for _ in range(63):
+        tree, empty = [tree], [empty]
+    for deep in (tree, empty):  # 64 levels
+        bundle = usmipc.share(deep)
+        root = opened = usmipc.open_shared(bundle.to_bytes())
+        for _ in range(63):
+            opened = opened[0]
+        assert opened == [] if deep is empty else opened.shape == (16,)
+        usmipc.close_shared(root)
+    for deep in ([tree], [empty]):  # 65
+        with pytest.raises(ValueError, match="deeper than 64 levels"):
+            usmipc.share(deep)
+    opened = usmipc.open_shared(_nested_lists(64))
+    for _ in range(63):
+        opened = opened[0]
+    assert opened == []
+    with pytest.raises(ValueError, match="node 64: the tree is nested deeper "
+                                         "than 64 levels") as e:
+        usmipc.open_shared(_nested_lists(65))
+    assert e.value.name == "USMIPC_EBADHANDLE"
 
 
 def test_example_runs():
