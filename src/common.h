@@ -367,6 +367,14 @@ extern usmipc__stats_t usmipc__stats;
  * of a pool segment is opened only with a block record (usmipc_ipc_open;
  * bundles, whose own slot is their capability, map segments whole). */
 #define USMIPC__POOL_SEGMENT_ID ((uint64_t)1 << 63)
+/* A driver's buffer id (any 64-bit value) as usmipc names it: clear of
+ * USMIPC__POOL_SEGMENT_ID, which a foreign allocation must never carry (its
+ * handles would be refused as bare pool segments), and 0 only when the
+ * driver gave 0. */
+static inline uint64_t usmipc__foreign_buffer_id(uint64_t raw) {
+  uint64_t id = raw & ~USMIPC__POOL_SEGMENT_ID;
+  return id != 0 || raw == 0 ? id : 1;
+}
 /* In memory handles: the allocation is a run of physical chunks (another
  * library's CUDA VMM memory), each shared as its own descriptor. u16 chunk
  * count, u16 run count, u32 0, then per run of equal chunks u64 chunk size,

@@ -521,7 +521,7 @@ int usmipc_ipc_release(const void *data, size_t len, usmipc_queue_t *queue) {
  * same id whenever it is exported, which lets importers keep its mapping). */
 static uint64_t run_id(const usmipc__chunk_run_t *run) {
   if (run->count == 1)
-    return run->ids[0];
+    return usmipc__foreign_buffer_id(run->ids[0]);
   uint8_t label[16 + 4] = "usmipc-vmm-run-1";
   usmipc__put32le(label + 16, run->count);
   usmipc__blake2s_t st;
@@ -534,7 +534,7 @@ static uint64_t run_id(const usmipc__chunk_run_t *run) {
     usmipc__blake2s_update(&st, id, sizeof(id));
   }
   usmipc__blake2s_final(&st, out);
-  uint64_t v = usmipc__get64le(out);
+  uint64_t v = usmipc__foreign_buffer_id(usmipc__get64le(out));
   return v != 0 ? v : 1;
 }
 

@@ -321,8 +321,10 @@ int usmipc__foreign_query(const void *ptr, usmipc__allocation_t *alloc,
     if (ops->pointer_query(ptr, alloc, buffer_id, &ordinal) != 0)
       continue;
     *device = usmipc__device_by_ordinal(ops->backend, ordinal);
-    if (*device != NULL)
+    if (*device != NULL) {
+      *buffer_id = usmipc__foreign_buffer_id(*buffer_id);
       return 0;
+    }
   }
   return USMIPC_EUNKNOWNPTR;
 }

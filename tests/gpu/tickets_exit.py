@@ -47,11 +47,23 @@ class Cuda:
     def __init__(self):
         import torch
         self.torch = torch
-        props = torch.cuda.get_device_properties(0)
-        self.khz = getattr(props, "clock_rate", 0) or 1980000
+        # torch.cuda._sleep spins for a number of clock cycles: calibrate
+        # cycles per millisecond with events rather than trust a reported
+        # clock rate (its unit and presence vary with the CUDA release).
+        torch.cuda._sleep(1000)  # warm-up
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        cycles = 50_000_000
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        self.cycles_per_ms = cycles / start.elapsed_time(end)
+        print(f"_sleep: {self.cycles_per_ms:.0f} cycles per ms",
+              file=sys.stderr, flush=True)
 
     def sleep(self, ms):  # a kernel spinning ms milliseconds on the stream
-        self.torch.cuda._sleep(int(self.khz * ms))
+        self.torch.cuda._sleep(int(self.cycles_per_ms * ms))
 
     # producer
     def buffer(self):
@@ -154,8 +166,15 @@ def consumer(role, dev):
         print("released", flush=True)
         return
     if role == "busy":  # a ~3 s kernel, then 7 everywhere; returns at once
+        t0 = time.perf_counter()
         dev.write(y, 7, s, BUSY_MS)  # (the host: done before it returns)
+        t1 = time.perf_counter()
         IPCMemoryHandle.release(m, stream=s)
+        t2 = time.perf_counter()
+        # Where B's time went, for a failed ordering check: queueing the
+        # kernel and returning the ticket should both take milliseconds.
+        print(f"B: queued the kernel in {t1 - t0:.3f} s, returned the ticket "
+              f"in {t2 - t1:.3f} s", file=sys.stderr, flush=True)
         print("released", flush=True)
         sys.stdin.readline()  # until told to quit
         dev.stream_sync(s)
