@@ -33,6 +33,25 @@ N = 1 << 20  # int32 elements
 BUSY_MS = 3000
 WRITE_MS = 10000
 results = []
+# Spins `cycles` clock cycles, then writes v over y (repeat: writes v over
+# y again and again until the cycles have passed).
+KERNEL = r"""
+extern "C" __global__ void busy_write(int *y, long long n, long long cycles,
+                                      int v, int repeat) {
+  long long start = clock64();
+  long long stride = (long long)blockDim.x * gridDim.x;
+  long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  volatile int *out = y;
+  if (repeat) {
+    while (clock64() - start < cycles)
+      for (long long i = i0; i < n; i += stride) out[i] = v;
+  } else {
+    while (clock64() - start < cycles) {
+    }
+    for (long long i = i0; i < n; i += stride) out[i] = v;
+  }
+}
+"""
 
 
 def report(ok, name, detail=""):
@@ -92,11 +111,28 @@ class Cuda:
         with self.torch.cuda.stream(s):
             return self.torch.from_dlpack(m).view(self.torch.int32)
 
-    def write(self, y, v, s, busy_ms=0):
-        with self.torch.cuda.stream(s):
-            if busy_ms:
-                self.sleep(busy_ms)
-            y.fill_(v)
+    def write(self, y, v, s, busy_ms=0, repeat=False):
+        """One kernel on s: spins busy_ms, then writes v everywhere (repeat:
+        writes v over and over for busy_ms). One launch, because on the
+        H200 machine a second launch can block the host until the first
+        kernel ends, plain torch included (tests/gpu/launch_diag.py), and
+        the consumer must return its ticket while its work still runs."""
+        if not busy_ms:
+            with self.torch.cuda.stream(s):
+                y.fill_(v)
+            return
+        # CuPy must not synchronize on the stream torch names in the
+        # tensor's __cuda_array_interface__: the kernel goes on s.
+        os.environ["CUPY_CUDA_ARRAY_INTERFACE_SYNC"] = "0"
+        import cupy
+        import numpy as np
+        if not hasattr(self, "kernel"):
+            self.kernel = cupy.RawKernel(KERNEL, "busy_write")
+        with cupy.cuda.ExternalStream(s.cuda_stream):
+            self.kernel((264,), (256,),
+                        (cupy.asarray(y), np.int64(y.numel()),
+                         np.int64(self.cycles_per_ms * busy_ms), np.int32(v),
+                         np.int32(1 if repeat else 0)))
 
     def stream_sync(self, s):
         s.synchronize()
@@ -185,8 +221,7 @@ def consumer(role, dev):
         if isinstance(dev, Host):
             dev.write(y, 13, s)
         else:
-            for _ in range(WRITE_MS // 100):
-                dev.write(y, 13, s, 100)
+            dev.write(y, 13, s, WRITE_MS, repeat=True)
         IPCMemoryHandle.release(m, stream=s)
         print("released", flush=True)
         sys.stdin.readline()  # until killed
