@@ -330,6 +330,68 @@ def scenario_bad_records(eng, out):
     ex.close()
 
 
+# Bundle slots past the exporter's export table (2^20 slots) that rank 1
+# writes into its own bundle bytes (offset 24), checksum recomputed: the
+# record is well formed, so only the bundle decoder can refuse it.
+FORGED_SLOTS = (0x00100005, 0xFFFFFFF0)
+
+
+def scenario_forged_slot(eng, out):
+    """Rank 1 sends bundle bytes whose own slot lies past the export table
+    (docs/handle-format.md, "Bundles"), checksum recomputed. The decoder
+    used to read outside its mapping of rank 1's table (SIGSEGV for
+    0xFFFFFFF0) on every rank that opened them; now every honest rank is
+    refused (USMIPC_EBADHANDLE) and every rank, rank 1 included, raises
+    ExchangeError naming rank 1's memory. Then the group still exchanges
+    and reads every peer's memory."""
+    from conftest import reseal  # tests/python: this script's directory
+
+    me, n = eng.rank, eng.size
+    cls = ud._TorchEngine if isinstance(eng, Torch) else ud._MPIEngine
+    original = cls.allgather
+    out["forged_slot"] = {}
+    for slot in FORGED_SLOTS:
+        if me == 1:
+            def patched(self, obj, slot=slot):
+                if isinstance(obj, dict):  # the record, not the outcome
+                    forged = bytearray(obj["bundle"])
+                    forged[24:28] = slot.to_bytes(4, "little")
+                    obj = dict(obj, bundle=reseal(forged))
+                return original(self, obj)
+            cls.allgather = patched
+        mem, _ = fresh_memory(me)
+        try:
+            eng.exchange(mem)
+            raise AssertionError(f"slot {slot:#x}: the exchange succeeded")
+        except ud.ExchangeError as e:
+            # The ranks that failed are the honest ones, each refused rank
+            # 1's bytes; rank 1 mapped its peers and raises alike.
+            honest = set(range(n)) - {1}
+            assert set(e.failures) == honest, (slot, e.failures)
+            for r, why in e.failures.items():
+                assert f"rank {r} could not map rank 1's memory" in why, why
+                assert f"slot {slot} is beyond" in why, why
+            assert "rank 1's memory" in str(e), str(e)
+            if me == 1:
+                assert e.__cause__ is None, e.__cause__
+            else:
+                cause = e.__cause__
+                assert isinstance(cause, ValueError), repr(cause)
+                assert cause.name == "USMIPC_EBADHANDLE", cause.name
+            out["forged_slot"][str(slot)] = {
+                "message": str(e),
+                "failures": {str(r): m for r, m in e.failures.items()}}
+        finally:
+            cls.allgather = original
+    mem, mine = fresh_memory(100 + me)
+    with eng.exchange(mem) as ex:
+        assert len(ex) == n
+        out["after_forged"] = [
+            int(mine[0]) if r == me else
+            int(np.asarray(ex[r]).view(np.int64)[0]) for r in range(n)]
+        eng.barrier()  # everyone has read before anyone closes
+
+
 def main():
     engine, scenario, outdir = sys.argv[1:4]
     t0 = time.perf_counter()

@@ -284,6 +284,41 @@ def test_torch_gloo_bad_records(tmp_path):
     check_bad_records(reports, NRANKS)
 
 
+FORGED_SLOTS = (0x00100005, 0xFFFFFFF0)
+
+
+def check_forged_slot(reports, n):
+    """Every rank came through (none crashed or hung: the decoder used to
+    read outside rank 1's export table, SIGSEGV for 0xFFFFFFF0), and raised
+    ExchangeError for each forged slot: every honest rank refused rank 1's
+    bundle bytes as beyond the export table; then a normal exchange read
+    every peer's memory."""
+    assert sorted(reports) == list(range(n))
+    for r, rep in reports.items():
+        assert rep["ok"], r
+        seen = rep["forged_slot"]
+        assert sorted(seen) == sorted(str(s) for s in FORGED_SLOTS), seen
+        for slot, got in seen.items():
+            assert sorted(got["failures"]) == \
+                [str(k) for k in range(n) if k != 1], got
+            for k, why in got["failures"].items():
+                assert f"rank {k} could not map rank 1's memory" in why, why
+                assert f"slot {slot} is beyond the 1048576 slots" in why, why
+            assert got["message"].startswith(
+                "usmipc.distributed: the exchange failed on "
+                f"{n - 1} rank(s): rank 0 could not map rank 1's memory"), \
+                got["message"]
+        assert rep["after_forged"] == [100 + k for k in range(n)], rep
+
+
+def test_torch_gloo_forged_slot(tmp_path):
+    """Issue 21: rank 1 sends bundle bytes whose slot lies past its export
+    table (checksum recomputed) over torch.distributed (gloo)."""
+    codes, outs, reports = run_torch(tmp_path, "forged_slot")
+    assert codes == [0] * NRANKS, "\n".join(outs)
+    check_forged_slot(reports, NRANKS)
+
+
 # ---- mpi4py under mpirun -----------------------------------------------------
 
 
@@ -337,3 +372,10 @@ def test_mpi_bad_records(tmp_path):
     code, out, reports = run_mpi(tmp_path, "bad_records", [(NRANKS, [])])
     assert code == 0, out
     check_bad_records(reports, NRANKS)
+
+
+def test_mpi_forged_slot(tmp_path):
+    """Issue 21: the same forged bundle bytes over exchange_mpi."""
+    code, out, reports = run_mpi(tmp_path, "forged_slot", [(NRANKS, [])])
+    assert code == 0, out
+    check_forged_slot(reports, NRANKS)
