@@ -105,10 +105,11 @@ int usmipc__pidfd_euid(int pidfd, uint32_t pid, uint32_t *euid);
  * USMIPC_EACCES, the rest USMIPC_EIO (the errno stays the native code). */
 int usmipc__errno_code(int e);
 
-/* fork() handlers of each module, run by process.c in lock order: the
- * registry lock is taken first, then the device probe's (a foreign pointer
- * query probes under the registry lock), then the export table's, then the
- * fd transport's (the order in which export nests them). */
+/* fork() handlers of each module, run by fork.c in the library's lock
+ * order (written there, once). */
+void usmipc__process_fork_prepare(void);
+void usmipc__process_fork_parent(void);
+void usmipc__process_fork_child(void);
 void usmipc__bundles_fork_prepare(void);
 void usmipc__bundles_fork_parent(void);
 void usmipc__bundles_fork_child(void);

@@ -29,9 +29,9 @@
  * reason PyTorch makes one event per shared tensor), and importers open
  * each ring event once and find it in their cache afterwards.
  *
- * Locks: events_lock guards local events, rings and the import cache. It is
- * taken before the registry's (peer references) and the export table's,
- * never held across a wait on another process or on the device.
+ * Locks: events_lock guards local events, rings and the import cache (its
+ * place in the library's lock order: fork.c). It is never held across a
+ * wait on another process or on the device.
  */
 #include <errno.h>
 #include <sched.h>

@@ -16,7 +16,7 @@ static size_t region_count, region_capacity;
 static uint64_t next_buffer_id;
 static pthread_once_t registry_once = PTHREAD_ONCE_INIT;
 
-/* Fork handlers, called by process.c in the library's lock order. */
+/* Fork handlers, called by fork.c in the library's lock order. */
 void usmipc__registry_fork_prepare(void) {
   pthread_mutex_lock(&usmipc__registry_lock);
 }

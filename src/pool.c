@@ -26,8 +26,8 @@
  * whole segment (the block record only decides what usmipc opens). Users
  * who need separation use separate pools.
  *
- * Locks: the pool's own mutex guards its segments and blocks; it is taken
- * without the registry lock held, and takes the export table's inside. */
+ * Locks: the pool's own mutex guards its segments and blocks (its place in
+ * the library's lock order: fork.c). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -129,10 +129,8 @@ static void block_release(usmipc_pool_t *pool, block_t *b) {
 
 /* Every live pool, so that fork() can take their locks: a child forked
  * while another thread held a pool's lock would inherit it held, and its
- * first allocation from that pool would wait forever. In the library's lock
- * order the pools come after the registry (an export holds the registry
- * lock when it asks the pool for its block) and before the export table (a
- * pool lock is held while a block's slot is added or removed). */
+ * first allocation from that pool would wait forever (their place in the
+ * lock order: fork.c). */
 static pthread_mutex_t live_pools_lock = PTHREAD_MUTEX_INITIALIZER;
 static usmipc_pool_t *live_pools;
 

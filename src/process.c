@@ -220,57 +220,19 @@ static void draw_proof(void) {
   self.user_ns = usmipc__ns_inode("self", "user");
 }
 
-/* fork() from any thread at any moment: every lock of the library is taken
- * before the fork, in the one order normal code nests them (registry, then
- * export table, then broker and pidfd cache), and released after it, so the
- * child never inherits a lock held by a thread that does not exist there.
- * One handler set, registered once when the library loads, instead of one
- * per module: pthread_atfork runs prepare handlers in reverse registration
- * order, and modules registering lazily made that order depend on which was
- * used first, the opposite of the nesting order (a deadlock). */
-static void fork_prepare(void) {
-  usmipc__bundles_fork_prepare(); /* taken alone: outermost */
-  usmipc__torch_fork_prepare();   /* a free under it takes the registry */
-  usmipc__events_fork_prepare();
-  usmipc__registry_fork_prepare();
-  usmipc__pools_fork_prepare(); /* under the registry, above the exports */
-  usmipc__devices_fork_prepare();
-  usmipc__exports_fork_prepare();
-  usmipc__fdxfer_fork_prepare();
-  pthread_mutex_lock(&proof_lock); /* a leaf: taken under any of them */
-}
+/* This file's share of fork() (src/fork.c runs every module's handlers in
+ * the library's lock order): the proof lock is a leaf, taken last, and the
+ * child's identity is its own, a new pid and nonce now, a new key (and the
+ * rest of the proof) when the child first needs them. */
+void usmipc__process_fork_prepare(void) { pthread_mutex_lock(&proof_lock); }
 
-static void fork_parent(void) {
-  pthread_mutex_unlock(&proof_lock);
-  usmipc__fdxfer_fork_parent();
-  usmipc__exports_fork_parent();
-  usmipc__devices_fork_parent();
-  usmipc__pools_fork_parent();
-  usmipc__registry_fork_parent();
-  usmipc__events_fork_parent();
-  usmipc__torch_fork_parent();
-  usmipc__bundles_fork_parent();
-}
+void usmipc__process_fork_parent(void) { pthread_mutex_unlock(&proof_lock); }
 
-static void fork_child(void) {
-  /* The identity is per process instance: a new pid and nonce now, a new
-   * key (and the rest of the proof) when the child first needs them. */
+void usmipc__process_fork_child(void) {
   if (self.pid != 0)
     draw_basic();
   proof_ready = 0;
   pthread_mutex_unlock(&proof_lock);
-  usmipc__fdxfer_fork_child();
-  usmipc__exports_fork_child();
-  usmipc__devices_fork_child();
-  usmipc__pools_fork_child();
-  usmipc__registry_fork_child();
-  usmipc__events_fork_child();
-  usmipc__torch_fork_child();
-  usmipc__bundles_fork_child();
-}
-
-__attribute__((constructor)) static void register_fork_handlers(void) {
-  pthread_atfork(fork_prepare, fork_parent, fork_child);
 }
 
 static void init_self(void) {

@@ -27,8 +27,8 @@
  * returns blocks at once; should recording the event fail, the free waits
  * for the stream instead.
  *
- * Locks: a pool's pending list has its own mutex, taken before the
- * registry's and the pool's (usmipc_free takes both), never inside them. */
+ * Locks: a pool's pending list has its own mutex (its place in the
+ * library's lock order: fork.c). */
 #include <ctype.h>
 #include <errno.h>
 #include <sched.h>
@@ -70,7 +70,7 @@ static size_t torch_segment_size; /* atomic; 0: the environment's, else the
 
 /* fork() from any thread: the creation lock, then every pool's lock (a
  * free under one takes the registry lock, so these come before it in the
- * library's lock order; see process.c). Pools exist until the process
+ * library's lock order; see fork.c). Pools exist until the process
  * ends, and each one's lock is initialised before its pool is published. */
 void usmipc__torch_fork_prepare(void) {
   pthread_mutex_lock(&torch_create_lock);
