@@ -41,7 +41,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "blake2s.h"
+#include "util/blake2s.h"
 #include "common.h"
 
 enum { EV_LOCAL = 1, EV_VIEW_LOCAL = 2, EV_IMPORTED = 3 };

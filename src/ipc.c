@@ -20,7 +20,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "blake2s.h"
+#include "util/blake2s.h"
 #include "common.h"
 
 #ifndef SYS_pidfd_open

@@ -24,8 +24,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../blake2s.h"
-#include "../common.h"
+#include "util/blake2s.h"
+#include "common.h"
 
 #include "cuda_driver.h"
 

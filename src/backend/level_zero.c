@@ -46,7 +46,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "../common.h"
+#include "common.h"
 
 /* ---- driver types (ze_api.h, Level Zero API 1.4) ----------------------------
  */

@@ -42,8 +42,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "../blake2s.h"
-#include "../common.h"
+#include "util/blake2s.h"
+#include "common.h"
 
 #define FUTEX_OWNER_DIED_ 0x40000000u
 #define FUTEX_TID_MASK_ 0x3fffffffu

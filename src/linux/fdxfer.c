@@ -52,8 +52,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "../blake2s.h"
-#include "../common.h"
+#include "util/blake2s.h"
+#include "common.h"
 
 #ifndef SYS_pidfd_getfd
 #define SYS_pidfd_getfd 438

@@ -3,7 +3,7 @@
  * implementation. Data lengths 0, 1, 63, 64, 65 and 200 cover the block
  * boundary, where the "compress only when more input follows" rule of
  * update and final is easiest to get wrong. */
-#include "blake2s.h"
+#include "util/blake2s.h"
 #include "task.h"
 
 /* Keyed vectors: data byte i is i, key byte i is i (the pattern of the

@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "blake2s.h"
+#include "util/blake2s.h"
 #include "common.h"
 
 #define FUZZ_TARGET "fuzz_request"

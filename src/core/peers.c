@@ -27,7 +27,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "../common.h"
+#include "common.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
