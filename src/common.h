@@ -493,7 +493,7 @@ int usmipc__event_order(usmipc_queue_t *queue, uint8_t *out, size_t *len);
    USMIPC__EVENT_RECORD_LEN + 4)
 int usmipc__event_ring_handle(usmipc_queue_t *queue, uint8_t *out, size_t *len);
 
-/* Release signals (event.c): a producer's handle hands out tickets (record
+/* Release signals (release.c): a producer's handle hands out tickets (record
  * 0x8003); consumers return them through the producer's broker with an
  * event of their own, which the producer waits for. */
 typedef struct usmipc__release usmipc__release_t;
@@ -511,15 +511,33 @@ void usmipc__release_counts(usmipc__release_t *const *slot, uint64_t *sent,
 /* Waits for every ticket handed out so far (none: returns 0 at once). */
 int usmipc__release_wait(usmipc__release_t *const *slot, usmipc_queue_t *queue);
 /* The broker's side: a release request (header req, body of len bytes)
- * for this process; returns the reply status (0 accepted). */
+ * for this process; returns the reply status (0 accepted). Registered with
+ * the broker (usmipc__broker_on_release) at the first registry. */
 uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
                                  size_t len);
+/* fork.c's hook: the child forgets the parent's registries. */
+void usmipc__releases_fork_child(void);
 /* A release request's body: u64 ticket, u16 length, an event handle of that
- * length (or none). 0 when well formed, with the parts. */
+ * length (or none). 0 when well formed, with the parts (linux/fdxfer.c). */
 int usmipc__release_body_parse(const uint8_t *body, size_t len,
                                uint64_t *ticket, const uint8_t **event,
                                size_t *event_len);
+/* The same, and the event handle (if any) decoded into *w: 0 when it is
+ * one (its identity is proven only when the producer opens it). */
+int usmipc__release_body_check(const uint8_t *body, size_t len,
+                               uint64_t *ticket, const uint8_t **event,
+                               size_t *event_len, usmipc__wire_t *w);
 #define USMIPC__RELEASE_BODY_MAX (10 + USMIPC__EVENT_HANDLE_MAX)
+/* The broker hands each release request of this process to the handler
+ * registered last (none: it answers as a handler with no registry would). */
+typedef uint32_t (*usmipc__release_handler_t)(const uint8_t *req,
+                                              const uint8_t *body, size_t len);
+void usmipc__broker_on_release(usmipc__release_handler_t handler);
+/* event.c's lock, which also guards the release registry, and the event
+ * wait limit (usmipc_event_set_timeout, USMIPC_EVENT_TIMEOUT_MS; 0: none),
+ * which release waits share. */
+extern pthread_mutex_t usmipc__events_lock;
+unsigned long long usmipc__event_timeout_ms(void);
 /* ---- pools (pool.c) --------------------------------------------------------
  */
 /* usmipc_free of a pointer in a pool segment (region->pool_segment). */

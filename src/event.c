@@ -29,8 +29,8 @@
  * reason PyTorch makes one event per shared tensor), and importers open
  * each ring event once and find it in their cache afterwards.
  *
- * Locks: events_lock guards local events, rings and the import cache (its
- * place in the library's lock order: fork.c). It is never held across a
+ * Locks: usmipc__events_lock guards local events, rings and the import cache
+ * (its place in the library's lock order: fork.c). It is never held across a
  * wait on another process or on the device.
  */
 #include <errno.h>
@@ -41,8 +41,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "util/blake2s.h"
 #include "common.h"
+#include "util/blake2s.h"
 
 enum { EV_LOCAL = 1, EV_VIEW_LOCAL = 2, EV_IMPORTED = 3 };
 
@@ -87,11 +87,7 @@ struct usmipc_event {
   uint64_t point;
 };
 
-static pthread_mutex_t events_lock = PTHREAD_MUTEX_INITIALIZER;
-#define RELEASE_BUCKETS 64
-static usmipc__release_t *releases[RELEASE_BUCKETS]; /* under events_lock */
-typedef struct consumer consumer_t;
-static consumer_t *consumers;  /* returned tickets' consumers; events_lock */
+pthread_mutex_t usmipc__events_lock = PTHREAD_MUTEX_INITIALIZER;
 static usmipc_event_t *locals; /* every live local event */
 static imported_t *imports[IMPORT_BUCKETS];
 static size_t import_count, sweep_at = 32;  /* import_sweep */
@@ -106,8 +102,12 @@ typedef struct ring {
 } ring_t;
 static ring_t *rings;
 
-void usmipc__events_fork_prepare(void) { pthread_mutex_lock(&events_lock); }
-void usmipc__events_fork_parent(void) { pthread_mutex_unlock(&events_lock); }
+void usmipc__events_fork_prepare(void) {
+  pthread_mutex_lock(&usmipc__events_lock);
+}
+void usmipc__events_fork_parent(void) {
+  pthread_mutex_unlock(&usmipc__events_lock);
+}
 /* The parent's events are not the child's: their slots are in the parent's
  * table, their device events in its contexts. The child forgets them all
  * (leaking their memory, not their resources: those are the parent's);
@@ -118,23 +118,21 @@ void usmipc__events_fork_child(void) {
   memset(imports, 0, sizeof(imports));
   import_count = 0;
   sweep_at = 32;
-  memset(releases, 0, sizeof(releases)); /* the parent's handles' */
-  consumers = NULL; /* their pidfds stay open: the parent's */
-  pthread_mutex_unlock(&events_lock);
+  pthread_mutex_unlock(&usmipc__events_lock);
 }
 
 /* ---- timeouts and host waits --------------------------------------------- */
 
 int usmipc_event_set_timeout(unsigned long long timeout_ms) {
-  pthread_mutex_lock(&events_lock);
+  pthread_mutex_lock(&usmipc__events_lock);
   event_timeout_ms = timeout_ms;
   timeout_from_env = true;
-  pthread_mutex_unlock(&events_lock);
+  pthread_mutex_unlock(&usmipc__events_lock);
   return 0;
 }
 
-static unsigned long long timeout_now(void) {
-  pthread_mutex_lock(&events_lock);
+unsigned long long usmipc__event_timeout_ms(void) {
+  pthread_mutex_lock(&usmipc__events_lock);
   if (!timeout_from_env) {
     const char *env = getenv("USMIPC_EVENT_TIMEOUT_MS");
     if (env != NULL && *env != '\0') {
@@ -149,7 +147,7 @@ static unsigned long long timeout_now(void) {
     timeout_from_env = true;
   }
   unsigned long long ms = event_timeout_ms;
-  pthread_mutex_unlock(&events_lock);
+  pthread_mutex_unlock(&usmipc__events_lock);
   return ms;
 }
 
@@ -162,7 +160,7 @@ static unsigned long long timeout_now(void) {
  * long wait costs little CPU and at most ~100 us of latency. */
 static int host_poll(usmipc_device_t *dev, void *native, const uint8_t *table,
                      uint32_t pid) {
-  unsigned long long limit_ms = timeout_now();
+  unsigned long long limit_ms = usmipc__event_timeout_ms();
   uint64_t start = usmipc__now_ns(), next_check = start + 50000000u;
   unsigned sleep_ns = 5000;
   for (;;) {
@@ -255,15 +253,15 @@ static int event_new_local(usmipc_device_t *dev, usmipc_event_t **out) {
   }
   /* Events share the allocations' id space: the broker serves both by id. */
   ev->id = usmipc__new_buffer_id();
-  pthread_mutex_lock(&events_lock);
+  pthread_mutex_lock(&usmipc__events_lock);
   ev->next_local = locals;
   locals = ev;
-  pthread_mutex_unlock(&events_lock);
+  pthread_mutex_unlock(&usmipc__events_lock);
   *out = ev;
   return 0;
 }
 
-/* Releases a local event's resources; events_lock NOT held, the event
+/* Releases a local event's resources; usmipc__events_lock NOT held, the event
  * already unlinked. */
 static void local_free(usmipc_event_t *ev) {
   if (!forked_away(ev)) {
@@ -302,7 +300,8 @@ usmipc_device_t *usmipc_event_device(const usmipc_event_t *event) {
   return event ? event->device : NULL;
 }
 
-/* Records ev on queue; events_lock held by the caller when ring is true. */
+/* Records ev on queue; usmipc__events_lock held by the caller when ring is
+ * true. */
 static int record_local(usmipc_event_t *ev, usmipc_queue_t *queue) {
   if (ev->native != NULL) {
     int rc = ev->device->ops->event_record(ev->device->native, ev->native,
@@ -333,14 +332,14 @@ int usmipc_event_record(usmipc_event_t *event, usmipc_queue_t *queue) {
                         queue->device->filter, event->device->filter);
   /* One record at a time per event: the count and the backend event's mark
    * must move together. */
-  pthread_mutex_lock(&events_lock);
+  pthread_mutex_lock(&usmipc__events_lock);
   int rc = record_local(event, queue);
-  pthread_mutex_unlock(&events_lock);
+  pthread_mutex_unlock(&usmipc__events_lock);
   return rc;
 }
 
 /* Exports a local event (first time only): its backend's payload and
- * descriptor, its export-table slot. events_lock held. */
+ * descriptor, its export-table slot. usmipc__events_lock held. */
 static int export_local(usmipc_event_t *ev) {
   if (ev->exported)
     return 0;
@@ -385,7 +384,7 @@ static int export_local(usmipc_event_t *ev) {
   return 0;
 }
 
-/* The wire of a local event's record point; events_lock held. */
+/* The wire of a local event's record point; usmipc__events_lock held. */
 static void local_wire(const usmipc_event_t *ev, uint64_t point,
                        usmipc__wire_t *w) {
   usmipc__wire_identity(w, ev->device);
@@ -441,8 +440,8 @@ static ring_t *ring_of(usmipc_device_t *dev) {
 }
 
 /* An event of dev's ring whose previous record has completed (or that has
- * none); events_lock held. Grows the ring while every event is busy, and
- * past RING_MAX waits for the oldest. */
+ * none); usmipc__events_lock held. Grows the ring while every event is busy,
+ * and past RING_MAX waits for the oldest. */
 static int ring_take(usmipc_device_t *dev, usmipc_event_t **out) {
   ring_t *r = ring_of(dev);
   if (r == NULL)
@@ -469,10 +468,10 @@ static int ring_take(usmipc_device_t *dev, usmipc_event_t **out) {
       return usmipc__fail(USMIPC_ENOMEM, "out of memory");
     r->events = events;
     usmipc_event_t *ev;
-    /* event_new_local takes events_lock itself. */
-    pthread_mutex_unlock(&events_lock);
+    /* event_new_local takes usmipc__events_lock itself. */
+    pthread_mutex_unlock(&usmipc__events_lock);
     int rc = event_new_local(dev, &ev);
-    pthread_mutex_lock(&events_lock);
+    pthread_mutex_lock(&usmipc__events_lock);
     if (rc != 0)
       return rc;
     ev->ring = true;
@@ -495,7 +494,7 @@ static int ring_take(usmipc_device_t *dev, usmipc_event_t **out) {
 int usmipc__event_order(usmipc_queue_t *queue, uint8_t *out, size_t *len) {
   usmipc_device_t *dev = queue->device;
   usmipc_event_t *ev = NULL;
-  pthread_mutex_lock(&events_lock);
+  pthread_mutex_lock(&usmipc__events_lock);
   int rc = ring_take(dev, &ev);
   if (rc == 0 && (rc = export_local(ev)) == 0 &&
       (rc = record_local(ev, queue)) == 0) {
@@ -503,7 +502,7 @@ int usmipc__event_order(usmipc_queue_t *queue, uint8_t *out, size_t *len) {
     local_wire(ev, ev->points, &w);
     *len = usmipc__order_record(&w, out);
   }
-  pthread_mutex_unlock(&events_lock);
+  pthread_mutex_unlock(&usmipc__events_lock);
   return rc;
 }
 
@@ -524,14 +523,14 @@ int usmipc_ipc_get_event_handle(usmipc_event_t *event,
     if (rc != 0)
       return rc;
   }
-  pthread_mutex_lock(&events_lock);
+  pthread_mutex_lock(&usmipc__events_lock);
   int rc = export_local(event);
   usmipc__wire_t w;
   if (rc == 0) {
     local_wire(event, event->points, &w);
     put_event_record(&w);
   }
-  pthread_mutex_unlock(&events_lock);
+  pthread_mutex_unlock(&usmipc__events_lock);
   if (rc != 0)
     return rc;
   return usmipc__handle_from_wire(&w, handle);
@@ -553,7 +552,7 @@ static imported_t *import_find(const usmipc__wire_t *w,
   return NULL;
 }
 
-/* A same-process handle: the local event it names; events_lock held. */
+/* A same-process handle: the local event it names; usmipc__events_lock held. */
 static int find_local(const usmipc__wire_t *w, usmipc_event_t **out) {
   for (usmipc_event_t *ev = locals; ev; ev = ev->next_local)
     if (ev->id == w->buffer_id && !ev->destroyed) {
@@ -639,10 +638,10 @@ static int check_target(const usmipc__wire_t *w, usmipc_device_t **device,
 
 /* Unlinks the imported events that nobody holds and that can never be
  * waited for again (their exporter exited, or destroyed the event);
- * events_lock held. The caller frees them after unlocking (import_free):
- * an entry pins its exporter's peer (a pidfd, the mapped export table)
- * and, on a device, the opened backend event, so without this sweep every
- * exporter an importer ever took an event from stayed pinned for good
+ * usmipc__events_lock held. The caller frees them after unlocking
+ * (import_free): an entry pins its exporter's peer (a pidfd, the mapped export
+ * table) and, on a device, the opened backend event, so without this sweep
+ * every exporter an importer ever took an event from stayed pinned for good
  * (idle peers are otherwise bounded by the registry's LRU). */
 /* A sweep walks every entry, so it runs only once the cache has doubled
  * since the last one (at 32 entries first): amortized, a miss pays a few
@@ -669,7 +668,7 @@ static imported_t *import_sweep(void) {
   return dead;
 }
 
-/* Frees what import_sweep unlinked; events_lock NOT held. */
+/* Frees what import_sweep unlinked; usmipc__events_lock NOT held. */
 static void import_free(imported_t *dead) {
   while (dead != NULL) {
     imported_t *next = dead->next;
@@ -682,12 +681,12 @@ static void import_free(imported_t *dead) {
 }
 
 /* Finds or opens the imported event of w on device, with a reference;
- * events_lock NOT held. A miss first sweeps the dead entries out of the
+ * usmipc__events_lock NOT held. A miss first sweeps the dead entries out of the
  * cache (a walk of its buckets, next to the exporter round trip a miss
  * costs). */
 static int import_get(const usmipc__wire_t *w, usmipc_device_t *device,
                       usmipc_device_t *owner, imported_t **out) {
-  pthread_mutex_lock(&events_lock);
+  pthread_mutex_lock(&usmipc__events_lock);
   imported_t *e = import_find(w, device);
   if (e != NULL) {
     int rc = 0;
@@ -712,12 +711,12 @@ static int import_get(const usmipc__wire_t *w, usmipc_device_t *device,
                         w->pid);
     else
       e->refs++;
-    pthread_mutex_unlock(&events_lock);
+    pthread_mutex_unlock(&usmipc__events_lock);
     *out = rc == 0 ? e : NULL;
     return rc;
   }
   imported_t *dead = import_sweep();
-  pthread_mutex_unlock(&events_lock);
+  pthread_mutex_unlock(&usmipc__events_lock);
   import_free(dead);
   uint64_t tag = usmipc__event_slot_tag(w->key, w->token);
 
@@ -762,7 +761,7 @@ static int import_get(const usmipc__wire_t *w, usmipc_device_t *device,
   memcpy(made->token, w->token, 16);
   made->refs = 1;
 
-  pthread_mutex_lock(&events_lock);
+  pthread_mutex_lock(&usmipc__events_lock);
   e = import_find(w, device);
   if (e == NULL) {
     size_t b = bucket_of(w->pid, w->nonce, w->buffer_id);
@@ -774,7 +773,7 @@ static int import_get(const usmipc__wire_t *w, usmipc_device_t *device,
   } else {
     e->refs++;
   }
-  pthread_mutex_unlock(&events_lock);
+  pthread_mutex_unlock(&usmipc__events_lock);
   if (made != NULL) { /* another thread opened it meanwhile */
     if (made->native != NULL)
       device->ops->event_close(device->native, made->native);
@@ -786,9 +785,9 @@ static int import_get(const usmipc__wire_t *w, usmipc_device_t *device,
 }
 
 static void import_put(imported_t *e) {
-  pthread_mutex_lock(&events_lock);
+  pthread_mutex_lock(&usmipc__events_lock);
   e->refs--;
-  pthread_mutex_unlock(&events_lock);
+  pthread_mutex_unlock(&usmipc__events_lock);
 }
 
 /* ---- waiting ------------------------------------------------------------- */
@@ -930,19 +929,19 @@ int usmipc__event_wait_wire(const usmipc__wire_t *ew, usmipc_device_t *device,
   const usmipc__process_t *self = usmipc__self_basic();
   if (ew->nonce == self->nonce && ew->pid == self->pid) {
     usmipc_event_t *local;
-    pthread_mutex_lock(&events_lock);
+    pthread_mutex_lock(&usmipc__events_lock);
     rc = find_local(ew, &local);
     if (rc == 0)
       local->refs++;
-    pthread_mutex_unlock(&events_lock);
+    pthread_mutex_unlock(&usmipc__events_lock);
     if (rc != 0)
       return rc;
     rc = wait_point(local, NULL, ew->event_point, queue);
-    pthread_mutex_lock(&events_lock);
+    pthread_mutex_lock(&usmipc__events_lock);
     bool last = --local->refs == 0;
     if (last)
       local_unlink(local);
-    pthread_mutex_unlock(&events_lock);
+    pthread_mutex_unlock(&usmipc__events_lock);
     if (last)
       local_free(local);
     return rc;
@@ -972,11 +971,11 @@ static int open_event_wire(const usmipc__wire_t *w, usmipc_device_t *device,
   view->point = w->event_point;
   const usmipc__process_t *self = usmipc__self_basic();
   if (w->nonce == self->nonce && w->pid == self->pid) {
-    pthread_mutex_lock(&events_lock);
+    pthread_mutex_lock(&usmipc__events_lock);
     rc = find_local(w, &view->local);
     if (rc == 0)
       view->local->refs++;
-    pthread_mutex_unlock(&events_lock);
+    pthread_mutex_unlock(&usmipc__events_lock);
     view->kind = EV_VIEW_LOCAL;
     if (rc == 0)
       view->device = view->local->device;
@@ -1041,10 +1040,10 @@ int usmipc_event_destroy(usmipc_event_t *event) {
   }
   bool is_view = event->kind == EV_VIEW_LOCAL;
   usmipc_event_t *local = is_view ? event->local : event;
-  pthread_mutex_lock(&events_lock);
+  pthread_mutex_lock(&usmipc__events_lock);
   if (!is_view) {
     if (local->ring) { /* rings belong to the library */
-      pthread_mutex_unlock(&events_lock);
+      pthread_mutex_unlock(&usmipc__events_lock);
       return usmipc__fail(USMIPC_EINVAL, "usmipc_event_destroy: not yours");
     }
     local->destroyed = true;
@@ -1052,7 +1051,7 @@ int usmipc_event_destroy(usmipc_event_t *event) {
   bool last = --local->refs == 0;
   if (last)
     local_unlink(local);
-  pthread_mutex_unlock(&events_lock);
+  pthread_mutex_unlock(&usmipc__events_lock);
   if (last)
     local_free(local); /* may be event itself */
   if (is_view)
@@ -1060,460 +1059,16 @@ int usmipc_event_destroy(usmipc_event_t *event) {
   return 0;
 }
 
-/* ---- release signals --------------------------------------------------------
- * The other direction: a consumer tells the producer it is done with what a
- * handoff gave it. The producer's handle hands out tickets (record 0x8003,
- * one per ordered handoff); a consumer returns its ticket to the producer's
- * broker (usmipc__broker_release) with the handle of an event of its own,
- * recorded after its work on its queue (none for the host, or when it
- * releases from the host). The broker checks the capability (a MAC keyed by
- * the ticket's own token, which only holders of that handoff's bytes know)
- * and files
- * the ticket; the producer's usmipc_ipc_handle_wait_released waits until
- * every ticket came back, then for the consumers' events, on the device
- * where it can. Each ticket counts once, however often it is returned. */
-
-/* A returned ticket's consumer event, waited for by wait_released until it
- * is known complete. A consumer that exits takes its device work with it
- * (the driver tears its contexts down as the process's descriptors close),
- * so its event then has nothing left to wait for; but an event of an exited
- * process can no longer be opened, and an export table's owner-died mark
- * appears before the process's descriptors are closed. So each consumer is
- * pinned, when its ticket arrives and it lives, by a pidfd (one per
- * process, shared by its tickets): a consumer whose event cannot be opened
- * or waited for any more is done once that pidfd says it exited, and
- * waited for until then. Without a pidfd (another PID namespace, a kernel
- * without pidfd_open) the exporter-gone answer itself counts as the exit. */
-struct consumer {
-  uint32_t pid;
-  uint64_t nonce;
-  int pidfd;
-  unsigned refs; /* under events_lock */
-  struct consumer *next;
-};
-
-struct pending {
-  uint8_t *bytes; /* a consumer's event handle */
-  size_t len;
-  consumer_t *consumer; /* NULL: no pidfd (see above) */
-  bool exited;          /* the consumer had exited when its ticket came */
-  bool self;            /* an event of this process */
-  bool complete;        /* known complete: off the list; events_lock */
-  unsigned refs;        /* the registry's list and waiters; events_lock */
-};
-
-struct usmipc__release {
-  uint64_t id;
-  uint8_t secret[16]; /* keys each ticket's own token (ticket_token) */
-  uint64_t sent, released;
-  uint8_t *returned; /* bit t-1: ticket t came back */
-  size_t returned_bytes;
-  struct pending **pending; /* events not yet known complete */
-  size_t npending, cap_pending;
-  pthread_cond_t cond;
-  struct usmipc__release *next;
-};
-
-static int release_new(usmipc__release_t **out) {
-  usmipc__release_t *r = calloc(1, sizeof(*r));
-  if (r == NULL)
-    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
-  int rc = usmipc__random(r->secret, 16);
-  if (rc == 0)
-    rc = usmipc__fdxfer_serve(); /* consumers return tickets to the broker */
-  if (rc != 0) {
-    free(r);
-    return rc;
-  }
-  pthread_condattr_t attr;
-  pthread_condattr_init(&attr);
-  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-  pthread_cond_init(&r->cond, &attr);
-  pthread_condattr_destroy(&attr);
-  r->id = usmipc__new_buffer_id();
-  pthread_mutex_lock(&events_lock);
-  r->next = releases[r->id % RELEASE_BUCKETS];
-  releases[r->id % RELEASE_BUCKETS] = r;
-  pthread_mutex_unlock(&events_lock);
-  *out = r;
-  return 0;
-}
-
-/* Drops a reference to a pending event, and to its consumer with the last;
- * events_lock held. */
-static void pending_drop(struct pending *p) {
-  if (--p->refs != 0)
-    return;
-  consumer_t *c = p->consumer;
-  if (c != NULL && --c->refs == 0) {
-    for (consumer_t **l = &consumers; *l; l = &(*l)->next)
-      if (*l == c) {
-        *l = c->next;
-        break;
-      }
-    close(c->pidfd);
-    free(c);
-  }
-  free(p->bytes);
-  free(p);
-}
-
-/* The consumer record of event wire w's process, with a reference: found,
- * or made with a pidfd proven to be that process. NULL when there is none
- * to make (another PID namespace, no pidfd_open); *exited when the process
- * has exited already. events_lock held; the proof is a pidfd_open and a
- * read of /proc, no talk with the consumer. */
-static consumer_t *consumer_get(const usmipc__wire_t *w, bool *exited) {
-  *exited = false;
-  for (consumer_t *c = consumers; c; c = c->next)
-    if (c->pid == w->pid && c->nonce == w->nonce) {
-      c->refs++;
-      return c;
-    }
-  if (!usmipc__same_pid_namespace(w))
-    return NULL;
-  int pidfd;
-  int rc = usmipc__exporter_pidfd(w, &pidfd);
-  if (rc != 0) {
-    *exited = rc == USMIPC_EEXPORTERGONE;
-    return NULL;
-  }
-  consumer_t *c = malloc(sizeof(*c));
-  if (c == NULL) {
-    close(pidfd);
-    return NULL;
-  }
-  *c = (consumer_t){w->pid, w->nonce, pidfd, 1, consumers};
-  consumers = c;
-  return c;
-}
-
-void usmipc__release_free(usmipc__release_t *r) {
-  if (r == NULL)
-    return;
-  pthread_mutex_lock(&events_lock);
-  for (usmipc__release_t **l = &releases[r->id % RELEASE_BUCKETS]; *l;
-       l = &(*l)->next)
-    if (*l == r) {
-      *l = r->next;
-      break;
-    }
-  for (size_t i = 0; i < r->npending; i++)
-    pending_drop(r->pending[i]);
-  pthread_mutex_unlock(&events_lock);
-  free(r->pending);
-  free(r->returned);
-  pthread_cond_destroy(&r->cond);
-  free(r);
-}
-
-/* Ticket t's own token: MAC(registry secret, label || id || t). A holder
- * of one handoff's bytes knows only its ticket's token, and the broker
- * recomputes the token of the ticket a request names, so edited bytes that
- * name another ticket (the number changed, the checksum recomputed) prove
- * nothing: tests/c test_event.c event_release_ticket_own_capability. */
-static void ticket_token(const usmipc__release_t *r, uint64_t ticket,
-                         uint8_t out[16]) {
-  uint8_t msg[16 + 8 + 8];
-  memcpy(msg, "usmipc-ticket--2", 16);
-  usmipc__put64le(msg + 16, r->id);
-  usmipc__put64le(msg + 24, ticket);
-  usmipc__mac(out, r->secret, msg, sizeof(msg));
-}
-
-int usmipc__release_ticket(usmipc__release_t **slot, uint8_t *out,
-                           size_t *len) {
-  usmipc__release_t *r = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
-  if (r == NULL) {
-    int rc = release_new(&r);
-    if (rc != 0)
-      return rc;
-    usmipc__release_t *none = NULL;
-    if (!__atomic_compare_exchange_n(slot, &none, r, false, __ATOMIC_ACQ_REL,
-                                     __ATOMIC_ACQUIRE)) {
-      usmipc__release_free(r); /* another thread's came first */
-      r = none;
-    }
-  }
-  pthread_mutex_lock(&events_lock);
-  uint64_t ticket = ++r->sent;
-  pthread_mutex_unlock(&events_lock);
-  usmipc__put16le(out, USMIPC__EXT_RELEASE);
-  usmipc__put16le(out + 2, USMIPC__RELEASE_RECORD_LEN);
-  usmipc__put64le(out + 4, r->id);
-  usmipc__put64le(out + 12, ticket);
-  ticket_token(r, ticket, out + 20);
-  *len += 4 + USMIPC__RELEASE_RECORD_LEN;
-  return 0;
-}
-
-void usmipc__release_counts(usmipc__release_t *const *slot, uint64_t *sent,
-                            uint64_t *released) {
-  usmipc__release_t *r = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
-  pthread_mutex_lock(&events_lock);
-  if (sent)
-    *sent = r ? r->sent : 0;
-  if (released)
-    *released = r ? r->released : 0;
-  pthread_mutex_unlock(&events_lock);
-}
-
-int usmipc__release_body_parse(const uint8_t *body, size_t len,
-                               uint64_t *ticket, const uint8_t **event,
-                               size_t *event_len) {
-  if (len < 10 || len > USMIPC__RELEASE_BODY_MAX)
-    return -1;
-  *ticket = usmipc__get64le(body);
-  *event_len = usmipc__get16le(body + 8);
-  *event = *event_len ? body + 10 : NULL;
-  return *ticket != 0 && *event_len == len - 10 ? 0 : -1;
-}
-
-uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
-                                 size_t len) {
-  enum { OK = 0, UNKNOWN = 1, BAD_CAPABILITY = 2, BAD_REQUEST = 4 };
-  uint64_t ticket;
-  const uint8_t *ev;
-  size_t ev_len;
-  if (usmipc__release_body_parse(body, len, &ticket, &ev, &ev_len) != 0)
-    return BAD_REQUEST;
-  /* The consumer's event handle is checked when the producer opens it (its
-   * identity is proven then); here only that it is one. */
-  usmipc__wire_t w;
-  if (ev != NULL && (usmipc__wire_decode(ev, ev_len, &w) != 0 || !w.is_event))
-    return BAD_REQUEST;
-  uint8_t *copy = NULL;
-  if (ev != NULL && (copy = malloc(ev_len)) == NULL)
-    return BAD_REQUEST;
-  if (copy)
-    memcpy(copy, ev, ev_len);
-  uint64_t id = usmipc__get64le(req + 24);
-  uint32_t status = UNKNOWN;
-  pthread_mutex_lock(&events_lock);
-  usmipc__release_t *r = releases[id % RELEASE_BUCKETS];
-  while (r != NULL && r->id != id)
-    r = r->next;
-  /* The capability is the MAC of the request under the token of the
-   * ticket it names (a never-issued number is refused first, as before). */
-  uint8_t token[16], cap[16];
-  if (r != NULL && ticket <= r->sent) {
-    ticket_token(r, ticket, token);
-    usmipc__release_capability(req, token, body, len, cap);
-  }
-  if (r == NULL) {
-    status = UNKNOWN;
-  } else if (ticket > r->sent) {
-    status = BAD_REQUEST;
-  } else if (!usmipc__ct_equal(cap, req + 64, 16)) {
-    status = BAD_CAPABILITY;
-  } else {
-    status = OK;
-    size_t byte = (size_t)((ticket - 1) / 8);
-    if (byte >= r->returned_bytes) {
-      size_t n =
-          byte + 1 > 2 * r->returned_bytes ? byte + 1 : 2 * r->returned_bytes;
-      uint8_t *grown = realloc(r->returned, n);
-      if (grown == NULL) {
-        status = BAD_REQUEST;
-        goto out;
-      }
-      memset(grown + r->returned_bytes, 0, n - r->returned_bytes);
-      r->returned = grown;
-      r->returned_bytes = n;
-    }
-    uint8_t bit = (uint8_t)(1u << ((ticket - 1) % 8));
-    if (!(r->returned[byte] & bit)) {
-      if (copy != NULL) {
-        if (r->npending == r->cap_pending) {
-          size_t n = r->cap_pending ? 2 * r->cap_pending : 8;
-          struct pending **grown = realloc(r->pending, n * sizeof(*grown));
-          if (grown == NULL) {
-            status = BAD_REQUEST;
-            goto out;
-          }
-          r->pending = grown;
-          r->cap_pending = n;
-        }
-        struct pending *p = calloc(1, sizeof(*p));
-        if (p == NULL) {
-          status = BAD_REQUEST;
-          goto out;
-        }
-        const usmipc__process_t *self = usmipc__self_basic();
-        p->bytes = copy;
-        p->len = ev_len;
-        p->refs = 1;
-        p->self = w.pid == self->pid && w.nonce == self->nonce;
-        /* Pinned now, while the consumer waits for this answer (alive). */
-        if (!p->self)
-          p->consumer = consumer_get(&w, &p->exited);
-        r->pending[r->npending++] = p;
-        copy = NULL;
-      }
-      r->returned[byte] |= bit;
-      r->released++;
-      pthread_cond_broadcast(&r->cond);
-    }
-  }
-out:
-  pthread_mutex_unlock(&events_lock);
-  free(copy);
-  return status;
-}
-
-/* Waits until the consumer of p has exited (its pidfd polls readable), for
- * an event that can no longer be opened or waited for; the wait's limit and
- * Ctrl-C end it. rc is the error that sent us here: returned as it is where
- * no exit can be seen (the event is this process's own). 0 once the
- * consumer has exited. */
-static int consumer_wait_exit(const struct pending *p, int rc,
-                              unsigned long long limit_ms, uint64_t start) {
-  if (p->self)
-    return rc;
-  if (p->consumer == NULL)
-    return 0; /* no pidfd: exporter-gone is all there is to see */
-  char said[256];
-  snprintf(said, sizeof(said), "%s", usmipc_last_error());
-  for (;;) {
-    int e = usmipc__pidfd_exited(p->consumer->pidfd, 50);
-    if (e == 1)
-      return 0;
-    if (e < 0)
-      return usmipc__fail_native(usmipc__errno_code(errno), errno,
-                                 "polling the pidfd of process %u failed: %s",
-                                 p->consumer->pid, strerror(errno));
-    if (usmipc__interrupted())
-      return usmipc__fail(USMIPC_EINTR, "interrupted while waiting for "
-                                        "releases");
-    if (limit_ms != 0 && (usmipc__now_ns() - start) / 1000000u >= limit_ms)
-      return usmipc__fail(USMIPC_ETIMEDOUT,
-                          "timed out after %llu ms waiting for process %u, "
-                          "which returned a release ticket: its event can "
-                          "no longer be waited for (%s), and the process "
-                          "has not exited, so its work may still use the "
-                          "memory",
-                          limit_ms, p->consumer->pid, said);
-  }
-}
-
-/* Waits for one consumer's event: on queue's device, or the host. *complete
- * when the event is known complete (or its consumer exited): it need never
- * be waited for again. */
-static int pending_wait(const struct pending *p, usmipc_queue_t *queue,
-                        unsigned long long limit_ms, uint64_t start,
-                        bool *complete) {
-  *complete = false;
-  if (p->exited) {
-    *complete = true;
-    return 0;
-  }
-  usmipc_event_t *ev;
-  int rc = usmipc_ipc_open_event(p->bytes, p->len, queue ? queue->device : NULL,
-                                 &ev);
-  if (rc == 0) {
-    rc = queue ? usmipc_event_wait(ev, queue) : usmipc_event_synchronize(ev);
-    if (rc == 0)
-      *complete = queue == NULL || usmipc_event_query(ev) == 0;
-    usmipc_event_destroy(ev);
-  }
-  if (rc == 0 || p->self)
-    return rc;
-  /* Could not open or wait: the consumer exited (or is exiting), or its
-   * event is gone while it lives. Exited, its work can no longer touch the
-   * memory; alive, it is waited for until it exits. */
-  if (rc != USMIPC_EEXPORTERGONE &&
-      (p->consumer == NULL || usmipc__pidfd_exited(p->consumer->pidfd, 0) != 1))
-    return rc;
-  rc = consumer_wait_exit(p, rc, limit_ms, start);
-  *complete = rc == 0;
-  return rc;
-}
-
-int usmipc__release_wait(usmipc__release_t *const *slot,
-                         usmipc_queue_t *queue) {
-  usmipc__release_t *r = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
-  if (r == NULL)
-    return 0; /* no ticket handed out */
-  unsigned long long limit_ms = timeout_now();
-  uint64_t start = usmipc__now_ns();
-  pthread_mutex_lock(&events_lock);
-  while (r->released < r->sent) {
-    uint64_t now = usmipc__now_ns();
-    if (limit_ms != 0 && (now - start) / 1000000u >= limit_ms) {
-      uint64_t sent = r->sent, released = r->released;
-      pthread_mutex_unlock(&events_lock);
-      return usmipc__fail(USMIPC_ETIMEDOUT,
-                          "timed out after %llu ms waiting for releases: "
-                          "%llu of %llu handoffs came back (a consumer that "
-                          "exits or drops a mapping without releasing it "
-                          "never returns its ticket)",
-                          limit_ms, (unsigned long long)released,
-                          (unsigned long long)sent);
-    }
-    struct timespec ts;
-    uint64_t until = now + 50000000u;
-    ts.tv_sec = (time_t)(until / 1000000000u);
-    ts.tv_nsec = (long)(until % 1000000000u);
-    pthread_cond_timedwait(&r->cond, &events_lock, &ts);
-    if (r->released < r->sent && usmipc__interrupted()) {
-      pthread_mutex_unlock(&events_lock);
-      return usmipc__fail(USMIPC_EINTR, "interrupted while waiting for "
-                                        "releases");
-    }
-  }
-  /* Every ticket is back: now the consumers' own work, on the device where
-   * the producer gave a queue. The events stay filed until each is known
-   * complete, so that every call waits for the same work (a failed or
-   * device-side wait leaves them for the next). */
-  size_t n = r->npending;
-  struct pending **snap = n ? malloc(n * sizeof(*snap)) : NULL;
-  if (n != 0 && snap == NULL) {
-    pthread_mutex_unlock(&events_lock);
-    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
-  }
-  for (size_t i = 0; i < n; i++) {
-    snap[i] = r->pending[i];
-    snap[i]->refs++;
-  }
-  pthread_mutex_unlock(&events_lock);
-  int rc = 0;
-  bool *complete = n ? calloc(n, sizeof(*complete)) : NULL;
-  if (n != 0 && complete == NULL)
-    rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
-  for (size_t i = 0; i < n && rc == 0; i++) {
-    rc = pending_wait(snap[i], queue, limit_ms, start, &complete[i]);
-    if (rc != 0)
-      usmipc__error_prefix("waiting for a consumer's release: ");
-  }
-  pthread_mutex_lock(&events_lock);
-  for (size_t i = 0; i < n; i++)
-    if (complete != NULL && complete[i])
-      snap[i]->complete = true;
-  size_t kept = 0;
-  for (size_t j = 0; j < r->npending; j++)
-    if (r->pending[j]->complete)
-      pending_drop(r->pending[j]); /* the list's reference */
-    else
-      r->pending[kept++] = r->pending[j];
-  r->npending = kept;
-  for (size_t i = 0; i < n; i++)
-    pending_drop(snap[i]);
-  pthread_mutex_unlock(&events_lock);
-  free(complete);
-  free(snap);
-  return rc;
-}
-
 int usmipc__event_ring_handle(usmipc_queue_t *queue, uint8_t *out,
                               size_t *len) {
   usmipc_event_t *ev = NULL;
   usmipc__wire_t w;
-  pthread_mutex_lock(&events_lock);
+  pthread_mutex_lock(&usmipc__events_lock);
   int rc = ring_take(queue->device, &ev);
   if (rc == 0 && (rc = export_local(ev)) == 0 &&
       (rc = record_local(ev, queue)) == 0)
     local_wire(ev, ev->points, &w);
-  pthread_mutex_unlock(&events_lock);
+  pthread_mutex_unlock(&usmipc__events_lock);
   if (rc != 0)
     return rc;
   put_event_record(&w);

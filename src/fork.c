@@ -79,6 +79,7 @@ static void fork_child(void) {
   usmipc__devices_fork_child();
   usmipc__pools_fork_child();
   usmipc__registry_fork_child();
+  usmipc__releases_fork_child(); /* under usmipc__events_lock */
   usmipc__events_fork_child();
   usmipc__torch_fork_child();
   usmipc__bundles_fork_child();

@@ -20,8 +20,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "util/blake2s.h"
 #include "common.h"
+#include "util/blake2s.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
@@ -444,75 +444,6 @@ int usmipc_ipc_handle_wait_released(usmipc_ipc_handle_t *handle,
     return usmipc__fail(USMIPC_EINVAL,
                         "usmipc_ipc_handle_wait_released: NULL handle");
   return usmipc__release_wait(&handle->release, queue);
-}
-
-int usmipc_ipc_release(const void *data, size_t len, usmipc_queue_t *queue) {
-  usmipc__wire_t w;
-  int rc;
-  if (usmipc__bundle_magic(data, len)) {
-    /* Bundle bytes: their ticket rides after the tree as if appended to
-     * allocation 0's handle, which names the producer; from here on a
-     * bundle's ticket goes back exactly as a handle's does. */
-    bool no_memory = false;
-    if ((rc = usmipc__bundle_ticket(data, len, &w, &no_memory)) != 0)
-      return rc;
-    if (no_memory)
-      return 0; /* a bundle of no memory: nothing was lent */
-  } else {
-    if ((rc = usmipc__wire_decode(data, len, &w)) != 0)
-      return rc;
-    if (!w.has_release)
-      return usmipc__fail(USMIPC_EINVAL,
-                          "usmipc_ipc_release: the handle asks for no release "
-                          "(its producer did not order it with "
-                          "USMIPC_ORDER_RELEASE)");
-  }
-  const usmipc__process_t *self = usmipc__self_basic();
-  if (memcmp(w.boot_id, self->boot_id, 16) != 0)
-    return usmipc__fail(USMIPC_EOTHERHOST,
-                        "the handle was exported on another machine or boot");
-  /* The body: the ticket and, when the consumer's work is on a device
-   * queue, the handle of an event recorded after it. */
-  uint8_t body[USMIPC__RELEASE_BODY_MAX];
-  size_t ev_len = 0;
-  usmipc__put64le(body, w.release_ticket);
-  if (queue != NULL && queue->device->ops->event_create != NULL &&
-      (rc = usmipc__event_ring_handle(queue, body + 10, &ev_len)) != 0)
-    return rc;
-  usmipc__put16le(body + 8, (uint16_t)ev_len);
-  if (w.nonce == self->nonce && w.pid == self->pid) {
-    /* Our own handoff: file the ticket directly, as the broker would. */
-    uint8_t req[USMIPC__REQUEST_LEN], nonce[16] = {0};
-    usmipc__wire_t named = w;
-    named.buffer_id = w.release_id;
-    usmipc__request_build(req, &named, USMIPC__WANT_RELEASE, nonce);
-    usmipc__release_capability(req, w.release_token, body, 10 + ev_len,
-                               req + 64);
-    uint32_t status = usmipc__release_arrived(req, body, 10 + ev_len);
-    /* The codes and reasons of the broker's answer (usmipc__reply_check). */
-    if (status == 0)
-      return 0;
-    if (status == 1)
-      return usmipc__fail(USMIPC_EEXPORTERGONE,
-                          "usmipc_ipc_release: this process no longer waits "
-                          "for that release (its handle or bundle was "
-                          "freed)");
-    if (status == 2)
-      return usmipc__fail(USMIPC_EACCES,
-                          "usmipc_ipc_release: the release ticket's token is "
-                          "wrong for its ticket number (forged, edited or "
-                          "corrupted bytes: each handoff's bytes return only "
-                          "their own ticket)");
-    return usmipc__fail(USMIPC_EBADHANDLE,
-                        "usmipc_ipc_release: the ticket was never handed out "
-                        "(forged), or the consumer's event handle is "
-                        "malformed");
-  }
-  rc = usmipc__broker_release(&w, body, 10 + ev_len,
-                              usmipc__deadline_after_timeout());
-  if (rc != 0)
-    usmipc__error_prefix("returning a release ticket to process %u: ", w.pid);
-  return rc;
 }
 
 /* The identity of a run of chunks in handles and import caches: one chunk

@@ -52,8 +52,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "util/blake2s.h"
 #include "common.h"
+#include "util/blake2s.h"
 
 #ifndef SYS_pidfd_getfd
 #define SYS_pidfd_getfd 438
@@ -472,6 +472,55 @@ static void serve_fds(int conn, const uint8_t *req, const uint8_t *body,
   pthread_mutex_unlock(&fdx_lock);
 }
 
+int usmipc__release_body_parse(const uint8_t *body, size_t len,
+                               uint64_t *ticket, const uint8_t **event,
+                               size_t *event_len) {
+  if (len < 10 || len > USMIPC__RELEASE_BODY_MAX)
+    return -1;
+  *ticket = usmipc__get64le(body);
+  *event_len = usmipc__get16le(body + 8);
+  *event = *event_len ? body + 10 : NULL;
+  return *ticket != 0 && *event_len == len - 10 ? 0 : -1;
+}
+
+int usmipc__release_body_check(const uint8_t *body, size_t len,
+                               uint64_t *ticket, const uint8_t **event,
+                               size_t *event_len, usmipc__wire_t *w) {
+  if (usmipc__release_body_parse(body, len, ticket, event, event_len) != 0)
+    return -1;
+  /* The consumer's event handle is checked when the producer opens it (its
+   * identity is proven then); here only that it is one. */
+  if (*event != NULL &&
+      (usmipc__wire_decode(*event, *event_len, w) != 0 || !w->is_event))
+    return -1;
+  return 0;
+}
+
+/* Who files release tickets (release.c registers it with its first
+ * registry): the broker moves the request and knows nothing of tickets. */
+static usmipc__release_handler_t release_handler; /* atomic */
+
+void usmipc__broker_on_release(usmipc__release_handler_t handler) {
+  __atomic_store_n(&release_handler, handler, __ATOMIC_RELEASE);
+}
+
+/* A release request's answer: the handler's, or before any registry exists
+ * the answer it would give (a malformed body, else nothing to release). */
+static uint32_t release_status(const uint8_t *req, const uint8_t *body,
+                               size_t len) {
+  usmipc__release_handler_t handler =
+      __atomic_load_n(&release_handler, __ATOMIC_ACQUIRE);
+  if (handler != NULL)
+    return handler(req, body, len);
+  uint64_t ticket;
+  const uint8_t *ev;
+  size_t ev_len;
+  usmipc__wire_t w;
+  return usmipc__release_body_check(body, len, &ticket, &ev, &ev_len, &w) != 0
+             ? REPLY_BAD_REQUEST
+             : REPLY_UNKNOWN_BUFFER;
+}
+
 /* One complete request: check, answer, done. A release carries its body
  * after the request (body_len bytes). */
 static void serve_request(int conn, const uint8_t *req, const uint8_t *body,
@@ -486,8 +535,7 @@ static void serve_request(int conn, const uint8_t *req, const uint8_t *body,
     return;
   }
   if (want == USMIPC__WANT_RELEASE) {
-    send_reply(conn, req, usmipc__release_arrived(req, body, body_len), NULL,
-               0);
+    send_reply(conn, req, release_status(req, body, body_len), NULL, 0);
     return;
   }
   if (want == USMIPC__WANT_FDS) {

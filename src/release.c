@@ -1,0 +1,535 @@
+/* Release signals: a consumer tells the producer it is done with what a
+ * handoff gave it.
+ *
+ * Objects floor of the core, above event.c (a returned ticket carries a
+ * consumer's event, which the producer waits for) and below ipc.c and
+ * bundle.c (handles and bundles hand out the tickets). The broker
+ * (linux/fdxfer.c) moves release requests to usmipc__release_arrived, which
+ * this module registers with it at its first ticket: the transport names no
+ * object.
+ *
+ * The producer's handle hands out tickets (record 0x8003, one per ordered
+ * handoff); a consumer returns its ticket to the producer's broker
+ * (usmipc__broker_release) with the handle of an event of its own, recorded
+ * after its work on its queue (none for the host, or when it releases from
+ * the host). The broker checks the capability (a MAC keyed by the ticket's
+ * own token, which only holders of that handoff's bytes know) and files the
+ * ticket; the producer's usmipc_ipc_handle_wait_released waits until every
+ * ticket came back, then for the consumers' events, on the device where it
+ * can. Each ticket counts once, however often it is returned.
+ *
+ * Locks: the registry lives under event.c's usmipc__events_lock (its place
+ * in the lock order: fork.c). */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "util/blake2s.h"
+
+#define RELEASE_BUCKETS 64
+
+/* Under usmipc__events_lock: every live registry, and the consumers whose
+ * returned tickets' events are still pending. */
+static usmipc__release_t *releases[RELEASE_BUCKETS];
+typedef struct consumer consumer_t;
+static consumer_t *consumers;
+
+/* A returned ticket's consumer event, waited for by wait_released until it
+ * is known complete. A consumer that exits takes its device work with it
+ * (the driver tears its contexts down as the process's descriptors close),
+ * so its event then has nothing left to wait for; but an event of an exited
+ * process can no longer be opened, and an export table's owner-died mark
+ * appears before the process's descriptors are closed. So each consumer is
+ * pinned, when its ticket arrives and it lives, by a pidfd (one per
+ * process, shared by its tickets): a consumer whose event cannot be opened
+ * or waited for any more is done once that pidfd says it exited, and
+ * waited for until then. Without a pidfd (another PID namespace, a kernel
+ * without pidfd_open) the exporter-gone answer itself counts as the exit. */
+struct consumer {
+  uint32_t pid;
+  uint64_t nonce;
+  int pidfd;
+  unsigned refs; /* under usmipc__events_lock */
+  struct consumer *next;
+};
+
+struct pending {
+  uint8_t *bytes; /* a consumer's event handle */
+  size_t len;
+  consumer_t *consumer; /* NULL: no pidfd (see above) */
+  bool exited;          /* the consumer had exited when its ticket came */
+  bool self;            /* an event of this process */
+  bool complete;        /* known complete: off the list; usmipc__events_lock */
+  unsigned refs; /* the registry's list and waiters; usmipc__events_lock */
+};
+
+struct usmipc__release {
+  uint64_t id;
+  uint8_t secret[16]; /* keys each ticket's own token (ticket_token) */
+  uint64_t sent, released;
+  uint8_t *returned; /* bit t-1: ticket t came back */
+  size_t returned_bytes;
+  struct pending **pending; /* events not yet known complete */
+  size_t npending, cap_pending;
+  pthread_cond_t cond;
+  struct usmipc__release *next;
+};
+
+static int release_new(usmipc__release_t **out) {
+  usmipc__release_t *r = calloc(1, sizeof(*r));
+  if (r == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  int rc = usmipc__random(r->secret, 16);
+  if (rc == 0) {
+    /* Consumers return tickets to the broker, which hands them here. */
+    usmipc__broker_on_release(usmipc__release_arrived);
+    rc = usmipc__fdxfer_serve();
+  }
+  if (rc != 0) {
+    free(r);
+    return rc;
+  }
+  pthread_condattr_t attr;
+  pthread_condattr_init(&attr);
+  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  pthread_cond_init(&r->cond, &attr);
+  pthread_condattr_destroy(&attr);
+  r->id = usmipc__new_buffer_id();
+  pthread_mutex_lock(&usmipc__events_lock);
+  r->next = releases[r->id % RELEASE_BUCKETS];
+  releases[r->id % RELEASE_BUCKETS] = r;
+  pthread_mutex_unlock(&usmipc__events_lock);
+  *out = r;
+  return 0;
+}
+
+/* Drops a reference to a pending event, and to its consumer with the last;
+ * usmipc__events_lock held. */
+static void pending_drop(struct pending *p) {
+  if (--p->refs != 0)
+    return;
+  consumer_t *c = p->consumer;
+  if (c != NULL && --c->refs == 0) {
+    for (consumer_t **l = &consumers; *l; l = &(*l)->next)
+      if (*l == c) {
+        *l = c->next;
+        break;
+      }
+    close(c->pidfd);
+    free(c);
+  }
+  free(p->bytes);
+  free(p);
+}
+
+/* The consumer record of event wire w's process, with a reference: found,
+ * or made with a pidfd proven to be that process. NULL when there is none
+ * to make (another PID namespace, no pidfd_open); *exited when the process
+ * has exited already. usmipc__events_lock held; the proof is a pidfd_open and a
+ * read of /proc, no talk with the consumer. */
+static consumer_t *consumer_get(const usmipc__wire_t *w, bool *exited) {
+  *exited = false;
+  for (consumer_t *c = consumers; c; c = c->next)
+    if (c->pid == w->pid && c->nonce == w->nonce) {
+      c->refs++;
+      return c;
+    }
+  if (!usmipc__same_pid_namespace(w))
+    return NULL;
+  int pidfd;
+  int rc = usmipc__exporter_pidfd(w, &pidfd);
+  if (rc != 0) {
+    *exited = rc == USMIPC_EEXPORTERGONE;
+    return NULL;
+  }
+  consumer_t *c = malloc(sizeof(*c));
+  if (c == NULL) {
+    close(pidfd);
+    return NULL;
+  }
+  *c = (consumer_t){w->pid, w->nonce, pidfd, 1, consumers};
+  consumers = c;
+  return c;
+}
+
+void usmipc__release_free(usmipc__release_t *r) {
+  if (r == NULL)
+    return;
+  pthread_mutex_lock(&usmipc__events_lock);
+  for (usmipc__release_t **l = &releases[r->id % RELEASE_BUCKETS]; *l;
+       l = &(*l)->next)
+    if (*l == r) {
+      *l = r->next;
+      break;
+    }
+  for (size_t i = 0; i < r->npending; i++)
+    pending_drop(r->pending[i]);
+  pthread_mutex_unlock(&usmipc__events_lock);
+  free(r->pending);
+  free(r->returned);
+  pthread_cond_destroy(&r->cond);
+  free(r);
+}
+
+/* Ticket t's own token: MAC(registry secret, label || id || t). A holder
+ * of one handoff's bytes knows only its ticket's token, and the broker
+ * recomputes the token of the ticket a request names, so edited bytes that
+ * name another ticket (the number changed, the checksum recomputed) prove
+ * nothing: tests/c test_event.c event_release_ticket_own_capability. */
+static void ticket_token(const usmipc__release_t *r, uint64_t ticket,
+                         uint8_t out[16]) {
+  uint8_t msg[16 + 8 + 8];
+  memcpy(msg, "usmipc-ticket--2", 16);
+  usmipc__put64le(msg + 16, r->id);
+  usmipc__put64le(msg + 24, ticket);
+  usmipc__mac(out, r->secret, msg, sizeof(msg));
+}
+
+int usmipc__release_ticket(usmipc__release_t **slot, uint8_t *out,
+                           size_t *len) {
+  usmipc__release_t *r = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+  if (r == NULL) {
+    int rc = release_new(&r);
+    if (rc != 0)
+      return rc;
+    usmipc__release_t *none = NULL;
+    if (!__atomic_compare_exchange_n(slot, &none, r, false, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE)) {
+      usmipc__release_free(r); /* another thread's came first */
+      r = none;
+    }
+  }
+  pthread_mutex_lock(&usmipc__events_lock);
+  uint64_t ticket = ++r->sent;
+  pthread_mutex_unlock(&usmipc__events_lock);
+  usmipc__put16le(out, USMIPC__EXT_RELEASE);
+  usmipc__put16le(out + 2, USMIPC__RELEASE_RECORD_LEN);
+  usmipc__put64le(out + 4, r->id);
+  usmipc__put64le(out + 12, ticket);
+  ticket_token(r, ticket, out + 20);
+  *len += 4 + USMIPC__RELEASE_RECORD_LEN;
+  return 0;
+}
+
+void usmipc__release_counts(usmipc__release_t *const *slot, uint64_t *sent,
+                            uint64_t *released) {
+  usmipc__release_t *r = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+  pthread_mutex_lock(&usmipc__events_lock);
+  if (sent)
+    *sent = r ? r->sent : 0;
+  if (released)
+    *released = r ? r->released : 0;
+  pthread_mutex_unlock(&usmipc__events_lock);
+}
+
+uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
+                                 size_t len) {
+  enum { OK = 0, UNKNOWN = 1, BAD_CAPABILITY = 2, BAD_REQUEST = 4 };
+  uint64_t ticket;
+  const uint8_t *ev;
+  size_t ev_len;
+  usmipc__wire_t w;
+  if (usmipc__release_body_check(body, len, &ticket, &ev, &ev_len, &w) != 0)
+    return BAD_REQUEST;
+  uint8_t *copy = NULL;
+  if (ev != NULL && (copy = malloc(ev_len)) == NULL)
+    return BAD_REQUEST;
+  if (copy)
+    memcpy(copy, ev, ev_len);
+  uint64_t id = usmipc__get64le(req + 24);
+  uint32_t status = UNKNOWN;
+  pthread_mutex_lock(&usmipc__events_lock);
+  usmipc__release_t *r = releases[id % RELEASE_BUCKETS];
+  while (r != NULL && r->id != id)
+    r = r->next;
+  /* The capability is the MAC of the request under the token of the
+   * ticket it names (a never-issued number is refused first, as before). */
+  uint8_t token[16], cap[16];
+  if (r != NULL && ticket <= r->sent) {
+    ticket_token(r, ticket, token);
+    usmipc__release_capability(req, token, body, len, cap);
+  }
+  if (r == NULL) {
+    status = UNKNOWN;
+  } else if (ticket > r->sent) {
+    status = BAD_REQUEST;
+  } else if (!usmipc__ct_equal(cap, req + 64, 16)) {
+    status = BAD_CAPABILITY;
+  } else {
+    status = OK;
+    size_t byte = (size_t)((ticket - 1) / 8);
+    if (byte >= r->returned_bytes) {
+      size_t n =
+          byte + 1 > 2 * r->returned_bytes ? byte + 1 : 2 * r->returned_bytes;
+      uint8_t *grown = realloc(r->returned, n);
+      if (grown == NULL) {
+        status = BAD_REQUEST;
+        goto out;
+      }
+      memset(grown + r->returned_bytes, 0, n - r->returned_bytes);
+      r->returned = grown;
+      r->returned_bytes = n;
+    }
+    uint8_t bit = (uint8_t)(1u << ((ticket - 1) % 8));
+    if (!(r->returned[byte] & bit)) {
+      if (copy != NULL) {
+        if (r->npending == r->cap_pending) {
+          size_t n = r->cap_pending ? 2 * r->cap_pending : 8;
+          struct pending **grown = realloc(r->pending, n * sizeof(*grown));
+          if (grown == NULL) {
+            status = BAD_REQUEST;
+            goto out;
+          }
+          r->pending = grown;
+          r->cap_pending = n;
+        }
+        struct pending *p = calloc(1, sizeof(*p));
+        if (p == NULL) {
+          status = BAD_REQUEST;
+          goto out;
+        }
+        const usmipc__process_t *self = usmipc__self_basic();
+        p->bytes = copy;
+        p->len = ev_len;
+        p->refs = 1;
+        p->self = w.pid == self->pid && w.nonce == self->nonce;
+        /* Pinned now, while the consumer waits for this answer (alive). */
+        if (!p->self)
+          p->consumer = consumer_get(&w, &p->exited);
+        r->pending[r->npending++] = p;
+        copy = NULL;
+      }
+      r->returned[byte] |= bit;
+      r->released++;
+      pthread_cond_broadcast(&r->cond);
+    }
+  }
+out:
+  pthread_mutex_unlock(&usmipc__events_lock);
+  free(copy);
+  return status;
+}
+
+/* Waits until the consumer of p has exited (its pidfd polls readable), for
+ * an event that can no longer be opened or waited for; the wait's limit and
+ * Ctrl-C end it. rc is the error that sent us here: returned as it is where
+ * no exit can be seen (the event is this process's own). 0 once the
+ * consumer has exited. */
+static int consumer_wait_exit(const struct pending *p, int rc,
+                              unsigned long long limit_ms, uint64_t start) {
+  if (p->self)
+    return rc;
+  if (p->consumer == NULL)
+    return 0; /* no pidfd: exporter-gone is all there is to see */
+  char said[256];
+  snprintf(said, sizeof(said), "%s", usmipc_last_error());
+  for (;;) {
+    int e = usmipc__pidfd_exited(p->consumer->pidfd, 50);
+    if (e == 1)
+      return 0;
+    if (e < 0)
+      return usmipc__fail_native(usmipc__errno_code(errno), errno,
+                                 "polling the pidfd of process %u failed: %s",
+                                 p->consumer->pid, strerror(errno));
+    if (usmipc__interrupted())
+      return usmipc__fail(USMIPC_EINTR, "interrupted while waiting for "
+                                        "releases");
+    if (limit_ms != 0 && (usmipc__now_ns() - start) / 1000000u >= limit_ms)
+      return usmipc__fail(USMIPC_ETIMEDOUT,
+                          "timed out after %llu ms waiting for process %u, "
+                          "which returned a release ticket: its event can "
+                          "no longer be waited for (%s), and the process "
+                          "has not exited, so its work may still use the "
+                          "memory",
+                          limit_ms, p->consumer->pid, said);
+  }
+}
+
+/* Waits for one consumer's event: on queue's device, or the host. *complete
+ * when the event is known complete (or its consumer exited): it need never
+ * be waited for again. */
+static int pending_wait(const struct pending *p, usmipc_queue_t *queue,
+                        unsigned long long limit_ms, uint64_t start,
+                        bool *complete) {
+  *complete = false;
+  if (p->exited) {
+    *complete = true;
+    return 0;
+  }
+  usmipc_event_t *ev;
+  int rc = usmipc_ipc_open_event(p->bytes, p->len, queue ? queue->device : NULL,
+                                 &ev);
+  if (rc == 0) {
+    rc = queue ? usmipc_event_wait(ev, queue) : usmipc_event_synchronize(ev);
+    if (rc == 0)
+      *complete = queue == NULL || usmipc_event_query(ev) == 0;
+    usmipc_event_destroy(ev);
+  }
+  if (rc == 0 || p->self)
+    return rc;
+  /* Could not open or wait: the consumer exited (or is exiting), or its
+   * event is gone while it lives. Exited, its work can no longer touch the
+   * memory; alive, it is waited for until it exits. */
+  if (rc != USMIPC_EEXPORTERGONE &&
+      (p->consumer == NULL || usmipc__pidfd_exited(p->consumer->pidfd, 0) != 1))
+    return rc;
+  rc = consumer_wait_exit(p, rc, limit_ms, start);
+  *complete = rc == 0;
+  return rc;
+}
+
+int usmipc__release_wait(usmipc__release_t *const *slot,
+                         usmipc_queue_t *queue) {
+  usmipc__release_t *r = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+  if (r == NULL)
+    return 0; /* no ticket handed out */
+  unsigned long long limit_ms = usmipc__event_timeout_ms();
+  uint64_t start = usmipc__now_ns();
+  pthread_mutex_lock(&usmipc__events_lock);
+  while (r->released < r->sent) {
+    uint64_t now = usmipc__now_ns();
+    if (limit_ms != 0 && (now - start) / 1000000u >= limit_ms) {
+      uint64_t sent = r->sent, released = r->released;
+      pthread_mutex_unlock(&usmipc__events_lock);
+      return usmipc__fail(USMIPC_ETIMEDOUT,
+                          "timed out after %llu ms waiting for releases: "
+                          "%llu of %llu handoffs came back (a consumer that "
+                          "exits or drops a mapping without releasing it "
+                          "never returns its ticket)",
+                          limit_ms, (unsigned long long)released,
+                          (unsigned long long)sent);
+    }
+    struct timespec ts;
+    uint64_t until = now + 50000000u;
+    ts.tv_sec = (time_t)(until / 1000000000u);
+    ts.tv_nsec = (long)(until % 1000000000u);
+    pthread_cond_timedwait(&r->cond, &usmipc__events_lock, &ts);
+    if (r->released < r->sent && usmipc__interrupted()) {
+      pthread_mutex_unlock(&usmipc__events_lock);
+      return usmipc__fail(USMIPC_EINTR, "interrupted while waiting for "
+                                        "releases");
+    }
+  }
+  /* Every ticket is back: now the consumers' own work, on the device where
+   * the producer gave a queue. The events stay filed until each is known
+   * complete, so that every call waits for the same work (a failed or
+   * device-side wait leaves them for the next). */
+  size_t n = r->npending;
+  struct pending **snap = n ? malloc(n * sizeof(*snap)) : NULL;
+  if (n != 0 && snap == NULL) {
+    pthread_mutex_unlock(&usmipc__events_lock);
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  }
+  for (size_t i = 0; i < n; i++) {
+    snap[i] = r->pending[i];
+    snap[i]->refs++;
+  }
+  pthread_mutex_unlock(&usmipc__events_lock);
+  int rc = 0;
+  bool *complete = n ? calloc(n, sizeof(*complete)) : NULL;
+  if (n != 0 && complete == NULL)
+    rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    rc = pending_wait(snap[i], queue, limit_ms, start, &complete[i]);
+    if (rc != 0)
+      usmipc__error_prefix("waiting for a consumer's release: ");
+  }
+  pthread_mutex_lock(&usmipc__events_lock);
+  for (size_t i = 0; i < n; i++)
+    if (complete != NULL && complete[i])
+      snap[i]->complete = true;
+  size_t kept = 0;
+  for (size_t j = 0; j < r->npending; j++)
+    if (r->pending[j]->complete)
+      pending_drop(r->pending[j]); /* the list's reference */
+    else
+      r->pending[kept++] = r->pending[j];
+  r->npending = kept;
+  for (size_t i = 0; i < n; i++)
+    pending_drop(snap[i]);
+  pthread_mutex_unlock(&usmipc__events_lock);
+  free(complete);
+  free(snap);
+  return rc;
+}
+
+/* The parent's registries are its handles': the child forgets them (their
+ * consumers' pidfds stay open, the parent's). Run by fork.c with
+ * usmipc__events_lock held. */
+void usmipc__releases_fork_child(void) {
+  memset(releases, 0, sizeof(releases));
+  consumers = NULL;
+}
+
+int usmipc_ipc_release(const void *data, size_t len, usmipc_queue_t *queue) {
+  usmipc__wire_t w;
+  int rc;
+  if (usmipc__bundle_magic(data, len)) {
+    /* Bundle bytes: their ticket rides after the tree as if appended to
+     * allocation 0's handle, which names the producer; from here on a
+     * bundle's ticket goes back exactly as a handle's does. */
+    bool no_memory = false;
+    if ((rc = usmipc__bundle_ticket(data, len, &w, &no_memory)) != 0)
+      return rc;
+    if (no_memory)
+      return 0; /* a bundle of no memory: nothing was lent */
+  } else {
+    if ((rc = usmipc__wire_decode(data, len, &w)) != 0)
+      return rc;
+    if (!w.has_release)
+      return usmipc__fail(USMIPC_EINVAL,
+                          "usmipc_ipc_release: the handle asks for no release "
+                          "(its producer did not order it with "
+                          "USMIPC_ORDER_RELEASE)");
+  }
+  const usmipc__process_t *self = usmipc__self_basic();
+  if (memcmp(w.boot_id, self->boot_id, 16) != 0)
+    return usmipc__fail(USMIPC_EOTHERHOST,
+                        "the handle was exported on another machine or boot");
+  /* The body: the ticket and, when the consumer's work is on a device
+   * queue, the handle of an event recorded after it. */
+  uint8_t body[USMIPC__RELEASE_BODY_MAX];
+  size_t ev_len = 0;
+  usmipc__put64le(body, w.release_ticket);
+  if (queue != NULL && queue->device->ops->event_create != NULL &&
+      (rc = usmipc__event_ring_handle(queue, body + 10, &ev_len)) != 0)
+    return rc;
+  usmipc__put16le(body + 8, (uint16_t)ev_len);
+  if (w.nonce == self->nonce && w.pid == self->pid) {
+    /* Our own handoff: file the ticket directly, as the broker would. */
+    uint8_t req[USMIPC__REQUEST_LEN], nonce[16] = {0};
+    usmipc__wire_t named = w;
+    named.buffer_id = w.release_id;
+    usmipc__request_build(req, &named, USMIPC__WANT_RELEASE, nonce);
+    usmipc__release_capability(req, w.release_token, body, 10 + ev_len,
+                               req + 64);
+    uint32_t status = usmipc__release_arrived(req, body, 10 + ev_len);
+    /* The codes and reasons of the broker's answer (usmipc__reply_check). */
+    if (status == 0)
+      return 0;
+    if (status == 1)
+      return usmipc__fail(USMIPC_EEXPORTERGONE,
+                          "usmipc_ipc_release: this process no longer waits "
+                          "for that release (its handle or bundle was "
+                          "freed)");
+    if (status == 2)
+      return usmipc__fail(USMIPC_EACCES,
+                          "usmipc_ipc_release: the release ticket's token is "
+                          "wrong for its ticket number (forged, edited or "
+                          "corrupted bytes: each handoff's bytes return only "
+                          "their own ticket)");
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "usmipc_ipc_release: the ticket was never handed out "
+                        "(forged), or the consumer's event handle is "
+                        "malformed");
+  }
+  rc = usmipc__broker_release(&w, body, 10 + ev_len,
+                              usmipc__deadline_after_timeout());
+  if (rc != 0)
+    usmipc__error_prefix("returning a release ticket to process %u: ", w.pid);
+  return rc;
+}
