@@ -294,23 +294,6 @@ int usmipc__mapping_addref(void *ptr, unsigned n);
 int usmipc__mapping_refs_for_test(void *ptr, const uint64_t *set,
                                   uint64_t *get);
 
-/* Decodes and checks bundle bytes (bundle.c); the fuzzer's entry point.
- * *kept (if not NULL) receives the description, freed by
- * usmipc_bundle_release. */
-int usmipc__bundle_decode_check(const void *data, size_t len, size_t *arrays,
-                                size_t *allocations,
-                                usmipc_opened_bundle_t **kept);
-
-/* Whether data starts as bundle bytes do (bundle.c). */
-bool usmipc__bundle_magic(const void *data, size_t len);
-/* For usmipc_ipc_release of bundle bytes (bundle.c), decoded in full: *w
- * becomes allocation 0's handle with the records that follow the tree,
- * which name the producer and carry the ticket. *no_memory: the bundle
- * names no allocation, so it has no ticket and needs none. USMIPC_EINVAL
- * when the producer asked for no release. */
-int usmipc__bundle_ticket(const void *data, size_t len, struct usmipc__wire *w,
-                          bool *no_memory);
-
 /* ---- USMIPC_DEBUG and malformed settings (debug.c) ------------------------
  */
 
@@ -471,6 +454,116 @@ size_t usmipc__order_record(const usmipc__wire_t *ev, uint8_t *out);
  * none): fixes the lengths and the checksum. Returns the new length. */
 size_t usmipc__wire_reorder(uint8_t *out, const uint8_t *base, size_t base_len,
                             const uint8_t *rec, size_t rec_len);
+
+/* ---- the bundle byte format (wire/bundle_wire.c) -------------------------
+ * docs/handle-format.md ("Bundles"). The producer (bundle.c) writes these
+ * fields; the decoder checks all of them, since the bytes are untrusted. */
+#define USMIPC__BUNDLE_MAGIC "\x89USMIPCB" /* 8 bytes, no NUL on the wire */
+#define USMIPC__BUNDLE_VERSION 1
+enum {
+  USMIPC__BUNDLE_OFF_VERSION = 8,
+  USMIPC__BUNDLE_OFF_FLAGS = 10,
+  USMIPC__BUNDLE_OFF_LENGTH = 12,
+  USMIPC__BUNDLE_OFF_ID = 16,
+  USMIPC__BUNDLE_OFF_SLOT = 24,
+  USMIPC__BUNDLE_OFF_RESERVED = 28,
+  USMIPC__BUNDLE_OFF_TOKEN = 32,
+  USMIPC__BUNDLE_OFF_NSEG = 48,
+  USMIPC__BUNDLE_OFF_NARR = 52,
+  USMIPC__BUNDLE_OFF_NNODE = 56,
+  USMIPC__BUNDLE_OFF_TAIL_LEN = 60, /* the handoff records after the tree */
+  USMIPC__BUNDLE_HDR_LEN = 64,
+  USMIPC__BUNDLE_ARRAY_FIXED = 24,
+  USMIPC__BUNDLE_NODE_FIXED = 8,
+};
+#define USMIPC__BUNDLE_MAX_LEN ((size_t)64 << 20)
+#define USMIPC__BUNDLE_MAX_SEGMENTS 65536u
+#define USMIPC__BUNDLE_MAX_ARRAYS (1u << 20)
+#define USMIPC__BUNDLE_MAX_NODES (1u << 21)
+#define USMIPC__BUNDLE_MAX_DEPTH 64
+#define USMIPC__BUNDLE_NO_SEGMENT UINT32_MAX
+#define USMIPC__BUNDLE_NO_SLOT UINT32_MAX
+#define USMIPC__BUNDLE_MAX_DIM ((int64_t)1 << 62)
+/* Room for the handoff records at the end of the bytes: an ordering record
+ * and a release ticket. */
+#define USMIPC__BUNDLE_TAIL_MAX                                                \
+  (4 + USMIPC__ORDER_FIXED_LEN + USMIPC__EVENT_PAYLOAD_MAX + 4 +               \
+   USMIPC__RELEASE_RECORD_LEN)
+
+/* The tree's shape, checked node by node in preorder (both sides). */
+typedef struct usmipc__tree_check {
+  struct {
+    usmipc_bundle_node_kind_t kind;
+    uint32_t left;
+  } stack[USMIPC__BUNDLE_MAX_DEPTH];
+  int depth;
+  bool rooted;
+} usmipc__tree_check_t;
+/* Admits the next node: where it may stand, whether it needs a key; a
+ * failure's message starts with what. */
+int usmipc__tree_push(usmipc__tree_check_t *t, usmipc_bundle_node_kind_t kind,
+                      uint32_t count, bool has_key, size_t key_len,
+                      const char *what);
+bool usmipc__tree_complete(const usmipc__tree_check_t *t);
+/* The size of one element of a DLPack dtype, 0 when usmipc does not take
+ * it. */
+size_t usmipc__bundle_itemsize(uint8_t code, uint8_t bits, uint16_t lanes);
+/* The bytes an array spans from its first element, 0 if it has none, or
+ * SIZE_MAX when the shape or strides are out of range. */
+size_t usmipc__bundle_extent(const usmipc_array_desc_t *d, size_t itemsize);
+/* Strict UTF-8: no overlongs, no surrogates, nothing past U+10FFFF. */
+bool usmipc__utf8_valid(const uint8_t *s, size_t n);
+
+/* What decoding bundle bytes gives (the open fills in the pointers). */
+struct usmipc_opened_bundle {
+  uint64_t id;
+  uint32_t slot;
+  uint8_t token[16];
+  size_t nseg, narr, nnode;
+  /* The allocations' handles: decoded and checked by usmipc__bundle_decode(),
+   * which keeps of each only where its bytes are and its size (12 bytes an
+   * allocation, not a 1.9 KB wire); decoded again, all of them, by an open. */
+  usmipc__wire_t seg0; /* allocation 0's, which names the exporter */
+  uint32_t *seg_at;    /* offset in bytes of each allocation's handle */
+  uint64_t *seg_nbytes;
+  usmipc__wire_t *segs; /* by usmipc_bundle_open only, while it maps */
+  uint32_t *array_seg;
+  uint64_t *array_off;
+  usmipc_bundle_array_t *arrays;
+  int64_t *dims;
+  usmipc_bundle_node_t *nodes;
+  usmipc__wire_t *handoff;     /* allocation 0's handle with the tail's
+                                  records (decoded), or NULL without them */
+  usmipc__wire_t *order_event; /* the event to wait for (decoded), or NULL */
+  uint8_t *bytes;              /* a copy: the keys point into it */
+  bool borrowed;               /* bytes are the caller's (no copy) */
+  size_t len;
+  usmipc_device_t *device; /* where the arrays are mapped */
+};
+/* Checks everything about the bytes and describes them (pointers unset).
+ * Without keep, the description borrows data (no copy). */
+int usmipc__bundle_decode(const void *data, size_t len, bool keep,
+                          usmipc_opened_bundle_t **out);
+/* Every allocation's wire into ob->segs, for the open. */
+int usmipc__bundle_decode_segments(usmipc_opened_bundle_t *ob);
+void usmipc__opened_bundle_free(usmipc_opened_bundle_t *ob);
+
+/* Decodes and checks bundle bytes (bundle_wire.c); the fuzzer's entry point.
+ * *kept (if not NULL) receives the description, freed by
+ * usmipc_bundle_release. */
+int usmipc__bundle_decode_check(const void *data, size_t len, size_t *arrays,
+                                size_t *allocations,
+                                usmipc_opened_bundle_t **kept);
+
+/* Whether data starts as bundle bytes do (bundle_wire.c). */
+bool usmipc__bundle_magic(const void *data, size_t len);
+/* For usmipc_ipc_release of bundle bytes (bundle_wire.c), decoded in full: *w
+ * becomes allocation 0's handle with the records that follow the tree,
+ * which name the producer and carry the ticket. *no_memory: the bundle
+ * names no allocation, so it has no ticket and needs none. USMIPC_EINVAL
+ * when the producer asked for no release. */
+int usmipc__bundle_ticket(const void *data, size_t len, struct usmipc__wire *w,
+                          bool *no_memory);
 
 /* ---- events (event.c) -----------------------------------------------------
  */
