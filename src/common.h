@@ -565,11 +565,60 @@ bool usmipc__bundle_magic(const void *data, size_t len);
 int usmipc__bundle_ticket(const void *data, size_t len, struct usmipc__wire *w,
                           bool *no_memory);
 
-/* ---- events (event.c) -----------------------------------------------------
- */
-/* A handle holding the encoding of w (ipc.c). */
+/* ---- the handle object (wire/handle.c) ---------------------------------- */
+typedef struct usmipc__release usmipc__release_t;
+/* A handle's bytes are data[0, len). An ordered handle's bytes are its base
+ * bytes (kept at base, base_len) with an ordering record (and a release
+ * ticket) appended, redone at every usmipc_ipc_handle_order; data has room
+ * for the largest. */
+#define USMIPC__ORDER_RECORD_MAX                                               \
+  (4 + USMIPC__ORDER_FIXED_LEN + USMIPC__EVENT_PAYLOAD_MAX + 4 +               \
+   USMIPC__RELEASE_RECORD_LEN)
+
+struct usmipc_ipc_handle {
+  uint64_t foreign_id; /* the foreign export this handle holds, or 0 */
+  usmipc_backend_t backend;
+  bool is_event;
+  usmipc__release_t *release; /* tickets handed out, or NULL */
+  size_t len, base_len;
+  uint8_t *base;
+  uint8_t data[];
+};
+/* A handle holding the encoding of w, with room to reorder it. */
 int usmipc__handle_from_wire(const usmipc__wire_t *w,
                              usmipc_ipc_handle_t **handle);
+
+/* ---- the export engine (core/export.c) ----------------------------------
+ * Registry lock held where said. */
+/* The first export of a LOCAL region: payload, descriptor, slot. Lock
+ * held. */
+int usmipc__export_region(usmipc__region_t *r);
+/* Checks that [ptr, ptr + *nbytes) of allocation a on device may be
+ * exported; resolves *nbytes == 0 to the rest of the allocation and gives
+ * ptr's offset in it. */
+int usmipc__check_export(const void *ptr, usmipc_device_t *device,
+                         const usmipc__allocation_t *a, size_t *offset,
+                         size_t *nbytes);
+/* The identity and range fields of a handle of allocation a. */
+void usmipc__export_wire_fill(usmipc__wire_t *w, usmipc_device_t *device,
+                              const usmipc__allocation_t *a, uint64_t buffer_id,
+                              size_t offset, size_t nbytes);
+/* A handle of memory another library allocated (lock NOT held). */
+int usmipc__export_foreign(const void *ptr, size_t nbytes,
+                           usmipc_ipc_handle_t **handle);
+/* Drops one owner of a foreign export; the last revokes it. */
+void usmipc__foreign_export_put(uint64_t foreign_id);
+/* Whether a live foreign export at base has this slot and token (a
+ * same-process open of its handle). Lock held. */
+bool usmipc__foreign_export_current(const void *base, uint32_t slot,
+                                    const uint8_t token[16]);
+
+/* ---- the import engine (core/import.c) ---------------------------------- */
+/* Unmaps a list of regions linked by idle_next (lock NOT held). */
+void usmipc__unmap_list(usmipc__region_t *list);
+
+/* ---- events (event.c) -----------------------------------------------------
+ */
 /* Waits (on queue's device, or the host when queue is NULL) for the record
  * that event wire ew names, opening the event on device (cached). */
 int usmipc__event_wait_wire(const usmipc__wire_t *ew, usmipc_device_t *device,
@@ -589,7 +638,6 @@ int usmipc__event_ring_handle(usmipc_queue_t *queue, uint8_t *out, size_t *len);
 /* Release signals (release.c): a producer's handle hands out tickets (record
  * 0x8003); consumers return them through the producer's broker with an
  * event of their own, which the producer waits for. */
-typedef struct usmipc__release usmipc__release_t;
 /* The owner (a handle, a bundle) keeps a usmipc__release_t * field, NULL
  * until its first ticket, and passes its address: the registry is made on
  * the first ticket and published whole, so that the counts and the wait may

@@ -641,3 +641,30 @@ int usmipc__peer_fetch_fds(usmipc__peer_t *p, const usmipc__wire_t *const *w,
   USMIPC__STAT_ADD(descriptors_received, n);
   return 0;
 }
+
+int usmipc__peer_slot_state(const usmipc__wire_t *w, uint32_t slot, uint64_t id,
+                            const uint8_t token[16], const uint64_t *size,
+                            int *state) {
+  usmipc__peer_t *peer;
+  int fd = -1;
+  int rc = usmipc__peer_get(w, usmipc__deadline_after_timeout(), &peer, &fd);
+  if (rc != 0)
+    return rc;
+  if (fd >= 0)
+    close(fd);
+  usmipc__export_slot_t s;
+  const uint8_t *table = usmipc__peer_table(peer);
+  int read = usmipc__table_read_slot(table, slot, &s, NULL);
+  if (read == USMIPC_EBADHANDLE) { /* a slot beyond the table: forged */
+    usmipc__peer_put(peer);
+    return read;
+  }
+  *state = read == 0 && s.buffer_id == id &&
+                   s.tag == usmipc__slot_tag(w->key, token) &&
+                   (size == NULL || s.size == *size)
+               ? 1
+           : usmipc__table_alive(table) ? 0
+                                        : -1;
+  usmipc__peer_put(peer);
+  return 0;
+}

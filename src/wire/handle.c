@@ -4,6 +4,7 @@
  * bytes as untrusted: every length, field and the checksum is verified before
  * anything is used, and each defect has its own message. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -749,5 +750,35 @@ int usmipc_ipc_handle_inspect(const void *data, size_t len,
     info->event_point = w.event_point;
     info->release_ticket = w.has_release ? w.release_ticket : 0;
   }
+  return 0;
+}
+
+/* ---- the handle object: bytes, and room to reorder them ---------------- */
+
+int usmipc__handle_from_wire(const usmipc__wire_t *w,
+                             usmipc_ipc_handle_t **handle) {
+  size_t len = usmipc__wire_len(w);
+  size_t room = w->is_event ? len : len + USMIPC__ORDER_RECORD_MAX;
+  usmipc_ipc_handle_t *h = malloc(sizeof(*h) + room + len);
+  if (h == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  h->foreign_id = 0;
+  h->release = NULL;
+  h->backend = w->backend;
+  h->is_event = w->is_event;
+  h->len = h->base_len = len;
+  h->base = h->data + room;
+  usmipc__wire_encode(w, h->data);
+  memcpy(h->base, h->data, len);
+  *handle = h;
+  return 0;
+}
+
+int usmipc_ipc_handle_data(const usmipc_ipc_handle_t *handle, const void **data,
+                           size_t *len) {
+  if (handle == NULL || data == NULL || len == NULL)
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_handle_data: NULL argument");
+  *data = handle->data;
+  *len = handle->len;
   return 0;
 }

@@ -1,0 +1,438 @@
+/* The export engine: the first export of an allocation, and exports of
+ * memory another library allocated.
+ *
+ * Core floor (registries), under the public calls of ipc.c (which adds a
+ * pool block's record and makes the handle) and bundle.c.
+ *
+ * Own memory:     check kind, device, range -> (first time) ask the backend
+ *                 for its payload, publish its fd with the broker and take
+ *                 an export-table slot; the export lives as long as the
+ *                 allocation (or until usmipc_ipc_revoke).
+ * Foreign memory: asked of the driver (a torch tensor, a CuPy array), or a
+ *                 run of physical chunks (CUDA VMM); the export lives as
+ *                 long as its handles. Guarded by usmipc__registry_lock. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "util/blake2s.h"
+
+/* Memory of another library (a torch tensor, a CuPy array) exported by
+ * pointer. The library cannot see that memory freed, so an export is not
+ * tied to an allocation's life but to its holders: every handle made for
+ * it holds one owner count (an IPCMemoryHandle in Python, a bundle or a
+ * pickled handle in flight later), and the export-table slot is cleared
+ * when the last one goes, or on usmipc_ipc_revoke. Importers then refuse
+ * the old bytes even after the owner reuses the memory for another tensor.
+ * Guarded by usmipc__registry_lock. */
+typedef struct foreign_export {
+  uint64_t id; /* never reused: a handle names its export by it */
+  uint64_t buffer_id;
+  const void *base;
+  size_t size;
+  usmipc_device_t *device;
+  uint32_t slot, table_fd_number;
+  uint8_t token[16];
+  usmipc__payload_t payload;
+  /* Memory made of physical chunks (CUDA VMM, docs/cuda.md): a descriptor
+   * per chunk, which the transport hands out under one grant (token above)
+   * and which are closed when the export dies; the first one's number and
+   * file identity for the handle; for more than one chunk, record 0x8102. */
+  int *fds;
+  uint32_t nfds;
+  uint32_t fd_number;
+  uint64_t fd_dev, fd_ino;
+  uint8_t *chunks_rec;
+  uint16_t chunks_len;
+  unsigned owners;
+  struct foreign_export *next;
+} foreign_export_t;
+
+static foreign_export_t *foreign_exports;
+
+static uint64_t next_foreign_id = 1;
+
+/* First export of a region: the backend's payload and, for fd-backed memory,
+ * a grant from the transport. Later exports reuse both, so an export after
+ * the first is only an encode. Called with the registry lock held. */
+int usmipc__export_region(usmipc__region_t *r) {
+  int fd = -1;
+  if (r->payload == NULL &&
+      (r->payload = calloc(1, sizeof(*r->payload))) == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  int rc =
+      r->device->ops->ipc_export(r->device->native, &r->alloc, r->payload, &fd);
+  if (rc != 0)
+    return rc;
+  USMIPC__STAT_ADD(driver_exports, 1);
+  r->fd_number = UINT32_MAX;
+  if (fd >= 0) {
+    usmipc__fd_grant_t grant;
+    rc = usmipc__fdxfer_publish(fd, r->buffer_id, !r->alloc.fd_is_device_buffer,
+                                &grant);
+    if (rc != 0)
+      return rc;
+    memcpy(r->token, grant.token, 16);
+    r->fd_number = grant.fd_number;
+    r->fd_dev = grant.dev;
+    r->fd_ino = grant.ino;
+    r->fd_reopenable = grant.reopenable;
+  }
+  /* The export table lets importers refuse a handle of a freed allocation
+   * without a round trip to this process; the broker hands it to importers
+   * that cannot take it themselves. */
+  if (fd < 0 && ((rc = usmipc__random(r->token, 16)) != 0 ||
+                 (rc = usmipc__fdxfer_serve()) != 0))
+    return rc;
+  rc = usmipc__exports_add(r->buffer_id, r->fd_number, r->alloc.size,
+                           usmipc__slot_tag(usmipc__self()->key, r->token),
+                           &r->export_slot, &r->table_fd_number);
+  if (rc != 0) {
+    if (fd >= 0)
+      usmipc__fdxfer_withdraw(r->buffer_id);
+    return rc;
+  }
+  r->exported = true;
+  return 0;
+}
+
+/* Checks an export request against the allocation and resolves nbytes == 0;
+ * shared by usmipc's own and foreign allocations. */
+int usmipc__check_export(const void *ptr, usmipc_device_t *device,
+                         const usmipc__allocation_t *a, size_t *offset,
+                         size_t *nbytes) {
+  if (a->kind != USMIPC_MEM_DEVICE)
+    return usmipc__fail(USMIPC_EMEMKIND,
+                        "cannot export %p: only device memory can be shared "
+                        "between processes, and this is %s memory",
+                        ptr, a->kind == USMIPC_MEM_HOST ? "host" : "shared");
+  if (!device->has_ipc)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "cannot export %p: device %s does not support IPC "
+                        "memory (check usmipc_device_has_ipc first)",
+                        ptr, device->filter);
+  *offset = (size_t)((uintptr_t)ptr - (uintptr_t)a->base);
+  if (*nbytes == 0)
+    *nbytes = a->size - *offset;
+  if (*nbytes > a->size - *offset)
+    return usmipc__fail(USMIPC_ERANGE,
+                        "cannot export %zu bytes at offset %zu: the "
+                        "allocation has only %zu bytes",
+                        *nbytes, *offset, a->size);
+  return 0;
+}
+
+/* Fills the fields every handle has, from this process and the allocation. */
+void usmipc__export_wire_fill(usmipc__wire_t *w, usmipc_device_t *device,
+                              const usmipc__allocation_t *a, uint64_t buffer_id,
+                              size_t offset, size_t nbytes) {
+  usmipc__wire_identity(w, device);
+  w->fd_number = UINT32_MAX;
+  w->export_slot = USMIPC__NO_SLOT;
+  w->buffer_id = buffer_id;
+  w->exporter_base = (uint64_t)(uintptr_t)a->base;
+  w->allocation_size = a->size;
+  w->offset = offset;
+  w->nbytes = nbytes;
+}
+
+/* The identity of a run of chunks in handles and import caches: one chunk
+ * is its own identity; several, a digest of theirs in order (chunk ids are
+ * never reused, so neither is a run's, and a run of the same chunks has the
+ * same id whenever it is exported, which lets importers keep its mapping). */
+static uint64_t run_id(const usmipc__chunk_run_t *run) {
+  if (run->count == 1)
+    return usmipc__foreign_buffer_id(run->ids[0]);
+  uint8_t label[16 + 4] = "usmipc-vmm-run-1";
+  usmipc__put32le(label + 16, run->count);
+  usmipc__blake2s_t st;
+  uint8_t out[8];
+  usmipc__blake2s_init(&st, sizeof(out), NULL, 0);
+  usmipc__blake2s_update(&st, label, sizeof(label));
+  for (uint32_t i = 0; i < run->count; i++) {
+    uint8_t id[8];
+    usmipc__put64le(id, run->ids[i]);
+    usmipc__blake2s_update(&st, id, sizeof(id));
+  }
+  usmipc__blake2s_final(&st, out);
+  uint64_t v = usmipc__foreign_buffer_id(usmipc__get64le(out));
+  return v != 0 ? v : 1;
+}
+
+/* Memory in chunks: the run of whole chunks under [ptr, ptr + nbytes)
+ * (nbytes 0: to the end of the chunk holding ptr) becomes the allocation
+ * the handle names. *run is malloc'd. */
+static int describe_chunks(const void *ptr, size_t nbytes,
+                           usmipc_device_t *device, usmipc__allocation_t *a,
+                           uint64_t *buffer_id, usmipc__chunk_run_t **run) {
+  const usmipc__backend_ops_t *ops = device->ops;
+  if (ops->foreign_chunks == NULL || ops->chunks_export == NULL ||
+      ops->ipc_import_chunks == NULL)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "cannot export %p: %s cannot share memory in chunks",
+                        ptr, device->filter);
+  if (nbytes == 0)
+    nbytes = a->size - (size_t)((uintptr_t)ptr - (uintptr_t)a->base);
+  if ((uintptr_t)ptr + nbytes < (uintptr_t)ptr)
+    return usmipc__fail(USMIPC_ERANGE, "cannot export %zu bytes at %p", nbytes,
+                        ptr);
+  if ((*run = malloc(sizeof(**run))) == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  int rc = ops->foreign_chunks(device->native, ptr, nbytes, *run);
+  if (rc != 0) {
+    free(*run);
+    *run = NULL;
+    return rc;
+  }
+  a->base = (*run)->base;
+  a->size = (size_t)(*run)->size;
+  *buffer_id = run_id(*run);
+  return 0;
+}
+
+/* A new export of a run of chunks: a descriptor per chunk, all published
+ * under one grant (one token: the capability the broker checks), and the
+ * chunk record for more than one. Lock held. */
+static int export_chunks(usmipc_device_t *device, usmipc__chunk_run_t *run,
+                         uint64_t buffer_id, foreign_export_t *e) {
+  int rc = device->ops->chunks_export(device->native, run, &e->payload);
+  if (rc != 0)
+    return rc;
+  USMIPC__STAT_ADD(driver_exports, run->count);
+  if ((e->fds = malloc(run->count * sizeof(int))) == NULL) {
+    rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  } else if (run->count > 1) {
+    uint8_t rec[USMIPC__CHUNKS_RECORD_MAX];
+    size_t len = usmipc__chunks_record(run->sizes, run->count, rec);
+    if (len == 0)
+      rc = usmipc__fail(USMIPC_ENOTSUP,
+                        "cannot export %p: its %u chunks come in more than %d "
+                        "different sizes in a row, more than one handle "
+                        "describes; export it in parts",
+                        run->base, run->count, USMIPC__CHUNK_RUNS_MAX);
+    else if ((e->chunks_rec = malloc(len)) == NULL)
+      rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+    else {
+      memcpy(e->chunks_rec, rec, len);
+      e->chunks_len = (uint16_t)len;
+    }
+  }
+  usmipc__fd_grant_t grant;
+  if (rc == 0 && (rc = usmipc__fdxfer_publish_fds(
+                      run->fds, run->count, buffer_id, false, &grant)) == 0) {
+    memcpy(e->fds, run->fds, run->count * sizeof(int));
+    e->nfds = run->count;
+    memcpy(e->token, grant.token, 16);
+    e->fd_number = grant.fd_number;
+    e->fd_dev = grant.dev;
+    e->fd_ino = grant.ino;
+    return 0;
+  }
+  for (uint32_t i = 0; i < run->count; i++)
+    close(run->fds[i]);
+  free(e->fds);
+  e->fds = NULL;
+  free(e->chunks_rec);
+  e->chunks_rec = NULL;
+  return rc;
+}
+
+/* Releases what an export holds: the slot first (importers refuse from now
+ * on), then the grant, then its descriptors (linux/exports.c: a slot is
+ * cleared before its descriptor is closed). Lock held. */
+static void foreign_release(foreign_export_t *e, bool slotted) {
+  if (slotted)
+    usmipc__exports_remove(e->slot);
+  if (e->nfds > 0)
+    usmipc__fdxfer_withdraw(e->buffer_id);
+  for (uint32_t i = 0; i < e->nfds; i++)
+    close(e->fds[i]);
+  free(e->fds);
+  free(e->chunks_rec);
+  free(e);
+}
+
+/* Memory another library allocated: the driver names its allocation and
+ * buffer id; the export lives as long as handles hold it (see
+ * foreign_export_t). */
+int usmipc__export_foreign(const void *ptr, size_t nbytes,
+                           usmipc_ipc_handle_t **handle) {
+  usmipc__allocation_t a = {0};
+  uint64_t buffer_id;
+  usmipc_device_t *device;
+  size_t offset;
+  usmipc__chunk_run_t *run = NULL;
+  int rc = usmipc__foreign_query_unlocked(ptr, &a, &buffer_id, &device);
+  if (rc != 0) {
+    usmipc__error_prefix("cannot export: ");
+    return rc;
+  }
+  /* Chunks are looked up without the lock: the driver calls are many. */
+  if (a.chunked &&
+      (rc = describe_chunks(ptr, nbytes, device, &a, &buffer_id, &run)) != 0)
+    return rc;
+  rc = usmipc__check_export(ptr, device, &a, &offset, &nbytes);
+  if (rc != 0) {
+    free(run);
+    return rc;
+  }
+  usmipc__wire_t w;
+  usmipc__export_wire_fill(&w, device, &a, buffer_id, offset, nbytes);
+  pthread_mutex_lock(&usmipc__registry_lock);
+  foreign_export_t *e = foreign_exports;
+  while (e && !(e->buffer_id == buffer_id && e->base == a.base &&
+                e->size == a.size && e->device == device))
+    e = e->next;
+  if (e == NULL) {
+    int fd = -1;
+    e = calloc(1, sizeof(*e));
+    if (e == NULL)
+      rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+    else if (run != NULL)
+      rc = export_chunks(device, run, buffer_id, e);
+    else if ((rc = device->ops->ipc_export(device->native, &a, &e->payload,
+                                           &fd)) == 0 &&
+             (USMIPC__STAT_ADD(driver_exports, 1), fd >= 0))
+      rc = usmipc__fail(USMIPC_ENOTSUP,
+                        "cannot export %p: memory of another library shared "
+                        "through a descriptor is not supported",
+                        ptr);
+    if (rc == 0 && run == NULL && (rc = usmipc__random(e->token, 16)) == 0)
+      rc = usmipc__fdxfer_serve();
+    if (rc == 0)
+      rc = usmipc__exports_add(buffer_id,
+                               e->nfds > 0 ? e->fd_number : UINT32_MAX, a.size,
+                               usmipc__slot_tag(usmipc__self()->key, e->token),
+                               &e->slot, &e->table_fd_number);
+    if (rc != 0) {
+      if (e != NULL) {
+        e->buffer_id = buffer_id; /* the grant foreign_release withdraws */
+        foreign_release(e, false);
+      }
+      pthread_mutex_unlock(&usmipc__registry_lock);
+      free(run);
+      return rc;
+    }
+    e->id = next_foreign_id++;
+    e->buffer_id = buffer_id;
+    e->base = a.base;
+    e->size = a.size;
+    e->device = device;
+    e->next = foreign_exports;
+    foreign_exports = e;
+  }
+  free(run);
+  w.export_slot = e->slot;
+  w.table_fd_number = e->table_fd_number;
+  memcpy(w.token, e->token, 16);
+  if (e->nfds > 0) {
+    w.flags = USMIPC__WIRE_FLAG_FD;
+    w.fd_number = e->fd_number;
+    w.fd_dev = e->fd_dev;
+    w.fd_ino = e->fd_ino;
+  }
+  if (usmipc__fdxfer_socket_dir())
+    w.flags |= USMIPC__WIRE_FLAG_SOCKET_DIR;
+  if (e->chunks_len > 0) /* a run's record */
+    memcpy(w.ext, e->chunks_rec, e->chunks_len);
+  w.ext_len = e->chunks_len;
+  rc = usmipc__wire_set_payload(&w, &e->payload);
+  if (rc == 0)
+    rc = usmipc__handle_from_wire(&w, handle);
+  if (rc == 0) {
+    e->owners++;
+    (*handle)->foreign_id = e->id;
+  }
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  return rc;
+}
+
+/* Unlinks a foreign export and releases it; lock held. */
+static void foreign_revoke(foreign_export_t **link) {
+  foreign_export_t *e = *link;
+  *link = e->next;
+  foreign_release(e, true);
+}
+
+int usmipc__allocation_of(const void *ptr, usmipc__allocation_ref_t *ref) {
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__region_t *r = usmipc__region_find(ptr);
+  if (r != NULL && r->origin == USMIPC__LOCAL && !r->user_freed) {
+    ref->chunked = false;
+    ref->buffer_id = r->buffer_id;
+    ref->base = (uintptr_t)r->alloc.base;
+    ref->size = r->alloc.size;
+    ref->device = r->device;
+    pthread_mutex_unlock(&usmipc__registry_lock);
+    return 0;
+  }
+  bool imported = r != NULL && (r->origin == USMIPC__IMPORTED ||
+                                r->origin == USMIPC__IMPORTED_SYCL);
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  if (imported)
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "cannot export %p: it is an IPC mapping of another "
+                        "process's memory; forward the original handle bytes",
+                        ptr);
+  usmipc__allocation_t a = {0};
+  int rc =
+      usmipc__foreign_query_unlocked(ptr, &a, &ref->buffer_id, &ref->device);
+  if (rc != 0)
+    return rc;
+  ref->base = (uintptr_t)a.base;
+  ref->size = a.size;
+  ref->chunked = a.chunked;
+  return 0;
+}
+
+int usmipc_ipc_revoke(const void *ptr) {
+  int revoked = 0;
+  uint64_t withdraw = 0;
+  pthread_mutex_lock(&usmipc__registry_lock);
+  usmipc__region_t *r = usmipc__region_find(ptr);
+  if (r != NULL && r->origin == USMIPC__LOCAL && r->exported) {
+    /* The slot first (importers refuse from now on), then the grant; the
+     * next export draws a new token, so its handles differ. */
+    usmipc__exports_remove(r->export_slot);
+    if (r->alloc.fd >= 0)
+      withdraw = r->buffer_id;
+    r->exported = false;
+    revoked = 1;
+  }
+  for (foreign_export_t **e = &foreign_exports; *e;) {
+    if ((uintptr_t)ptr - (uintptr_t)(*e)->base < (*e)->size) {
+      foreign_revoke(e);
+      revoked = 1;
+    } else {
+      e = &(*e)->next;
+    }
+  }
+  if (withdraw != 0) /* under the lock: a re-export must not race it */
+    usmipc__fdxfer_withdraw(withdraw);
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  if (!revoked)
+    return usmipc__fail(USMIPC_EUNKNOWNPTR,
+                        "usmipc_ipc_revoke: nothing is exported at %p", ptr);
+  return 0;
+}
+
+void usmipc__foreign_export_put(uint64_t foreign_id) {
+  pthread_mutex_lock(&usmipc__registry_lock);
+  for (foreign_export_t **e = &foreign_exports; *e; e = &(*e)->next)
+    if ((*e)->id == foreign_id) {
+      if (--(*e)->owners == 0)
+        foreign_revoke(e);
+      break;
+    }
+  pthread_mutex_unlock(&usmipc__registry_lock);
+}
+
+bool usmipc__foreign_export_current(const void *base, uint32_t slot,
+                                    const uint8_t token[16]) {
+  for (foreign_export_t *e = foreign_exports; e; e = e->next)
+    if (e->base == base && e->slot == slot && memcmp(e->token, token, 16) == 0)
+      return true;
+  return false;
+}
