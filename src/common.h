@@ -179,11 +179,11 @@ usmipc_device_t *usmipc__device_by_uuid(usmipc_backend_t backend,
                                         const uint8_t uuid[16]);
 void usmipc__uuid_format(const uint8_t uuid[16], char out[37]);
 
-/* ---- the region registry (memory.c) ---------------------------------------
- * Every allocation usmipc made and every IPC mapping it opened is a region:
- * an address range with its device, kind and identity. One mutex guards the
- * registry and the import cache; it is never held across a driver call that
- * can block on another process. */
+/* ---- the region registry (core/region.c)
+ * --------------------------------------- Every allocation usmipc made and
+ * every IPC mapping it opened is a region: an address range with its device,
+ * kind and identity. One mutex guards the registry and the import cache; it is
+ * never held across a driver call that can block on another process. */
 typedef enum usmipc__origin {
   USMIPC__LOCAL = 1,         /* usmipc_malloc in this process */
   USMIPC__IMPORTED = 2,      /* usmipc_ipc_open of another process's handle */
@@ -246,6 +246,15 @@ void usmipc__region_foreach(void (*fn)(usmipc__region_t *r));
 uint64_t usmipc__new_buffer_id(void);
 /* Drops a LOCAL region from the registry and releases it; lock NOT held. */
 void usmipc__region_release_local(usmipc__region_t *r);
+/* Lock NOT held: the registry's one-time setup (the buffer id counter). */
+void usmipc__registry_ensure(void);
+/* usmipc's own memory as usmipc_malloc_flags and usmipc_free make and free
+ * it, for callers that checked the arguments (pools: their segments);
+ * usmipc__local_free does not hand pool blocks to their pool. Lock NOT
+ * held. */
+int usmipc__local_alloc(usmipc_device_t *device, usmipc_mem_kind_t kind,
+                        size_t nbytes, unsigned flags, void **ptr);
+int usmipc__local_free(void *ptr);
 /* Asks each backend about a pointer usmipc did not allocate; lock held. */
 int usmipc__foreign_query(const void *ptr, usmipc__allocation_t *alloc,
                           uint64_t *buffer_id, usmipc_device_t **device);

@@ -31,8 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "util/blake2s.h"
 #include "common.h"
+#include "util/blake2s.h"
 
 #define POOL_MIN_SEGMENT ((size_t)64 << 20)
 #define POOL_MAX_GROWTH ((size_t)1 << 30)
@@ -58,7 +58,7 @@ typedef struct segment {
   void *base;
   size_t size;
   uint64_t buffer_id; /* its region's, with USMIPC__POOL_SEGMENT_ID */
-  size_t live; /* blocks allocated in it */
+  size_t live;        /* blocks allocated in it */
   struct segment *next;
 } segment_t;
 
@@ -243,7 +243,7 @@ static int segment_new(usmipc_pool_t *pool, size_t need, segment_t **out) {
     size = need;
   void *base;
   pthread_mutex_unlock(&pool->lock);
-  int rc = usmipc_malloc_flags(pool->device, USMIPC_MEM_DEVICE, size,
+  int rc = usmipc__local_alloc(pool->device, USMIPC_MEM_DEVICE, size,
                                pool->flags, &base);
   pthread_mutex_lock(&pool->lock);
   if (rc != 0) {
@@ -255,7 +255,7 @@ static int segment_new(usmipc_pool_t *pool, size_t need, segment_t **out) {
   if (seg == NULL || all == NULL) {
     free(seg);
     free(all);
-    usmipc_free(base);
+    usmipc__local_free(base);
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
   }
   seg->pool = pool;
@@ -635,7 +635,7 @@ int usmipc_pool_destroy(usmipc_pool_t *pool) {
     if (r != NULL)
       r->pool_segment = NULL;
     pthread_mutex_unlock(&usmipc__registry_lock);
-    usmipc_free(seg->base); /* importers keep their mappings */
+    usmipc__local_free(seg->base); /* importers keep their mappings */
     free(seg);
     seg = next;
   }
