@@ -6,6 +6,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 
 #include "backend/backend.h"
 #include "usmipc.h"
@@ -128,9 +129,9 @@ void usmipc__torch_fork_child(void);
 void usmipc__exports_fork_prepare(void);
 void usmipc__exports_fork_parent(void);
 void usmipc__exports_fork_child(void);
-void usmipc__fdxfer_fork_prepare(void);
-void usmipc__fdxfer_fork_parent(void);
-void usmipc__fdxfer_fork_child(void);
+void usmipc__broker_fork_prepare(void);
+void usmipc__broker_fork_parent(void);
+void usmipc__broker_fork_child(void);
 int usmipc__random(void *buf, size_t len);
 
 /* A backend's ipc_import: the allocation is mapped by another thread of
@@ -668,7 +669,7 @@ uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
 /* fork.c's hook: the child forgets the parent's registries. */
 void usmipc__releases_fork_child(void);
 /* A release request's body: u64 ticket, u16 length, an event handle of that
- * length (or none). 0 when well formed, with the parts (linux/fdxfer.c). */
+ * length (or none). 0 when well formed, with the parts (wire/broker_msg.c). */
 int usmipc__release_body_parse(const uint8_t *body, size_t len,
                                uint64_t *ticket, const uint8_t **event,
                                size_t *event_len);
@@ -827,11 +828,56 @@ int usmipc__table_read_slot(const uint8_t *hdr, uint32_t slot,
                             usmipc__export_slot_t *out, uint32_t *seq);
 uint32_t usmipc__table_slot_seq(const uint8_t *hdr, uint32_t slot);
 
-/* ---- the fd transport (linux/fdxfer.c) -------------------------------------
- * The exporter's broker (a thread serving the export table and published
- * descriptors over a Unix socket, with authentication) and the primitives
- * an importer uses to take descriptors: pidfd_getfd(2), /proc/<pid>/fd and
- * a request to the broker. */
+/* ---- the fd transport: the exporter's broker (linux/broker.c), the
+ * importer's descriptor taking (linux/fdtake.c) and their messages
+ * (wire/broker_msg.c) ------------------------------------------------------
+ * The broker is a thread serving the export table and published descriptors
+ * over a Unix socket, with authentication; an importer takes descriptors by
+ * pidfd_getfd(2), /proc/<pid>/fd or a request to the broker. */
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77 /* Linux 6.5 */
+#endif
+
+/* A broker reply's status (wire/broker_msg.c). */
+enum usmipc__reply_status {
+  USMIPC__REPLY_OK = 0,
+  USMIPC__REPLY_UNKNOWN_BUFFER = 1, /* never published, or withdrawn (freed) */
+  USMIPC__REPLY_BAD_CAPABILITY = 2,
+  USMIPC__REPLY_OTHER_USER = 3,
+  USMIPC__REPLY_BAD_REQUEST = 4,
+  USMIPC__REPLY_BAD_PROOF =
+      5, /* the request's MAC fails: not a handle of ours */
+  USMIPC__REPLY_NO_TABLE = 6,
+};
+
+/* The most descriptors one SCM_RIGHTS message carries: SCM_MAX_FD
+ * (unix(7)). A WANT_FDS answer carries up to USMIPC__FDS_PER_REQUEST, an
+ * answer to a run of chunks the table and USMIPC__CHUNKS_MAX: both fit,
+ * and buffers of this size, on either side, hold whichever is larger. */
+#define USMIPC__FDS_PER_MESSAGE_MAX 253
+
+/* The descriptors of one handle: one, or one per chunk of a run (record
+ * 0x8102). */
+static inline int usmipc__wire_run_length(const usmipc__wire_t *w) {
+  return w->chunk_count != 0 ? (int)w->chunk_count : 1;
+}
+
+/* The broker's socket names: the abstract one, and the file DIR/usmipc.
+ * <pid>.<nonce>.sock (0 when the path does not fit); USMIPC_SOCKET_DIR or
+ * NULL. */
+struct sockaddr_un;
+socklen_t usmipc__broker_abstract_address(uint32_t pid, uint64_t nonce,
+                                          struct sockaddr_un *addr);
+socklen_t usmipc__broker_dir_address(const char *dir, uint32_t pid,
+                                     uint64_t nonce, struct sockaddr_un *addr);
+const char *usmipc__socket_dir_env(void);
+/* fork.c's hooks of the importer's kept connections (linux/fdtake.c). */
+void usmipc__fdtake_fork_prepare(void);
+void usmipc__fdtake_fork_parent(void);
+void usmipc__fdtake_fork_child(void);
 typedef struct usmipc__fd_grant {
   uint8_t token[16];
   uint32_t fd_number;
@@ -842,24 +888,24 @@ typedef struct usmipc__fd_grant {
 
 /* Starts this process's broker if it is not running (it also holds the
  * export table's liveness mutex, so it starts on every first export). */
-int usmipc__fdxfer_serve(void);
+int usmipc__broker_serve(void);
 /* Makes fd fetchable by importers that present a capability derived from
  * token (drawn here, returned in grant). fd is borrowed: the caller keeps
- * it open until it has called usmipc__fdxfer_withdraw. may_reopen false
+ * it open until it has called usmipc__broker_withdraw. may_reopen false
  * keeps importers off /proc/<pid>/fd even for a memfd (a backend whose
  * descriptors are dma-bufs, which do not reopen as themselves). */
-int usmipc__fdxfer_publish(int fd, uint64_t buffer_id, bool may_reopen,
+int usmipc__broker_publish(int fd, uint64_t buffer_id, bool may_reopen,
                            usmipc__fd_grant_t *grant);
 /* The same for nfds descriptors (at most USMIPC__CHUNKS_MAX: a run of
  * chunks) served together, in order, under one token; the grant names the
  * first. They are never reopenable. */
-int usmipc__fdxfer_publish_fds(const int *fds, uint32_t nfds,
+int usmipc__broker_publish_fds(const int *fds, uint32_t nfds,
                                uint64_t buffer_id, bool may_reopen,
                                usmipc__fd_grant_t *grant);
 /* Stops serving buffer_id (on return the descriptor is no longer used). */
-void usmipc__fdxfer_withdraw(uint64_t buffer_id);
+void usmipc__broker_withdraw(uint64_t buffer_id);
 /* 1 when the exporter also listens in USMIPC_SOCKET_DIR. */
-bool usmipc__fdxfer_socket_dir(void);
+bool usmipc__broker_socket_dir(void);
 /* Tests only: how long the broker waits between binding its socket file in
  * USMIPC_SOCKET_DIR and using it (0, the default: not at all), to widen the
  * window an attacker who can write the directory would race. */
@@ -884,6 +930,11 @@ int usmipc__transport_mode(usmipc__transport_t *mode);
 #define USMIPC__FDS_ENTRY_LEN 24u /* u64 buffer id, 16-byte capability */
 #define USMIPC__FDS_BODY_MAX                                                   \
   (2u + USMIPC__FDS_PER_REQUEST * USMIPC__FDS_ENTRY_LEN)
+_Static_assert(USMIPC__FDS_PER_REQUEST <= USMIPC__FDS_PER_MESSAGE_MAX &&
+                   1 + USMIPC__CHUNKS_MAX <= USMIPC__FDS_PER_MESSAGE_MAX,
+               "every answer fits one SCM_RIGHTS message");
+
+#define USMIPC__FDS_MESSAGE_MAX (USMIPC__REQUEST_LEN + 2 + USMIPC__FDS_BODY_MAX)
 /* Asks the exporter's broker for its table and/or the handle's descriptor,
  * after checking that the listener is the exporter (its credentials, its
  * pidfd) and before trusting an answer, that it proved the handle's key.

@@ -268,7 +268,7 @@ static void local_free(usmipc_event_t *ev) {
     if (ev->exported) {
       usmipc__exports_remove(ev->slot);
       if (ev->fd_number != UINT32_MAX)
-        usmipc__fdxfer_withdraw(ev->id);
+        usmipc__broker_withdraw(ev->id);
     }
     if (ev->native != NULL)
       ev->device->ops->event_destroy(ev->device->native, ev->native);
@@ -361,14 +361,14 @@ static int export_local(usmipc_event_t *ev) {
     return rc;
   if (fd >= 0) {
     usmipc__fd_grant_t grant;
-    if ((rc = usmipc__fdxfer_publish(fd, ev->id, false, &grant)) != 0)
+    if ((rc = usmipc__broker_publish(fd, ev->id, false, &grant)) != 0)
       return rc;
     memcpy(ev->token, grant.token, 16);
     ev->fd_number = grant.fd_number;
     ev->fd_dev = grant.dev;
     ev->fd_ino = grant.ino;
   } else if ((rc = usmipc__random(ev->token, 16)) != 0 ||
-             (rc = usmipc__fdxfer_serve()) != 0) {
+             (rc = usmipc__broker_serve()) != 0) {
     return rc;
   }
   rc = usmipc__exports_add(
@@ -377,7 +377,7 @@ static int export_local(usmipc_event_t *ev) {
       &ev->table_fd_number);
   if (rc != 0) {
     if (fd >= 0)
-      usmipc__fdxfer_withdraw(ev->id);
+      usmipc__broker_withdraw(ev->id);
     return rc;
   }
   ev->exported = true;
@@ -398,7 +398,7 @@ static void local_wire(const usmipc_event_t *ev, uint64_t point,
     w->fd_dev = ev->fd_dev;
     w->fd_ino = ev->fd_ino;
   }
-  if (usmipc__fdxfer_socket_dir())
+  if (usmipc__broker_socket_dir())
     w->flags |= USMIPC__WIRE_FLAG_SOCKET_DIR;
   w->payload.handle_kind = USMIPC__HANDLE_KIND_EVENT;
   w->payload.len = ev->payload->len;

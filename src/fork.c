@@ -31,8 +31,10 @@
  *   6. core/device.c   probe_lock: a foreign pointer query probes the
  *                      backends under the registry lock.
  *   7. linux/exports.c table_lock: the export table.
- *   8. linux/fdxfer.c  fdx_lock: the broker's grants and kept connections.
- *   9. util/process.c  proof_lock: a leaf, taken under any of them.
+ *   8. linux/broker.c  fdx_lock: the broker's grants and listening sockets.
+ *   9. linux/fdtake.c  kept_lock: the importer's kept broker connections; a
+ *                      leaf (nothing is taken under it).
+ *  10. util/process.c  proof_lock: a leaf, taken under any of them.
  *
  * Locks not listed (a backend's per-device locks, wait.c's interrupt
  * handler lock) are not taken by the fork handlers: each guards its own
@@ -56,13 +58,15 @@ static void fork_prepare(void) {
   usmipc__pools_fork_prepare();
   usmipc__devices_fork_prepare();
   usmipc__exports_fork_prepare();
-  usmipc__fdxfer_fork_prepare();
+  usmipc__broker_fork_prepare();
+  usmipc__fdtake_fork_prepare();
   usmipc__process_fork_prepare();
 }
 
 static void fork_parent(void) {
   usmipc__process_fork_parent();
-  usmipc__fdxfer_fork_parent();
+  usmipc__fdtake_fork_parent();
+  usmipc__broker_fork_parent();
   usmipc__exports_fork_parent();
   usmipc__devices_fork_parent();
   usmipc__pools_fork_parent();
@@ -74,7 +78,8 @@ static void fork_parent(void) {
 
 static void fork_child(void) {
   usmipc__process_fork_child();
-  usmipc__fdxfer_fork_child();
+  usmipc__fdtake_fork_child();
+  usmipc__broker_fork_child();
   usmipc__exports_fork_child();
   usmipc__devices_fork_child();
   usmipc__pools_fork_child();

@@ -181,7 +181,7 @@ static int get_handle(const void *ptr, size_t nbytes, bool whole,
     w.fd_ino = r->fd_ino;
   }
   memcpy(w.token, r->token, 16); /* every export has one (its slot's tag) */
-  if (usmipc__fdxfer_socket_dir())
+  if (usmipc__broker_socket_dir())
     w.flags |= USMIPC__WIRE_FLAG_SOCKET_DIR;
   memcpy(w.ext, block_rec, block_len); /* a pool block's record, or none */
   w.ext_len = (uint16_t)block_len;

@@ -4,7 +4,7 @@
  * Objects floor of the core, above event.c (a returned ticket carries a
  * consumer's event, which the producer waits for) and below ipc.c and
  * bundle.c (handles and bundles hand out the tickets). The broker
- * (linux/fdxfer.c) moves release requests to usmipc__release_arrived, which
+ * (linux/broker.c) moves release requests to usmipc__release_arrived, which
  * this module registers with it at its first ticket: the transport names no
  * object.
  *
@@ -87,7 +87,7 @@ static int release_new(usmipc__release_t **out) {
   if (rc == 0) {
     /* Consumers return tickets to the broker, which hands them here. */
     usmipc__broker_on_release(usmipc__release_arrived);
-    rc = usmipc__fdxfer_serve();
+    rc = usmipc__broker_serve();
   }
   if (rc != 0) {
     free(r);

@@ -70,7 +70,7 @@ int usmipc__export_region(usmipc__region_t *r) {
   r->fd_number = UINT32_MAX;
   if (fd >= 0) {
     usmipc__fd_grant_t grant;
-    rc = usmipc__fdxfer_publish(fd, r->buffer_id, !r->alloc.fd_is_device_buffer,
+    rc = usmipc__broker_publish(fd, r->buffer_id, !r->alloc.fd_is_device_buffer,
                                 &grant);
     if (rc != 0)
       return rc;
@@ -84,14 +84,14 @@ int usmipc__export_region(usmipc__region_t *r) {
    * without a round trip to this process; the broker hands it to importers
    * that cannot take it themselves. */
   if (fd < 0 && ((rc = usmipc__random(r->token, 16)) != 0 ||
-                 (rc = usmipc__fdxfer_serve()) != 0))
+                 (rc = usmipc__broker_serve()) != 0))
     return rc;
   rc = usmipc__exports_add(r->buffer_id, r->fd_number, r->alloc.size,
                            usmipc__slot_tag(usmipc__self()->key, r->token),
                            &r->export_slot, &r->table_fd_number);
   if (rc != 0) {
     if (fd >= 0)
-      usmipc__fdxfer_withdraw(r->buffer_id);
+      usmipc__broker_withdraw(r->buffer_id);
     return rc;
   }
   r->exported = true;
@@ -220,7 +220,7 @@ static int export_chunks(usmipc_device_t *device, usmipc__chunk_run_t *run,
     }
   }
   usmipc__fd_grant_t grant;
-  if (rc == 0 && (rc = usmipc__fdxfer_publish_fds(
+  if (rc == 0 && (rc = usmipc__broker_publish_fds(
                       run->fds, run->count, buffer_id, false, &grant)) == 0) {
     memcpy(e->fds, run->fds, run->count * sizeof(int));
     e->nfds = run->count;
@@ -246,7 +246,7 @@ static void foreign_release(foreign_export_t *e, bool slotted) {
   if (slotted)
     usmipc__exports_remove(e->slot);
   if (e->nfds > 0)
-    usmipc__fdxfer_withdraw(e->buffer_id);
+    usmipc__broker_withdraw(e->buffer_id);
   for (uint32_t i = 0; i < e->nfds; i++)
     close(e->fds[i]);
   free(e->fds);
@@ -300,7 +300,7 @@ int usmipc__export_foreign(const void *ptr, size_t nbytes,
                         "through a descriptor is not supported",
                         ptr);
     if (rc == 0 && run == NULL && (rc = usmipc__random(e->token, 16)) == 0)
-      rc = usmipc__fdxfer_serve();
+      rc = usmipc__broker_serve();
     if (rc == 0)
       rc = usmipc__exports_add(buffer_id,
                                e->nfds > 0 ? e->fd_number : UINT32_MAX, a.size,
@@ -333,7 +333,7 @@ int usmipc__export_foreign(const void *ptr, size_t nbytes,
     w.fd_dev = e->fd_dev;
     w.fd_ino = e->fd_ino;
   }
-  if (usmipc__fdxfer_socket_dir())
+  if (usmipc__broker_socket_dir())
     w.flags |= USMIPC__WIRE_FLAG_SOCKET_DIR;
   if (e->chunks_len > 0) /* a run's record */
     memcpy(w.ext, e->chunks_rec, e->chunks_len);
@@ -410,7 +410,7 @@ int usmipc_ipc_revoke(const void *ptr) {
     }
   }
   if (withdraw != 0) /* under the lock: a re-export must not race it */
-    usmipc__fdxfer_withdraw(withdraw);
+    usmipc__broker_withdraw(withdraw);
   pthread_mutex_unlock(&usmipc__registry_lock);
   if (!revoked)
     return usmipc__fail(USMIPC_EUNKNOWNPTR,

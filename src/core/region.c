@@ -251,7 +251,7 @@ int usmipc__local_free(void *ptr) {
   if (exported) {
     usmipc__exports_remove(r->export_slot);
     if (r->alloc.fd >= 0)
-      usmipc__fdxfer_withdraw(r->buffer_id);
+      usmipc__broker_withdraw(r->buffer_id);
   }
   if (release_now)
     usmipc__region_release_local(r);

@@ -350,7 +350,7 @@ TEST_IMPL(fdbatch_runs_apart) {
   }
   const uint64_t run_id = usmipc__new_buffer_id();
   usmipc__fd_grant_t grant;
-  ASSERT_OK(usmipc__fdxfer_publish_fds(run, K, run_id, false, &grant));
+  ASSERT_OK(usmipc__broker_publish_fds(run, K, run_id, false, &grant));
   ASSERT(!grant.reopenable);
   usmipc_stats_t s0, s1;
   ASSERT_OK(usmipc_get_stats(&s0, sizeof(s0)));
@@ -448,7 +448,7 @@ TEST_IMPL(fdbatch_runs_apart) {
    * importer: it counted fewer), the last batch and the prefetch: none for
    * the entry that named the run. */
   ASSERT_UEQ(s1.descriptors_sent - s0.descriptors_sent, 1 + K + K + 2 + 2);
-  usmipc__fdxfer_withdraw(run_id);
+  usmipc__broker_withdraw(run_id);
   for (int i = 0; i < K; i++)
     close(run[i]);
   exports_free(e);

@@ -22,7 +22,7 @@ missing=0
 for f in LICENSE README.md CHANGELOG.md pyproject.toml CMakeLists.txt \
          cmake/usmipc.pc.in cmake/usmipcConfig.cmake.in include/usmipc.h \
          include/usmipc/errno.h src/wire/handle.c src/backend/backend.h \
-         src/linux/fdxfer.c src/tools/usmipc_helper.c python/CMakeLists.txt \
+         src/linux/broker.c src/tools/usmipc_helper.c python/CMakeLists.txt \
          python/usmipc/__init__.py python/usmipc/_usmipc.pyi \
          python/usmipc/py.typed python/usmipc/_ext/module.c PKG-INFO; do
   grep -qx "$f" "$work/contents" || { echo "sdist lacks $f" >&2; missing=1; }
