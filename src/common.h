@@ -160,7 +160,7 @@ struct usmipc_device {
   usmipc_device_type_t type;
   int index;   /* among devices of the same backend and type */
   int ordinal; /* probe order within the backend */
-  int has_ipc;
+  int has_ipc; /* the probe's word; read through usmipc__device_ipc_aspect */
   uint8_t uuid[16];
   char name[128];  /* empty until ops->device_name fills it, if lazy */
   int name_ready;  /* read with acquire */
@@ -179,6 +179,10 @@ usmipc_device_t *usmipc__device_by_ordinal(usmipc_backend_t backend,
 usmipc_device_t *usmipc__device_by_uuid(usmipc_backend_t backend,
                                         const uint8_t uuid[16]);
 void usmipc__uuid_format(const uint8_t uuid[16], char out[37]);
+/* The device's IPC aspect as known now: what its probe said, unless the
+ * backend has since found its IPC broken (ipc_failed: Level Zero's failed
+ * self-test). Runs no test; usmipc_device_has_ipc runs ipc_check too. */
+bool usmipc__device_ipc_aspect(const usmipc_device_t *d);
 
 /* ---- the region registry (core/region.c)
  * --------------------------------------- Every allocation usmipc made and

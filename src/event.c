@@ -346,7 +346,7 @@ static int export_local(usmipc_event_t *ev) {
   if (forked_away(ev))
     return forked_fail();
   usmipc_device_t *dev = ev->device;
-  if (!dev->has_ipc)
+  if (!usmipc__device_ipc_aspect(dev))
     return usmipc__fail(USMIPC_ENOTSUP,
                         "device %s does not support IPC, so its events "
                         "cannot be shared",

@@ -123,15 +123,20 @@ typedef struct usmipc__backend_ops {
                     int fd, uint64_t allocation_size,
                     usmipc__allocation_t *out);
   int (*ipc_unmap)(void *dev, usmipc__allocation_t *mapping);
-  /* Optional (Level Zero): maps memory a SYCL program exported, from its
-   * parsed UMF blob (struct usmipc__umf_blob, common.h) and the dma-buf fd
-   * taken from the exporter (owned by the caller); out->base is the
-   * provider allocation's base in this process. */
   /* Optional: 0 when the device's IPC may be used now, else a code and a
    * message. Called without locks before a first export of an allocation,
    * before every open, and by usmipc_device_has_ipc; it must be cheap once
    * decided (Level Zero's self-test runs on its first call). */
   int (*ipc_check)(void *dev);
+  /* Optional, with ipc_check: true once ipc_check has found the device's IPC
+   * broken (it fails from then on); runs no test. The core reads the IPC
+   * aspect through it (usmipc__device_ipc_aspect), so a backend never
+   * writes the core's devices. */
+  bool (*ipc_failed)(void *dev);
+  /* Optional (Level Zero): maps memory a SYCL program exported, from its
+   * parsed UMF blob (struct usmipc__umf_blob, common.h) and the dma-buf fd
+   * taken from the exporter (owned by the caller); out->base is the
+   * provider allocation's base in this process. */
   int (*ipc_import_sycl)(void *dev, const struct usmipc__umf_blob *blob, int fd,
                          usmipc__allocation_t *out);
 

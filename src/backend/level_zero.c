@@ -398,7 +398,6 @@ typedef struct lz_driver {
   /* The self-test on first IPC use (lz_ipc_check): 0 untested, 1 passed,
    * -1 failed (selftest_reason says why). */
   int selftest_state;
-  pid_t selftest_owner; /* the thread running it, else 0 */
   pthread_mutex_t selftest_lock;
   char selftest_reason[512];
 } lz_driver_t;
@@ -1359,8 +1358,10 @@ static int lz_ipc_import_sycl(void *dev, const usmipc__umf_blob_t *blob, int fd,
  * (export, import, or asking the device's IPC aspect), usmipc checks that it
  * works end to end, in a way the driver cannot short-circuit: a helper
  * process (usmipc-helper ze-selftest) allocates, fills and exports 1 MiB;
- * this process opens it through the whole usmipc path with the descriptor
- * at another number than in the exporter, and compares every byte. If that
+ * a second one (ze-selftest-open) opens it through the whole usmipc path
+ * with the descriptor at another number than in the exporter, and compares
+ * every byte. Both are helpers so that this backend calls no public API of
+ * the library it is part of (backend.h). If that
  * fails, Level Zero IPC is unavailable on this driver, with the reason. The
  * verdict is kept for the process and, per user, driver version, device
  * and boot, in $XDG_RUNTIME_DIR (or ~/.cache): a later process reads it.
@@ -1368,12 +1369,6 @@ static int lz_ipc_import_sycl(void *dev, const usmipc__umf_blob_t *blob, int fd,
  * USMIPC_ZE_SELFTEST=0 skips it, =1 forces it (even on usmipc's test
  * driver, where it is otherwise skipped); USMIPC_HELPER names the helper
  * (default: beside the library, or ../libexec/usmipc/). */
-#define SELFTEST_BYTES (1u << 20)
-
-static uint8_t selftest_byte(size_t i) {
-  return (uint8_t)(i * 31 + (i >> 12) + 7); /* as usmipc-helper writes */
-}
-
 /* Where usmipc-helper is: USMIPC_HELPER, else next to the object that holds
  * this code (libusmipc.so, or the Python extension), else in
  * ../libexec/usmipc/ from it. */
@@ -1491,10 +1486,63 @@ static int read_line(int fd, char *buf, size_t len, int timeout_ms) {
   return 0;
 }
 
-/* The test itself: 0 when the bytes came through; -2 when sharing itself
- * failed (the open, or the bytes: a verdict on the driver); -1 when the
- * test could not run (no helper, the helper failed, a timeout), which is not
- * remembered beyond this process. reason says why. */
+/* Starts usmipc-helper with argv (argv[0] the helper) with the test off in
+ * its environment (the driver's settings kept as they are), its stdin and
+ * stdout our pipes *to and *from; 0, or an errno value. */
+static int spawn_helper(char *const argv[], pid_t *pid, int *to, int *from) {
+  int in[2] = {-1, -1}, out[2] = {-1, -1};
+  if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) {
+    int e = errno;
+    for (int i = 0; i < 2; i++) {
+      if (in[i] >= 0)
+        close(in[i]);
+      if (out[i] >= 0)
+        close(out[i]);
+    }
+    return e;
+  }
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+  posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+  extern char **environ;
+  size_t n_env = 0;
+  while (environ[n_env] != NULL)
+    n_env++;
+  char **env = calloc(n_env + 2, sizeof(*env));
+  int spawned = ENOMEM;
+  if (env != NULL) {
+    size_t k = 0;
+    for (size_t i = 0; i < n_env; i++)
+      if (strncmp(environ[i], "USMIPC_ZE_SELFTEST=", 19) != 0)
+        env[k++] = environ[i];
+    env[k++] = (char *)"USMIPC_ZE_SELFTEST=0";
+    env[k] = NULL;
+    spawned = posix_spawn(pid, argv[0], &fa, NULL, argv, env);
+    free(env);
+  }
+  posix_spawn_file_actions_destroy(&fa);
+  close(in[0]);
+  close(out[1]);
+  if (spawned != 0) {
+    close(in[1]);
+    close(out[0]);
+    return spawned;
+  }
+  *to = in[1];
+  *from = out[0];
+  return 0;
+}
+
+/* The test itself, with two helper processes, so that the library tests its
+ * own path end to end without a backend calling the public API: the
+ * exporter (usmipc-helper ze-selftest) allocates, fills and exports; the
+ * importer (usmipc-helper ze-selftest-open) opens its handle on the same
+ * device, copies the memory back and compares every byte, and says what it
+ * saw. 0 when the bytes came through; -2 when sharing itself failed (the
+ * open, or the bytes: a verdict on the driver); -1 when the test could not
+ * run (no helper, a helper failed, a timeout), which is not remembered
+ * beyond this process. reason says why. */
 static int selftest_run(lz_device_t *d, char *reason, size_t len) {
   char helper[PATH_MAX];
   if (helper_path(helper, sizeof(helper)) != 0) {
@@ -1504,53 +1552,20 @@ static int selftest_run(lz_device_t *d, char *reason, size_t len) {
              "to share without the test");
     return -1;
   }
-  usmipc_device_t *dev =
-      usmipc__device_by_uuid(USMIPC_BACKEND_LEVEL_ZERO, d->uuid);
   char uuid[33];
   for (int i = 0; i < 16; i++)
     snprintf(uuid + 2 * i, 3, "%02x", d->uuid[i]);
-  int to[2] = {-1, -1}, from[2] = {-1, -1};
-  if (dev == NULL || pipe2(to, O_CLOEXEC) != 0 || pipe2(from, O_CLOEXEC) != 0) {
-    snprintf(reason, len, "cannot set up the self-test: %s", strerror(errno));
-    return -1;
-  }
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, to[0], 0);
-  posix_spawn_file_actions_adddup2(&fa, from[1], 1);
-  /* The environment as it is (the driver's settings), the test off. */
-  extern char **environ;
-  size_t n_env = 0;
-  while (environ[n_env] != NULL)
-    n_env++;
-  char **env = calloc(n_env + 2, sizeof(*env));
-  pid_t pid = -1;
-  int spawned = ENOMEM;
-  if (env != NULL) {
-    size_t k = 0;
-    for (size_t i = 0; i < n_env; i++)
-      if (strncmp(environ[i], "USMIPC_ZE_SELFTEST=", 19) != 0)
-        env[k++] = environ[i];
-    env[k++] = (char *)"USMIPC_ZE_SELFTEST=0";
-    env[k] = NULL;
-    char *argv[] = {helper, (char *)"ze-selftest", uuid, NULL};
-    spawned = posix_spawn(&pid, helper, &fa, NULL, argv, env);
-    free(env);
-  }
-  posix_spawn_file_actions_destroy(&fa);
-  close(to[0]);
-  close(from[1]);
+  pid_t pid = -1, opener = -1;
+  int to = -1, from = -1, opener_to = -1, opener_from = -1;
+  char *argv[] = {helper, (char *)"ze-selftest", uuid, NULL};
+  int spawned = spawn_helper(argv, &pid, &to, &from);
   int rc = -1;
-  char line[2048];
-  uint8_t *bytes = NULL, *copy = NULL;
-  void *p = NULL;
-  usmipc_queue_t *q = NULL;
-  int hold = -1;
+  char line[2048], verdict[2048];
   if (spawned != 0) {
     snprintf(reason, len, "cannot start %.300s: %s", helper, strerror(spawned));
     goto out;
   }
-  if (read_line(from[0], line, sizeof(line), 60000) != 0) {
+  if (read_line(from, line, sizeof(line), 60000) != 0) {
     snprintf(reason, len, "the self-test's exporter (%.300s) did not answer",
              helper);
     goto out;
@@ -1559,66 +1574,45 @@ static int selftest_run(lz_device_t *d, char *reason, size_t len) {
     snprintf(reason, len, "the self-test's exporter failed: %.400s", line);
     goto out;
   }
-  size_t hlen = strlen(line + 7) / 2;
-  bytes = malloc(hlen + 1);
-  copy = malloc(SELFTEST_BYTES);
-  if (bytes == NULL || copy == NULL) {
-    snprintf(reason, len, "out of memory");
+  char *open_argv[] = {helper, (char *)"ze-selftest-open", uuid, line + 7,
+                       NULL};
+  if ((spawned = spawn_helper(open_argv, &opener, &opener_to, &opener_from)) !=
+      0) {
+    snprintf(reason, len, "cannot start %.300s: %s", helper, strerror(spawned));
     goto out;
   }
-  for (size_t i = 0; i < hlen; i++) {
-    unsigned v = 0;
-    sscanf(line + 7 + 2 * i, "%2x", &v);
-    bytes[i] = (uint8_t)v;
-  }
-  /* The descriptor must arrive at another number than the exporter's: hold
-   * the exporter's number here if it is the next free one. */
-  usmipc__wire_t w;
-  if (usmipc__wire_decode(bytes, hlen, &w) == 0) {
-    hold = open("/dev/null", O_RDONLY | O_CLOEXEC);
-    if (hold >= 0 && (uint32_t)hold != w.fd_number) {
-      close(hold);
-      hold = -1;
-    }
-  }
-  int orc = usmipc_ipc_open(bytes, hlen, dev, 0, &p, NULL);
-  if (orc != 0) {
-    snprintf(reason, len, "opening the self-test's memory failed: %.400s",
-             usmipc_last_error());
-    rc = -2;
+  if (read_line(opener_from, verdict, sizeof(verdict), 60000) != 0) {
+    snprintf(reason, len, "the self-test's importer (%.300s) did not answer",
+             helper);
     goto out;
   }
-  if (usmipc_queue_create(dev, &q) != 0 ||
-      usmipc_memcpy(q, copy, p, SELFTEST_BYTES) != 0 ||
-      usmipc_queue_synchronize(q) != 0) {
-    snprintf(reason, len, "reading the self-test's memory failed: %.400s",
-             usmipc_last_error());
-    goto out;
+  if (strcmp(verdict, "ok") == 0) {
+    rc = 0;
+  } else {
+    /* "broken REASON" (a verdict on the driver) or "error REASON". */
+    bool broken = strncmp(verdict, "broken ", 7) == 0;
+    const char *said = broken                               ? verdict + 7
+                       : strncmp(verdict, "error ", 6) == 0 ? verdict + 6
+                                                            : verdict;
+    size_t n = strlen(said) < len - 1 ? strlen(said) : len - 1;
+    memcpy(reason, said, n);
+    reason[n] = '\0';
+    rc = broken ? -2 : -1;
   }
-  for (size_t i = 0; i < SELFTEST_BYTES; i++)
-    if (copy[i] != selftest_byte(i)) {
-      snprintf(reason, len,
-               "the memory another process exported read back wrong (byte "
-               "%zu is 0x%02x, not 0x%02x): this driver's IPC maps other "
-               "memory than it was given",
-               i, copy[i], selftest_byte(i));
-      rc = -2;
-      goto out;
-    }
-  rc = 0;
 out:
-  if (q != NULL)
-    usmipc_queue_destroy(q);
-  if (p != NULL)
-    usmipc_ipc_close(p);
-  if (hold >= 0)
-    close(hold);
-  free(bytes);
-  free(copy);
-  if (write(to[1], "done\n", 5) != 5) { /* the helper exits anyway */
+  if (opener_to >= 0)
+    close(opener_to);
+  if (opener_from >= 0)
+    close(opener_from);
+  if (opener > 0)
+    waitpid(opener, NULL, 0);
+  if (to >= 0) {
+    if (write(to, "done\n", 5) != 5) { /* the helper exits anyway */
+    }
+    close(to);
   }
-  close(to[1]);
-  close(from[0]);
+  if (from >= 0)
+    close(from);
   if (pid > 0)
     waitpid(pid, NULL, 0);
   return rc;
@@ -1637,10 +1631,6 @@ static int lz_ipc_check(void *dev) {
                         "Level Zero IPC is unavailable on this driver: its "
                         "self-test failed: %s",
                         drv->selftest_reason);
-  /* The test's own export and open come back here: let them through. */
-  pid_t me = (pid_t)syscall(SYS_gettid);
-  if (__atomic_load_n(&drv->selftest_owner, __ATOMIC_ACQUIRE) == me)
-    return 0;
   pthread_mutex_lock(&drv->selftest_lock);
   if (drv->selftest_state == 0) {
     const char *env = getenv("USMIPC_ZE_SELFTEST");
@@ -1652,30 +1642,28 @@ static int lz_ipc_check(void *dev) {
       selftest_cache_path(d, path, sizeof(path));
       verdict = selftest_cached(path, reason, sizeof(reason));
       if (verdict == 0) {
-        __atomic_store_n(&drv->selftest_owner, me, __ATOMIC_RELEASE);
         int ran = selftest_run(d, reason, sizeof(reason));
-        __atomic_store_n(&drv->selftest_owner, 0, __ATOMIC_RELEASE);
         verdict = ran == 0 ? 1 : -1;
         if (ran != -1) /* a verdict on the driver, not a failure to test */
           selftest_remember(path, verdict > 0, reason);
       }
     }
-    if (verdict < 0) {
+    /* The IPC aspect of the driver's devices says so from now on
+     * (lz_ipc_failed). */
+    if (verdict < 0)
       snprintf(drv->selftest_reason, sizeof(drv->selftest_reason), "%s",
                reason);
-      /* The IPC aspect of the driver's devices says so from now on. */
-      for (int i = 0; i < lz_device_count; i++)
-        if (lz_devices[i].driver == drv) {
-          usmipc_device_t *core = usmipc__device_by_uuid(
-              USMIPC_BACKEND_LEVEL_ZERO, lz_devices[i].uuid);
-          if (core != NULL)
-            core->has_ipc = 0;
-        }
-    }
     __atomic_store_n(&drv->selftest_state, verdict, __ATOMIC_RELEASE);
   }
   pthread_mutex_unlock(&drv->selftest_lock);
   return lz_ipc_check(dev);
+}
+
+/* Whether d's driver failed its self-test: its devices' IPC aspect is off
+ * from then on. Runs no test. */
+static bool lz_ipc_failed(void *dev) {
+  const lz_device_t *d = dev;
+  return __atomic_load_n(&d->driver->selftest_state, __ATOMIC_ACQUIRE) < 0;
 }
 
 static int lz_ipc_unmap(void *dev, usmipc__allocation_t *m) {
@@ -2330,6 +2318,7 @@ const usmipc__backend_ops_t usmipc__level_zero_backend = {
     .ipc_unmap = lz_ipc_unmap,
     .ipc_import_sycl = lz_ipc_import_sycl,
     .ipc_check = lz_ipc_check,
+    .ipc_failed = lz_ipc_failed,
     .event_create = lz_event_create,
     .event_destroy = lz_event_destroy,
     .event_record = lz_event_record,

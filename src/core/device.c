@@ -340,14 +340,19 @@ void usmipc_device_uuid(const usmipc_device_t *d, uint8_t uuid[16]) {
   else
     memset(uuid, 0, 16);
 }
+bool usmipc__device_ipc_aspect(const usmipc_device_t *d) {
+  return d->has_ipc &&
+         (d->ops->ipc_failed == NULL || !d->ops->ipc_failed(d->native));
+}
+
 int usmipc_device_has_ipc(const usmipc_device_t *d) {
-  if (d == NULL || !d->has_ipc)
+  if (d == NULL || !usmipc__device_ipc_aspect(d))
     return 0;
   /* The aspect is the truth, not the driver's claim: a backend that checks
    * its IPC once (Level Zero's self-test) does it now if it has not. */
   if (d->ops->ipc_check != NULL && d->ops->ipc_check(d->native) != 0)
     return 0;
-  return d->has_ipc;
+  return usmipc__device_ipc_aspect(d);
 }
 
 int usmipc_device_get_info(const usmipc_device_t *d, usmipc_device_info_t *out,

@@ -108,7 +108,7 @@ int usmipc__check_export(const void *ptr, usmipc_device_t *device,
                         "cannot export %p: only device memory can be shared "
                         "between processes, and this is %s memory",
                         ptr, a->kind == USMIPC_MEM_HOST ? "host" : "shared");
-  if (!device->has_ipc)
+  if (!usmipc__device_ipc_aspect(device))
     return usmipc__fail(USMIPC_ENOTSUP,
                         "cannot export %p: device %s does not support IPC "
                         "memory (check usmipc_device_has_ipc first)",
