@@ -27,7 +27,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "objects.h"
 
 /* ---- the producer's side --------------------------------------------------
  */

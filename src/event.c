@@ -41,7 +41,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "objects.h"
 #include "util/blake2s.h"
 
 enum { EV_LOCAL = 1, EV_VIEW_LOCAL = 2, EV_IMPORTED = 3 };
@@ -387,7 +387,7 @@ static int export_local(usmipc_event_t *ev) {
 /* The wire of a local event's record point; usmipc__events_lock held. */
 static void local_wire(const usmipc_event_t *ev, uint64_t point,
                        usmipc__wire_t *w) {
-  usmipc__wire_identity(w, ev->device);
+  usmipc__wire_identity(w, ev->device->ops->backend, ev->device->uuid);
   memcpy(w->token, ev->token, 16);
   w->buffer_id = ev->id;
   w->export_slot = ev->slot;

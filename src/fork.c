@@ -46,7 +46,7 @@
  * member nothing references is left out of the link. */
 #include <pthread.h>
 
-#include "common.h"
+#include "objects.h"
 
 const int usmipc__fork_linked = 1;
 

@@ -19,7 +19,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "objects.h"
 #include "util/blake2s.h"
 
 #ifndef SYS_pidfd_open

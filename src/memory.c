@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"
+#include "objects.h"
 
 int usmipc_malloc(usmipc_device_t *device, usmipc_mem_kind_t kind,
                   size_t nbytes, void **ptr) {

@@ -31,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"
+#include "objects.h"
 #include "util/blake2s.h"
 
 #define POOL_MIN_SEGMENT ((size_t)64 << 20)

@@ -5,7 +5,7 @@
  * (core/device.c) and the backends' ops. */
 #include <stdlib.h>
 
-#include "common.h"
+#include "objects.h"
 
 int usmipc_queue_create(usmipc_device_t *device, usmipc_queue_t **queue) {
   if (device == NULL || queue == NULL)

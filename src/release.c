@@ -27,7 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "objects.h"
 #include "util/blake2s.h"
 
 #define RELEASE_BUCKETS 64

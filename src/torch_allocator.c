@@ -36,7 +36,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "common.h"
+#include "objects.h"
 
 #define TORCH_ALIGN ((size_t)512) /* what torch's caching allocator gives */
 #define TORCH_MAX_DEVICES 16

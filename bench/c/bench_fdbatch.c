@@ -16,7 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "objects.h"
 #include "harness.h"
 
 static size_t n_fds = 600;

@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "usmipc.h"
+#include "wire/wire.h"
 
 /* What a backend says about one of its devices at probe time. */
 typedef struct usmipc__device_desc {
@@ -43,29 +43,11 @@ typedef struct usmipc__allocation {
       native; /* backend's own handle (CUmemGenericAllocationHandle, ...) */
 } usmipc__allocation_t;
 
-struct usmipc__umf_blob; /* common.h */
-
-/* The backend-specific part of a wire handle (docs/handle-format.md). */
-#define USMIPC__PAYLOAD_MAX 512
-#define USMIPC__PAYLOAD_EXT_MAX 32
-typedef struct usmipc__payload {
-  uint8_t handle_kind; /* backend-specific sub-kind */
-  uint16_t len;
-  uint8_t bytes[USMIPC__PAYLOAD_MAX];
-  /* The backend's own extension records (docs/handle-format.md: u16 type in
-   * its range, u16 length, bytes), at most 32 bytes: written by ipc_export,
-   * found again by ipc_import (the core copies them in and out of the
-   * handle's extension area). */
-  uint16_t ext_len;
-  uint8_t ext[USMIPC__PAYLOAD_EXT_MAX];
-} usmipc__payload_t;
-
 /* A run of physical chunks of another library's memory, mapped back to back
  * (CUDA VMM: PyTorch's expandable segments map 2 MiB or 20 MiB chunks into
  * one reserved range). At most USMIPC__CHUNKS_MAX chunks, so that their
  * descriptors fit one SCM_RIGHTS message (the kernel's SCM_MAX_FD is 253)
  * with the export table's. */
-#define USMIPC__CHUNKS_MAX 250
 typedef struct usmipc__chunk_run {
   void *base;    /* the first chunk's start */
   uint64_t size; /* the sum of the chunk sizes */
@@ -74,6 +56,10 @@ typedef struct usmipc__chunk_run {
   uint64_t ids[USMIPC__CHUNKS_MAX]; /* each chunk's identity, never reused */
   int fds[USMIPC__CHUNKS_MAX];      /* shareable descriptors, or -1 */
 } usmipc__chunk_run_t;
+
+/* A backend's ipc_import: the allocation is mapped by another thread of
+ * this process right now (positive: never one of the public codes). */
+#define USMIPC__IMPORT_BUSY 1
 
 typedef struct usmipc__backend_ops {
   size_t struct_size; /* sizeof(usmipc__backend_ops_t) when compiled */
@@ -114,7 +100,7 @@ typedef struct usmipc__backend_ops {
    * unless the open crosses devices (peer access). fd is a descriptor
    * received from the exporter (or -1), owned by the caller; on success the
    * backend keeps what it needs in *out (dup'ing fd if it must keep one).
-   * USMIPC__IMPORT_BUSY (common.h): the driver maps an allocation once per
+   * USMIPC__IMPORT_BUSY (above): the driver maps an allocation once per
    * process and another thread of ours holds that mapping now (CUDA's
    * legacy handles); the core looks for it in its registry and retries. */
   int (*ipc_export)(void *dev, usmipc__allocation_t *alloc,
@@ -134,7 +120,7 @@ typedef struct usmipc__backend_ops {
    * writes the core's devices. */
   bool (*ipc_failed)(void *dev);
   /* Optional (Level Zero): maps memory a SYCL program exported, from its
-   * parsed UMF blob (struct usmipc__umf_blob, common.h) and the dma-buf fd
+   * parsed UMF blob (struct usmipc__umf_blob, wire/wire.h) and the dma-buf fd
    * taken from the exporter (owned by the caller); out->base is the
    * provider allocation's base in this process. */
   int (*ipc_import_sycl)(void *dev, const struct usmipc__umf_blob *blob, int fd,
@@ -204,8 +190,6 @@ typedef struct usmipc__backend_ops {
    * peer access, docs/distributed.md). False: the core refuses such opens. */
   bool ipc_import_hidden_owner;
 } usmipc__backend_ops_t;
-
-#define USMIPC__EVENT_PAYLOAD_MAX 128
 
 /* The backends the core knows, in probe order; a new backend adds itself to
  * the table in backend/registry.c and nothing else in the core changes. */

@@ -25,7 +25,7 @@
 #include <unistd.h>
 
 #include "util/blake2s.h"
-#include "common.h"
+#include "backend/backend.h"
 
 #include "cuda_driver.h"
 

@@ -11,7 +11,7 @@
 #include <sys/utsname.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "backend/backend.h"
 
 #define HOST_HANDLE_MEMFD 1 /* payload-less handle: the memory is the fd */
 

@@ -46,7 +46,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "backend/backend.h"
+#include "linux/transport.h"
 
 /* ---- driver types (ze_api.h, Level Zero API 1.4) ----------------------------
  */

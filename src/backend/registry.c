@@ -1,6 +1,6 @@
 /* The backends usmipc knows, in probe order. Adding a backend means adding
  * its ops table here; nothing else in the core changes. */
-#include "backend.h"
+#include "backend/backend.h"
 
 const usmipc__backend_ops_t *const usmipc__backends[] = {
     &usmipc__host_backend,

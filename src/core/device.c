@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"
+#include "core/core.h"
 
 #define MAX_BACKENDS 8
 #define MAX_DEVICES_PER_BACKEND 16

@@ -16,7 +16,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "core/core.h"
 #include "util/blake2s.h"
 
 /* Memory of another library (a torch tensor, a CuPy array) exported by
@@ -128,7 +128,7 @@ int usmipc__check_export(const void *ptr, usmipc_device_t *device,
 void usmipc__export_wire_fill(usmipc__wire_t *w, usmipc_device_t *device,
                               const usmipc__allocation_t *a, uint64_t buffer_id,
                               size_t offset, size_t nbytes) {
-  usmipc__wire_identity(w, device);
+  usmipc__wire_identity(w, device->ops->backend, device->uuid);
   w->fd_number = UINT32_MAX;
   w->export_slot = USMIPC__NO_SLOT;
   w->buffer_id = buffer_id;

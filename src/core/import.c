@@ -22,7 +22,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "core/core.h"
 
 /* Import cache: regions of origin IMPORTED sorted by key, plus the LRU list
  * of those with no open reference (most recently closed at the head). All

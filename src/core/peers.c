@@ -27,7 +27,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "core/core.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"
+#include "core/core.h"
 
 pthread_mutex_t usmipc__registry_lock = PTHREAD_MUTEX_INITIALIZER;
 

@@ -59,7 +59,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "linux/transport.h"
 
 /* How long the broker waits for a connected peer's request. */
 #define CONN_DEADLINE_MS 1000

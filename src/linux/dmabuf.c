@@ -14,7 +14,7 @@
 #include <sys/vfs.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "linux/transport.h"
 
 #define DMA_BUF_MAGIC 0x444d4142u /* "DMAB" */
 

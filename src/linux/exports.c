@@ -43,7 +43,7 @@
 #include <unistd.h>
 
 #include "util/blake2s.h"
-#include "common.h"
+#include "linux/transport.h"
 
 #define FUTEX_OWNER_DIED_ 0x40000000u
 #define FUTEX_TID_MASK_ 0x3fffffffu

@@ -24,7 +24,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "linux/transport.h"
 
 int usmipc__transport_mode(usmipc__transport_t *mode) {
   const char *env = getenv("USMIPC_FD_TRANSPORT");

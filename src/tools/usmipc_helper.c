@@ -27,7 +27,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "wire/wire.h"
 #include "usmipc.h"
 
 #define SELFTEST_BYTES (1u << 20)

@@ -9,7 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "util/util.h"
 
 static int debug_state = -1; /* -1: not read yet */
 

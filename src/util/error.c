@@ -5,7 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "common.h"
+#include "util/util.h"
 
 static _Thread_local char last_message[512];
 static _Thread_local long last_native;

@@ -11,7 +11,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "util/util.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
@@ -78,11 +78,6 @@ uint64_t usmipc__ns_inode(const char *pid, const char *name) {
   struct stat st;
   snprintf(path, sizeof(path), "/proc/%s/ns/%s", pid, name);
   return stat(path, &st) == 0 ? (uint64_t)st.st_ino : 0;
-}
-
-bool usmipc__same_pid_namespace(const usmipc__wire_t *w) {
-  uint64_t mine = usmipc__self()->pid_ns;
-  return w->pid_ns == 0 || mine == 0 || w->pid_ns == mine;
 }
 
 uint64_t usmipc__start_time(const char *pid) {

@@ -4,7 +4,7 @@
  * exact, a snapshot of all of them is not a single instant. */
 #include <string.h>
 
-#include "common.h"
+#include "util/util.h"
 
 usmipc__stats_t usmipc__stats;
 

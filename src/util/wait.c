@@ -11,7 +11,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "common.h"
+#include "util/util.h"
 
 #define DEFAULT_TIMEOUT_MS 5000u
 /* How often a long wait looks at the interrupt handler even without a

@@ -15,7 +15,7 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
-#include "common.h"
+#include "wire/wire.h"
 #include "util/blake2s.h"
 
 /* Request, little-endian:

@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"
+#include "wire/wire.h"
 
 /* ---- checks shared by both sides ---------------------------------------- */
 

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"
+#include "wire/wire.h"
 
 /* "\x89USMIPC\n": the high byte catches 7-bit channels, the newline catches
  * text-mode translation, and no text file starts with it (PNG's trick). */
@@ -484,14 +484,15 @@ static int check_extensions(usmipc__wire_t *w) {
   return 0;
 }
 
-void usmipc__wire_identity(usmipc__wire_t *w, usmipc_device_t *device) {
+void usmipc__wire_identity(usmipc__wire_t *w, usmipc_backend_t backend,
+                           const uint8_t device_uuid[16]) {
   /* Everything but the extension area's bytes, which ext_len bounds. */
   memset(w, 0, offsetof(usmipc__wire_t, ext));
   w->ext_len = 0;
   memset(&w->is_event, 0, sizeof(*w) - offsetof(usmipc__wire_t, is_event));
   const usmipc__process_t *self = usmipc__self();
-  w->backend = device->ops->backend;
-  memcpy(w->device_uuid, device->uuid, 16);
+  w->backend = backend;
+  memcpy(w->device_uuid, device_uuid, 16);
   memcpy(w->boot_id, self->boot_id, 16);
   w->writer_version = USMIPC_VERSION_HEX;
   w->uid = self->uid;
@@ -781,4 +782,9 @@ int usmipc_ipc_handle_data(const usmipc_ipc_handle_t *handle, const void **data,
   *data = handle->data;
   *len = handle->len;
   return 0;
+}
+
+bool usmipc__same_pid_namespace(const usmipc__wire_t *w) {
+  uint64_t mine = usmipc__self()->pid_ns;
+  return w->pid_ns == 0 || mine == 0 || w->pid_ns == mine;
 }

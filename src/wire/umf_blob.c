@@ -24,7 +24,7 @@
  * a clear error, never a read past len. */
 #include <string.h>
 
-#include "common.h"
+#include "wire/wire.h"
 
 static int bad(const char *why) {
   return usmipc__fail(USMIPC_EBADHANDLE,

@@ -8,7 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../../src/common.h" /* usmipc__crc32c, to forge valid bytes */
+#include "objects.h" /* usmipc__crc32c, to forge valid bytes */
 #include "task.h"
 
 #define MiB ((size_t)1 << 20)

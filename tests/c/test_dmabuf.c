@@ -12,7 +12,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "common.h"
+#include "objects.h"
 #include "task.h"
 
 TEST_IMPL(dmabuf_check_refuses_others) {

@@ -9,7 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "common.h" /* usmipc__wire_t, the record layouts, crc32c */
+#include "objects.h" /* usmipc__wire_t, the record layouts, crc32c */
 #include "task.h"
 
 static size_t hex_to_bytes(const char *hex, uint8_t *out, size_t cap) {

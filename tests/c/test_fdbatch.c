@@ -16,7 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "common.h" /* usmipc__wire_t and the internal calls under test */
+#include "objects.h" /* usmipc__wire_t and the internal calls under test */
 #include "task.h"
 
 #define ALLOC_BYTES 4096

@@ -6,7 +6,7 @@
  * an agent, since a same-process open never asks the exporter. */
 #include <unistd.h>
 
-#include "common.h" /* usmipc__wire_t, usmipc__wire_encode/decode, crc32c */
+#include "objects.h" /* usmipc__wire_t, usmipc__wire_encode/decode, crc32c */
 #include "task.h"
 
 /* Byte offsets of the wire format version 1 (docs/handle-format.md) that

@@ -4,7 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "common.h" /* usmipc__wire_t (forged handles), usmipc__pool_free_space */
+#include "objects.h" /* usmipc__wire_t (forged handles), usmipc__pool_free_space */
 #include "task.h"
 
 #define MiB ((size_t)1 << 20)

@@ -4,7 +4,7 @@
  * tests/gpu/test_torch_allocator.py. */
 #include <pthread.h>
 
-#include "common.h"
+#include "objects.h"
 #include "task.h"
 
 #define KiB ((size_t)1 << 10)

@@ -39,7 +39,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "common.h" /* usmipc__wire_t, usmipc__wire_decode: one function */
+#include "objects.h" /* usmipc__wire_t, usmipc__wire_decode: one function */
 #include "task.h"
 
 #ifndef SYS_pidfd_open

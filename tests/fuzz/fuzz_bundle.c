@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"
+#include "objects.h"
 
 #define FUZZ_TARGET "fuzz_bundle"
 #include "fuzz.h"

@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"
+#include "objects.h"
 
 #define FUZZ_TARGET "fuzz_handle"
 #include "fuzz.h"

@@ -24,7 +24,7 @@
 #include <string.h>
 
 #include "util/blake2s.h"
-#include "common.h"
+#include "objects.h"
 
 #define FUZZ_TARGET "fuzz_reply"
 #include "fuzz.h"

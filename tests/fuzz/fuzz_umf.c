@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"
+#include "objects.h"
 
 #define FUZZ_TARGET "fuzz_umf"
 #include "fuzz.h"

@@ -15,7 +15,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "common.h"
+#include "objects.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -33,7 +33,7 @@
 
 #include <level_zero/ze_api.h>
 
-#include "common.h" /* usmipc__wire_t, the backend ops (event payloads) */
+#include "objects.h" /* usmipc__wire_t, the backend ops (event payloads) */
 #include "usmipc.h"
 #include "ze_test_driver.h"
 
