@@ -20,7 +20,10 @@
  *
  * The byte format (its constants, the checks both sides make, the decoder)
  * is wire/bundle_wire.c, documented in docs/handle-format.md ("Bundles");
- * tests/fuzz/fuzz_bundle.c fuzzes the decoder. */
+ * tests/fuzz/fuzz_bundle.c fuzzes the decoder.
+ *
+ * Floor 5 of the core (objects), its highest file: the bundle object calls
+ * the handle calls (ipc.c), release tickets, events and the engines below. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>

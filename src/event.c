@@ -32,7 +32,8 @@
  * Locks: usmipc__events_lock guards local events, rings and the import cache
  * (its place in the library's lock order: fork.c). It is never held across a
  * wait on another process or on the device.
- */
+ *
+ * Floor 5 of the core (objects), above queue.c. */
 #include <errno.h>
 #include <sched.h>
 #include <stdio.h>

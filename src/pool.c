@@ -27,7 +27,10 @@
  * who need separation use separate pools.
  *
  * Locks: the pool's own mutex guards its segments and blocks (its place in
- * the library's lock order: fork.c). */
+ * the library's lock order: fork.c).
+ *
+ * Floor 5 of the core (objects), above event.c: it makes its segments
+ * with core/region.c's local allocation, not the public calls. */
 #include <stdlib.h>
 #include <string.h>
 

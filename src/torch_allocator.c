@@ -28,7 +28,9 @@
  * for the stream instead.
  *
  * Locks: a pool's pending list has its own mutex (its place in the
- * library's lock order: fork.c). */
+ * library's lock order: fork.c).
+ *
+ * Floor 5 of the core (objects), above memory.c and pool.c. */
 #include <ctype.h>
 #include <errno.h>
 #include <sched.h>

@@ -16,7 +16,9 @@
  *    mapped chunk by chunk (PyTorch's expandable segments): a run of k
  *    chunks travels as k descriptors, and the importer maps them back to
  *    back into one reserved range (docs/cuda.md).
- */
+ *
+ * Floor 3 of the core (backends, beside the transport): the core reaches
+ * it only through its ops table (backend.h). */
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -24,8 +26,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "util/blake2s.h"
 #include "backend/backend.h"
+#include "util/blake2s.h"
 
 #include "cuda_driver.h"
 

@@ -2,7 +2,10 @@
  * shared mapping, so it can be shared by handing its file descriptor to
  * another process, which maps the same pages: no copy, and the pages live as
  * long as any process maps them or holds the descriptor. Host and shared
- * memory are private anonymous mappings (page-aligned, like device memory). */
+ * memory are private anonymous mappings (page-aligned, like device memory).
+ *
+ * Floor 3 of the core (backends, beside the transport): the core reaches
+ * it only through its ops table (backend.h). */
 #include <fcntl.h>
 #include <stdio.h>
 #include <string.h>

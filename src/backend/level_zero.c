@@ -31,7 +31,10 @@
  *  - The handle is taken once per allocation (the core caches the export),
  *    kept with the allocation, and released with zeMemPutIpcHandle when the
  *    allocation is freed.
- */
+ *
+ * Floor 3 of the core (backends, beside the transport): the core reaches
+ * it only through its ops table (backend.h), and it calls only the floors
+ * below and linux/dmabuf.c. */
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>

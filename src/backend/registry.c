@@ -1,5 +1,7 @@
 /* The backends usmipc knows, in probe order. Adding a backend means adding
- * its ops table here; nothing else in the core changes. */
+ * its ops table here; nothing else in the core changes.
+ *
+ * Floor 3 of the core (backends): above the three backends it lists. */
 #include "backend/backend.h"
 
 const usmipc__backend_ops_t *const usmipc__backends[] = {

@@ -3,7 +3,9 @@
  * GPU driver, nor the C++ runtime the Level Zero loader pulls in); its
  * devices get stable filter strings ("cuda:gpu:1") and live until the
  * process exits. Listing devices, the default device ("first GPU, else the
- * host") and "gpu"/"cpu" filters probe every backend. */
+ * host") and "gpu"/"cpu" filters probe every backend.
+ *
+ * Floor 4 of the core (registries), its lowest file. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

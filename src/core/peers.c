@@ -15,7 +15,8 @@
  * hold a reference; peers nobody references are kept for a while (so that
  * an importer opening handle after handle of one exporter pays the proof
  * once), at most IDLE_PEERS_MAX of them.
- */
+ *
+ * Floor 4 of the core (registries), under the registry lock of region.c. */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>

@@ -8,7 +8,9 @@
  * lives on the dma-buf pseudo file system (fstatfs reports DMA_BUF_MAGIC,
  * include/uapi/linux/magic.h), and dma_buf_llseek (drivers/dma-buf/
  * dma-buf.c) answers SEEK_END with the buffer's size and accepts only
- * offset 0, so the position it moves is meaningless for a dma-buf. */
+ * offset 0, so the position it moves is meaningless for a dma-buf.
+ *
+ * Floor 3 of the core (transport, linux/). */
 #include <errno.h>
 #include <string.h>
 #include <sys/vfs.h>

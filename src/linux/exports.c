@@ -33,7 +33,9 @@
  * A slot is cleared before its descriptor is closed, so a reader that sees
  * the same even seq before and after pidfd_getfd knows the descriptor it
  * took was the one the slot names.
- */
+ *
+ * Floor 3 of the core (transport, linux/): the exporter writes the table
+ * here; the importer maps and reads it through core/peers.c. */
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,8 +44,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "util/blake2s.h"
 #include "linux/transport.h"
+#include "util/blake2s.h"
 
 #define FUTEX_OWNER_DIED_ 0x40000000u
 #define FUTEX_TID_MASK_ 0x3fffffffu

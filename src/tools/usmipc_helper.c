@@ -27,8 +27,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "wire/wire.h"
 #include "usmipc.h"
+#include "wire/wire.h"
 
 #define SELFTEST_BYTES (1u << 20)
 

@@ -2,7 +2,9 @@
  * code this follows). Portable on purpose: words are loaded and stored a byte
  * at a time, so the result does not depend on the host's byte order or on
  * alignment, and the compiler turns the loops into plain loads on
- * little-endian machines. */
+ * little-endian machines.
+ *
+ * Floor 1 of the core (util): a fixed computation, calling nothing. */
 #include "blake2s.h"
 
 #include <stdlib.h>

@@ -2,7 +2,9 @@
  * backends probed and why one is unavailable, how each open went (cache
  * hit, miss, which transport brought the descriptor), mappings evicted.
  * And, whether or not debugging is on, one warning per USMIPC_* variable
- * whose value is malformed: such a value is never silently ignored. */
+ * whose value is malformed: such a value is never silently ignored.
+ *
+ * Floor 1 of the core (util). */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>

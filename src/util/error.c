@@ -1,6 +1,8 @@
 /* Error codes, their names and texts, and the per-thread message of the last
  * failure. The message is the library's main way to tell a user what was
- * wrong and what to do, so every failure path sets one. */
+ * wrong and what to do, so every failure path sets one.
+ *
+ * Floor 1 of the core (util), its lowest file: everything fails through it. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>

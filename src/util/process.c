@@ -1,5 +1,7 @@
 /* This process's identity as written into exported handles, randomness, and
- * what must be redone in a child after fork(). */
+ * what must be redone in a child after fork().
+ *
+ * Floor 1 of the core (util); fork.c runs its fork hook. */
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>

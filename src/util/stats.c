@@ -1,7 +1,9 @@
 /* Counters of what IPC costs this process, so that a caller (or a test) can
  * see that a second share of the same buffers moved no descriptor and asked
  * no driver for an export or an import. Relaxed atomics: each counter is
- * exact, a snapshot of all of them is not a single instant. */
+ * exact, a snapshot of all of them is not a single instant.
+ *
+ * Floor 1 of the core (util). */
 #include <string.h>
 
 #include "util/util.h"

@@ -5,7 +5,9 @@
  * began, so no number of signals can extend it (a timeout restarted after
  * every EINTR never expires under a periodic signal). Between polls, and
  * after every signal, the interrupt handler a language binding installed
- * decides whether to abandon the open (Ctrl-C in Python). */
+ * decides whether to abandon the open (Ctrl-C in Python).
+ *
+ * Floor 1 of the core (util). */
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>

@@ -15,8 +15,8 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
-#include "wire/wire.h"
 #include "util/blake2s.h"
+#include "wire/wire.h"
 
 /* Request, little-endian:
  *   0 u32 magic, 4 u32 version, 8 u32 exporter pid, 12 u32 want,

@@ -2,7 +2,10 @@
  * specification; this file follows it field by field). Handles arrive from
  * other processes through channels we do not control, so decoding treats the
  * bytes as untrusted: every length, field and the checksum is verified before
- * anything is used, and each defect has its own message. */
+ * anything is used, and each defect has its own message.
+ *
+ * Floor 2 of the core (wire): pure functions of bytes, fuzzed by
+ * tests/fuzz/fuzz_handle.c. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -21,7 +21,9 @@
  * (IpcOpaqueMemoryData). Sources: docs/level-zero.md.
  *
  * Pure, total and fuzzed (tests/fuzz/fuzz_umf.c): any bytes give a blob or
- * a clear error, never a read past len. */
+ * a clear error, never a read past len.
+ *
+ * Floor 2 of the core (wire), fuzzed by tests/fuzz/fuzz_umf.c. */
 #include <string.h>
 
 #include "wire/wire.h"
