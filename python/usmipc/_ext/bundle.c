@@ -87,7 +87,7 @@ typedef struct leaf_info {
                      owner of a DLPack tensor) */
   PyObject *stream_of; /* the leaf whose current stream orders the bundle
                           (torch, CuPy), or NULL; borrowed */
-  usmipc_memory_object_t *mem; /* usmipc memory, borrowed, or NULL */
+  pyusmipc_memory_object_t *mem; /* usmipc memory, borrowed, or NULL */
 } leaf_info_t;
 
 /* A dict of torch dtype objects -> index into DTYPES, filled on first use
@@ -103,7 +103,7 @@ static int fill_int_tuple(PyObject *seq, int64_t *out, int *ndim,
   Py_ssize_t n = PyTuple_Size(t);
   if (n > USMIPC_BUNDLE_MAX_NDIM) {
     Py_DECREF(t);
-    usmipc_value_error("%s has %zd dimensions; at most %d travel",
+    pyusmipc_value_error("%s has %zd dimensions; at most %d travel",
                  what, n, USMIPC_BUNDLE_MAX_NDIM);
     return -1;
   }
@@ -116,7 +116,7 @@ static int fill_int_tuple(PyObject *seq, int64_t *out, int *ndim,
   }
   Py_DECREF(t);
   if (*ndim >= 0 && *ndim != (int)n) {
-    usmipc_value_error("%s: %zd strides for %d dimensions", what,
+    pyusmipc_value_error("%s: %zd strides for %d dimensions", what,
                  n, *ndim);
     return -1;
   }
@@ -131,7 +131,7 @@ static int contiguous_strides(const int64_t *shape, int64_t *strides, int nd) {
   for (int i = nd - 1; i >= 0; i--) {
     strides[i] = step;
     if (shape[i] > 1 && __builtin_mul_overflow(step, shape[i], &step)) {
-      usmipc_value_error("the array has more elements than 64 bits count; "
+      pyusmipc_value_error("the array has more elements than 64 bits count; "
                          "it cannot travel in a bundle");
       return -1;
     }
@@ -170,7 +170,7 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
       return -1;
     }
     if (found < 0) {
-      usmipc_type_error("a tensor of dtype %U cannot travel in a bundle", name);
+      pyusmipc_type_error("a tensor of dtype %U cannot travel in a bundle", name);
       Py_DECREF(name);
       Py_DECREF(dtype);
       return -1;
@@ -190,7 +190,7 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
   Py_DECREF(dtype);
   if (at < 0 || at >= (long)NDTYPES) {
     if (!PyErr_Occurred())
-      usmipc_type_error("the tensor's dtype changed while it was read");
+      pyusmipc_type_error("the tensor's dtype changed while it was read");
     return -1;
   }
   const dtype_entry_t *dt = &DTYPES[at];
@@ -216,7 +216,7 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
   if (rc == 0 && cpu && !empty &&
       (usmipc_pointer_query(L->ptr, &info) != 0 ||
        info.kind != USMIPC_MEM_DEVICE)) {
-    usmipc_kind_error("a CPU tensor of torch's own memory: only device "
+    pyusmipc_kind_error("a CPU tensor of torch's own memory: only device "
                       "memory can be shared (move it to the GPU, or make it "
                       "a view of usmipc memory: torch.from_dlpack("
                       "MemoryUSMDevice(n, device='host:cpu')))");
@@ -249,7 +249,7 @@ static int leaf_cai_fields(PyObject *obj, PyObject *data, PyObject *shape,
                            leaf_info_t *L) {
   if (data == NULL || !PyTuple_Check(data) || PyTuple_Size(data) < 1 ||
       shape == NULL || typestr == NULL || !PyUnicode_Check(typestr)) {
-    usmipc_type_error("__cuda_array_interface__ lacks data, shape or typestr");
+    pyusmipc_type_error("__cuda_array_interface__ lacks data, shape or typestr");
     return -1;
   }
   const char *ts = PyUnicode_AsUTF8AndSize(typestr, NULL);
@@ -261,7 +261,7 @@ static int leaf_cai_fields(PyObject *obj, PyObject *data, PyObject *shape,
       if (DTYPES[i].typestr && strcmp(ts + 1, DTYPES[i].typestr) == 0)
         dt = &DTYPES[i];
   if (dt == NULL) {
-    usmipc_type_error("an array of typestr %s cannot travel in a bundle "
+    pyusmipc_type_error("an array of typestr %s cannot travel in a bundle "
                  "(little-endian bool, int, uint, float, complex can)",
                  ts);
     return -1;
@@ -279,7 +279,7 @@ static int leaf_cai_fields(PyObject *obj, PyObject *data, PyObject *shape,
     int64_t item = dt->bits / 8;
     for (int i = 0; i < nd; i++) {
       if (L->strides[i] % item != 0) {
-        usmipc_value_error("an array whose strides are not whole elements "
+        pyusmipc_value_error("an array whose strides are not whole elements "
                         "cannot travel in a bundle");
         return -1;
       }
@@ -291,14 +291,14 @@ static int leaf_cai_fields(PyObject *obj, PyObject *data, PyObject *shape,
   L->ptr = PyLong_AsVoidPtr(PyTuple_GetItem(data, 0));
   if (PyErr_Occurred())
     return -1;
-  if (usmipc_type_module_is(obj, "cupy"))
+  if (pyusmipc_type_module_is(obj, "cupy"))
     L->stream_of = obj;
   return 0;
 }
 
 static int leaf_cai(PyObject *obj, PyObject *cai, leaf_info_t *L) {
   if (!PyDict_Check(cai)) {
-    usmipc_type_error("__cuda_array_interface__ is not a dict");
+    pyusmipc_type_error("__cuda_array_interface__ is not a dict");
     return -1;
   }
   PyObject *data = NULL, *shape = NULL, *typestr = NULL, *strides = NULL;
@@ -319,7 +319,7 @@ static int leaf_dlpack(PyObject *obj, leaf_info_t *L, int *found) {
   DLTensor t;
   uint64_t flags;
   PyObject *owner;
-  int r = usmipc_dlpack_read(obj, &t, &flags, &owner);
+  int r = pyusmipc_dlpack_read(obj, &t, &flags, &owner);
   *found = r;
   if (r <= 0)
     return r;
@@ -327,7 +327,7 @@ static int leaf_dlpack(PyObject *obj, leaf_info_t *L, int *found) {
       (t.ndim > 0 && t.shape == NULL) || t.dtype.lanes != 1 ||
       dtype_by_code(t.dtype.code, t.dtype.bits) == NULL) {
     Py_DECREF(owner);
-    usmipc_type_error("a DLPack tensor of dtype (code %u, %u bits, %u lanes) or %d "
+    pyusmipc_type_error("a DLPack tensor of dtype (code %u, %u bits, %u lanes) or %d "
                  "dimensions cannot travel in a bundle",
                  t.dtype.code, t.dtype.bits, t.dtype.lanes, (int)t.ndim);
     return -1;
@@ -368,7 +368,7 @@ static int leaf_kind(PyObject *obj) {
    * which may give obj another class and collect this one. */
   PyObject *type = Py_NewRef((PyObject *)Py_TYPE(obj));
   int kind;
-  if (usmipc_type_module_is(obj, "torch") &&
+  if (pyusmipc_type_module_is(obj, "torch") &&
       PyObject_HasAttrString(obj, "data_ptr"))
     kind = LEAF_TORCH;
   else if (PyObject_HasAttrString(type, "__cuda_array_interface__"))
@@ -387,16 +387,16 @@ static int leaf_kind(PyObject *obj) {
 }
 
 /* Reads a leaf into L; -1 with an exception naming what is wrong. */
-static int leaf_read(usmipc_module_state_t *st, PyObject *obj,
+static int leaf_read(pyusmipc_module_state_t *st, PyObject *obj,
                      leaf_info_t *L) {
   int kind;
   memset(L, 0, sizeof(*L));
   L->desc.shape = L->shape;
   L->desc.strides = L->strides;
   if (PyObject_TypeCheck(obj, st->MemoryType)) {
-    usmipc_memory_object_t *m = (usmipc_memory_object_t *)obj;
+    pyusmipc_memory_object_t *m = (pyusmipc_memory_object_t *)obj;
     if (m->closed || m->released) {
-      usmipc_value_error("the memory is closed");
+      pyusmipc_value_error("the memory is closed");
       return -1;
     }
     L->ptr = m->ptr;
@@ -426,7 +426,7 @@ static int leaf_read(usmipc_module_state_t *st, PyObject *obj,
       if (leaf_dlpack(obj, L, &found) < 0)
         return -1;
       if (!found) { /* an interface set on the instance, not its type */
-        cai = usmipc_optional_attr(obj, "__cuda_array_interface__");
+        cai = pyusmipc_optional_attr(obj, "__cuda_array_interface__");
         if (cai != NULL) {
           int rc = leaf_cai(obj, cai, L);
           Py_DECREF(cai);
@@ -440,7 +440,7 @@ static int leaf_read(usmipc_module_state_t *st, PyObject *obj,
       if (!found) {
         PyObject *tn = type_name(obj);
         if (tn != NULL)
-          usmipc_type_error("a %U is not an array: a leaf must be usmipc memory "
+          pyusmipc_type_error("a %U is not an array: a leaf must be usmipc memory "
                        "or have __cuda_array_interface__ or __dlpack__ "
                        "(dicts, lists and tuples hold the leaves)",
                        tn);
@@ -453,7 +453,7 @@ static int leaf_read(usmipc_module_state_t *st, PyObject *obj,
     if (L->strides[i] < 0) {
       Py_XDECREF(L->keep);
       L->keep = NULL;
-      usmipc_value_error("an array with negative strides cannot travel in a "
+      pyusmipc_value_error("an array with negative strides cannot travel in a "
                       "bundle; share a copy");
       return -1;
     }
@@ -481,11 +481,11 @@ typedef struct {
 } Bundle;
 
 typedef struct walk {
-  usmipc_module_state_t *st;
+  pyusmipc_module_state_t *st;
   usmipc_bundle_t *b;
   PyObject *keep;
   PyObject *stream_of; /* first torch/CuPy leaf */
-  usmipc_memory_object_t *mem; /* first usmipc memory leaf */
+  pyusmipc_memory_object_t *mem; /* first usmipc memory leaf */
   void *first_ptr;             /* first leaf with memory */
   PyObject *path;              /* list of keys/indices, for messages */
   int depth;
@@ -509,7 +509,7 @@ static int walk_child(walk_t *w, PyObject *child, PyObject *label,
 }
 
 static int bundle_fail(walk_t *w, int rc) {
-  usmipc_raise(w->st, rc);
+  pyusmipc_raise(w->st, rc);
   return -1;
 }
 
@@ -520,7 +520,7 @@ static void key_not_utf8(walk_t *w, PyObject *k) {
   if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError))
     return;
   PyErr_Clear();
-  usmipc_value_error("the dict key has no UTF-8 form (a lone surrogate?), "
+  pyusmipc_value_error("the dict key has no UTF-8 form (a lone surrogate?), "
                      "and bundle keys travel as UTF-8: use a key of valid "
                      "text");
   PyObject *type, *value, *tb;
@@ -532,7 +532,7 @@ static void key_not_utf8(walk_t *w, PyObject *k) {
 
 static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
   if (++w->depth > 64) {
-    usmipc_value_error("the tree is nested deeper than 64 levels");
+    pyusmipc_value_error("the tree is nested deeper than 64 levels");
     return -1;
   }
   int rc;
@@ -556,7 +556,7 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
         kind == USMIPC_BUNDLE_TUPLE ? PyTuple_Size(items) : PyList_Size(items);
     if (n > UINT32_MAX) {
       Py_DECREF(items);
-      usmipc_value_error("a container too large for a bundle");
+      pyusmipc_value_error("a container too large for a bundle");
       return -1;
     }
     if ((rc = usmipc_bundle_add_container(w->b, kind, (uint32_t)n, key,
@@ -572,7 +572,7 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
         if (!PyUnicode_Check(k)) {
           PyObject *tn = type_name(k);
           if (tn != NULL)
-            usmipc_type_error("dict keys must be str to travel in a bundle, "
+            pyusmipc_type_error("dict keys must be str to travel in a bundle, "
                               "not %U",
                               tn);
           Py_XDECREF(tn);
@@ -674,16 +674,16 @@ static void prefix_path(PyObject *path) {
 
 /* The queue the bundle's handoffs are ordered on, as IPCMemoryHandle picks
  * it; NULL with no exception when unordered. */
-static PyObject *order_queue(usmipc_module_state_t *st, walk_t *w,
+static PyObject *order_queue(pyusmipc_module_state_t *st, walk_t *w,
                              PyObject *stream, int ordered, PyObject *device) {
   if (ordered == 0)
     return NULL;
-  int has = usmipc_device_has_events(st, device);
+  int has = pyusmipc_device_has_events(st, device);
   if (has < 0)
     return NULL;
   if (!has) {
     if (ordered > 0 || stream != NULL) {
-      usmipc_raise_msg(st, USMIPC_ENOTSUP,
+      pyusmipc_raise_msg(st, USMIPC_ENOTSUP,
                        "share(): this device's backend has no events yet, so "
                        "the bundle cannot make consumers wait for the "
                        "producer's work; pass ordered=False and synchronize "
@@ -692,35 +692,35 @@ static PyObject *order_queue(usmipc_module_state_t *st, walk_t *w,
     return NULL;
   }
   if (stream != NULL)
-    return usmipc_queue_from_stream(st, stream, NULL, device, "share()");
+    return pyusmipc_queue_from_stream(st, stream, NULL, device, "share()");
   if (w->mem != NULL)
-    return Py_XNewRef(usmipc_memory_queue_object(w->mem));
+    return Py_XNewRef(pyusmipc_memory_queue_object(w->mem));
   if (w->stream_of != NULL) {
-    PyObject *current = usmipc_foreign_current_stream(w->stream_of);
+    PyObject *current = pyusmipc_foreign_current_stream(w->stream_of);
     if (current == NULL)
       return NULL;
     if (current != Py_None) {
       PyObject *q =
-          usmipc_queue_from_stream(st, current, NULL, device, "share()");
+          pyusmipc_queue_from_stream(st, current, NULL, device, "share()");
       Py_DECREF(current);
       return q;
     }
     Py_DECREF(current);
   }
-  if (usmipc_device_backend(((usmipc_device_object_t *)device)->device) ==
+  if (usmipc_device_backend(((pyusmipc_device_object_t *)device)->device) ==
       USMIPC_BACKEND_CUDA) /* the legacy default stream waits for all */
-    return usmipc_queue_wrap(st, device, NULL, NULL, "share()");
-  return usmipc_default_queue(st, device);
+    return pyusmipc_queue_wrap(st, device, NULL, NULL, "share()");
+  return pyusmipc_default_queue(st, device);
 }
 
 static PyObject *share(PyObject *module, PyObject *const *args,
                        Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"obj", "stream", "ordered", "release"};
   PyObject *a[4];
-  if (usmipc_parse_fastcall("share", args, nargs, kwnames, names, 4, 1, a) < 0)
+  if (pyusmipc_parse_fastcall("share", args, nargs, kwnames, names, 4, 1, a) < 0)
     return NULL;
   if (a[0] == NULL) {
-    usmipc_type_error("share() missing argument 'obj'");
+    pyusmipc_type_error("share() missing argument 'obj'");
     return NULL;
   }
   int ordered = -1, release = 0;
@@ -730,12 +730,12 @@ static PyObject *share(PyObject *module, PyObject *const *args,
   if (a[3] != NULL && (release = PyObject_IsTrue(a[3])) < 0)
     return NULL;
   if (ordered == 0 && a[1] != NULL && a[1] != Py_None) {
-    usmipc_value_error("share(): stream= is what the handoff is ordered on, so "
+    pyusmipc_value_error("share(): stream= is what the handoff is ordered on, so "
                     "it cannot go with ordered=False");
     return NULL;
   }
   PyObject *stream = a[1] == Py_None ? NULL : a[1];
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   Bundle *self = PyObject_GC_New(Bundle, (PyTypeObject *)st->SharedBundleType);
   if (self == NULL)
     return NULL;
@@ -757,7 +757,7 @@ static PyObject *share(PyObject *module, PyObject *const *args,
   if (self->keep == NULL || (w.path = PyList_New(0)) == NULL)
     goto fail;
   if ((rc = usmipc_bundle_create(&self->bundle)) != 0) {
-    usmipc_raise(st, rc);
+    pyusmipc_raise(st, rc);
     goto fail;
   }
   w.b = self->bundle;
@@ -769,7 +769,7 @@ static PyObject *share(PyObject *module, PyObject *const *args,
   rc = usmipc_bundle_finish(self->bundle);
   Py_END_ALLOW_THREADS
   if (rc != 0) {
-    usmipc_raise(st, rc);
+    pyusmipc_raise(st, rc);
     goto fail;
   }
   size_t narr, nseg;
@@ -782,10 +782,10 @@ static PyObject *share(PyObject *module, PyObject *const *args,
     rc = usmipc_pointer_query(w.first_ptr, &info);
     Py_END_ALLOW_THREADS
     if (rc != 0) {
-      usmipc_raise(st, rc);
+      pyusmipc_raise(st, rc);
       goto fail;
     }
-    if ((self->device = usmipc_device_object(st, info.device)) == NULL)
+    if ((self->device = pyusmipc_device_object(st, info.device)) == NULL)
       goto fail;
     self->queue = order_queue(st, &w, stream, ordered, self->device);
     if (self->queue == NULL && PyErr_Occurred())
@@ -814,7 +814,7 @@ static PyObject *bundle_to_bytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   /* Each handoff records anew (an event on the queue, a ticket), and its
    * bytes are copied before another handoff may rewrite them. */
   usmipc_queue_t *q =
-      self->queue ? ((usmipc_queue_object_t *)self->queue)->queue : NULL;
+      self->queue ? ((pyusmipc_queue_object_t *)self->queue)->queue : NULL;
   unsigned flags = self->release ? USMIPC_ORDER_RELEASE : 0;
   usmipc_bundle_t *b = self->bundle;
   char *copy = NULL;
@@ -828,7 +828,7 @@ static PyObject *bundle_to_bytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   pthread_mutex_unlock(&self->order_lock);
   Py_END_ALLOW_THREADS
   if (rc != 0)
-    return usmipc_raise(usmipc_state_from_device(self->device), rc);
+    return pyusmipc_raise(pyusmipc_state_from_device(self->device), rc);
   if (copy == NULL)
     return PyErr_NoMemory();
   PyObject *out = PyBytes_FromStringAndSize(copy, (Py_ssize_t)len);
@@ -837,16 +837,16 @@ static PyObject *bundle_to_bytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *bundle_from_bytes(PyObject *module, PyObject *arg) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   if (!PyBytes_Check(arg)) {
-    usmipc_type_error("_bundle_from_bytes takes bytes");
+    pyusmipc_type_error("_bundle_from_bytes takes bytes");
     return NULL;
   }
   size_t narr = 0, nseg = 0;
   int rc = usmipc_bundle_inspect(PyBytes_AsString(arg),
                                  (size_t)PyBytes_Size(arg), &narr, &nseg);
   if (rc != 0)
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   Bundle *self = PyObject_GC_New(Bundle, (PyTypeObject *)st->SharedBundleType);
   if (self == NULL)
     return NULL;
@@ -906,12 +906,12 @@ static PyObject *bundle_wait_released(PyObject *op, PyObject *const *args,
   static const char *const names[] = {"stream"};
   PyObject *stream = NULL;
   Bundle *self = (Bundle *)op;
-  usmipc_module_state_t *st = PyType_GetModuleState(Py_TYPE(op));
-  if (usmipc_parse_fastcall("wait_released", args, nargs, kwnames, names, 1,
+  pyusmipc_module_state_t *st = PyType_GetModuleState(Py_TYPE(op));
+  if (pyusmipc_parse_fastcall("wait_released", args, nargs, kwnames, names, 1,
                             0, &stream) < 0)
     return NULL;
   if (self->bundle == NULL) {
-    usmipc_value_error("wait_released(): this SharedBundle was made from "
+    pyusmipc_value_error("wait_released(): this SharedBundle was made from "
                        "bytes; only the producer's own (from share()) hands "
                        "out release tickets");
     return NULL;
@@ -919,11 +919,11 @@ static PyObject *bundle_wait_released(PyObject *op, PyObject *const *args,
   PyObject *queue_obj = NULL;
   usmipc_queue_t *queue = NULL;
   if (stream != NULL && stream != Py_None) {
-    if ((queue_obj = usmipc_queue_from_stream(st, stream, NULL, self->device,
+    if ((queue_obj = pyusmipc_queue_from_stream(st, stream, NULL, self->device,
                                               "SharedBundle.wait_released()"))
         == NULL)
       return NULL;
-    queue = ((usmipc_queue_object_t *)queue_obj)->queue;
+    queue = ((pyusmipc_queue_object_t *)queue_obj)->queue;
   }
   usmipc_bundle_t *b = self->bundle;
   int rc;
@@ -934,7 +934,7 @@ static PyObject *bundle_wait_released(PyObject *op, PyObject *const *args,
   if (rc == USMIPC_EINTR && PyErr_Occurred())
     return NULL; /* KeyboardInterrupt from the interrupt hook */
   if (rc != 0)
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   Py_RETURN_NONE;
 }
 
@@ -970,7 +970,7 @@ static void bundle_dealloc(PyObject *op) {
   PyObject_GC_UnTrack(op);
   /* The slot first (its bytes are refused from now on), then the sources
    * may go. */
-  USMIPC_DESTROY_WITHOUT_GIL(usmipc_bundle_t, self->bundle, usmipc_bundle_free);
+  PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_bundle_t, self->bundle, usmipc_bundle_free);
   bundle_clear(op);
   Py_CLEAR(self->keep);
   if (self->lock_ready)
@@ -985,7 +985,7 @@ static PyMethodDef bundle_methods[] = {
      "(usmipc.open_shared opens them). Ordered bundles record a fresh event "
      "on the producer's stream at every call."},
     {"__reduce__", bundle_reduce, METH_NOARGS, NULL},
-    {"wait_released", USMIPC_CMETHOD(bundle_wait_released),
+    {"wait_released", PYUSMIPC_CMETHOD(bundle_wait_released),
      METH_FASTCALL | METH_KEYWORDS,
      "wait_released(stream=None)\n--\n\nWaits until every release ticket "
      "handed out so far came back (the\nevent timeout, "
@@ -1099,7 +1099,7 @@ static ticket_t *ticket_of_bytes(const char *data, Py_ssize_t len) {
  * even if sending fails). A producer that no longer waits (gone, or its
  * bundle freed) is no error, as for mappings. 0, or -1 with an exception
  * set (quiet: none, for deallocation). */
-static int ticket_send(usmipc_module_state_t *st, PyObject *bytes,
+static int ticket_send(pyusmipc_module_state_t *st, PyObject *bytes,
                        usmipc_queue_t *queue, int quiet) {
   const char *data = PyBytes_AsString(bytes);
   Py_ssize_t len = PyBytes_Size(bytes);
@@ -1114,7 +1114,7 @@ static int ticket_send(usmipc_module_state_t *st, PyObject *bytes,
   Py_DECREF(bytes);
   if (rc == 0 || rc == USMIPC_EEXPORTERGONE || quiet)
     return 0;
-  usmipc_raise(st, rc);
+  pyusmipc_raise(st, rc);
   return -1;
 }
 
@@ -1126,13 +1126,13 @@ static int ticket_return(ticket_t *t, PyObject *stream, const char *what,
                          int quiet) {
   if (t == NULL || t->returned)
     return 0;
-  usmipc_module_state_t *st = usmipc_state_from_device(t->device);
+  pyusmipc_module_state_t *st = pyusmipc_state_from_device(t->device);
   PyObject *queue_obj = NULL;
   if (stream != NULL && stream != Py_None) {
     /* The stream's code may drop every array of the open (and release
      * the bytes' open list entry): t is held across it. */
     t->refs++;
-    queue_obj = usmipc_queue_from_stream(st, stream, NULL, t->device, what);
+    queue_obj = pyusmipc_queue_from_stream(st, stream, NULL, t->device, what);
     if (queue_obj == NULL || t->returned) {
       ticket_put(t);
       Py_XDECREF(queue_obj);
@@ -1141,7 +1141,7 @@ static int ticket_return(ticket_t *t, PyObject *stream, const char *what,
   }
   int rc = ticket_send(
       st, t->bytes,
-      queue_obj ? ((usmipc_queue_object_t *)queue_obj)->queue : NULL, quiet);
+      queue_obj ? ((pyusmipc_queue_object_t *)queue_obj)->queue : NULL, quiet);
   if (queue_obj != NULL) {
     ticket_put(t);
     Py_DECREF(queue_obj);
@@ -1200,7 +1200,7 @@ static int arr_release(Arr *self) {
   rc = usmipc_ipc_close(p);
   Py_END_ALLOW_THREADS
   if (rc != 0)
-    return usmipc_raise(usmipc_state_from_device(self->device), rc) ? 0 : -1;
+    return pyusmipc_raise(pyusmipc_state_from_device(self->device), rc) ? 0 : -1;
   return 0;
 }
 
@@ -1274,7 +1274,7 @@ static PyObject *arr_tuple(const int64_t *v, int n, int64_t scale) {
 
 static int check_open(Arr *self) {
   if (self->closed || self->released) {
-    usmipc_value_error("the shared array is closed");
+    pyusmipc_value_error("the shared array is closed");
     return -1;
   }
   return 0;
@@ -1342,7 +1342,7 @@ static PyObject *arr_get_device(PyObject *op, void *c) {
 static usmipc_backend_t arr_backend(const Arr *self) {
   return self->device
              ? usmipc_device_backend(
-                   ((usmipc_device_object_t *)self->device)->device)
+                   ((pyusmipc_device_object_t *)self->device)->device)
              : USMIPC_BACKEND_HOST;
 }
 
@@ -1399,8 +1399,8 @@ static DLDevice arr_dl_device(const Arr *self) {
   if (self->device == NULL)
     return (DLDevice){kDLCPU, 0};
   /* A shared array is a mapping of exported device memory. */
-  usmipc_device_t *dev = ((usmipc_device_object_t *)self->device)->device;
-  return usmipc_dl_device(usmipc_device_backend(dev), USMIPC_MEM_DEVICE,
+  usmipc_device_t *dev = ((pyusmipc_device_object_t *)self->device)->device;
+  return pyusmipc_dl_device(usmipc_device_backend(dev), USMIPC_MEM_DEVICE,
                           usmipc_device_index(dev));
 }
 
@@ -1445,7 +1445,7 @@ static int arr_dlpack_sync(Arr *self, PyObject *stream) {
   ready_t *r = self->ready;
   if (r == NULL || r->event == NULL || stream == NULL || stream == Py_None)
     return 0;
-  usmipc_module_state_t *st = usmipc_state_from_device(self->device);
+  pyusmipc_module_state_t *st = pyusmipc_state_from_device(self->device);
   PyObject *q;
   void *remember = NULL; /* a native stream to mark as synced after the wait */
   int has_native = 0;
@@ -1465,16 +1465,16 @@ static int arr_dlpack_sync(Arr *self, PyObject *stream) {
     for (int i = 0; i < r->nsynced; i++)
       if (r->synced[i] == native)
         return 0;
-    q = usmipc_queue_wrap(st, self->device, native, NULL, "__dlpack__()");
+    q = pyusmipc_queue_wrap(st, self->device, native, NULL, "__dlpack__()");
     remember = native;
     has_native = 1;
   } else {
-    q = usmipc_queue_from_stream(st, stream, NULL, self->device,
+    q = pyusmipc_queue_from_stream(st, stream, NULL, self->device,
                                  "__dlpack__()");
   }
   if (q == NULL)
     return -1;
-  usmipc_queue_t *queue = ((usmipc_queue_object_t *)q)->queue;
+  usmipc_queue_t *queue = ((pyusmipc_queue_object_t *)q)->queue;
   int rc = 0;
   if (usmipc_queue_native(queue) != usmipc_queue_native(r->queue)) {
     usmipc_event_t *ev = r->event;
@@ -1484,7 +1484,7 @@ static int arr_dlpack_sync(Arr *self, PyObject *stream) {
   }
   Py_DECREF(q);
   if (rc != 0) {
-    usmipc_raise(st, rc);
+    pyusmipc_raise(st, rc);
     return -1;
   }
   /* The ready event is recorded once and never again: a stream that
@@ -1502,7 +1502,7 @@ static PyObject *arr_dlpack(PyObject *op, PyObject *const *args,
   static const char *const names[] = {"stream", "max_version", "dl_device",
                                       "copy"};
   PyObject *a[4];
-  if (usmipc_parse_fastcall("__dlpack__", args, nargs, kwnames, names, 4, 0,
+  if (pyusmipc_parse_fastcall("__dlpack__", args, nargs, kwnames, names, 4, 0,
                             a) < 0)
     return NULL;
   if (check_open(self) < 0)
@@ -1536,7 +1536,7 @@ static PyObject *arr_dlpack(PyObject *op, PyObject *const *args,
   int versioned = 0;
   if (a[1] != NULL && a[1] != Py_None) {
     if (!PyTuple_Check(a[1]) || PyTuple_Size(a[1]) < 1) {
-      usmipc_type_error("max_version must be a tuple");
+      pyusmipc_type_error("max_version must be a tuple");
       return NULL;
     }
     long major = PyLong_AsLong(PyTuple_GetItem(a[1], 0));
@@ -1577,13 +1577,13 @@ static PyObject *arr_capsule(Arr *self, int versioned) {
     ctx->managed.versioned.deleter = arr_deleter_versioned;
     ctx->managed.versioned.dl_tensor = t;
     capsule = PyCapsule_New(&ctx->managed.versioned, "dltensor_versioned",
-                            usmipc_dl_capsule_destructor);
+                            pyusmipc_dl_capsule_destructor);
   } else {
     ctx->managed.unversioned.manager_ctx = ctx;
     ctx->managed.unversioned.deleter = arr_deleter;
     ctx->managed.unversioned.dl_tensor = t;
     capsule = PyCapsule_New(&ctx->managed.unversioned, "dltensor",
-                            usmipc_dl_capsule_destructor);
+                            pyusmipc_dl_capsule_destructor);
   }
   if (capsule == NULL) {
     Py_DECREF(op);
@@ -1710,13 +1710,13 @@ static PyObject *arr_tobytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)self->extent);
   if (out == NULL || self->extent == 0)
     return out;
-  PyObject *queue = usmipc_default_queue(
-      usmipc_state_from_device(self->device), self->device);
+  PyObject *queue = pyusmipc_default_queue(
+      pyusmipc_state_from_device(self->device), self->device);
   if (queue == NULL) {
     Py_DECREF(out);
     return NULL;
   }
-  usmipc_queue_t *q = ((usmipc_queue_object_t *)queue)->queue;
+  usmipc_queue_t *q = ((pyusmipc_queue_object_t *)queue)->queue;
   char *dst = PyBytes_AsString(out);
   int rc;
   self->exports++; /* a close meanwhile waits for the copy */
@@ -1727,7 +1727,7 @@ static PyObject *arr_tobytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   Py_DECREF(queue);
   if (rc != 0) {
     Py_DECREF(out);
-    return usmipc_raise(usmipc_state_from_device(self->device), rc);
+    return pyusmipc_raise(pyusmipc_state_from_device(self->device), rc);
   }
   return out;
 }
@@ -1741,7 +1741,7 @@ static PyMethodDef arr_methods[] = {
      "tensor or a buffer view of it lives). Idempotent. Closing the last "
      "array of an open returns its release ticket, if the producer asked "
      "for one and it was not returned yet, from the host."},
-    {"__dlpack__", USMIPC_CMETHOD(arr_dlpack),
+    {"__dlpack__", PYUSMIPC_CMETHOD(arr_dlpack),
      METH_FASTCALL | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, "
      "copy=None)\n--\n\nA DLPack capsule of the array, without a copy."},
@@ -1795,7 +1795,7 @@ static PyType_Spec arr_spec = {
 /* ---- open_shared / close_shared ------------------------------------------- */
 
 typedef struct build {
-  usmipc_module_state_t *st;
+  pyusmipc_module_state_t *st;
   const usmipc_bundle_node_t *nodes;
   const usmipc_bundle_array_t *arrays;
   size_t next;
@@ -1891,7 +1891,7 @@ static PyObject *build_node(build_t *b) {
   }
   if (n->kind == USMIPC_BUNDLE_DICT && PyDict_Size(c) != n->count) {
     Py_DECREF(c);
-    usmipc_value_error("open_shared(): a dict of the bundle repeats a key");
+    pyusmipc_value_error("open_shared(): a dict of the bundle repeats a key");
     return NULL;
   }
   return c;
@@ -1901,15 +1901,15 @@ static PyObject *open_shared(PyObject *module, PyObject *const *args,
                              Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"data", "device", "stream", "to"};
   PyObject *a[4];
-  if (usmipc_parse_fastcall("open_shared", args, nargs, kwnames, names, 4, 1,
+  if (pyusmipc_parse_fastcall("open_shared", args, nargs, kwnames, names, 4, 1,
                             a) < 0)
     return NULL;
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   PyObject *convert = NULL;
   if (a[3] != NULL && a[3] != Py_None) {
     if (!PyUnicode_Check(a[3]) ||
         PyUnicode_CompareWithASCIIString(a[3], "torch") != 0) {
-      usmipc_value_error("open_shared(to=...): None (SharedArray leaves) or "
+      pyusmipc_value_error("open_shared(to=...): None (SharedArray leaves) or "
                       "'torch' (torch tensors)");
       return NULL;
     }
@@ -1940,7 +1940,7 @@ static PyObject *open_shared(PyObject *module, PyObject *const *args,
       return NULL;
   }
   if (a[0] == NULL) {
-    usmipc_type_error("open_shared() missing argument 'data'");
+    pyusmipc_type_error("open_shared() missing argument 'data'");
     return NULL;
   }
   PyObject *bytes;
@@ -1957,20 +1957,20 @@ static PyObject *open_shared(PyObject *module, PyObject *const *args,
   }
   PyObject *device, *queue = NULL;
   usmipc_device_t *dev;
-  if (usmipc_optional_device_arg(st, a[1], &device, &dev) < 0) {
+  if (pyusmipc_optional_device_arg(st, a[1], &device, &dev) < 0) {
     Py_DECREF(bytes);
     Py_XDECREF(convert);
     return NULL;
   }
   if (a[2] != NULL && a[2] != Py_None &&
-      (queue = usmipc_queue_from_stream(st, a[2], device, device,
+      (queue = pyusmipc_queue_from_stream(st, a[2], device, device,
                                         "open_shared()")) == NULL) {
     Py_XDECREF(device);
     Py_DECREF(bytes);
     Py_XDECREF(convert);
     return NULL;
   }
-  usmipc_queue_t *q = queue ? ((usmipc_queue_object_t *)queue)->queue : NULL;
+  usmipc_queue_t *q = queue ? ((pyusmipc_queue_object_t *)queue)->queue : NULL;
   const char *data = PyBytes_AsString(bytes);
   size_t len = (size_t)PyBytes_Size(bytes);
   usmipc_opened_bundle_t *ob = NULL;
@@ -1983,14 +1983,14 @@ static PyObject *open_shared(PyObject *module, PyObject *const *args,
     Py_DECREF(bytes);
     Py_XDECREF(queue);
     Py_XDECREF(convert);
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   size_t nnode, narr;
   build_t b = {.st = st, .convert = convert};
   b.nodes = usmipc_opened_bundle_nodes(ob, &nnode);
   b.arrays = usmipc_opened_bundle_arrays(ob, &narr);
   usmipc_device_t *mapped = usmipc_opened_bundle_device(ob);
-  b.device = mapped ? usmipc_device_object(st, mapped) : NULL;
+  b.device = mapped ? pyusmipc_device_object(st, mapped) : NULL;
   b.made = calloc(narr ? narr : 1, sizeof(PyObject *));
   PyObject *tree = NULL;
   if ((mapped != NULL && b.device == NULL) || b.made == NULL) {
@@ -2064,11 +2064,11 @@ done:
  * array (pass what open_shared() returned HINT)". */
 typedef int (*tree_leaf_fn)(void *leaf_ctx, PyObject *array);
 
-static int walk_tree(usmipc_module_state_t *st, PyObject *obj,
+static int walk_tree(pyusmipc_module_state_t *st, PyObject *obj,
                      tree_leaf_fn leaf, void *leaf_ctx, const char *what,
                      const char *hint, int depth) {
   if (depth > 64) {
-    usmipc_value_error("%s: nested too deeply", what);
+    pyusmipc_value_error("%s: nested too deeply", what);
     return -1;
   }
   if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedArrayType))
@@ -2096,7 +2096,7 @@ static int walk_tree(usmipc_module_state_t *st, PyObject *obj,
   }
   PyObject *tn = type_name(obj);
   if (tn != NULL)
-    usmipc_type_error("%s: a %U is not a shared array (pass what "
+    pyusmipc_type_error("%s: a %U is not a shared array (pass what "
                       "open_shared() returned%s)",
                       what, tn, hint);
   Py_XDECREF(tn);
@@ -2110,14 +2110,14 @@ static int close_leaf(void *unused, PyObject *array) {
   return r ? 0 : -1;
 }
 
-static int close_tree(usmipc_module_state_t *st, PyObject *obj) {
+static int close_tree(pyusmipc_module_state_t *st, PyObject *obj) {
   return walk_tree(st, obj, close_leaf, NULL, "close_shared()", "", 0);
 }
 
 /* Returns the tickets of the opens a tree's SharedArray leaves belong to,
  * each once, after the work on stream. */
 typedef struct {
-  usmipc_module_state_t *st;
+  pyusmipc_module_state_t *st;
   PyObject *stream;
   const char *what;
   int strict; /* release_shared(): a leaf without a ticket is refused */
@@ -2129,7 +2129,7 @@ static int release_leaf(void *ctx, PyObject *array) {
   if (a->ticket == NULL && a->unticketed && c->strict) {
     /* What release_shared(bytes) says of the same bytes (the library's
      * message, src/bundle.c usmipc__bundle_ticket), word for word. */
-    usmipc_raise_msg(c->st, USMIPC_EINVAL,
+    pyusmipc_raise_msg(c->st, USMIPC_EINVAL,
                      "usmipc_ipc_release: the bundle carries no release "
                      "ticket (its producer did not order it with "
                      "usmipc_bundle_order_ex(..., USMIPC_ORDER_RELEASE), or "
@@ -2139,7 +2139,7 @@ static int release_leaf(void *ctx, PyObject *array) {
   return ticket_return(a->ticket, c->stream, c->what, 0);
 }
 
-static int release_tree(usmipc_module_state_t *st, PyObject *obj,
+static int release_tree(pyusmipc_module_state_t *st, PyObject *obj,
                         PyObject *stream, const char *what) {
   release_leaf_ctx c = {st, stream, what,
                         strcmp(what, "release_shared()") == 0};
@@ -2153,19 +2153,19 @@ static int release_tree(usmipc_module_state_t *st, PyObject *obj,
  * it is the opens' ticket (returned once; their arrays then send nothing
  * when they close); other bytes go back as given, and are refused as C
  * refuses them (no ticket: USMIPC_EINVAL). */
-static int release_bytes(usmipc_module_state_t *st, PyObject *bytes,
+static int release_bytes(pyusmipc_module_state_t *st, PyObject *bytes,
                          PyObject *stream) {
   ticket_t *t = ticket_of_bytes(PyBytes_AsString(bytes), PyBytes_Size(bytes));
   if (t != NULL)
     return ticket_return(t, stream, "release_shared()", 0);
   PyObject *queue_obj = NULL;
   if (stream != NULL && stream != Py_None &&
-      (queue_obj = usmipc_queue_from_stream(st, stream, NULL, NULL,
+      (queue_obj = pyusmipc_queue_from_stream(st, stream, NULL, NULL,
                                             "release_shared()")) == NULL)
     return -1;
   int rc = ticket_send(
       st, bytes,
-      queue_obj ? ((usmipc_queue_object_t *)queue_obj)->queue : NULL, 0);
+      queue_obj ? ((pyusmipc_queue_object_t *)queue_obj)->queue : NULL, 0);
   Py_XDECREF(queue_obj);
   return rc;
 }
@@ -2174,14 +2174,14 @@ static PyObject *release_shared(PyObject *module, PyObject *const *args,
                                 Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"tree", "stream"};
   PyObject *a[2];
-  if (usmipc_parse_fastcall("release_shared", args, nargs, kwnames, names, 2,
+  if (pyusmipc_parse_fastcall("release_shared", args, nargs, kwnames, names, 2,
                             1, a) < 0)
     return NULL;
   if (a[0] == NULL) {
-    usmipc_type_error("release_shared() missing argument 'tree'");
+    pyusmipc_type_error("release_shared() missing argument 'tree'");
     return NULL;
   }
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   PyObject *obj = a[0];
   int rc;
   if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedArrayType) ||
@@ -2189,7 +2189,7 @@ static PyObject *release_shared(PyObject *module, PyObject *const *args,
     rc = release_tree(st, obj, a[1], "release_shared()");
   } else if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedBundleType)) {
     if (((Bundle *)obj)->bundle != NULL) {
-      usmipc_value_error("release_shared(): this SharedBundle is the "
+      pyusmipc_value_error("release_shared(): this SharedBundle is the "
                          "producer's own (from share()), which hands tickets "
                          "out; a consumer passes what open_shared() returned, "
                          "or the bytes it opened");
@@ -2215,14 +2215,14 @@ static PyObject *close_shared(PyObject *module, PyObject *const *args,
                               Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"tree", "stream"};
   PyObject *a[2];
-  if (usmipc_parse_fastcall("close_shared", args, nargs, kwnames, names, 2, 1,
+  if (pyusmipc_parse_fastcall("close_shared", args, nargs, kwnames, names, 2, 1,
                             a) < 0)
     return NULL;
   if (a[0] == NULL) {
-    usmipc_type_error("close_shared() missing argument 'tree'");
+    pyusmipc_type_error("close_shared() missing argument 'tree'");
     return NULL;
   }
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   /* With a stream, the tickets go back after its work first; without, the
    * last close of each open returns its ticket from the host. */
   if (a[1] != NULL && a[1] != Py_None &&
@@ -2251,7 +2251,7 @@ static PyObject *reset_stats(PyObject *module, PyObject *Py_UNUSED(x)) {
 }
 
 static PyMethodDef bundle_functions[] = {
-    {"share", USMIPC_CMETHOD(share),
+    {"share", PYUSMIPC_CMETHOD(share),
      METH_FASTCALL | METH_KEYWORDS,
      "share(obj, stream=None, ordered=None, release=False)\n--\n\n"
      "Exports an array (usmipc memory, a torch tensor, anything with "
@@ -2265,7 +2265,7 @@ static PyMethodDef bundle_functions[] = {
      "ticket, which the consumer returns with release_shared() (or by "
      "closing what it opened); SharedBundle.wait_released() waits for all "
      "of them."},
-    {"open_shared", USMIPC_CMETHOD(open_shared),
+    {"open_shared", PYUSMIPC_CMETHOD(open_shared),
      METH_FASTCALL | METH_KEYWORDS,
      "open_shared(data, device=None, stream=None, to=None)\n--\n\n"
      "Opens the bytes of a SharedBundle (or the bundle itself): the same "
@@ -2274,14 +2274,14 @@ static PyMethodDef bundle_functions[] = {
      "to='torch' gives torch tensors instead (made from DLPack capsules in "
      "C, faster than torch.from_dlpack per leaf), ready on stream; each "
      "keeps its mapping until it dies."},
-    {"close_shared", USMIPC_CMETHOD(close_shared),
+    {"close_shared", PYUSMIPC_CMETHOD(close_shared),
      METH_FASTCALL | METH_KEYWORDS,
      "close_shared(tree, stream=None)\n--\n\nCloses every SharedArray of "
      "a tree open_shared() returned (they also close when collected). If "
      "the producer asked for a release (share(..., release=True)), the "
      "ticket goes back first: after the work submitted to stream, or, "
      "without one, from the host."},
-    {"release_shared", USMIPC_CMETHOD(release_shared),
+    {"release_shared", PYUSMIPC_CMETHOD(release_shared),
      METH_FASTCALL | METH_KEYWORDS,
      "release_shared(tree, stream=None)\n--\n\nTells the producer of a "
      "bundle shared with release=True that this consumer is done with it, "
@@ -2302,7 +2302,7 @@ static PyMethodDef bundle_functions[] = {
     {NULL, NULL, 0, NULL},
 };
 
-int usmipc_init_bundle_types(PyObject *module, usmipc_module_state_t *st) {
+int pyusmipc_init_bundle_types(PyObject *module, pyusmipc_module_state_t *st) {
   st->SharedBundleType = PyType_FromModuleAndSpec(module, &bundle_spec, NULL);
   st->SharedArrayType = PyType_FromModuleAndSpec(module, &arr_spec, NULL);
   if (st->SharedBundleType == NULL || st->SharedArrayType == NULL ||

@@ -8,19 +8,19 @@
 
 #include <string.h>
 
-#define DEV(o) (((usmipc_device_object_t *)(o))->device)
+#define DEV(o) (((pyusmipc_device_object_t *)(o))->device)
 
-PyObject *usmipc_device_from_arg(usmipc_module_state_t *st, PyObject *arg) {
+PyObject *pyusmipc_device_from_arg(pyusmipc_module_state_t *st, PyObject *arg) {
   const char *filter = NULL;
   if (arg != NULL && arg != Py_None) {
     if (Py_IS_TYPE(arg, st->DeviceType)) {
       return Py_NewRef(arg);
     }
     if (PyObject_TypeCheck(arg, st->QueueType)) {
-      return Py_NewRef(((usmipc_queue_object_t *)arg)->device);
+      return Py_NewRef(((pyusmipc_queue_object_t *)arg)->device);
     }
     if (!PyUnicode_Check(arg)) {
-      usmipc_type_error("expected a usmipc.Device, a usmipc.Queue, a filter string "
+      pyusmipc_type_error("expected a usmipc.Device, a usmipc.Queue, a filter string "
                    "such as 'host:cpu' or None, not %R",
                    (PyObject *)Py_TYPE(arg));
       return NULL;
@@ -31,19 +31,19 @@ PyObject *usmipc_device_from_arg(usmipc_module_state_t *st, PyObject *arg) {
       return NULL;
     }
     if ((Py_ssize_t)strlen(filter) != len) {
-      usmipc_value_error("filter string contains a NUL byte");
+      pyusmipc_value_error("filter string contains a NUL byte");
       return NULL;
     }
   }
   usmipc_device_t *device = NULL;
   int rc = usmipc_device_select(filter, &device);
   if (rc < 0) {
-    return usmipc_raise_as(st, st->DeviceCreationError, rc);
+    return pyusmipc_raise_as(st, st->DeviceCreationError, rc);
   }
-  return usmipc_device_object(st, device);
+  return pyusmipc_device_object(st, device);
 }
 
-int usmipc_optional_device_arg(usmipc_module_state_t *st, PyObject *arg,
+int pyusmipc_optional_device_arg(pyusmipc_module_state_t *st, PyObject *arg,
                                PyObject **device_obj,
                                usmipc_device_t **device) {
   *device_obj = NULL;
@@ -53,7 +53,7 @@ int usmipc_optional_device_arg(usmipc_module_state_t *st, PyObject *arg,
   if (arg == NULL || arg == Py_None) {
     return 0;
   }
-  *device_obj = usmipc_device_from_arg(st, arg);
+  *device_obj = pyusmipc_device_from_arg(st, arg);
   if (*device_obj == NULL) {
     return -1;
   }
@@ -68,18 +68,18 @@ static PyObject *device_new(PyTypeObject *type, PyObject *args,
   static char *kwlist[] = {"filter", NULL};
   PyObject *arg = NULL;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:Device", kwlist, &arg)) {
-    usmipc_retype_parse_error();
+    pyusmipc_retype_parse_error();
     return NULL;
   }
-  usmipc_module_state_t *st = usmipc_state_from_type(type);
+  pyusmipc_module_state_t *st = pyusmipc_state_from_type(type);
   if (st == NULL) {
     return NULL;
   }
-  return usmipc_device_from_arg(st, arg);
+  return pyusmipc_device_from_arg(st, arg);
 }
 
 static void device_dealloc(PyObject *self) {
-  usmipc_object_free(self);
+  pyusmipc_object_free(self);
 }
 
 static PyObject *device_get_name(PyObject *self, void *closure) {
@@ -167,7 +167,7 @@ static Py_hash_t device_hash(PyObject *self) {
 }
 
 static usmipc_device_t *dev_of(PyObject *self) {
-  return ((usmipc_device_object_t *)self)->device;
+  return ((pyusmipc_device_object_t *)self)->device;
 }
 
 static PyObject *device_get_is_gpu(PyObject *self, void *closure) {
@@ -208,7 +208,7 @@ static int device_info(PyObject *self, usmipc_device_info_t *info) {
   rc = usmipc_device_get_info(d, info, sizeof(*info));
   Py_END_ALLOW_THREADS
   if (rc < 0) {
-    usmipc_raise(usmipc_state_from_device(self), rc);
+    pyusmipc_raise(pyusmipc_state_from_device(self), rc);
     return -1;
   }
   return 0;
@@ -348,13 +348,13 @@ static PyType_Slot device_slots[] = {
 
 static PyType_Spec device_spec = {
     .name = "usmipc.Device",
-    .basicsize = sizeof(usmipc_device_object_t),
+    .basicsize = sizeof(pyusmipc_device_object_t),
     .itemsize = 0,
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = device_slots,
 };
 
-int usmipc_init_device_type(PyObject *module, usmipc_module_state_t *st) {
+int pyusmipc_init_device_type(PyObject *module, pyusmipc_module_state_t *st) {
   st->DeviceType =
       (PyTypeObject *)PyType_FromModuleAndSpec(module, &device_spec, NULL);
   if (st->DeviceType == NULL) {

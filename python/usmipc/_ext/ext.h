@@ -10,11 +10,11 @@
  * (Py_LIMITED_API=0x030B0000, abi3): no struct access to PyTypeObject, no
  * PyType_GetModuleByDef (limited only from 3.13). Methods that need the
  * module state are PyCMethods (METH_METHOD) and use their defining class;
- * slot functions walk the type's bases (usmipc_state_from_type) or reach the
+ * slot functions walk the type's bases (pyusmipc_state_from_type) or reach the
  * state through the Device object they hold, whose type is never subclassed.
  */
-#ifndef USMIPC_PY_EXT_H
-#define USMIPC_PY_EXT_H
+#ifndef PYUSMIPC_PY_EXT_H
+#define PYUSMIPC_PY_EXT_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,14 +29,14 @@
 /* One entry per usmipc_device_t seen by this module: its Python Device
  * object (devices live as long as the process, so one object per device)
  * and the device's default Queue, created on first use. */
-typedef struct usmipc_device_slot {
+typedef struct pyusmipc_device_slot {
   usmipc_device_t *device;
   PyObject *device_obj;   /* strong: usmipc.Device */
   PyObject *queue_obj;    /* strong or NULL: usmipc.Queue, the default queue */
   signed char has_events; /* -1 not probed yet, else 0 or 1 */
-} usmipc_device_slot_t;
+} pyusmipc_device_slot_t;
 
-typedef struct usmipc_module_state {
+typedef struct pyusmipc_module_state {
   PyObject *Error;        /* usmipc.Error, a RuntimeError */
   PyObject *TimeoutError; /* usmipc.IPCTimeoutError(Error, TimeoutError) */
   /* usmipc.SyclDeviceCreationError(Error, ValueError): Device() failed */
@@ -63,12 +63,12 @@ typedef struct usmipc_module_state {
   PyObject *SharedBundleType; /* usmipc.SharedBundle (bundle.c) */
   PyObject *SharedArrayType;  /* usmipc.SharedArray */
 
-  usmipc_device_slot_t *slots;
+  pyusmipc_device_slot_t *slots;
   Py_ssize_t nslots;
   Py_ssize_t slots_capacity;
-} usmipc_module_state_t;
+} pyusmipc_module_state_t;
 
-extern PyModuleDef usmipc_module_def;
+extern PyModuleDef pyusmipc_module_def;
 
 /* ---- heap-type objects ---------------------------------------------------
  * Every type of the extension is a heap type; the limited API reaches its
@@ -76,14 +76,14 @@ extern PyModuleDef usmipc_module_def;
 
 /* A new instance of type, zero-filled (its tp_alloc), or NULL with an
  * exception set. */
-static inline PyObject *usmipc_object_alloc(PyTypeObject *type) {
+static inline PyObject *pyusmipc_object_alloc(PyTypeObject *type) {
   allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
   return alloc(type, 0);
 }
 
 /* The last step of a tp_dealloc: frees op with its type's tp_free and drops
  * the reference every instance of a heap type holds to its type. */
-static inline void usmipc_object_free(PyObject *op) {
+static inline void pyusmipc_object_free(PyObject *op) {
   PyTypeObject *tp = Py_TYPE(op);
   freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
   tp_free(op);
@@ -94,7 +94,7 @@ static inline void usmipc_object_free(PyObject *op) {
  * lvalue left NULL, and passes it to destroy without the GIL, as every
  * library call that may block (a driver call) runs; nothing if field is
  * NULL. */
-#define USMIPC_DESTROY_WITHOUT_GIL(type, field, destroy)                       \
+#define PYUSMIPC_DESTROY_WITHOUT_GIL(type, field, destroy)                       \
   do {                                                                         \
     if ((field) != NULL) {                                                     \
       type *taken_ = (field);                                                  \
@@ -109,7 +109,7 @@ static inline void usmipc_object_free(PyObject *op) {
 
 /* The state of the module that defined type (or one of its bases); sets
  * TypeError and returns NULL if none of them belongs to usmipc._usmipc. */
-usmipc_module_state_t *usmipc_state_from_type(PyTypeObject *type);
+pyusmipc_module_state_t *pyusmipc_state_from_type(PyTypeObject *type);
 
 /* Raises the Python exception for a failed usmipc call that returned code,
  * with usmipc_last_error() as the message (so call it right after the
@@ -118,134 +118,134 @@ usmipc_module_state_t *usmipc_state_from_type(PyTypeObject *type);
  * For USMIPC_EINTR with an exception already pending (the one a signal
  * handler raised from the interrupt hook: KeyboardInterrupt) it raises
  * nothing new and leaves that exception to propagate. */
-PyObject *usmipc_raise(usmipc_module_state_t *st, int code);
-/* usmipc_raise with the exception type given (a subclass of usmipc.Error). */
-PyObject *usmipc_raise_as(usmipc_module_state_t *st, PyObject *type, int code);
+PyObject *pyusmipc_raise(pyusmipc_module_state_t *st, int code);
+/* pyusmipc_raise with the exception type given (a subclass of usmipc.Error). */
+PyObject *pyusmipc_raise_as(pyusmipc_module_state_t *st, PyObject *type, int code);
 /* The same with a message of the extension's own. */
-PyObject *usmipc_raise_msg(usmipc_module_state_t *st, int code,
+PyObject *pyusmipc_raise_msg(pyusmipc_module_state_t *st, int code,
                            const char *message);
 /* The same with the message formatted as PyUnicode_FromFormat does. */
-PyObject *usmipc_raise_format(usmipc_module_state_t *st, int code,
+PyObject *pyusmipc_raise_format(pyusmipc_module_state_t *st, int code,
                               const char *format, ...);
 
 /* The extension's own errors, each a usmipc.Error with .code and .name
  * (PyUnicode_FromFormat's conversions; no state needed, the module is
  * found in sys.modules). All return NULL.
- *   usmipc_value_error  usmipc.ArgumentError (a ValueError), USMIPC_EINVAL
- *   usmipc_type_error   usmipc.ArgumentTypeError (a TypeError), EINVAL
- *   usmipc_kind_error   usmipc.MemoryKindError (a TypeError), EMEMKIND */
-PyObject *usmipc_value_error(const char *format, ...);
-PyObject *usmipc_type_error(const char *format, ...);
-PyObject *usmipc_kind_error(const char *format, ...);
+ *   pyusmipc_value_error  usmipc.ArgumentError (a ValueError), USMIPC_EINVAL
+ *   pyusmipc_type_error   usmipc.ArgumentTypeError (a TypeError), EINVAL
+ *   pyusmipc_kind_error   usmipc.MemoryKindError (a TypeError), EMEMKIND */
+PyObject *pyusmipc_value_error(const char *format, ...);
+PyObject *pyusmipc_type_error(const char *format, ...);
+PyObject *pyusmipc_kind_error(const char *format, ...);
 /* After a failed PyArg_Parse*: turns CPython's pending TypeError (a
  * missing or unexpected argument, a wrong type) into ArgumentTypeError with
  * the same message; leaves other exceptions (OverflowError) alone.
  * Returns -1. */
-int usmipc_retype_parse_error(void);
+int pyusmipc_retype_parse_error(void);
 
 /* usmipc.set_ipc_cache_size(entries), which
  * IPCMemoryHandle.set_cache_size(entries) is too. */
-PyObject *usmipc_set_ipc_cache_size(usmipc_module_state_t *st, PyObject *arg);
+PyObject *pyusmipc_set_ipc_cache_size(pyusmipc_module_state_t *st, PyObject *arg);
 
 /* Raises RuntimeError for use after the module state was cleared (only
  * possible from finalizers at interpreter shutdown). Returns NULL. */
-PyObject *usmipc_state_cleared(void);
+PyObject *pyusmipc_state_cleared(void);
 
 /* The Device object for device (new reference). */
-PyObject *usmipc_device_object(usmipc_module_state_t *st,
+PyObject *pyusmipc_device_object(pyusmipc_module_state_t *st,
                                usmipc_device_t *device);
 /* The default Queue of a Device object, created on first use (new ref). */
-PyObject *usmipc_default_queue(usmipc_module_state_t *st, PyObject *device_obj);
+PyObject *pyusmipc_default_queue(pyusmipc_module_state_t *st, PyObject *device_obj);
 /* 1 if the device's backend has events (so memory handles can be ordered),
  * 0 if not (USMIPC_ENOTSUP: Level Zero for now), -1 with an exception set.
  * Probed once per device with an event created and destroyed. */
-int usmipc_device_has_events(usmipc_module_state_t *st, PyObject *device_obj);
+int pyusmipc_device_has_events(pyusmipc_module_state_t *st, PyObject *device_obj);
 
 /* A minimal parser for METH_FASTCALL | METH_KEYWORDS arguments (the limited
  * API has no _PyArg_Parser): fills out[0..nnames) with borrowed references
  * (NULL for arguments not given), names[i] being the keyword of parameter i.
  * The first npositional parameters may also come positionally. Returns 0, or
  * -1 with TypeError set. */
-int usmipc_parse_fastcall(const char *funcname, PyObject *const *args,
+int pyusmipc_parse_fastcall(const char *funcname, PyObject *const *args,
                           Py_ssize_t nargs, PyObject *kwnames,
                           const char *const *names, Py_ssize_t nnames,
                           Py_ssize_t npositional, PyObject **out);
 /* obj.name (new reference), or NULL: with an exception set, or without one
  * when obj has no such attribute (the AttributeError is cleared). */
-PyObject *usmipc_optional_attr(PyObject *obj, const char *name);
-/* usmipc_parse_fastcall for a function of one parameter, name, which must
+PyObject *pyusmipc_optional_attr(PyObject *obj, const char *name);
+/* pyusmipc_parse_fastcall for a function of one parameter, name, which must
  * be given (positionally or by keyword): 0 with *out borrowed, or -1 with
  * TypeError set ("<funcname>() missing argument '<name>'" if absent). */
-int usmipc_parse_one_arg(const char *funcname, const char *name,
+int pyusmipc_parse_one_arg(const char *funcname, const char *name,
                          PyObject *const *args, Py_ssize_t nargs,
                          PyObject *kwnames, PyObject **out);
 
 /* A method table's entry for a function of another signature than
  * PyCFunction (METH_FASTCALL, METH_KEYWORDS, METH_METHOD). */
-#define USMIPC_CMETHOD(f) (PyCFunction)(void (*)(void))(f)
+#define PYUSMIPC_CMETHOD(f) (PyCFunction)(void (*)(void))(f)
 
 /* Classmethods are METH_CLASS functions without METH_METHOD: CPython 3.11
  * gives a bound PyCMethod no __doc__ (help(IPCMemoryHandle.open) showed
  * nothing), a bound PyCFunction its docstring. This defines name, calling
  * impl (a PyCMethod) with the defining class found from cls (the type, or
  * a subclass, of the module's typefield). */
-#define USMIPC_CLASSMETHOD(name, impl, typefield)                              \
-  USMIPC_CLASSMETHOD_CALLING_(name, typefield,                                 \
+#define PYUSMIPC_CLASSMETHOD(name, impl, typefield)                              \
+  PYUSMIPC_CLASSMETHOD_CALLING_(name, typefield,                                 \
                               impl(cls, defining_class_, args, (size_t)nargs,  \
                                    kwnames))
 /* The same for one impl behind several classmethods, told apart by which:
  * name calls impl(defining_class, args, nargs, kwnames, which). */
-#define USMIPC_CLASSMETHOD_WHICH(name, impl, typefield, which)                 \
-  USMIPC_CLASSMETHOD_CALLING_(name, typefield,                                 \
+#define PYUSMIPC_CLASSMETHOD_WHICH(name, impl, typefield, which)                 \
+  PYUSMIPC_CLASSMETHOD_CALLING_(name, typefield,                                 \
                               impl(defining_class_, args, nargs, kwnames,      \
                                    which))
-#define USMIPC_CLASSMETHOD_CALLING_(name, typefield, call)                     \
+#define PYUSMIPC_CLASSMETHOD_CALLING_(name, typefield, call)                     \
   static PyObject *name(PyObject *cls, PyObject *const *args,                 \
                         Py_ssize_t nargs, PyObject *kwnames) {                \
-    usmipc_module_state_t *st_ = usmipc_state_from_type((PyTypeObject *)cls); \
+    pyusmipc_module_state_t *st_ = pyusmipc_state_from_type((PyTypeObject *)cls); \
     if (st_ == NULL)                                                          \
       return NULL;                                                            \
     PyTypeObject *defining_class_ = (PyTypeObject *)st_->typefield;           \
     return call;                                                              \
   }
-#define USMIPC_CLASS_FLAGS (METH_CLASS | METH_FASTCALL | METH_KEYWORDS)
+#define PYUSMIPC_CLASS_FLAGS (METH_CLASS | METH_FASTCALL | METH_KEYWORDS)
 
 /* ---- device.c ------------------------------------------------------------ */
 
-typedef struct usmipc_device_object {
+typedef struct pyusmipc_device_object {
   PyObject_HEAD usmipc_device_t *device;
-} usmipc_device_object_t;
+} pyusmipc_device_object_t;
 
-int usmipc_init_device_type(PyObject *module, usmipc_module_state_t *st);
+int pyusmipc_init_device_type(PyObject *module, pyusmipc_module_state_t *st);
 /* The module state, reached through a Device object (its type is final and
  * was created by this module, so this never fails). */
-static inline usmipc_module_state_t *usmipc_state_from_device(PyObject *dev) {
-  return (usmipc_module_state_t *)PyType_GetModuleState(Py_TYPE(dev));
+static inline pyusmipc_module_state_t *pyusmipc_state_from_device(PyObject *dev) {
+  return (pyusmipc_module_state_t *)PyType_GetModuleState(Py_TYPE(dev));
 }
 /* Converts None (the default device), a Device, a Queue (its device) or a
  * filter string into a Device object (new reference). */
-PyObject *usmipc_device_from_arg(usmipc_module_state_t *st, PyObject *arg);
+PyObject *pyusmipc_device_from_arg(pyusmipc_module_state_t *st, PyObject *arg);
 /* The same for a device= whose None (or absence: arg NULL) means no device
  * given: 0 with *device_obj NULL, or a new reference (and *device, unless
  * device is NULL, its usmipc device); -1 with an exception set. */
-int usmipc_optional_device_arg(usmipc_module_state_t *st, PyObject *arg,
+int pyusmipc_optional_device_arg(pyusmipc_module_state_t *st, PyObject *arg,
                                PyObject **device_obj,
                                usmipc_device_t **device);
 
 /* ---- queue.c ------------------------------------------------------------- */
 
-typedef struct usmipc_queue_object {
+typedef struct pyusmipc_queue_object {
   PyObject_HEAD usmipc_queue_t *queue;
   PyObject *device; /* usmipc.Device */
   /* For a queue wrapping another library's stream (Queue.from_stream): the
    * Python object owning that stream, kept alive as long as the wrapper
    * (the wrapper does not own the native stream). NULL otherwise. */
   PyObject *stream;
-} usmipc_queue_object_t;
+} pyusmipc_queue_object_t;
 
-int usmipc_init_queue_type(PyObject *module, usmipc_module_state_t *st);
+int pyusmipc_init_queue_type(PyObject *module, pyusmipc_module_state_t *st);
 /* A new Queue on a Device object. */
-PyObject *usmipc_queue_new(usmipc_module_state_t *st, PyObject *device_obj);
+PyObject *pyusmipc_queue_new(pyusmipc_module_state_t *st, PyObject *device_obj);
 /* The one resolver behind every stream= argument and Queue.from_stream:
  * obj is a usmipc.Queue (returned as is), a torch.cuda.Stream, a CuPy
  * stream, an object with __cuda_stream__, or an int (a native stream
@@ -257,20 +257,20 @@ PyObject *usmipc_queue_new(usmipc_module_state_t *st, PyObject *device_obj);
  * caller in messages ("Event.record()"). A new reference, or NULL with an
  * exception set. Imports nothing: torch and CuPy objects are recognized
  * by their type's module. */
-PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
+PyObject *pyusmipc_queue_from_stream(pyusmipc_module_state_t *st, PyObject *obj,
                                    PyObject *device, PyObject *fallback,
                                    const char *what);
 /* 1 if the module of obj's type is package or one of its submodules
  * ("torch" for torch.cuda.streams.Stream); never imports anything. */
-int usmipc_type_module_is(PyObject *obj, const char *package);
+int pyusmipc_type_module_is(PyObject *obj, const char *package);
 /* A Queue wrapping the native stream handle native on device_obj, keeping
  * keep (or NULL) alive; ValueError for a non-zero handle on the host. */
-PyObject *usmipc_queue_wrap(usmipc_module_state_t *st, PyObject *device_obj,
+PyObject *pyusmipc_queue_wrap(pyusmipc_module_state_t *st, PyObject *device_obj,
                             void *native, PyObject *keep, const char *what);
 
 /* ---- memory.c ------------------------------------------------------------ */
 
-typedef struct usmipc_memory_object {
+typedef struct pyusmipc_memory_object {
   PyObject_HEAD void *ptr;
   Py_ssize_t nbytes;
   usmipc_mem_kind_t kind;
@@ -307,88 +307,88 @@ typedef struct usmipc_memory_object {
   char is_view;
   char base_export;
   PyObject *base;
-} usmipc_memory_object_t;
+} pyusmipc_memory_object_t;
 
 /* Returns a mapping's release ticket, if it has one not returned yet, after
  * the work submitted to queue (NULL: now). A producer that no longer waits
  * (gone, or its handle freed) is not an error. 0, or -1 with an exception
  * set. ipc_handle.c. */
-int usmipc_mapping_release(usmipc_module_state_t *st, usmipc_memory_object_t *m,
+int pyusmipc_mapping_release(pyusmipc_module_state_t *st, pyusmipc_memory_object_t *m,
                            usmipc_queue_t *queue);
 
-int usmipc_init_memory_types(PyObject *module, usmipc_module_state_t *st);
+int pyusmipc_init_memory_types(PyObject *module, pyusmipc_module_state_t *st);
 /* "device", "host", "shared", or "unknown": the name of a memory kind in
  * messages and in usm_type. */
-const char *usmipc_kind_name(usmipc_mem_kind_t kind);
+const char *pyusmipc_kind_name(usmipc_mem_kind_t kind);
 /* Wraps an open IPC mapping in a new MemoryIPCDevice (steals nothing; on
  * failure the caller still owns the mapping). */
-PyObject *usmipc_mapping_new(usmipc_module_state_t *st, PyObject *device_obj,
+PyObject *pyusmipc_mapping_new(pyusmipc_module_state_t *st, PyObject *device_obj,
                              void *ptr, size_t nbytes);
 /* Closes a MemoryIPCDevice (idempotent); the unmap waits for the last
  * buffer export. Returns 0, or -1 with an exception set. */
-int usmipc_mapping_close(usmipc_module_state_t *st,
-                         usmipc_memory_object_t *mem);
+int pyusmipc_mapping_close(pyusmipc_module_state_t *st,
+                         pyusmipc_memory_object_t *mem);
 
 /* Starts an operation that will run without the GIL: refuses closed memory
  * (ValueError "mapping is closed") and counts the operation like a buffer
  * export, so that a concurrent close defers the unmap. 0 or -1. */
-int usmipc_memory_begin(usmipc_memory_object_t *mem);
+int pyusmipc_memory_begin(pyusmipc_memory_object_t *mem);
 /* Ends it, performing a close requested meanwhile. 0 or -1. */
-int usmipc_memory_end(usmipc_memory_object_t *mem);
+int pyusmipc_memory_end(pyusmipc_memory_object_t *mem);
 /* Copies all nbytes of the memory to dst (host memory), then waits; the
  * GIL is released meanwhile. 0, or -1 with an exception set. */
-int usmipc_memory_copy_out(usmipc_memory_object_t *mem, void *dst);
+int pyusmipc_memory_copy_out(pyusmipc_memory_object_t *mem, void *dst);
 /* The Queue object the memory's copies use (its own, or for a mapping its
  * device's default queue, made on first use). Borrowed; NULL with an
  * exception set. */
-PyObject *usmipc_memory_queue_object(usmipc_memory_object_t *mem);
+PyObject *pyusmipc_memory_queue_object(pyusmipc_memory_object_t *mem);
 
 /* ---- interop.c ----------------------------------------------------------- */
 
 /* _Memory.__sycl_usm_array_interface__: dpctl's dict (data (address, False:
  * not read-only), shape (nbytes,), strides None, typestr '|u1', version 1,
  * syclobj the memory's Queue); a closed mapping describes 0 bytes at 0. */
-PyObject *usmipc_memory_suai(PyObject *self, void *closure);
+PyObject *pyusmipc_memory_suai(PyObject *self, void *closure);
 
 /* What another object's __sycl_usm_array_interface__ describes, checked
  * against what usmipc knows of the pointer (usmipc_pointer_query): the
  * byte range the array spans, the memory's kind, and the device (and the
  * Queue, when syclobj is one) it belongs to. */
-typedef struct usmipc_suai {
+typedef struct pyusmipc_suai {
   void *ptr;        /* the array's lowest byte */
   Py_ssize_t nbytes; /* bytes from ptr to its highest byte, inclusive */
   usmipc_mem_kind_t kind;
   int readonly;     /* data[1] */
   PyObject *device; /* new reference: usmipc.Device */
   PyObject *queue;  /* new reference: usmipc.Queue, or NULL */
-} usmipc_suai_t;
+} pyusmipc_suai_t;
 /* Reads obj's __sycl_usm_array_interface__: 1 with *out filled, 0 if obj
  * has no such attribute, -1 with an exception set (usmipc.ArgumentError for
  * a malformed interface, a syclobj that is not usmipc's, or a pointer that
  * is not memory of that device). what names the caller in messages. */
-int usmipc_suai_read(usmipc_module_state_t *st, PyObject *obj,
-                     const char *what, usmipc_suai_t *out);
+int pyusmipc_suai_read(pyusmipc_module_state_t *st, PyObject *obj,
+                     const char *what, pyusmipc_suai_t *out);
 
 /* The DLPack device of memory of kind on a device of backend whose
  * usmipc_device_index is index: on CUDA kDLCUDA (device memory),
  * kDLCUDAHost or kDLCUDAManaged; on Level Zero kDLOneAPI; on the host the
  * CPU. */
-DLDevice usmipc_dl_device(usmipc_backend_t backend, usmipc_mem_kind_t kind,
+DLDevice pyusmipc_dl_device(usmipc_backend_t backend, usmipc_mem_kind_t kind,
                           int index);
 /* The destructor of the DLPack capsules usmipc exports (memory objects,
  * shared arrays): a capsule no consumer took deletes its tensor, keeping a
  * pending exception aside meanwhile. */
-void usmipc_dl_capsule_destructor(PyObject *capsule);
+void pyusmipc_dl_capsule_destructor(PyObject *capsule);
 
 /* _Memory.__dlpack_device__(), __dlpack__(...), __cuda_array_interface__. */
-PyObject *usmipc_memory_dlpack_device(PyObject *self, PyObject *ignored);
-PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
+PyObject *pyusmipc_memory_dlpack_device(PyObject *self, PyObject *ignored);
+PyObject *pyusmipc_memory_dlpack(PyObject *self, PyObject *const *args,
                                Py_ssize_t nargs, PyObject *kwnames);
-PyObject *usmipc_memory_cuda_array_interface(PyObject *self, void *closure);
+PyObject *pyusmipc_memory_cuda_array_interface(PyObject *self, void *closure);
 /* The byte range of an object with a C-contiguous __cuda_array_interface__:
  * 1 with *ptr and *nbytes set, 0 if obj has no such interface, -1 with an
  * exception set. */
-int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes);
+int pyusmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes);
 /* The byte range of an object with __dlpack__ whose tensor is C-contiguous
  * CUDA device memory (or usmipc's own device memory on the CPU): 1 with
  * *ptr, *nbytes and *owner set, 0 if obj has no __dlpack__, -1 with an
@@ -396,33 +396,33 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes);
  * is not device memory). The capsule is consumed; *owner (a new reference)
  * owns the tensor, and dropping it calls the producer's deleter, which
  * keeps the producer's memory alive until then. */
-int usmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
+int pyusmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
                         PyObject **owner);
 
 /* Reads obj's __dlpack__ tensor: 1 with *tensor, *flags and *owner (a new
  * reference owning the tensor: dropping it calls the producer's deleter)
  * set, 0 if obj has no __dlpack__, -1 with an exception set. The tensor's
  * shape and strides stay valid while *owner lives. */
-int usmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
+int pyusmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
                        PyObject **owner);
 
 /* ---- ipc_handle.c -------------------------------------------------------- */
 
-int usmipc_init_ipc_handle_type(PyObject *module, usmipc_module_state_t *st);
+int pyusmipc_init_ipc_handle_type(PyObject *module, pyusmipc_module_state_t *st);
 /* The stream another library's array is used on now, for ordering its
  * handoffs: torch.cuda.current_stream(tensor.device), CuPy's current
  * stream; Py_None for other arrays. New reference, or NULL. */
-PyObject *usmipc_foreign_current_stream(PyObject *obj);
+PyObject *pyusmipc_foreign_current_stream(PyObject *obj);
 /* The Device object a handle's info names, if this process has it (new
  * reference); Py_None (new reference) if not; NULL with an exception. */
-PyObject *usmipc_device_of_info(usmipc_module_state_t *st,
+PyObject *pyusmipc_device_of_info(pyusmipc_module_state_t *st,
                                 const usmipc_ipc_handle_info_t *info);
 /* The serialized bytes (*data, *len: the handle's own, valid while it
  * lives) and the decoded *info of a library handle, after rc, the code of
  * the call that made it (an error is returned as it is). Needs no GIL: the
  * exporting constructors call it in the same GIL-free stretch as that
  * call. */
-static inline int usmipc_handle_describe(int rc, usmipc_ipc_handle_t *handle,
+static inline int pyusmipc_handle_describe(int rc, usmipc_ipc_handle_t *handle,
                                          const void **data, size_t *len,
                                          usmipc_ipc_handle_info_t *info) {
   if (rc == 0) {
@@ -435,57 +435,57 @@ static inline int usmipc_handle_describe(int rc, usmipc_ipc_handle_t *handle,
 }
 /* Getters (PyGetSetDef) of the fields IPCMemoryHandle and IPCEventHandle
  * decode from their bytes, backend and device_uuid: their closure is
- * USMIPC_INFO_OF(the object's struct), where its info member lies. */
-PyObject *usmipc_info_get_backend(PyObject *self, void *closure);
-PyObject *usmipc_info_get_device_uuid(PyObject *self, void *closure);
-#define USMIPC_INFO_OF(type) ((void *)(uintptr_t)offsetof(type, info))
+ * PYUSMIPC_INFO_OF(the object's struct), where its info member lies. */
+PyObject *pyusmipc_info_get_backend(PyObject *self, void *closure);
+PyObject *pyusmipc_info_get_device_uuid(PyObject *self, void *closure);
+#define PYUSMIPC_INFO_OF(type) ((void *)(uintptr_t)offsetof(type, info))
 /* The info dict of IPCMemoryHandle.inspect() (shared with IPCEventHandle). */
-PyObject *usmipc_handle_info_dict(const usmipc_ipc_handle_info_t *info,
+PyObject *pyusmipc_handle_info_dict(const usmipc_ipc_handle_info_t *info,
                                   Py_ssize_t len);
 
 /* Handle bytes taken from an argument of IPCMemoryHandle's or
  * IPCEventHandle's methods: bytes, any buffer, or a handle object (its
- * bytes). data and len stay valid until usmipc_handle_bytes_release. */
-typedef struct usmipc_handle_bytes {
+ * bytes). data and len stay valid until pyusmipc_handle_bytes_release. */
+typedef struct pyusmipc_handle_bytes {
   const char *data;
   Py_ssize_t len;
   PyObject *arg;  /* the argument (borrowed) */
   PyObject *keep; /* new reference: the bytes object holding data, or NULL */
   Py_buffer view; /* the argument's buffer, when have_view */
   int have_view;
-} usmipc_handle_bytes_t;
+} pyusmipc_handle_bytes_t;
 /* Fills *hb from bytes (a bytes object, stolen, also on failure) that the
  * handle object obj gave. 0, or -1 with an exception set. */
-int usmipc_handle_bytes_of(PyObject *obj, PyObject *bytes,
-                           usmipc_handle_bytes_t *hb);
+int pyusmipc_handle_bytes_of(PyObject *obj, PyObject *bytes,
+                           pyusmipc_handle_bytes_t *hb);
 /* Fills *hb from obj given as bytes or any buffer; for anything else raises
  * usmipc.ArgumentTypeError: other_message for a handle object of
  * other_type (the other kind of handle), else "expected <expected>, not
  * <obj's type>". 0 or -1. A reader first takes its own handle objects
- * (usmipc_handle_bytes_of), then calls this. */
-int usmipc_handle_bytes_read(PyObject *obj, usmipc_handle_bytes_t *hb,
+ * (pyusmipc_handle_bytes_of), then calls this. */
+int pyusmipc_handle_bytes_read(PyObject *obj, pyusmipc_handle_bytes_t *hb,
                              PyTypeObject *other_type,
                              const char *other_message, const char *expected);
 /* The bytes as a bytes object for a handle or mapping to keep (new
  * reference): the handle object's, the argument if it is exactly bytes,
  * else a copy. */
-PyObject *usmipc_handle_bytes_object(const usmipc_handle_bytes_t *hb);
+PyObject *pyusmipc_handle_bytes_object(const pyusmipc_handle_bytes_t *hb);
 /* Releases the buffer and the bytes *hb holds. */
-void usmipc_handle_bytes_release(usmipc_handle_bytes_t *hb);
+void pyusmipc_handle_bytes_release(pyusmipc_handle_bytes_t *hb);
 /* from_bytes() of both handle types: decodes *hb into *info and returns
- * the bytes object the new handle keeps (usmipc_handle_bytes_object).
+ * the bytes object the new handle keeps (pyusmipc_handle_bytes_object).
  * want_event says which kind of handle the caller makes (1: an event's, 0:
  * memory's); bytes of the other kind raise usmipc.ArgumentError
  * wrong_kind, invalid bytes the library's error. NULL then. */
-PyObject *usmipc_handle_bytes_decode(usmipc_module_state_t *st,
-                                     const usmipc_handle_bytes_t *hb,
+PyObject *pyusmipc_handle_bytes_decode(pyusmipc_module_state_t *st,
+                                     const pyusmipc_handle_bytes_t *hb,
                                      usmipc_ipc_handle_info_t *info,
                                      int want_event, const char *wrong_kind);
 /* After a failed open of handle bytes (data, len; data may be NULL) with
  * code rc: for USMIPC_EINVAL on bytes that decode as a handle of the other
  * kind (want_event as above), usmipc.ArgumentError wrong_kind; otherwise
  * the library's error. Returns NULL. */
-PyObject *usmipc_raise_open_error(usmipc_module_state_t *st, int rc,
+PyObject *pyusmipc_raise_open_error(pyusmipc_module_state_t *st, int rc,
                                   const char *data, Py_ssize_t len,
                                   int want_event, const char *wrong_kind);
 
@@ -493,18 +493,18 @@ PyObject *usmipc_raise_open_error(usmipc_module_state_t *st, int rc,
 
 /* usmipc.share, open_shared, close_shared, stats, reset_stats and the types
  * SharedBundle and SharedArray. */
-int usmipc_init_bundle_types(PyObject *module, usmipc_module_state_t *st);
+int pyusmipc_init_bundle_types(PyObject *module, pyusmipc_module_state_t *st);
 
 /* ---- event.c ------------------------------------------------------------- */
 
-typedef struct usmipc_event_object {
+typedef struct pyusmipc_event_object {
   PyObject_HEAD usmipc_event_t *event;
   PyObject *device; /* usmipc.Device */
   char opened;      /* opened from a handle: waits only, cannot record */
-} usmipc_event_object_t;
+} pyusmipc_event_object_t;
 
-int usmipc_init_event_types(PyObject *module, usmipc_module_state_t *st);
+int pyusmipc_init_event_types(PyObject *module, pyusmipc_module_state_t *st);
 /* usmipc.set_event_timeout(seconds) (module.c's method table). */
-PyObject *usmipc_set_event_timeout(PyObject *module, PyObject *arg);
+PyObject *pyusmipc_set_event_timeout(PyObject *module, PyObject *arg);
 
-#endif /* USMIPC_PY_EXT_H */
+#endif /* PYUSMIPC_PY_EXT_H */

@@ -14,26 +14,26 @@
 
 /* ---- module state lookup ------------------------------------------------- */
 
-usmipc_module_state_t *usmipc_state_from_type(PyTypeObject *type) {
+pyusmipc_module_state_t *pyusmipc_state_from_type(PyTypeObject *type) {
   PyTypeObject *t = type;
   while (t != NULL) {
     if (PyType_GetFlags(t) & Py_TPFLAGS_HEAPTYPE) {
       PyObject *module = PyType_GetModule(t); /* borrowed */
       if (module == NULL) {
         PyErr_Clear(); /* a heap type without a module: a Python subclass */
-      } else if (PyModule_GetDef(module) == &usmipc_module_def) {
-        return (usmipc_module_state_t *)PyModule_GetState(module);
+      } else if (PyModule_GetDef(module) == &pyusmipc_module_def) {
+        return (pyusmipc_module_state_t *)PyModule_GetState(module);
       }
     }
     t = (PyTypeObject *)PyType_GetSlot(t, Py_tp_base);
   }
-  usmipc_type_error("usmipc: object's type does not derive from a usmipc type");
+  pyusmipc_type_error("usmipc: object's type does not derive from a usmipc type");
   return NULL;
 }
 
 /* ---- errors -------------------------------------------------------------- */
 
-static PyObject *exception_type_for(usmipc_module_state_t *st, int code) {
+static PyObject *exception_type_for(pyusmipc_module_state_t *st, int code) {
   switch (code) {
   case USMIPC_EINVAL:
   case USMIPC_EBADHANDLE:
@@ -58,16 +58,16 @@ static PyObject *exception_type_for(usmipc_module_state_t *st, int code) {
   }
 }
 
-static PyObject *raise_with_type(usmipc_module_state_t *st, PyObject *type,
+static PyObject *raise_with_type(pyusmipc_module_state_t *st, PyObject *type,
                                  int code, const char *message, long native);
 
-static PyObject *raise_with(usmipc_module_state_t *st, int code,
+static PyObject *raise_with(pyusmipc_module_state_t *st, int code,
                             const char *message, long native) {
   return raise_with_type(st, exception_type_for(st, code), code, message,
                          native);
 }
 
-PyObject *usmipc_raise_as(usmipc_module_state_t *st, PyObject *type,
+PyObject *pyusmipc_raise_as(pyusmipc_module_state_t *st, PyObject *type,
                           int code) {
   const char *message = usmipc_last_error();
   if (message == NULL || message[0] == '\0')
@@ -75,7 +75,7 @@ PyObject *usmipc_raise_as(usmipc_module_state_t *st, PyObject *type,
   return raise_with_type(st, type, code, message, usmipc_last_native_error());
 }
 
-static PyObject *raise_with_type(usmipc_module_state_t *st, PyObject *type,
+static PyObject *raise_with_type(pyusmipc_module_state_t *st, PyObject *type,
                                  int code, const char *message, long native) {
   (void)st;
   if (type == NULL) {
@@ -123,7 +123,7 @@ static PyObject *raise_with_type(usmipc_module_state_t *st, PyObject *type,
   return NULL;
 }
 
-PyObject *usmipc_raise(usmipc_module_state_t *st, int code) {
+PyObject *pyusmipc_raise(pyusmipc_module_state_t *st, int code) {
   if (code == USMIPC_EINTR && PyErr_Occurred()) {
     /* The interrupt hook ran a signal handler that raised (Ctrl-C:
      * KeyboardInterrupt) and so abandoned the call: that exception, left
@@ -140,12 +140,12 @@ PyObject *usmipc_raise(usmipc_module_state_t *st, int code) {
   return raise_with(st, code, message, native);
 }
 
-PyObject *usmipc_raise_msg(usmipc_module_state_t *st, int code,
+PyObject *pyusmipc_raise_msg(pyusmipc_module_state_t *st, int code,
                            const char *message) {
   return raise_with(st, code, message, 0);
 }
 
-PyObject *usmipc_raise_format(usmipc_module_state_t *st, int code,
+PyObject *pyusmipc_raise_format(pyusmipc_module_state_t *st, int code,
                               const char *format, ...) {
   va_list ap;
   va_start(ap, format);
@@ -156,7 +156,7 @@ PyObject *usmipc_raise_format(usmipc_module_state_t *st, int code,
   }
   const char *message = PyUnicode_AsUTF8AndSize(text, NULL);
   if (message != NULL) {
-    usmipc_raise_msg(st, code, message);
+    pyusmipc_raise_msg(st, code, message);
   }
   Py_DECREF(text);
   return NULL;
@@ -171,7 +171,7 @@ PyObject *usmipc_raise_format(usmipc_module_state_t *st, int code,
  * errors are the slow path. If the module is gone (interpreter shutdown),
  * the plain built-in exception is raised instead. */
 
-static usmipc_module_state_t *state_of_imported_module(void) {
+static pyusmipc_module_state_t *state_of_imported_module(void) {
   PyObject *name = PyUnicode_FromString("usmipc._usmipc");
   if (name == NULL) {
     return NULL;
@@ -182,8 +182,8 @@ static usmipc_module_state_t *state_of_imported_module(void) {
     PyErr_Clear();
     return NULL;
   }
-  usmipc_module_state_t *st = NULL;
-  if (PyModule_Check(module) && PyModule_GetDef(module) == &usmipc_module_def) {
+  pyusmipc_module_state_t *st = NULL;
+  if (PyModule_Check(module) && PyModule_GetDef(module) == &pyusmipc_module_def) {
     st = PyModule_GetState(module);
   } else {
     PyErr_Clear();
@@ -198,7 +198,7 @@ static PyObject *raise_own(int which, const char *format, va_list va) {
   if (text == NULL) {
     return NULL;
   }
-  usmipc_module_state_t *st = state_of_imported_module();
+  pyusmipc_module_state_t *st = state_of_imported_module();
   PyObject *type = NULL, *builtin;
   int code;
   switch (which) {
@@ -233,7 +233,7 @@ static PyObject *raise_own(int which, const char *format, va_list va) {
   return NULL;
 }
 
-PyObject *usmipc_value_error(const char *format, ...) {
+PyObject *pyusmipc_value_error(const char *format, ...) {
   va_list va;
   va_start(va, format);
   raise_own(0, format, va);
@@ -241,7 +241,7 @@ PyObject *usmipc_value_error(const char *format, ...) {
   return NULL;
 }
 
-PyObject *usmipc_type_error(const char *format, ...) {
+PyObject *pyusmipc_type_error(const char *format, ...) {
   va_list va;
   va_start(va, format);
   raise_own(1, format, va);
@@ -249,7 +249,7 @@ PyObject *usmipc_type_error(const char *format, ...) {
   return NULL;
 }
 
-PyObject *usmipc_kind_error(const char *format, ...) {
+PyObject *pyusmipc_kind_error(const char *format, ...) {
   va_list va;
   va_start(va, format);
   raise_own(2, format, va);
@@ -257,14 +257,14 @@ PyObject *usmipc_kind_error(const char *format, ...) {
   return NULL;
 }
 
-int usmipc_retype_parse_error(void) {
+int pyusmipc_retype_parse_error(void) {
   if (!PyErr_Occurred() || !PyErr_ExceptionMatches(PyExc_TypeError)) {
     return -1;
   }
   PyObject *type, *value, *traceback;
   PyErr_Fetch(&type, &value, &traceback);
   PyErr_NormalizeException(&type, &value, &traceback);
-  usmipc_module_state_t *st = state_of_imported_module();
+  pyusmipc_module_state_t *st = state_of_imported_module();
   if (st == NULL || st->ArgumentTypeError == NULL ||
       type != PyExc_TypeError || value == NULL) {
     /* already one of ours (or a subclass someone raised): leave it */
@@ -287,7 +287,7 @@ int usmipc_retype_parse_error(void) {
   return -1;
 }
 
-PyObject *usmipc_state_cleared(void) {
+PyObject *pyusmipc_state_cleared(void) {
   PyErr_SetString(PyExc_RuntimeError,
                   "usmipc: the usmipc._usmipc module was already finalized");
   return NULL;
@@ -295,7 +295,7 @@ PyObject *usmipc_state_cleared(void) {
 
 /* ---- the per-device cache ------------------------------------------------ */
 
-static usmipc_device_slot_t *find_slot(usmipc_module_state_t *st,
+static pyusmipc_device_slot_t *find_slot(pyusmipc_module_state_t *st,
                                        usmipc_device_t *device) {
   for (Py_ssize_t i = 0; i < st->nslots; i++) {
     if (st->slots[i].device == device) {
@@ -305,18 +305,18 @@ static usmipc_device_slot_t *find_slot(usmipc_module_state_t *st,
   return NULL;
 }
 
-PyObject *usmipc_device_object(usmipc_module_state_t *st,
+PyObject *pyusmipc_device_object(pyusmipc_module_state_t *st,
                                usmipc_device_t *device) {
-  usmipc_device_slot_t *slot = find_slot(st, device);
+  pyusmipc_device_slot_t *slot = find_slot(st, device);
   if (slot != NULL) {
     return Py_NewRef(slot->device_obj);
   }
   if (st->DeviceType == NULL) {
-    return usmipc_state_cleared();
+    return pyusmipc_state_cleared();
   }
   if (st->nslots == st->slots_capacity) {
     Py_ssize_t capacity = st->slots_capacity ? st->slots_capacity * 2 : 8;
-    usmipc_device_slot_t *slots =
+    pyusmipc_device_slot_t *slots =
         PyMem_Realloc(st->slots, (size_t)capacity * sizeof(*slots));
     if (slots == NULL) {
       return PyErr_NoMemory();
@@ -324,11 +324,11 @@ PyObject *usmipc_device_object(usmipc_module_state_t *st,
     st->slots = slots;
     st->slots_capacity = capacity;
   }
-  PyObject *obj = usmipc_object_alloc(st->DeviceType);
+  PyObject *obj = pyusmipc_object_alloc(st->DeviceType);
   if (obj == NULL) {
     return NULL;
   }
-  ((usmipc_device_object_t *)obj)->device = device;
+  ((pyusmipc_device_object_t *)obj)->device = device;
   slot = &st->slots[st->nslots++];
   slot->device = device;
   slot->device_obj = Py_NewRef(obj);
@@ -337,14 +337,14 @@ PyObject *usmipc_device_object(usmipc_module_state_t *st,
   return obj;
 }
 
-PyObject *usmipc_default_queue(usmipc_module_state_t *st,
+PyObject *pyusmipc_default_queue(pyusmipc_module_state_t *st,
                                PyObject *device_obj) {
-  usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
-  usmipc_device_slot_t *slot = find_slot(st, device);
+  usmipc_device_t *device = ((pyusmipc_device_object_t *)device_obj)->device;
+  pyusmipc_device_slot_t *slot = find_slot(st, device);
   if (slot != NULL && slot->queue_obj != NULL) {
     return Py_NewRef(slot->queue_obj);
   }
-  PyObject *queue = usmipc_queue_new(st, device_obj);
+  PyObject *queue = pyusmipc_queue_new(st, device_obj);
   if (queue == NULL) {
     return NULL;
   }
@@ -357,9 +357,9 @@ PyObject *usmipc_default_queue(usmipc_module_state_t *st,
   return queue;
 }
 
-int usmipc_device_has_events(usmipc_module_state_t *st, PyObject *device_obj) {
-  usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
-  usmipc_device_slot_t *slot = find_slot(st, device);
+int pyusmipc_device_has_events(pyusmipc_module_state_t *st, PyObject *device_obj) {
+  usmipc_device_t *device = ((pyusmipc_device_object_t *)device_obj)->device;
+  pyusmipc_device_slot_t *slot = find_slot(st, device);
   if (slot != NULL && slot->has_events >= 0) {
     return slot->has_events;
   }
@@ -372,7 +372,7 @@ int usmipc_device_has_events(usmipc_module_state_t *st, PyObject *device_obj) {
   }
   Py_END_ALLOW_THREADS
   if (rc < 0 && rc != USMIPC_ENOTSUP) {
-    usmipc_raise(st, rc);
+    pyusmipc_raise(st, rc);
     return -1;
   }
   int has = rc == 0;
@@ -385,7 +385,7 @@ int usmipc_device_has_events(usmipc_module_state_t *st, PyObject *device_obj) {
 
 /* ---- argument parsing ---------------------------------------------------- */
 
-int usmipc_parse_fastcall(const char *funcname, PyObject *const *args,
+int pyusmipc_parse_fastcall(const char *funcname, PyObject *const *args,
                           Py_ssize_t nargs, PyObject *kwnames,
                           const char *const *names, Py_ssize_t nnames,
                           Py_ssize_t npositional, PyObject **out) {
@@ -393,7 +393,7 @@ int usmipc_parse_fastcall(const char *funcname, PyObject *const *args,
     out[i] = NULL;
   }
   if (nargs > npositional) {
-    usmipc_type_error("%s() takes at most %zd positional argument%s (%zd given)",
+    pyusmipc_type_error("%s() takes at most %zd positional argument%s (%zd given)",
                  funcname, npositional, npositional == 1 ? "" : "s", nargs);
     return -1;
   }
@@ -411,12 +411,12 @@ int usmipc_parse_fastcall(const char *funcname, PyObject *const *args,
       j++;
     }
     if (j == nnames) {
-      usmipc_type_error("%s() got an unexpected keyword argument '%U'", funcname,
+      pyusmipc_type_error("%s() got an unexpected keyword argument '%U'", funcname,
                    key);
       return -1;
     }
     if (out[j] != NULL) {
-      usmipc_type_error("%s() got multiple values for argument '%s'", funcname,
+      pyusmipc_type_error("%s() got multiple values for argument '%s'", funcname,
                    names[j]);
       return -1;
     }
@@ -425,22 +425,22 @@ int usmipc_parse_fastcall(const char *funcname, PyObject *const *args,
   return 0;
 }
 
-int usmipc_parse_one_arg(const char *funcname, const char *name,
+int pyusmipc_parse_one_arg(const char *funcname, const char *name,
                          PyObject *const *args, Py_ssize_t nargs,
                          PyObject *kwnames, PyObject **out) {
   const char *const names[] = {name};
-  if (usmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 1, 1,
+  if (pyusmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 1, 1,
                             out) < 0) {
     return -1;
   }
   if (*out == NULL) {
-    usmipc_type_error("%s() missing argument '%s'", funcname, name);
+    pyusmipc_type_error("%s() missing argument '%s'", funcname, name);
     return -1;
   }
   return 0;
 }
 
-PyObject *usmipc_optional_attr(PyObject *obj, const char *name) {
+PyObject *pyusmipc_optional_attr(PyObject *obj, const char *name) {
   PyObject *value = PyObject_GetAttrString(obj, name);
   if (value == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
     PyErr_Clear();
@@ -451,13 +451,13 @@ PyObject *usmipc_optional_attr(PyObject *obj, const char *name) {
 /* ---- module functions ---------------------------------------------------- */
 
 static PyObject *get_devices(PyObject *module, PyObject *Py_UNUSED(ignored)) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   usmipc_device_t *stack[16];
   usmipc_device_t **devices = stack;
   size_t count = 0;
   int rc = usmipc_get_devices(stack, 16, &count);
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   if (count > 16) {
     devices = PyMem_Malloc(count * sizeof(*devices));
@@ -468,7 +468,7 @@ static PyObject *get_devices(PyObject *module, PyObject *Py_UNUSED(ignored)) {
     rc = usmipc_get_devices(devices, capacity, &count);
     if (rc < 0) {
       PyMem_Free(devices);
-      return usmipc_raise(st, rc);
+      return pyusmipc_raise(st, rc);
     }
     if (count > capacity) {
       count = capacity; /* devices are probed once; cannot grow */
@@ -476,7 +476,7 @@ static PyObject *get_devices(PyObject *module, PyObject *Py_UNUSED(ignored)) {
   }
   PyObject *list = PyList_New(0);
   for (size_t i = 0; list != NULL && i < count; i++) {
-    PyObject *obj = usmipc_device_object(st, devices[i]);
+    PyObject *obj = pyusmipc_device_object(st, devices[i]);
     if (obj == NULL || PyList_Append(list, obj) < 0) {
       Py_XDECREF(obj);
       Py_CLEAR(list);
@@ -524,32 +524,32 @@ static PyObject *backends(PyObject *module, PyObject *Py_UNUSED(ignored)) {
   return result;
 }
 
-PyObject *usmipc_set_ipc_cache_size(usmipc_module_state_t *st, PyObject *arg) {
+PyObject *pyusmipc_set_ipc_cache_size(pyusmipc_module_state_t *st, PyObject *arg) {
   Py_ssize_t entries = PyLong_AsSsize_t(arg);
   if (entries == -1 && PyErr_Occurred()) {
-    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
+    pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   if (entries < 0) {
-    usmipc_value_error("entries must be >= 0");
+    pyusmipc_value_error("entries must be >= 0");
     return NULL;
   }
   int rc = usmipc_ipc_set_cache_size((size_t)entries);
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   Py_RETURN_NONE;
 }
 
 static PyObject *set_ipc_cache_size(PyObject *module, PyObject *arg) {
-  return usmipc_set_ipc_cache_size(PyModule_GetState(module), arg);
+  return pyusmipc_set_ipc_cache_size(PyModule_GetState(module), arg);
 }
 
 static PyObject *set_ipc_cache_bytes(PyObject *module, PyObject *arg) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   PyObject *index = PyNumber_Index(arg);
   if (index == NULL) {
-    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
+    pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   PyObject *zero = PyLong_FromLong(0);
@@ -558,7 +558,7 @@ static PyObject *set_ipc_cache_bytes(PyObject *module, PyObject *arg) {
   Py_XDECREF(zero);
   if (negative != 0) {
     if (negative > 0) {
-      usmipc_value_error("nbytes must be >= 0, not %R", index);
+      pyusmipc_value_error("nbytes must be >= 0, not %R", index);
     }
     Py_DECREF(index);
     return NULL;
@@ -570,20 +570,20 @@ static PyObject *set_ipc_cache_bytes(PyObject *module, PyObject *arg) {
   }
   int rc = usmipc_ipc_set_cache_bytes(nbytes);
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   Py_RETURN_NONE;
 }
 
 static PyObject *set_ipc_timeout(PyObject *module, PyObject *arg) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   double seconds = PyFloat_AsDouble(arg); /* any real number */
   if (seconds == -1.0 && PyErr_Occurred()) {
-    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
+    pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   if (isnan(seconds) || seconds < 0.0) {
-    usmipc_value_error("timeout must be >= 0 seconds (0 restores the default), "
+    pyusmipc_value_error("timeout must be >= 0 seconds (0 restores the default), "
                  "not %R",
                  arg);
     return NULL;
@@ -593,7 +593,7 @@ static PyObject *set_ipc_timeout(PyObject *module, PyObject *arg) {
    * which would mean the default. */
   double ms = ceil(seconds * 1000.0 - 1e-6);
   if (ms > (double)UINT_MAX) {
-    usmipc_value_error("timeout must be at most %u.%03u seconds, not %R",
+    pyusmipc_value_error("timeout must be at most %u.%03u seconds, not %R",
                  UINT_MAX / 1000u, UINT_MAX % 1000u, arg);
     return NULL;
   }
@@ -603,7 +603,7 @@ static PyObject *set_ipc_timeout(PyObject *module, PyObject *arg) {
   }
   int rc = usmipc_ipc_set_timeout(timeout_ms);
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   Py_RETURN_NONE;
 }
@@ -612,7 +612,7 @@ static PyObject *strerror_(PyObject *module, PyObject *arg) {
   (void)module;
   long code = PyLong_AsLong(arg);
   if (code == -1 && PyErr_Occurred()) {
-    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
+    pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   return PyUnicode_FromString(usmipc_strerror((int)code));
@@ -620,7 +620,7 @@ static PyObject *strerror_(PyObject *module, PyObject *arg) {
 
 /* A diagnostic for tests: what the library knows of an address. */
 static PyObject *pointer_query(PyObject *module, PyObject *arg) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   void *ptr = PyLong_AsVoidPtr(arg);
   if (ptr == NULL && PyErr_Occurred()) {
     return NULL;
@@ -628,11 +628,11 @@ static PyObject *pointer_query(PyObject *module, PyObject *arg) {
   usmipc_pointer_info_t info;
   int rc = usmipc_pointer_query(ptr, &info);
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   PyObject *device = Py_None;
   if (info.device != NULL) {
-    device = usmipc_device_object(st, info.device);
+    device = pyusmipc_device_object(st, info.device);
     if (device == NULL) {
       return NULL;
     }
@@ -640,7 +640,7 @@ static PyObject *pointer_query(PyObject *module, PyObject *arg) {
     Py_INCREF(device);
   }
   return Py_BuildValue("{sNsssNsnsKsOsO}", "device", device, "kind",
-                       usmipc_kind_name(info.kind),
+                       pyusmipc_kind_name(info.kind),
                        "base", PyLong_FromVoidPtr(info.base), "size",
                        (Py_ssize_t)info.size, "buffer_id",
                        (unsigned long long)info.buffer_id, "is_ipc_mapping",
@@ -653,14 +653,14 @@ static PyObject *pointer_query(PyObject *module, PyObject *arg) {
  * for their streams were waited for. Creates the pool (no memory) if the
  * allocator has not used the device yet. */
 static PyObject *torch_pool_info(PyObject *module, PyObject *arg) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   long device = PyLong_AsLong(arg);
   if (device == -1 && PyErr_Occurred()) {
-    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
+    pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   if (device < INT_MIN || device > INT_MAX) {
-    usmipc_value_error("no CUDA device %ld", device);
+    pyusmipc_value_error("no CUDA device %ld", device);
     return NULL;
   }
   usmipc_pool_t *pool = NULL;
@@ -676,7 +676,7 @@ static PyObject *torch_pool_info(PyObject *module, PyObject *arg) {
   }
   Py_END_ALLOW_THREADS
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   return Py_BuildValue("{snsnsnsn}", "segments", (Py_ssize_t)info.segments,
                        "segment_bytes", (Py_ssize_t)info.segment_bytes,
@@ -722,7 +722,7 @@ static PyMethodDef module_methods[] = {
      "USMIPC_ETIMEDOUT). 0 restores the default (5 s, or\n"
      "USMIPC_IPC_TIMEOUT_MS); negative values raise ValueError. Ctrl-C\n"
      "interrupts a waiting open (KeyboardInterrupt) whatever the timeout."},
-    {"set_event_timeout", usmipc_set_event_timeout, METH_O,
+    {"set_event_timeout", pyusmipc_set_event_timeout, METH_O,
      "set_event_timeout(seconds)\n\n"
      "The limit of every host wait on an event (Event.synchronize(),\n"
      "Event.wait() without a stream, IPCMemoryHandle.open() of an ordered\n"
@@ -756,7 +756,7 @@ static PyMethodDef module_methods[] = {
  * thread of the main interpreter; elsewhere it returns 0): if one raised,
  * KeyboardInterrupt for SIGINT, the exception stays pending on this thread
  * and the nonzero return abandons the open with USMIPC_EINTR, which
- * usmipc_raise turns into that exception.
+ * pyusmipc_raise turns into that exception.
  *
  * From the atexit callback on, the hook no longer touches the interpreter:
  * in a daemon thread still waiting while the interpreter finalizes,
@@ -835,7 +835,7 @@ static int add_error_codes(PyObject *module) {
   return rc;
 }
 
-static int create_error(PyObject *module, usmipc_module_state_t *st) {
+static int create_error(PyObject *module, pyusmipc_module_state_t *st) {
   PyObject *dict = Py_BuildValue("{sOsOsO}", "code", Py_None, "name", Py_None,
                                  "native_code", Py_None);
   if (dict == NULL) {
@@ -926,8 +926,8 @@ static int create_error(PyObject *module, usmipc_module_state_t *st) {
                                st->DeviceCreationError);
 }
 
-static int usmipc_exec(PyObject *module) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+static int module_exec(PyObject *module) {
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
 
   /* python-zstandard's habit: refuse a library other than the one compiled
    * against (the library is linked statically, so this catches a broken
@@ -941,12 +941,12 @@ static int usmipc_exec(PyObject *module) {
     return -1;
   }
 
-  if (create_error(module, st) < 0 || usmipc_init_device_type(module, st) < 0 ||
-      usmipc_init_queue_type(module, st) < 0 ||
-      usmipc_init_memory_types(module, st) < 0 ||
-      usmipc_init_ipc_handle_type(module, st) < 0 ||
-      usmipc_init_event_types(module, st) < 0 ||
-      usmipc_init_bundle_types(module, st) < 0 || add_error_codes(module) < 0 ||
+  if (create_error(module, st) < 0 || pyusmipc_init_device_type(module, st) < 0 ||
+      pyusmipc_init_queue_type(module, st) < 0 ||
+      pyusmipc_init_memory_types(module, st) < 0 ||
+      pyusmipc_init_ipc_handle_type(module, st) < 0 ||
+      pyusmipc_init_event_types(module, st) < 0 ||
+      pyusmipc_init_bundle_types(module, st) < 0 || add_error_codes(module) < 0 ||
       install_interrupt_hook() < 0) {
     return -1;
   }
@@ -961,8 +961,8 @@ static int usmipc_exec(PyObject *module) {
   return 0;
 }
 
-static int usmipc_traverse(PyObject *module, visitproc visit, void *arg) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+static int module_traverse(PyObject *module, visitproc visit, void *arg) {
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   if (st == NULL) {
     return 0;
   }
@@ -993,8 +993,8 @@ static int usmipc_traverse(PyObject *module, visitproc visit, void *arg) {
   return 0;
 }
 
-static int usmipc_clear(PyObject *module) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+static int module_clear(PyObject *module) {
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   if (st == NULL) {
     return 0;
   }
@@ -1029,9 +1029,9 @@ static int usmipc_clear(PyObject *module) {
   return 0;
 }
 
-static void usmipc_free_module(void *module) {
-  usmipc_clear((PyObject *)module);
-  usmipc_module_state_t *st = PyModule_GetState((PyObject *)module);
+static void module_free(void *module) {
+  module_clear((PyObject *)module);
+  pyusmipc_module_state_t *st = PyModule_GetState((PyObject *)module);
   if (st != NULL) {
     PyMem_Free(st->slots);
     st->slots = NULL;
@@ -1040,23 +1040,23 @@ static void usmipc_free_module(void *module) {
 }
 
 static PyModuleDef_Slot module_slots[] = {
-    {Py_mod_exec, usmipc_exec},
+    {Py_mod_exec, module_exec},
     {0, NULL},
 };
 
-PyModuleDef usmipc_module_def = {
+PyModuleDef pyusmipc_module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "usmipc._usmipc",
     .m_doc = "Zero-copy sharing of accelerator memory between processes "
              "(the C extension of the usmipc package).",
-    .m_size = sizeof(usmipc_module_state_t),
+    .m_size = sizeof(pyusmipc_module_state_t),
     .m_methods = module_methods,
     .m_slots = module_slots,
-    .m_traverse = usmipc_traverse,
-    .m_clear = usmipc_clear,
-    .m_free = usmipc_free_module,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
 };
 
 PyMODINIT_FUNC PyInit__usmipc(void) {
-  return PyModuleDef_Init(&usmipc_module_def);
+  return PyModuleDef_Init(&pyusmipc_module_def);
 }
