@@ -10,6 +10,113 @@
 
 #define DEV(o) (((pyusmipc_device_object_t *)(o))->device)
 
+/* ---- the per-device cache ------------------------------------------------ */
+
+pyusmipc_device_slot_t *pyusmipc_device_slot(pyusmipc_module_state_t *st,
+                                             usmipc_device_t *device) {
+  for (Py_ssize_t i = 0; i < st->nslots; i++) {
+    if (st->slots[i].device == device) {
+      return &st->slots[i];
+    }
+  }
+  return NULL;
+}
+
+PyObject *pyusmipc_device_object(pyusmipc_module_state_t *st,
+                               usmipc_device_t *device) {
+  pyusmipc_device_slot_t *slot = pyusmipc_device_slot(st, device);
+  if (slot != NULL) {
+    return Py_NewRef(slot->device_obj);
+  }
+  if (st->DeviceType == NULL) {
+    return pyusmipc_state_cleared();
+  }
+  if (st->nslots == st->slots_capacity) {
+    Py_ssize_t capacity = st->slots_capacity ? st->slots_capacity * 2 : 8;
+    pyusmipc_device_slot_t *slots =
+        PyMem_Realloc(st->slots, (size_t)capacity * sizeof(*slots));
+    if (slots == NULL) {
+      return PyErr_NoMemory();
+    }
+    st->slots = slots;
+    st->slots_capacity = capacity;
+  }
+  PyObject *obj = pyusmipc_object_alloc(st->DeviceType);
+  if (obj == NULL) {
+    return NULL;
+  }
+  ((pyusmipc_device_object_t *)obj)->device = device;
+  slot = &st->slots[st->nslots++];
+  slot->device = device;
+  slot->device_obj = Py_NewRef(obj);
+  slot->queue_obj = NULL;
+  slot->has_events = -1;
+  return obj;
+}
+
+int pyusmipc_device_has_events(pyusmipc_module_state_t *st, PyObject *device_obj) {
+  usmipc_device_t *device = ((pyusmipc_device_object_t *)device_obj)->device;
+  pyusmipc_device_slot_t *slot = pyusmipc_device_slot(st, device);
+  if (slot != NULL && slot->has_events >= 0) {
+    return slot->has_events;
+  }
+  usmipc_event_t *event = NULL;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_event_create(device, 0, &event);
+  if (rc == 0) {
+    usmipc_event_destroy(event);
+  }
+  Py_END_ALLOW_THREADS
+  if (rc < 0 && rc != USMIPC_ENOTSUP) {
+    pyusmipc_raise(st, rc);
+    return -1;
+  }
+  int has = rc == 0;
+  slot = pyusmipc_device_slot(st, device); /* the GIL was released: look again */
+  if (slot != NULL) {
+    slot->has_events = (signed char)has;
+  }
+  return has;
+}
+
+/* ---- the device a handle names ------------------------------------------- */
+
+int pyusmipc_list_devices(pyusmipc_module_state_t *st,
+                          usmipc_device_t *devices[PYUSMIPC_MAX_DEVICES],
+                          size_t *count) {
+  *count = 0;
+  int rc = usmipc_get_devices(devices, PYUSMIPC_MAX_DEVICES, count);
+  if (rc < 0) {
+    pyusmipc_raise(st, rc);
+    return -1;
+  }
+  if (*count > PYUSMIPC_MAX_DEVICES) {
+    *count = PYUSMIPC_MAX_DEVICES;
+  }
+  return 0;
+}
+
+PyObject *pyusmipc_device_of_info(pyusmipc_module_state_t *st,
+                                const usmipc_ipc_handle_info_t *info) {
+  usmipc_device_t *devices[PYUSMIPC_MAX_DEVICES];
+  size_t count;
+  if (pyusmipc_list_devices(st, devices, &count) < 0) {
+    return NULL;
+  }
+  for (size_t i = 0; i < count; i++) {
+    uint8_t uuid[16];
+    usmipc_device_uuid(devices[i], uuid);
+    if (usmipc_device_backend(devices[i]) == info->backend &&
+        memcmp(uuid, info->device_uuid, 16) == 0) {
+      return pyusmipc_device_object(st, devices[i]);
+    }
+  }
+  Py_RETURN_NONE;
+}
+
+/* ---- Device objects from arguments, and the type ------------------------- */
+
 PyObject *pyusmipc_device_from_arg(pyusmipc_module_state_t *st, PyObject *arg) {
   const char *filter = NULL;
   if (arg != NULL && arg != Py_None) {

@@ -20,6 +20,14 @@
 
 #include "dlpack.h"
 
+/* ---- device.c ------------------------------------------------------------ */
+
+typedef struct pyusmipc_device_object {
+  PyObject_HEAD usmipc_device_t *device;
+} pyusmipc_device_object_t;
+
+int pyusmipc_init_device_type(PyObject *module, pyusmipc_module_state_t *st);
+
 /* One entry per usmipc_device_t seen by this module: its Python Device
  * object (devices live as long as the process, so one object per device)
  * and the device's default Queue, created on first use. */
@@ -30,29 +38,30 @@ typedef struct pyusmipc_device_slot {
   signed char has_events; /* -1 not probed yet, else 0 or 1 */
 } pyusmipc_device_slot_t;
 
-/* ---- module.c ------------------------------------------------------------ */
-
-/* usmipc.set_ipc_cache_size(entries), which
- * IPCMemoryHandle.set_cache_size(entries) is too. */
-PyObject *pyusmipc_set_ipc_cache_size(pyusmipc_module_state_t *st, PyObject *arg);
-
+/* The cache's entry of device, or NULL if no Device object was made for it
+ * yet. The array may move when a Device object is made: look the entry up
+ * again after anything that may run Python code. */
+pyusmipc_device_slot_t *pyusmipc_device_slot(pyusmipc_module_state_t *st,
+                                             usmipc_device_t *device);
 /* The Device object for device (new reference). */
 PyObject *pyusmipc_device_object(pyusmipc_module_state_t *st,
                                usmipc_device_t *device);
-/* The default Queue of a Device object, created on first use (new ref). */
-PyObject *pyusmipc_default_queue(pyusmipc_module_state_t *st, PyObject *device_obj);
 /* 1 if the device's backend has events (so memory handles can be ordered),
  * 0 if not (USMIPC_ENOTSUP: Level Zero for now), -1 with an exception set.
  * Probed once per device with an event created and destroyed. */
 int pyusmipc_device_has_events(pyusmipc_module_state_t *st, PyObject *device_obj);
 
-/* ---- device.c ------------------------------------------------------------ */
-
-typedef struct pyusmipc_device_object {
-  PyObject_HEAD usmipc_device_t *device;
-} pyusmipc_device_object_t;
-
-int pyusmipc_init_device_type(PyObject *module, pyusmipc_module_state_t *st);
+/* The devices of every available backend, the first PYUSMIPC_MAX_DEVICES
+ * of them, into devices: 0 with *count set, or -1 with the library's error
+ * raised. */
+#define PYUSMIPC_MAX_DEVICES 64
+int pyusmipc_list_devices(pyusmipc_module_state_t *st,
+                          usmipc_device_t *devices[PYUSMIPC_MAX_DEVICES],
+                          size_t *count);
+/* The Device object a handle's info names, if this process has it (new
+ * reference); Py_None (new reference) if not; NULL with an exception. */
+PyObject *pyusmipc_device_of_info(pyusmipc_module_state_t *st,
+                                const usmipc_ipc_handle_info_t *info);
 /* The module state, reached through a Device object (its type is final and
  * was created by this module, so this never fails). */
 static inline pyusmipc_module_state_t *pyusmipc_state_from_device(PyObject *dev) {
@@ -80,6 +89,12 @@ typedef struct pyusmipc_queue_object {
 } pyusmipc_queue_object_t;
 
 int pyusmipc_init_queue_type(PyObject *module, pyusmipc_module_state_t *st);
+/* The default Queue of a Device object, created on first use (new ref). */
+PyObject *pyusmipc_default_queue(pyusmipc_module_state_t *st, PyObject *device_obj);
+/* The stream another library's array is used on now, for ordering its
+ * handoffs: torch.cuda.current_stream(tensor.device), CuPy's current
+ * stream; Py_None for other arrays. New reference, or NULL. */
+PyObject *pyusmipc_foreign_current_stream(PyObject *obj);
 /* A new Queue on a Device object. */
 PyObject *pyusmipc_queue_new(pyusmipc_module_state_t *st, PyObject *device_obj);
 /* The one resolver behind every stream= argument and Queue.from_stream:
@@ -245,14 +260,9 @@ int pyusmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
 /* ---- ipc_handle.c -------------------------------------------------------- */
 
 int pyusmipc_init_ipc_handle_type(PyObject *module, pyusmipc_module_state_t *st);
-/* The stream another library's array is used on now, for ordering its
- * handoffs: torch.cuda.current_stream(tensor.device), CuPy's current
- * stream; Py_None for other arrays. New reference, or NULL. */
-PyObject *pyusmipc_foreign_current_stream(PyObject *obj);
-/* The Device object a handle's info names, if this process has it (new
- * reference); Py_None (new reference) if not; NULL with an exception. */
-PyObject *pyusmipc_device_of_info(pyusmipc_module_state_t *st,
-                                const usmipc_ipc_handle_info_t *info);
+/* usmipc.set_ipc_cache_size(entries), which
+ * IPCMemoryHandle.set_cache_size(entries) is too. */
+PyObject *pyusmipc_set_ipc_cache_size(pyusmipc_module_state_t *st, PyObject *arg);
 /* The serialized bytes (*data, *len: the handle's own, valid while it
  * lives) and the decoded *info of a library handle, after rc, the code of
  * the call that made it (an error is returned as it is). Needs no GIL: the

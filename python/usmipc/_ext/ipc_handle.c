@@ -131,70 +131,6 @@ static PyObject *export_memory(PyTypeObject *type, pyusmipc_module_state_t *st,
   return (PyObject *)self;
 }
 
-/* The current stream of another library's array, for ordering its
- * handoffs: torch.cuda.current_stream(tensor.device) for a torch tensor,
- * cupy.cuda.get_current_stream() for a CuPy array (modules already
- * imported, since the array exists). New reference; Py_None for other
- * arrays; NULL with an exception set. */
-PyObject *pyusmipc_foreign_current_stream(PyObject *obj) {
-  if (pyusmipc_type_module_is(obj, "torch")) {
-    PyObject *device = PyObject_GetAttrString(obj, "device");
-    if (device == NULL) {
-      return NULL;
-    }
-    PyObject *kind = PyObject_GetAttrString(device, "type");
-    int is_cuda = kind != NULL && PyUnicode_Check(kind) &&
-                  PyUnicode_CompareWithASCIIString(kind, "cuda") == 0;
-    Py_XDECREF(kind);
-    if (!is_cuda) {
-      Py_DECREF(device);
-      if (PyErr_Occurred()) {
-        return NULL;
-      }
-      Py_RETURN_NONE;
-    }
-    PyObject *torch = PyImport_ImportModule("torch");
-    PyObject *cuda = torch ? PyObject_GetAttrString(torch, "cuda") : NULL;
-    PyObject *stream =
-        cuda ? PyObject_CallMethod(cuda, "current_stream", "O", device) : NULL;
-    Py_XDECREF(cuda);
-    Py_XDECREF(torch);
-    Py_DECREF(device);
-    return stream;
-  }
-  if (pyusmipc_type_module_is(obj, "cupy")) {
-    PyObject *cupy = PyImport_ImportModule("cupy");
-    PyObject *cuda = cupy ? PyObject_GetAttrString(cupy, "cuda") : NULL;
-    PyObject *get =
-        cuda ? PyObject_GetAttrString(cuda, "get_current_stream") : NULL;
-    Py_XDECREF(cuda);
-    Py_XDECREF(cupy);
-    if (get == NULL) {
-      return NULL;
-    }
-    /* The array's device's current stream where CuPy takes a device id. */
-    PyObject *stream = NULL;
-    PyObject *device = PyObject_GetAttrString(obj, "device");
-    PyObject *id = device ? PyObject_GetAttrString(device, "id") : NULL;
-    Py_XDECREF(device);
-    if (id != NULL) {
-      stream = PyObject_CallFunctionObjArgs(get, id, NULL);
-      Py_DECREF(id);
-      if (stream == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
-        PyErr_Clear();
-      }
-    } else {
-      PyErr_Clear();
-    }
-    if (stream == NULL && !PyErr_Occurred()) {
-      stream = PyObject_CallNoArgs(get);
-    }
-    Py_DECREF(get);
-    return stream;
-  }
-  Py_RETURN_NONE;
-}
-
 /* Makes a new exported handle ordered (or leaves it unordered): ordered is
  * 1 (asked for), 0 (ordered=False) or -1 (the default: ordered where the
  * device's backend has events). device is the memory's Device; mem the
@@ -997,23 +933,6 @@ static PyObject *mapping_release_or_close(PyTypeObject *defining_class,
   Py_RETURN_NONE;
 }
 
-/* The devices of every available backend, the first MAX_DEVICES of them,
- * into devices: 0 with *count set, or -1 with the library's error raised. */
-#define MAX_DEVICES 64
-static int list_devices(pyusmipc_module_state_t *st,
-                        usmipc_device_t *devices[MAX_DEVICES], size_t *count) {
-  *count = 0;
-  int rc = usmipc_get_devices(devices, MAX_DEVICES, count);
-  if (rc < 0) {
-    pyusmipc_raise(st, rc);
-    return -1;
-  }
-  if (*count > MAX_DEVICES) {
-    *count = MAX_DEVICES;
-  }
-  return 0;
-}
-
 static PyObject *handle_is_available(PyObject *cls,
                                      PyTypeObject *defining_class,
                                      PyObject *const *args, Py_ssize_t nargs,
@@ -1025,9 +944,9 @@ static PyObject *handle_is_available(PyObject *cls,
     pyusmipc_type_error("is_available() takes no arguments");
     return NULL;
   }
-  usmipc_device_t *devices[MAX_DEVICES];
+  usmipc_device_t *devices[PYUSMIPC_MAX_DEVICES];
   size_t count;
-  if (list_devices(st, devices, &count) < 0) {
+  if (pyusmipc_list_devices(st, devices, &count) < 0) {
     return NULL;
   }
   for (size_t i = 0; i < count; i++) {
@@ -1036,6 +955,23 @@ static PyObject *handle_is_available(PyObject *cls,
     }
   }
   Py_RETURN_FALSE;
+}
+
+PyObject *pyusmipc_set_ipc_cache_size(pyusmipc_module_state_t *st, PyObject *arg) {
+  Py_ssize_t entries = PyLong_AsSsize_t(arg);
+  if (entries == -1 && PyErr_Occurred()) {
+    pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
+    return NULL;
+  }
+  if (entries < 0) {
+    pyusmipc_value_error("entries must be >= 0");
+    return NULL;
+  }
+  int rc = usmipc_ipc_set_cache_size((size_t)entries);
+  if (rc < 0) {
+    return pyusmipc_raise(st, rc);
+  }
+  Py_RETURN_NONE;
 }
 
 static PyObject *handle_set_cache_size(PyObject *cls,
@@ -1234,24 +1170,6 @@ static PyObject *handle_get_device(PyObject *op, void *closure) {
     }
   }
   return pyusmipc_device_of_info(st, &self->info);
-}
-
-PyObject *pyusmipc_device_of_info(pyusmipc_module_state_t *st,
-                                const usmipc_ipc_handle_info_t *info) {
-  usmipc_device_t *devices[MAX_DEVICES];
-  size_t count;
-  if (list_devices(st, devices, &count) < 0) {
-    return NULL;
-  }
-  for (size_t i = 0; i < count; i++) {
-    uint8_t uuid[16];
-    usmipc_device_uuid(devices[i], uuid);
-    if (usmipc_device_backend(devices[i]) == info->backend &&
-        memcmp(uuid, info->device_uuid, 16) == 0) {
-      return pyusmipc_device_object(st, devices[i]);
-    }
-  }
-  Py_RETURN_NONE;
 }
 
 static PyObject *handle_repr(PyObject *op) {

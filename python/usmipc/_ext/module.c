@@ -10,96 +10,6 @@
 #include <math.h>
 #include <string.h>
 
-/* ---- the per-device cache ------------------------------------------------ */
-
-static pyusmipc_device_slot_t *find_slot(pyusmipc_module_state_t *st,
-                                       usmipc_device_t *device) {
-  for (Py_ssize_t i = 0; i < st->nslots; i++) {
-    if (st->slots[i].device == device) {
-      return &st->slots[i];
-    }
-  }
-  return NULL;
-}
-
-PyObject *pyusmipc_device_object(pyusmipc_module_state_t *st,
-                               usmipc_device_t *device) {
-  pyusmipc_device_slot_t *slot = find_slot(st, device);
-  if (slot != NULL) {
-    return Py_NewRef(slot->device_obj);
-  }
-  if (st->DeviceType == NULL) {
-    return pyusmipc_state_cleared();
-  }
-  if (st->nslots == st->slots_capacity) {
-    Py_ssize_t capacity = st->slots_capacity ? st->slots_capacity * 2 : 8;
-    pyusmipc_device_slot_t *slots =
-        PyMem_Realloc(st->slots, (size_t)capacity * sizeof(*slots));
-    if (slots == NULL) {
-      return PyErr_NoMemory();
-    }
-    st->slots = slots;
-    st->slots_capacity = capacity;
-  }
-  PyObject *obj = pyusmipc_object_alloc(st->DeviceType);
-  if (obj == NULL) {
-    return NULL;
-  }
-  ((pyusmipc_device_object_t *)obj)->device = device;
-  slot = &st->slots[st->nslots++];
-  slot->device = device;
-  slot->device_obj = Py_NewRef(obj);
-  slot->queue_obj = NULL;
-  slot->has_events = -1;
-  return obj;
-}
-
-PyObject *pyusmipc_default_queue(pyusmipc_module_state_t *st,
-                               PyObject *device_obj) {
-  usmipc_device_t *device = ((pyusmipc_device_object_t *)device_obj)->device;
-  pyusmipc_device_slot_t *slot = find_slot(st, device);
-  if (slot != NULL && slot->queue_obj != NULL) {
-    return Py_NewRef(slot->queue_obj);
-  }
-  PyObject *queue = pyusmipc_queue_new(st, device_obj);
-  if (queue == NULL) {
-    return NULL;
-  }
-  /* Creating the queue ran Python code at most through allocation, but the
-   * slot array may have grown: look the slot up again. */
-  slot = find_slot(st, device);
-  if (slot != NULL && slot->queue_obj == NULL) {
-    slot->queue_obj = Py_NewRef(queue);
-  }
-  return queue;
-}
-
-int pyusmipc_device_has_events(pyusmipc_module_state_t *st, PyObject *device_obj) {
-  usmipc_device_t *device = ((pyusmipc_device_object_t *)device_obj)->device;
-  pyusmipc_device_slot_t *slot = find_slot(st, device);
-  if (slot != NULL && slot->has_events >= 0) {
-    return slot->has_events;
-  }
-  usmipc_event_t *event = NULL;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  rc = usmipc_event_create(device, 0, &event);
-  if (rc == 0) {
-    usmipc_event_destroy(event);
-  }
-  Py_END_ALLOW_THREADS
-  if (rc < 0 && rc != USMIPC_ENOTSUP) {
-    pyusmipc_raise(st, rc);
-    return -1;
-  }
-  int has = rc == 0;
-  slot = find_slot(st, device); /* the GIL was released: look again */
-  if (slot != NULL) {
-    slot->has_events = (signed char)has;
-  }
-  return has;
-}
-
 /* ---- module functions ---------------------------------------------------- */
 
 static PyObject *get_devices(PyObject *module, PyObject *Py_UNUSED(ignored)) {
@@ -174,23 +84,6 @@ static PyObject *backends(PyObject *module, PyObject *Py_UNUSED(ignored)) {
     Py_DECREF(entry);
   }
   return result;
-}
-
-PyObject *pyusmipc_set_ipc_cache_size(pyusmipc_module_state_t *st, PyObject *arg) {
-  Py_ssize_t entries = PyLong_AsSsize_t(arg);
-  if (entries == -1 && PyErr_Occurred()) {
-    pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
-    return NULL;
-  }
-  if (entries < 0) {
-    pyusmipc_value_error("entries must be >= 0");
-    return NULL;
-  }
-  int rc = usmipc_ipc_set_cache_size((size_t)entries);
-  if (rc < 0) {
-    return pyusmipc_raise(st, rc);
-  }
-  Py_RETURN_NONE;
 }
 
 static PyObject *set_ipc_cache_size(PyObject *module, PyObject *arg) {

@@ -50,6 +50,26 @@ PyObject *pyusmipc_queue_new(pyusmipc_module_state_t *st, PyObject *device_obj) 
   return (PyObject *)self;
 }
 
+PyObject *pyusmipc_default_queue(pyusmipc_module_state_t *st,
+                               PyObject *device_obj) {
+  usmipc_device_t *device = ((pyusmipc_device_object_t *)device_obj)->device;
+  pyusmipc_device_slot_t *slot = pyusmipc_device_slot(st, device);
+  if (slot != NULL && slot->queue_obj != NULL) {
+    return Py_NewRef(slot->queue_obj);
+  }
+  PyObject *queue = pyusmipc_queue_new(st, device_obj);
+  if (queue == NULL) {
+    return NULL;
+  }
+  /* Creating the queue ran Python code at most through allocation, but the
+   * slot array may have grown: look the slot up again. */
+  slot = pyusmipc_device_slot(st, device);
+  if (slot != NULL && slot->queue_obj == NULL) {
+    slot->queue_obj = Py_NewRef(queue);
+  }
+  return queue;
+}
+
 static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"device", "sycl_device", NULL};
   PyObject *arg = NULL, *alias = NULL;
@@ -147,6 +167,70 @@ int pyusmipc_type_module_is(PyObject *obj, const char *package) {
   }
   Py_DECREF(module);
   return r;
+}
+
+/* The current stream of another library's array, for ordering its
+ * handoffs: torch.cuda.current_stream(tensor.device) for a torch tensor,
+ * cupy.cuda.get_current_stream() for a CuPy array (modules already
+ * imported, since the array exists). New reference; Py_None for other
+ * arrays; NULL with an exception set. */
+PyObject *pyusmipc_foreign_current_stream(PyObject *obj) {
+  if (pyusmipc_type_module_is(obj, "torch")) {
+    PyObject *device = PyObject_GetAttrString(obj, "device");
+    if (device == NULL) {
+      return NULL;
+    }
+    PyObject *kind = PyObject_GetAttrString(device, "type");
+    int is_cuda = kind != NULL && PyUnicode_Check(kind) &&
+                  PyUnicode_CompareWithASCIIString(kind, "cuda") == 0;
+    Py_XDECREF(kind);
+    if (!is_cuda) {
+      Py_DECREF(device);
+      if (PyErr_Occurred()) {
+        return NULL;
+      }
+      Py_RETURN_NONE;
+    }
+    PyObject *torch = PyImport_ImportModule("torch");
+    PyObject *cuda = torch ? PyObject_GetAttrString(torch, "cuda") : NULL;
+    PyObject *stream =
+        cuda ? PyObject_CallMethod(cuda, "current_stream", "O", device) : NULL;
+    Py_XDECREF(cuda);
+    Py_XDECREF(torch);
+    Py_DECREF(device);
+    return stream;
+  }
+  if (pyusmipc_type_module_is(obj, "cupy")) {
+    PyObject *cupy = PyImport_ImportModule("cupy");
+    PyObject *cuda = cupy ? PyObject_GetAttrString(cupy, "cuda") : NULL;
+    PyObject *get =
+        cuda ? PyObject_GetAttrString(cuda, "get_current_stream") : NULL;
+    Py_XDECREF(cuda);
+    Py_XDECREF(cupy);
+    if (get == NULL) {
+      return NULL;
+    }
+    /* The array's device's current stream where CuPy takes a device id. */
+    PyObject *stream = NULL;
+    PyObject *device = PyObject_GetAttrString(obj, "device");
+    PyObject *id = device ? PyObject_GetAttrString(device, "id") : NULL;
+    Py_XDECREF(device);
+    if (id != NULL) {
+      stream = PyObject_CallFunctionObjArgs(get, id, NULL);
+      Py_DECREF(id);
+      if (stream == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+      }
+    } else {
+      PyErr_Clear();
+    }
+    if (stream == NULL && !PyErr_Occurred()) {
+      stream = PyObject_CallNoArgs(get);
+    }
+    Py_DECREF(get);
+    return stream;
+  }
+  Py_RETURN_NONE;
 }
 
 /* A native stream handle given as a Python int (never a bool). 0, or -1
