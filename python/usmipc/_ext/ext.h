@@ -193,7 +193,7 @@ int pyusmipc_type_module_is(PyObject *obj, const char *package);
 PyObject *pyusmipc_queue_wrap(pyusmipc_module_state_t *st, PyObject *device_obj,
                             void *native, PyObject *keep, const char *what);
 
-/* ---- memory.c ------------------------------------------------------------ */
+/* ---- memory_core.c ------------------------------------------------------- */
 
 typedef struct pyusmipc_memory_object {
   PyObject_HEAD void *ptr;
@@ -234,26 +234,9 @@ typedef struct pyusmipc_memory_object {
   PyObject *base;
 } pyusmipc_memory_object_t;
 
-/* Returns a mapping's release ticket, if it has one not returned yet, after
- * the work submitted to queue (NULL: now). A producer that no longer waits
- * (gone, or its handle freed) is not an error. 0, or -1 with an exception
- * set. ipc_handle.c. */
-int pyusmipc_mapping_release(pyusmipc_module_state_t *st, pyusmipc_memory_object_t *m,
-                           usmipc_queue_t *queue);
-
-int pyusmipc_init_memory_types(PyObject *module, pyusmipc_module_state_t *st);
 /* "device", "host", "shared", or "unknown": the name of a memory kind in
  * messages and in usm_type. */
 const char *pyusmipc_kind_name(usmipc_mem_kind_t kind);
-/* Wraps an open IPC mapping in a new MemoryIPCDevice (steals nothing; on
- * failure the caller still owns the mapping). */
-PyObject *pyusmipc_mapping_new(pyusmipc_module_state_t *st, PyObject *device_obj,
-                             void *ptr, size_t nbytes);
-/* Closes a MemoryIPCDevice (idempotent); the unmap waits for the last
- * buffer export. Returns 0, or -1 with an exception set. */
-int pyusmipc_mapping_close(pyusmipc_module_state_t *st,
-                         pyusmipc_memory_object_t *mem);
-
 /* Starts an operation that will run without the GIL: refuses closed memory
  * (ValueError "mapping is closed") and counts the operation like a buffer
  * export, so that a concurrent close defers the unmap. 0 or -1. */
@@ -267,6 +250,21 @@ int pyusmipc_memory_copy_out(pyusmipc_memory_object_t *mem, void *dst);
  * device's default queue, made on first use). Borrowed; NULL with an
  * exception set. */
 PyObject *pyusmipc_memory_queue_object(pyusmipc_memory_object_t *mem);
+/* Frees the allocation or unmaps the mapping now (once; a view's base owns
+ * its memory); the GIL is held on entry and released around the call.
+ * Returns the library's code. */
+int pyusmipc_memory_release(pyusmipc_memory_object_t *mem);
+/* The native queue of pyusmipc_memory_queue_object. Borrowed; NULL with an
+ * exception set. */
+usmipc_queue_t *pyusmipc_memory_queue(pyusmipc_memory_object_t *mem);
+/* Copies n bytes from src to dst, or (src NULL) fills them with value, on
+ * the memory's queue and waits, the GIL released, as an operation on the
+ * memory (pyusmipc_memory_begin and _end). n 0 copies nothing. source (or
+ * NULL) is the caller's buffer of src, released before the operation ends
+ * (it may be an export of this memory). 0, or -1 with an exception set. */
+int pyusmipc_memory_run(pyusmipc_memory_object_t *mem, void *dst,
+                        const void *src, int value, size_t n,
+                        Py_buffer *source);
 
 /* ---- interop.c ----------------------------------------------------------- */
 
@@ -330,6 +328,24 @@ int pyusmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
  * shape and strides stay valid while *owner lives. */
 int pyusmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
                        PyObject **owner);
+
+/* ---- memory.c ------------------------------------------------------------ */
+
+int pyusmipc_init_memory_types(PyObject *module, pyusmipc_module_state_t *st);
+/* Wraps an open IPC mapping in a new MemoryIPCDevice (steals nothing; on
+ * failure the caller still owns the mapping). */
+PyObject *pyusmipc_mapping_new(pyusmipc_module_state_t *st, PyObject *device_obj,
+                             void *ptr, size_t nbytes);
+/* Closes a MemoryIPCDevice (idempotent); the unmap waits for the last
+ * buffer export. Returns 0, or -1 with an exception set. */
+int pyusmipc_mapping_close(pyusmipc_module_state_t *st,
+                         pyusmipc_memory_object_t *mem);
+/* Returns a mapping's release ticket, if it has one not returned yet, after
+ * the work submitted to queue (NULL: now). A producer that no longer waits
+ * (gone, or its handle freed) is not an error. 0, or -1 with an exception
+ * set. */
+int pyusmipc_mapping_release(pyusmipc_module_state_t *st, pyusmipc_memory_object_t *m,
+                           usmipc_queue_t *queue);
 
 /* ---- ipc_handle.c -------------------------------------------------------- */
 

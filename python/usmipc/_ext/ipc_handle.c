@@ -523,30 +523,6 @@ static int carries_release_ticket(const char *data, Py_ssize_t len) {
          info.release_ticket != 0;
 }
 
-int pyusmipc_mapping_release(pyusmipc_module_state_t *st, pyusmipc_memory_object_t *m,
-                           usmipc_queue_t *queue) {
-  PyObject *bytes = m->release_handle;
-  if (bytes == NULL) {
-    return 0;
-  }
-  m->release_handle = NULL; /* once, even if it fails */
-  const char *data = PyBytes_AsString(bytes);
-  size_t len = (size_t)PyBytes_Size(bytes);
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  rc = usmipc_ipc_release(data, len, queue);
-  Py_END_ALLOW_THREADS
-  Py_DECREF(bytes);
-  if (rc == USMIPC_EEXPORTERGONE) {
-    return 0; /* nobody waits for it any more */
-  }
-  if (rc < 0) {
-    pyusmipc_raise(st, rc);
-    return -1;
-  }
-  return 0;
-}
-
 /* open() and open_sycl(): the same first arguments; sycl selects
  * usmipc_ipc_open_sycl (bytes of a SYCL program's IPC handle), which has
  * no ordering (stream, ordered). handle= is the old name of handle_bytes.

@@ -18,114 +18,10 @@
 
 typedef pyusmipc_memory_object_t Mem;
 
-const char *pyusmipc_kind_name(usmipc_mem_kind_t kind) {
-  switch (kind) {
-  case USMIPC_MEM_DEVICE:
-    return "device";
-  case USMIPC_MEM_HOST:
-    return "host";
-  case USMIPC_MEM_SHARED:
-    return "shared";
-  case USMIPC_MEM_UNKNOWN:
-    break;
-  }
-  return "unknown";
-}
-
 static int is_host_accessible(usmipc_backend_t backend,
                               usmipc_mem_kind_t kind) {
   return backend == USMIPC_BACKEND_HOST || kind == USMIPC_MEM_HOST ||
          kind == USMIPC_MEM_SHARED;
-}
-
-/* Frees the allocation or unmaps the mapping now; the GIL is held on entry
- * and released around the call. Returns the library's code. */
-static int release_memory(Mem *self) {
-  if (self->ptr == NULL || self->released) {
-    return 0;
-  }
-  self->released = 1;
-  if (self->is_view) {
-    return 0; /* the base owns the memory */
-  }
-  void *ptr = self->ptr;
-  int is_mapping = self->is_mapping;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  rc = is_mapping ? usmipc_ipc_close(ptr) : usmipc_free(ptr);
-  Py_END_ALLOW_THREADS
-  return rc;
-}
-
-/* Raises for a failed release and returns -1; the state comes from the
- * device, which a cleared object may lack. */
-static int raise_release_error(Mem *self, int rc) {
-  if (self->device != NULL) {
-    pyusmipc_raise(pyusmipc_state_from_device(self->device), rc);
-  } else {
-    PyErr_Format(PyExc_RuntimeError, "usmipc: %s", usmipc_last_error());
-  }
-  return -1;
-}
-
-/* Starts an operation on the memory: refuses closed memory, then counts the
- * operation like a buffer export so that a concurrent close defers the
- * unmap. Returns 0, or -1 with ValueError set. */
-int pyusmipc_memory_begin(Mem *self) {
-  if (self->closed || self->released) {
-    pyusmipc_value_error("mapping is closed");
-    return -1;
-  }
-  if (self->ptr == NULL || self->device == NULL) {
-    pyusmipc_value_error("memory object is not initialized");
-    return -1;
-  }
-  self->exports++;
-  return 0;
-}
-
-/* Ends an operation; performs a close that was requested meanwhile. Returns
- * 0, or -1 with an exception set if that deferred close failed. */
-int pyusmipc_memory_end(Mem *self) {
-  self->exports--;
-  if (self->exports == 0 && self->closed && !self->released) {
-    int rc = release_memory(self);
-    if (rc < 0) {
-      return raise_release_error(self, rc);
-    }
-  }
-  return 0;
-}
-
-/* The queue for copies and fills: the memory's own, else (mappings) the
- * default queue of its device, made on first use. Borrowed. */
-static usmipc_queue_t *memory_queue(Mem *self) {
-  if (self->queue == NULL) {
-    PyObject *queue = pyusmipc_default_queue(
-        pyusmipc_state_from_device(self->device), self->device);
-    if (queue == NULL) {
-      return NULL;
-    }
-    /* Making the queue may have released the GIL, and another thread may
-     * have set one meanwhile. */
-    if (self->queue == NULL) {
-      self->queue = queue;
-    } else {
-      Py_DECREF(queue);
-    }
-  }
-  return ((pyusmipc_queue_object_t *)self->queue)->queue;
-}
-
-PyObject *pyusmipc_memory_queue_object(Mem *self) {
-  if (self->device == NULL) {
-    pyusmipc_value_error("memory object is not initialized");
-    return NULL;
-  }
-  if (memory_queue(self) == NULL) {
-    return NULL;
-  }
-  return self->queue;
 }
 
 /* ---- construction -------------------------------------------------------- */
@@ -339,7 +235,7 @@ static int source_done(source_t *src) {
  * memory of different contexts). 0, or -1 with an exception set. */
 static int copy_in(Mem *self, void *dst, source_t *src, size_t n) {
   pyusmipc_module_state_t *st = pyusmipc_state_from_device(self->device);
-  usmipc_queue_t *to = memory_queue(self);
+  usmipc_queue_t *to = pyusmipc_memory_queue(self);
   if (to == NULL) {
     return -1;
   }
@@ -574,6 +470,30 @@ PyObject *pyusmipc_mapping_new(pyusmipc_module_state_t *st, PyObject *device_obj
   return (PyObject *)self;
 }
 
+int pyusmipc_mapping_release(pyusmipc_module_state_t *st, pyusmipc_memory_object_t *m,
+                           usmipc_queue_t *queue) {
+  PyObject *bytes = m->release_handle;
+  if (bytes == NULL) {
+    return 0;
+  }
+  m->release_handle = NULL; /* once, even if it fails */
+  const char *data = PyBytes_AsString(bytes);
+  size_t len = (size_t)PyBytes_Size(bytes);
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_ipc_release(data, len, queue);
+  Py_END_ALLOW_THREADS
+  Py_DECREF(bytes);
+  if (rc == USMIPC_EEXPORTERGONE) {
+    return 0; /* nobody waits for it any more */
+  }
+  if (rc < 0) {
+    pyusmipc_raise(st, rc);
+    return -1;
+  }
+  return 0;
+}
+
 int pyusmipc_mapping_close(pyusmipc_module_state_t *st, Mem *self) {
   if (self->closed) {
     return 0;
@@ -589,7 +509,7 @@ int pyusmipc_mapping_close(pyusmipc_module_state_t *st, Mem *self) {
   if (self->exports > 0) {
     return 0; /* the last buffer release or operation unmaps */
   }
-  int rc = release_memory(self);
+  int rc = pyusmipc_memory_release(self);
   if (rc < 0) {
     pyusmipc_raise(st, rc);
     return -1;
@@ -642,7 +562,7 @@ static void memory_dealloc(PyObject *op) {
   PyObject_GC_UnTrack(op);
   /* No export can be alive: each holds a reference to this object. Errors
    * cannot be reported from here; a failed free leaks, nothing worse. */
-  (void)release_memory(self);
+  (void)pyusmipc_memory_release(self);
   if (self->release_handle != NULL && PyBytes_Check(self->release_handle)) {
     /* Collected without a close: the producer still learns of it (best
      * effort; nothing can be reported from here). */
@@ -702,44 +622,6 @@ static Py_ssize_t memory_length(PyObject *op) { return ((Mem *)op)->nbytes; }
 
 /* ---- methods ------------------------------------------------------------- */
 
-/* Copies n bytes from src to dst, or (src NULL) fills them with value, on
- * the memory's queue and waits, the GIL released; an operation on the
- * memory (pyusmipc_memory_begin and _end: closed memory is refused, a close
- * meanwhile waits for it). n 0 copies nothing. source (or NULL) is the
- * caller's buffer of src, released before the operation ends (it may be an
- * export of this memory). 0, or -1 with an exception set. */
-static int memory_run(Mem *self, void *dst, const void *src, int value,
-                      size_t n, Py_buffer *source) {
-  if (pyusmipc_memory_begin(self) < 0) {
-    if (source != NULL) {
-      PyBuffer_Release(source);
-    }
-    return -1;
-  }
-  usmipc_queue_t *queue = memory_queue(self);
-  int rc = 0;
-  if (queue != NULL && n > 0) {
-    Py_BEGIN_ALLOW_THREADS
-    rc = src != NULL ? usmipc_memcpy(queue, dst, src, n)
-                     : usmipc_memset(queue, dst, value, n);
-    if (rc == 0) {
-      rc = usmipc_queue_synchronize(queue);
-    }
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
-      pyusmipc_raise(pyusmipc_state_from_device(self->device), rc);
-    }
-  }
-  if (source != NULL) {
-    PyBuffer_Release(source);
-  }
-  int failed = queue == NULL || rc < 0;
-  if (pyusmipc_memory_end(self) < 0 || failed) {
-    return -1;
-  }
-  return 0;
-}
-
 static PyObject *memory_copy_from_host(PyObject *op, PyObject *obj) {
   Mem *self = (Mem *)op;
   Py_buffer src;
@@ -752,18 +634,11 @@ static PyObject *memory_copy_from_host(PyObject *op, PyObject *obj) {
     PyBuffer_Release(&src);
     return NULL;
   }
-  if (memory_run(self, self->ptr, src.buf, 0, (size_t)src.len, &src) < 0) {
+  if (pyusmipc_memory_run(self, self->ptr, src.buf, 0, (size_t)src.len, &src) < 0) {
     return NULL;
   }
   Py_RETURN_NONE;
 }
-
-/* Copies all nbytes of the memory to dst. Returns 0 or -1 (exception set). */
-static int copy_out(Mem *self, void *dst) {
-  return memory_run(self, dst, self->ptr, 0, (size_t)self->nbytes, NULL);
-}
-
-int pyusmipc_memory_copy_out(Mem *self, void *dst) { return copy_out(self, dst); }
 
 static PyObject *copy_to_bytes(Mem *self) {
   if (self->closed || self->released) {
@@ -775,7 +650,7 @@ static PyObject *copy_to_bytes(Mem *self) {
     return NULL;
   }
   /* Filling a bytes object before anyone else sees it is allowed. */
-  if (copy_out(self, PyBytes_AsString(bytes)) < 0) {
+  if (pyusmipc_memory_copy_out(self, PyBytes_AsString(bytes)) < 0) {
     Py_DECREF(bytes);
     return NULL;
   }
@@ -839,7 +714,7 @@ static PyObject *memory_copy_to_host(PyObject *op, PyObject *const *args,
     Py_XDECREF(fresh);
     return NULL;
   }
-  int rc = copy_out(self, dst.buf);
+  int rc = pyusmipc_memory_copy_out(self, dst.buf);
   PyBuffer_Release(&dst);
   if (rc < 0) {
     Py_XDECREF(fresh);
@@ -903,7 +778,7 @@ static PyObject *memory_memset(PyObject *op, PyObject *const *args,
       return NULL;
     }
   }
-  if (memory_run(self, self->ptr, NULL, (int)value, (size_t)self->nbytes,
+  if (pyusmipc_memory_run(self, self->ptr, NULL, (int)value, (size_t)self->nbytes,
                  NULL) < 0) {
     return NULL;
   }
@@ -993,7 +868,7 @@ static PyObject *memory_get_queue(PyObject *op, void *closure) {
   if (self->device == NULL) {
     Py_RETURN_NONE;
   }
-  if (self->queue == NULL && memory_queue(self) == NULL) {
+  if (self->queue == NULL && pyusmipc_memory_queue(self) == NULL) {
     return NULL;
   }
   return Py_NewRef(self->queue);
