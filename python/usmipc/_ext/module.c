@@ -292,6 +292,78 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *stats(PyObject *module, PyObject *Py_UNUSED(x)) {
+  (void)module;
+  usmipc_stats_t s;
+  usmipc_get_stats(&s, sizeof(s));
+  return Py_BuildValue(
+      "{s:K,s:K,s:K,s:K,s:K,s:K}", "driver_exports", s.driver_exports,
+      "driver_imports", s.driver_imports, "driver_queries", s.driver_queries,
+      "descriptors_sent", s.descriptors_sent, "descriptors_received",
+      s.descriptors_received, "transport_exchanges", s.transport_exchanges);
+}
+
+static PyObject *reset_stats(PyObject *module, PyObject *Py_UNUSED(x)) {
+  (void)module;
+  usmipc_reset_stats();
+  Py_RETURN_NONE;
+}
+
+/* usmipc.share (bundle.c), open_shared, close_shared, release_shared
+ * (shared_array.c), stats and reset_stats: added by module_exec after the
+ * types SharedBundle and SharedArray, where the module has always had them. */
+static PyMethodDef bundle_functions[] = {
+    {"share", PYUSMIPC_CMETHOD(pyusmipc_share),
+     METH_FASTCALL | METH_KEYWORDS,
+     "share(obj, stream=None, ordered=None, release=False)\n--\n\n"
+     "Exports an array (usmipc memory, a torch tensor, anything with "
+     "__cuda_array_interface__ or __dlpack__) or a dict / list / tuple of "
+     "them (a state_dict) for other processes: each allocation once, every "
+     "array as metadata. Returns a SharedBundle (to_bytes(), pickle) that "
+     "keeps the arrays alive. Ordered like IPCMemoryHandle: each "
+     "to_bytes() records an event on stream (default: the arrays' current "
+     "stream) that open_shared waits for; ordered=False turns that off. "
+     "release=True: every to_bytes() (and pickle) also carries a release "
+     "ticket, which the consumer returns with release_shared() (or by "
+     "closing what it opened); SharedBundle.wait_released() waits for all "
+     "of them."},
+    {"open_shared", PYUSMIPC_CMETHOD(pyusmipc_open_shared),
+     METH_FASTCALL | METH_KEYWORDS,
+     "open_shared(data, device=None, stream=None, to=None)\n--\n\n"
+     "Opens the bytes of a SharedBundle (or the bundle itself): the same "
+     "nesting, each array a SharedArray mapped without a copy. Waits for "
+     "the producer's work on the host, or on stream (the device waits). "
+     "to='torch' gives torch tensors instead (made from DLPack capsules in "
+     "C, faster than torch.from_dlpack per leaf), ready on stream; each "
+     "keeps its mapping until it dies."},
+    {"close_shared", PYUSMIPC_CMETHOD(pyusmipc_close_shared),
+     METH_FASTCALL | METH_KEYWORDS,
+     "close_shared(tree, stream=None)\n--\n\nCloses every SharedArray of "
+     "a tree open_shared() returned (they also close when collected). If "
+     "the producer asked for a release (share(..., release=True)), the "
+     "ticket goes back first: after the work submitted to stream, or, "
+     "without one, from the host."},
+    {"release_shared", PYUSMIPC_CMETHOD(pyusmipc_release_shared),
+     METH_FASTCALL | METH_KEYWORDS,
+     "release_shared(tree, stream=None)\n--\n\nTells the producer of a "
+     "bundle shared with release=True that this consumer is done with it, "
+     "after the work submitted to stream (None: now): its "
+     "SharedBundle.wait_released() counts the ticket and makes its stream "
+     "wait for that work. tree is what open_shared() returned (or any of "
+     "its SharedArray leaves), or the bytes it opened (for "
+     "to='torch' trees). Once per open: closing the last array of an open "
+     "returns its ticket from the host, if nothing did before. Bytes that "
+     "carry no ticket are refused; a tree of them needs nothing."},
+    {"stats", stats, METH_NOARGS,
+     "stats()\n--\n\nWhat IPC has cost this process: driver exports, "
+     "imports and queries, descriptors sent and received, round trips to "
+     "other processes' brokers (usmipc_get_stats)."},
+    {"reset_stats", reset_stats, METH_NOARGS,
+     "reset_stats()\n--\n\nSets the counters of stats() to zero."},
+    {"_bundle_from_bytes", pyusmipc_bundle_from_bytes, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
 /* ---- the interrupt hook -------------------------------------------------- */
 
 /* usmipc_ipc_open (and an event's host wait, usmipc_event_synchronize) calls
@@ -495,7 +567,10 @@ static int module_exec(PyObject *module) {
       pyusmipc_init_memory_types(module, st) < 0 ||
       pyusmipc_init_ipc_handle_type(module, st) < 0 ||
       pyusmipc_init_event_types(module, st) < 0 ||
-      pyusmipc_init_bundle_types(module, st) < 0 || add_error_codes(module) < 0 ||
+      pyusmipc_init_bundle_type(module, st) < 0 ||
+      pyusmipc_init_shared_array_type(module, st) < 0 ||
+      PyModule_AddFunctions(module, bundle_functions) < 0 ||
+      add_error_codes(module) < 0 ||
       install_interrupt_hook() < 0) {
     return -1;
   }

@@ -366,3 +366,7 @@ PyObject *pyusmipc_optional_attr(PyObject *obj, const char *name) {
   }
   return value;
 }
+
+PyObject *pyusmipc_type_name(PyObject *obj) {
+  return PyType_GetName(Py_TYPE(obj));
+}

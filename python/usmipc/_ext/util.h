@@ -153,6 +153,8 @@ int pyusmipc_parse_fastcall(const char *funcname, PyObject *const *args,
 /* obj.name (new reference), or NULL: with an exception set, or without one
  * when obj has no such attribute (the AttributeError is cleared). */
 PyObject *pyusmipc_optional_attr(PyObject *obj, const char *name);
+/* The name of obj's type, for messages (new reference, or NULL). */
+PyObject *pyusmipc_type_name(PyObject *obj);
 /* pyusmipc_parse_fastcall for a function of one parameter, name, which must
  * be given (positionally or by keyword): 0 with *out borrowed, or -1 with
  * TypeError set ("<funcname>() missing argument '<name>'" if absent). */
