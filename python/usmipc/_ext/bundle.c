@@ -1,7 +1,11 @@
-/* Bundles from Python, the producer's side: usmipc.share(tree) ->
- * SharedBundle (to_bytes, pickle), over the C library's bundles
- * (src/bundle.c, docs/bundles.md). The consumer's side, usmipc.open_shared
- * (bytes) -> the same tree of SharedArray leaves, is shared_array.c.
+/* Floor 6 of the extension: bundles from Python, the producer's side:
+ * usmipc.share(tree) -> SharedBundle (to_bytes, pickle), over the C
+ * library's bundles (src/bundle.c, docs/bundles.md). The consumer's side,
+ * usmipc.open_shared(bytes) -> the same tree of SharedArray leaves, is
+ * shared_array.c, one floor up. Calls interop.c, memory_core.c, queue.c,
+ * device.c and util.c (module.c lists the floors). Its length serves that
+ * one concern: reading every kind of leaf share() takes, and the
+ * SharedBundle it returns.
  *
  * share() walks dicts (str keys), lists and tuples; a leaf is usmipc memory
  * (a 1-D uint8 array of its bytes), a torch tensor (read through its methods:
@@ -20,14 +24,19 @@
  * release=True) puts one in every to_bytes() (and pickle); the consumer
  * returns it (shared_array.c), and the producer's
  * SharedBundle.wait_released(stream) waits for all of them. */
-#include "ext.h"
+#include "bundle.h"
 
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "interop.h"
+#include "memory_core.h"
+#include "queue.h"
+#include "device.h"
 #include "dlpack.h"
+#include "util.h"
 
 /* ---- dtypes -------------------------------------------------------------- */
 

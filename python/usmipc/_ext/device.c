@@ -1,12 +1,16 @@
-/* usmipc.Device: one device of one backend ("host:cpu:0", "cuda:gpu:1").
+/* Floor 2 of the extension: usmipc.Device, one device of one backend
+ * ("host:cpu:0", "cuda:gpu:1"), and the per-device cache of Device and
+ * default Queue objects. Calls util.c only (module.c lists the floors).
  *
  * usmipc devices live as long as the process, so the module keeps one
  * Device object per device and Device(filter) returns it: equal devices are
  * the same object, and memory objects can reach the module state through
  * their device (the type is final). */
-#include "ext.h"
+#include "device.h"
 
 #include <string.h>
+
+#include "util.h"
 
 #define DEV(o) (((pyusmipc_device_object_t *)(o))->device)
 

@@ -1,5 +1,7 @@
-/* usmipc.Event and usmipc.IPCEventHandle: ordering device work across queues
- * and processes (include/usmipc.h, "events").
+/* Floor 4 of the extension: usmipc.Event and usmipc.IPCEventHandle,
+ * ordering device work across queues and processes (include/usmipc.h,
+ * "events"). Calls queue.c, handle_bytes.c, device.c and util.c (module.c
+ * lists the floors).
  *
  * An Event is created on a device and recorded on a queue (record), or
  * opened from another process's handle (IPCEventHandle.open), which gives an
@@ -18,11 +20,16 @@
  * re-open of an event already open in this process is a lookup in the
  * library's import cache.
  */
-#include "ext.h"
+#include "event.h"
 
 #include <limits.h>
 #include <math.h>
 #include <string.h>
+
+#include "queue.h"
+#include "device.h"
+#include "handle_bytes.h"
+#include "util.h"
 
 typedef pyusmipc_event_object_t Event;
 
@@ -266,7 +273,6 @@ static PyObject *event_reduce(PyObject *op, PyObject *Py_UNUSED(ignored)) {
                   "it with IPCEventHandle.open() in the other process");
   return NULL;
 }
-
 
 #define METHOD_FLAGS (METH_METHOD | METH_FASTCALL | METH_KEYWORDS)
 

@@ -1,13 +1,16 @@
-/* Handle bytes: what IPCMemoryHandle (ipc_handle.c) and IPCEventHandle
- * (event.c) share. Taking handle bytes from an argument (bytes, any buffer,
- * or a handle object's own), decoding them with usmipc_ipc_handle_inspect
- * and refusing the bytes of the other kind of handle, the error of a failed
- * open, and the fields both types show (backend, device_uuid, the dict of
- * inspect()). Everything here reads the bytes through the public header:
- * the wire format stays the library's. */
-#include "ext.h"
+/* Floor 2 of the extension: handle bytes, what IPCMemoryHandle
+ * (ipc_handle.c) and IPCEventHandle (event.c) share. Taking handle bytes
+ * from an argument (bytes, any buffer, or a handle object's own), decoding
+ * them with usmipc_ipc_handle_inspect and refusing the bytes of the other
+ * kind of handle, the error of a failed open, and the fields both types
+ * show (backend, device_uuid, the dict of inspect()). Everything here reads
+ * the bytes through the public header: the wire format stays the
+ * library's. Calls util.c only (module.c lists the floors). */
+#include "handle_bytes.h"
 
 #include <stdio.h>
+
+#include "util.h"
 
 int pyusmipc_handle_bytes_of(PyObject *obj, PyObject *bytes,
                            pyusmipc_handle_bytes_t *hb) {

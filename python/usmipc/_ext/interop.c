@@ -1,8 +1,13 @@
-/* Zero-copy interop of the memory types with other array libraries: DLPack
- * (__dlpack__, __dlpack_device__; torch, CuPy, NumPy, JAX) and the CUDA
- * array interface (__cuda_array_interface__, version 3), plus reading another
- * library's __cuda_array_interface__ so that IPCMemoryHandle can export
- * foreign device memory (a torch tensor, a CuPy array).
+/* Floor 5 of the extension: zero-copy interop of the memory types with
+ * other array libraries, DLPack (__dlpack__, __dlpack_device__; torch,
+ * CuPy, NumPy, JAX) and the CUDA array interface
+ * (__cuda_array_interface__, version 3), plus reading another library's
+ * __cuda_array_interface__ so that IPCMemoryHandle can export foreign
+ * device memory (a torch tensor, a CuPy array). Calls memory_core.c,
+ * queue.c, device.c and util.c (module.c lists the floors). Its length
+ * serves that one concern: the readers of other libraries' arrays and the
+ * exporters of usmipc memory share the DLPack machinery (consuming a
+ * capsule, contiguity, the device checks).
  *
  * A DLPack capsule counts as a buffer export of the memory object (it holds a
  * reference and the export count), so closing a mapping while a consumer
@@ -25,16 +30,20 @@
  * completed when they return, and a mapping opened with a host wait was
  * complete when open() returned.
  *
- * The DLPack structures below are copied from dlpack.h (v1.0; its ABI is
- * stable), so the build needs no extra header.
+ * The DLPack structures are copied from dlpack.h (v1.0; its ABI is stable)
+ * into this directory's dlpack.h, so the build needs no extra header.
  */
-#include "ext.h"
+#include "interop.h"
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "memory_core.h"
+#include "queue.h"
+#include "device.h"
 #include "dlpack.h"
+#include "util.h"
 
 /* ---- the device of a memory object ----------------------------------------
  */

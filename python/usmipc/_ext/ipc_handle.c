@@ -1,5 +1,9 @@
-/* usmipc.memory.IPCMemoryHandle: the exporter's side (IPCMemoryHandle(mem),
- * to_bytes(), pickling) and the importer's (open, close_mapping).
+/* Floor 7 of the extension: usmipc.memory.IPCMemoryHandle, the exporter's
+ * side (IPCMemoryHandle(mem), to_bytes(), pickling) and the importer's
+ * (open, close_mapping). Calls memory.c, interop.c, memory_core.c,
+ * queue.c, handle_bytes.c, device.c and util.c (module.c lists the
+ * floors). Its length serves that one type: its exports, ordered handoffs
+ * and release tickets, and its opens, the hot path of a re-open loop.
  *
  * Ordering (the default where the device's backend has events): the handle
  * keeps the queue the producer's work runs on (stream=, else the memory's
@@ -22,7 +26,7 @@
  * open and close_mapping are the hot path of a re-open loop: both are C
  * class methods that cost one library call and, for open, one object.
  */
-#include "ext.h"
+#include "ipc_handle.h"
 
 #include <stddef.h>
 #include <structmember.h>
@@ -31,6 +35,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "memory.h"
+#include "interop.h"
+#include "memory_core.h"
+#include "queue.h"
+#include "device.h"
+#include "handle_bytes.h"
+#include "util.h"
 
 typedef struct handle_object {
   PyObject_HEAD PyObject *memory; /* the exported memory object, or NULL */
@@ -1061,7 +1073,6 @@ static Py_hash_t handle_hash(PyObject *self) {
   Py_DECREF(key);
   return h;
 }
-
 
 PYUSMIPC_CLASSMETHOD_WHICH(handle_open_cls, open_common, IPCMemoryHandleType, 0)
 PYUSMIPC_CLASSMETHOD_WHICH(handle_open_sycl_cls, open_common, IPCMemoryHandleType,

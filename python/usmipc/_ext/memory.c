@@ -1,7 +1,13 @@
-/* The memory types of usmipc.memory: the base _Memory and its subclasses
- * MemoryUSMDevice, MemoryUSMHost, MemoryUSMShared (allocations made with
- * usmipc_malloc, freed with usmipc_free when the object dies) and
- * MemoryIPCDevice (a mapping opened by IPCMemoryHandle.open).
+/* Floor 6 of the extension: the memory types of usmipc.memory, the base
+ * _Memory and its subclasses MemoryUSMDevice, MemoryUSMHost,
+ * MemoryUSMShared (allocations made with usmipc_malloc, freed with
+ * usmipc_free when the object dies) and MemoryIPCDevice (a mapping opened
+ * by IPCMemoryHandle.open), and MemoryPool, whose blocks are
+ * MemoryUSMDevice objects. Calls interop.c, memory_core.c, queue.c,
+ * device.c and util.c (module.c lists the floors). Its length serves that
+ * one concern, the memory objects: how each is made (an allocation, a
+ * pool's block, a view, a copy of another object, a mapping), its buffer
+ * protocol, its copies and its close.
  *
  * Lifetime: a memory object holds its Device and Queue. Host-accessible
  * memory exports the buffer protocol; every export holds a reference to the
@@ -10,11 +16,17 @@
  * that count is non-zero; the last release unmaps it. So close never fails
  * because a memoryview is alive (mmap's trap) and never leaves one dangling.
  */
-#include "ext.h"
+#include "memory.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "interop.h"
+#include "memory_core.h"
+#include "queue.h"
+#include "device.h"
+#include "util.h"
 
 typedef pyusmipc_memory_object_t Mem;
 

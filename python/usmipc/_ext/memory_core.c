@@ -1,14 +1,20 @@
-/* The memory object's core: what every file that operates on usmipc memory
- * needs of it (interop.c's DLPack and array interfaces, ipc_handle.c's
- * exports, bundle.c's leaves), apart from the memory types themselves
- * (memory.c). The operation count that lets a close wait for the
- * operations running without the GIL (pyusmipc_memory_begin / _end), the
- * release of the memory, the queue its copies use, and the copy helper.
+/* Floor 4 of the extension: the memory object's core, what every file that
+ * operates on usmipc memory needs of it (interop.c's DLPack and array
+ * interfaces, ipc_handle.c's exports, bundle.c's leaves), apart from the
+ * memory types themselves (memory.c). The operation count that lets a
+ * close wait for the operations running without the GIL
+ * (pyusmipc_memory_begin / _end), the release of the memory, the queue its
+ * copies use, and the copy helper. Calls queue.c, device.c and util.c
+ * (module.c lists the floors).
  *
  * Lifetime: see memory.c. Every buffer export and every operation that runs
  * without the GIL is counted (exports); closing a mapping only marks it
  * closed while that count is non-zero, and the last one to end unmaps it. */
-#include "ext.h"
+#include "memory_core.h"
+
+#include "queue.h"
+#include "device.h"
+#include "util.h"
 
 typedef pyusmipc_memory_object_t Mem;
 

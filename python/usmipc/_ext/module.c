@@ -1,10 +1,40 @@
-/* usmipc._usmipc: module initialization (PEP 489 multi-phase), the module
- * state's exceptions and lifecycle, the interrupt hook that lets Ctrl-C end
- * an open or an event wait, and the module functions
- * get_devices(), backends(), set_ipc_cache_size(), set_ipc_cache_bytes(),
- * set_ipc_timeout(), set_event_timeout() (event.c), and for the PyTorch
- * allocator _torch_pool_info() and _last_error() (usmipc.memory). */
-#include "ext.h"
+/* Floor 8 of the extension usmipc._usmipc, the top: module initialization
+ * (PEP 489 multi-phase), the module state's exceptions and lifecycle, the
+ * interrupt hook that lets Ctrl-C end an open or an event wait, and the
+ * module functions get_devices(), backends(), set_ipc_cache_size()
+ * (ipc_handle.c), set_ipc_cache_bytes(), set_ipc_timeout(),
+ * set_event_timeout() (event.c), share() (bundle.c), open_shared(),
+ * close_shared(), release_shared() (shared_array.c), stats(),
+ * reset_stats(), and for the PyTorch allocator _torch_pool_info() and
+ * _last_error() (usmipc.memory).
+ *
+ * The floors of the extension: each file calls only files on lower floors,
+ * and includes only its own header and those of lower floors (one header
+ * per file; a header includes only lower ones).
+ *
+ *   8  module.c         module init and module functions
+ *   7  ipc_handle.c     IPCMemoryHandle
+ *      shared_array.c   open_shared(), SharedArray (bundles, consumer's side)
+ *   6  memory.c         the memory types of usmipc.memory, MemoryPool
+ *      bundle.c         share(), SharedBundle (bundles, producer's side)
+ *   5  interop.c        DLPack and the array interfaces, both ways
+ *   4  memory_core.c    the memory object's core: operation count, copies
+ *      event.c          Event, IPCEventHandle
+ *   3  queue.c          Queue, default queues, stream= arguments
+ *   2  device.c         Device, the per-device cache
+ *      handle_bytes.c   handle bytes both handle types take and show
+ *   1  util.c           state lookup, errors, argument parsing
+ *      dlpack.h         the DLPack structures
+ */
+#include "ipc_handle.h"
+#include "shared_array.h"
+#include "bundle.h"
+#include "memory.h"
+#include "event.h"
+#include "memory_core.h"
+#include "queue.h"
+#include "device.h"
+#include "util.h"
 
 #include <limits.h>
 #include <math.h>

@@ -1,6 +1,8 @@
-/* usmipc.Queue: orders copies and fills on one device (a CUDA stream, a
- * Level Zero command list; on the host backend operations complete at once).
- * A Queue holds a reference to its Device.
+/* Floor 3 of the extension: usmipc.Queue, which orders copies and fills on
+ * one device (a CUDA stream, a Level Zero command list; on the host backend
+ * operations complete at once), each device's default queue, and the
+ * resolver of every stream= argument. Calls device.c and util.c (module.c
+ * lists the floors). A Queue holds a reference to its Device.
  *
  * Queue.from_stream wraps another library's stream (usmipc_queue_from_native:
  * the wrapper does not own it) and holds the Python object that owns the
@@ -8,11 +10,14 @@
  * resolver, pyusmipc_queue_from_stream, reads every stream= argument of the
  * package. It never imports torch or CuPy: their streams are recognized by
  * the module of their type, and read through their attributes. */
-#include "ext.h"
+#include "queue.h"
 
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+
+#include "device.h"
+#include "util.h"
 
 /* A new Queue object on device_obj, its usmipc queue still to be set; NULL
  * with an exception set. */

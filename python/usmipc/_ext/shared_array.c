@@ -1,7 +1,11 @@
-/* Bundles from Python, the consumer's side: usmipc.open_shared(bytes, or
- * the SharedBundle itself) -> the tree the producer shared (bundle.c), each
- * array a SharedArray mapped without a copy (or, to='torch', a torch
- * tensor), and close_shared(tree) / release_shared(tree) after it.
+/* Floor 7 of the extension: bundles from Python, the consumer's side:
+ * usmipc.open_shared(bytes, or the SharedBundle itself) -> the tree the
+ * producer shared (bundle.c), each array a SharedArray mapped without a
+ * copy (or, to='torch', a torch tensor), and close_shared(tree) /
+ * release_shared(tree) after it. Calls bundle.c, interop.c, queue.c,
+ * device.c and util.c (module.c lists the floors). Its length serves that
+ * one concern: the arrays one open makes and the ready and ticket records
+ * they share, which live and die together.
  *
  * Ordering: open_shared waits for the producer's work on the host, or on
  * stream= on the device. A leaf opened on a stream makes any other stream a
@@ -14,13 +18,18 @@
  * Release tickets (share(..., release=True)): the consumer returns the
  * ticket with release_shared(tree, stream) after its work, or from the host
  * when the last array of the open is closed or collected. */
-#include "ext.h"
+#include "shared_array.h"
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "bundle.h"
+#include "interop.h"
+#include "queue.h"
+#include "device.h"
 #include "dlpack.h"
+#include "util.h"
 
 typedef pyusmipc_dtype_t dtype_entry_t;
 typedef pyusmipc_bundle_object_t Bundle;
