@@ -31,11 +31,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "device.h"
+#include "dlpack.h"
 #include "interop.h"
 #include "memory_core.h"
 #include "queue.h"
-#include "device.h"
-#include "dlpack.h"
 #include "util.h"
 
 /* ---- dtypes -------------------------------------------------------------- */
@@ -68,15 +68,15 @@ const dtype_entry_t *pyusmipc_dtype_by_code(uint8_t code, uint8_t bits) {
   return NULL;
 }
 
-/* ---- leaves of share() ---------------------------------------------------- */
+/* ---- leaves of share() --------------------------------------------------- */
 
 /* What share() learned about a leaf. */
 typedef struct leaf_info {
   void *ptr;
   usmipc_array_desc_t desc;
   int64_t shape[USMIPC_BUNDLE_MAX_NDIM], strides[USMIPC_BUNDLE_MAX_NDIM];
-  PyObject *keep; /* a new reference the bundle keeps (the source, or the
-                     owner of a DLPack tensor) */
+  PyObject *keep;      /* a new reference the bundle keeps (the source, or the
+                          owner of a DLPack tensor) */
   PyObject *stream_of; /* the leaf whose current stream orders the bundle
                           (torch, CuPy), or NULL; borrowed */
   pyusmipc_memory_object_t *mem; /* usmipc memory, borrowed, or NULL */
@@ -95,8 +95,8 @@ static int fill_int_tuple(PyObject *seq, int64_t *out, int *ndim,
   Py_ssize_t n = PyTuple_Size(t);
   if (n > USMIPC_BUNDLE_MAX_NDIM) {
     Py_DECREF(t);
-    pyusmipc_value_error("%s has %zd dimensions; at most %d travel",
-                 what, n, USMIPC_BUNDLE_MAX_NDIM);
+    pyusmipc_value_error("%s has %zd dimensions; at most %d travel", what, n,
+                         USMIPC_BUNDLE_MAX_NDIM);
     return -1;
   }
   for (Py_ssize_t i = 0; i < n; i++) {
@@ -108,8 +108,7 @@ static int fill_int_tuple(PyObject *seq, int64_t *out, int *ndim,
   }
   Py_DECREF(t);
   if (*ndim >= 0 && *ndim != (int)n) {
-    pyusmipc_value_error("%s: %zd strides for %d dimensions", what,
-                 n, *ndim);
+    pyusmipc_value_error("%s: %zd strides for %d dimensions", what, n, *ndim);
     return -1;
   }
   *ndim = (int)n;
@@ -124,7 +123,7 @@ static int contiguous_strides(const int64_t *shape, int64_t *strides, int nd) {
     strides[i] = step;
     if (shape[i] > 1 && __builtin_mul_overflow(step, shape[i], &step)) {
       pyusmipc_value_error("the array has more elements than 64 bits count; "
-                         "it cannot travel in a bundle");
+                           "it cannot travel in a bundle");
       return -1;
     }
   }
@@ -162,7 +161,8 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
       return -1;
     }
     if (found < 0) {
-      pyusmipc_type_error("a tensor of dtype %U cannot travel in a bundle", name);
+      pyusmipc_type_error("a tensor of dtype %U cannot travel in a bundle",
+                          name);
       Py_DECREF(name);
       Py_DECREF(dtype);
       return -1;
@@ -209,9 +209,9 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
       (usmipc_pointer_query(L->ptr, &info) != 0 ||
        info.kind != USMIPC_MEM_DEVICE)) {
     pyusmipc_kind_error("a CPU tensor of torch's own memory: only device "
-                      "memory can be shared (move it to the GPU, or make it "
-                      "a view of usmipc memory: torch.from_dlpack("
-                      "MemoryUSMDevice(n, device='host:cpu')))");
+                        "memory can be shared (move it to the GPU, or make it "
+                        "a view of usmipc memory: torch.from_dlpack("
+                        "MemoryUSMDevice(n, device='host:cpu')))");
     rc = -1;
   }
   Py_XDECREF(shape);
@@ -241,7 +241,8 @@ static int leaf_cai_fields(PyObject *obj, PyObject *data, PyObject *shape,
                            leaf_info_t *L) {
   if (data == NULL || !PyTuple_Check(data) || PyTuple_Size(data) < 1 ||
       shape == NULL || typestr == NULL || !PyUnicode_Check(typestr)) {
-    pyusmipc_type_error("__cuda_array_interface__ lacks data, shape or typestr");
+    pyusmipc_type_error(
+        "__cuda_array_interface__ lacks data, shape or typestr");
     return -1;
   }
   const char *ts = PyUnicode_AsUTF8AndSize(typestr, NULL);
@@ -254,8 +255,8 @@ static int leaf_cai_fields(PyObject *obj, PyObject *data, PyObject *shape,
         dt = &DTYPES[i];
   if (dt == NULL) {
     pyusmipc_type_error("an array of typestr %s cannot travel in a bundle "
-                 "(little-endian bool, int, uint, float, complex can)",
-                 ts);
+                        "(little-endian bool, int, uint, float, complex can)",
+                        ts);
     return -1;
   }
   L->desc.dtype_code = dt->code;
@@ -272,7 +273,7 @@ static int leaf_cai_fields(PyObject *obj, PyObject *data, PyObject *shape,
     for (int i = 0; i < nd; i++) {
       if (L->strides[i] % item != 0) {
         pyusmipc_value_error("an array whose strides are not whole elements "
-                        "cannot travel in a bundle");
+                             "cannot travel in a bundle");
         return -1;
       }
       L->strides[i] /= item;
@@ -319,9 +320,10 @@ static int leaf_dlpack(PyObject *obj, leaf_info_t *L, int *found) {
       (t.ndim > 0 && t.shape == NULL) || t.dtype.lanes != 1 ||
       pyusmipc_dtype_by_code(t.dtype.code, t.dtype.bits) == NULL) {
     Py_DECREF(owner);
-    pyusmipc_type_error("a DLPack tensor of dtype (code %u, %u bits, %u lanes) or %d "
-                 "dimensions cannot travel in a bundle",
-                 t.dtype.code, t.dtype.bits, t.dtype.lanes, (int)t.ndim);
+    pyusmipc_type_error(
+        "a DLPack tensor of dtype (code %u, %u bits, %u lanes) or %d "
+        "dimensions cannot travel in a bundle",
+        t.dtype.code, t.dtype.bits, t.dtype.lanes, (int)t.ndim);
     return -1;
   }
   L->desc.dtype_code = t.dtype.code;
@@ -432,10 +434,11 @@ static int leaf_read(pyusmipc_module_state_t *st, PyObject *obj,
       if (!found) {
         PyObject *tn = pyusmipc_type_name(obj);
         if (tn != NULL)
-          pyusmipc_type_error("a %U is not an array: a leaf must be usmipc memory "
-                       "or have __cuda_array_interface__ or __dlpack__ "
-                       "(dicts, lists and tuples hold the leaves)",
-                       tn);
+          pyusmipc_type_error(
+              "a %U is not an array: a leaf must be usmipc memory "
+              "or have __cuda_array_interface__ or __dlpack__ "
+              "(dicts, lists and tuples hold the leaves)",
+              tn);
         Py_XDECREF(tn);
         return -1;
       }
@@ -446,7 +449,7 @@ static int leaf_read(pyusmipc_module_state_t *st, PyObject *obj,
       Py_XDECREF(L->keep);
       L->keep = NULL;
       pyusmipc_value_error("an array with negative strides cannot travel in a "
-                      "bundle; share a copy");
+                           "bundle; share a copy");
       return -1;
     }
   if (L->keep == NULL)
@@ -454,7 +457,7 @@ static int leaf_read(pyusmipc_module_state_t *st, PyObject *obj,
   return 0;
 }
 
-/* ---- SharedBundle --------------------------------------------------------- */
+/* ---- SharedBundle -------------------------------------------------------- */
 
 typedef pyusmipc_bundle_object_t Bundle;
 
@@ -462,10 +465,10 @@ typedef struct walk {
   pyusmipc_module_state_t *st;
   usmipc_bundle_t *b;
   PyObject *keep;
-  PyObject *stream_of; /* first torch/CuPy leaf */
+  PyObject *stream_of;           /* first torch/CuPy leaf */
   pyusmipc_memory_object_t *mem; /* first usmipc memory leaf */
-  void *first_ptr;             /* first leaf with memory */
-  PyObject *path;              /* list of keys/indices, for messages */
+  void *first_ptr;               /* first leaf with memory */
+  PyObject *path;                /* list of keys/indices, for messages */
   int depth;
 } walk_t;
 
@@ -499,8 +502,8 @@ static void key_not_utf8(walk_t *w, PyObject *k) {
     return;
   PyErr_Clear();
   pyusmipc_value_error("the dict key has no UTF-8 form (a lone surrogate?), "
-                     "and bundle keys travel as UTF-8: use a key of valid "
-                     "text");
+                       "and bundle keys travel as UTF-8: use a key of valid "
+                       "text");
   PyObject *type, *value, *tb;
   PyErr_Fetch(&type, &value, &tb);
   if (w->path != NULL && PyList_Append(w->path, k) < 0)
@@ -551,8 +554,8 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
           PyObject *tn = pyusmipc_type_name(k);
           if (tn != NULL)
             pyusmipc_type_error("dict keys must be str to travel in a bundle, "
-                              "not %U",
-                              tn);
+                                "not %U",
+                                tn);
           Py_XDECREF(tn);
           Py_DECREF(items);
           return -1;
@@ -627,11 +630,11 @@ static void prefix_path(PyObject *path) {
     where = joined;
   }
   PyObject *msg = value ? PyObject_Str(value) : NULL;
-  PyObject *text =
-      where && msg ? PyUnicode_FromFormat("share(): at %U%s: %U", where,
-                                          PyUnicode_GetLength(where) ? "" : "the root",
-                                          msg)
-                   : NULL;
+  PyObject *text = where && msg
+                       ? PyUnicode_FromFormat(
+                             "share(): at %U%s: %U", where,
+                             PyUnicode_GetLength(where) ? "" : "the root", msg)
+                       : NULL;
   Py_XDECREF(where);
   Py_XDECREF(msg);
   if (text != NULL && value != NULL) {
@@ -662,10 +665,10 @@ static PyObject *order_queue(pyusmipc_module_state_t *st, walk_t *w,
   if (!has) {
     if (ordered > 0 || stream != NULL) {
       pyusmipc_raise_msg(st, USMIPC_ENOTSUP,
-                       "share(): this device's backend has no events yet, so "
-                       "the bundle cannot make consumers wait for the "
-                       "producer's work; pass ordered=False and synchronize "
-                       "that work before sending the bytes");
+                         "share(): this device's backend has no events yet, so "
+                         "the bundle cannot make consumers wait for the "
+                         "producer's work; pass ordered=False and synchronize "
+                         "that work before sending the bytes");
     }
     return NULL;
   }
@@ -692,24 +695,25 @@ static PyObject *order_queue(pyusmipc_module_state_t *st, walk_t *w,
 }
 
 PyObject *pyusmipc_share(PyObject *module, PyObject *const *args,
-                       Py_ssize_t nargs, PyObject *kwnames) {
+                         Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"obj", "stream", "ordered", "release"};
   PyObject *a[4];
-  if (pyusmipc_parse_fastcall("share", args, nargs, kwnames, names, 4, 1, a) < 0)
+  if (pyusmipc_parse_fastcall("share", args, nargs, kwnames, names, 4, 1, a) <
+      0)
     return NULL;
   if (a[0] == NULL) {
     pyusmipc_type_error("share() missing argument 'obj'");
     return NULL;
   }
   int ordered = -1, release = 0;
-  if (a[2] != NULL && a[2] != Py_None &&
-      (ordered = PyObject_IsTrue(a[2])) < 0)
+  if (a[2] != NULL && a[2] != Py_None && (ordered = PyObject_IsTrue(a[2])) < 0)
     return NULL;
   if (a[3] != NULL && (release = PyObject_IsTrue(a[3])) < 0)
     return NULL;
   if (ordered == 0 && a[1] != NULL && a[1] != Py_None) {
-    pyusmipc_value_error("share(): stream= is what the handoff is ordered on, so "
-                    "it cannot go with ordered=False");
+    pyusmipc_value_error(
+        "share(): stream= is what the handoff is ordered on, so "
+        "it cannot go with ordered=False");
     return NULL;
   }
   PyObject *stream = a[1] == Py_None ? NULL : a[1];
@@ -886,20 +890,20 @@ static PyObject *bundle_wait_released(PyObject *op, PyObject *const *args,
   Bundle *self = (Bundle *)op;
   pyusmipc_module_state_t *st = PyType_GetModuleState(Py_TYPE(op));
   if (pyusmipc_parse_fastcall("wait_released", args, nargs, kwnames, names, 1,
-                            0, &stream) < 0)
+                              0, &stream) < 0)
     return NULL;
   if (self->bundle == NULL) {
     pyusmipc_value_error("wait_released(): this SharedBundle was made from "
-                       "bytes; only the producer's own (from share()) hands "
-                       "out release tickets");
+                         "bytes; only the producer's own (from share()) hands "
+                         "out release tickets");
     return NULL;
   }
   PyObject *queue_obj = NULL;
   usmipc_queue_t *queue = NULL;
   if (stream != NULL && stream != Py_None) {
-    if ((queue_obj = pyusmipc_queue_from_stream(st, stream, NULL, self->device,
-                                              "SharedBundle.wait_released()"))
-        == NULL)
+    if ((queue_obj = pyusmipc_queue_from_stream(
+             st, stream, NULL, self->device, "SharedBundle.wait_released()")) ==
+        NULL)
       return NULL;
     queue = ((pyusmipc_queue_object_t *)queue_obj)->queue;
   }
@@ -948,7 +952,8 @@ static void bundle_dealloc(PyObject *op) {
   PyObject_GC_UnTrack(op);
   /* The slot first (its bytes are refused from now on), then the sources
    * may go. */
-  PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_bundle_t, self->bundle, usmipc_bundle_free);
+  PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_bundle_t, self->bundle,
+                               usmipc_bundle_free);
   bundle_clear(op);
   Py_CLEAR(self->keep);
   if (self->lock_ready)
@@ -975,11 +980,9 @@ static PyMethodDef bundle_methods[] = {
 };
 
 static PyGetSetDef bundle_getset[] = {
-    {"arrays", bundle_get_arrays, NULL, "The number of arrays (leaves).",
-     NULL},
+    {"arrays", bundle_get_arrays, NULL, "The number of arrays (leaves).", NULL},
     {"allocations", bundle_get_allocations, NULL,
-     "The number of allocations the arrays live in, each exported once.",
-     NULL},
+     "The number of allocations the arrays live in, each exported once.", NULL},
     {"ordered", bundle_get_ordered, NULL,
      "Whether each to_bytes() orders the handoff after the producer's work.",
      NULL},

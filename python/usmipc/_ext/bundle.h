@@ -12,7 +12,7 @@
  * from bytes (unpickled: bytes set). */
 typedef struct pyusmipc_bundle_object {
   PyObject_HEAD usmipc_bundle_t *bundle; /* NULL: made from bytes */
-  PyObject *keep;   /* list of the leaves' sources */
+  PyObject *keep;                        /* list of the leaves' sources */
   PyObject *queue;  /* usmipc.Queue each to_bytes() orders on, or NULL */
   PyObject *device; /* usmipc.Device of the memory, or NULL */
   PyObject *bytes;  /* a bundle made from bytes (unpickled) */
@@ -39,10 +39,10 @@ PyObject *pyusmipc_bundle_to_bytes(PyObject *op, PyObject *ignored);
 /* A dtype that travels in a bundle: its names in each protocol, and its
  * DLPack code and bits. */
 typedef struct pyusmipc_dtype {
-  const char *name;      /* SharedArray.dtype */
-  const char *torch;     /* str(torch dtype) */
-  const char *typestr;   /* __cuda_array_interface__, without byte order */
-  const char *format;    /* buffer protocol, NULL: none */
+  const char *name;    /* SharedArray.dtype */
+  const char *torch;   /* str(torch dtype) */
+  const char *typestr; /* __cuda_array_interface__, without byte order */
+  const char *format;  /* buffer protocol, NULL: none */
   uint8_t code, bits;
 } pyusmipc_dtype_t;
 /* The dtype of DLPack code and bits, or NULL if none travels. */

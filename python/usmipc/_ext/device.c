@@ -27,7 +27,7 @@ pyusmipc_device_slot_t *pyusmipc_device_slot(pyusmipc_module_state_t *st,
 }
 
 PyObject *pyusmipc_device_object(pyusmipc_module_state_t *st,
-                               usmipc_device_t *device) {
+                                 usmipc_device_t *device) {
   pyusmipc_device_slot_t *slot = pyusmipc_device_slot(st, device);
   if (slot != NULL) {
     return Py_NewRef(slot->device_obj);
@@ -58,7 +58,8 @@ PyObject *pyusmipc_device_object(pyusmipc_module_state_t *st,
   return obj;
 }
 
-int pyusmipc_device_has_events(pyusmipc_module_state_t *st, PyObject *device_obj) {
+int pyusmipc_device_has_events(pyusmipc_module_state_t *st,
+                               PyObject *device_obj) {
   usmipc_device_t *device = ((pyusmipc_device_object_t *)device_obj)->device;
   pyusmipc_device_slot_t *slot = pyusmipc_device_slot(st, device);
   if (slot != NULL && slot->has_events >= 0) {
@@ -77,7 +78,8 @@ int pyusmipc_device_has_events(pyusmipc_module_state_t *st, PyObject *device_obj
     return -1;
   }
   int has = rc == 0;
-  slot = pyusmipc_device_slot(st, device); /* the GIL was released: look again */
+  slot =
+      pyusmipc_device_slot(st, device); /* the GIL was released: look again */
   if (slot != NULL) {
     slot->has_events = (signed char)has;
   }
@@ -102,7 +104,7 @@ int pyusmipc_list_devices(pyusmipc_module_state_t *st,
 }
 
 PyObject *pyusmipc_device_of_info(pyusmipc_module_state_t *st,
-                                const usmipc_ipc_handle_info_t *info) {
+                                  const usmipc_ipc_handle_info_t *info) {
   usmipc_device_t *devices[PYUSMIPC_MAX_DEVICES];
   size_t count;
   if (pyusmipc_list_devices(st, devices, &count) < 0) {
@@ -131,9 +133,10 @@ PyObject *pyusmipc_device_from_arg(pyusmipc_module_state_t *st, PyObject *arg) {
       return Py_NewRef(((pyusmipc_queue_object_t *)arg)->device);
     }
     if (!PyUnicode_Check(arg)) {
-      pyusmipc_type_error("expected a usmipc.Device, a usmipc.Queue, a filter string "
-                   "such as 'host:cpu' or None, not %R",
-                   (PyObject *)Py_TYPE(arg));
+      pyusmipc_type_error(
+          "expected a usmipc.Device, a usmipc.Queue, a filter string "
+          "such as 'host:cpu' or None, not %R",
+          (PyObject *)Py_TYPE(arg));
       return NULL;
     }
     Py_ssize_t len;
@@ -155,8 +158,8 @@ PyObject *pyusmipc_device_from_arg(pyusmipc_module_state_t *st, PyObject *arg) {
 }
 
 int pyusmipc_optional_device_arg(pyusmipc_module_state_t *st, PyObject *arg,
-                               PyObject **device_obj,
-                               usmipc_device_t **device) {
+                                 PyObject **device_obj,
+                                 usmipc_device_t **device) {
   *device_obj = NULL;
   if (device != NULL) {
     *device = NULL;
@@ -189,9 +192,7 @@ static PyObject *device_new(PyTypeObject *type, PyObject *args,
   return pyusmipc_device_from_arg(st, arg);
 }
 
-static void device_dealloc(PyObject *self) {
-  pyusmipc_object_free(self);
-}
+static void device_dealloc(PyObject *self) { pyusmipc_object_free(self); }
 
 static PyObject *device_get_name(PyObject *self, void *closure) {
   (void)closure;
@@ -283,14 +284,12 @@ static usmipc_device_t *dev_of(PyObject *self) {
 
 static PyObject *device_get_is_gpu(PyObject *self, void *closure) {
   (void)closure;
-  return PyBool_FromLong(usmipc_device_type(dev_of(self)) ==
-                         USMIPC_DEVICE_GPU);
+  return PyBool_FromLong(usmipc_device_type(dev_of(self)) == USMIPC_DEVICE_GPU);
 }
 
 static PyObject *device_get_is_cpu(PyObject *self, void *closure) {
   (void)closure;
-  return PyBool_FromLong(usmipc_device_type(dev_of(self)) ==
-                         USMIPC_DEVICE_CPU);
+  return PyBool_FromLong(usmipc_device_type(dev_of(self)) == USMIPC_DEVICE_CPU);
 }
 
 /* The maker of the driver's devices (dpctl's vendor): the backend tells. */
@@ -330,9 +329,8 @@ static PyObject *device_get_driver_version(PyObject *self, void *closure) {
   usmipc_device_info_t info;
   if (device_info(self, &info) < 0)
     return NULL;
-  return PyUnicode_DecodeUTF8(info.driver_version,
-                              (Py_ssize_t)strlen(info.driver_version),
-                              "replace");
+  return PyUnicode_DecodeUTF8(
+      info.driver_version, (Py_ssize_t)strlen(info.driver_version), "replace");
 }
 
 static PyObject *device_get_global_mem_size(PyObject *self, void *closure) {
@@ -343,8 +341,7 @@ static PyObject *device_get_global_mem_size(PyObject *self, void *closure) {
   return PyLong_FromUnsignedLongLong(info.global_mem_size);
 }
 
-static PyObject *device_get_max_mem_alloc_size(PyObject *self,
-                                               void *closure) {
+static PyObject *device_get_max_mem_alloc_size(PyObject *self, void *closure) {
   (void)closure;
   usmipc_device_info_t info;
   if (device_info(self, &info) < 0)
@@ -374,8 +371,7 @@ static PyObject *device_print_info(PyObject *self, PyObject *Py_UNUSED(x)) {
       name, vendor_of(d), info.driver_version,
       usmipc_backend_name(usmipc_device_backend(d)),
       usmipc_device_type(d) == USMIPC_DEVICE_GPU ? "gpu" : "cpu",
-      usmipc_device_filter_string(d),
-      (unsigned long long)info.global_mem_size,
+      usmipc_device_filter_string(d), (unsigned long long)info.global_mem_size,
       (unsigned long long)(info.global_mem_size >> 20),
       (unsigned long long)info.max_mem_alloc_size,
       (unsigned long long)(info.max_mem_alloc_size >> 20),
@@ -384,9 +380,8 @@ static PyObject *device_print_info(PyObject *self, PyObject *Py_UNUSED(x)) {
   if (text == NULL)
     return NULL;
   PyObject *builtins = PyImport_ImportModule("builtins");
-  PyObject *r = builtins ? PyObject_CallMethod(builtins, "print", "Os", text,
-                                               "")
-                         : NULL;
+  PyObject *r =
+      builtins ? PyObject_CallMethod(builtins, "print", "Os", text, "") : NULL;
   Py_XDECREF(builtins);
   Py_DECREF(text);
   if (r == NULL)
@@ -407,8 +402,8 @@ static PyGetSetDef device_getset[] = {
     {"max_mem_alloc_size", device_get_max_mem_alloc_size, NULL,
      "The largest single allocation the driver accepts, in bytes.", NULL},
     {"has_aspect_gpu", device_get_is_gpu, NULL, "True for a GPU.", NULL},
-    {"has_aspect_cpu", device_get_is_cpu, NULL,
-     "True for the host device.", NULL},
+    {"has_aspect_cpu", device_get_is_cpu, NULL, "True for the host device.",
+     NULL},
     {"name", device_get_name, NULL, "The device's name.", NULL},
     {"backend", device_get_backend, NULL,
      "The backend: 'host', 'cuda' or 'level_zero'.", NULL},

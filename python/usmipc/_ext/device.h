@@ -40,12 +40,13 @@ pyusmipc_device_slot_t *pyusmipc_device_slot(pyusmipc_module_state_t *st,
                                              usmipc_device_t *device);
 /* The Device object for device (new reference). */
 PyObject *pyusmipc_device_object(pyusmipc_module_state_t *st,
-                               usmipc_device_t *device);
+                                 usmipc_device_t *device);
 /* 1 if the device's backend has events (so memory handles can be ordered),
  * 0 if not (USMIPC_ENOTSUP: a backend without events), -1 with an
  * exception set. Probed once per device with an event created and
  * destroyed. */
-int pyusmipc_device_has_events(pyusmipc_module_state_t *st, PyObject *device_obj);
+int pyusmipc_device_has_events(pyusmipc_module_state_t *st,
+                               PyObject *device_obj);
 
 /* The devices of every available backend, the first PYUSMIPC_MAX_DEVICES
  * of them, into devices: 0 with *count set, or -1 with the library's error
@@ -57,10 +58,11 @@ int pyusmipc_list_devices(pyusmipc_module_state_t *st,
 /* The Device object a handle's info names, if this process has it (new
  * reference); Py_None (new reference) if not; NULL with an exception. */
 PyObject *pyusmipc_device_of_info(pyusmipc_module_state_t *st,
-                                const usmipc_ipc_handle_info_t *info);
+                                  const usmipc_ipc_handle_info_t *info);
 /* The module state, reached through a Device object (its type is final and
  * was created by this module, so this never fails). */
-static inline pyusmipc_module_state_t *pyusmipc_state_from_device(PyObject *dev) {
+static inline pyusmipc_module_state_t *
+pyusmipc_state_from_device(PyObject *dev) {
   return (pyusmipc_module_state_t *)PyType_GetModuleState(Py_TYPE(dev));
 }
 /* Converts None (the default device), a Device, a Queue (its device) or a
@@ -70,7 +72,7 @@ PyObject *pyusmipc_device_from_arg(pyusmipc_module_state_t *st, PyObject *arg);
  * given: 0 with *device_obj NULL, or a new reference (and *device, unless
  * device is NULL, its usmipc device); -1 with an exception set. */
 int pyusmipc_optional_device_arg(pyusmipc_module_state_t *st, PyObject *arg,
-                               PyObject **device_obj,
-                               usmipc_device_t **device);
+                                 PyObject **device_obj,
+                                 usmipc_device_t **device);
 
 #endif /* PYUSMIPC_DEVICE_H */

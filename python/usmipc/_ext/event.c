@@ -26,9 +26,9 @@
 #include <math.h>
 #include <string.h>
 
-#include "queue.h"
 #include "device.h"
 #include "handle_bytes.h"
+#include "queue.h"
 #include "util.h"
 
 typedef pyusmipc_event_object_t Event;
@@ -119,7 +119,8 @@ static int event_clear(PyObject *op) {
 static void event_dealloc(PyObject *op) {
   Event *self = (Event *)op;
   PyObject_GC_UnTrack(op);
-  PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_event_t, self->event, usmipc_event_destroy);
+  PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_event_t, self->event,
+                               usmipc_event_destroy);
   event_clear(op);
   pyusmipc_object_free(op);
 }
@@ -159,7 +160,7 @@ static int event_stream_arg(Event *self, const char *funcname,
                             PyObject *kwnames, PyObject **stream) {
   static const char *const names[] = {"stream"};
   if (pyusmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 1, 1,
-                            stream) < 0) {
+                              stream) < 0) {
     return -1;
   }
   return event_check(self);
@@ -268,9 +269,10 @@ static PyObject *event_repr(PyObject *op) {
 
 static PyObject *event_reduce(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   (void)op;
-  pyusmipc_type_error("usmipc.Event cannot be pickled; send "
-                  "usmipc.IPCEventHandle(event) (or its to_bytes()) and open "
-                  "it with IPCEventHandle.open() in the other process");
+  pyusmipc_type_error(
+      "usmipc.Event cannot be pickled; send "
+      "usmipc.IPCEventHandle(event) (or its to_bytes()) and open "
+      "it with IPCEventHandle.open() in the other process");
   return NULL;
 }
 
@@ -357,10 +359,11 @@ static PyObject *ehandle_new(PyTypeObject *type, PyObject *args,
   }
   if (st->EventType == NULL || !Py_IS_TYPE(event_obj, st->EventType)) {
     pyusmipc_type_error("IPCEventHandle() shares a usmipc.Event, not %R%s",
-        (PyObject *)Py_TYPE(event_obj),
-        st->MemoryType != NULL && PyObject_TypeCheck(event_obj, st->MemoryType)
-            ? " (share memory with IPCMemoryHandle)"
-            : "");
+                        (PyObject *)Py_TYPE(event_obj),
+                        st->MemoryType != NULL &&
+                                PyObject_TypeCheck(event_obj, st->MemoryType)
+                            ? " (share memory with IPCMemoryHandle)"
+                            : "");
     return NULL;
   }
   Event *event = (Event *)event_obj;
@@ -408,7 +411,7 @@ static int ehandle_bytes(pyusmipc_module_state_t *st, PyObject *obj,
   if (st->IPCEventHandleType != NULL &&
       Py_IS_TYPE(obj, st->IPCEventHandleType)) {
     return pyusmipc_handle_bytes_of(obj, Py_NewRef(((EventHandle *)obj)->data),
-                                  hb);
+                                    hb);
   }
   return pyusmipc_handle_bytes_read(
       obj, hb, st->IPCMemoryHandleType,
@@ -429,8 +432,8 @@ static PyObject *ehandle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
   (void)cls;
   PyObject *raw;
   pyusmipc_module_state_t *st = PyType_GetModuleState(defining_class);
-  if (pyusmipc_parse_one_arg("from_bytes", "data", args, nargs, kwnames,
-                           &raw) < 0) {
+  if (pyusmipc_parse_one_arg("from_bytes", "data", args, nargs, kwnames, &raw) <
+      0) {
     return NULL;
   }
   PyTypeObject *type = st->IPCEventHandleType;
@@ -459,7 +462,8 @@ static PyObject *ehandle_open(PyObject *cls, PyTypeObject *defining_class,
   static const char *const names[] = {"handle_bytes", "device"};
   PyObject *a[2];
   pyusmipc_module_state_t *st = PyType_GetModuleState(defining_class);
-  if (pyusmipc_parse_fastcall("open", args, nargs, kwnames, names, 2, 2, a) < 0) {
+  if (pyusmipc_parse_fastcall("open", args, nargs, kwnames, names, 2, 2, a) <
+      0) {
     return NULL;
   }
   if (a[0] == NULL) {
@@ -486,7 +490,7 @@ static PyObject *ehandle_open(PyObject *cls, PyTypeObject *defining_class,
     /* A Ctrl-C while it waited left KeyboardInterrupt pending, which
      * propagates (pyusmipc_raise). */
     pyusmipc_raise_open_error(st, rc, hb.data, hb.len, 1,
-                            MEMORY_BYTES_REFUSED("IPCEventHandle.open()"));
+                              MEMORY_BYTES_REFUSED("IPCEventHandle.open()"));
     pyusmipc_handle_bytes_release(&hb);
     Py_XDECREF(device_obj);
     return NULL;
@@ -529,7 +533,7 @@ static void ehandle_dealloc(PyObject *op) {
   EventHandle *self = (EventHandle *)op;
   PyObject_GC_UnTrack(op);
   PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_ipc_handle_t, self->handle,
-                             usmipc_ipc_free_handle);
+                               usmipc_ipc_free_handle);
   ehandle_clear(op);
   pyusmipc_object_free(op);
 }
@@ -602,7 +606,8 @@ static Py_hash_t ehandle_hash(PyObject *self) {
 }
 
 PYUSMIPC_CLASSMETHOD(ehandle_open_cls, ehandle_open, IPCEventHandleType)
-PYUSMIPC_CLASSMETHOD(ehandle_from_bytes_cls, ehandle_from_bytes, IPCEventHandleType)
+PYUSMIPC_CLASSMETHOD(ehandle_from_bytes_cls, ehandle_from_bytes,
+                     IPCEventHandleType)
 
 static PyMethodDef ehandle_methods[] = {
     {"open", PYUSMIPC_CMETHOD(ehandle_open_cls), PYUSMIPC_CLASS_FLAGS,
@@ -613,7 +618,8 @@ static PyMethodDef ehandle_methods[] = {
      "open in\nthis process is a cheap lookup. Memory handle bytes raise "
      "ValueError; a\ndestroyed event or a dead exporter usmipc.Error "
      "USMIPC_EEXPORTERGONE."},
-    {"from_bytes", PYUSMIPC_CMETHOD(ehandle_from_bytes_cls), PYUSMIPC_CLASS_FLAGS,
+    {"from_bytes", PYUSMIPC_CMETHOD(ehandle_from_bytes_cls),
+     PYUSMIPC_CLASS_FLAGS,
      "from_bytes($cls, /, data)\n--\n\nAn IPCEventHandle carrying only the "
      "given bytes (validated), as after\nunpickling."},
     {"to_bytes", ehandle_to_bytes, METH_NOARGS,
@@ -687,9 +693,10 @@ PyObject *pyusmipc_set_event_timeout(PyObject *module, PyObject *arg) {
       return NULL;
     }
     if (isnan(seconds) || seconds < 0.0) {
-      pyusmipc_value_error("timeout must be None or >= 0 seconds (None and 0 wait "
-                   "without limit), not %R",
-                   arg);
+      pyusmipc_value_error(
+          "timeout must be None or >= 0 seconds (None and 0 wait "
+          "without limit), not %R",
+          arg);
       return NULL;
     }
     /* Whole milliseconds, rounded up (set_ipc_timeout's rule); a positive

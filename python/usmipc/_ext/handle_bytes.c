@@ -13,7 +13,7 @@
 #include "util.h"
 
 int pyusmipc_handle_bytes_of(PyObject *obj, PyObject *bytes,
-                           pyusmipc_handle_bytes_t *hb) {
+                             pyusmipc_handle_bytes_t *hb) {
   hb->arg = obj;
   hb->keep = bytes;
   hb->have_view = 0;
@@ -27,8 +27,9 @@ int pyusmipc_handle_bytes_of(PyObject *obj, PyObject *bytes,
 }
 
 int pyusmipc_handle_bytes_read(PyObject *obj, pyusmipc_handle_bytes_t *hb,
-                             PyTypeObject *other_type,
-                             const char *other_message, const char *expected) {
+                               PyTypeObject *other_type,
+                               const char *other_message,
+                               const char *expected) {
   hb->arg = obj;
   hb->keep = NULL;
   hb->have_view = 0;
@@ -53,7 +54,8 @@ int pyusmipc_handle_bytes_read(PyObject *obj, pyusmipc_handle_bytes_t *hb,
     pyusmipc_type_error("%s", other_message);
     return -1;
   }
-  pyusmipc_type_error("expected %s, not %R", expected, (PyObject *)Py_TYPE(obj));
+  pyusmipc_type_error("expected %s, not %R", expected,
+                      (PyObject *)Py_TYPE(obj));
   return -1;
 }
 
@@ -89,9 +91,9 @@ static int refuse_other_kind(pyusmipc_module_state_t *st,
 }
 
 PyObject *pyusmipc_handle_bytes_decode(pyusmipc_module_state_t *st,
-                                     const pyusmipc_handle_bytes_t *hb,
-                                     usmipc_ipc_handle_info_t *info,
-                                     int want_event, const char *wrong_kind) {
+                                       const pyusmipc_handle_bytes_t *hb,
+                                       usmipc_ipc_handle_info_t *info,
+                                       int want_event, const char *wrong_kind) {
   int rc = usmipc_ipc_handle_inspect(hb->data, (size_t)hb->len, info);
   if (rc < 0) {
     return pyusmipc_raise(st, rc);
@@ -103,8 +105,8 @@ PyObject *pyusmipc_handle_bytes_decode(pyusmipc_module_state_t *st,
 }
 
 PyObject *pyusmipc_raise_open_error(pyusmipc_module_state_t *st, int rc,
-                                  const char *data, Py_ssize_t len,
-                                  int want_event, const char *wrong_kind) {
+                                    const char *data, Py_ssize_t len,
+                                    int want_event, const char *wrong_kind) {
   if (rc != USMIPC_EINVAL) {
     return pyusmipc_raise(st, rc);
   }
@@ -120,7 +122,7 @@ PyObject *pyusmipc_raise_open_error(pyusmipc_module_state_t *st, int rc,
 }
 
 PyObject *pyusmipc_handle_info_dict(const usmipc_ipc_handle_info_t *info,
-                                  Py_ssize_t len) {
+                                    Py_ssize_t len) {
   return Py_BuildValue("{sssy#sksKsKsKsKsIsnsOsOsK}", "backend",
                        usmipc_backend_name(info->backend), "device_uuid",
                        (const char *)info->device_uuid, (Py_ssize_t)16,
@@ -136,8 +138,7 @@ PyObject *pyusmipc_handle_info_dict(const usmipc_ipc_handle_info_t *info,
                        "event_point", (unsigned long long)info->event_point);
 }
 
-static const usmipc_ipc_handle_info_t *info_at(PyObject *self,
-                                               void *closure) {
+static const usmipc_ipc_handle_info_t *info_at(PyObject *self, void *closure) {
   return (const usmipc_ipc_handle_info_t *)((const char *)self +
                                             (uintptr_t)closure);
 }

@@ -12,8 +12,8 @@
  * exporting constructors call it in the same GIL-free stretch as that
  * call. */
 static inline int pyusmipc_handle_describe(int rc, usmipc_ipc_handle_t *handle,
-                                         const void **data, size_t *len,
-                                         usmipc_ipc_handle_info_t *info) {
+                                           const void **data, size_t *len,
+                                           usmipc_ipc_handle_info_t *info) {
   if (rc == 0) {
     rc = usmipc_ipc_handle_data(handle, data, len);
   }
@@ -30,7 +30,7 @@ PyObject *pyusmipc_info_get_device_uuid(PyObject *self, void *closure);
 #define PYUSMIPC_INFO_OF(type) ((void *)(uintptr_t)offsetof(type, info))
 /* The info dict of IPCMemoryHandle.inspect() (shared with IPCEventHandle). */
 PyObject *pyusmipc_handle_info_dict(const usmipc_ipc_handle_info_t *info,
-                                  Py_ssize_t len);
+                                    Py_ssize_t len);
 
 /* Handle bytes taken from an argument of IPCMemoryHandle's or
  * IPCEventHandle's methods: bytes, any buffer, or a handle object (its
@@ -46,15 +46,15 @@ typedef struct pyusmipc_handle_bytes {
 /* Fills *hb from bytes (a bytes object, stolen, also on failure) that the
  * handle object obj gave. 0, or -1 with an exception set. */
 int pyusmipc_handle_bytes_of(PyObject *obj, PyObject *bytes,
-                           pyusmipc_handle_bytes_t *hb);
+                             pyusmipc_handle_bytes_t *hb);
 /* Fills *hb from obj given as bytes or any buffer; for anything else raises
  * usmipc.ArgumentTypeError: other_message for a handle object of
  * other_type (the other kind of handle), else "expected <expected>, not
  * <obj's type>". 0 or -1. A reader first takes its own handle objects
  * (pyusmipc_handle_bytes_of), then calls this. */
 int pyusmipc_handle_bytes_read(PyObject *obj, pyusmipc_handle_bytes_t *hb,
-                             PyTypeObject *other_type,
-                             const char *other_message, const char *expected);
+                               PyTypeObject *other_type,
+                               const char *other_message, const char *expected);
 /* The bytes as a bytes object for a handle or mapping to keep (new
  * reference): the handle object's, the argument if it is exactly bytes,
  * else a copy. */
@@ -67,15 +67,15 @@ void pyusmipc_handle_bytes_release(pyusmipc_handle_bytes_t *hb);
  * memory's); bytes of the other kind raise usmipc.ArgumentError
  * wrong_kind, invalid bytes the library's error. NULL then. */
 PyObject *pyusmipc_handle_bytes_decode(pyusmipc_module_state_t *st,
-                                     const pyusmipc_handle_bytes_t *hb,
-                                     usmipc_ipc_handle_info_t *info,
-                                     int want_event, const char *wrong_kind);
+                                       const pyusmipc_handle_bytes_t *hb,
+                                       usmipc_ipc_handle_info_t *info,
+                                       int want_event, const char *wrong_kind);
 /* After a failed open of handle bytes (data, len; data may be NULL) with
  * code rc: for USMIPC_EINVAL on bytes that decode as a handle of the other
  * kind (want_event as above), usmipc.ArgumentError wrong_kind; otherwise
  * the library's error. Returns NULL. */
 PyObject *pyusmipc_raise_open_error(pyusmipc_module_state_t *st, int rc,
-                                  const char *data, Py_ssize_t len,
-                                  int want_event, const char *wrong_kind);
+                                    const char *data, Py_ssize_t len,
+                                    int want_event, const char *wrong_kind);
 
 #endif /* PYUSMIPC_HANDLE_BYTES_H */

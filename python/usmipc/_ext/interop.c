@@ -39,17 +39,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "memory_core.h"
-#include "queue.h"
 #include "device.h"
 #include "dlpack.h"
+#include "memory_core.h"
+#include "queue.h"
 #include "util.h"
 
-/* ---- the device of a memory object ----------------------------------------
- */
+/* ---- the device of a memory object --------------------------------------- */
 
 DLDevice pyusmipc_dl_device(usmipc_backend_t backend, usmipc_mem_kind_t kind,
-                          int index) {
+                            int index) {
   DLDevice dev = {kDLCPU, 0};
   switch (backend) {
   case USMIPC_BACKEND_HOST:
@@ -80,13 +79,12 @@ static DLDevice dl_device_of(pyusmipc_memory_object_t *mem) {
 }
 
 PyObject *pyusmipc_memory_dlpack_device(PyObject *self,
-                                      PyObject *Py_UNUSED(ignored)) {
+                                        PyObject *Py_UNUSED(ignored)) {
   DLDevice dev = dl_device_of((pyusmipc_memory_object_t *)self);
   return Py_BuildValue("(ii)", (int)dev.device_type, (int)dev.device_id);
 }
 
-/* ---- __dlpack__ -----------------------------------------------------------
- */
+/* ---- __dlpack__ ---------------------------------------------------------- */
 
 /* What a capsule owns, in one malloc block: the deleter may free it on any
  * thread without the GIL (PyMem_RawFree is not in the 3.11 limited API). */
@@ -190,7 +188,7 @@ static PyObject *dlpack_stream_queue(pyusmipc_memory_object_t *mem,
     Py_RETURN_NONE;
   }
   return pyusmipc_queue_from_stream(st, stream, NULL, mem->device,
-                                  "__dlpack__()");
+                                    "__dlpack__()");
 }
 
 /* Makes the consumer's stream wait for the producer's event of an ordered
@@ -320,8 +318,8 @@ static PyObject *dl_host_copy(pyusmipc_memory_object_t *mem, int versioned) {
     m->version.minor = 0;
     m->deleter = dl_deleter_owned_versioned;
     m->flags = DLPACK_FLAG_BITMASK_IS_COPIED;
-    capsule = PyCapsule_New(m, "dltensor_versioned",
-                            pyusmipc_dl_capsule_destructor);
+    capsule =
+        PyCapsule_New(m, "dltensor_versioned", pyusmipc_dl_capsule_destructor);
   } else {
     DLManagedTensor *m = &ctx->managed.unversioned;
     m->deleter = dl_deleter_owned;
@@ -372,8 +370,7 @@ static PyObject *dl_device_copy(pyusmipc_memory_object_t *mem,
     Py_DECREF(names);
   }
   Py_DECREF(fresh); /* the capsule holds it */
-  if (capsule != NULL &&
-      PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+  if (capsule != NULL && PyCapsule_IsValid(capsule, "dltensor_versioned")) {
     DLManagedTensorVersioned *m =
         PyCapsule_GetPointer(capsule, "dltensor_versioned");
     m->flags |= DLPACK_FLAG_BITMASK_IS_COPIED;
@@ -382,14 +379,14 @@ static PyObject *dl_device_copy(pyusmipc_memory_object_t *mem,
 }
 
 PyObject *pyusmipc_memory_dlpack(PyObject *self, PyObject *const *args,
-                               Py_ssize_t nargs, PyObject *kwnames) {
+                                 Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"stream", "max_version", "dl_device",
                                       "copy"};
   PyObject *a[4];
   pyusmipc_memory_object_t *mem = (pyusmipc_memory_object_t *)self;
   /* stream may come positionally: consumers written for DLPack 0.x do so. */
   if (pyusmipc_parse_fastcall("__dlpack__", args, nargs, kwnames, names, 4, 1,
-                            a) < 0) {
+                              a) < 0) {
     return NULL;
   }
   DLDevice dev = dl_device_of(mem);
@@ -425,8 +422,7 @@ PyObject *pyusmipc_memory_dlpack(PyObject *self, PyObject *const *args,
    * never either: memory the host cannot read is not silently copied to
    * the CPU (a NumPy array that no longer aliases the memory). */
   int copy = 0;
-  if (a[3] != NULL && a[3] != Py_None &&
-      (copy = PyObject_IsTrue(a[3])) < 0) {
+  if (a[3] != NULL && a[3] != Py_None && (copy = PyObject_IsTrue(a[3])) < 0) {
     return NULL;
   }
   if (to_cpu && !mem->host_accessible && !copy) {
@@ -475,8 +471,8 @@ PyObject *pyusmipc_memory_dlpack(PyObject *self, PyObject *const *args,
     m->manager_ctx = self;
     m->deleter = dl_deleter_versioned;
     m->flags = 0; /* writable, not a copy */
-    capsule = PyCapsule_New(m, "dltensor_versioned",
-                            pyusmipc_dl_capsule_destructor);
+    capsule =
+        PyCapsule_New(m, "dltensor_versioned", pyusmipc_dl_capsule_destructor);
     if (capsule == NULL) {
       m->deleter(m);
     }
@@ -492,8 +488,7 @@ PyObject *pyusmipc_memory_dlpack(PyObject *self, PyObject *const *args,
   return capsule;
 }
 
-/* ---- __cuda_array_interface__ ---------------------------------------------
- */
+/* ---- __cuda_array_interface__ -------------------------------------------- */
 
 PyObject *pyusmipc_memory_cuda_array_interface(PyObject *self, void *closure) {
   (void)closure;
@@ -517,8 +512,7 @@ PyObject *pyusmipc_memory_cuda_array_interface(PyObject *self, void *closure) {
                        Py_None, "version", 3, "stream", Py_None);
 }
 
-/* ---- reading another library's __cuda_array_interface__ -------------------
- */
+/* ---- reading another library's __cuda_array_interface__ ------------------ */
 
 static int dict_item(PyObject *dict, const char *key, PyObject **out) {
   *out = PyMapping_GetItemString(dict, key); /* new reference */
@@ -548,14 +542,16 @@ int pyusmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
       dict_item(cai, "typestr", &typestr) <= 0 ||
       dict_item(cai, "strides", &strides) < 0) {
     if (!PyErr_Occurred()) {
-      pyusmipc_value_error("__cuda_array_interface__ lacks data, shape or typestr");
+      pyusmipc_value_error(
+          "__cuda_array_interface__ lacks data, shape or typestr");
     }
     goto done;
   }
   if (!PyTuple_Check(data) || PyTuple_Size(data) < 1 || !PyTuple_Check(shape) ||
       !PyUnicode_Check(typestr)) {
-    pyusmipc_value_error("__cuda_array_interface__ is malformed (data must be a "
-                    "tuple, shape a tuple, typestr a str)");
+    pyusmipc_value_error(
+        "__cuda_array_interface__ is malformed (data must be a "
+        "tuple, shape a tuple, typestr a str)");
     goto done;
   }
   void *address = PyLong_AsVoidPtr(PyTuple_GetItem(data, 0));
@@ -571,7 +567,7 @@ int pyusmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
   long itemsize = tlen > 2 ? strtol(ts + 2, NULL, 10) : 0;
   if (itemsize <= 0) {
     pyusmipc_value_error("__cuda_array_interface__ typestr %R has no item size",
-                 typestr);
+                         typestr);
     goto done;
   }
   Py_ssize_t ndim = PyTuple_Size(shape);
@@ -586,19 +582,20 @@ int pyusmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
     }
     if (__builtin_mul_overflow(count, n, &count)) {
       pyusmipc_value_error("__cuda_array_interface__ shape has more elements "
-                         "than a Py_ssize_t counts");
+                           "than a Py_ssize_t counts");
       goto done;
     }
   }
   if (count > PY_SSIZE_T_MAX / itemsize) {
     pyusmipc_value_error("__cuda_array_interface__ describes more bytes than a "
-                       "Py_ssize_t counts");
+                         "Py_ssize_t counts");
     goto done;
   }
   /* Only a C-contiguous array is one byte range. */
   if (strides != NULL && strides != Py_None) {
     if (!PyTuple_Check(strides) || PyTuple_Size(strides) != ndim) {
-      pyusmipc_value_error("__cuda_array_interface__ strides do not match shape");
+      pyusmipc_value_error(
+          "__cuda_array_interface__ strides do not match shape");
       goto done;
     }
     Py_ssize_t expect = itemsize;
@@ -609,8 +606,9 @@ int pyusmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
         goto done;
       }
       if (extent > 1 && stride != expect) {
-        pyusmipc_value_error("only C-contiguous arrays can be exported: make the "
-                        "array contiguous first");
+        pyusmipc_value_error(
+            "only C-contiguous arrays can be exported: make the "
+            "array contiguous first");
         goto done;
       }
       /* At most count * itemsize (checked above) unless count is 0, which
@@ -637,8 +635,7 @@ done:
   return rc;
 }
 
-/* ---- reading another library's __dlpack__ ---------------------------------
- */
+/* ---- reading another library's __dlpack__ -------------------------------- */
 
 /* The internal capsules that own a consumed tensor (NumPy's
  * "numpy_dltensor"): destroying one calls the producer's deleter, once. */
@@ -723,8 +720,8 @@ static PyObject *dl_consume(PyObject *capsule, DLTensor *tensor,
                       "consumed");
     } else {
       pyusmipc_type_error("__dlpack__ returned %R, not a DLPack capsule "
-                   "(\"dltensor\" or \"dltensor_versioned\")",
-                   (PyObject *)Py_TYPE(capsule));
+                          "(\"dltensor\" or \"dltensor_versioned\")",
+                          (PyObject *)Py_TYPE(capsule));
     }
     return NULL;
   }
@@ -765,7 +762,8 @@ static PyObject *dl_consume(PyObject *capsule, DLTensor *tensor,
 /* The size in bytes of a C-contiguous tensor, or -1 with ValueError. */
 static Py_ssize_t dl_contiguous_nbytes(const DLTensor *t, uint64_t flags) {
   if (t->ndim < 0 || (t->ndim > 0 && t->shape == NULL)) {
-    pyusmipc_value_error("the DLPack tensor has a bad shape (ndim %d)", (int)t->ndim);
+    pyusmipc_value_error("the DLPack tensor has a bad shape (ndim %d)",
+                         (int)t->ndim);
     return -1;
   }
   uint64_t bits = (uint64_t)t->dtype.bits * t->dtype.lanes;
@@ -796,8 +794,9 @@ static Py_ssize_t dl_contiguous_nbytes(const DLTensor *t, uint64_t flags) {
     int64_t expect = 1;
     for (int32_t i = t->ndim - 1; i >= 0; i--) {
       if (t->shape[i] > 1 && t->strides[i] != expect) {
-        pyusmipc_value_error("IPCMemoryHandle needs contiguous memory: the DLPack "
-                        "tensor is strided; make it C-contiguous first");
+        pyusmipc_value_error(
+            "IPCMemoryHandle needs contiguous memory: the DLPack "
+            "tensor is strided; make it C-contiguous first");
         return -1;
       }
       expect *= t->shape[i];
@@ -833,9 +832,10 @@ static int dl_check_device(const DLTensor *t, const void *ptr) {
     return 0; /* the library tells the driver's allocations apart */
   }
   if (type == kDLCUDAHost || type == kDLCUDAManaged) {
-    pyusmipc_kind_error("IPCMemoryHandle() exports device memory only; this DLPack "
-                 "tensor is CUDA %s memory (device type %d)",
-                 type == kDLCUDAHost ? "pinned host" : "managed", (int)type);
+    pyusmipc_kind_error(
+        "IPCMemoryHandle() exports device memory only; this DLPack "
+        "tensor is CUDA %s memory (device type %d)",
+        type == kDLCUDAHost ? "pinned host" : "managed", (int)type);
     return -1;
   }
   if (type == kDLCPU) {
@@ -846,28 +846,30 @@ static int dl_check_device(const DLTensor *t, const void *ptr) {
     Py_END_ALLOW_THREADS
     if (rc < 0 || info.device == NULL ||
         usmipc_device_backend(info.device) != USMIPC_BACKEND_HOST) {
-      pyusmipc_kind_error("IPCMemoryHandle() exports device memory only; this "
-                      "DLPack tensor is ordinary CPU memory (device type 1), "
-                      "not usmipc device memory: copy it into a "
-                      "MemoryUSMDevice to share it");
+      pyusmipc_kind_error(
+          "IPCMemoryHandle() exports device memory only; this "
+          "DLPack tensor is ordinary CPU memory (device type 1), "
+          "not usmipc device memory: copy it into a "
+          "MemoryUSMDevice to share it");
       return -1;
     }
     if (info.kind != USMIPC_MEM_DEVICE) {
       pyusmipc_kind_error("IPCMemoryHandle() exports device memory only; this "
-                        "DLPack tensor is usmipc memory of kind '%s'",
-                        pyusmipc_kind_name(info.kind));
+                          "DLPack tensor is usmipc memory of kind '%s'",
+                          pyusmipc_kind_name(info.kind));
       return -1;
     }
     return 0;
   }
-  pyusmipc_kind_error("IPCMemoryHandle() exports CUDA and oneAPI device memory "
-               "from DLPack tensors; this one is on DLPack device type %d",
-               (int)type);
+  pyusmipc_kind_error(
+      "IPCMemoryHandle() exports CUDA and oneAPI device memory "
+      "from DLPack tensors; this one is on DLPack device type %d",
+      (int)type);
   return -1;
 }
 
 int pyusmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
-                       PyObject **owner) {
+                         PyObject **owner) {
   *owner = NULL;
   PyObject *method = pyusmipc_optional_attr(obj, "__dlpack__");
   if (method == NULL) {
@@ -884,7 +886,7 @@ int pyusmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
 }
 
 int pyusmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
-                        PyObject **owner) {
+                          PyObject **owner) {
   DLTensor t;
   uint64_t flags;
   PyObject *tensor_owner;
@@ -927,11 +929,10 @@ PyObject *pyusmipc_memory_suai(PyObject *self, void *closure) {
   /* A closed mapping: no memory, as dpctl's MemoryIPCDevice after
    * SyclIPCCloseMemHandle (and hasattr() still answers). */
   int gone = mem->is_mapping && (mem->closed || mem->released);
-  return Py_BuildValue("{s(NO)s(n)sOsssisO}", "data",
-                       PyLong_FromVoidPtr(gone ? NULL : mem->ptr), Py_False,
-                       "shape", gone ? (Py_ssize_t)0 : mem->nbytes, "strides",
-                       Py_None, "typestr", "|u1", "version", 1, "syclobj",
-                       queue);
+  return Py_BuildValue(
+      "{s(NO)s(n)sOsssisO}", "data", PyLong_FromVoidPtr(gone ? NULL : mem->ptr),
+      Py_False, "shape", gone ? (Py_ssize_t)0 : mem->nbytes, "strides", Py_None,
+      "typestr", "|u1", "version", 1, "syclobj", queue);
 }
 
 /* An int of the interface (shape, strides, offset, data[0]): -1 with
@@ -939,8 +940,8 @@ PyObject *pyusmipc_memory_suai(PyObject *self, void *closure) {
 static int suai_int(PyObject *v, const char *field, long long *out) {
   if (!PyLong_Check(v) && !PyIndex_Check(v)) {
     pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: %s holds "
-                       "%R, not an int",
-                       field, (PyObject *)Py_TYPE(v));
+                         "%R, not an int",
+                         field, (PyObject *)Py_TYPE(v));
     return -1;
   }
   PyObject *index = PyNumber_Index(v);
@@ -955,8 +956,8 @@ static int suai_int(PyObject *v, const char *field, long long *out) {
   }
   if (overflow != 0) {
     pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: %s is out "
-                       "of range",
-                       field);
+                         "of range",
+                         field);
     return -1;
   }
   return 0;
@@ -966,17 +967,16 @@ static int suai_int(PyObject *v, const char *field, long long *out) {
  * byte order, a bool or number kind, a size (dpctl accepts bool, int,
  * uint, float and complex types). */
 static Py_ssize_t suai_itemsize(PyObject *typestr) {
-  const char *ts = PyUnicode_Check(typestr)
-                       ? PyUnicode_AsUTF8AndSize(typestr, NULL)
-                       : NULL;
+  const char *ts =
+      PyUnicode_Check(typestr) ? PyUnicode_AsUTF8AndSize(typestr, NULL) : NULL;
   if (ts == NULL) {
     if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_UnicodeError)) {
       return -1;
     }
     PyErr_Clear();
     pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: typestr "
-                       "%R is not a str such as '|u1' or '<f4'",
-                       typestr);
+                         "%R is not a str such as '|u1' or '<f4'",
+                         typestr);
     return -1;
   }
   char *end = NULL;
@@ -985,9 +985,9 @@ static Py_ssize_t suai_itemsize(PyObject *typestr) {
       strchr("biufc", ts[1]) == NULL || ts[1] == '\0' || size <= 0 ||
       size > 64 || end == NULL || *end != '\0') {
     pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: typestr "
-                       "'%s' is not a bool or number type such as '|u1' or "
-                       "'<f4'",
-                       ts);
+                         "'%s' is not a bool or number type such as '|u1' or "
+                         "'<f4'",
+                         ts);
     return -1;
   }
   return (Py_ssize_t)size;
@@ -1000,8 +1000,8 @@ static int suai_extent(PyObject *shape, PyObject *strides, long long offset,
                        long long *low, long long *high) {
   if (!PyTuple_Check(shape) && !PyList_Check(shape)) {
     pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: shape is "
-                       "a %R, not a tuple of ints",
-                       (PyObject *)Py_TYPE(shape));
+                         "a %R, not a tuple of ints",
+                         (PyObject *)Py_TYPE(shape));
     return -1;
   }
   PyObject *sh = PySequence_Tuple(shape);
@@ -1020,8 +1020,8 @@ static int suai_extent(PyObject *shape, PyObject *strides, long long offset,
     }
     if (sd == NULL || PyTuple_Size(sd) != nd) {
       pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: strides "
-                         "must be None or a tuple as long as shape (%zd)",
-                         nd);
+                           "must be None or a tuple as long as shape (%zd)",
+                           nd);
       goto done;
     }
   }
@@ -1038,19 +1038,19 @@ static int suai_extent(PyObject *shape, PyObject *strides, long long offset,
     }
     if (n < 0) {
       pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: shape "
-                         "has the negative extent %lld",
-                         n);
+                           "has the negative extent %lld",
+                           n);
       goto done;
     }
     if (n == 0) {
       pyusmipc_value_error("the array has no element: there is no memory to "
-                         "take");
+                           "take");
       goto done;
     }
     if (sd == NULL) { /* C-contiguous: counted */
       if (__builtin_mul_overflow(count, n, &count)) {
         pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: "
-                           "shape overflows");
+                             "shape overflows");
         goto done;
       }
       continue;
@@ -1060,13 +1060,13 @@ static int suai_extent(PyObject *shape, PyObject *strides, long long offset,
         __builtin_add_overflow(span > 0 ? *high : *low, span,
                                span > 0 ? high : low)) {
       pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: strides "
-                         "and shape overflow");
+                           "and shape overflow");
       goto done;
     }
   }
   if (sd == NULL && __builtin_add_overflow(offset, count - 1, high)) {
     pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: "
-                       "offset and shape overflow");
+                         "offset and shape overflow");
     goto done;
   }
   rc = 0;
@@ -1081,13 +1081,12 @@ done:
  * SyclContext, a capsule) names memory usmipc's drivers did not allocate
  * in their contexts. 0 or -1. */
 static int suai_syclobj(pyusmipc_module_state_t *st, PyObject *syclobj,
-                        const char *what, PyObject **device,
-                        PyObject **queue) {
+                        const char *what, PyObject **device, PyObject **queue) {
   *device = *queue = NULL;
   if (syclobj == NULL || syclobj == Py_None) {
     pyusmipc_value_error("%s: __sycl_usm_array_interface__ has no syclobj: "
-                       "the device of the memory is unknown",
-                       what);
+                         "the device of the memory is unknown",
+                         what);
     return -1;
   }
   if (!PyObject_TypeCheck(syclobj, st->QueueType) &&
@@ -1112,7 +1111,7 @@ static int suai_syclobj(pyusmipc_module_state_t *st, PyObject *syclobj,
 }
 
 int pyusmipc_suai_read(pyusmipc_module_state_t *st, PyObject *obj,
-                     const char *what, pyusmipc_suai_t *out) {
+                       const char *what, pyusmipc_suai_t *out) {
   memset(out, 0, sizeof(*out));
   PyObject *iface = pyusmipc_optional_attr(obj, "__sycl_usm_array_interface__");
   if (iface == NULL) {
@@ -1123,9 +1122,9 @@ int pyusmipc_suai_read(pyusmipc_module_state_t *st, PyObject *obj,
   int rc = -1;
   if (!PyDict_Check(iface)) {
     pyusmipc_value_error("%s: %R does not expose __sycl_usm_array_interface__ "
-                       "correctly: it is a %R, not a dict",
-                       what, (PyObject *)Py_TYPE(obj),
-                       (PyObject *)Py_TYPE(iface));
+                         "correctly: it is a %R, not a dict",
+                         what, (PyObject *)Py_TYPE(obj),
+                         (PyObject *)Py_TYPE(iface));
     goto done;
   }
   if (dict_item(iface, "data", &data) < 0 ||
@@ -1141,16 +1140,16 @@ int pyusmipc_suai_read(pyusmipc_module_state_t *st, PyObject *obj,
   if (version == NULL || suai_int(version, "version", &v) < 0 || v != 1) {
     PyErr_Clear();
     pyusmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: "
-                       "version %R is unexpected; the only recognized "
-                       "version is 1",
-                       what, version ? version : Py_None);
+                         "version %R is unexpected; the only recognized "
+                         "version is 1",
+                         what, version ? version : Py_None);
     goto done;
   }
   if (data == NULL || !PyTuple_Check(data) || PyTuple_Size(data) != 2) {
     pyusmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: "
-                       "'data' is required, a tuple (usm_pointer, "
-                       "is_read_only)",
-                       what);
+                         "'data' is required, a tuple (usm_pointer, "
+                         "is_read_only)",
+                         what);
     goto done;
   }
   long long address;
@@ -1163,8 +1162,8 @@ int pyusmipc_suai_read(pyusmipc_module_state_t *st, PyObject *obj,
   }
   if (shape == NULL || typestr == NULL) {
     pyusmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: "
-                       "'shape' and 'typestr' are required",
-                       what);
+                         "'shape' and 'typestr' are required",
+                         what);
     goto done;
   }
   Py_ssize_t itemsize = suai_itemsize(typestr);
@@ -1181,8 +1180,8 @@ int pyusmipc_suai_read(pyusmipc_module_state_t *st, PyObject *obj,
       __builtin_mul_overflow(high - low + 1, (long long)itemsize, &span) ||
       span > PY_SSIZE_T_MAX) {
     pyusmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: the "
-                       "array is too large",
-                       what);
+                         "array is too large",
+                         what);
     goto done;
   }
   if (suai_syclobj(st, syclobj, what, &out->device, &out->queue) < 0) {
@@ -1207,8 +1206,8 @@ int pyusmipc_suai_read(pyusmipc_module_state_t *st, PyObject *obj,
   if ((uintptr_t)ptr + (uintptr_t)span >
       (uintptr_t)info.base + (uintptr_t)info.size) {
     pyusmipc_value_error("%s: the array's %lld bytes at %p pass the end of "
-                       "its allocation (%zu bytes at %p)",
-                       what, span, (void *)ptr, info.size, info.base);
+                         "its allocation (%zu bytes at %p)",
+                         what, span, (void *)ptr, info.size, info.base);
     goto done;
   }
   out->ptr = ptr;

@@ -4,8 +4,8 @@
 #ifndef PYUSMIPC_INTEROP_H
 #define PYUSMIPC_INTEROP_H
 
-#include "util.h"
 #include "dlpack.h"
+#include "util.h"
 
 /* _Memory.__sycl_usm_array_interface__: dpctl's dict (data (address, False:
  * not read-only), shape (nbytes,), strides None, typestr '|u1', version 1,
@@ -17,7 +17,7 @@ PyObject *pyusmipc_memory_suai(PyObject *self, void *closure);
  * byte range the array spans, the memory's kind, and the device (and the
  * Queue, when syclobj is one) it belongs to. */
 typedef struct pyusmipc_suai {
-  void *ptr;        /* the array's lowest byte */
+  void *ptr;         /* the array's lowest byte */
   Py_ssize_t nbytes; /* bytes from ptr to its highest byte, inclusive */
   usmipc_mem_kind_t kind;
   int readonly;     /* data[1] */
@@ -29,14 +29,14 @@ typedef struct pyusmipc_suai {
  * a malformed interface, a syclobj that is not usmipc's, or a pointer that
  * is not memory of that device). what names the caller in messages. */
 int pyusmipc_suai_read(pyusmipc_module_state_t *st, PyObject *obj,
-                     const char *what, pyusmipc_suai_t *out);
+                       const char *what, pyusmipc_suai_t *out);
 
 /* The DLPack device of memory of kind on a device of backend whose
  * usmipc_device_index is index: on CUDA kDLCUDA (device memory),
  * kDLCUDAHost or kDLCUDAManaged; on Level Zero kDLOneAPI; on the host the
  * CPU. */
 DLDevice pyusmipc_dl_device(usmipc_backend_t backend, usmipc_mem_kind_t kind,
-                          int index);
+                            int index);
 /* The destructor of the DLPack capsules usmipc exports (memory objects,
  * shared arrays): a capsule no consumer took deletes its tensor, keeping a
  * pending exception aside meanwhile. */
@@ -45,7 +45,7 @@ void pyusmipc_dl_capsule_destructor(PyObject *capsule);
 /* _Memory.__dlpack_device__(), __dlpack__(...), __cuda_array_interface__. */
 PyObject *pyusmipc_memory_dlpack_device(PyObject *self, PyObject *ignored);
 PyObject *pyusmipc_memory_dlpack(PyObject *self, PyObject *const *args,
-                               Py_ssize_t nargs, PyObject *kwnames);
+                                 Py_ssize_t nargs, PyObject *kwnames);
 PyObject *pyusmipc_memory_cuda_array_interface(PyObject *self, void *closure);
 /* The byte range of an object with a C-contiguous __cuda_array_interface__:
  * 1 with *ptr and *nbytes set, 0 if obj has no such interface, -1 with an
@@ -59,13 +59,13 @@ int pyusmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes);
  * owns the tensor, and dropping it calls the producer's deleter, which
  * keeps the producer's memory alive until then. */
 int pyusmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
-                        PyObject **owner);
+                          PyObject **owner);
 
 /* Reads obj's __dlpack__ tensor: 1 with *tensor, *flags and *owner (a new
  * reference owning the tensor: dropping it calls the producer's deleter)
  * set, 0 if obj has no __dlpack__, -1 with an exception set. The tensor's
  * shape and strides stay valid while *owner lives. */
 int pyusmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
-                       PyObject **owner);
+                         PyObject **owner);
 
 #endif /* PYUSMIPC_INTEROP_H */

@@ -36,12 +36,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "memory.h"
-#include "interop.h"
-#include "memory_core.h"
-#include "queue.h"
 #include "device.h"
 #include "handle_bytes.h"
+#include "interop.h"
+#include "memory.h"
+#include "memory_core.h"
+#include "queue.h"
 #include "util.h"
 
 typedef struct handle_object {
@@ -75,8 +75,7 @@ static pyusmipc_module_state_t *handle_state(PyObject *self) {
 static int export_range(Py_ssize_t size, Py_ssize_t offset,
                         PyObject *nbytes_obj, Py_ssize_t *nbytes) {
   if (offset < 0 || offset >= size) {
-    pyusmipc_value_error("offset %zd is outside the %zd bytes",
-                 offset, size);
+    pyusmipc_value_error("offset %zd is outside the %zd bytes", offset, size);
     return -1;
   }
   *nbytes = size - offset;
@@ -88,7 +87,7 @@ static int export_range(Py_ssize_t size, Py_ssize_t offset,
     }
     if (n <= 0 || n > size - offset) {
       pyusmipc_value_error("nbytes must be in 1..%zd for offset %zd, not %zd",
-                   size - offset, offset, n);
+                           size - offset, offset, n);
       return -1;
     }
     *nbytes = n;
@@ -152,9 +151,10 @@ static int setup_order(pyusmipc_module_state_t *st, Handle *self,
                        pyusmipc_memory_object_t *mem, PyObject *obj) {
   if (ordered == 0) {
     if (stream != NULL) {
-      pyusmipc_value_error("IPCMemoryHandle(): stream= is the queue each handoff "
-                      "is ordered on, so it cannot go with ordered=False; "
-                      "drop one of them");
+      pyusmipc_value_error(
+          "IPCMemoryHandle(): stream= is the queue each handoff "
+          "is ordered on, so it cannot go with ordered=False; "
+          "drop one of them");
       return -1;
     }
     return 0;
@@ -183,8 +183,8 @@ static int setup_order(pyusmipc_module_state_t *st, Handle *self,
   }
   PyObject *queue = NULL;
   if (stream != NULL) {
-    queue =
-        pyusmipc_queue_from_stream(st, stream, NULL, device, "IPCMemoryHandle()");
+    queue = pyusmipc_queue_from_stream(st, stream, NULL, device,
+                                       "IPCMemoryHandle()");
   } else if (mem != NULL) {
     queue = Py_XNewRef(pyusmipc_memory_queue_object(mem));
   } else {
@@ -194,7 +194,7 @@ static int setup_order(pyusmipc_module_state_t *st, Handle *self,
     }
     if (current != Py_None) {
       queue = pyusmipc_queue_from_stream(st, current, NULL, device,
-                                       "IPCMemoryHandle()");
+                                         "IPCMemoryHandle()");
     } else if (usmipc_device_backend(
                    ((pyusmipc_device_object_t *)device)->device) ==
                USMIPC_BACKEND_CUDA) {
@@ -283,10 +283,11 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
       return NULL;
     }
     if (found == 0) {
-      pyusmipc_type_error("IPCMemoryHandle() exports device memory allocated by "
-                   "usmipc (MemoryUSMDevice) or an array with "
-                   "__cuda_array_interface__ or __dlpack__, not %R",
-                   (PyObject *)Py_TYPE(mem_obj));
+      pyusmipc_type_error(
+          "IPCMemoryHandle() exports device memory allocated by "
+          "usmipc (MemoryUSMDevice) or an array with "
+          "__cuda_array_interface__ or __dlpack__, not %R",
+          (PyObject *)Py_TYPE(mem_obj));
       return NULL;
     }
     PyObject *handle = NULL;
@@ -322,9 +323,9 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
     PyObject *name = PyType_GetName(Py_TYPE(mem_obj));
     if (name != NULL) { /* usmipc.MemoryKindError, a TypeError */
       pyusmipc_raise_format(st, USMIPC_EMEMKIND,
-                          "IPCMemoryHandle() exports device memory only "
-                          "(MemoryUSMDevice); %U memory is of kind '%s'",
-                          name, pyusmipc_kind_name(mem->kind));
+                            "IPCMemoryHandle() exports device memory only "
+                            "(MemoryUSMDevice); %U memory is of kind '%s'",
+                            name, pyusmipc_kind_name(mem->kind));
       Py_DECREF(name);
     }
     return NULL;
@@ -352,10 +353,9 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
   }
   PyObject *handle = export_memory(type, st, mem_obj, NULL, mem,
                                    (const char *)mem->ptr + offset, nbytes);
-  if (handle != NULL &&
-      (setup_order(st, (Handle *)handle, stream, ordered, mem->device, mem,
-                   mem_obj) < 0 ||
-       setup_release((Handle *)handle, release) < 0)) {
+  if (handle != NULL && (setup_order(st, (Handle *)handle, stream, ordered,
+                                     mem->device, mem, mem_obj) < 0 ||
+                         setup_release((Handle *)handle, release) < 0)) {
     Py_CLEAR(handle);
   }
   return handle;
@@ -451,8 +451,8 @@ static PyObject *handle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
   (void)cls;
   PyObject *raw;
   pyusmipc_module_state_t *st = PyType_GetModuleState(defining_class);
-  if (pyusmipc_parse_one_arg("from_bytes", "data", args, nargs, kwnames,
-                           &raw) < 0) {
+  if (pyusmipc_parse_one_arg("from_bytes", "data", args, nargs, kwnames, &raw) <
+      0) {
     return NULL;
   }
   PyTypeObject *type = st->IPCMemoryHandleType;
@@ -468,8 +468,7 @@ static PyObject *handle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
       (self->data = pyusmipc_handle_bytes_decode(
            st, &hb, &self->info, 0,
            "IPCMemoryHandle.from_bytes(): these are the bytes of an event "
-           "handle, not of memory; use IPCEventHandle.from_bytes()")) ==
-          NULL) {
+           "handle, not of memory; use IPCEventHandle.from_bytes()")) == NULL) {
     Py_CLEAR(self);
   }
   pyusmipc_handle_bytes_release(&hb);
@@ -502,7 +501,7 @@ static void handle_dealloc(PyObject *op) {
   PyObject_GC_UnTrack(op);
   /* Before dropping the memory: the handle names that allocation. */
   PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_ipc_handle_t, self->handle,
-                             usmipc_ipc_free_handle);
+                               usmipc_ipc_free_handle);
   /* The producer may free its memory once the deleter has run, so only
    * after the library's handle is gone; not in tp_clear, which may run
    * before (the capsule is no GC object and takes part in no cycle). */
@@ -555,26 +554,27 @@ static PyObject *open_common(PyTypeObject *defining_class,
     a[1] = nargs > 1 ? args[1] : NULL;
     a[2] = nargs > 2 ? args[2] : NULL;
   } else if (sycl) {
-    if (pyusmipc_parse_fastcall(funcname, args, nargs, kwnames, sycl_names, 4, 3,
-                              a) < 0) {
+    if (pyusmipc_parse_fastcall(funcname, args, nargs, kwnames, sycl_names, 4,
+                                3, a) < 0) {
       return NULL;
     }
     a[5] = a[3];
     a[3] = NULL;
-  } else if (pyusmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 6, 3,
-                                   a) < 0) {
+  } else if (pyusmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 6,
+                                     3, a) < 0) {
     return NULL;
   }
   if (a[5] != NULL) {
     if (a[0] != NULL) {
-      pyusmipc_type_error("%s() got handle_bytes and its old name handle; give one",
-                   funcname);
+      pyusmipc_type_error(
+          "%s() got handle_bytes and its old name handle; give one", funcname);
       return NULL;
     }
     a[0] = a[5];
   }
   if (a[0] == NULL) {
-    pyusmipc_type_error("%s() missing required argument 'handle_bytes'", funcname);
+    pyusmipc_type_error("%s() missing required argument 'handle_bytes'",
+                        funcname);
     return NULL;
   }
   PyObject *stream = a[4] == Py_None ? NULL : a[4];
@@ -597,9 +597,10 @@ static PyObject *open_common(PyTypeObject *defining_class,
       return NULL;
     }
     if (n <= 0) {
-      pyusmipc_value_error("nbytes must be positive or None (the exported size), "
-                   "not %zd",
-                   n);
+      pyusmipc_value_error(
+          "nbytes must be positive or None (the exported size), "
+          "not %zd",
+          n);
       return NULL;
     }
     nbytes = (size_t)n;
@@ -640,7 +641,7 @@ static PyObject *open_common(PyTypeObject *defining_class,
     }
     if (!PyErr_Occurred()) {
       queue_obj = pyusmipc_queue_from_stream(st, stream, NULL, fallback,
-                                           "IPCMemoryHandle.open()");
+                                             "IPCMemoryHandle.open()");
     }
     Py_XDECREF(fallback);
     if (queue_obj == NULL) {
@@ -765,13 +766,12 @@ static PyObject *mapping_release_or_close(PyTypeObject *defining_class,
   pyusmipc_module_state_t *st = PyType_GetModuleState(defining_class);
   if (kwnames == NULL && nargs == 1) {
     a[0] = args[0];
-  } else if (pyusmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 2, 1,
-                                   a) < 0) {
+  } else if (pyusmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 2,
+                                     1, a) < 0) {
     return NULL;
   }
   if (a[0] == NULL) {
-    pyusmipc_type_error("%s() missing required argument 'memory'",
-                 funcname);
+    pyusmipc_type_error("%s() missing required argument 'memory'", funcname);
     return NULL;
   }
   PyObject *mem = a[0];
@@ -779,8 +779,8 @@ static PyObject *mapping_release_or_close(PyTypeObject *defining_class,
     /* dpctl raises RuntimeError for memory that is no mapping. */
     if (!PyObject_TypeCheck(mem, st->MemoryType)) {
       return pyusmipc_type_error("%s() takes a MemoryIPCDevice returned by "
-                               "IPCMemoryHandle.open(), not a %R",
-                               funcname, (PyObject *)Py_TYPE(mem));
+                                 "IPCMemoryHandle.open(), not a %R",
+                                 funcname, (PyObject *)Py_TYPE(mem));
     }
     return pyusmipc_raise_format(
         st, USMIPC_ENOTMAPPED,
@@ -791,9 +791,10 @@ static PyObject *mapping_release_or_close(PyTypeObject *defining_class,
   }
   pyusmipc_memory_object_t *m = (pyusmipc_memory_object_t *)mem;
   if (a[1] != NULL && a[1] != Py_None && m->release_handle != NULL) {
-    PyObject *queue_obj = pyusmipc_queue_from_stream(
-        st, a[1], NULL, m->device,
-        close ? "IPCMemoryHandle.close_mapping()" : "IPCMemoryHandle.release()");
+    PyObject *queue_obj =
+        pyusmipc_queue_from_stream(st, a[1], NULL, m->device,
+                                   close ? "IPCMemoryHandle.close_mapping()"
+                                         : "IPCMemoryHandle.release()");
     if (queue_obj == NULL) {
       return NULL;
     }
@@ -836,7 +837,8 @@ static PyObject *handle_is_available(PyObject *cls,
   Py_RETURN_FALSE;
 }
 
-PyObject *pyusmipc_set_ipc_cache_size(pyusmipc_module_state_t *st, PyObject *arg) {
+PyObject *pyusmipc_set_ipc_cache_size(pyusmipc_module_state_t *st,
+                                      PyObject *arg) {
   Py_ssize_t entries = PyLong_AsSsize_t(arg);
   if (entries == -1 && PyErr_Occurred()) {
     pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
@@ -861,7 +863,7 @@ static PyObject *handle_set_cache_size(PyObject *cls,
   PyObject *arg;
   pyusmipc_module_state_t *st = PyType_GetModuleState(defining_class);
   if (pyusmipc_parse_one_arg("set_cache_size", "entries", args, nargs, kwnames,
-                           &arg) < 0) {
+                             &arg) < 0) {
     return NULL;
   }
   return pyusmipc_set_ipc_cache_size(st, arg);
@@ -873,8 +875,8 @@ static PyObject *handle_inspect(PyObject *cls, PyTypeObject *defining_class,
   (void)cls;
   PyObject *raw;
   pyusmipc_module_state_t *st = PyType_GetModuleState(defining_class);
-  if (pyusmipc_parse_one_arg("inspect", "handle", args, nargs, kwnames,
-                           &raw) < 0) {
+  if (pyusmipc_parse_one_arg("inspect", "handle", args, nargs, kwnames, &raw) <
+      0) {
     return NULL;
   }
   pyusmipc_handle_bytes_t hb;
@@ -949,15 +951,16 @@ static PyObject *handle_wait_released(PyObject *op, PyObject *const *args,
   Handle *self = (Handle *)op;
   pyusmipc_module_state_t *st = handle_state(op);
   if (pyusmipc_parse_fastcall("wait_released", args, nargs, kwnames, names, 1,
-                            0, &stream) < 0) {
+                              0, &stream) < 0) {
     return NULL;
   }
   if (self->closed) {
     return handle_closed_error();
   }
   if (self->handle == NULL) {
-    pyusmipc_value_error("wait_released(): this handle was made from bytes; only "
-                    "the exporter's own handle hands out release tickets");
+    pyusmipc_value_error(
+        "wait_released(): this handle was made from bytes; only "
+        "the exporter's own handle hands out release tickets");
     return NULL;
   }
   PyObject *queue_obj = NULL;
@@ -967,9 +970,9 @@ static PyObject *handle_wait_released(PyObject *op, PyObject *const *args,
     if (device == NULL) {
       return NULL;
     }
-    queue_obj = pyusmipc_queue_from_stream(
-        st, stream, NULL, device == Py_None ? NULL : device,
-        "IPCMemoryHandle.wait_released()");
+    queue_obj = pyusmipc_queue_from_stream(st, stream, NULL,
+                                           device == Py_None ? NULL : device,
+                                           "IPCMemoryHandle.wait_released()");
     Py_DECREF(device);
     if (queue_obj == NULL) {
       return NULL;
@@ -1073,16 +1076,19 @@ static Py_hash_t handle_hash(PyObject *self) {
 }
 
 PYUSMIPC_CLASSMETHOD_WHICH(handle_open_cls, open_common, IPCMemoryHandleType, 0)
-PYUSMIPC_CLASSMETHOD_WHICH(handle_open_sycl_cls, open_common, IPCMemoryHandleType,
-                         1)
+PYUSMIPC_CLASSMETHOD_WHICH(handle_open_sycl_cls, open_common,
+                           IPCMemoryHandleType, 1)
 PYUSMIPC_CLASSMETHOD_WHICH(handle_close_mapping_cls, mapping_release_or_close,
-                         IPCMemoryHandleType, 1)
+                           IPCMemoryHandleType, 1)
 PYUSMIPC_CLASSMETHOD_WHICH(handle_release_cls, mapping_release_or_close,
-                         IPCMemoryHandleType, 0)
-PYUSMIPC_CLASSMETHOD(handle_is_available_cls, handle_is_available, IPCMemoryHandleType)
+                           IPCMemoryHandleType, 0)
+PYUSMIPC_CLASSMETHOD(handle_is_available_cls, handle_is_available,
+                     IPCMemoryHandleType)
 PYUSMIPC_CLASSMETHOD(handle_inspect_cls, handle_inspect, IPCMemoryHandleType)
-PYUSMIPC_CLASSMETHOD(handle_set_cache_size_cls, handle_set_cache_size, IPCMemoryHandleType)
-PYUSMIPC_CLASSMETHOD(handle_from_bytes_cls, handle_from_bytes, IPCMemoryHandleType)
+PYUSMIPC_CLASSMETHOD(handle_set_cache_size_cls, handle_set_cache_size,
+                     IPCMemoryHandleType)
+PYUSMIPC_CLASSMETHOD(handle_from_bytes_cls, handle_from_bytes,
+                     IPCMemoryHandleType)
 
 /* close(): the handle gives no more bytes and lets go of its memory. The
  * export of usmipc's own memory belongs to the allocation: bytes already
@@ -1186,7 +1192,8 @@ static PyMethodDef handle_methods[] = {
      "How many closed mappings this process keeps for cheap re-opens\n"
      "(default 64, or USMIPC_IPC_CACHE_SIZE); 0 unmaps on the last close.\n"
      "The same as usmipc.set_ipc_cache_size()."},
-    {"from_bytes", PYUSMIPC_CMETHOD(handle_from_bytes_cls), PYUSMIPC_CLASS_FLAGS,
+    {"from_bytes", PYUSMIPC_CMETHOD(handle_from_bytes_cls),
+     PYUSMIPC_CLASS_FLAGS,
      "from_bytes($cls, /, data)\n--\n\nAn IPCMemoryHandle carrying only the "
      "given bytes (validated), as after unpickling: its to_bytes() returns "
      "them\nas they are."},
@@ -1302,7 +1309,8 @@ static PyType_Spec handle_spec = {
     .slots = handle_slots,
 };
 
-int pyusmipc_init_ipc_handle_type(PyObject *module, pyusmipc_module_state_t *st) {
+int pyusmipc_init_ipc_handle_type(PyObject *module,
+                                  pyusmipc_module_state_t *st) {
   st->IPCMemoryHandleType =
       (PyTypeObject *)PyType_FromModuleAndSpec(module, &handle_spec, NULL);
   if (st->IPCMemoryHandleType == NULL) {

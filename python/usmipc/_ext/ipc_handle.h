@@ -5,9 +5,11 @@
 
 #include "util.h"
 
-int pyusmipc_init_ipc_handle_type(PyObject *module, pyusmipc_module_state_t *st);
+int pyusmipc_init_ipc_handle_type(PyObject *module,
+                                  pyusmipc_module_state_t *st);
 /* usmipc.set_ipc_cache_size(entries), which
  * IPCMemoryHandle.set_cache_size(entries) is too. */
-PyObject *pyusmipc_set_ipc_cache_size(pyusmipc_module_state_t *st, PyObject *arg);
+PyObject *pyusmipc_set_ipc_cache_size(pyusmipc_module_state_t *st,
+                                      PyObject *arg);
 
 #endif /* PYUSMIPC_IPC_HANDLE_H */

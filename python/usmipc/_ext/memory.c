@@ -22,10 +22,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "device.h"
 #include "interop.h"
 #include "memory_core.h"
 #include "queue.h"
-#include "device.h"
 #include "util.h"
 
 typedef pyusmipc_memory_object_t Mem;
@@ -49,7 +49,7 @@ static int device_and_queue(pyusmipc_module_state_t *st, PyObject *device_arg,
   if (queue_arg != NULL && queue_arg != Py_None) {
     if (!PyObject_TypeCheck(queue_arg, st->QueueType)) {
       pyusmipc_type_error("queue must be a usmipc.Queue, not %R",
-                   (PyObject *)Py_TYPE(queue_arg));
+                          (PyObject *)Py_TYPE(queue_arg));
       return -1;
     }
     queue_obj = Py_NewRef(queue_arg);
@@ -61,8 +61,9 @@ static int device_and_queue(pyusmipc_module_state_t *st, PyObject *device_arg,
       }
       /* Device objects are unique per device: identity is equality. */
       if (given != device_obj) {
-        pyusmipc_value_error("the queue is on device %R but device %R was given",
-                     device_obj, given);
+        pyusmipc_value_error(
+            "the queue is on device %R but device %R was given", device_obj,
+            given);
         Py_DECREF(given);
         goto fail;
       }
@@ -153,8 +154,8 @@ static PyObject *new_allocation(PyTypeObject *type, pyusmipc_module_state_t *st,
    * alignment beyond what this one got is refused, not silently unmet. */
   if (alignment > 1 && (uintptr_t)ptr % (uintptr_t)alignment != 0) {
     pyusmipc_value_error("alignment %zd is more than this device's allocations "
-                       "give (this one is at %p); use at most the page size",
-                       alignment, ptr);
+                         "give (this one is at %p); use at most the page size",
+                         alignment, ptr);
     Py_DECREF(self);
     return NULL;
   }
@@ -213,17 +214,16 @@ static int source_of(pyusmipc_module_state_t *st, PyObject *obj,
   }
   if (found == 0) {
     pyusmipc_value_error("%s takes usmipc memory or an object exposing "
-                       "__sycl_usm_array_interface__; %R does not expose it",
-                       what, (PyObject *)Py_TYPE(obj));
+                         "__sycl_usm_array_interface__; %R does not expose it",
+                         what, (PyObject *)Py_TYPE(obj));
     return -1;
   }
   src->ptr = iface.ptr;
   src->nbytes = iface.nbytes;
   src->kind = iface.kind;
   src->device = iface.device;
-  src->queue = iface.queue != NULL
-                   ? iface.queue
-                   : pyusmipc_default_queue(st, iface.device);
+  src->queue = iface.queue != NULL ? iface.queue
+                                   : pyusmipc_default_queue(st, iface.device);
   if (src->queue == NULL) {
     Py_CLEAR(src->device);
     return -1;
@@ -295,9 +295,8 @@ static int copy_in(Mem *self, void *dst, source_t *src, size_t n) {
  * alive (reference_obj) and, for usmipc memory, one export of it. */
 static PyObject *make_view(PyTypeObject *type, PyObject *obj, source_t *src,
                            PyObject *queue) {
-  Mem *self = memory_new(type, src->device,
-                         queue != NULL ? queue : src->queue, src->nbytes,
-                         src->kind);
+  Mem *self = memory_new(type, src->device, queue != NULL ? queue : src->queue,
+                         src->nbytes, src->kind);
   if (self == NULL) {
     return NULL;
   }
@@ -332,20 +331,19 @@ static PyObject *memory_from_object(PyTypeObject *type,
   PyObject *device_obj = NULL, *queue_obj = NULL, *result = NULL;
   int given = (device_arg != NULL && device_arg != Py_None) ||
               (queue_arg != NULL && queue_arg != Py_None);
-  if (given &&
-      device_and_queue(st, device_arg, queue_arg, &device_obj, &queue_obj) <
-          0) {
+  if (given && device_and_queue(st, device_arg, queue_arg, &device_obj,
+                                &queue_obj) < 0) {
     goto done;
   }
   if (src.kind == kind) {
     if (alignment != 0 || ipc != NULL) {
       pyusmipc_value_error("%s: alignment and ipc are for new allocations; the "
-                         "memory of a %R is taken as it is, without a copy",
-                         what, (PyObject *)Py_TYPE(obj));
+                           "memory of a %R is taken as it is, without a copy",
+                           what, (PyObject *)Py_TYPE(obj));
     } else if (given && device_obj != src.device) {
       pyusmipc_value_error("%s: the memory is on %R, not on the device given "
-                         "(%R)",
-                         what, src.device, device_obj);
+                           "(%R)",
+                           what, src.device, device_obj);
     } else {
       /* the queue given, if one was, orders the view's copies */
       int queue_given = queue_arg != NULL && queue_arg != Py_None;
@@ -371,9 +369,8 @@ static PyObject *memory_from_object(PyTypeObject *type,
   result = new_allocation(type, st, kind, src.nbytes, alignment, flags,
                           device_obj, queue_obj);
   device_obj = queue_obj = NULL; /* stolen */
-  if (result != NULL &&
-      copy_in((Mem *)result, ((Mem *)result)->ptr, &src,
-              (size_t)src.nbytes) < 0) {
+  if (result != NULL && copy_in((Mem *)result, ((Mem *)result)->ptr, &src,
+                                (size_t)src.nbytes) < 0) {
     Py_CLEAR(result);
   }
 
@@ -391,9 +388,9 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
                               const char *format) {
   /* dpctl's order: nbytes (or an object: dpctl's other), alignment, then
    * the keywords. */
-  static char *kwlist[] = {"nbytes",     "alignment", "device",
-                           "queue",      "sycl_device", "sycl_queue",
-                           "ipc",        "copy",      NULL};
+  static char *kwlist[] = {"nbytes", "alignment",   "device",
+                           "queue",  "sycl_device", "sycl_queue",
+                           "ipc",    "copy",        NULL};
   PyObject *first;
   Py_ssize_t alignment = 0;
   PyObject *device_arg = NULL, *queue_arg = NULL;
@@ -466,14 +463,14 @@ static PyObject *usm_shared_new(PyTypeObject *type, PyObject *args,
                       "O|n$OOOOzp:MemoryUSMShared");
 }
 
-PyObject *pyusmipc_mapping_new(pyusmipc_module_state_t *st, PyObject *device_obj,
-                             void *ptr, size_t nbytes) {
+PyObject *pyusmipc_mapping_new(pyusmipc_module_state_t *st,
+                               PyObject *device_obj, void *ptr, size_t nbytes) {
   PyTypeObject *type = st->MemoryIPCDeviceType;
   if (type == NULL) {
     return pyusmipc_state_cleared();
   }
-  Mem *self = memory_new(type, device_obj, NULL, (Py_ssize_t)nbytes,
-                         USMIPC_MEM_DEVICE);
+  Mem *self =
+      memory_new(type, device_obj, NULL, (Py_ssize_t)nbytes, USMIPC_MEM_DEVICE);
   if (self == NULL) {
     return NULL;
   }
@@ -482,8 +479,9 @@ PyObject *pyusmipc_mapping_new(pyusmipc_module_state_t *st, PyObject *device_obj
   return (PyObject *)self;
 }
 
-int pyusmipc_mapping_release(pyusmipc_module_state_t *st, pyusmipc_memory_object_t *m,
-                           usmipc_queue_t *queue) {
+int pyusmipc_mapping_release(pyusmipc_module_state_t *st,
+                             pyusmipc_memory_object_t *m,
+                             usmipc_queue_t *queue) {
   PyObject *bytes = m->release_handle;
   if (bytes == NULL) {
     return 0;
@@ -580,12 +578,16 @@ static void memory_dealloc(PyObject *op) {
      * effort; nothing can be reported from here). */
     const char *data = PyBytes_AsString(self->release_handle);
     size_t len = (size_t)PyBytes_Size(self->release_handle);
+    /* As written: clang-format 14 would read the macro and the cast after
+     * it as one call, Py_BEGIN_ALLOW_THREADS(void). */
+    /* clang-format off */
     Py_BEGIN_ALLOW_THREADS
     (void)usmipc_ipc_release(data, len, NULL);
     Py_END_ALLOW_THREADS
+    /* clang-format on */
   }
   PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_event_t, self->order_event,
-                             usmipc_event_destroy);
+                               usmipc_event_destroy);
   view_release(self);
   memory_clear(op);
   Py_CLEAR(self->pool); /* after the block went back to it */
@@ -641,12 +643,14 @@ static PyObject *memory_copy_from_host(PyObject *op, PyObject *obj) {
     return NULL;
   }
   if (src.len > self->nbytes) {
-    pyusmipc_value_error("source of %zd bytes does not fit in %zd bytes of memory",
-                 src.len, self->nbytes);
+    pyusmipc_value_error(
+        "source of %zd bytes does not fit in %zd bytes of memory", src.len,
+        self->nbytes);
     PyBuffer_Release(&src);
     return NULL;
   }
-  if (pyusmipc_memory_run(self, self->ptr, src.buf, 0, (size_t)src.len, &src) < 0) {
+  if (pyusmipc_memory_run(self, self->ptr, src.buf, 0, (size_t)src.len, &src) <
+      0) {
     return NULL;
   }
   Py_RETURN_NONE;
@@ -698,7 +702,7 @@ static PyObject *memory_copy_to_host(PyObject *op, PyObject *const *args,
   PyObject *obj;
   Mem *self = (Mem *)op;
   if (pyusmipc_parse_fastcall("copy_to_host", args, nargs, kwnames, names, 1, 1,
-                            &obj) < 0) {
+                              &obj) < 0) {
     return NULL;
   }
   PyObject *fresh = NULL;
@@ -714,14 +718,13 @@ static PyObject *memory_copy_to_host(PyObject *op, PyObject *const *args,
   Py_buffer dst;
   /* C-contiguous and writable: a strided view would take the bytes in
    * the wrong places. */
-  if (PyObject_GetBuffer(obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) <
-      0) {
+  if (PyObject_GetBuffer(obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
     Py_XDECREF(fresh);
     return NULL;
   }
   if (dst.len < self->nbytes) {
     pyusmipc_value_error("destination of %zd bytes is too small for %zd bytes",
-                       dst.len, self->nbytes);
+                         dst.len, self->nbytes);
     PyBuffer_Release(&dst);
     Py_XDECREF(fresh);
     return NULL;
@@ -749,8 +752,8 @@ static PyObject *memory_copy_from_device(PyObject *op, PyObject *obj) {
   if (!failed) {
     if (src.nbytes > self->nbytes) {
       pyusmipc_value_error("copy_from_device(): the source's %zd bytes do not "
-                         "fit in %zd bytes of memory",
-                         src.nbytes, self->nbytes);
+                           "fit in %zd bytes of memory",
+                           src.nbytes, self->nbytes);
       failed = 1;
     } else {
       failed = copy_in(self, self->ptr, &src, (size_t)src.nbytes) < 0;
@@ -775,7 +778,7 @@ static PyObject *memory_memset(PyObject *op, PyObject *const *args,
   PyObject *value_obj;
   Mem *self = (Mem *)op;
   if (pyusmipc_parse_fastcall("memset", args, nargs, kwnames, names, 1, 1,
-                            &value_obj) < 0) {
+                              &value_obj) < 0) {
     return NULL;
   }
   long value = 0;
@@ -786,12 +789,13 @@ static PyObject *memory_memset(PyObject *op, PyObject *const *args,
       return NULL;
     }
     if (value < 0 || value > 255) {
-      pyusmipc_value_error("memset value must be a byte (0..255), not %ld", value);
+      pyusmipc_value_error("memset value must be a byte (0..255), not %ld",
+                           value);
       return NULL;
     }
   }
-  if (pyusmipc_memory_run(self, self->ptr, NULL, (int)value, (size_t)self->nbytes,
-                 NULL) < 0) {
+  if (pyusmipc_memory_run(self, self->ptr, NULL, (int)value,
+                          (size_t)self->nbytes, NULL) < 0) {
     return NULL;
   }
   Py_RETURN_NONE;
@@ -806,17 +810,17 @@ static PyObject *memory_get_usm_type(PyObject *op, PyObject *const *args,
   PyObject *obj = NULL;
   Mem *self = (Mem *)op;
   if (pyusmipc_parse_fastcall("get_usm_type", args, nargs, kwnames, names, 1, 1,
-                            &obj) < 0) {
+                              &obj) < 0) {
     return NULL;
   }
   if (obj != NULL && obj != Py_None && self->device != NULL) {
-    PyObject *dev = pyusmipc_device_from_arg(
-        pyusmipc_state_from_device(self->device), obj);
+    PyObject *dev =
+        pyusmipc_device_from_arg(pyusmipc_state_from_device(self->device), obj);
     if (dev == NULL) {
       return NULL;
     }
-    int other = usmipc_device_backend(((pyusmipc_device_object_t *)dev)->device) !=
-                self->backend;
+    int other = usmipc_device_backend(
+                    ((pyusmipc_device_object_t *)dev)->device) != self->backend;
     Py_DECREF(dev);
     if (other) {
       return PyUnicode_FromString("unknown");
@@ -830,7 +834,8 @@ static PyObject *mapping_close(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   if (self->device == NULL) {
     Py_RETURN_NONE; /* cleared by the GC: dealloc will unmap */
   }
-  if (pyusmipc_mapping_close(pyusmipc_state_from_device(self->device), self) < 0) {
+  if (pyusmipc_mapping_close(pyusmipc_state_from_device(self->device), self) <
+      0) {
     return NULL;
   }
   Py_RETURN_NONE;
@@ -981,7 +986,7 @@ static PyObject *memory_array(PyObject *op, PyObject *const *args,
   PyObject *a[2];
   Mem *self = (Mem *)op;
   if (pyusmipc_parse_fastcall("__array__", args, nargs, kwnames, names, 2, 2,
-                            a) < 0) {
+                              a) < 0) {
     return NULL;
   }
   if (self->closed || self->released) {
@@ -989,17 +994,17 @@ static PyObject *memory_array(PyObject *op, PyObject *const *args,
     return NULL;
   }
   if (!self->host_accessible) {
-    pyusmipc_kind_error("%s memory on a %s device is not accessible from the host: "
-                 "numpy cannot view it; use copy_to_host(), or DLPack with "
-                 "a device array library",
-                 pyusmipc_kind_name(self->kind),
-                 usmipc_backend_name(self->backend));
+    pyusmipc_kind_error(
+        "%s memory on a %s device is not accessible from the host: "
+        "numpy cannot view it; use copy_to_host(), or DLPack with "
+        "a device array library",
+        pyusmipc_kind_name(self->kind), usmipc_backend_name(self->backend));
     return NULL;
   }
   PyObject *numpy = PyImport_ImportModule("numpy");
-  PyObject *arr = numpy ? PyObject_CallMethod(numpy, "frombuffer", "Os", op,
-                                              "uint8")
-                        : NULL;
+  PyObject *arr =
+      numpy ? PyObject_CallMethod(numpy, "frombuffer", "Os", op, "uint8")
+            : NULL;
   Py_XDECREF(numpy);
   if (arr != NULL && a[0] != NULL && a[0] != Py_None) {
     PyObject *cast = PyObject_CallMethod(arr, "astype", "O", a[0]);
@@ -1010,8 +1015,7 @@ static PyObject *memory_array(PyObject *op, PyObject *const *args,
 }
 
 static PyMethodDef memory_methods[] = {
-    {"__array__", PYUSMIPC_CMETHOD(memory_array),
-     METH_FASTCALL | METH_KEYWORDS,
+    {"__array__", PYUSMIPC_CMETHOD(memory_array), METH_FASTCALL | METH_KEYWORDS,
      "__array__(dtype=None, copy=None)\n--\n\nA NumPy view of host-"
      "accessible memory (uint8); a closed mapping raises ValueError, device "
      "memory TypeError."},
@@ -1038,8 +1042,7 @@ static PyMethodDef memory_methods[] = {
     {"__bytes__", memory_tobytes, METH_NOARGS,
      "__bytes__($self, /)\n--\n\nbytes(memory): the same as tobytes() "
      "(device memory too)."},
-    {"memset", PYUSMIPC_CMETHOD(memory_memset),
-     METH_FASTCALL | METH_KEYWORDS,
+    {"memset", PYUSMIPC_CMETHOD(memory_memset), METH_FASTCALL | METH_KEYWORDS,
      "memset($self, /, value=0)\n--\n\nFills the memory with the byte value."},
     {"__dlpack__", PYUSMIPC_CMETHOD(pyusmipc_memory_dlpack),
      METH_FASTCALL | METH_KEYWORDS,
@@ -1112,11 +1115,11 @@ static PyType_Spec memory_spec = {
       "it. ipc picks how device\nmemory will be shared where a backend "       \
       "offers a choice (CUDA): 'fd' (a\nfile descriptor; outlives the "        \
       "exporter) or 'native' (the driver's handle);\nNone is the backend's "   \
-      "default. Freed when the object dies.\n\n"                              \
+      "default. Freed when the object dies.\n\n"                               \
       "Instead of nbytes, an object: usmipc memory, or one exposing\n"         \
       "__sycl_usm_array_interface__ (dpctl's), whose memory is taken "         \
-      "without a\ncopy if it is " kind " memory (reference_obj keeps the "    \
-      "object alive; a\nmapping it holds stays mapped), else copied into a "  \
+      "without a\ncopy if it is " kind " memory (reference_obj keeps the "     \
+      "object alive; a\nmapping it holds stays mapped), else copied into a "   \
       "new allocation on\nits device (or the one given) when copy=True, "      \
       "else usmipc.ArgumentError."
 
@@ -1141,8 +1144,7 @@ static PyType_Slot usm_host_slots[] = {
 };
 static PyType_Slot usm_shared_slots[] = {
     {Py_tp_doc,
-     (void *)USM_DOC("MemoryUSMShared", "shared (migrating) memory",
-                     "shared")},
+     (void *)USM_DOC("MemoryUSMShared", "shared (migrating) memory", "shared")},
     {Py_tp_new, usm_shared_new},
     SUBTYPE_GC_SLOTS{0, NULL},
 };
@@ -1208,8 +1210,8 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   }
   if (nbytes < 0) {
     pyusmipc_value_error("nbytes must be 0 (64 MiB) or positive, "
-                                   "not %zd",
-                 nbytes);
+                         "not %zd",
+                         nbytes);
     return NULL;
   }
   unsigned flags;
@@ -1254,9 +1256,10 @@ static PyObject *pool_allocate(PyObject *op, PyObject *args, PyObject *kwds) {
     return NULL;
   }
   if (nbytes <= 0 || alignment < 0) {
-    pyusmipc_value_error("nbytes must be positive and alignment 0 or a power of two, "
-                 "not %zd and %zd",
-                 nbytes, alignment);
+    pyusmipc_value_error(
+        "nbytes must be positive and alignment 0 or a power of two, "
+        "not %zd and %zd",
+        nbytes, alignment);
     return NULL;
   }
   pyusmipc_module_state_t *st = pyusmipc_state_from_device(pool->device);
@@ -1288,8 +1291,7 @@ static PyObject *pool_get_device(PyObject *op, void *closure) {
 
 static PyObject *pool_repr(PyObject *op) {
   Pool *self = (Pool *)op;
-  return PyUnicode_FromFormat("<usmipc.memory.MemoryPool on %R>",
-                              self->device);
+  return PyUnicode_FromFormat("<usmipc.memory.MemoryPool on %R>", self->device);
 }
 
 static int pool_traverse(PyObject *op, visitproc visit, void *arg) {
@@ -1311,8 +1313,7 @@ static void pool_dealloc(PyObject *op) {
 }
 
 static PyMethodDef pool_methods[] = {
-    {"allocate", PYUSMIPC_CMETHOD(pool_allocate),
-     METH_VARARGS | METH_KEYWORDS,
+    {"allocate", PYUSMIPC_CMETHOD(pool_allocate), METH_VARARGS | METH_KEYWORDS,
      "allocate($self, /, nbytes, alignment=0)\n--\n\nA block of the pool "
      "as a MemoryUSMDevice (aligned to alignment, 0: 256\nbytes); its "
      "IPCMemoryHandle is a block handle, which importers open with\na "

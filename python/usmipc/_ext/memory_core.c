@@ -12,8 +12,8 @@
  * closed while that count is non-zero, and the last one to end unmaps it. */
 #include "memory_core.h"
 
-#include "queue.h"
 #include "device.h"
+#include "queue.h"
 #include "util.h"
 
 typedef pyusmipc_memory_object_t Mem;
@@ -131,7 +131,7 @@ PyObject *pyusmipc_memory_queue_object(Mem *self) {
  * caller's buffer of src, released before the operation ends (it may be an
  * export of this memory). 0, or -1 with an exception set. */
 int pyusmipc_memory_run(Mem *self, void *dst, const void *src, int value,
-                      size_t n, Py_buffer *source) {
+                        size_t n, Py_buffer *source) {
   if (pyusmipc_memory_begin(self) < 0) {
     if (source != NULL) {
       PyBuffer_Release(source);
@@ -164,7 +164,10 @@ int pyusmipc_memory_run(Mem *self, void *dst, const void *src, int value,
 
 /* Copies all nbytes of the memory to dst. Returns 0 or -1 (exception set). */
 static int copy_out(Mem *self, void *dst) {
-  return pyusmipc_memory_run(self, dst, self->ptr, 0, (size_t)self->nbytes, NULL);
+  return pyusmipc_memory_run(self, dst, self->ptr, 0, (size_t)self->nbytes,
+                             NULL);
 }
 
-int pyusmipc_memory_copy_out(Mem *self, void *dst) { return copy_out(self, dst); }
+int pyusmipc_memory_copy_out(Mem *self, void *dst) {
+  return copy_out(self, dst);
+}

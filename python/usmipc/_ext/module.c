@@ -26,14 +26,14 @@
  *   1  util.c           state lookup, errors, argument parsing
  *      dlpack.h         the DLPack structures
  */
-#include "ipc_handle.h"
-#include "shared_array.h"
 #include "bundle.h"
-#include "memory.h"
+#include "device.h"
 #include "event.h"
+#include "ipc_handle.h"
+#include "memory.h"
 #include "memory_core.h"
 #include "queue.h"
-#include "device.h"
+#include "shared_array.h"
 #include "util.h"
 
 #include <limits.h>
@@ -158,9 +158,10 @@ static PyObject *set_ipc_timeout(PyObject *module, PyObject *arg) {
     return NULL;
   }
   if (isnan(seconds) || seconds < 0.0) {
-    pyusmipc_value_error("timeout must be >= 0 seconds (0 restores the default), "
-                 "not %R",
-                 arg);
+    pyusmipc_value_error(
+        "timeout must be >= 0 seconds (0 restores the default), "
+        "not %R",
+        arg);
     return NULL;
   }
   /* Whole milliseconds, rounded up (the 1e-6 forgives float noise such as
@@ -169,7 +170,7 @@ static PyObject *set_ipc_timeout(PyObject *module, PyObject *arg) {
   double ms = ceil(seconds * 1000.0 - 1e-6);
   if (ms > (double)UINT_MAX) {
     pyusmipc_value_error("timeout must be at most %u.%03u seconds, not %R",
-                 UINT_MAX / 1000u, UINT_MAX % 1000u, arg);
+                         UINT_MAX / 1000u, UINT_MAX % 1000u, arg);
     return NULL;
   }
   unsigned timeout_ms = (unsigned)ms;
@@ -215,8 +216,8 @@ static PyObject *pointer_query(PyObject *module, PyObject *arg) {
     Py_INCREF(device);
   }
   return Py_BuildValue("{sNsssNsnsKsOsO}", "device", device, "kind",
-                       pyusmipc_kind_name(info.kind),
-                       "base", PyLong_FromVoidPtr(info.base), "size",
+                       pyusmipc_kind_name(info.kind), "base",
+                       PyLong_FromVoidPtr(info.base), "size",
                        (Py_ssize_t)info.size, "buffer_id",
                        (unsigned long long)info.buffer_id, "is_ipc_mapping",
                        info.is_ipc_mapping ? Py_True : Py_False, "is_foreign",
@@ -263,9 +264,8 @@ static PyObject *torch_pool_info(PyObject *module, PyObject *arg) {
  * from usmipc_torch_malloc (a tensor whose data_ptr() is 0) was about. */
 static PyObject *last_error(PyObject *module, PyObject *Py_UNUSED(ignored)) {
   (void)module;
-  return PyUnicode_DecodeUTF8(usmipc_last_error(),
-                              (Py_ssize_t)strlen(usmipc_last_error()),
-                              "replace");
+  return PyUnicode_DecodeUTF8(
+      usmipc_last_error(), (Py_ssize_t)strlen(usmipc_last_error()), "replace");
 }
 
 static PyMethodDef module_methods[] = {
@@ -343,8 +343,7 @@ static PyObject *reset_stats(PyObject *module, PyObject *Py_UNUSED(x)) {
  * (shared_array.c), stats and reset_stats: added by module_exec after the
  * types SharedBundle and SharedArray, where the module has always had them. */
 static PyMethodDef bundle_functions[] = {
-    {"share", PYUSMIPC_CMETHOD(pyusmipc_share),
-     METH_FASTCALL | METH_KEYWORDS,
+    {"share", PYUSMIPC_CMETHOD(pyusmipc_share), METH_FASTCALL | METH_KEYWORDS,
      "share(obj, stream=None, ordered=None, release=False)\n--\n\n"
      "Exports an array (usmipc memory, a torch tensor, anything with "
      "__cuda_array_interface__ or __dlpack__) or a dict / list / tuple of "
@@ -549,8 +548,8 @@ static int create_error(PyObject *module, pyusmipc_module_state_t *st) {
     PyObject *b = PyTuple_Pack(2, st->Error, kinds[i].builtin);
     if (b == NULL)
       return -1;
-    *kinds[i].slot = PyErr_NewExceptionWithDoc(kinds[i].name, kinds[i].doc,
-                                               b, NULL);
+    *kinds[i].slot =
+        PyErr_NewExceptionWithDoc(kinds[i].name, kinds[i].doc, b, NULL);
     Py_DECREF(b);
     if (*kinds[i].slot == NULL ||
         PyModule_AddObjectRef(module, strchr(kinds[i].name, '.') + 1,
@@ -592,7 +591,8 @@ static int module_exec(PyObject *module) {
     return -1;
   }
 
-  if (create_error(module, st) < 0 || pyusmipc_init_device_type(module, st) < 0 ||
+  if (create_error(module, st) < 0 ||
+      pyusmipc_init_device_type(module, st) < 0 ||
       pyusmipc_init_queue_type(module, st) < 0 ||
       pyusmipc_init_memory_types(module, st) < 0 ||
       pyusmipc_init_ipc_handle_type(module, st) < 0 ||
@@ -600,8 +600,7 @@ static int module_exec(PyObject *module) {
       pyusmipc_init_bundle_type(module, st) < 0 ||
       pyusmipc_init_shared_array_type(module, st) < 0 ||
       PyModule_AddFunctions(module, bundle_functions) < 0 ||
-      add_error_codes(module) < 0 ||
-      install_interrupt_hook() < 0) {
+      add_error_codes(module) < 0 || install_interrupt_hook() < 0) {
     return -1;
   }
   if (PyModule_AddStringConstant(module, "__version__",
@@ -711,6 +710,4 @@ static PyModuleDef module_def = {
     .m_free = module_free,
 };
 
-PyMODINIT_FUNC PyInit__usmipc(void) {
-  return PyModuleDef_Init(&module_def);
-}
+PyMODINIT_FUNC PyInit__usmipc(void) { return PyModuleDef_Init(&module_def); }

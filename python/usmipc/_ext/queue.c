@@ -22,7 +22,7 @@
 /* A new Queue object on device_obj, its usmipc queue still to be set; NULL
  * with an exception set. */
 static pyusmipc_queue_object_t *queue_alloc(pyusmipc_module_state_t *st,
-                                          PyObject *device_obj) {
+                                            PyObject *device_obj) {
   if (st->QueueType == NULL) {
     pyusmipc_state_cleared();
     return NULL;
@@ -35,7 +35,8 @@ static pyusmipc_queue_object_t *queue_alloc(pyusmipc_module_state_t *st,
   return self;
 }
 
-PyObject *pyusmipc_queue_new(pyusmipc_module_state_t *st, PyObject *device_obj) {
+PyObject *pyusmipc_queue_new(pyusmipc_module_state_t *st,
+                             PyObject *device_obj) {
   pyusmipc_queue_object_t *self = queue_alloc(st, device_obj);
   if (self == NULL) {
     return NULL;
@@ -56,7 +57,7 @@ PyObject *pyusmipc_queue_new(pyusmipc_module_state_t *st, PyObject *device_obj) 
 }
 
 PyObject *pyusmipc_default_queue(pyusmipc_module_state_t *st,
-                               PyObject *device_obj) {
+                                 PyObject *device_obj) {
   usmipc_device_t *device = ((pyusmipc_device_object_t *)device_obj)->device;
   pyusmipc_device_slot_t *slot = pyusmipc_device_slot(st, device);
   if (slot != NULL && slot->queue_obj != NULL) {
@@ -118,7 +119,8 @@ static int queue_clear(PyObject *self) {
 static void queue_dealloc(PyObject *op) {
   pyusmipc_queue_object_t *self = (pyusmipc_queue_object_t *)op;
   PyObject_GC_UnTrack(op);
-  PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_queue_t, self->queue, usmipc_queue_destroy);
+  PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_queue_t, self->queue,
+                               usmipc_queue_destroy);
   queue_clear(op);
   Py_CLEAR(self->stream); /* after the wrapper is gone */
   pyusmipc_object_free(op);
@@ -127,7 +129,7 @@ static void queue_dealloc(PyObject *op) {
 /* ---- wrapping other libraries' streams ----------------------------------- */
 
 PyObject *pyusmipc_queue_wrap(pyusmipc_module_state_t *st, PyObject *device_obj,
-                            void *native, PyObject *keep, const char *what) {
+                              void *native, PyObject *keep, const char *what) {
   usmipc_device_t *device = ((pyusmipc_device_object_t *)device_obj)->device;
   if (usmipc_device_backend(device) == USMIPC_BACKEND_HOST && native != NULL) {
     return pyusmipc_raise_format(
@@ -243,8 +245,9 @@ PyObject *pyusmipc_foreign_current_stream(PyObject *obj) {
 static int native_from_int(PyObject *value, void **native, const char *what,
                            const char *source) {
   if (!PyLong_Check(value) || PyBool_Check(value)) {
-    pyusmipc_type_error("%s: %s must be an int (a native stream handle), not %R", what,
-                 source, (PyObject *)Py_TYPE(value));
+    pyusmipc_type_error(
+        "%s: %s must be an int (a native stream handle), not %R", what, source,
+        (PyObject *)Py_TYPE(value));
     return -1;
   }
   int overflow = 0;
@@ -253,9 +256,10 @@ static int native_from_int(PyObject *value, void **native, const char *what,
     return -1;
   }
   if (overflow < 0 || (overflow == 0 && v < 0)) {
-    pyusmipc_value_error("%s: %s must be a non-negative int (a native stream handle; "
-                 "0 is the default stream), not %R",
-                 what, source, value);
+    pyusmipc_value_error(
+        "%s: %s must be a non-negative int (a native stream handle; "
+        "0 is the default stream), not %R",
+        what, source, value);
     return -1;
   }
   unsigned long long u =
@@ -264,8 +268,8 @@ static int native_from_int(PyObject *value, void **native, const char *what,
     return -1;
   }
   if (u > (unsigned long long)UINTPTR_MAX) {
-    pyusmipc_value_error("%s: %s %R does not fit in a pointer", what,
-                 source, value);
+    pyusmipc_value_error("%s: %s %R does not fit in a pointer", what, source,
+                         value);
     return -1;
   }
   *native = (void *)(uintptr_t)u;
@@ -363,13 +367,13 @@ static PyObject *wrap_cuda(pyusmipc_module_state_t *st, PyObject *obj,
 }
 
 PyObject *pyusmipc_queue_from_stream(pyusmipc_module_state_t *st, PyObject *obj,
-                                   PyObject *device, PyObject *fallback,
-                                   const char *what) {
+                                     PyObject *device, PyObject *fallback,
+                                     const char *what) {
   if (PyObject_TypeCheck(obj, st->QueueType)) {
     PyObject *own = ((pyusmipc_queue_object_t *)obj)->device;
     if (device != NULL && own != device) {
-      pyusmipc_value_error("%s: the queue is on %R but device %R was given", what, own,
-                   device);
+      pyusmipc_value_error("%s: the queue is on %R but device %R was given",
+                           what, own, device);
       return NULL;
     }
     return Py_NewRef(obj);
@@ -442,9 +446,10 @@ PyObject *pyusmipc_queue_from_stream(pyusmipc_module_state_t *st, PyObject *obj,
     }
     PyObject *queue = NULL;
     if (!PyTuple_Check(pair) || PyTuple_Size(pair) != 2) {
-      pyusmipc_type_error("%s: %R.__cuda_stream__() must return a tuple (version, "
-                   "handle), not %R",
-                   what, (PyObject *)Py_TYPE(obj), pair);
+      pyusmipc_type_error(
+          "%s: %R.__cuda_stream__() must return a tuple (version, "
+          "handle), not %R",
+          what, (PyObject *)Py_TYPE(obj), pair);
     } else {
       PyObject *version = PyTuple_GetItem(pair, 0);
       long v = PyLong_Check(version) ? PyLong_AsLong(version) : -1;
@@ -453,8 +458,8 @@ PyObject *pyusmipc_queue_from_stream(pyusmipc_module_state_t *st, PyObject *obj,
       }
       if (v != 0) {
         pyusmipc_value_error("%s: %R.__cuda_stream__() gave version %R; usmipc "
-                     "reads version 0 of the protocol",
-                     what, (PyObject *)Py_TYPE(obj), version);
+                             "reads version 0 of the protocol",
+                             what, (PyObject *)Py_TYPE(obj), version);
       } else {
         queue = wrap_cuda(st, obj, PyTuple_GetItem(pair, 1), -1, device,
                           fallback, what, "__cuda_stream__");
@@ -467,10 +472,11 @@ PyObject *pyusmipc_queue_from_stream(pyusmipc_module_state_t *st, PyObject *obj,
     return NULL;
   }
 
-  pyusmipc_type_error("%s: stream must be a usmipc.Queue, a torch.cuda.Stream, a "
-               "CuPy stream, an object with __cuda_stream__, or an int (a "
-               "native stream handle; 0 is the default stream), not %R",
-               what, (PyObject *)Py_TYPE(obj));
+  pyusmipc_type_error(
+      "%s: stream must be a usmipc.Queue, a torch.cuda.Stream, a "
+      "CuPy stream, an object with __cuda_stream__, or an int (a "
+      "native stream handle; 0 is the default stream), not %R",
+      what, (PyObject *)Py_TYPE(obj));
   return NULL;
 }
 
@@ -482,7 +488,7 @@ static PyObject *queue_from_stream(PyObject *cls, PyTypeObject *defining_class,
   PyObject *a[2];
   pyusmipc_module_state_t *st = PyType_GetModuleState(defining_class);
   if (pyusmipc_parse_fastcall("from_stream", args, nargs, kwnames, names, 2, 2,
-                            a) < 0) {
+                              a) < 0) {
     return NULL;
   }
   if (a[0] == NULL) {

@@ -8,7 +8,8 @@
 
 int pyusmipc_init_queue_type(PyObject *module, pyusmipc_module_state_t *st);
 /* The default Queue of a Device object, created on first use (new ref). */
-PyObject *pyusmipc_default_queue(pyusmipc_module_state_t *st, PyObject *device_obj);
+PyObject *pyusmipc_default_queue(pyusmipc_module_state_t *st,
+                                 PyObject *device_obj);
 /* The stream another library's array is used on now, for ordering its
  * handoffs: torch.cuda.current_stream(tensor.device), CuPy's current
  * stream; Py_None for other arrays. New reference, or NULL. */
@@ -27,14 +28,14 @@ PyObject *pyusmipc_queue_new(pyusmipc_module_state_t *st, PyObject *device_obj);
  * exception set. Imports nothing: torch and CuPy objects are recognized
  * by their type's module. */
 PyObject *pyusmipc_queue_from_stream(pyusmipc_module_state_t *st, PyObject *obj,
-                                   PyObject *device, PyObject *fallback,
-                                   const char *what);
+                                     PyObject *device, PyObject *fallback,
+                                     const char *what);
 /* 1 if the module of obj's type is package or one of its submodules
  * ("torch" for torch.cuda.streams.Stream); never imports anything. */
 int pyusmipc_type_module_is(PyObject *obj, const char *package);
 /* A Queue wrapping the native stream handle native on device_obj, keeping
  * keep (or NULL) alive; ValueError for a non-zero handle on the host. */
 PyObject *pyusmipc_queue_wrap(pyusmipc_module_state_t *st, PyObject *device_obj,
-                            void *native, PyObject *keep, const char *what);
+                              void *native, PyObject *keep, const char *what);
 
 #endif /* PYUSMIPC_QUEUE_H */

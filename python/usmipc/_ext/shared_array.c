@@ -25,21 +25,21 @@
 #include <string.h>
 
 #include "bundle.h"
-#include "interop.h"
-#include "queue.h"
 #include "device.h"
 #include "dlpack.h"
+#include "interop.h"
+#include "queue.h"
 #include "util.h"
 
 typedef pyusmipc_dtype_t dtype_entry_t;
 typedef pyusmipc_bundle_object_t Bundle;
 
-/* ---- SharedArray ----------------------------------------------------------- */
+/* ---- SharedArray --------------------------------------------------------- */
 
 /* What the arrays of one open share: where they are ready. */
 #define READY_SYNCED_MAX 8
 typedef struct ready {
-  Py_ssize_t refs;      /* arrays and capsules; GIL held */
+  Py_ssize_t refs;                /* arrays and capsules; GIL held */
   void *synced[READY_SYNCED_MAX]; /* native streams made to wait already */
   int nsynced;
   usmipc_event_t *event; /* recorded on the open's stream, or NULL */
@@ -181,7 +181,7 @@ typedef struct {
   int64_t *dims; /* shape then strides (elements) */
   PyObject *device;
   ready_t *ready;
-  ticket_t *ticket; /* the open's release ticket, or NULL */
+  ticket_t *ticket;   /* the open's release ticket, or NULL */
   Py_ssize_t exports; /* capsules and buffer views alive */
   char closed, released;
   char unticketed; /* of bytes that name memory but carry no ticket */
@@ -199,7 +199,8 @@ static int arr_release(Arr *self) {
   rc = usmipc_ipc_close(p);
   Py_END_ALLOW_THREADS
   if (rc != 0)
-    return pyusmipc_raise(pyusmipc_state_from_device(self->device), rc) ? 0 : -1;
+    return pyusmipc_raise(pyusmipc_state_from_device(self->device), rc) ? 0
+                                                                        : -1;
   return 0;
 }
 
@@ -294,7 +295,8 @@ static PyObject *arr_get_strides(PyObject *op, void *c) {
 static PyObject *arr_get_dtype(PyObject *op, void *c) {
   (void)c;
   Arr *self = (Arr *)op;
-  return PyUnicode_FromString(pyusmipc_dtype_by_code(self->code, self->bits)->name);
+  return PyUnicode_FromString(
+      pyusmipc_dtype_by_code(self->code, self->bits)->name);
 }
 
 static PyObject *arr_get_ndim(PyObject *op, void *c) {
@@ -339,10 +341,9 @@ static PyObject *arr_get_device(PyObject *op, void *c) {
 }
 
 static usmipc_backend_t arr_backend(const Arr *self) {
-  return self->device
-             ? usmipc_device_backend(
-                   ((pyusmipc_device_object_t *)self->device)->device)
-             : USMIPC_BACKEND_HOST;
+  return self->device ? usmipc_device_backend(
+                            ((pyusmipc_device_object_t *)self->device)->device)
+                      : USMIPC_BACKEND_HOST;
 }
 
 static int arr_contiguous(const Arr *self) {
@@ -361,8 +362,7 @@ static PyObject *arr_cai(PyObject *op, void *c) {
   Arr *self = (Arr *)op;
   const dtype_entry_t *dt = pyusmipc_dtype_by_code(self->code, self->bits);
   if (arr_backend(self) != USMIPC_BACKEND_CUDA || dt->typestr == NULL) {
-    PyErr_Format(PyExc_AttributeError,
-                 "__cuda_array_interface__: %s",
+    PyErr_Format(PyExc_AttributeError, "__cuda_array_interface__: %s",
                  dt->typestr == NULL ? "bfloat16 has no typestr; use DLPack"
                                      : "not CUDA memory");
     return NULL;
@@ -370,14 +370,14 @@ static PyObject *arr_cai(PyObject *op, void *c) {
   if (check_open(self) < 0)
     return NULL;
   PyObject *shape = arr_get_shape(op, NULL);
-  PyObject *strides = arr_contiguous(self) ? Py_NewRef(Py_None)
-                                           : arr_get_strides(op, NULL);
+  PyObject *strides =
+      arr_contiguous(self) ? Py_NewRef(Py_None) : arr_get_strides(op, NULL);
   PyObject *r = NULL;
   if (shape && strides)
     r = Py_BuildValue("{s:N,s:s#,s:(N,O),s:N,s:i,s:O}", "shape", shape,
-                      "typestr", "<", 1, "data",
-                      PyLong_FromVoidPtr(self->ptr), Py_False, "strides",
-                      strides, "version", 3, "stream", Py_None);
+                      "typestr", "<", 1, "data", PyLong_FromVoidPtr(self->ptr),
+                      Py_False, "strides", strides, "version", 3, "stream",
+                      Py_None);
   else {
     Py_XDECREF(shape);
     Py_XDECREF(strides);
@@ -385,8 +385,8 @@ static PyObject *arr_cai(PyObject *op, void *c) {
   }
   /* typestr: byte order then the code ("<f4", "|b1"). */
   if (r != NULL) {
-    PyObject *ts = PyUnicode_FromFormat("%s%s", self->bits == 8 ? "|" : "<",
-                                        dt->typestr);
+    PyObject *ts =
+        PyUnicode_FromFormat("%s%s", self->bits == 8 ? "|" : "<", dt->typestr);
     if (ts == NULL || PyDict_SetItemString(r, "typestr", ts) < 0)
       Py_CLEAR(r);
     Py_XDECREF(ts);
@@ -400,7 +400,7 @@ static DLDevice arr_dl_device(const Arr *self) {
   /* A shared array is a mapping of exported device memory. */
   usmipc_device_t *dev = ((pyusmipc_device_object_t *)self->device)->device;
   return pyusmipc_dl_device(usmipc_device_backend(dev), USMIPC_MEM_DEVICE,
-                          usmipc_device_index(dev));
+                            usmipc_device_index(dev));
 }
 
 static PyObject *arr_dlpack_device(PyObject *op, PyObject *Py_UNUSED(x)) {
@@ -469,7 +469,7 @@ static int arr_dlpack_sync(Arr *self, PyObject *stream) {
     has_native = 1;
   } else {
     q = pyusmipc_queue_from_stream(st, stream, NULL, self->device,
-                                 "__dlpack__()");
+                                   "__dlpack__()");
   }
   if (q == NULL)
     return -1;
@@ -502,7 +502,7 @@ static PyObject *arr_dlpack(PyObject *op, PyObject *const *args,
                                       "copy"};
   PyObject *a[4];
   if (pyusmipc_parse_fastcall("__dlpack__", args, nargs, kwnames, names, 4, 0,
-                            a) < 0)
+                              a) < 0)
     return NULL;
   if (check_open(self) < 0)
     return NULL;
@@ -518,11 +518,8 @@ static PyObject *arr_dlpack(PyObject *op, PyObject *const *args,
   DLDevice dev = arr_dl_device(self);
   if (a[2] != NULL && a[2] != Py_None) {
     long t, i;
-    PyObject *tt = PyTuple_Check(a[2]) && PyTuple_Size(a[2]) == 2
-                       ? a[2]
-                       : NULL;
-    if (tt == NULL ||
-        (t = PyLong_AsLong(PyTuple_GetItem(tt, 0))) == -1 ||
+    PyObject *tt = PyTuple_Check(a[2]) && PyTuple_Size(a[2]) == 2 ? a[2] : NULL;
+    if (tt == NULL || (t = PyLong_AsLong(PyTuple_GetItem(tt, 0))) == -1 ||
         (i = PyLong_AsLong(PyTuple_GetItem(tt, 1))) == -1 ||
         t != dev.device_type || i != dev.device_id) {
       PyErr_Clear();
@@ -600,8 +597,7 @@ static int arr_getbuffer(PyObject *op, Py_buffer *view, int flags) {
     return -1;
   const dtype_entry_t *dt = pyusmipc_dtype_by_code(self->code, self->bits);
   if (arr_backend(self) != USMIPC_BACKEND_HOST || dt->format == NULL) {
-    PyErr_Format(PyExc_BufferError,
-                 "%s; use __dlpack__",
+    PyErr_Format(PyExc_BufferError, "%s; use __dlpack__",
                  dt->format == NULL ? "bfloat16 has no buffer format"
                                     : "device memory is not accessible from "
                                       "the host");
@@ -740,8 +736,7 @@ static PyMethodDef arr_methods[] = {
      "tensor or a buffer view of it lives). Idempotent. Closing the last "
      "array of an open returns its release ticket, if the producer asked "
      "for one and it was not returned yet, from the host."},
-    {"__dlpack__", PYUSMIPC_CMETHOD(arr_dlpack),
-     METH_FASTCALL | METH_KEYWORDS,
+    {"__dlpack__", PYUSMIPC_CMETHOD(arr_dlpack), METH_FASTCALL | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, "
      "copy=None)\n--\n\nA DLPack capsule of the array, without a copy."},
     {"__dlpack_device__", arr_dlpack_device, METH_NOARGS, NULL},
@@ -758,8 +753,7 @@ static PyGetSetDef arr_getset[] = {
     {"size", arr_get_size, NULL, "The number of elements.", NULL},
     {"nbytes", arr_get_nbytes, NULL, "size * itemsize.", NULL},
     {"itemsize", arr_get_itemsize, NULL, NULL, NULL},
-    {"ptr", arr_get_ptr, NULL, "The address of the first element here.",
-     NULL},
+    {"ptr", arr_get_ptr, NULL, "The address of the first element here.", NULL},
     {"closed", arr_get_closed, NULL, NULL, NULL},
     {"device", arr_get_device, NULL, "The usmipc.Device it is mapped on.",
      NULL},
@@ -791,7 +785,7 @@ static PyType_Spec arr_spec = {
     .slots = arr_slots,
 };
 
-/* ---- open_shared / close_shared ------------------------------------------- */
+/* ---- open_shared / close_shared ------------------------------------------ */
 
 typedef struct build {
   pyusmipc_module_state_t *st;
@@ -855,8 +849,7 @@ static PyObject *build_node(build_t *b) {
     Py_DECREF(arr);
     if (capsule == NULL)
       return NULL;
-    PyObject *tensor =
-        PyObject_CallFunctionObjArgs(b->convert, capsule, NULL);
+    PyObject *tensor = PyObject_CallFunctionObjArgs(b->convert, capsule, NULL);
     Py_DECREF(capsule);
     return tensor;
   }
@@ -897,11 +890,11 @@ static PyObject *build_node(build_t *b) {
 }
 
 PyObject *pyusmipc_open_shared(PyObject *module, PyObject *const *args,
-                             Py_ssize_t nargs, PyObject *kwnames) {
+                               Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"data", "device", "stream", "to"};
   PyObject *a[4];
   if (pyusmipc_parse_fastcall("open_shared", args, nargs, kwnames, names, 4, 1,
-                            a) < 0)
+                              a) < 0)
     return NULL;
   pyusmipc_module_state_t *st = PyModule_GetState(module);
   PyObject *convert = NULL;
@@ -909,7 +902,7 @@ PyObject *pyusmipc_open_shared(PyObject *module, PyObject *const *args,
     if (!PyUnicode_Check(a[3]) ||
         PyUnicode_CompareWithASCIIString(a[3], "torch") != 0) {
       pyusmipc_value_error("open_shared(to=...): None (SharedArray leaves) or "
-                      "'torch' (torch tensors)");
+                           "'torch' (torch tensors)");
       return NULL;
     }
     /* torch.from_dlpack's own converter, after torch's CUDA is initialized
@@ -930,8 +923,8 @@ PyObject *pyusmipc_open_shared(PyObject *module, PyObject *const *args,
     }
     Py_XDECREF(inited);
     Py_XDECREF(cuda);
-    PyObject *torch_c = has_cuda >= 0 ? PyObject_GetAttrString(torch, "_C")
-                                      : NULL;
+    PyObject *torch_c =
+        has_cuda >= 0 ? PyObject_GetAttrString(torch, "_C") : NULL;
     Py_XDECREF(torch);
     convert = torch_c ? PyObject_GetAttrString(torch_c, "_from_dlpack") : NULL;
     Py_XDECREF(torch_c);
@@ -963,7 +956,7 @@ PyObject *pyusmipc_open_shared(PyObject *module, PyObject *const *args,
   }
   if (a[2] != NULL && a[2] != Py_None &&
       (queue = pyusmipc_queue_from_stream(st, a[2], device, device,
-                                        "open_shared()")) == NULL) {
+                                          "open_shared()")) == NULL) {
     Py_XDECREF(device);
     Py_DECREF(bytes);
     Py_XDECREF(convert);
@@ -1096,8 +1089,8 @@ static int walk_tree(pyusmipc_module_state_t *st, PyObject *obj,
   PyObject *tn = pyusmipc_type_name(obj);
   if (tn != NULL)
     pyusmipc_type_error("%s: a %U is not a shared array (pass what "
-                      "open_shared() returned%s)",
-                      what, tn, hint);
+                        "open_shared() returned%s)",
+                        what, tn, hint);
   Py_XDECREF(tn);
   return -1;
 }
@@ -1129,10 +1122,10 @@ static int release_leaf(void *ctx, PyObject *array) {
     /* What release_shared(bytes) says of the same bytes (the library's
      * message, src/bundle.c usmipc__bundle_ticket), word for word. */
     pyusmipc_raise_msg(c->st, USMIPC_EINVAL,
-                     "usmipc_ipc_release: the bundle carries no release "
-                     "ticket (its producer did not order it with "
-                     "usmipc_bundle_order_ex(..., USMIPC_ORDER_RELEASE), or "
-                     "share(..., release=True) in Python)");
+                       "usmipc_ipc_release: the bundle carries no release "
+                       "ticket (its producer did not order it with "
+                       "usmipc_bundle_order_ex(..., USMIPC_ORDER_RELEASE), or "
+                       "share(..., release=True) in Python)");
     return -1;
   }
   return ticket_return(a->ticket, c->stream, c->what, 0);
@@ -1160,7 +1153,7 @@ static int release_bytes(pyusmipc_module_state_t *st, PyObject *bytes,
   PyObject *queue_obj = NULL;
   if (stream != NULL && stream != Py_None &&
       (queue_obj = pyusmipc_queue_from_stream(st, stream, NULL, NULL,
-                                            "release_shared()")) == NULL)
+                                              "release_shared()")) == NULL)
     return -1;
   int rc = ticket_send(
       st, bytes,
@@ -1170,11 +1163,11 @@ static int release_bytes(pyusmipc_module_state_t *st, PyObject *bytes,
 }
 
 PyObject *pyusmipc_release_shared(PyObject *module, PyObject *const *args,
-                                Py_ssize_t nargs, PyObject *kwnames) {
+                                  Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"tree", "stream"};
   PyObject *a[2];
   if (pyusmipc_parse_fastcall("release_shared", args, nargs, kwnames, names, 2,
-                            1, a) < 0)
+                              1, a) < 0)
     return NULL;
   if (a[0] == NULL) {
     pyusmipc_type_error("release_shared() missing argument 'tree'");
@@ -1188,16 +1181,17 @@ PyObject *pyusmipc_release_shared(PyObject *module, PyObject *const *args,
     rc = release_tree(st, obj, a[1], "release_shared()");
   } else if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedBundleType)) {
     if (((Bundle *)obj)->bundle != NULL) {
-      pyusmipc_value_error("release_shared(): this SharedBundle is the "
-                         "producer's own (from share()), which hands tickets "
-                         "out; a consumer passes what open_shared() returned, "
-                         "or the bytes it opened");
+      pyusmipc_value_error(
+          "release_shared(): this SharedBundle is the "
+          "producer's own (from share()), which hands tickets "
+          "out; a consumer passes what open_shared() returned, "
+          "or the bytes it opened");
       return NULL;
     }
     rc = release_bytes(st, ((Bundle *)obj)->bytes, a[1]);
   } else if (PyBytes_Check(obj) || PyObject_CheckBuffer(obj)) {
-    PyObject *bytes = PyBytes_Check(obj) ? Py_NewRef(obj)
-                                         : PyBytes_FromObject(obj);
+    PyObject *bytes =
+        PyBytes_Check(obj) ? Py_NewRef(obj) : PyBytes_FromObject(obj);
     if (bytes == NULL)
       return NULL;
     rc = release_bytes(st, bytes, a[1]);
@@ -1211,11 +1205,11 @@ PyObject *pyusmipc_release_shared(PyObject *module, PyObject *const *args,
 }
 
 PyObject *pyusmipc_close_shared(PyObject *module, PyObject *const *args,
-                              Py_ssize_t nargs, PyObject *kwnames) {
+                                Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"tree", "stream"};
   PyObject *a[2];
   if (pyusmipc_parse_fastcall("close_shared", args, nargs, kwnames, names, 2, 1,
-                            a) < 0)
+                              a) < 0)
     return NULL;
   if (a[0] == NULL) {
     pyusmipc_type_error("close_shared() missing argument 'tree'");

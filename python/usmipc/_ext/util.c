@@ -36,7 +36,8 @@ pyusmipc_module_state_t *pyusmipc_state_from_type(PyTypeObject *type) {
     }
     t = (PyTypeObject *)PyType_GetSlot(t, Py_tp_base);
   }
-  pyusmipc_type_error("usmipc: object's type does not derive from a usmipc type");
+  pyusmipc_type_error(
+      "usmipc: object's type does not derive from a usmipc type");
   return NULL;
 }
 
@@ -77,7 +78,7 @@ static PyObject *raise_with(pyusmipc_module_state_t *st, int code,
 }
 
 PyObject *pyusmipc_raise_as(pyusmipc_module_state_t *st, PyObject *type,
-                          int code) {
+                            int code) {
   const char *message = usmipc_last_error();
   if (message == NULL || message[0] == '\0')
     message = usmipc_strerror(code);
@@ -150,12 +151,12 @@ PyObject *pyusmipc_raise(pyusmipc_module_state_t *st, int code) {
 }
 
 PyObject *pyusmipc_raise_msg(pyusmipc_module_state_t *st, int code,
-                           const char *message) {
+                             const char *message) {
   return raise_with(st, code, message, 0);
 }
 
 PyObject *pyusmipc_raise_format(pyusmipc_module_state_t *st, int code,
-                              const char *format, ...) {
+                                const char *format, ...) {
   va_list ap;
   va_start(ap, format);
   PyObject *text = PyUnicode_FromFormatV(format, ap);
@@ -274,8 +275,8 @@ int pyusmipc_retype_parse_error(void) {
   PyErr_Fetch(&type, &value, &traceback);
   PyErr_NormalizeException(&type, &value, &traceback);
   pyusmipc_module_state_t *st = state_of_imported_module();
-  if (st == NULL || st->ArgumentTypeError == NULL ||
-      type != PyExc_TypeError || value == NULL) {
+  if (st == NULL || st->ArgumentTypeError == NULL || type != PyExc_TypeError ||
+      value == NULL) {
     /* already one of ours (or a subclass someone raised): leave it */
     PyErr_Restore(type, value, traceback);
     return -1;
@@ -305,15 +306,16 @@ PyObject *pyusmipc_state_cleared(void) {
 /* ---- argument parsing ---------------------------------------------------- */
 
 int pyusmipc_parse_fastcall(const char *funcname, PyObject *const *args,
-                          Py_ssize_t nargs, PyObject *kwnames,
-                          const char *const *names, Py_ssize_t nnames,
-                          Py_ssize_t npositional, PyObject **out) {
+                            Py_ssize_t nargs, PyObject *kwnames,
+                            const char *const *names, Py_ssize_t nnames,
+                            Py_ssize_t npositional, PyObject **out) {
   for (Py_ssize_t i = 0; i < nnames; i++) {
     out[i] = NULL;
   }
   if (nargs > npositional) {
-    pyusmipc_type_error("%s() takes at most %zd positional argument%s (%zd given)",
-                 funcname, npositional, npositional == 1 ? "" : "s", nargs);
+    pyusmipc_type_error(
+        "%s() takes at most %zd positional argument%s (%zd given)", funcname,
+        npositional, npositional == 1 ? "" : "s", nargs);
     return -1;
   }
   for (Py_ssize_t i = 0; i < nargs; i++) {
@@ -330,13 +332,13 @@ int pyusmipc_parse_fastcall(const char *funcname, PyObject *const *args,
       j++;
     }
     if (j == nnames) {
-      pyusmipc_type_error("%s() got an unexpected keyword argument '%U'", funcname,
-                   key);
+      pyusmipc_type_error("%s() got an unexpected keyword argument '%U'",
+                          funcname, key);
       return -1;
     }
     if (out[j] != NULL) {
-      pyusmipc_type_error("%s() got multiple values for argument '%s'", funcname,
-                   names[j]);
+      pyusmipc_type_error("%s() got multiple values for argument '%s'",
+                          funcname, names[j]);
       return -1;
     }
     out[j] = args[nargs + k];
@@ -345,11 +347,11 @@ int pyusmipc_parse_fastcall(const char *funcname, PyObject *const *args,
 }
 
 int pyusmipc_parse_one_arg(const char *funcname, const char *name,
-                         PyObject *const *args, Py_ssize_t nargs,
-                         PyObject *kwnames, PyObject **out) {
+                           PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames, PyObject **out) {
   const char *const names[] = {name};
   if (pyusmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 1, 1,
-                            out) < 0) {
+                              out) < 0) {
     return -1;
   }
   if (*out == NULL) {

@@ -88,7 +88,10 @@ static inline void pyusmipc_object_free(PyObject *op) {
  * lvalue left NULL, and passes it to destroy without the GIL, as every
  * library call that may block (a driver call) runs; nothing if field is
  * NULL. */
-#define PYUSMIPC_DESTROY_WITHOUT_GIL(type, field, destroy)                       \
+/* As written: clang-format 14 would read the macro and the cast after it
+ * as one call, Py_BEGIN_ALLOW_THREADS(void). */
+/* clang-format off */
+#define PYUSMIPC_DESTROY_WITHOUT_GIL(type, field, destroy)                     \
   do {                                                                         \
     if ((field) != NULL) {                                                     \
       type *taken_ = (field);                                                  \
@@ -98,6 +101,7 @@ static inline void pyusmipc_object_free(PyObject *op) {
       Py_END_ALLOW_THREADS                                                     \
     }                                                                          \
   } while (0)
+/* clang-format on */
 
 /* ---- errors and arguments ------------------------------------------------ */
 
@@ -114,13 +118,14 @@ pyusmipc_module_state_t *pyusmipc_state_from_type(PyTypeObject *type);
  * nothing new and leaves that exception to propagate. */
 PyObject *pyusmipc_raise(pyusmipc_module_state_t *st, int code);
 /* pyusmipc_raise with the exception type given (a subclass of usmipc.Error). */
-PyObject *pyusmipc_raise_as(pyusmipc_module_state_t *st, PyObject *type, int code);
+PyObject *pyusmipc_raise_as(pyusmipc_module_state_t *st, PyObject *type,
+                            int code);
 /* The same with a message of the extension's own. */
 PyObject *pyusmipc_raise_msg(pyusmipc_module_state_t *st, int code,
-                           const char *message);
+                             const char *message);
 /* The same with the message formatted as PyUnicode_FromFormat does. */
 PyObject *pyusmipc_raise_format(pyusmipc_module_state_t *st, int code,
-                              const char *format, ...);
+                                const char *format, ...);
 
 /* The extension's own errors, each a usmipc.Error with .code and .name
  * (PyUnicode_FromFormat's conversions; no state needed, the module is
@@ -147,9 +152,9 @@ PyObject *pyusmipc_state_cleared(void);
  * The first npositional parameters may also come positionally. Returns 0, or
  * -1 with TypeError set. */
 int pyusmipc_parse_fastcall(const char *funcname, PyObject *const *args,
-                          Py_ssize_t nargs, PyObject *kwnames,
-                          const char *const *names, Py_ssize_t nnames,
-                          Py_ssize_t npositional, PyObject **out);
+                            Py_ssize_t nargs, PyObject *kwnames,
+                            const char *const *names, Py_ssize_t nnames,
+                            Py_ssize_t npositional, PyObject **out);
 /* obj.name (new reference), or NULL: with an exception set, or without one
  * when obj has no such attribute (the AttributeError is cleared). */
 PyObject *pyusmipc_optional_attr(PyObject *obj, const char *name);
@@ -159,8 +164,8 @@ PyObject *pyusmipc_type_name(PyObject *obj);
  * be given (positionally or by keyword): 0 with *out borrowed, or -1 with
  * TypeError set ("<funcname>() missing argument '<name>'" if absent). */
 int pyusmipc_parse_one_arg(const char *funcname, const char *name,
-                         PyObject *const *args, Py_ssize_t nargs,
-                         PyObject *kwnames, PyObject **out);
+                           PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames, PyObject **out);
 
 /* A method table's entry for a function of another signature than
  * PyCFunction (METH_FASTCALL, METH_KEYWORDS, METH_METHOD). */
@@ -171,24 +176,24 @@ int pyusmipc_parse_one_arg(const char *funcname, const char *name,
  * nothing), a bound PyCFunction its docstring. This defines name, calling
  * impl (a PyCMethod) with the defining class found from cls (the type, or
  * a subclass, of the module's typefield). */
-#define PYUSMIPC_CLASSMETHOD(name, impl, typefield)                              \
-  PYUSMIPC_CLASSMETHOD_CALLING_(name, typefield,                                 \
-                              impl(cls, defining_class_, args, (size_t)nargs,  \
-                                   kwnames))
+#define PYUSMIPC_CLASSMETHOD(name, impl, typefield)                            \
+  PYUSMIPC_CLASSMETHOD_CALLING_(                                               \
+      name, typefield,                                                         \
+      impl(cls, defining_class_, args, (size_t)nargs, kwnames))
 /* The same for one impl behind several classmethods, told apart by which:
  * name calls impl(defining_class, args, nargs, kwnames, which). */
-#define PYUSMIPC_CLASSMETHOD_WHICH(name, impl, typefield, which)                 \
-  PYUSMIPC_CLASSMETHOD_CALLING_(name, typefield,                                 \
-                              impl(defining_class_, args, nargs, kwnames,      \
-                                   which))
-#define PYUSMIPC_CLASSMETHOD_CALLING_(name, typefield, call)                     \
-  static PyObject *name(PyObject *cls, PyObject *const *args,                 \
-                        Py_ssize_t nargs, PyObject *kwnames) {                \
-    pyusmipc_module_state_t *st_ = pyusmipc_state_from_type((PyTypeObject *)cls); \
-    if (st_ == NULL)                                                          \
-      return NULL;                                                            \
-    PyTypeObject *defining_class_ = (PyTypeObject *)st_->typefield;           \
-    return call;                                                              \
+#define PYUSMIPC_CLASSMETHOD_WHICH(name, impl, typefield, which)               \
+  PYUSMIPC_CLASSMETHOD_CALLING_(                                               \
+      name, typefield, impl(defining_class_, args, nargs, kwnames, which))
+#define PYUSMIPC_CLASSMETHOD_CALLING_(name, typefield, call)                   \
+  static PyObject *name(PyObject *cls, PyObject *const *args,                  \
+                        Py_ssize_t nargs, PyObject *kwnames) {                 \
+    pyusmipc_module_state_t *st_ =                                             \
+        pyusmipc_state_from_type((PyTypeObject *)cls);                         \
+    if (st_ == NULL)                                                           \
+      return NULL;                                                             \
+    PyTypeObject *defining_class_ = (PyTypeObject *)st_->typefield;            \
+    return call;                                                               \
   }
 #define PYUSMIPC_CLASS_FLAGS (METH_CLASS | METH_FASTCALL | METH_KEYWORDS)
 
