@@ -1,28 +1,142 @@
-/* usmipc.Device: one device of one backend ("host:cpu:0", "cuda:gpu:1").
+/* Floor 2 of the extension: usmipc.Device, one device of one backend
+ * ("host:cpu:0", "cuda:gpu:1"), and the per-device cache of Device and
+ * default Queue objects. Calls util.c only (module.c lists the floors).
  *
  * usmipc devices live as long as the process, so the module keeps one
  * Device object per device and Device(filter) returns it: equal devices are
  * the same object, and memory objects can reach the module state through
  * their device (the type is final). */
-#include "ext.h"
+#include "device.h"
 
 #include <string.h>
 
-#define DEV(o) (((usmipc_device_object_t *)(o))->device)
+#include "util.h"
 
-PyObject *usmipc_device_from_arg(usmipc_module_state_t *st, PyObject *arg) {
+#define DEV(o) (((pyusmipc_device_object_t *)(o))->device)
+
+/* ---- the per-device cache ------------------------------------------------ */
+
+pyusmipc_device_slot_t *pyusmipc_device_slot(pyusmipc_module_state_t *st,
+                                             usmipc_device_t *device) {
+  for (Py_ssize_t i = 0; i < st->nslots; i++) {
+    if (st->slots[i].device == device) {
+      return &st->slots[i];
+    }
+  }
+  return NULL;
+}
+
+PyObject *pyusmipc_device_object(pyusmipc_module_state_t *st,
+                                 usmipc_device_t *device) {
+  pyusmipc_device_slot_t *slot = pyusmipc_device_slot(st, device);
+  if (slot != NULL) {
+    return Py_NewRef(slot->device_obj);
+  }
+  if (st->DeviceType == NULL) {
+    return pyusmipc_state_cleared();
+  }
+  if (st->nslots == st->slots_capacity) {
+    Py_ssize_t capacity = st->slots_capacity ? st->slots_capacity * 2 : 8;
+    pyusmipc_device_slot_t *slots =
+        PyMem_Realloc(st->slots, (size_t)capacity * sizeof(*slots));
+    if (slots == NULL) {
+      return PyErr_NoMemory();
+    }
+    st->slots = slots;
+    st->slots_capacity = capacity;
+  }
+  PyObject *obj = pyusmipc_object_alloc(st->DeviceType);
+  if (obj == NULL) {
+    return NULL;
+  }
+  ((pyusmipc_device_object_t *)obj)->device = device;
+  slot = &st->slots[st->nslots++];
+  slot->device = device;
+  slot->device_obj = Py_NewRef(obj);
+  slot->queue_obj = NULL;
+  slot->has_events = -1;
+  return obj;
+}
+
+int pyusmipc_device_has_events(pyusmipc_module_state_t *st,
+                               PyObject *device_obj) {
+  usmipc_device_t *device = ((pyusmipc_device_object_t *)device_obj)->device;
+  pyusmipc_device_slot_t *slot = pyusmipc_device_slot(st, device);
+  if (slot != NULL && slot->has_events >= 0) {
+    return slot->has_events;
+  }
+  usmipc_event_t *event = NULL;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_event_create(device, 0, &event);
+  if (rc == 0) {
+    usmipc_event_destroy(event);
+  }
+  Py_END_ALLOW_THREADS
+  if (rc < 0 && rc != USMIPC_ENOTSUP) {
+    pyusmipc_raise(st, rc);
+    return -1;
+  }
+  int has = rc == 0;
+  slot =
+      pyusmipc_device_slot(st, device); /* the GIL was released: look again */
+  if (slot != NULL) {
+    slot->has_events = (signed char)has;
+  }
+  return has;
+}
+
+/* ---- the device a handle names ------------------------------------------- */
+
+int pyusmipc_list_devices(pyusmipc_module_state_t *st,
+                          usmipc_device_t *devices[PYUSMIPC_MAX_DEVICES],
+                          size_t *count) {
+  *count = 0;
+  int rc = usmipc_get_devices(devices, PYUSMIPC_MAX_DEVICES, count);
+  if (rc < 0) {
+    pyusmipc_raise(st, rc);
+    return -1;
+  }
+  if (*count > PYUSMIPC_MAX_DEVICES) {
+    *count = PYUSMIPC_MAX_DEVICES;
+  }
+  return 0;
+}
+
+PyObject *pyusmipc_device_of_info(pyusmipc_module_state_t *st,
+                                  const usmipc_ipc_handle_info_t *info) {
+  usmipc_device_t *devices[PYUSMIPC_MAX_DEVICES];
+  size_t count;
+  if (pyusmipc_list_devices(st, devices, &count) < 0) {
+    return NULL;
+  }
+  for (size_t i = 0; i < count; i++) {
+    uint8_t uuid[16];
+    usmipc_device_uuid(devices[i], uuid);
+    if (usmipc_device_backend(devices[i]) == info->backend &&
+        memcmp(uuid, info->device_uuid, 16) == 0) {
+      return pyusmipc_device_object(st, devices[i]);
+    }
+  }
+  Py_RETURN_NONE;
+}
+
+/* ---- Device objects from arguments, and the type ------------------------- */
+
+PyObject *pyusmipc_device_from_arg(pyusmipc_module_state_t *st, PyObject *arg) {
   const char *filter = NULL;
   if (arg != NULL && arg != Py_None) {
     if (Py_IS_TYPE(arg, st->DeviceType)) {
       return Py_NewRef(arg);
     }
     if (PyObject_TypeCheck(arg, st->QueueType)) {
-      return Py_NewRef(((usmipc_queue_object_t *)arg)->device);
+      return Py_NewRef(((pyusmipc_queue_object_t *)arg)->device);
     }
     if (!PyUnicode_Check(arg)) {
-      usmipc_type_error("expected a usmipc.Device, a usmipc.Queue, a filter string "
-                   "such as 'host:cpu' or None, not %R",
-                   (PyObject *)Py_TYPE(arg));
+      pyusmipc_type_error(
+          "expected a usmipc.Device, a usmipc.Queue, a filter string "
+          "such as 'host:cpu' or None, not %R",
+          (PyObject *)Py_TYPE(arg));
       return NULL;
     }
     Py_ssize_t len;
@@ -31,21 +145,21 @@ PyObject *usmipc_device_from_arg(usmipc_module_state_t *st, PyObject *arg) {
       return NULL;
     }
     if ((Py_ssize_t)strlen(filter) != len) {
-      usmipc_value_error("filter string contains a NUL byte");
+      pyusmipc_value_error("filter string contains a NUL byte");
       return NULL;
     }
   }
   usmipc_device_t *device = NULL;
   int rc = usmipc_device_select(filter, &device);
   if (rc < 0) {
-    return usmipc_raise_as(st, st->DeviceCreationError, rc);
+    return pyusmipc_raise_as(st, st->DeviceCreationError, rc);
   }
-  return usmipc_device_object(st, device);
+  return pyusmipc_device_object(st, device);
 }
 
-int usmipc_optional_device_arg(usmipc_module_state_t *st, PyObject *arg,
-                               PyObject **device_obj,
-                               usmipc_device_t **device) {
+int pyusmipc_optional_device_arg(pyusmipc_module_state_t *st, PyObject *arg,
+                                 PyObject **device_obj,
+                                 usmipc_device_t **device) {
   *device_obj = NULL;
   if (device != NULL) {
     *device = NULL;
@@ -53,7 +167,7 @@ int usmipc_optional_device_arg(usmipc_module_state_t *st, PyObject *arg,
   if (arg == NULL || arg == Py_None) {
     return 0;
   }
-  *device_obj = usmipc_device_from_arg(st, arg);
+  *device_obj = pyusmipc_device_from_arg(st, arg);
   if (*device_obj == NULL) {
     return -1;
   }
@@ -68,19 +182,17 @@ static PyObject *device_new(PyTypeObject *type, PyObject *args,
   static char *kwlist[] = {"filter", NULL};
   PyObject *arg = NULL;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:Device", kwlist, &arg)) {
-    usmipc_retype_parse_error();
+    pyusmipc_retype_parse_error();
     return NULL;
   }
-  usmipc_module_state_t *st = usmipc_state_from_type(type);
+  pyusmipc_module_state_t *st = pyusmipc_state_from_type(type);
   if (st == NULL) {
     return NULL;
   }
-  return usmipc_device_from_arg(st, arg);
+  return pyusmipc_device_from_arg(st, arg);
 }
 
-static void device_dealloc(PyObject *self) {
-  usmipc_object_free(self);
-}
+static void device_dealloc(PyObject *self) { pyusmipc_object_free(self); }
 
 static PyObject *device_get_name(PyObject *self, void *closure) {
   (void)closure;
@@ -167,19 +279,17 @@ static Py_hash_t device_hash(PyObject *self) {
 }
 
 static usmipc_device_t *dev_of(PyObject *self) {
-  return ((usmipc_device_object_t *)self)->device;
+  return ((pyusmipc_device_object_t *)self)->device;
 }
 
 static PyObject *device_get_is_gpu(PyObject *self, void *closure) {
   (void)closure;
-  return PyBool_FromLong(usmipc_device_type(dev_of(self)) ==
-                         USMIPC_DEVICE_GPU);
+  return PyBool_FromLong(usmipc_device_type(dev_of(self)) == USMIPC_DEVICE_GPU);
 }
 
 static PyObject *device_get_is_cpu(PyObject *self, void *closure) {
   (void)closure;
-  return PyBool_FromLong(usmipc_device_type(dev_of(self)) ==
-                         USMIPC_DEVICE_CPU);
+  return PyBool_FromLong(usmipc_device_type(dev_of(self)) == USMIPC_DEVICE_CPU);
 }
 
 /* The maker of the driver's devices (dpctl's vendor): the backend tells. */
@@ -208,7 +318,7 @@ static int device_info(PyObject *self, usmipc_device_info_t *info) {
   rc = usmipc_device_get_info(d, info, sizeof(*info));
   Py_END_ALLOW_THREADS
   if (rc < 0) {
-    usmipc_raise(usmipc_state_from_device(self), rc);
+    pyusmipc_raise(pyusmipc_state_from_device(self), rc);
     return -1;
   }
   return 0;
@@ -219,9 +329,8 @@ static PyObject *device_get_driver_version(PyObject *self, void *closure) {
   usmipc_device_info_t info;
   if (device_info(self, &info) < 0)
     return NULL;
-  return PyUnicode_DecodeUTF8(info.driver_version,
-                              (Py_ssize_t)strlen(info.driver_version),
-                              "replace");
+  return PyUnicode_DecodeUTF8(
+      info.driver_version, (Py_ssize_t)strlen(info.driver_version), "replace");
 }
 
 static PyObject *device_get_global_mem_size(PyObject *self, void *closure) {
@@ -232,8 +341,7 @@ static PyObject *device_get_global_mem_size(PyObject *self, void *closure) {
   return PyLong_FromUnsignedLongLong(info.global_mem_size);
 }
 
-static PyObject *device_get_max_mem_alloc_size(PyObject *self,
-                                               void *closure) {
+static PyObject *device_get_max_mem_alloc_size(PyObject *self, void *closure) {
   (void)closure;
   usmipc_device_info_t info;
   if (device_info(self, &info) < 0)
@@ -263,8 +371,7 @@ static PyObject *device_print_info(PyObject *self, PyObject *Py_UNUSED(x)) {
       name, vendor_of(d), info.driver_version,
       usmipc_backend_name(usmipc_device_backend(d)),
       usmipc_device_type(d) == USMIPC_DEVICE_GPU ? "gpu" : "cpu",
-      usmipc_device_filter_string(d),
-      (unsigned long long)info.global_mem_size,
+      usmipc_device_filter_string(d), (unsigned long long)info.global_mem_size,
       (unsigned long long)(info.global_mem_size >> 20),
       (unsigned long long)info.max_mem_alloc_size,
       (unsigned long long)(info.max_mem_alloc_size >> 20),
@@ -273,9 +380,8 @@ static PyObject *device_print_info(PyObject *self, PyObject *Py_UNUSED(x)) {
   if (text == NULL)
     return NULL;
   PyObject *builtins = PyImport_ImportModule("builtins");
-  PyObject *r = builtins ? PyObject_CallMethod(builtins, "print", "Os", text,
-                                               "")
-                         : NULL;
+  PyObject *r =
+      builtins ? PyObject_CallMethod(builtins, "print", "Os", text, "") : NULL;
   Py_XDECREF(builtins);
   Py_DECREF(text);
   if (r == NULL)
@@ -296,8 +402,8 @@ static PyGetSetDef device_getset[] = {
     {"max_mem_alloc_size", device_get_max_mem_alloc_size, NULL,
      "The largest single allocation the driver accepts, in bytes.", NULL},
     {"has_aspect_gpu", device_get_is_gpu, NULL, "True for a GPU.", NULL},
-    {"has_aspect_cpu", device_get_is_cpu, NULL,
-     "True for the host device.", NULL},
+    {"has_aspect_cpu", device_get_is_cpu, NULL, "True for the host device.",
+     NULL},
     {"name", device_get_name, NULL, "The device's name.", NULL},
     {"backend", device_get_backend, NULL,
      "The backend: 'host', 'cuda' or 'level_zero'.", NULL},
@@ -348,13 +454,13 @@ static PyType_Slot device_slots[] = {
 
 static PyType_Spec device_spec = {
     .name = "usmipc.Device",
-    .basicsize = sizeof(usmipc_device_object_t),
+    .basicsize = sizeof(pyusmipc_device_object_t),
     .itemsize = 0,
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = device_slots,
 };
 
-int usmipc_init_device_type(PyObject *module, usmipc_module_state_t *st) {
+int pyusmipc_init_device_type(PyObject *module, pyusmipc_module_state_t *st) {
   st->DeviceType =
       (PyTypeObject *)PyType_FromModuleAndSpec(module, &device_spec, NULL);
   if (st->DeviceType == NULL) {

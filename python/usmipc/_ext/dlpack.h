@@ -1,8 +1,9 @@
-/* The DLPack structures (dlpack.h v1.0, whose ABI is stable), copied so
- * that the build needs no extra header; shared by interop.c (memory
- * objects) and bundle.c (shared arrays). */
-#ifndef USMIPC_PY_DLPACK_H
-#define USMIPC_PY_DLPACK_H
+/* Floor 1 of the extension usmipc._usmipc (module.c lists the floors): the
+ * DLPack structures (dlpack.h v1.0, whose ABI is stable), copied so that
+ * the build needs no extra header; shared by interop.c (memory objects),
+ * bundle.c (leaves) and shared_array.c (shared arrays). */
+#ifndef PYUSMIPC_PY_DLPACK_H
+#define PYUSMIPC_PY_DLPACK_H
 
 #include <stdint.h>
 
@@ -60,4 +61,4 @@ typedef struct DLManagedTensorVersioned {
   DLTensor dl_tensor;
 } DLManagedTensorVersioned;
 
-#endif /* USMIPC_PY_DLPACK_H */
+#endif /* PYUSMIPC_PY_DLPACK_H */

@@ -1,5 +1,7 @@
-/* usmipc.Event and usmipc.IPCEventHandle: ordering device work across queues
- * and processes (include/usmipc.h, "events").
+/* Floor 4 of the extension: usmipc.Event and usmipc.IPCEventHandle,
+ * ordering device work across queues and processes (include/usmipc.h,
+ * "events"). Calls queue.c, handle_bytes.c, device.c and util.c (module.c
+ * lists the floors).
  *
  * An Event is created on a device and recorded on a queue (record), or
  * opened from another process's handle (IPCEventHandle.open), which gives an
@@ -18,13 +20,18 @@
  * re-open of an event already open in this process is a lookup in the
  * library's import cache.
  */
-#include "ext.h"
+#include "event.h"
 
 #include <limits.h>
 #include <math.h>
 #include <string.h>
 
-typedef usmipc_event_object_t Event;
+#include "device.h"
+#include "handle_bytes.h"
+#include "queue.h"
+#include "util.h"
+
+typedef pyusmipc_event_object_t Event;
 
 typedef struct event_handle_object {
   PyObject_HEAD PyObject *event; /* the exported Event, or NULL */
@@ -33,15 +40,15 @@ typedef struct event_handle_object {
   usmipc_ipc_handle_info_t info;
 } EventHandle;
 
-static usmipc_module_state_t *event_state(PyObject *self) {
+static pyusmipc_module_state_t *event_state(PyObject *self) {
   /* Both types are final and made by this module. */
-  return (usmipc_module_state_t *)PyType_GetModuleState(Py_TYPE(self));
+  return (pyusmipc_module_state_t *)PyType_GetModuleState(Py_TYPE(self));
 }
 
 /* Raises unless the Event is usable (dealloc-time clearing aside). */
 static int event_check(Event *self) {
   if (self->event == NULL || self->device == NULL) {
-    usmipc_value_error("event is not initialized");
+    pyusmipc_value_error("event is not initialized");
     return -1;
   }
   return 0;
@@ -49,13 +56,13 @@ static int event_check(Event *self) {
 
 /* A new Event object around event on device_obj (steals event: destroyed
  * on failure). */
-static PyObject *event_wrap(usmipc_module_state_t *st, PyObject *device_obj,
+static PyObject *event_wrap(pyusmipc_module_state_t *st, PyObject *device_obj,
                             usmipc_event_t *event, int opened) {
   if (st->EventType == NULL) {
     usmipc_event_destroy(event);
-    return usmipc_state_cleared();
+    return pyusmipc_state_cleared();
   }
-  Event *self = (Event *)usmipc_object_alloc(st->EventType);
+  Event *self = (Event *)pyusmipc_object_alloc(st->EventType);
   if (self == NULL) {
     usmipc_event_destroy(event);
     return NULL;
@@ -72,18 +79,18 @@ static PyObject *event_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"device", NULL};
   PyObject *arg = NULL;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:Event", kwlist, &arg)) {
-    usmipc_retype_parse_error();
+    pyusmipc_retype_parse_error();
     return NULL;
   }
-  usmipc_module_state_t *st = usmipc_state_from_type(type);
+  pyusmipc_module_state_t *st = pyusmipc_state_from_type(type);
   if (st == NULL) {
     return NULL;
   }
-  PyObject *device_obj = usmipc_device_from_arg(st, arg);
+  PyObject *device_obj = pyusmipc_device_from_arg(st, arg);
   if (device_obj == NULL) {
     return NULL;
   }
-  usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
+  usmipc_device_t *device = ((pyusmipc_device_object_t *)device_obj)->device;
   usmipc_event_t *event = NULL;
   int rc;
   Py_BEGIN_ALLOW_THREADS
@@ -91,7 +98,7 @@ static PyObject *event_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   Py_END_ALLOW_THREADS
   if (rc < 0) {
     Py_DECREF(device_obj);
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   PyObject *self = event_wrap(st, device_obj, event, 0);
   Py_DECREF(device_obj);
@@ -112,27 +119,28 @@ static int event_clear(PyObject *op) {
 static void event_dealloc(PyObject *op) {
   Event *self = (Event *)op;
   PyObject_GC_UnTrack(op);
-  USMIPC_DESTROY_WITHOUT_GIL(usmipc_event_t, self->event, usmipc_event_destroy);
+  PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_event_t, self->event,
+                               usmipc_event_destroy);
   event_clear(op);
-  usmipc_object_free(op);
+  pyusmipc_object_free(op);
 }
 
 /* Runs op (usmipc_event_record or usmipc_event_wait) on the event and the
  * queue of a stream= argument (None: the default queue of the event's
  * device), the GIL released; what names the caller in messages. None, or
  * NULL with an exception set. */
-static PyObject *event_on_stream(usmipc_module_state_t *st, Event *self,
+static PyObject *event_on_stream(pyusmipc_module_state_t *st, Event *self,
                                  PyObject *stream, const char *what,
                                  int (*op)(usmipc_event_t *,
                                            usmipc_queue_t *)) {
   PyObject *queue_obj =
       stream == NULL || stream == Py_None
-          ? usmipc_default_queue(st, self->device)
-          : usmipc_queue_from_stream(st, stream, NULL, self->device, what);
+          ? pyusmipc_default_queue(st, self->device)
+          : pyusmipc_queue_from_stream(st, stream, NULL, self->device, what);
   if (queue_obj == NULL) {
     return NULL;
   }
-  usmipc_queue_t *queue = ((usmipc_queue_object_t *)queue_obj)->queue;
+  usmipc_queue_t *queue = ((pyusmipc_queue_object_t *)queue_obj)->queue;
   usmipc_event_t *event = self->event;
   int rc;
   Py_BEGIN_ALLOW_THREADS
@@ -140,7 +148,7 @@ static PyObject *event_on_stream(usmipc_module_state_t *st, Event *self,
   Py_END_ALLOW_THREADS
   Py_DECREF(queue_obj);
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   Py_RETURN_NONE;
 }
@@ -151,8 +159,8 @@ static int event_stream_arg(Event *self, const char *funcname,
                             PyObject *const *args, Py_ssize_t nargs,
                             PyObject *kwnames, PyObject **stream) {
   static const char *const names[] = {"stream"};
-  if (usmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 1, 1,
-                            stream) < 0) {
+  if (pyusmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 1, 1,
+                              stream) < 0) {
     return -1;
   }
   return event_check(self);
@@ -163,12 +171,12 @@ static PyObject *event_record(PyObject *op, PyTypeObject *defining_class,
                               PyObject *kwnames) {
   PyObject *stream;
   Event *self = (Event *)op;
-  usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
+  pyusmipc_module_state_t *st = PyType_GetModuleState(defining_class);
   if (event_stream_arg(self, "record", args, nargs, kwnames, &stream) < 0) {
     return NULL;
   }
   if (self->opened) {
-    return usmipc_raise_msg(
+    return pyusmipc_raise_msg(
         st, USMIPC_EINVAL,
         "Event.record(): this Event was opened from an IPCEventHandle; it "
         "waits for the exporting process's record and cannot be recorded "
@@ -181,15 +189,15 @@ static PyObject *event_record(PyObject *op, PyTypeObject *defining_class,
 
 /* The host waits for the event (usmipc_event_synchronize) without the GIL.
  * A Ctrl-C meanwhile: the interrupt hook left KeyboardInterrupt pending and
- * the wait ended with USMIPC_EINTR, which usmipc_raise propagates. */
-static PyObject *event_host_wait(usmipc_module_state_t *st, Event *self) {
+ * the wait ended with USMIPC_EINTR, which pyusmipc_raise propagates. */
+static PyObject *event_host_wait(pyusmipc_module_state_t *st, Event *self) {
   usmipc_event_t *event = self->event;
   int rc;
   Py_BEGIN_ALLOW_THREADS
   rc = usmipc_event_synchronize(event);
   Py_END_ALLOW_THREADS
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   if (PyErr_Occurred()) {
     return NULL; /* a signal handler raised, yet the wait completed */
@@ -202,7 +210,7 @@ static PyObject *event_wait(PyObject *op, PyTypeObject *defining_class,
                             PyObject *kwnames) {
   PyObject *stream;
   Event *self = (Event *)op;
-  usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
+  pyusmipc_module_state_t *st = PyType_GetModuleState(defining_class);
   if (event_stream_arg(self, "wait", args, nargs, kwnames, &stream) < 0) {
     return NULL;
   }
@@ -232,7 +240,7 @@ static PyObject *event_query(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   if (rc == USMIPC_ENOTREADY) {
     Py_RETURN_FALSE;
   }
-  return usmipc_raise(event_state(op), rc);
+  return pyusmipc_raise(event_state(op), rc);
 }
 
 static PyObject *event_get_device(PyObject *op, void *closure) {
@@ -255,30 +263,30 @@ static PyObject *event_repr(PyObject *op) {
       "<usmipc.Event %s on [%s] at %p>",
       self->opened ? "opened from a handle" : "created here",
       usmipc_device_filter_string(
-          ((usmipc_device_object_t *)self->device)->device),
+          ((pyusmipc_device_object_t *)self->device)->device),
       (void *)self);
 }
 
 static PyObject *event_reduce(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   (void)op;
-  usmipc_type_error("usmipc.Event cannot be pickled; send "
-                  "usmipc.IPCEventHandle(event) (or its to_bytes()) and open "
-                  "it with IPCEventHandle.open() in the other process");
+  pyusmipc_type_error(
+      "usmipc.Event cannot be pickled; send "
+      "usmipc.IPCEventHandle(event) (or its to_bytes()) and open "
+      "it with IPCEventHandle.open() in the other process");
   return NULL;
 }
-
 
 #define METHOD_FLAGS (METH_METHOD | METH_FASTCALL | METH_KEYWORDS)
 
 static PyMethodDef event_methods[] = {
-    {"record", USMIPC_CMETHOD(event_record), METHOD_FLAGS,
+    {"record", PYUSMIPC_CMETHOD(event_record), METHOD_FLAGS,
      "record($self, /, stream=None)\n--\n\n"
      "Marks the work submitted to stream so far (None: the default queue "
      "of\nthe event's device). stream: a usmipc.Queue, a torch or CuPy "
      "stream, an\nobject with __cuda_stream__, or an int (a native stream "
      "handle). Each\nrecord replaces the previous one. Raises usmipc.Error "
      "(ValueError) for an\nEvent opened from a handle: those only wait."},
-    {"wait", USMIPC_CMETHOD(event_wait), METHOD_FLAGS,
+    {"wait", PYUSMIPC_CMETHOD(event_wait), METHOD_FLAGS,
      "wait($self, /, stream=None)\n--\n\n"
      "With a stream, work submitted to it later waits for the event's "
      "record\non the device (the host does not block); without, the same "
@@ -342,19 +350,20 @@ static PyObject *ehandle_new(PyTypeObject *type, PyObject *args,
   PyObject *event_obj;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:IPCEventHandle", kwlist,
                                    &event_obj)) {
-    usmipc_retype_parse_error();
+    pyusmipc_retype_parse_error();
     return NULL;
   }
-  usmipc_module_state_t *st = usmipc_state_from_type(type);
+  pyusmipc_module_state_t *st = pyusmipc_state_from_type(type);
   if (st == NULL) {
     return NULL;
   }
   if (st->EventType == NULL || !Py_IS_TYPE(event_obj, st->EventType)) {
-    usmipc_type_error("IPCEventHandle() shares a usmipc.Event, not %R%s",
-        (PyObject *)Py_TYPE(event_obj),
-        st->MemoryType != NULL && PyObject_TypeCheck(event_obj, st->MemoryType)
-            ? " (share memory with IPCMemoryHandle)"
-            : "");
+    pyusmipc_type_error("IPCEventHandle() shares a usmipc.Event, not %R%s",
+                        (PyObject *)Py_TYPE(event_obj),
+                        st->MemoryType != NULL &&
+                                PyObject_TypeCheck(event_obj, st->MemoryType)
+                            ? " (share memory with IPCMemoryHandle)"
+                            : "");
     return NULL;
   }
   Event *event = (Event *)event_obj;
@@ -362,12 +371,12 @@ static PyObject *ehandle_new(PyTypeObject *type, PyObject *args,
     return NULL;
   }
   if (event->opened) {
-    return usmipc_raise_msg(
+    return pyusmipc_raise_msg(
         st, USMIPC_EINVAL,
         "IPCEventHandle(): this Event was opened from a handle; forward the "
         "original handle bytes instead");
   }
-  EventHandle *self = (EventHandle *)usmipc_object_alloc(type);
+  EventHandle *self = (EventHandle *)pyusmipc_object_alloc(type);
   if (self == NULL) {
     return NULL;
   }
@@ -378,11 +387,11 @@ static PyObject *ehandle_new(PyTypeObject *type, PyObject *args,
   int rc;
   Py_BEGIN_ALLOW_THREADS
   rc = usmipc_ipc_get_event_handle(ev, &handle);
-  rc = usmipc_handle_describe(rc, handle, &data, &len, &self->info);
+  rc = pyusmipc_handle_describe(rc, handle, &data, &len, &self->info);
   Py_END_ALLOW_THREADS
   self->handle = handle; /* freed by dealloc, even after a failure */
   if (rc < 0) {
-    usmipc_raise(st, rc);
+    pyusmipc_raise(st, rc);
     Py_DECREF(self);
     return NULL;
   }
@@ -397,14 +406,14 @@ static PyObject *ehandle_new(PyTypeObject *type, PyObject *args,
 
 /* Event handle bytes given as bytes, an IPCEventHandle or any buffer. 0,
  * or -1 with an exception set. */
-static int ehandle_bytes(usmipc_module_state_t *st, PyObject *obj,
-                         usmipc_handle_bytes_t *hb) {
+static int ehandle_bytes(pyusmipc_module_state_t *st, PyObject *obj,
+                         pyusmipc_handle_bytes_t *hb) {
   if (st->IPCEventHandleType != NULL &&
       Py_IS_TYPE(obj, st->IPCEventHandleType)) {
-    return usmipc_handle_bytes_of(obj, Py_NewRef(((EventHandle *)obj)->data),
-                                  hb);
+    return pyusmipc_handle_bytes_of(obj, Py_NewRef(((EventHandle *)obj)->data),
+                                    hb);
   }
-  return usmipc_handle_bytes_read(
+  return pyusmipc_handle_bytes_read(
       obj, hb, st->IPCMemoryHandleType,
       "expected the bytes of an event handle or an IPCEventHandle, not an "
       "IPCMemoryHandle (open it with IPCMemoryHandle.open())",
@@ -422,27 +431,27 @@ static PyObject *ehandle_from_bytes(PyObject *cls, PyTypeObject *defining_class,
                                     PyObject *kwnames) {
   (void)cls;
   PyObject *raw;
-  usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
-  if (usmipc_parse_one_arg("from_bytes", "data", args, nargs, kwnames,
-                           &raw) < 0) {
+  pyusmipc_module_state_t *st = PyType_GetModuleState(defining_class);
+  if (pyusmipc_parse_one_arg("from_bytes", "data", args, nargs, kwnames, &raw) <
+      0) {
     return NULL;
   }
   PyTypeObject *type = st->IPCEventHandleType;
   if (type == NULL) {
-    return usmipc_state_cleared();
+    return pyusmipc_state_cleared();
   }
-  usmipc_handle_bytes_t hb;
+  pyusmipc_handle_bytes_t hb;
   if (ehandle_bytes(st, raw, &hb) < 0) {
     return NULL;
   }
-  EventHandle *self = (EventHandle *)usmipc_object_alloc(type);
+  EventHandle *self = (EventHandle *)pyusmipc_object_alloc(type);
   if (self != NULL &&
-      (self->data = usmipc_handle_bytes_decode(
+      (self->data = pyusmipc_handle_bytes_decode(
            st, &hb, &self->info, 1,
            MEMORY_BYTES_REFUSED("IPCEventHandle.from_bytes()"))) == NULL) {
     Py_CLEAR(self);
   }
-  usmipc_handle_bytes_release(&hb);
+  pyusmipc_handle_bytes_release(&hb);
   return (PyObject *)self;
 }
 
@@ -452,20 +461,21 @@ static PyObject *ehandle_open(PyObject *cls, PyTypeObject *defining_class,
   (void)cls;
   static const char *const names[] = {"handle_bytes", "device"};
   PyObject *a[2];
-  usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
-  if (usmipc_parse_fastcall("open", args, nargs, kwnames, names, 2, 2, a) < 0) {
+  pyusmipc_module_state_t *st = PyType_GetModuleState(defining_class);
+  if (pyusmipc_parse_fastcall("open", args, nargs, kwnames, names, 2, 2, a) <
+      0) {
     return NULL;
   }
   if (a[0] == NULL) {
-    usmipc_type_error("open() missing required argument 'handle_bytes'");
+    pyusmipc_type_error("open() missing required argument 'handle_bytes'");
     return NULL;
   }
   PyObject *device_obj;
   usmipc_device_t *device;
-  if (usmipc_optional_device_arg(st, a[1], &device_obj, &device) < 0) {
+  if (pyusmipc_optional_device_arg(st, a[1], &device_obj, &device) < 0) {
     return NULL;
   }
-  usmipc_handle_bytes_t hb;
+  pyusmipc_handle_bytes_t hb;
   if (ehandle_bytes(st, a[0], &hb) < 0) {
     Py_XDECREF(device_obj);
     return NULL;
@@ -478,14 +488,14 @@ static PyObject *ehandle_open(PyObject *cls, PyTypeObject *defining_class,
   Py_END_ALLOW_THREADS
   if (rc < 0) {
     /* A Ctrl-C while it waited left KeyboardInterrupt pending, which
-     * propagates (usmipc_raise). */
-    usmipc_raise_open_error(st, rc, hb.data, hb.len, 1,
-                            MEMORY_BYTES_REFUSED("IPCEventHandle.open()"));
-    usmipc_handle_bytes_release(&hb);
+     * propagates (pyusmipc_raise). */
+    pyusmipc_raise_open_error(st, rc, hb.data, hb.len, 1,
+                              MEMORY_BYTES_REFUSED("IPCEventHandle.open()"));
+    pyusmipc_handle_bytes_release(&hb);
     Py_XDECREF(device_obj);
     return NULL;
   }
-  usmipc_handle_bytes_release(&hb);
+  pyusmipc_handle_bytes_release(&hb);
   if (PyErr_Occurred()) { /* a signal handler raised; the open completed */
     usmipc_event_destroy(event);
     Py_XDECREF(device_obj);
@@ -494,7 +504,7 @@ static PyObject *ehandle_open(PyObject *cls, PyTypeObject *defining_class,
   /* The device the library opened it on (the exporter's own event, for a
    * handle opened in the process that made it). */
   Py_XDECREF(device_obj);
-  device_obj = usmipc_device_object(st, usmipc_event_device(event));
+  device_obj = pyusmipc_device_object(st, usmipc_event_device(event));
   if (device_obj == NULL) {
     usmipc_event_destroy(event);
     return NULL;
@@ -522,10 +532,10 @@ static int ehandle_clear(PyObject *op) {
 static void ehandle_dealloc(PyObject *op) {
   EventHandle *self = (EventHandle *)op;
   PyObject_GC_UnTrack(op);
-  USMIPC_DESTROY_WITHOUT_GIL(usmipc_ipc_handle_t, self->handle,
-                             usmipc_ipc_free_handle);
+  PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_ipc_handle_t, self->handle,
+                               usmipc_ipc_free_handle);
   ehandle_clear(op);
-  usmipc_object_free(op);
+  pyusmipc_object_free(op);
 }
 
 static PyObject *ehandle_to_bytes(PyObject *self,
@@ -544,7 +554,7 @@ static PyObject *ehandle_reduce(PyObject *self, PyObject *Py_UNUSED(ignored)) {
 
 static PyObject *ehandle_inspect(PyObject *self, PyObject *Py_UNUSED(ignored)) {
   EventHandle *h = (EventHandle *)self;
-  return usmipc_handle_info_dict(&h->info, PyBytes_Size(h->data));
+  return pyusmipc_handle_info_dict(&h->info, PyBytes_Size(h->data));
 }
 
 static PyObject *ehandle_get_event(PyObject *self, void *closure) {
@@ -569,7 +579,7 @@ static PyObject *ehandle_get_device(PyObject *self, void *closure) {
   if (h->event != NULL && ((Event *)h->event)->device != NULL) {
     return Py_NewRef(((Event *)h->event)->device);
   }
-  return usmipc_device_of_info(event_state(self), &h->info);
+  return pyusmipc_device_of_info(event_state(self), &h->info);
 }
 
 static PyObject *ehandle_repr(PyObject *op) {
@@ -595,11 +605,12 @@ static Py_hash_t ehandle_hash(PyObject *self) {
   return PyObject_Hash(((EventHandle *)self)->data);
 }
 
-USMIPC_CLASSMETHOD(ehandle_open_cls, ehandle_open, IPCEventHandleType)
-USMIPC_CLASSMETHOD(ehandle_from_bytes_cls, ehandle_from_bytes, IPCEventHandleType)
+PYUSMIPC_CLASSMETHOD(ehandle_open_cls, ehandle_open, IPCEventHandleType)
+PYUSMIPC_CLASSMETHOD(ehandle_from_bytes_cls, ehandle_from_bytes,
+                     IPCEventHandleType)
 
 static PyMethodDef ehandle_methods[] = {
-    {"open", USMIPC_CMETHOD(ehandle_open_cls), USMIPC_CLASS_FLAGS,
+    {"open", PYUSMIPC_CMETHOD(ehandle_open_cls), PYUSMIPC_CLASS_FLAGS,
      "open($cls, /, handle_bytes, device=None)\n--\n\n"
      "Returns an Event that waits for the record the handle names (bytes, "
      "an\nIPCEventHandle or any buffer), opened on device (None: the device "
@@ -607,7 +618,8 @@ static PyMethodDef ehandle_methods[] = {
      "open in\nthis process is a cheap lookup. Memory handle bytes raise "
      "ValueError; a\ndestroyed event or a dead exporter usmipc.Error "
      "USMIPC_EEXPORTERGONE."},
-    {"from_bytes", USMIPC_CMETHOD(ehandle_from_bytes_cls), USMIPC_CLASS_FLAGS,
+    {"from_bytes", PYUSMIPC_CMETHOD(ehandle_from_bytes_cls),
+     PYUSMIPC_CLASS_FLAGS,
      "from_bytes($cls, /, data)\n--\n\nAn IPCEventHandle carrying only the "
      "given bytes (validated), as after\nunpickling."},
     {"to_bytes", ehandle_to_bytes, METH_NOARGS,
@@ -623,10 +635,10 @@ static PyMethodDef ehandle_methods[] = {
 static PyGetSetDef ehandle_getset[] = {
     {"event", ehandle_get_event, NULL,
      "The shared Event (None for a handle made from bytes).", NULL},
-    {"backend", usmipc_info_get_backend, NULL, "The backend's name.",
-     USMIPC_INFO_OF(EventHandle)},
-    {"device_uuid", usmipc_info_get_device_uuid, NULL,
-     "UUID of the recording device.", USMIPC_INFO_OF(EventHandle)},
+    {"backend", pyusmipc_info_get_backend, NULL, "The backend's name.",
+     PYUSMIPC_INFO_OF(EventHandle)},
+    {"device_uuid", pyusmipc_info_get_device_uuid, NULL,
+     "UUID of the recording device.", PYUSMIPC_INFO_OF(EventHandle)},
     {"device", ehandle_get_device, NULL,
      "The recording Device, or None if this process does not see it.", NULL},
     {"exporter_pid", ehandle_get_exporter_pid, NULL,
@@ -671,26 +683,27 @@ static PyType_Spec ehandle_spec = {
 
 /* ---- set_event_timeout --------------------------------------------------- */
 
-PyObject *usmipc_set_event_timeout(PyObject *module, PyObject *arg) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+PyObject *pyusmipc_set_event_timeout(PyObject *module, PyObject *arg) {
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   unsigned long long timeout_ms = 0;
   if (arg != Py_None) {
     double seconds = PyFloat_AsDouble(arg); /* any real number */
     if (seconds == -1.0 && PyErr_Occurred()) {
-      usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
+      pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
       return NULL;
     }
     if (isnan(seconds) || seconds < 0.0) {
-      usmipc_value_error("timeout must be None or >= 0 seconds (None and 0 wait "
-                   "without limit), not %R",
-                   arg);
+      pyusmipc_value_error(
+          "timeout must be None or >= 0 seconds (None and 0 wait "
+          "without limit), not %R",
+          arg);
       return NULL;
     }
     /* Whole milliseconds, rounded up (set_ipc_timeout's rule); a positive
      * timeout never becomes 0, which would mean no limit. */
     double ms = ceil(seconds * 1000.0 - 1e-6);
     if (ms >= 1.8e19) {
-      usmipc_value_error("timeout %R is too large", arg);
+      pyusmipc_value_error("timeout %R is too large", arg);
       return NULL;
     }
     timeout_ms = (unsigned long long)ms;
@@ -700,14 +713,14 @@ PyObject *usmipc_set_event_timeout(PyObject *module, PyObject *arg) {
   }
   int rc = usmipc_event_set_timeout(timeout_ms);
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   Py_RETURN_NONE;
 }
 
 /* ---- types --------------------------------------------------------------- */
 
-int usmipc_init_event_types(PyObject *module, usmipc_module_state_t *st) {
+int pyusmipc_init_event_types(PyObject *module, pyusmipc_module_state_t *st) {
   st->EventType =
       (PyTypeObject *)PyType_FromModuleAndSpec(module, &event_spec, NULL);
   if (st->EventType == NULL || PyModule_AddType(module, st->EventType) < 0) {

@@ -1,8 +1,13 @@
-/* Zero-copy interop of the memory types with other array libraries: DLPack
- * (__dlpack__, __dlpack_device__; torch, CuPy, NumPy, JAX) and the CUDA
- * array interface (__cuda_array_interface__, version 3), plus reading another
- * library's __cuda_array_interface__ so that IPCMemoryHandle can export
- * foreign device memory (a torch tensor, a CuPy array).
+/* Floor 5 of the extension: zero-copy interop of the memory types with
+ * other array libraries, DLPack (__dlpack__, __dlpack_device__; torch,
+ * CuPy, NumPy, JAX) and the CUDA array interface
+ * (__cuda_array_interface__, version 3), plus reading another library's
+ * __cuda_array_interface__ so that IPCMemoryHandle can export foreign
+ * device memory (a torch tensor, a CuPy array). Calls memory_core.c,
+ * queue.c, device.c and util.c (module.c lists the floors). Its length
+ * serves that one concern: the readers of other libraries' arrays and the
+ * exporters of usmipc memory share the DLPack machinery (consuming a
+ * capsule, contiguity, the device checks).
  *
  * A DLPack capsule counts as a buffer export of the memory object (it holds a
  * reference and the export count), so closing a mapping while a consumer
@@ -25,22 +30,25 @@
  * completed when they return, and a mapping opened with a host wait was
  * complete when open() returned.
  *
- * The DLPack structures below are copied from dlpack.h (v1.0; its ABI is
- * stable), so the build needs no extra header.
+ * The DLPack structures are copied from dlpack.h (v1.0; its ABI is stable)
+ * into this directory's dlpack.h, so the build needs no extra header.
  */
-#include "ext.h"
+#include "interop.h"
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "device.h"
 #include "dlpack.h"
+#include "memory_core.h"
+#include "queue.h"
+#include "util.h"
 
-/* ---- the device of a memory object ----------------------------------------
- */
+/* ---- the device of a memory object --------------------------------------- */
 
-DLDevice usmipc_dl_device(usmipc_backend_t backend, usmipc_mem_kind_t kind,
-                          int index) {
+DLDevice pyusmipc_dl_device(usmipc_backend_t backend, usmipc_mem_kind_t kind,
+                            int index) {
   DLDevice dev = {kDLCPU, 0};
   switch (backend) {
   case USMIPC_BACKEND_HOST:
@@ -61,23 +69,22 @@ DLDevice usmipc_dl_device(usmipc_backend_t backend, usmipc_mem_kind_t kind,
   return dev;
 }
 
-static DLDevice dl_device_of(usmipc_memory_object_t *mem) {
+static DLDevice dl_device_of(pyusmipc_memory_object_t *mem) {
   int index = 0;
   if (mem->device != NULL) {
     index =
-        usmipc_device_index(((usmipc_device_object_t *)mem->device)->device);
+        usmipc_device_index(((pyusmipc_device_object_t *)mem->device)->device);
   }
-  return usmipc_dl_device(mem->backend, mem->kind, index);
+  return pyusmipc_dl_device(mem->backend, mem->kind, index);
 }
 
-PyObject *usmipc_memory_dlpack_device(PyObject *self,
-                                      PyObject *Py_UNUSED(ignored)) {
-  DLDevice dev = dl_device_of((usmipc_memory_object_t *)self);
+PyObject *pyusmipc_memory_dlpack_device(PyObject *self,
+                                        PyObject *Py_UNUSED(ignored)) {
+  DLDevice dev = dl_device_of((pyusmipc_memory_object_t *)self);
   return Py_BuildValue("(ii)", (int)dev.device_type, (int)dev.device_id);
 }
 
-/* ---- __dlpack__ -----------------------------------------------------------
- */
+/* ---- __dlpack__ ---------------------------------------------------------- */
 
 /* What a capsule owns, in one malloc block: the deleter may free it on any
  * thread without the GIL (PyMem_RawFree is not in the 3.11 limited API). */
@@ -98,7 +105,7 @@ static void dl_release(PyObject *mem) {
   PyGILState_STATE gil = PyGILState_Ensure();
   PyObject *type, *value, *traceback;
   PyErr_Fetch(&type, &value, &traceback);
-  if (usmipc_memory_end((usmipc_memory_object_t *)mem) < 0) {
+  if (pyusmipc_memory_end((pyusmipc_memory_object_t *)mem) < 0) {
     PyErr_WriteUnraisable(mem);
   }
   Py_DECREF(mem);
@@ -119,7 +126,7 @@ static void dl_deleter_versioned(DLManagedTensorVersioned *self) {
 }
 
 /* A capsule that no consumer took still owns its tensor. */
-void usmipc_dl_capsule_destructor(PyObject *capsule) {
+void pyusmipc_dl_capsule_destructor(PyObject *capsule) {
   if (PyCapsule_IsValid(capsule, "used_dltensor") ||
       PyCapsule_IsValid(capsule, "used_dltensor_versioned")) {
     return;
@@ -144,9 +151,9 @@ void usmipc_dl_capsule_destructor(PyObject *capsule) {
  * are CUstreams (0, which the protocol disallows as ambiguous, is taken as
  * the legacy default stream). Elsewhere None asks for nothing and other
  * values go through the stream resolver (a usmipc.Queue, ...). */
-static PyObject *dlpack_stream_queue(usmipc_memory_object_t *mem,
+static PyObject *dlpack_stream_queue(pyusmipc_memory_object_t *mem,
                                      PyObject *stream, int32_t device_type) {
-  usmipc_module_state_t *st = usmipc_state_from_device(mem->device);
+  pyusmipc_module_state_t *st = pyusmipc_state_from_device(mem->device);
   int is_int = stream != NULL && PyLong_Check(stream) && !PyBool_Check(stream);
   if (is_int) {
     int overflow = 0;
@@ -167,7 +174,7 @@ static PyObject *dlpack_stream_queue(usmipc_memory_object_t *mem,
   }
   if (device_type == kDLCUDA || device_type == kDLCUDAManaged) {
     if (stream == NULL || stream == Py_None) {
-      return usmipc_queue_wrap(st, mem->device, NULL, NULL, "__dlpack__()");
+      return pyusmipc_queue_wrap(st, mem->device, NULL, NULL, "__dlpack__()");
     }
     if (is_int) {
       unsigned long long v = PyLong_AsUnsignedLongLong(stream);
@@ -175,19 +182,19 @@ static PyObject *dlpack_stream_queue(usmipc_memory_object_t *mem,
         return NULL;
       }
       void *native = v <= 1 ? NULL : (void *)(uintptr_t)v;
-      return usmipc_queue_wrap(st, mem->device, native, NULL, "__dlpack__()");
+      return pyusmipc_queue_wrap(st, mem->device, native, NULL, "__dlpack__()");
     }
   } else if (stream == NULL || stream == Py_None) {
     Py_RETURN_NONE;
   }
-  return usmipc_queue_from_stream(st, stream, NULL, mem->device,
-                                  "__dlpack__()");
+  return pyusmipc_queue_from_stream(st, stream, NULL, mem->device,
+                                    "__dlpack__()");
 }
 
 /* Makes the consumer's stream wait for the producer's event of an ordered
  * mapping opened with a device-side wait; the event is opened on the first
  * call that needs it. 0, or -1 with an exception set. */
-static int dlpack_sync(usmipc_memory_object_t *mem, PyObject *stream,
+static int dlpack_sync(pyusmipc_memory_object_t *mem, PyObject *stream,
                        int32_t device_type) {
   PyObject *queue_obj = dlpack_stream_queue(mem, stream, device_type);
   if (queue_obj == NULL) {
@@ -197,8 +204,8 @@ static int dlpack_sync(usmipc_memory_object_t *mem, PyObject *stream,
     Py_DECREF(queue_obj);
     return 0;
   }
-  usmipc_module_state_t *st = usmipc_state_from_device(mem->device);
-  usmipc_device_t *device = ((usmipc_device_object_t *)mem->device)->device;
+  pyusmipc_module_state_t *st = pyusmipc_state_from_device(mem->device);
+  usmipc_device_t *device = ((pyusmipc_device_object_t *)mem->device)->device;
   int rc = 0;
   if (mem->order_event == NULL && mem->order_handle != NULL) {
     PyObject *bytes = Py_NewRef(mem->order_handle);
@@ -216,7 +223,7 @@ static int dlpack_sync(usmipc_memory_object_t *mem, PyObject *stream,
     Py_DECREF(bytes);
     if (rc < 0) {
       Py_DECREF(queue_obj);
-      usmipc_raise(st, rc);
+      pyusmipc_raise(st, rc);
       return -1;
     }
     if (mem->order_event != NULL) {
@@ -231,14 +238,14 @@ static int dlpack_sync(usmipc_memory_object_t *mem, PyObject *stream,
   }
   usmipc_event_t *event = mem->order_event;
   if (event != NULL) {
-    usmipc_queue_t *queue = ((usmipc_queue_object_t *)queue_obj)->queue;
+    usmipc_queue_t *queue = ((pyusmipc_queue_object_t *)queue_obj)->queue;
     Py_BEGIN_ALLOW_THREADS
     rc = usmipc_event_wait(event, queue);
     Py_END_ALLOW_THREADS
   }
   Py_DECREF(queue_obj);
   if (rc < 0) {
-    usmipc_raise(st, rc);
+    pyusmipc_raise(st, rc);
     return -1;
   }
   return 0;
@@ -246,17 +253,17 @@ static int dlpack_sync(usmipc_memory_object_t *mem, PyObject *stream,
 
 static int parse_int_pair(PyObject *obj, const char *what, long *a, long *b) {
   if (!PyTuple_Check(obj) || PyTuple_Size(obj) != 2) {
-    usmipc_type_error("%s must be a tuple of two ints", what);
+    pyusmipc_type_error("%s must be a tuple of two ints", what);
     return -1;
   }
   *a = PyLong_AsLong(PyTuple_GetItem(obj, 0));
   if (*a == -1 && PyErr_Occurred()) {
-    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
+    pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return -1;
   }
   *b = PyLong_AsLong(PyTuple_GetItem(obj, 1));
   if (*b == -1 && PyErr_Occurred()) {
-    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
+    pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return -1;
   }
   return 0;
@@ -288,9 +295,9 @@ static void dl_fill(dl_context_t *ctx, int versioned, void *data,
   t->byte_offset = 0;
 }
 
-static PyObject *dl_host_copy(usmipc_memory_object_t *mem, int versioned) {
+static PyObject *dl_host_copy(pyusmipc_memory_object_t *mem, int versioned) {
   if (mem->closed || mem->released) {
-    return usmipc_value_error("mapping is closed");
+    return pyusmipc_value_error("mapping is closed");
   }
   dl_context_t *ctx = malloc(sizeof(*ctx) + (size_t)mem->nbytes);
   if (ctx == NULL) {
@@ -298,7 +305,7 @@ static PyObject *dl_host_copy(usmipc_memory_object_t *mem, int versioned) {
   }
   memset(ctx, 0, sizeof(*ctx));
   void *data = ctx + 1;
-  if (usmipc_memory_copy_out(mem, data) < 0) {
+  if (pyusmipc_memory_copy_out(mem, data) < 0) {
     free(ctx);
     return NULL;
   }
@@ -311,12 +318,12 @@ static PyObject *dl_host_copy(usmipc_memory_object_t *mem, int versioned) {
     m->version.minor = 0;
     m->deleter = dl_deleter_owned_versioned;
     m->flags = DLPACK_FLAG_BITMASK_IS_COPIED;
-    capsule = PyCapsule_New(m, "dltensor_versioned",
-                            usmipc_dl_capsule_destructor);
+    capsule =
+        PyCapsule_New(m, "dltensor_versioned", pyusmipc_dl_capsule_destructor);
   } else {
     DLManagedTensor *m = &ctx->managed.unversioned;
     m->deleter = dl_deleter_owned;
-    capsule = PyCapsule_New(m, "dltensor", usmipc_dl_capsule_destructor);
+    capsule = PyCapsule_New(m, "dltensor", pyusmipc_dl_capsule_destructor);
   }
   if (capsule == NULL) {
     free(ctx);
@@ -327,14 +334,14 @@ static PyObject *dl_host_copy(usmipc_memory_object_t *mem, int versioned) {
 /* __dlpack__(copy=True) on the memory's own device: a new allocation of
  * the same kind and device, filled by a device copy (copy_from_device) and
  * exported without a further copy; its capsule holds it. */
-static PyObject *dl_device_copy(usmipc_memory_object_t *mem,
+static PyObject *dl_device_copy(pyusmipc_memory_object_t *mem,
                                 PyObject *const *a) {
-  usmipc_module_state_t *st = usmipc_state_from_device(mem->device);
+  pyusmipc_module_state_t *st = pyusmipc_state_from_device(mem->device);
   PyTypeObject *cls = mem->kind == USMIPC_MEM_HOST ? st->MemoryUSMHostType
                       : mem->kind == USMIPC_MEM_SHARED
                           ? st->MemoryUSMSharedType
                           : st->MemoryUSMDeviceType;
-  PyObject *queue = usmipc_memory_queue_object(mem); /* borrowed */
+  PyObject *queue = pyusmipc_memory_queue_object(mem); /* borrowed */
   if (queue == NULL) {
     return NULL;
   }
@@ -359,12 +366,11 @@ static PyObject *dl_device_copy(usmipc_memory_object_t *mem,
   PyObject *capsule = NULL;
   if (names != NULL) {
     /* stream positionally, then max_version and dl_device=None */
-    capsule = usmipc_memory_dlpack(fresh, kw, 1, names);
+    capsule = pyusmipc_memory_dlpack(fresh, kw, 1, names);
     Py_DECREF(names);
   }
   Py_DECREF(fresh); /* the capsule holds it */
-  if (capsule != NULL &&
-      PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+  if (capsule != NULL && PyCapsule_IsValid(capsule, "dltensor_versioned")) {
     DLManagedTensorVersioned *m =
         PyCapsule_GetPointer(capsule, "dltensor_versioned");
     m->flags |= DLPACK_FLAG_BITMASK_IS_COPIED;
@@ -372,15 +378,15 @@ static PyObject *dl_device_copy(usmipc_memory_object_t *mem,
   return capsule;
 }
 
-PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
-                               Py_ssize_t nargs, PyObject *kwnames) {
+PyObject *pyusmipc_memory_dlpack(PyObject *self, PyObject *const *args,
+                                 Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"stream", "max_version", "dl_device",
                                       "copy"};
   PyObject *a[4];
-  usmipc_memory_object_t *mem = (usmipc_memory_object_t *)self;
+  pyusmipc_memory_object_t *mem = (pyusmipc_memory_object_t *)self;
   /* stream may come positionally: consumers written for DLPack 0.x do so. */
-  if (usmipc_parse_fastcall("__dlpack__", args, nargs, kwnames, names, 4, 1,
-                            a) < 0) {
+  if (pyusmipc_parse_fastcall("__dlpack__", args, nargs, kwnames, names, 4, 1,
+                              a) < 0) {
     return NULL;
   }
   DLDevice dev = dl_device_of(mem);
@@ -416,8 +422,7 @@ PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
    * never either: memory the host cannot read is not silently copied to
    * the CPU (a NumPy array that no longer aliases the memory). */
   int copy = 0;
-  if (a[3] != NULL && a[3] != Py_None &&
-      (copy = PyObject_IsTrue(a[3])) < 0) {
+  if (a[3] != NULL && a[3] != Py_None && (copy = PyObject_IsTrue(a[3])) < 0) {
     return NULL;
   }
   if (to_cpu && !mem->host_accessible && !copy) {
@@ -425,7 +430,7 @@ PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
                  "%s memory of a %s device is not accessible from the host: "
                  "it reaches the CPU (dl_device=(1, 0)) only as a copy; pass "
                  "copy=True",
-                 usmipc_kind_name(mem->kind),
+                 pyusmipc_kind_name(mem->kind),
                  usmipc_backend_name(mem->backend));
     return NULL;
   }
@@ -439,19 +444,19 @@ PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
     return out.device_type == kDLCPU ? dl_host_copy(mem, versioned)
                                      : dl_device_copy(mem, a);
   }
-  if (usmipc_memory_begin(mem) < 0) {
+  if (pyusmipc_memory_begin(mem) < 0) {
     return NULL;
   }
   /* Only mappings opened with a device-side wait need synchronization. */
   if ((mem->order_handle != NULL || mem->order_event != NULL) &&
       out.device_type != kDLCPU &&
       dlpack_sync(mem, a[0], out.device_type) < 0) {
-    (void)usmipc_memory_end(mem);
+    (void)pyusmipc_memory_end(mem);
     return NULL;
   }
   dl_context_t *ctx = malloc(sizeof(*ctx));
   if (ctx == NULL) {
-    (void)usmipc_memory_end(mem);
+    (void)pyusmipc_memory_end(mem);
     return PyErr_NoMemory();
   }
   memset(ctx, 0, sizeof(*ctx));
@@ -466,8 +471,8 @@ PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
     m->manager_ctx = self;
     m->deleter = dl_deleter_versioned;
     m->flags = 0; /* writable, not a copy */
-    capsule = PyCapsule_New(m, "dltensor_versioned",
-                            usmipc_dl_capsule_destructor);
+    capsule =
+        PyCapsule_New(m, "dltensor_versioned", pyusmipc_dl_capsule_destructor);
     if (capsule == NULL) {
       m->deleter(m);
     }
@@ -475,7 +480,7 @@ PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
     DLManagedTensor *m = &ctx->managed.unversioned;
     m->manager_ctx = self;
     m->deleter = dl_deleter;
-    capsule = PyCapsule_New(m, "dltensor", usmipc_dl_capsule_destructor);
+    capsule = PyCapsule_New(m, "dltensor", pyusmipc_dl_capsule_destructor);
     if (capsule == NULL) {
       m->deleter(m);
     }
@@ -483,12 +488,11 @@ PyObject *usmipc_memory_dlpack(PyObject *self, PyObject *const *args,
   return capsule;
 }
 
-/* ---- __cuda_array_interface__ ---------------------------------------------
- */
+/* ---- __cuda_array_interface__ -------------------------------------------- */
 
-PyObject *usmipc_memory_cuda_array_interface(PyObject *self, void *closure) {
+PyObject *pyusmipc_memory_cuda_array_interface(PyObject *self, void *closure) {
   (void)closure;
-  usmipc_memory_object_t *mem = (usmipc_memory_object_t *)self;
+  pyusmipc_memory_object_t *mem = (pyusmipc_memory_object_t *)self;
   if (mem->backend != USMIPC_BACKEND_CUDA) {
     PyErr_Format(PyExc_AttributeError,
                  "__cuda_array_interface__ describes CUDA memory only; this "
@@ -498,7 +502,7 @@ PyObject *usmipc_memory_cuda_array_interface(PyObject *self, void *closure) {
     return NULL;
   }
   if (mem->closed || mem->released) {
-    usmipc_value_error("mapping is closed");
+    pyusmipc_value_error("mapping is closed");
     return NULL;
   }
   /* stream None: no synchronization is needed (see __dlpack__). */
@@ -508,8 +512,7 @@ PyObject *usmipc_memory_cuda_array_interface(PyObject *self, void *closure) {
                        Py_None, "version", 3, "stream", Py_None);
 }
 
-/* ---- reading another library's __cuda_array_interface__ -------------------
- */
+/* ---- reading another library's __cuda_array_interface__ ------------------ */
 
 static int dict_item(PyObject *dict, const char *key, PyObject **out) {
   *out = PyMapping_GetItemString(dict, key); /* new reference */
@@ -523,15 +526,15 @@ static int dict_item(PyObject *dict, const char *key, PyObject **out) {
   return 1;
 }
 
-int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
-  PyObject *cai = usmipc_optional_attr(obj, "__cuda_array_interface__");
+int pyusmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
+  PyObject *cai = pyusmipc_optional_attr(obj, "__cuda_array_interface__");
   if (cai == NULL) {
     return PyErr_Occurred() ? -1 : 0;
   }
   PyObject *data = NULL, *shape = NULL, *typestr = NULL, *strides = NULL;
   int rc = -1;
   if (!PyDict_Check(cai)) {
-    usmipc_type_error("__cuda_array_interface__ is not a dict");
+    pyusmipc_type_error("__cuda_array_interface__ is not a dict");
     goto done;
   }
   if (dict_item(cai, "data", &data) <= 0 ||
@@ -539,14 +542,16 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
       dict_item(cai, "typestr", &typestr) <= 0 ||
       dict_item(cai, "strides", &strides) < 0) {
     if (!PyErr_Occurred()) {
-      usmipc_value_error("__cuda_array_interface__ lacks data, shape or typestr");
+      pyusmipc_value_error(
+          "__cuda_array_interface__ lacks data, shape or typestr");
     }
     goto done;
   }
   if (!PyTuple_Check(data) || PyTuple_Size(data) < 1 || !PyTuple_Check(shape) ||
       !PyUnicode_Check(typestr)) {
-    usmipc_value_error("__cuda_array_interface__ is malformed (data must be a "
-                    "tuple, shape a tuple, typestr a str)");
+    pyusmipc_value_error(
+        "__cuda_array_interface__ is malformed (data must be a "
+        "tuple, shape a tuple, typestr a str)");
     goto done;
   }
   void *address = PyLong_AsVoidPtr(PyTuple_GetItem(data, 0));
@@ -561,8 +566,8 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
   }
   long itemsize = tlen > 2 ? strtol(ts + 2, NULL, 10) : 0;
   if (itemsize <= 0) {
-    usmipc_value_error("__cuda_array_interface__ typestr %R has no item size",
-                 typestr);
+    pyusmipc_value_error("__cuda_array_interface__ typestr %R has no item size",
+                         typestr);
     goto done;
   }
   Py_ssize_t ndim = PyTuple_Size(shape);
@@ -571,25 +576,26 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
     Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GetItem(shape, i));
     if (n < 0) {
       if (!PyErr_Occurred()) {
-        usmipc_value_error("negative extent in shape");
+        pyusmipc_value_error("negative extent in shape");
       }
       goto done;
     }
     if (__builtin_mul_overflow(count, n, &count)) {
-      usmipc_value_error("__cuda_array_interface__ shape has more elements "
-                         "than a Py_ssize_t counts");
+      pyusmipc_value_error("__cuda_array_interface__ shape has more elements "
+                           "than a Py_ssize_t counts");
       goto done;
     }
   }
   if (count > PY_SSIZE_T_MAX / itemsize) {
-    usmipc_value_error("__cuda_array_interface__ describes more bytes than a "
-                       "Py_ssize_t counts");
+    pyusmipc_value_error("__cuda_array_interface__ describes more bytes than a "
+                         "Py_ssize_t counts");
     goto done;
   }
   /* Only a C-contiguous array is one byte range. */
   if (strides != NULL && strides != Py_None) {
     if (!PyTuple_Check(strides) || PyTuple_Size(strides) != ndim) {
-      usmipc_value_error("__cuda_array_interface__ strides do not match shape");
+      pyusmipc_value_error(
+          "__cuda_array_interface__ strides do not match shape");
       goto done;
     }
     Py_ssize_t expect = itemsize;
@@ -600,8 +606,9 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
         goto done;
       }
       if (extent > 1 && stride != expect) {
-        usmipc_value_error("only C-contiguous arrays can be exported: make the "
-                        "array contiguous first");
+        pyusmipc_value_error(
+            "only C-contiguous arrays can be exported: make the "
+            "array contiguous first");
         goto done;
       }
       /* At most count * itemsize (checked above) unless count is 0, which
@@ -612,7 +619,7 @@ int usmipc_cuda_array_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes) {
     }
   }
   if (count == 0) {
-    usmipc_value_error("cannot export an empty array");
+    pyusmipc_value_error("cannot export an empty array");
     goto done;
   }
   *ptr = address;
@@ -628,8 +635,7 @@ done:
   return rc;
 }
 
-/* ---- reading another library's __dlpack__ ---------------------------------
- */
+/* ---- reading another library's __dlpack__ -------------------------------- */
 
 /* The internal capsules that own a consumed tensor (NumPy's
  * "numpy_dltensor"): destroying one calls the producer's deleter, once. */
@@ -713,9 +719,9 @@ static PyObject *dl_consume(PyObject *capsule, DLTensor *tensor,
                       "__dlpack__ returned a capsule that was already "
                       "consumed");
     } else {
-      usmipc_type_error("__dlpack__ returned %R, not a DLPack capsule "
-                   "(\"dltensor\" or \"dltensor_versioned\")",
-                   (PyObject *)Py_TYPE(capsule));
+      pyusmipc_type_error("__dlpack__ returned %R, not a DLPack capsule "
+                          "(\"dltensor\" or \"dltensor_versioned\")",
+                          (PyObject *)Py_TYPE(capsule));
     }
     return NULL;
   }
@@ -756,29 +762,30 @@ static PyObject *dl_consume(PyObject *capsule, DLTensor *tensor,
 /* The size in bytes of a C-contiguous tensor, or -1 with ValueError. */
 static Py_ssize_t dl_contiguous_nbytes(const DLTensor *t, uint64_t flags) {
   if (t->ndim < 0 || (t->ndim > 0 && t->shape == NULL)) {
-    usmipc_value_error("the DLPack tensor has a bad shape (ndim %d)", (int)t->ndim);
+    pyusmipc_value_error("the DLPack tensor has a bad shape (ndim %d)",
+                         (int)t->ndim);
     return -1;
   }
   uint64_t bits = (uint64_t)t->dtype.bits * t->dtype.lanes;
   if (bits == 0) {
-    usmipc_value_error("the DLPack tensor's element type has no size");
+    pyusmipc_value_error("the DLPack tensor's element type has no size");
     return -1;
   }
   uint64_t count = 1;
   for (int32_t i = 0; i < t->ndim; i++) {
     if (t->shape[i] < 0) {
-      usmipc_value_error("the DLPack tensor has a negative extent");
+      pyusmipc_value_error("the DLPack tensor has a negative extent");
       return -1;
     }
     uint64_t extent = (uint64_t)t->shape[i];
     if (extent != 0 && count > (uint64_t)PY_SSIZE_T_MAX / extent) {
-      usmipc_value_error("the DLPack tensor is too large");
+      pyusmipc_value_error("the DLPack tensor is too large");
       return -1;
     }
     count *= extent;
   }
   if (count == 0) {
-    usmipc_value_error("cannot export an empty array");
+    pyusmipc_value_error("cannot export an empty array");
     return -1;
   }
   /* Strides count elements, not bytes; NULL means C-contiguous. An extent
@@ -787,8 +794,9 @@ static Py_ssize_t dl_contiguous_nbytes(const DLTensor *t, uint64_t flags) {
     int64_t expect = 1;
     for (int32_t i = t->ndim - 1; i >= 0; i--) {
       if (t->shape[i] > 1 && t->strides[i] != expect) {
-        usmipc_value_error("IPCMemoryHandle needs contiguous memory: the DLPack "
-                        "tensor is strided; make it C-contiguous first");
+        pyusmipc_value_error(
+            "IPCMemoryHandle needs contiguous memory: the DLPack "
+            "tensor is strided; make it C-contiguous first");
         return -1;
       }
       expect *= t->shape[i];
@@ -800,13 +808,13 @@ static Py_ssize_t dl_contiguous_nbytes(const DLTensor *t, uint64_t flags) {
   if (bits % 8 == 0 || (flags & DLPACK_FLAG_BITMASK_IS_SUBBYTE_TYPE_PADDED)) {
     uint64_t itemsize = (bits + 7) / 8;
     if (count > (uint64_t)PY_SSIZE_T_MAX / itemsize) {
-      usmipc_value_error("the DLPack tensor is too large");
+      pyusmipc_value_error("the DLPack tensor is too large");
       return -1;
     }
     nbytes = count * itemsize;
   } else {
     if (count > ((uint64_t)PY_SSIZE_T_MAX - 7) / bits) {
-      usmipc_value_error("the DLPack tensor is too large");
+      pyusmipc_value_error("the DLPack tensor is too large");
       return -1;
     }
     nbytes = (count * bits + 7) / 8;
@@ -824,9 +832,10 @@ static int dl_check_device(const DLTensor *t, const void *ptr) {
     return 0; /* the library tells the driver's allocations apart */
   }
   if (type == kDLCUDAHost || type == kDLCUDAManaged) {
-    usmipc_kind_error("IPCMemoryHandle() exports device memory only; this DLPack "
-                 "tensor is CUDA %s memory (device type %d)",
-                 type == kDLCUDAHost ? "pinned host" : "managed", (int)type);
+    pyusmipc_kind_error(
+        "IPCMemoryHandle() exports device memory only; this DLPack "
+        "tensor is CUDA %s memory (device type %d)",
+        type == kDLCUDAHost ? "pinned host" : "managed", (int)type);
     return -1;
   }
   if (type == kDLCPU) {
@@ -837,30 +846,32 @@ static int dl_check_device(const DLTensor *t, const void *ptr) {
     Py_END_ALLOW_THREADS
     if (rc < 0 || info.device == NULL ||
         usmipc_device_backend(info.device) != USMIPC_BACKEND_HOST) {
-      usmipc_kind_error("IPCMemoryHandle() exports device memory only; this "
-                      "DLPack tensor is ordinary CPU memory (device type 1), "
-                      "not usmipc device memory: copy it into a "
-                      "MemoryUSMDevice to share it");
+      pyusmipc_kind_error(
+          "IPCMemoryHandle() exports device memory only; this "
+          "DLPack tensor is ordinary CPU memory (device type 1), "
+          "not usmipc device memory: copy it into a "
+          "MemoryUSMDevice to share it");
       return -1;
     }
     if (info.kind != USMIPC_MEM_DEVICE) {
-      usmipc_kind_error("IPCMemoryHandle() exports device memory only; this "
-                        "DLPack tensor is usmipc memory of kind '%s'",
-                        usmipc_kind_name(info.kind));
+      pyusmipc_kind_error("IPCMemoryHandle() exports device memory only; this "
+                          "DLPack tensor is usmipc memory of kind '%s'",
+                          pyusmipc_kind_name(info.kind));
       return -1;
     }
     return 0;
   }
-  usmipc_kind_error("IPCMemoryHandle() exports CUDA and oneAPI device memory "
-               "from DLPack tensors; this one is on DLPack device type %d",
-               (int)type);
+  pyusmipc_kind_error(
+      "IPCMemoryHandle() exports CUDA and oneAPI device memory "
+      "from DLPack tensors; this one is on DLPack device type %d",
+      (int)type);
   return -1;
 }
 
-int usmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
-                       PyObject **owner) {
+int pyusmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
+                         PyObject **owner) {
   *owner = NULL;
-  PyObject *method = usmipc_optional_attr(obj, "__dlpack__");
+  PyObject *method = pyusmipc_optional_attr(obj, "__dlpack__");
   if (method == NULL) {
     return PyErr_Occurred() ? -1 : 0;
   }
@@ -874,13 +885,13 @@ int usmipc_dlpack_read(PyObject *obj, void *tensor, uint64_t *flags,
   return *owner == NULL ? -1 : 1;
 }
 
-int usmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
-                        PyObject **owner) {
+int pyusmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
+                          PyObject **owner) {
   DLTensor t;
   uint64_t flags;
   PyObject *tensor_owner;
   *owner = NULL;
-  int found = usmipc_dlpack_read(obj, &t, &flags, &tensor_owner);
+  int found = pyusmipc_dlpack_read(obj, &t, &flags, &tensor_owner);
   if (found <= 0) {
     return found;
   }
@@ -908,30 +919,29 @@ int usmipc_dlpack_range(PyObject *obj, void **ptr, Py_ssize_t *nbytes,
  * library that the pointer is memory of that device (dpctl checks the
  * pointer against the context the same way). */
 
-PyObject *usmipc_memory_suai(PyObject *self, void *closure) {
+PyObject *pyusmipc_memory_suai(PyObject *self, void *closure) {
   (void)closure;
-  usmipc_memory_object_t *mem = (usmipc_memory_object_t *)self;
-  PyObject *queue = usmipc_memory_queue_object(mem); /* borrowed */
+  pyusmipc_memory_object_t *mem = (pyusmipc_memory_object_t *)self;
+  PyObject *queue = pyusmipc_memory_queue_object(mem); /* borrowed */
   if (queue == NULL) {
     return NULL;
   }
   /* A closed mapping: no memory, as dpctl's MemoryIPCDevice after
    * SyclIPCCloseMemHandle (and hasattr() still answers). */
   int gone = mem->is_mapping && (mem->closed || mem->released);
-  return Py_BuildValue("{s(NO)s(n)sOsssisO}", "data",
-                       PyLong_FromVoidPtr(gone ? NULL : mem->ptr), Py_False,
-                       "shape", gone ? (Py_ssize_t)0 : mem->nbytes, "strides",
-                       Py_None, "typestr", "|u1", "version", 1, "syclobj",
-                       queue);
+  return Py_BuildValue(
+      "{s(NO)s(n)sOsssisO}", "data", PyLong_FromVoidPtr(gone ? NULL : mem->ptr),
+      Py_False, "shape", gone ? (Py_ssize_t)0 : mem->nbytes, "strides", Py_None,
+      "typestr", "|u1", "version", 1, "syclobj", queue);
 }
 
 /* An int of the interface (shape, strides, offset, data[0]): -1 with
  * ArgumentError when it is not an int or does not fit. */
 static int suai_int(PyObject *v, const char *field, long long *out) {
   if (!PyLong_Check(v) && !PyIndex_Check(v)) {
-    usmipc_value_error("__sycl_usm_array_interface__ is malformed: %s holds "
-                       "%R, not an int",
-                       field, (PyObject *)Py_TYPE(v));
+    pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: %s holds "
+                         "%R, not an int",
+                         field, (PyObject *)Py_TYPE(v));
     return -1;
   }
   PyObject *index = PyNumber_Index(v);
@@ -945,9 +955,9 @@ static int suai_int(PyObject *v, const char *field, long long *out) {
     return -1;
   }
   if (overflow != 0) {
-    usmipc_value_error("__sycl_usm_array_interface__ is malformed: %s is out "
-                       "of range",
-                       field);
+    pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: %s is out "
+                         "of range",
+                         field);
     return -1;
   }
   return 0;
@@ -957,17 +967,16 @@ static int suai_int(PyObject *v, const char *field, long long *out) {
  * byte order, a bool or number kind, a size (dpctl accepts bool, int,
  * uint, float and complex types). */
 static Py_ssize_t suai_itemsize(PyObject *typestr) {
-  const char *ts = PyUnicode_Check(typestr)
-                       ? PyUnicode_AsUTF8AndSize(typestr, NULL)
-                       : NULL;
+  const char *ts =
+      PyUnicode_Check(typestr) ? PyUnicode_AsUTF8AndSize(typestr, NULL) : NULL;
   if (ts == NULL) {
     if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_UnicodeError)) {
       return -1;
     }
     PyErr_Clear();
-    usmipc_value_error("__sycl_usm_array_interface__ is malformed: typestr "
-                       "%R is not a str such as '|u1' or '<f4'",
-                       typestr);
+    pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: typestr "
+                         "%R is not a str such as '|u1' or '<f4'",
+                         typestr);
     return -1;
   }
   char *end = NULL;
@@ -975,10 +984,10 @@ static Py_ssize_t suai_itemsize(PyObject *typestr) {
   if (strchr("<>|=", ts[0]) == NULL || ts[0] == '\0' ||
       strchr("biufc", ts[1]) == NULL || ts[1] == '\0' || size <= 0 ||
       size > 64 || end == NULL || *end != '\0') {
-    usmipc_value_error("__sycl_usm_array_interface__ is malformed: typestr "
-                       "'%s' is not a bool or number type such as '|u1' or "
-                       "'<f4'",
-                       ts);
+    pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: typestr "
+                         "'%s' is not a bool or number type such as '|u1' or "
+                         "'<f4'",
+                         ts);
     return -1;
   }
   return (Py_ssize_t)size;
@@ -990,9 +999,9 @@ static Py_ssize_t suai_itemsize(PyObject *typestr) {
 static int suai_extent(PyObject *shape, PyObject *strides, long long offset,
                        long long *low, long long *high) {
   if (!PyTuple_Check(shape) && !PyList_Check(shape)) {
-    usmipc_value_error("__sycl_usm_array_interface__ is malformed: shape is "
-                       "a %R, not a tuple of ints",
-                       (PyObject *)Py_TYPE(shape));
+    pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: shape is "
+                         "a %R, not a tuple of ints",
+                         (PyObject *)Py_TYPE(shape));
     return -1;
   }
   PyObject *sh = PySequence_Tuple(shape);
@@ -1010,9 +1019,9 @@ static int suai_extent(PyObject *shape, PyObject *strides, long long offset,
       }
     }
     if (sd == NULL || PyTuple_Size(sd) != nd) {
-      usmipc_value_error("__sycl_usm_array_interface__ is malformed: strides "
-                         "must be None or a tuple as long as shape (%zd)",
-                         nd);
+      pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: strides "
+                           "must be None or a tuple as long as shape (%zd)",
+                           nd);
       goto done;
     }
   }
@@ -1028,20 +1037,20 @@ static int suai_extent(PyObject *shape, PyObject *strides, long long offset,
       goto done;
     }
     if (n < 0) {
-      usmipc_value_error("__sycl_usm_array_interface__ is malformed: shape "
-                         "has the negative extent %lld",
-                         n);
+      pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: shape "
+                           "has the negative extent %lld",
+                           n);
       goto done;
     }
     if (n == 0) {
-      usmipc_value_error("the array has no element: there is no memory to "
-                         "take");
+      pyusmipc_value_error("the array has no element: there is no memory to "
+                           "take");
       goto done;
     }
     if (sd == NULL) { /* C-contiguous: counted */
       if (__builtin_mul_overflow(count, n, &count)) {
-        usmipc_value_error("__sycl_usm_array_interface__ is malformed: "
-                           "shape overflows");
+        pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: "
+                             "shape overflows");
         goto done;
       }
       continue;
@@ -1050,14 +1059,14 @@ static int suai_extent(PyObject *shape, PyObject *strides, long long offset,
     if (__builtin_mul_overflow(step, n - 1, &span) ||
         __builtin_add_overflow(span > 0 ? *high : *low, span,
                                span > 0 ? high : low)) {
-      usmipc_value_error("__sycl_usm_array_interface__ is malformed: strides "
-                         "and shape overflow");
+      pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: strides "
+                           "and shape overflow");
       goto done;
     }
   }
   if (sd == NULL && __builtin_add_overflow(offset, count - 1, high)) {
-    usmipc_value_error("__sycl_usm_array_interface__ is malformed: "
-                       "offset and shape overflow");
+    pyusmipc_value_error("__sycl_usm_array_interface__ is malformed: "
+                         "offset and shape overflow");
     goto done;
   }
   rc = 0;
@@ -1071,20 +1080,19 @@ done:
  * filter string. Another runtime's object (dpctl's SyclQueue or
  * SyclContext, a capsule) names memory usmipc's drivers did not allocate
  * in their contexts. 0 or -1. */
-static int suai_syclobj(usmipc_module_state_t *st, PyObject *syclobj,
-                        const char *what, PyObject **device,
-                        PyObject **queue) {
+static int suai_syclobj(pyusmipc_module_state_t *st, PyObject *syclobj,
+                        const char *what, PyObject **device, PyObject **queue) {
   *device = *queue = NULL;
   if (syclobj == NULL || syclobj == Py_None) {
-    usmipc_value_error("%s: __sycl_usm_array_interface__ has no syclobj: "
-                       "the device of the memory is unknown",
-                       what);
+    pyusmipc_value_error("%s: __sycl_usm_array_interface__ has no syclobj: "
+                         "the device of the memory is unknown",
+                         what);
     return -1;
   }
   if (!PyObject_TypeCheck(syclobj, st->QueueType) &&
       !PyObject_TypeCheck(syclobj, st->DeviceType) &&
       !PyUnicode_Check(syclobj)) {
-    usmipc_value_error(
+    pyusmipc_value_error(
         "%s: the interface's syclobj is a %R, not a usmipc.Queue, "
         "usmipc.Device or filter string: memory of another SYCL runtime "
         "(dpctl) belongs to a context usmipc does not use; copy it into "
@@ -1092,7 +1100,7 @@ static int suai_syclobj(usmipc_module_state_t *st, PyObject *syclobj,
         what, (PyObject *)Py_TYPE(syclobj));
     return -1;
   }
-  *device = usmipc_device_from_arg(st, syclobj);
+  *device = pyusmipc_device_from_arg(st, syclobj);
   if (*device == NULL) {
     return -1;
   }
@@ -1102,10 +1110,10 @@ static int suai_syclobj(usmipc_module_state_t *st, PyObject *syclobj,
   return 0;
 }
 
-int usmipc_suai_read(usmipc_module_state_t *st, PyObject *obj,
-                     const char *what, usmipc_suai_t *out) {
+int pyusmipc_suai_read(pyusmipc_module_state_t *st, PyObject *obj,
+                       const char *what, pyusmipc_suai_t *out) {
   memset(out, 0, sizeof(*out));
-  PyObject *iface = usmipc_optional_attr(obj, "__sycl_usm_array_interface__");
+  PyObject *iface = pyusmipc_optional_attr(obj, "__sycl_usm_array_interface__");
   if (iface == NULL) {
     return PyErr_Occurred() ? -1 : 0;
   }
@@ -1113,10 +1121,10 @@ int usmipc_suai_read(usmipc_module_state_t *st, PyObject *obj,
            *offset_obj = NULL, *version = NULL, *syclobj = NULL;
   int rc = -1;
   if (!PyDict_Check(iface)) {
-    usmipc_value_error("%s: %R does not expose __sycl_usm_array_interface__ "
-                       "correctly: it is a %R, not a dict",
-                       what, (PyObject *)Py_TYPE(obj),
-                       (PyObject *)Py_TYPE(iface));
+    pyusmipc_value_error("%s: %R does not expose __sycl_usm_array_interface__ "
+                         "correctly: it is a %R, not a dict",
+                         what, (PyObject *)Py_TYPE(obj),
+                         (PyObject *)Py_TYPE(iface));
     goto done;
   }
   if (dict_item(iface, "data", &data) < 0 ||
@@ -1131,17 +1139,17 @@ int usmipc_suai_read(usmipc_module_state_t *st, PyObject *obj,
   long long v = 0;
   if (version == NULL || suai_int(version, "version", &v) < 0 || v != 1) {
     PyErr_Clear();
-    usmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: "
-                       "version %R is unexpected; the only recognized "
-                       "version is 1",
-                       what, version ? version : Py_None);
+    pyusmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: "
+                         "version %R is unexpected; the only recognized "
+                         "version is 1",
+                         what, version ? version : Py_None);
     goto done;
   }
   if (data == NULL || !PyTuple_Check(data) || PyTuple_Size(data) != 2) {
-    usmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: "
-                       "'data' is required, a tuple (usm_pointer, "
-                       "is_read_only)",
-                       what);
+    pyusmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: "
+                         "'data' is required, a tuple (usm_pointer, "
+                         "is_read_only)",
+                         what);
     goto done;
   }
   long long address;
@@ -1153,9 +1161,9 @@ int usmipc_suai_read(usmipc_module_state_t *st, PyObject *obj,
     goto done;
   }
   if (shape == NULL || typestr == NULL) {
-    usmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: "
-                       "'shape' and 'typestr' are required",
-                       what);
+    pyusmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: "
+                         "'shape' and 'typestr' are required",
+                         what);
     goto done;
   }
   Py_ssize_t itemsize = suai_itemsize(typestr);
@@ -1171,23 +1179,23 @@ int usmipc_suai_read(usmipc_module_state_t *st, PyObject *obj,
   if (__builtin_mul_overflow(low, (long long)itemsize, &first) ||
       __builtin_mul_overflow(high - low + 1, (long long)itemsize, &span) ||
       span > PY_SSIZE_T_MAX) {
-    usmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: the "
-                       "array is too large",
-                       what);
+    pyusmipc_value_error("%s: __sycl_usm_array_interface__ is malformed: the "
+                         "array is too large",
+                         what);
     goto done;
   }
   if (suai_syclobj(st, syclobj, what, &out->device, &out->queue) < 0) {
     goto done;
   }
   char *ptr = (char *)(uintptr_t)(unsigned long long)address + first;
-  usmipc_device_t *device = ((usmipc_device_object_t *)out->device)->device;
+  usmipc_device_t *device = ((pyusmipc_device_object_t *)out->device)->device;
   usmipc_pointer_info_t info;
   int q;
   Py_BEGIN_ALLOW_THREADS
   q = usmipc_pointer_query(ptr, &info);
   Py_END_ALLOW_THREADS
   if (q < 0 || info.device != device) {
-    usmipc_value_error(
+    pyusmipc_value_error(
         "%s: __sycl_usm_array_interface__ is malformed: the pointer %p is "
         "not memory of %s as its syclobj says (%s)",
         what, (void *)ptr, usmipc_device_filter_string(device),
@@ -1197,9 +1205,9 @@ int usmipc_suai_read(usmipc_module_state_t *st, PyObject *obj,
   }
   if ((uintptr_t)ptr + (uintptr_t)span >
       (uintptr_t)info.base + (uintptr_t)info.size) {
-    usmipc_value_error("%s: the array's %lld bytes at %p pass the end of "
-                       "its allocation (%zu bytes at %p)",
-                       what, span, (void *)ptr, info.size, info.base);
+    pyusmipc_value_error("%s: the array's %lld bytes at %p pass the end of "
+                         "its allocation (%zu bytes at %p)",
+                         what, span, (void *)ptr, info.size, info.base);
     goto done;
   }
   out->ptr = ptr;

@@ -1,7 +1,13 @@
-/* The memory types of usmipc.memory: the base _Memory and its subclasses
- * MemoryUSMDevice, MemoryUSMHost, MemoryUSMShared (allocations made with
- * usmipc_malloc, freed with usmipc_free when the object dies) and
- * MemoryIPCDevice (a mapping opened by IPCMemoryHandle.open).
+/* Floor 6 of the extension: the memory types of usmipc.memory, the base
+ * _Memory and its subclasses MemoryUSMDevice, MemoryUSMHost,
+ * MemoryUSMShared (allocations made with usmipc_malloc, freed with
+ * usmipc_free when the object dies) and MemoryIPCDevice (a mapping opened
+ * by IPCMemoryHandle.open), and MemoryPool, whose blocks are
+ * MemoryUSMDevice objects. Calls interop.c, memory_core.c, queue.c,
+ * device.c and util.c (module.c lists the floors). Its length serves that
+ * one concern, the memory objects: how each is made (an allocation, a
+ * pool's block, a view, a copy of another object, a mapping), its buffer
+ * protocol, its copies and its close.
  *
  * Lifetime: a memory object holds its Device and Queue. Host-accessible
  * memory exports the buffer protocol; every export holds a reference to the
@@ -10,122 +16,24 @@
  * that count is non-zero; the last release unmaps it. So close never fails
  * because a memoryview is alive (mmap's trap) and never leaves one dangling.
  */
-#include "ext.h"
+#include "memory.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef usmipc_memory_object_t Mem;
+#include "device.h"
+#include "interop.h"
+#include "memory_core.h"
+#include "queue.h"
+#include "util.h"
 
-const char *usmipc_kind_name(usmipc_mem_kind_t kind) {
-  switch (kind) {
-  case USMIPC_MEM_DEVICE:
-    return "device";
-  case USMIPC_MEM_HOST:
-    return "host";
-  case USMIPC_MEM_SHARED:
-    return "shared";
-  case USMIPC_MEM_UNKNOWN:
-    break;
-  }
-  return "unknown";
-}
+typedef pyusmipc_memory_object_t Mem;
 
 static int is_host_accessible(usmipc_backend_t backend,
                               usmipc_mem_kind_t kind) {
   return backend == USMIPC_BACKEND_HOST || kind == USMIPC_MEM_HOST ||
          kind == USMIPC_MEM_SHARED;
-}
-
-/* Frees the allocation or unmaps the mapping now; the GIL is held on entry
- * and released around the call. Returns the library's code. */
-static int release_memory(Mem *self) {
-  if (self->ptr == NULL || self->released) {
-    return 0;
-  }
-  self->released = 1;
-  if (self->is_view) {
-    return 0; /* the base owns the memory */
-  }
-  void *ptr = self->ptr;
-  int is_mapping = self->is_mapping;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  rc = is_mapping ? usmipc_ipc_close(ptr) : usmipc_free(ptr);
-  Py_END_ALLOW_THREADS
-  return rc;
-}
-
-/* Raises for a failed release and returns -1; the state comes from the
- * device, which a cleared object may lack. */
-static int raise_release_error(Mem *self, int rc) {
-  if (self->device != NULL) {
-    usmipc_raise(usmipc_state_from_device(self->device), rc);
-  } else {
-    PyErr_Format(PyExc_RuntimeError, "usmipc: %s", usmipc_last_error());
-  }
-  return -1;
-}
-
-/* Starts an operation on the memory: refuses closed memory, then counts the
- * operation like a buffer export so that a concurrent close defers the
- * unmap. Returns 0, or -1 with ValueError set. */
-int usmipc_memory_begin(Mem *self) {
-  if (self->closed || self->released) {
-    usmipc_value_error("mapping is closed");
-    return -1;
-  }
-  if (self->ptr == NULL || self->device == NULL) {
-    usmipc_value_error("memory object is not initialized");
-    return -1;
-  }
-  self->exports++;
-  return 0;
-}
-
-/* Ends an operation; performs a close that was requested meanwhile. Returns
- * 0, or -1 with an exception set if that deferred close failed. */
-int usmipc_memory_end(Mem *self) {
-  self->exports--;
-  if (self->exports == 0 && self->closed && !self->released) {
-    int rc = release_memory(self);
-    if (rc < 0) {
-      return raise_release_error(self, rc);
-    }
-  }
-  return 0;
-}
-
-/* The queue for copies and fills: the memory's own, else (mappings) the
- * default queue of its device, made on first use. Borrowed. */
-static usmipc_queue_t *memory_queue(Mem *self) {
-  if (self->queue == NULL) {
-    PyObject *queue = usmipc_default_queue(
-        usmipc_state_from_device(self->device), self->device);
-    if (queue == NULL) {
-      return NULL;
-    }
-    /* Making the queue may have released the GIL, and another thread may
-     * have set one meanwhile. */
-    if (self->queue == NULL) {
-      self->queue = queue;
-    } else {
-      Py_DECREF(queue);
-    }
-  }
-  return ((usmipc_queue_object_t *)self->queue)->queue;
-}
-
-PyObject *usmipc_memory_queue_object(Mem *self) {
-  if (self->device == NULL) {
-    usmipc_value_error("memory object is not initialized");
-    return NULL;
-  }
-  if (memory_queue(self) == NULL) {
-    return NULL;
-  }
-  return self->queue;
 }
 
 /* ---- construction -------------------------------------------------------- */
@@ -134,38 +42,39 @@ PyObject *usmipc_memory_queue_object(Mem *self) {
  * queue= arguments: the queue's device, which device= must then name, or
  * device= (None: the default device) with its default queue. 0 with two
  * new references, or -1 with an exception set. */
-static int device_and_queue(usmipc_module_state_t *st, PyObject *device_arg,
+static int device_and_queue(pyusmipc_module_state_t *st, PyObject *device_arg,
                             PyObject *queue_arg, PyObject **device_out,
                             PyObject **queue_out) {
   PyObject *device_obj = NULL, *queue_obj = NULL;
   if (queue_arg != NULL && queue_arg != Py_None) {
     if (!PyObject_TypeCheck(queue_arg, st->QueueType)) {
-      usmipc_type_error("queue must be a usmipc.Queue, not %R",
-                   (PyObject *)Py_TYPE(queue_arg));
+      pyusmipc_type_error("queue must be a usmipc.Queue, not %R",
+                          (PyObject *)Py_TYPE(queue_arg));
       return -1;
     }
     queue_obj = Py_NewRef(queue_arg);
-    device_obj = Py_NewRef(((usmipc_queue_object_t *)queue_arg)->device);
+    device_obj = Py_NewRef(((pyusmipc_queue_object_t *)queue_arg)->device);
     if (device_arg != NULL && device_arg != Py_None) {
-      PyObject *given = usmipc_device_from_arg(st, device_arg);
+      PyObject *given = pyusmipc_device_from_arg(st, device_arg);
       if (given == NULL) {
         goto fail;
       }
       /* Device objects are unique per device: identity is equality. */
       if (given != device_obj) {
-        usmipc_value_error("the queue is on device %R but device %R was given",
-                     device_obj, given);
+        pyusmipc_value_error(
+            "the queue is on device %R but device %R was given", device_obj,
+            given);
         Py_DECREF(given);
         goto fail;
       }
       Py_DECREF(given);
     }
   } else {
-    device_obj = usmipc_device_from_arg(st, device_arg);
+    device_obj = pyusmipc_device_from_arg(st, device_arg);
     if (device_obj == NULL) {
       goto fail;
     }
-    queue_obj = usmipc_default_queue(st, device_obj);
+    queue_obj = pyusmipc_default_queue(st, device_obj);
     if (queue_obj == NULL) {
       goto fail;
     }
@@ -191,7 +100,7 @@ static int ipc_flags(const char *ipc, unsigned *flags) {
   } else if (strcmp(ipc, "native") == 0) {
     *flags = USMIPC_ALLOC_IPC_NATIVE;
   } else {
-    usmipc_value_error("ipc must be None, 'fd' or 'native', not '%s'", ipc);
+    pyusmipc_value_error("ipc must be None, 'fd' or 'native', not '%s'", ipc);
     return -1;
   }
   return 0;
@@ -203,7 +112,7 @@ static int ipc_flags(const char *ipc, unsigned *flags) {
 static Mem *memory_new(PyTypeObject *type, PyObject *device_obj,
                        PyObject *queue_obj, Py_ssize_t nbytes,
                        usmipc_mem_kind_t kind) {
-  Mem *self = (Mem *)usmipc_object_alloc(type);
+  Mem *self = (Mem *)pyusmipc_object_alloc(type);
   if (self == NULL) {
     return NULL;
   }
@@ -212,14 +121,14 @@ static Mem *memory_new(PyTypeObject *type, PyObject *device_obj,
   self->nbytes = nbytes;
   self->kind = kind;
   self->backend =
-      usmipc_device_backend(((usmipc_device_object_t *)device_obj)->device);
+      usmipc_device_backend(((pyusmipc_device_object_t *)device_obj)->device);
   self->host_accessible = (char)is_host_accessible(self->backend, kind);
   return self;
 }
 
 /* A new allocation of nbytes of kind on device_obj, its copies ordered on
  * queue_obj (both references are stolen, also on failure). */
-static PyObject *new_allocation(PyTypeObject *type, usmipc_module_state_t *st,
+static PyObject *new_allocation(PyTypeObject *type, pyusmipc_module_state_t *st,
                                 usmipc_mem_kind_t kind, Py_ssize_t nbytes,
                                 Py_ssize_t alignment, unsigned flags,
                                 PyObject *device_obj, PyObject *queue_obj) {
@@ -229,14 +138,14 @@ static PyObject *new_allocation(PyTypeObject *type, usmipc_module_state_t *st,
   if (self == NULL) {
     return NULL;
   }
-  usmipc_device_t *device = ((usmipc_device_object_t *)self->device)->device;
+  usmipc_device_t *device = ((pyusmipc_device_object_t *)self->device)->device;
   void *ptr = NULL;
   int rc;
   Py_BEGIN_ALLOW_THREADS
   rc = usmipc_malloc_flags(device, kind, (size_t)nbytes, flags, &ptr);
   Py_END_ALLOW_THREADS
   if (rc < 0) {
-    usmipc_raise(st, rc);
+    pyusmipc_raise(st, rc);
     Py_DECREF(self);
     return NULL;
   }
@@ -244,9 +153,9 @@ static PyObject *new_allocation(PyTypeObject *type, usmipc_module_state_t *st,
   /* Allocations start on a page (or the driver's granularity): an
    * alignment beyond what this one got is refused, not silently unmet. */
   if (alignment > 1 && (uintptr_t)ptr % (uintptr_t)alignment != 0) {
-    usmipc_value_error("alignment %zd is more than this device's allocations "
-                       "give (this one is at %p); use at most the page size",
-                       alignment, ptr);
+    pyusmipc_value_error("alignment %zd is more than this device's allocations "
+                         "give (this one is at %p); use at most the page size",
+                         alignment, ptr);
     Py_DECREF(self);
     return NULL;
   }
@@ -277,17 +186,17 @@ typedef struct source {
 } source_t;
 
 /* 0 with *src filled, or -1 with an exception set. */
-static int source_of(usmipc_module_state_t *st, PyObject *obj,
+static int source_of(pyusmipc_module_state_t *st, PyObject *obj,
                      const char *what, source_t *src) {
   memset(src, 0, sizeof(*src));
   if (PyObject_TypeCheck(obj, st->MemoryType)) {
     Mem *m = (Mem *)obj;
-    if (usmipc_memory_begin(m) < 0) {
+    if (pyusmipc_memory_begin(m) < 0) {
       return -1;
     }
-    PyObject *queue = usmipc_memory_queue_object(m); /* borrowed */
+    PyObject *queue = pyusmipc_memory_queue_object(m); /* borrowed */
     if (queue == NULL) {
-      (void)usmipc_memory_end(m);
+      (void)pyusmipc_memory_end(m);
       return -1;
     }
     src->ptr = m->ptr;
@@ -298,24 +207,23 @@ static int source_of(usmipc_module_state_t *st, PyObject *obj,
     src->mem = m;
     return 0;
   }
-  usmipc_suai_t iface;
-  int found = usmipc_suai_read(st, obj, what, &iface);
+  pyusmipc_suai_t iface;
+  int found = pyusmipc_suai_read(st, obj, what, &iface);
   if (found < 0) {
     return -1;
   }
   if (found == 0) {
-    usmipc_value_error("%s takes usmipc memory or an object exposing "
-                       "__sycl_usm_array_interface__; %R does not expose it",
-                       what, (PyObject *)Py_TYPE(obj));
+    pyusmipc_value_error("%s takes usmipc memory or an object exposing "
+                         "__sycl_usm_array_interface__; %R does not expose it",
+                         what, (PyObject *)Py_TYPE(obj));
     return -1;
   }
   src->ptr = iface.ptr;
   src->nbytes = iface.nbytes;
   src->kind = iface.kind;
   src->device = iface.device;
-  src->queue = iface.queue != NULL
-                   ? iface.queue
-                   : usmipc_default_queue(st, iface.device);
+  src->queue = iface.queue != NULL ? iface.queue
+                                   : pyusmipc_default_queue(st, iface.device);
   if (src->queue == NULL) {
     Py_CLEAR(src->device);
     return -1;
@@ -326,7 +234,7 @@ static int source_of(usmipc_module_state_t *st, PyObject *obj,
 /* Ends what source_of began. 0, or -1 with an exception set (a close of
  * the source requested meanwhile failed). */
 static int source_done(source_t *src) {
-  int rc = src->mem != NULL ? usmipc_memory_end(src->mem) : 0;
+  int rc = src->mem != NULL ? pyusmipc_memory_end(src->mem) : 0;
   src->mem = NULL;
   Py_CLEAR(src->device);
   Py_CLEAR(src->queue);
@@ -338,12 +246,12 @@ static int source_done(source_t *src) {
  * the source's queue copying out and self's in (dpctl's copy_via_host for
  * memory of different contexts). 0, or -1 with an exception set. */
 static int copy_in(Mem *self, void *dst, source_t *src, size_t n) {
-  usmipc_module_state_t *st = usmipc_state_from_device(self->device);
-  usmipc_queue_t *to = memory_queue(self);
+  pyusmipc_module_state_t *st = pyusmipc_state_from_device(self->device);
+  usmipc_queue_t *to = pyusmipc_memory_queue(self);
   if (to == NULL) {
     return -1;
   }
-  usmipc_queue_t *from = ((usmipc_queue_object_t *)src->queue)->queue;
+  usmipc_queue_t *from = ((pyusmipc_queue_object_t *)src->queue)->queue;
   const void *ptr = src->ptr;
   int same = src->device == self->device; /* one object per device */
   int rc = 0, no_memory = 0;
@@ -377,7 +285,7 @@ static int copy_in(Mem *self, void *dst, source_t *src, size_t n) {
     return -1;
   }
   if (rc < 0) {
-    usmipc_raise(st, rc);
+    pyusmipc_raise(st, rc);
     return -1;
   }
   return 0;
@@ -387,9 +295,8 @@ static int copy_in(Mem *self, void *dst, source_t *src, size_t n) {
  * alive (reference_obj) and, for usmipc memory, one export of it. */
 static PyObject *make_view(PyTypeObject *type, PyObject *obj, source_t *src,
                            PyObject *queue) {
-  Mem *self = memory_new(type, src->device,
-                         queue != NULL ? queue : src->queue, src->nbytes,
-                         src->kind);
+  Mem *self = memory_new(type, src->device, queue != NULL ? queue : src->queue,
+                         src->nbytes, src->kind);
   if (self == NULL) {
     return NULL;
   }
@@ -410,7 +317,7 @@ static PyObject *make_view(PyTypeObject *type, PyObject *obj, source_t *src,
  * into a new allocation when it is not and copy is true (dpctl's
  * semantics), else ArgumentError. */
 static PyObject *memory_from_object(PyTypeObject *type,
-                                    usmipc_module_state_t *st, PyObject *obj,
+                                    pyusmipc_module_state_t *st, PyObject *obj,
                                     usmipc_mem_kind_t kind,
                                     Py_ssize_t alignment, const char *ipc,
                                     unsigned flags, PyObject *device_arg,
@@ -424,20 +331,19 @@ static PyObject *memory_from_object(PyTypeObject *type,
   PyObject *device_obj = NULL, *queue_obj = NULL, *result = NULL;
   int given = (device_arg != NULL && device_arg != Py_None) ||
               (queue_arg != NULL && queue_arg != Py_None);
-  if (given &&
-      device_and_queue(st, device_arg, queue_arg, &device_obj, &queue_obj) <
-          0) {
+  if (given && device_and_queue(st, device_arg, queue_arg, &device_obj,
+                                &queue_obj) < 0) {
     goto done;
   }
   if (src.kind == kind) {
     if (alignment != 0 || ipc != NULL) {
-      usmipc_value_error("%s: alignment and ipc are for new allocations; the "
-                         "memory of a %R is taken as it is, without a copy",
-                         what, (PyObject *)Py_TYPE(obj));
+      pyusmipc_value_error("%s: alignment and ipc are for new allocations; the "
+                           "memory of a %R is taken as it is, without a copy",
+                           what, (PyObject *)Py_TYPE(obj));
     } else if (given && device_obj != src.device) {
-      usmipc_value_error("%s: the memory is on %R, not on the device given "
-                         "(%R)",
-                         what, src.device, device_obj);
+      pyusmipc_value_error("%s: the memory is on %R, not on the device given "
+                           "(%R)",
+                           what, src.device, device_obj);
     } else {
       /* the queue given, if one was, orders the view's copies */
       int queue_given = queue_arg != NULL && queue_arg != Py_None;
@@ -446,16 +352,16 @@ static PyObject *memory_from_object(PyTypeObject *type,
     goto done;
   }
   if (!copy) {
-    usmipc_value_error(
+    pyusmipc_value_error(
         "%s: the memory of the %R is USM %s memory, not %s: it cannot be "
         "taken without a copy; pass copy=True, or use %s",
-        what, (PyObject *)Py_TYPE(obj), usmipc_kind_name(src.kind),
-        usmipc_kind_name(kind), class_name(src.kind));
+        what, (PyObject *)Py_TYPE(obj), pyusmipc_kind_name(src.kind),
+        pyusmipc_kind_name(kind), class_name(src.kind));
     goto done;
   }
   if (!given) {
     device_obj = Py_NewRef(src.device);
-    queue_obj = usmipc_default_queue(st, device_obj);
+    queue_obj = pyusmipc_default_queue(st, device_obj);
     if (queue_obj == NULL) {
       goto done;
     }
@@ -463,9 +369,8 @@ static PyObject *memory_from_object(PyTypeObject *type,
   result = new_allocation(type, st, kind, src.nbytes, alignment, flags,
                           device_obj, queue_obj);
   device_obj = queue_obj = NULL; /* stolen */
-  if (result != NULL &&
-      copy_in((Mem *)result, ((Mem *)result)->ptr, &src,
-              (size_t)src.nbytes) < 0) {
+  if (result != NULL && copy_in((Mem *)result, ((Mem *)result)->ptr, &src,
+                                (size_t)src.nbytes) < 0) {
     Py_CLEAR(result);
   }
 
@@ -483,9 +388,9 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
                               const char *format) {
   /* dpctl's order: nbytes (or an object: dpctl's other), alignment, then
    * the keywords. */
-  static char *kwlist[] = {"nbytes",     "alignment", "device",
-                           "queue",      "sycl_device", "sycl_queue",
-                           "ipc",        "copy",      NULL};
+  static char *kwlist[] = {"nbytes", "alignment",   "device",
+                           "queue",  "sycl_device", "sycl_queue",
+                           "ipc",    "copy",        NULL};
   PyObject *first;
   Py_ssize_t alignment = 0;
   PyObject *device_arg = NULL, *queue_arg = NULL;
@@ -495,11 +400,11 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
   if (!PyArg_ParseTupleAndKeywords(args, kwds, format, kwlist, &first,
                                    &alignment, &device_arg, &queue_arg,
                                    &sycl_device, &sycl_queue, &ipc, &copy)) {
-    usmipc_retype_parse_error();
+    pyusmipc_retype_parse_error();
     return NULL;
   }
   if (alignment < 0 || (alignment & (alignment - 1)) != 0) {
-    return usmipc_value_error(
+    return pyusmipc_value_error(
         "alignment must be 0 or a power of two, not %zd", alignment);
   }
   unsigned flags;
@@ -507,7 +412,7 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
     return NULL;
   }
   if ((device_arg && sycl_device) || (queue_arg && sycl_queue)) {
-    return usmipc_type_error(
+    return pyusmipc_type_error(
         "give device or sycl_device, queue or sycl_queue, not both");
   }
   if (device_arg == NULL) {
@@ -516,7 +421,7 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
   if (queue_arg == NULL) {
     queue_arg = sycl_queue;
   }
-  usmipc_module_state_t *st = usmipc_state_from_type(type);
+  pyusmipc_module_state_t *st = pyusmipc_state_from_type(type);
   if (st == NULL) {
     return NULL;
   }
@@ -529,7 +434,7 @@ static PyObject *memory_alloc(PyTypeObject *type, PyObject *args,
     return NULL;
   }
   if (nbytes <= 0) {
-    return usmipc_value_error("nbytes must be positive, not %zd", nbytes);
+    return pyusmipc_value_error("nbytes must be positive, not %zd", nbytes);
   }
   PyObject *device_obj = NULL, *queue_obj = NULL;
   if (device_and_queue(st, device_arg, queue_arg, &device_obj, &queue_obj) <
@@ -558,14 +463,14 @@ static PyObject *usm_shared_new(PyTypeObject *type, PyObject *args,
                       "O|n$OOOOzp:MemoryUSMShared");
 }
 
-PyObject *usmipc_mapping_new(usmipc_module_state_t *st, PyObject *device_obj,
-                             void *ptr, size_t nbytes) {
+PyObject *pyusmipc_mapping_new(pyusmipc_module_state_t *st,
+                               PyObject *device_obj, void *ptr, size_t nbytes) {
   PyTypeObject *type = st->MemoryIPCDeviceType;
   if (type == NULL) {
-    return usmipc_state_cleared();
+    return pyusmipc_state_cleared();
   }
-  Mem *self = memory_new(type, device_obj, NULL, (Py_ssize_t)nbytes,
-                         USMIPC_MEM_DEVICE);
+  Mem *self =
+      memory_new(type, device_obj, NULL, (Py_ssize_t)nbytes, USMIPC_MEM_DEVICE);
   if (self == NULL) {
     return NULL;
   }
@@ -574,7 +479,32 @@ PyObject *usmipc_mapping_new(usmipc_module_state_t *st, PyObject *device_obj,
   return (PyObject *)self;
 }
 
-int usmipc_mapping_close(usmipc_module_state_t *st, Mem *self) {
+int pyusmipc_mapping_release(pyusmipc_module_state_t *st,
+                             pyusmipc_memory_object_t *m,
+                             usmipc_queue_t *queue) {
+  PyObject *bytes = m->release_handle;
+  if (bytes == NULL) {
+    return 0;
+  }
+  m->release_handle = NULL; /* once, even if it fails */
+  const char *data = PyBytes_AsString(bytes);
+  size_t len = (size_t)PyBytes_Size(bytes);
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_ipc_release(data, len, queue);
+  Py_END_ALLOW_THREADS
+  Py_DECREF(bytes);
+  if (rc == USMIPC_EEXPORTERGONE) {
+    return 0; /* nobody waits for it any more */
+  }
+  if (rc < 0) {
+    pyusmipc_raise(st, rc);
+    return -1;
+  }
+  return 0;
+}
+
+int pyusmipc_mapping_close(pyusmipc_module_state_t *st, Mem *self) {
   if (self->closed) {
     return 0;
   }
@@ -582,16 +512,16 @@ int usmipc_mapping_close(usmipc_module_state_t *st, Mem *self) {
    * host: work still queued on the mapping should be released with
    * IPCMemoryHandle.release(m, stream=...) first). */
   if (self->release_handle != NULL &&
-      usmipc_mapping_release(st, self, NULL) < 0) {
+      pyusmipc_mapping_release(st, self, NULL) < 0) {
     return -1;
   }
   self->closed = 1;
   if (self->exports > 0) {
     return 0; /* the last buffer release or operation unmaps */
   }
-  int rc = release_memory(self);
+  int rc = pyusmipc_memory_release(self);
   if (rc < 0) {
-    usmipc_raise(st, rc);
+    pyusmipc_raise(st, rc);
     return -1;
   }
   return 0;
@@ -620,7 +550,7 @@ static void view_release(Mem *self) {
   self->released = 1; /* the memory may be unmapped from here on */
   PyObject *type, *value, *traceback;
   PyErr_Fetch(&type, &value, &traceback);
-  if (usmipc_memory_end((Mem *)self->base) < 0) {
+  if (pyusmipc_memory_end((Mem *)self->base) < 0) {
     PyErr_WriteUnraisable(self->base);
   }
   PyErr_Restore(type, value, traceback);
@@ -642,22 +572,26 @@ static void memory_dealloc(PyObject *op) {
   PyObject_GC_UnTrack(op);
   /* No export can be alive: each holds a reference to this object. Errors
    * cannot be reported from here; a failed free leaks, nothing worse. */
-  (void)release_memory(self);
+  (void)pyusmipc_memory_release(self);
   if (self->release_handle != NULL && PyBytes_Check(self->release_handle)) {
     /* Collected without a close: the producer still learns of it (best
      * effort; nothing can be reported from here). */
     const char *data = PyBytes_AsString(self->release_handle);
     size_t len = (size_t)PyBytes_Size(self->release_handle);
+    /* As written: clang-format 14 would read the macro and the cast after
+     * it as one call, Py_BEGIN_ALLOW_THREADS(void). */
+    /* clang-format off */
     Py_BEGIN_ALLOW_THREADS
     (void)usmipc_ipc_release(data, len, NULL);
     Py_END_ALLOW_THREADS
+    /* clang-format on */
   }
-  USMIPC_DESTROY_WITHOUT_GIL(usmipc_event_t, self->order_event,
-                             usmipc_event_destroy);
+  PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_event_t, self->order_event,
+                               usmipc_event_destroy);
   view_release(self);
   memory_clear(op);
   Py_CLEAR(self->pool); /* after the block went back to it */
-  usmipc_object_free(op);
+  pyusmipc_object_free(op);
 }
 
 /* ---- the buffer protocol ------------------------------------------------- */
@@ -666,7 +600,7 @@ static int memory_getbuffer(PyObject *op, Py_buffer *view, int flags) {
   Mem *self = (Mem *)op;
   if (self->closed || self->released) {
     view->obj = NULL;
-    usmipc_value_error("mapping is closed");
+    pyusmipc_value_error("mapping is closed");
     return -1;
   }
   if (!self->host_accessible) {
@@ -674,7 +608,7 @@ static int memory_getbuffer(PyObject *op, Py_buffer *view, int flags) {
     PyErr_Format(PyExc_BufferError,
                  "%s memory on a %s device is not accessible from the host; "
                  "use copy_to_host() and copy_from_host()",
-                 usmipc_kind_name(self->kind),
+                 pyusmipc_kind_name(self->kind),
                  usmipc_backend_name(self->backend));
     return -1;
   }
@@ -693,7 +627,7 @@ static int memory_getbuffer(PyObject *op, Py_buffer *view, int flags) {
 static void memory_releasebuffer(PyObject *op, Py_buffer *view) {
   (void)view;
   Mem *self = (Mem *)op;
-  if (usmipc_memory_end(self) < 0) {
+  if (pyusmipc_memory_end(self) < 0) {
     PyErr_WriteUnraisable(op);
   }
 }
@@ -702,44 +636,6 @@ static Py_ssize_t memory_length(PyObject *op) { return ((Mem *)op)->nbytes; }
 
 /* ---- methods ------------------------------------------------------------- */
 
-/* Copies n bytes from src to dst, or (src NULL) fills them with value, on
- * the memory's queue and waits, the GIL released; an operation on the
- * memory (usmipc_memory_begin and _end: closed memory is refused, a close
- * meanwhile waits for it). n 0 copies nothing. source (or NULL) is the
- * caller's buffer of src, released before the operation ends (it may be an
- * export of this memory). 0, or -1 with an exception set. */
-static int memory_run(Mem *self, void *dst, const void *src, int value,
-                      size_t n, Py_buffer *source) {
-  if (usmipc_memory_begin(self) < 0) {
-    if (source != NULL) {
-      PyBuffer_Release(source);
-    }
-    return -1;
-  }
-  usmipc_queue_t *queue = memory_queue(self);
-  int rc = 0;
-  if (queue != NULL && n > 0) {
-    Py_BEGIN_ALLOW_THREADS
-    rc = src != NULL ? usmipc_memcpy(queue, dst, src, n)
-                     : usmipc_memset(queue, dst, value, n);
-    if (rc == 0) {
-      rc = usmipc_queue_synchronize(queue);
-    }
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
-      usmipc_raise(usmipc_state_from_device(self->device), rc);
-    }
-  }
-  if (source != NULL) {
-    PyBuffer_Release(source);
-  }
-  int failed = queue == NULL || rc < 0;
-  if (usmipc_memory_end(self) < 0 || failed) {
-    return -1;
-  }
-  return 0;
-}
-
 static PyObject *memory_copy_from_host(PyObject *op, PyObject *obj) {
   Mem *self = (Mem *)op;
   Py_buffer src;
@@ -747,27 +643,22 @@ static PyObject *memory_copy_from_host(PyObject *op, PyObject *obj) {
     return NULL;
   }
   if (src.len > self->nbytes) {
-    usmipc_value_error("source of %zd bytes does not fit in %zd bytes of memory",
-                 src.len, self->nbytes);
+    pyusmipc_value_error(
+        "source of %zd bytes does not fit in %zd bytes of memory", src.len,
+        self->nbytes);
     PyBuffer_Release(&src);
     return NULL;
   }
-  if (memory_run(self, self->ptr, src.buf, 0, (size_t)src.len, &src) < 0) {
+  if (pyusmipc_memory_run(self, self->ptr, src.buf, 0, (size_t)src.len, &src) <
+      0) {
     return NULL;
   }
   Py_RETURN_NONE;
 }
 
-/* Copies all nbytes of the memory to dst. Returns 0 or -1 (exception set). */
-static int copy_out(Mem *self, void *dst) {
-  return memory_run(self, dst, self->ptr, 0, (size_t)self->nbytes, NULL);
-}
-
-int usmipc_memory_copy_out(Mem *self, void *dst) { return copy_out(self, dst); }
-
 static PyObject *copy_to_bytes(Mem *self) {
   if (self->closed || self->released) {
-    usmipc_value_error("mapping is closed");
+    pyusmipc_value_error("mapping is closed");
     return NULL;
   }
   PyObject *bytes = PyBytes_FromStringAndSize(NULL, self->nbytes);
@@ -775,7 +666,7 @@ static PyObject *copy_to_bytes(Mem *self) {
     return NULL;
   }
   /* Filling a bytes object before anyone else sees it is allowed. */
-  if (copy_out(self, PyBytes_AsString(bytes)) < 0) {
+  if (pyusmipc_memory_copy_out(self, PyBytes_AsString(bytes)) < 0) {
     Py_DECREF(bytes);
     return NULL;
   }
@@ -810,14 +701,14 @@ static PyObject *memory_copy_to_host(PyObject *op, PyObject *const *args,
   static const char *const names[] = {"obj"};
   PyObject *obj;
   Mem *self = (Mem *)op;
-  if (usmipc_parse_fastcall("copy_to_host", args, nargs, kwnames, names, 1, 1,
-                            &obj) < 0) {
+  if (pyusmipc_parse_fastcall("copy_to_host", args, nargs, kwnames, names, 1, 1,
+                              &obj) < 0) {
     return NULL;
   }
   PyObject *fresh = NULL;
   if (obj == NULL || obj == Py_None) {
     if (self->closed || self->released) {
-      return usmipc_value_error("mapping is closed");
+      return pyusmipc_value_error("mapping is closed");
     }
     fresh = obj = new_host_array(self->nbytes);
     if (fresh == NULL) {
@@ -827,19 +718,18 @@ static PyObject *memory_copy_to_host(PyObject *op, PyObject *const *args,
   Py_buffer dst;
   /* C-contiguous and writable: a strided view would take the bytes in
    * the wrong places. */
-  if (PyObject_GetBuffer(obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) <
-      0) {
+  if (PyObject_GetBuffer(obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
     Py_XDECREF(fresh);
     return NULL;
   }
   if (dst.len < self->nbytes) {
-    usmipc_value_error("destination of %zd bytes is too small for %zd bytes",
-                       dst.len, self->nbytes);
+    pyusmipc_value_error("destination of %zd bytes is too small for %zd bytes",
+                         dst.len, self->nbytes);
     PyBuffer_Release(&dst);
     Py_XDECREF(fresh);
     return NULL;
   }
-  int rc = copy_out(self, dst.buf);
+  int rc = pyusmipc_memory_copy_out(self, dst.buf);
   PyBuffer_Release(&dst);
   if (rc < 0) {
     Py_XDECREF(fresh);
@@ -853,17 +743,17 @@ static PyObject *memory_copy_to_host(PyObject *op, PyObject *const *args,
  * this memory (through the host when it is on another device). */
 static PyObject *memory_copy_from_device(PyObject *op, PyObject *obj) {
   Mem *self = (Mem *)op;
-  if (usmipc_memory_begin(self) < 0) {
+  if (pyusmipc_memory_begin(self) < 0) {
     return NULL;
   }
-  usmipc_module_state_t *st = usmipc_state_from_device(self->device);
+  pyusmipc_module_state_t *st = pyusmipc_state_from_device(self->device);
   source_t src;
   int failed = source_of(st, obj, "copy_from_device()", &src) < 0;
   if (!failed) {
     if (src.nbytes > self->nbytes) {
-      usmipc_value_error("copy_from_device(): the source's %zd bytes do not "
-                         "fit in %zd bytes of memory",
-                         src.nbytes, self->nbytes);
+      pyusmipc_value_error("copy_from_device(): the source's %zd bytes do not "
+                           "fit in %zd bytes of memory",
+                           src.nbytes, self->nbytes);
       failed = 1;
     } else {
       failed = copy_in(self, self->ptr, &src, (size_t)src.nbytes) < 0;
@@ -872,7 +762,7 @@ static PyObject *memory_copy_from_device(PyObject *op, PyObject *obj) {
       failed = 1;
     }
   }
-  if (usmipc_memory_end(self) < 0 || failed) {
+  if (pyusmipc_memory_end(self) < 0 || failed) {
     return NULL;
   }
   Py_RETURN_NONE;
@@ -887,24 +777,25 @@ static PyObject *memory_memset(PyObject *op, PyObject *const *args,
   static const char *const names[] = {"value"};
   PyObject *value_obj;
   Mem *self = (Mem *)op;
-  if (usmipc_parse_fastcall("memset", args, nargs, kwnames, names, 1, 1,
-                            &value_obj) < 0) {
+  if (pyusmipc_parse_fastcall("memset", args, nargs, kwnames, names, 1, 1,
+                              &value_obj) < 0) {
     return NULL;
   }
   long value = 0;
   if (value_obj != NULL) {
     value = PyLong_AsLong(value_obj);
     if (value == -1 && PyErr_Occurred()) {
-      usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
+      pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
       return NULL;
     }
     if (value < 0 || value > 255) {
-      usmipc_value_error("memset value must be a byte (0..255), not %ld", value);
+      pyusmipc_value_error("memset value must be a byte (0..255), not %ld",
+                           value);
       return NULL;
     }
   }
-  if (memory_run(self, self->ptr, NULL, (int)value, (size_t)self->nbytes,
-                 NULL) < 0) {
+  if (pyusmipc_memory_run(self, self->ptr, NULL, (int)value,
+                          (size_t)self->nbytes, NULL) < 0) {
     return NULL;
   }
   Py_RETURN_NONE;
@@ -918,24 +809,24 @@ static PyObject *memory_get_usm_type(PyObject *op, PyObject *const *args,
   static const char *const names[] = {"syclobj"};
   PyObject *obj = NULL;
   Mem *self = (Mem *)op;
-  if (usmipc_parse_fastcall("get_usm_type", args, nargs, kwnames, names, 1, 1,
-                            &obj) < 0) {
+  if (pyusmipc_parse_fastcall("get_usm_type", args, nargs, kwnames, names, 1, 1,
+                              &obj) < 0) {
     return NULL;
   }
   if (obj != NULL && obj != Py_None && self->device != NULL) {
-    PyObject *dev = usmipc_device_from_arg(
-        usmipc_state_from_device(self->device), obj);
+    PyObject *dev =
+        pyusmipc_device_from_arg(pyusmipc_state_from_device(self->device), obj);
     if (dev == NULL) {
       return NULL;
     }
-    int other = usmipc_device_backend(((usmipc_device_object_t *)dev)->device) !=
-                self->backend;
+    int other = usmipc_device_backend(
+                    ((pyusmipc_device_object_t *)dev)->device) != self->backend;
     Py_DECREF(dev);
     if (other) {
       return PyUnicode_FromString("unknown");
     }
   }
-  return PyUnicode_FromString(usmipc_kind_name(self->kind));
+  return PyUnicode_FromString(pyusmipc_kind_name(self->kind));
 }
 
 static PyObject *mapping_close(PyObject *op, PyObject *Py_UNUSED(ignored)) {
@@ -943,7 +834,8 @@ static PyObject *mapping_close(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   if (self->device == NULL) {
     Py_RETURN_NONE; /* cleared by the GC: dealloc will unmap */
   }
-  if (usmipc_mapping_close(usmipc_state_from_device(self->device), self) < 0) {
+  if (pyusmipc_mapping_close(pyusmipc_state_from_device(self->device), self) <
+      0) {
     return NULL;
   }
   Py_RETURN_NONE;
@@ -993,7 +885,7 @@ static PyObject *memory_get_queue(PyObject *op, void *closure) {
   if (self->device == NULL) {
     Py_RETURN_NONE;
   }
-  if (self->queue == NULL && memory_queue(self) == NULL) {
+  if (self->queue == NULL && pyusmipc_memory_queue(self) == NULL) {
     return NULL;
   }
   return Py_NewRef(self->queue);
@@ -1001,7 +893,7 @@ static PyObject *memory_get_queue(PyObject *op, void *closure) {
 
 static PyObject *memory_get_kind(PyObject *op, void *closure) {
   (void)closure;
-  return PyUnicode_FromString(usmipc_kind_name(((Mem *)op)->kind));
+  return PyUnicode_FromString(pyusmipc_kind_name(((Mem *)op)->kind));
 }
 
 static PyObject *memory_get_pointer(PyObject *op, void *closure) {
@@ -1038,7 +930,7 @@ static PyObject *memory_repr(PyObject *op) {
   }
   const char *filter =
       self->device ? usmipc_device_filter_string(
-                         ((usmipc_device_object_t *)self->device)->device)
+                         ((pyusmipc_device_object_t *)self->device)->device)
                    : "?";
   PyObject *r = PyUnicode_FromFormat(
       "<%S.%S of %zd bytes at %p on [%s]%s>", module, name, self->nbytes,
@@ -1062,13 +954,13 @@ static PyGetSetDef memory_getset[] = {
     {"_pointer", memory_get_pointer, NULL, "The address, as an int.", NULL},
     {"is_closed", memory_get_is_closed, NULL, "True once a mapping was closed.",
      NULL},
-    {"__cuda_array_interface__", usmipc_memory_cuda_array_interface, NULL,
+    {"__cuda_array_interface__", pyusmipc_memory_cuda_array_interface, NULL,
      "The CUDA array interface (v3) of CUDA memory; AttributeError "
      "elsewhere.\nIt holds no reference: keep the memory open while a "
      "consumer uses it\n(DLPack consumers are tracked; prefer "
      "__dlpack__).",
      NULL},
-    {"__sycl_usm_array_interface__", usmipc_memory_suai, NULL,
+    {"__sycl_usm_array_interface__", pyusmipc_memory_suai, NULL,
      "dpctl's description of the memory: data (address, False: not "
      "read-only),\nshape (nbytes,), strides None, typestr '|u1', version 1, "
      "syclobj the\nmemory's Queue. MemoryUSMDevice(obj) and "
@@ -1093,26 +985,26 @@ static PyObject *memory_array(PyObject *op, PyObject *const *args,
   static const char *const names[] = {"dtype", "copy"};
   PyObject *a[2];
   Mem *self = (Mem *)op;
-  if (usmipc_parse_fastcall("__array__", args, nargs, kwnames, names, 2, 2,
-                            a) < 0) {
+  if (pyusmipc_parse_fastcall("__array__", args, nargs, kwnames, names, 2, 2,
+                              a) < 0) {
     return NULL;
   }
   if (self->closed || self->released) {
-    usmipc_value_error("mapping is closed");
+    pyusmipc_value_error("mapping is closed");
     return NULL;
   }
   if (!self->host_accessible) {
-    usmipc_kind_error("%s memory on a %s device is not accessible from the host: "
-                 "numpy cannot view it; use copy_to_host(), or DLPack with "
-                 "a device array library",
-                 usmipc_kind_name(self->kind),
-                 usmipc_backend_name(self->backend));
+    pyusmipc_kind_error(
+        "%s memory on a %s device is not accessible from the host: "
+        "numpy cannot view it; use copy_to_host(), or DLPack with "
+        "a device array library",
+        pyusmipc_kind_name(self->kind), usmipc_backend_name(self->backend));
     return NULL;
   }
   PyObject *numpy = PyImport_ImportModule("numpy");
-  PyObject *arr = numpy ? PyObject_CallMethod(numpy, "frombuffer", "Os", op,
-                                              "uint8")
-                        : NULL;
+  PyObject *arr =
+      numpy ? PyObject_CallMethod(numpy, "frombuffer", "Os", op, "uint8")
+            : NULL;
   Py_XDECREF(numpy);
   if (arr != NULL && a[0] != NULL && a[0] != Py_None) {
     PyObject *cast = PyObject_CallMethod(arr, "astype", "O", a[0]);
@@ -1123,8 +1015,7 @@ static PyObject *memory_array(PyObject *op, PyObject *const *args,
 }
 
 static PyMethodDef memory_methods[] = {
-    {"__array__", USMIPC_CMETHOD(memory_array),
-     METH_FASTCALL | METH_KEYWORDS,
+    {"__array__", PYUSMIPC_CMETHOD(memory_array), METH_FASTCALL | METH_KEYWORDS,
      "__array__(dtype=None, copy=None)\n--\n\nA NumPy view of host-"
      "accessible memory (uint8); a closed mapping raises ValueError, device "
      "memory TypeError."},
@@ -1132,7 +1023,7 @@ static PyMethodDef memory_methods[] = {
      "copy_from_host($self, obj, /)\n--\n\nCopies a bytes-like object (at most "
      "nbytes) to "
      "the start of the memory."},
-    {"copy_to_host", USMIPC_CMETHOD(memory_copy_to_host),
+    {"copy_to_host", PYUSMIPC_CMETHOD(memory_copy_to_host),
      METH_FASTCALL | METH_KEYWORDS,
      "copy_to_host($self, /, obj=None)\n--\n\nCopies the memory to the host "
      "and returns the copy: as dpctl does, a new\nnumpy.ndarray of nbytes "
@@ -1151,10 +1042,9 @@ static PyMethodDef memory_methods[] = {
     {"__bytes__", memory_tobytes, METH_NOARGS,
      "__bytes__($self, /)\n--\n\nbytes(memory): the same as tobytes() "
      "(device memory too)."},
-    {"memset", USMIPC_CMETHOD(memory_memset),
-     METH_FASTCALL | METH_KEYWORDS,
+    {"memset", PYUSMIPC_CMETHOD(memory_memset), METH_FASTCALL | METH_KEYWORDS,
      "memset($self, /, value=0)\n--\n\nFills the memory with the byte value."},
-    {"__dlpack__", USMIPC_CMETHOD(usmipc_memory_dlpack),
+    {"__dlpack__", PYUSMIPC_CMETHOD(pyusmipc_memory_dlpack),
      METH_FASTCALL | METH_KEYWORDS,
      "__dlpack__($self, /, stream=None, *, max_version=None, dl_device=None, "
      "copy=None)\n--\n\n"
@@ -1168,10 +1058,10 @@ static PyMethodDef memory_methods[] = {
      "so.\ncopy=True always copies (to the CPU for dl_device=(1, 0), else "
      "into a new\nallocation on the device); device memory reaches the CPU "
      "only so\n(BufferError with copy=None or False)."},
-    {"__dlpack_device__", usmipc_memory_dlpack_device, METH_NOARGS,
+    {"__dlpack_device__", pyusmipc_memory_dlpack_device, METH_NOARGS,
      "__dlpack_device__($self, /)\n--\n\n"
      "The (DLPack device type, device id) of the memory."},
-    {"get_usm_type", USMIPC_CMETHOD(memory_get_usm_type),
+    {"get_usm_type", PYUSMIPC_CMETHOD(memory_get_usm_type),
      METH_FASTCALL | METH_KEYWORDS,
      "get_usm_type(syclobj=None)\n--\n\n'device', 'host' or 'shared'; "
      "'unknown' relative to a Device or Queue (syclobj) of another "
@@ -1225,11 +1115,11 @@ static PyType_Spec memory_spec = {
       "it. ipc picks how device\nmemory will be shared where a backend "       \
       "offers a choice (CUDA): 'fd' (a\nfile descriptor; outlives the "        \
       "exporter) or 'native' (the driver's handle);\nNone is the backend's "   \
-      "default. Freed when the object dies.\n\n"                              \
+      "default. Freed when the object dies.\n\n"                               \
       "Instead of nbytes, an object: usmipc memory, or one exposing\n"         \
       "__sycl_usm_array_interface__ (dpctl's), whose memory is taken "         \
-      "without a\ncopy if it is " kind " memory (reference_obj keeps the "    \
-      "object alive; a\nmapping it holds stays mapped), else copied into a "  \
+      "without a\ncopy if it is " kind " memory (reference_obj keeps the "     \
+      "object alive; a\nmapping it holds stays mapped), else copied into a "   \
       "new allocation on\nits device (or the one given) when copy=True, "      \
       "else usmipc.ArgumentError."
 
@@ -1254,8 +1144,7 @@ static PyType_Slot usm_host_slots[] = {
 };
 static PyType_Slot usm_shared_slots[] = {
     {Py_tp_doc,
-     (void *)USM_DOC("MemoryUSMShared", "shared (migrating) memory",
-                     "shared")},
+     (void *)USM_DOC("MemoryUSMShared", "shared (migrating) memory", "shared")},
     {Py_tp_new, usm_shared_new},
     SUBTYPE_GC_SLOTS{0, NULL},
 };
@@ -1316,20 +1205,20 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   const char *ipc = NULL;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "|n$OOz:MemoryPool", kwlist,
                                    &nbytes, &device_arg, &queue_arg, &ipc)) {
-    usmipc_retype_parse_error();
+    pyusmipc_retype_parse_error();
     return NULL;
   }
   if (nbytes < 0) {
-    usmipc_value_error("nbytes must be 0 (64 MiB) or positive, "
-                                   "not %zd",
-                 nbytes);
+    pyusmipc_value_error("nbytes must be 0 (64 MiB) or positive, "
+                         "not %zd",
+                         nbytes);
     return NULL;
   }
   unsigned flags;
   if (ipc_flags(ipc, &flags) < 0) {
     return NULL;
   }
-  usmipc_module_state_t *st = usmipc_state_from_type(type);
+  pyusmipc_module_state_t *st = pyusmipc_state_from_type(type);
   if (st == NULL) {
     return NULL;
   }
@@ -1338,7 +1227,7 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
       0) {
     return NULL;
   }
-  Pool *self = (Pool *)usmipc_object_alloc(type);
+  Pool *self = (Pool *)pyusmipc_object_alloc(type);
   if (self == NULL) {
     Py_DECREF(device_obj);
     Py_DECREF(queue_obj);
@@ -1347,10 +1236,10 @@ static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   self->device = device_obj;
   self->queue = queue_obj;
   self->capacity = nbytes;
-  int rc = usmipc_pool_create(((usmipc_device_object_t *)device_obj)->device,
+  int rc = usmipc_pool_create(((pyusmipc_device_object_t *)device_obj)->device,
                               (size_t)nbytes, flags, &self->pool);
   if (rc < 0) {
-    usmipc_raise(st, rc);
+    pyusmipc_raise(st, rc);
     Py_DECREF(self);
     return NULL;
   }
@@ -1363,16 +1252,17 @@ static PyObject *pool_allocate(PyObject *op, PyObject *args, PyObject *kwds) {
   Py_ssize_t nbytes, alignment = 0;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|n:allocate", kwlist, &nbytes,
                                    &alignment)) {
-    usmipc_retype_parse_error();
+    pyusmipc_retype_parse_error();
     return NULL;
   }
   if (nbytes <= 0 || alignment < 0) {
-    usmipc_value_error("nbytes must be positive and alignment 0 or a power of two, "
-                 "not %zd and %zd",
-                 nbytes, alignment);
+    pyusmipc_value_error(
+        "nbytes must be positive and alignment 0 or a power of two, "
+        "not %zd and %zd",
+        nbytes, alignment);
     return NULL;
   }
-  usmipc_module_state_t *st = usmipc_state_from_device(pool->device);
+  pyusmipc_module_state_t *st = pyusmipc_state_from_device(pool->device);
   Mem *self = memory_new(st->MemoryUSMDeviceType, pool->device, pool->queue,
                          nbytes, USMIPC_MEM_DEVICE);
   if (self == NULL) {
@@ -1385,7 +1275,7 @@ static PyObject *pool_allocate(PyObject *op, PyObject *args, PyObject *kwds) {
   rc = usmipc_pool_malloc(p, (size_t)nbytes, (size_t)alignment, &ptr);
   Py_END_ALLOW_THREADS
   if (rc < 0) {
-    usmipc_raise(st, rc);
+    pyusmipc_raise(st, rc);
     Py_DECREF(self);
     return NULL;
   }
@@ -1401,8 +1291,7 @@ static PyObject *pool_get_device(PyObject *op, void *closure) {
 
 static PyObject *pool_repr(PyObject *op) {
   Pool *self = (Pool *)op;
-  return PyUnicode_FromFormat("<usmipc.memory.MemoryPool on %R>",
-                              self->device);
+  return PyUnicode_FromFormat("<usmipc.memory.MemoryPool on %R>", self->device);
 }
 
 static int pool_traverse(PyObject *op, visitproc visit, void *arg) {
@@ -1417,15 +1306,14 @@ static void pool_dealloc(PyObject *op) {
   Pool *self = (Pool *)op;
   PyObject_GC_UnTrack(op);
   /* Every block held a reference: none is live now. */
-  USMIPC_DESTROY_WITHOUT_GIL(usmipc_pool_t, self->pool, usmipc_pool_destroy);
+  PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_pool_t, self->pool, usmipc_pool_destroy);
   Py_CLEAR(self->device);
   Py_CLEAR(self->queue);
-  usmipc_object_free(op);
+  pyusmipc_object_free(op);
 }
 
 static PyMethodDef pool_methods[] = {
-    {"allocate", USMIPC_CMETHOD(pool_allocate),
-     METH_VARARGS | METH_KEYWORDS,
+    {"allocate", PYUSMIPC_CMETHOD(pool_allocate), METH_VARARGS | METH_KEYWORDS,
      "allocate($self, /, nbytes, alignment=0)\n--\n\nA block of the pool "
      "as a MemoryUSMDevice (aligned to alignment, 0: 256\nbytes); its "
      "IPCMemoryHandle is a block handle, which importers open with\na "
@@ -1477,7 +1365,7 @@ static PyTypeObject *make_subtype(PyObject *module, PyType_Spec *spec,
   return type;
 }
 
-int usmipc_init_memory_types(PyObject *module, usmipc_module_state_t *st) {
+int pyusmipc_init_memory_types(PyObject *module, pyusmipc_module_state_t *st) {
   st->MemoryType =
       (PyTypeObject *)PyType_FromModuleAndSpec(module, &memory_spec, NULL);
   if (st->MemoryType == NULL || PyModule_AddType(module, st->MemoryType) < 0) {

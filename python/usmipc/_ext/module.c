@@ -1,463 +1,55 @@
-/* usmipc._usmipc: module initialization (PEP 489 multi-phase), module state,
- * the mapping of usmipc error codes to Python exceptions, the interrupt hook
- * that lets Ctrl-C end an open or an event wait, and the module functions
- * get_devices(), backends(), set_ipc_cache_size(), set_ipc_cache_bytes(),
- * set_ipc_timeout(), set_event_timeout() (event.c), and for the PyTorch
- * allocator _torch_pool_info() and _last_error() (usmipc.memory). */
-#include "ext.h"
+/* Floor 8 of the extension usmipc._usmipc, the top: module initialization
+ * (PEP 489 multi-phase), the module state's exceptions and lifecycle, the
+ * interrupt hook that lets Ctrl-C end an open or an event wait, and the
+ * module functions get_devices(), backends(), set_ipc_cache_size()
+ * (ipc_handle.c), set_ipc_cache_bytes(), set_ipc_timeout(),
+ * set_event_timeout() (event.c), share() (bundle.c), open_shared(),
+ * close_shared(), release_shared() (shared_array.c), stats(),
+ * reset_stats(), and for the PyTorch allocator _torch_pool_info() and
+ * _last_error() (usmipc.memory).
+ *
+ * The floors of the extension: each file calls only files on lower floors,
+ * and includes only its own header and those of lower floors (one header
+ * per file; a header includes only lower ones).
+ *
+ *   8  module.c         module init and module functions
+ *   7  ipc_handle.c     IPCMemoryHandle
+ *      shared_array.c   open_shared(), SharedArray (bundles, consumer's side)
+ *   6  memory.c         the memory types of usmipc.memory, MemoryPool
+ *      bundle.c         share(), SharedBundle (bundles, producer's side)
+ *   5  interop.c        DLPack and the array interfaces, both ways
+ *   4  memory_core.c    the memory object's core: operation count, copies
+ *      event.c          Event, IPCEventHandle
+ *   3  queue.c          Queue, default queues, stream= arguments
+ *   2  device.c         Device, the per-device cache
+ *      handle_bytes.c   handle bytes both handle types take and show
+ *   1  util.c           state lookup, errors, argument parsing
+ *      dlpack.h         the DLPack structures
+ */
+#include "bundle.h"
+#include "device.h"
+#include "event.h"
+#include "ipc_handle.h"
+#include "memory.h"
+#include "memory_core.h"
+#include "queue.h"
+#include "shared_array.h"
+#include "util.h"
 
-#include <errno.h>
 #include <limits.h>
 #include <math.h>
-#include <stdarg.h>
 #include <string.h>
-
-/* ---- module state lookup ------------------------------------------------- */
-
-usmipc_module_state_t *usmipc_state_from_type(PyTypeObject *type) {
-  PyTypeObject *t = type;
-  while (t != NULL) {
-    if (PyType_GetFlags(t) & Py_TPFLAGS_HEAPTYPE) {
-      PyObject *module = PyType_GetModule(t); /* borrowed */
-      if (module == NULL) {
-        PyErr_Clear(); /* a heap type without a module: a Python subclass */
-      } else if (PyModule_GetDef(module) == &usmipc_module_def) {
-        return (usmipc_module_state_t *)PyModule_GetState(module);
-      }
-    }
-    t = (PyTypeObject *)PyType_GetSlot(t, Py_tp_base);
-  }
-  usmipc_type_error("usmipc: object's type does not derive from a usmipc type");
-  return NULL;
-}
-
-/* ---- errors -------------------------------------------------------------- */
-
-static PyObject *exception_type_for(usmipc_module_state_t *st, int code) {
-  switch (code) {
-  case USMIPC_EINVAL:
-  case USMIPC_EBADHANDLE:
-  case USMIPC_EHANDLEVERSION:
-  case USMIPC_ERANGE:
-  case USMIPC_EOTHERHOST:
-  case USMIPC_EWRONGDEVICE:
-    return st->ArgumentError;
-  case USMIPC_EMEMKIND:
-    return st->MemoryKindError;
-  case USMIPC_ENOMEM:
-    return st->OutOfMemoryError;
-  case USMIPC_ETIMEDOUT:
-    /* usmipc.IPCTimeoutError: both a usmipc.Error and a TimeoutError, so
-     * that code catching either (or OSError with errno ETIMEDOUT) sees it. */
-    return st->TimeoutError;
-  default:
-    /* Also USMIPC_EINTR without a pending exception, USMIPC_EMFILE,
-     * USMIPC_ENAMESPACE and USMIPC_EUNTRUSTED: runtime conditions, told
-     * apart by .code / .name. */
-    return st->Error;
-  }
-}
-
-static PyObject *raise_with_type(usmipc_module_state_t *st, PyObject *type,
-                                 int code, const char *message, long native);
-
-static PyObject *raise_with(usmipc_module_state_t *st, int code,
-                            const char *message, long native) {
-  return raise_with_type(st, exception_type_for(st, code), code, message,
-                         native);
-}
-
-PyObject *usmipc_raise_as(usmipc_module_state_t *st, PyObject *type,
-                          int code) {
-  const char *message = usmipc_last_error();
-  if (message == NULL || message[0] == '\0')
-    message = usmipc_strerror(code);
-  return raise_with_type(st, type, code, message, usmipc_last_native_error());
-}
-
-static PyObject *raise_with_type(usmipc_module_state_t *st, PyObject *type,
-                                 int code, const char *message, long native) {
-  (void)st;
-  if (type == NULL) {
-    type = PyExc_RuntimeError; /* the module state was cleared (shutdown) */
-  }
-  PyObject *text =
-      PyUnicode_DecodeUTF8(message, (Py_ssize_t)strlen(message), "replace");
-  if (text == NULL) {
-    return NULL;
-  }
-  PyObject *exc = PyObject_CallFunctionObjArgs(type, text, NULL);
-  Py_DECREF(text);
-  if (exc == NULL) {
-    return NULL;
-  }
-  PyObject *code_obj = PyLong_FromLong(code);
-  PyObject *name_obj = PyUnicode_FromString(usmipc_err_name(code));
-  PyObject *native_obj = PyLong_FromLong(native);
-  if (code_obj == NULL || name_obj == NULL || native_obj == NULL ||
-      PyObject_SetAttrString(exc, "code", code_obj) < 0 ||
-      PyObject_SetAttrString(exc, "name", name_obj) < 0 ||
-      PyObject_SetAttrString(exc, "native_code", native_obj) < 0) {
-    Py_XDECREF(code_obj);
-    Py_XDECREF(name_obj);
-    Py_XDECREF(native_obj);
-    Py_DECREF(exc);
-    return NULL;
-  }
-  Py_DECREF(code_obj);
-  Py_DECREF(name_obj);
-  Py_DECREF(native_obj);
-  if (code == USMIPC_ETIMEDOUT && PyObject_IsSubclass(type, PyExc_OSError)) {
-    /* As an OSError it says errno ETIMEDOUT (str() stays the message). */
-    PyObject *errno_obj = PyLong_FromLong(ETIMEDOUT);
-    if (errno_obj == NULL ||
-        PyObject_SetAttrString(exc, "errno", errno_obj) < 0) {
-      Py_XDECREF(errno_obj);
-      Py_DECREF(exc);
-      return NULL;
-    }
-    Py_DECREF(errno_obj);
-  }
-  PyErr_SetObject(type, exc);
-  Py_DECREF(exc);
-  return NULL;
-}
-
-PyObject *usmipc_raise(usmipc_module_state_t *st, int code) {
-  if (code == USMIPC_EINTR && PyErr_Occurred()) {
-    /* The interrupt hook ran a signal handler that raised (Ctrl-C:
-     * KeyboardInterrupt) and so abandoned the call: that exception, left
-     * pending on this thread, is the one to propagate. */
-    return NULL;
-  }
-  /* Both are thread-local in the core and valid until the next usmipc call
-   * on this thread; nothing below calls into usmipc before they are used. */
-  const char *message = usmipc_last_error();
-  long native = usmipc_last_native_error();
-  if (message == NULL || message[0] == '\0') {
-    message = usmipc_strerror(code);
-  }
-  return raise_with(st, code, message, native);
-}
-
-PyObject *usmipc_raise_msg(usmipc_module_state_t *st, int code,
-                           const char *message) {
-  return raise_with(st, code, message, 0);
-}
-
-PyObject *usmipc_raise_format(usmipc_module_state_t *st, int code,
-                              const char *format, ...) {
-  va_list ap;
-  va_start(ap, format);
-  PyObject *text = PyUnicode_FromFormatV(format, ap);
-  va_end(ap);
-  if (text == NULL) {
-    return NULL;
-  }
-  const char *message = PyUnicode_AsUTF8AndSize(text, NULL);
-  if (message != NULL) {
-    usmipc_raise_msg(st, code, message);
-  }
-  Py_DECREF(text);
-  return NULL;
-}
-
-/* ---- the extension's own argument errors ---------------------------------
- *
- * Errors the extension finds itself (a bad argument, memory of the wrong
- * kind) are usmipc.Error subclasses too, with the code they would have had
- * from the library. Raising one finds the module's state through
- * sys.modules, so that any function can raise without a state at hand;
- * errors are the slow path. If the module is gone (interpreter shutdown),
- * the plain built-in exception is raised instead. */
-
-static usmipc_module_state_t *state_of_imported_module(void) {
-  PyObject *name = PyUnicode_FromString("usmipc._usmipc");
-  if (name == NULL) {
-    return NULL;
-  }
-  PyObject *module = PyImport_GetModule(name); /* new reference or NULL */
-  Py_DECREF(name);
-  if (module == NULL) {
-    PyErr_Clear();
-    return NULL;
-  }
-  usmipc_module_state_t *st = NULL;
-  if (PyModule_Check(module) && PyModule_GetDef(module) == &usmipc_module_def) {
-    st = PyModule_GetState(module);
-  } else {
-    PyErr_Clear();
-  }
-  Py_DECREF(module); /* sys.modules keeps it alive */
-  return st;
-}
-
-static PyObject *raise_own(int which, const char *format, va_list va) {
-  PyErr_Clear(); /* replaces a pending exception, as PyErr_Format does */
-  PyObject *text = PyUnicode_FromFormatV(format, va);
-  if (text == NULL) {
-    return NULL;
-  }
-  usmipc_module_state_t *st = state_of_imported_module();
-  PyObject *type = NULL, *builtin;
-  int code;
-  switch (which) {
-  case 1:
-    builtin = PyExc_TypeError;
-    code = USMIPC_EINVAL;
-    type = st ? st->ArgumentTypeError : NULL;
-    break;
-  case 2:
-    builtin = PyExc_TypeError;
-    code = USMIPC_EMEMKIND;
-    type = st ? st->MemoryKindError : NULL;
-    break;
-  default:
-    builtin = PyExc_ValueError;
-    code = USMIPC_EINVAL;
-    type = st ? st->ArgumentError : NULL;
-    break;
-  }
-  if (type == NULL) {
-    PyErr_SetObject(builtin, text);
-    Py_DECREF(text);
-    return NULL;
-  }
-  const char *message = PyUnicode_AsUTF8AndSize(text, NULL);
-  if (message == NULL) {
-    Py_DECREF(text);
-    return NULL;
-  }
-  raise_with_type(st, type, code, message, 0);
-  Py_DECREF(text);
-  return NULL;
-}
-
-PyObject *usmipc_value_error(const char *format, ...) {
-  va_list va;
-  va_start(va, format);
-  raise_own(0, format, va);
-  va_end(va);
-  return NULL;
-}
-
-PyObject *usmipc_type_error(const char *format, ...) {
-  va_list va;
-  va_start(va, format);
-  raise_own(1, format, va);
-  va_end(va);
-  return NULL;
-}
-
-PyObject *usmipc_kind_error(const char *format, ...) {
-  va_list va;
-  va_start(va, format);
-  raise_own(2, format, va);
-  va_end(va);
-  return NULL;
-}
-
-int usmipc_retype_parse_error(void) {
-  if (!PyErr_Occurred() || !PyErr_ExceptionMatches(PyExc_TypeError)) {
-    return -1;
-  }
-  PyObject *type, *value, *traceback;
-  PyErr_Fetch(&type, &value, &traceback);
-  PyErr_NormalizeException(&type, &value, &traceback);
-  usmipc_module_state_t *st = state_of_imported_module();
-  if (st == NULL || st->ArgumentTypeError == NULL ||
-      type != PyExc_TypeError || value == NULL) {
-    /* already one of ours (or a subclass someone raised): leave it */
-    PyErr_Restore(type, value, traceback);
-    return -1;
-  }
-  PyObject *text = PyObject_Str(value);
-  const char *message = text ? PyUnicode_AsUTF8AndSize(text, NULL) : NULL;
-  if (message == NULL) {
-    Py_XDECREF(text);
-    PyErr_Clear();
-    PyErr_Restore(type, value, traceback);
-    return -1;
-  }
-  raise_with_type(st, st->ArgumentTypeError, USMIPC_EINVAL, message, 0);
-  Py_DECREF(text);
-  Py_XDECREF(type);
-  Py_XDECREF(value);
-  Py_XDECREF(traceback);
-  return -1;
-}
-
-PyObject *usmipc_state_cleared(void) {
-  PyErr_SetString(PyExc_RuntimeError,
-                  "usmipc: the usmipc._usmipc module was already finalized");
-  return NULL;
-}
-
-/* ---- the per-device cache ------------------------------------------------ */
-
-static usmipc_device_slot_t *find_slot(usmipc_module_state_t *st,
-                                       usmipc_device_t *device) {
-  for (Py_ssize_t i = 0; i < st->nslots; i++) {
-    if (st->slots[i].device == device) {
-      return &st->slots[i];
-    }
-  }
-  return NULL;
-}
-
-PyObject *usmipc_device_object(usmipc_module_state_t *st,
-                               usmipc_device_t *device) {
-  usmipc_device_slot_t *slot = find_slot(st, device);
-  if (slot != NULL) {
-    return Py_NewRef(slot->device_obj);
-  }
-  if (st->DeviceType == NULL) {
-    return usmipc_state_cleared();
-  }
-  if (st->nslots == st->slots_capacity) {
-    Py_ssize_t capacity = st->slots_capacity ? st->slots_capacity * 2 : 8;
-    usmipc_device_slot_t *slots =
-        PyMem_Realloc(st->slots, (size_t)capacity * sizeof(*slots));
-    if (slots == NULL) {
-      return PyErr_NoMemory();
-    }
-    st->slots = slots;
-    st->slots_capacity = capacity;
-  }
-  PyObject *obj = usmipc_object_alloc(st->DeviceType);
-  if (obj == NULL) {
-    return NULL;
-  }
-  ((usmipc_device_object_t *)obj)->device = device;
-  slot = &st->slots[st->nslots++];
-  slot->device = device;
-  slot->device_obj = Py_NewRef(obj);
-  slot->queue_obj = NULL;
-  slot->has_events = -1;
-  return obj;
-}
-
-PyObject *usmipc_default_queue(usmipc_module_state_t *st,
-                               PyObject *device_obj) {
-  usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
-  usmipc_device_slot_t *slot = find_slot(st, device);
-  if (slot != NULL && slot->queue_obj != NULL) {
-    return Py_NewRef(slot->queue_obj);
-  }
-  PyObject *queue = usmipc_queue_new(st, device_obj);
-  if (queue == NULL) {
-    return NULL;
-  }
-  /* Creating the queue ran Python code at most through allocation, but the
-   * slot array may have grown: look the slot up again. */
-  slot = find_slot(st, device);
-  if (slot != NULL && slot->queue_obj == NULL) {
-    slot->queue_obj = Py_NewRef(queue);
-  }
-  return queue;
-}
-
-int usmipc_device_has_events(usmipc_module_state_t *st, PyObject *device_obj) {
-  usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
-  usmipc_device_slot_t *slot = find_slot(st, device);
-  if (slot != NULL && slot->has_events >= 0) {
-    return slot->has_events;
-  }
-  usmipc_event_t *event = NULL;
-  int rc;
-  Py_BEGIN_ALLOW_THREADS
-  rc = usmipc_event_create(device, 0, &event);
-  if (rc == 0) {
-    usmipc_event_destroy(event);
-  }
-  Py_END_ALLOW_THREADS
-  if (rc < 0 && rc != USMIPC_ENOTSUP) {
-    usmipc_raise(st, rc);
-    return -1;
-  }
-  int has = rc == 0;
-  slot = find_slot(st, device); /* the GIL was released: look again */
-  if (slot != NULL) {
-    slot->has_events = (signed char)has;
-  }
-  return has;
-}
-
-/* ---- argument parsing ---------------------------------------------------- */
-
-int usmipc_parse_fastcall(const char *funcname, PyObject *const *args,
-                          Py_ssize_t nargs, PyObject *kwnames,
-                          const char *const *names, Py_ssize_t nnames,
-                          Py_ssize_t npositional, PyObject **out) {
-  for (Py_ssize_t i = 0; i < nnames; i++) {
-    out[i] = NULL;
-  }
-  if (nargs > npositional) {
-    usmipc_type_error("%s() takes at most %zd positional argument%s (%zd given)",
-                 funcname, npositional, npositional == 1 ? "" : "s", nargs);
-    return -1;
-  }
-  for (Py_ssize_t i = 0; i < nargs; i++) {
-    out[i] = args[i];
-  }
-  if (kwnames == NULL) {
-    return 0;
-  }
-  Py_ssize_t nkw = PyTuple_Size(kwnames);
-  for (Py_ssize_t k = 0; k < nkw; k++) {
-    PyObject *key = PyTuple_GetItem(kwnames, k); /* borrowed */
-    Py_ssize_t j = 0;
-    while (j < nnames && PyUnicode_CompareWithASCIIString(key, names[j]) != 0) {
-      j++;
-    }
-    if (j == nnames) {
-      usmipc_type_error("%s() got an unexpected keyword argument '%U'", funcname,
-                   key);
-      return -1;
-    }
-    if (out[j] != NULL) {
-      usmipc_type_error("%s() got multiple values for argument '%s'", funcname,
-                   names[j]);
-      return -1;
-    }
-    out[j] = args[nargs + k];
-  }
-  return 0;
-}
-
-int usmipc_parse_one_arg(const char *funcname, const char *name,
-                         PyObject *const *args, Py_ssize_t nargs,
-                         PyObject *kwnames, PyObject **out) {
-  const char *const names[] = {name};
-  if (usmipc_parse_fastcall(funcname, args, nargs, kwnames, names, 1, 1,
-                            out) < 0) {
-    return -1;
-  }
-  if (*out == NULL) {
-    usmipc_type_error("%s() missing argument '%s'", funcname, name);
-    return -1;
-  }
-  return 0;
-}
-
-PyObject *usmipc_optional_attr(PyObject *obj, const char *name) {
-  PyObject *value = PyObject_GetAttrString(obj, name);
-  if (value == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
-    PyErr_Clear();
-  }
-  return value;
-}
 
 /* ---- module functions ---------------------------------------------------- */
 
 static PyObject *get_devices(PyObject *module, PyObject *Py_UNUSED(ignored)) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   usmipc_device_t *stack[16];
   usmipc_device_t **devices = stack;
   size_t count = 0;
   int rc = usmipc_get_devices(stack, 16, &count);
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   if (count > 16) {
     devices = PyMem_Malloc(count * sizeof(*devices));
@@ -468,7 +60,7 @@ static PyObject *get_devices(PyObject *module, PyObject *Py_UNUSED(ignored)) {
     rc = usmipc_get_devices(devices, capacity, &count);
     if (rc < 0) {
       PyMem_Free(devices);
-      return usmipc_raise(st, rc);
+      return pyusmipc_raise(st, rc);
     }
     if (count > capacity) {
       count = capacity; /* devices are probed once; cannot grow */
@@ -476,7 +68,7 @@ static PyObject *get_devices(PyObject *module, PyObject *Py_UNUSED(ignored)) {
   }
   PyObject *list = PyList_New(0);
   for (size_t i = 0; list != NULL && i < count; i++) {
-    PyObject *obj = usmipc_device_object(st, devices[i]);
+    PyObject *obj = pyusmipc_device_object(st, devices[i]);
     if (obj == NULL || PyList_Append(list, obj) < 0) {
       Py_XDECREF(obj);
       Py_CLEAR(list);
@@ -524,32 +116,15 @@ static PyObject *backends(PyObject *module, PyObject *Py_UNUSED(ignored)) {
   return result;
 }
 
-PyObject *usmipc_set_ipc_cache_size(usmipc_module_state_t *st, PyObject *arg) {
-  Py_ssize_t entries = PyLong_AsSsize_t(arg);
-  if (entries == -1 && PyErr_Occurred()) {
-    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
-    return NULL;
-  }
-  if (entries < 0) {
-    usmipc_value_error("entries must be >= 0");
-    return NULL;
-  }
-  int rc = usmipc_ipc_set_cache_size((size_t)entries);
-  if (rc < 0) {
-    return usmipc_raise(st, rc);
-  }
-  Py_RETURN_NONE;
-}
-
 static PyObject *set_ipc_cache_size(PyObject *module, PyObject *arg) {
-  return usmipc_set_ipc_cache_size(PyModule_GetState(module), arg);
+  return pyusmipc_set_ipc_cache_size(PyModule_GetState(module), arg);
 }
 
 static PyObject *set_ipc_cache_bytes(PyObject *module, PyObject *arg) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   PyObject *index = PyNumber_Index(arg);
   if (index == NULL) {
-    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
+    pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   PyObject *zero = PyLong_FromLong(0);
@@ -558,7 +133,7 @@ static PyObject *set_ipc_cache_bytes(PyObject *module, PyObject *arg) {
   Py_XDECREF(zero);
   if (negative != 0) {
     if (negative > 0) {
-      usmipc_value_error("nbytes must be >= 0, not %R", index);
+      pyusmipc_value_error("nbytes must be >= 0, not %R", index);
     }
     Py_DECREF(index);
     return NULL;
@@ -570,22 +145,23 @@ static PyObject *set_ipc_cache_bytes(PyObject *module, PyObject *arg) {
   }
   int rc = usmipc_ipc_set_cache_bytes(nbytes);
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   Py_RETURN_NONE;
 }
 
 static PyObject *set_ipc_timeout(PyObject *module, PyObject *arg) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   double seconds = PyFloat_AsDouble(arg); /* any real number */
   if (seconds == -1.0 && PyErr_Occurred()) {
-    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
+    pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   if (isnan(seconds) || seconds < 0.0) {
-    usmipc_value_error("timeout must be >= 0 seconds (0 restores the default), "
-                 "not %R",
-                 arg);
+    pyusmipc_value_error(
+        "timeout must be >= 0 seconds (0 restores the default), "
+        "not %R",
+        arg);
     return NULL;
   }
   /* Whole milliseconds, rounded up (the 1e-6 forgives float noise such as
@@ -593,8 +169,8 @@ static PyObject *set_ipc_timeout(PyObject *module, PyObject *arg) {
    * which would mean the default. */
   double ms = ceil(seconds * 1000.0 - 1e-6);
   if (ms > (double)UINT_MAX) {
-    usmipc_value_error("timeout must be at most %u.%03u seconds, not %R",
-                 UINT_MAX / 1000u, UINT_MAX % 1000u, arg);
+    pyusmipc_value_error("timeout must be at most %u.%03u seconds, not %R",
+                         UINT_MAX / 1000u, UINT_MAX % 1000u, arg);
     return NULL;
   }
   unsigned timeout_ms = (unsigned)ms;
@@ -603,7 +179,7 @@ static PyObject *set_ipc_timeout(PyObject *module, PyObject *arg) {
   }
   int rc = usmipc_ipc_set_timeout(timeout_ms);
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   Py_RETURN_NONE;
 }
@@ -612,7 +188,7 @@ static PyObject *strerror_(PyObject *module, PyObject *arg) {
   (void)module;
   long code = PyLong_AsLong(arg);
   if (code == -1 && PyErr_Occurred()) {
-    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
+    pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   return PyUnicode_FromString(usmipc_strerror((int)code));
@@ -620,7 +196,7 @@ static PyObject *strerror_(PyObject *module, PyObject *arg) {
 
 /* A diagnostic for tests: what the library knows of an address. */
 static PyObject *pointer_query(PyObject *module, PyObject *arg) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   void *ptr = PyLong_AsVoidPtr(arg);
   if (ptr == NULL && PyErr_Occurred()) {
     return NULL;
@@ -628,11 +204,11 @@ static PyObject *pointer_query(PyObject *module, PyObject *arg) {
   usmipc_pointer_info_t info;
   int rc = usmipc_pointer_query(ptr, &info);
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   PyObject *device = Py_None;
   if (info.device != NULL) {
-    device = usmipc_device_object(st, info.device);
+    device = pyusmipc_device_object(st, info.device);
     if (device == NULL) {
       return NULL;
     }
@@ -640,8 +216,8 @@ static PyObject *pointer_query(PyObject *module, PyObject *arg) {
     Py_INCREF(device);
   }
   return Py_BuildValue("{sNsssNsnsKsOsO}", "device", device, "kind",
-                       usmipc_kind_name(info.kind),
-                       "base", PyLong_FromVoidPtr(info.base), "size",
+                       pyusmipc_kind_name(info.kind), "base",
+                       PyLong_FromVoidPtr(info.base), "size",
                        (Py_ssize_t)info.size, "buffer_id",
                        (unsigned long long)info.buffer_id, "is_ipc_mapping",
                        info.is_ipc_mapping ? Py_True : Py_False, "is_foreign",
@@ -653,14 +229,14 @@ static PyObject *pointer_query(PyObject *module, PyObject *arg) {
  * for their streams were waited for. Creates the pool (no memory) if the
  * allocator has not used the device yet. */
 static PyObject *torch_pool_info(PyObject *module, PyObject *arg) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   long device = PyLong_AsLong(arg);
   if (device == -1 && PyErr_Occurred()) {
-    usmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
+    pyusmipc_retype_parse_error(); /* a wrong type: ArgumentTypeError */
     return NULL;
   }
   if (device < INT_MIN || device > INT_MAX) {
-    usmipc_value_error("no CUDA device %ld", device);
+    pyusmipc_value_error("no CUDA device %ld", device);
     return NULL;
   }
   usmipc_pool_t *pool = NULL;
@@ -676,7 +252,7 @@ static PyObject *torch_pool_info(PyObject *module, PyObject *arg) {
   }
   Py_END_ALLOW_THREADS
   if (rc < 0) {
-    return usmipc_raise(st, rc);
+    return pyusmipc_raise(st, rc);
   }
   return Py_BuildValue("{snsnsnsn}", "segments", (Py_ssize_t)info.segments,
                        "segment_bytes", (Py_ssize_t)info.segment_bytes,
@@ -688,9 +264,8 @@ static PyObject *torch_pool_info(PyObject *module, PyObject *arg) {
  * from usmipc_torch_malloc (a tensor whose data_ptr() is 0) was about. */
 static PyObject *last_error(PyObject *module, PyObject *Py_UNUSED(ignored)) {
   (void)module;
-  return PyUnicode_DecodeUTF8(usmipc_last_error(),
-                              (Py_ssize_t)strlen(usmipc_last_error()),
-                              "replace");
+  return PyUnicode_DecodeUTF8(
+      usmipc_last_error(), (Py_ssize_t)strlen(usmipc_last_error()), "replace");
 }
 
 static PyMethodDef module_methods[] = {
@@ -722,7 +297,7 @@ static PyMethodDef module_methods[] = {
      "USMIPC_ETIMEDOUT). 0 restores the default (5 s, or\n"
      "USMIPC_IPC_TIMEOUT_MS); negative values raise ValueError. Ctrl-C\n"
      "interrupts a waiting open (KeyboardInterrupt) whatever the timeout."},
-    {"set_event_timeout", usmipc_set_event_timeout, METH_O,
+    {"set_event_timeout", pyusmipc_set_event_timeout, METH_O,
      "set_event_timeout(seconds)\n\n"
      "The limit of every host wait on an event (Event.synchronize(),\n"
      "Event.wait() without a stream, IPCMemoryHandle.open() of an ordered\n"
@@ -747,6 +322,77 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *stats(PyObject *module, PyObject *Py_UNUSED(x)) {
+  (void)module;
+  usmipc_stats_t s;
+  usmipc_get_stats(&s, sizeof(s));
+  return Py_BuildValue(
+      "{s:K,s:K,s:K,s:K,s:K,s:K}", "driver_exports", s.driver_exports,
+      "driver_imports", s.driver_imports, "driver_queries", s.driver_queries,
+      "descriptors_sent", s.descriptors_sent, "descriptors_received",
+      s.descriptors_received, "transport_exchanges", s.transport_exchanges);
+}
+
+static PyObject *reset_stats(PyObject *module, PyObject *Py_UNUSED(x)) {
+  (void)module;
+  usmipc_reset_stats();
+  Py_RETURN_NONE;
+}
+
+/* usmipc.share (bundle.c), open_shared, close_shared, release_shared
+ * (shared_array.c), stats and reset_stats: added by module_exec after the
+ * types SharedBundle and SharedArray, where the module has always had them. */
+static PyMethodDef bundle_functions[] = {
+    {"share", PYUSMIPC_CMETHOD(pyusmipc_share), METH_FASTCALL | METH_KEYWORDS,
+     "share(obj, stream=None, ordered=None, release=False)\n--\n\n"
+     "Exports an array (usmipc memory, a torch tensor, anything with "
+     "__cuda_array_interface__ or __dlpack__) or a dict / list / tuple of "
+     "them (a state_dict) for other processes: each allocation once, every "
+     "array as metadata. Returns a SharedBundle (to_bytes(), pickle) that "
+     "keeps the arrays alive. Ordered like IPCMemoryHandle: each "
+     "to_bytes() records an event on stream (default: the arrays' current "
+     "stream) that open_shared waits for; ordered=False turns that off. "
+     "release=True: every to_bytes() (and pickle) also carries a release "
+     "ticket, which the consumer returns with release_shared() (or by "
+     "closing what it opened); SharedBundle.wait_released() waits for all "
+     "of them."},
+    {"open_shared", PYUSMIPC_CMETHOD(pyusmipc_open_shared),
+     METH_FASTCALL | METH_KEYWORDS,
+     "open_shared(data, device=None, stream=None, to=None)\n--\n\n"
+     "Opens the bytes of a SharedBundle (or the bundle itself): the same "
+     "nesting, each array a SharedArray mapped without a copy. Waits for "
+     "the producer's work on the host, or on stream (the device waits). "
+     "to='torch' gives torch tensors instead (made from DLPack capsules in "
+     "C, faster than torch.from_dlpack per leaf), ready on stream; each "
+     "keeps its mapping until it dies."},
+    {"close_shared", PYUSMIPC_CMETHOD(pyusmipc_close_shared),
+     METH_FASTCALL | METH_KEYWORDS,
+     "close_shared(tree, stream=None)\n--\n\nCloses every SharedArray of "
+     "a tree open_shared() returned (they also close when collected). If "
+     "the producer asked for a release (share(..., release=True)), the "
+     "ticket goes back first: after the work submitted to stream, or, "
+     "without one, from the host."},
+    {"release_shared", PYUSMIPC_CMETHOD(pyusmipc_release_shared),
+     METH_FASTCALL | METH_KEYWORDS,
+     "release_shared(tree, stream=None)\n--\n\nTells the producer of a "
+     "bundle shared with release=True that this consumer is done with it, "
+     "after the work submitted to stream (None: now): its "
+     "SharedBundle.wait_released() counts the ticket and makes its stream "
+     "wait for that work. tree is what open_shared() returned (or any of "
+     "its SharedArray leaves), or the bytes it opened (for "
+     "to='torch' trees). Once per open: closing the last array of an open "
+     "returns its ticket from the host, if nothing did before. Bytes that "
+     "carry no ticket are refused; a tree of them needs nothing."},
+    {"stats", stats, METH_NOARGS,
+     "stats()\n--\n\nWhat IPC has cost this process: driver exports, "
+     "imports and queries, descriptors sent and received, round trips to "
+     "other processes' brokers (usmipc_get_stats)."},
+    {"reset_stats", reset_stats, METH_NOARGS,
+     "reset_stats()\n--\n\nSets the counters of stats() to zero."},
+    {"_bundle_from_bytes", pyusmipc_bundle_from_bytes, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
 /* ---- the interrupt hook -------------------------------------------------- */
 
 /* usmipc_ipc_open (and an event's host wait, usmipc_event_synchronize) calls
@@ -756,7 +402,7 @@ static PyMethodDef module_methods[] = {
  * thread of the main interpreter; elsewhere it returns 0): if one raised,
  * KeyboardInterrupt for SIGINT, the exception stays pending on this thread
  * and the nonzero return abandons the open with USMIPC_EINTR, which
- * usmipc_raise turns into that exception.
+ * pyusmipc_raise turns into that exception.
  *
  * From the atexit callback on, the hook no longer touches the interpreter:
  * in a daemon thread still waiting while the interpreter finalizes,
@@ -835,7 +481,7 @@ static int add_error_codes(PyObject *module) {
   return rc;
 }
 
-static int create_error(PyObject *module, usmipc_module_state_t *st) {
+static int create_error(PyObject *module, pyusmipc_module_state_t *st) {
   PyObject *dict = Py_BuildValue("{sOsOsO}", "code", Py_None, "name", Py_None,
                                  "native_code", Py_None);
   if (dict == NULL) {
@@ -902,8 +548,8 @@ static int create_error(PyObject *module, usmipc_module_state_t *st) {
     PyObject *b = PyTuple_Pack(2, st->Error, kinds[i].builtin);
     if (b == NULL)
       return -1;
-    *kinds[i].slot = PyErr_NewExceptionWithDoc(kinds[i].name, kinds[i].doc,
-                                               b, NULL);
+    *kinds[i].slot =
+        PyErr_NewExceptionWithDoc(kinds[i].name, kinds[i].doc, b, NULL);
     Py_DECREF(b);
     if (*kinds[i].slot == NULL ||
         PyModule_AddObjectRef(module, strchr(kinds[i].name, '.') + 1,
@@ -926,8 +572,12 @@ static int create_error(PyObject *module, usmipc_module_state_t *st) {
                                st->DeviceCreationError);
 }
 
-static int usmipc_exec(PyObject *module) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+static PyModuleDef module_def;
+
+static int module_exec(PyObject *module) {
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
+  /* Before any type exists: util.c's state lookups compare against it. */
+  pyusmipc_set_module_def(&module_def);
 
   /* python-zstandard's habit: refuse a library other than the one compiled
    * against (the library is linked statically, so this catches a broken
@@ -941,13 +591,16 @@ static int usmipc_exec(PyObject *module) {
     return -1;
   }
 
-  if (create_error(module, st) < 0 || usmipc_init_device_type(module, st) < 0 ||
-      usmipc_init_queue_type(module, st) < 0 ||
-      usmipc_init_memory_types(module, st) < 0 ||
-      usmipc_init_ipc_handle_type(module, st) < 0 ||
-      usmipc_init_event_types(module, st) < 0 ||
-      usmipc_init_bundle_types(module, st) < 0 || add_error_codes(module) < 0 ||
-      install_interrupt_hook() < 0) {
+  if (create_error(module, st) < 0 ||
+      pyusmipc_init_device_type(module, st) < 0 ||
+      pyusmipc_init_queue_type(module, st) < 0 ||
+      pyusmipc_init_memory_types(module, st) < 0 ||
+      pyusmipc_init_ipc_handle_type(module, st) < 0 ||
+      pyusmipc_init_event_types(module, st) < 0 ||
+      pyusmipc_init_bundle_type(module, st) < 0 ||
+      pyusmipc_init_shared_array_type(module, st) < 0 ||
+      PyModule_AddFunctions(module, bundle_functions) < 0 ||
+      add_error_codes(module) < 0 || install_interrupt_hook() < 0) {
     return -1;
   }
   if (PyModule_AddStringConstant(module, "__version__",
@@ -961,8 +614,8 @@ static int usmipc_exec(PyObject *module) {
   return 0;
 }
 
-static int usmipc_traverse(PyObject *module, visitproc visit, void *arg) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+static int module_traverse(PyObject *module, visitproc visit, void *arg) {
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   if (st == NULL) {
     return 0;
   }
@@ -993,8 +646,8 @@ static int usmipc_traverse(PyObject *module, visitproc visit, void *arg) {
   return 0;
 }
 
-static int usmipc_clear(PyObject *module) {
-  usmipc_module_state_t *st = PyModule_GetState(module);
+static int module_clear(PyObject *module) {
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
   if (st == NULL) {
     return 0;
   }
@@ -1029,9 +682,9 @@ static int usmipc_clear(PyObject *module) {
   return 0;
 }
 
-static void usmipc_free_module(void *module) {
-  usmipc_clear((PyObject *)module);
-  usmipc_module_state_t *st = PyModule_GetState((PyObject *)module);
+static void module_free(void *module) {
+  module_clear((PyObject *)module);
+  pyusmipc_module_state_t *st = PyModule_GetState((PyObject *)module);
   if (st != NULL) {
     PyMem_Free(st->slots);
     st->slots = NULL;
@@ -1040,23 +693,21 @@ static void usmipc_free_module(void *module) {
 }
 
 static PyModuleDef_Slot module_slots[] = {
-    {Py_mod_exec, usmipc_exec},
+    {Py_mod_exec, module_exec},
     {0, NULL},
 };
 
-PyModuleDef usmipc_module_def = {
+static PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "usmipc._usmipc",
     .m_doc = "Zero-copy sharing of accelerator memory between processes "
              "(the C extension of the usmipc package).",
-    .m_size = sizeof(usmipc_module_state_t),
+    .m_size = sizeof(pyusmipc_module_state_t),
     .m_methods = module_methods,
     .m_slots = module_slots,
-    .m_traverse = usmipc_traverse,
-    .m_clear = usmipc_clear,
-    .m_free = usmipc_free_module,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
 };
 
-PyMODINIT_FUNC PyInit__usmipc(void) {
-  return PyModuleDef_Init(&usmipc_module_def);
-}
+PyMODINIT_FUNC PyInit__usmipc(void) { return PyModuleDef_Init(&module_def); }

@@ -1,48 +1,54 @@
-/* usmipc.Queue: orders copies and fills on one device (a CUDA stream, a
- * Level Zero command list; on the host backend operations complete at once).
- * A Queue holds a reference to its Device.
+/* Floor 3 of the extension: usmipc.Queue, which orders copies and fills on
+ * one device (a CUDA stream, a Level Zero command list; on the host backend
+ * operations complete at once), each device's default queue, and the
+ * resolver of every stream= argument. Calls device.c and util.c (module.c
+ * lists the floors). A Queue holds a reference to its Device.
  *
  * Queue.from_stream wraps another library's stream (usmipc_queue_from_native:
  * the wrapper does not own it) and holds the Python object that owns the
  * stream, so the stream lives at least as long as the wrapper. The same
- * resolver, usmipc_queue_from_stream, reads every stream= argument of the
+ * resolver, pyusmipc_queue_from_stream, reads every stream= argument of the
  * package. It never imports torch or CuPy: their streams are recognized by
  * the module of their type, and read through their attributes. */
-#include "ext.h"
+#include "queue.h"
 
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
+#include "device.h"
+#include "util.h"
+
 /* A new Queue object on device_obj, its usmipc queue still to be set; NULL
  * with an exception set. */
-static usmipc_queue_object_t *queue_alloc(usmipc_module_state_t *st,
-                                          PyObject *device_obj) {
+static pyusmipc_queue_object_t *queue_alloc(pyusmipc_module_state_t *st,
+                                            PyObject *device_obj) {
   if (st->QueueType == NULL) {
-    usmipc_state_cleared();
+    pyusmipc_state_cleared();
     return NULL;
   }
-  usmipc_queue_object_t *self =
-      (usmipc_queue_object_t *)usmipc_object_alloc(st->QueueType);
+  pyusmipc_queue_object_t *self =
+      (pyusmipc_queue_object_t *)pyusmipc_object_alloc(st->QueueType);
   if (self != NULL) {
     self->device = Py_NewRef(device_obj);
   }
   return self;
 }
 
-PyObject *usmipc_queue_new(usmipc_module_state_t *st, PyObject *device_obj) {
-  usmipc_queue_object_t *self = queue_alloc(st, device_obj);
+PyObject *pyusmipc_queue_new(pyusmipc_module_state_t *st,
+                             PyObject *device_obj) {
+  pyusmipc_queue_object_t *self = queue_alloc(st, device_obj);
   if (self == NULL) {
     return NULL;
   }
-  usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
+  usmipc_device_t *device = ((pyusmipc_device_object_t *)device_obj)->device;
   usmipc_queue_t *queue = NULL;
   int rc;
   Py_BEGIN_ALLOW_THREADS
   rc = usmipc_queue_create(device, &queue);
   Py_END_ALLOW_THREADS
   if (rc < 0) {
-    usmipc_raise(st, rc);
+    pyusmipc_raise(st, rc);
     Py_DECREF(self);
     return NULL;
   }
@@ -50,35 +56,55 @@ PyObject *usmipc_queue_new(usmipc_module_state_t *st, PyObject *device_obj) {
   return (PyObject *)self;
 }
 
+PyObject *pyusmipc_default_queue(pyusmipc_module_state_t *st,
+                                 PyObject *device_obj) {
+  usmipc_device_t *device = ((pyusmipc_device_object_t *)device_obj)->device;
+  pyusmipc_device_slot_t *slot = pyusmipc_device_slot(st, device);
+  if (slot != NULL && slot->queue_obj != NULL) {
+    return Py_NewRef(slot->queue_obj);
+  }
+  PyObject *queue = pyusmipc_queue_new(st, device_obj);
+  if (queue == NULL) {
+    return NULL;
+  }
+  /* Creating the queue ran Python code at most through allocation, but the
+   * slot array may have grown: look the slot up again. */
+  slot = pyusmipc_device_slot(st, device);
+  if (slot != NULL && slot->queue_obj == NULL) {
+    slot->queue_obj = Py_NewRef(queue);
+  }
+  return queue;
+}
+
 static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"device", "sycl_device", NULL};
   PyObject *arg = NULL, *alias = NULL;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O$O:Queue", kwlist, &arg,
                                    &alias)) {
-    usmipc_retype_parse_error();
+    pyusmipc_retype_parse_error();
     return NULL;
   }
   if (arg != NULL && alias != NULL) {
-    usmipc_type_error("Queue() takes device or sycl_device, not both");
+    pyusmipc_type_error("Queue() takes device or sycl_device, not both");
     return NULL;
   }
-  usmipc_module_state_t *st = usmipc_state_from_type(type);
+  pyusmipc_module_state_t *st = pyusmipc_state_from_type(type);
   if (st == NULL) {
     return NULL;
   }
-  PyObject *device_obj = usmipc_device_from_arg(st, arg ? arg : alias);
+  PyObject *device_obj = pyusmipc_device_from_arg(st, arg ? arg : alias);
   if (device_obj == NULL) {
     return NULL;
   }
-  PyObject *queue = usmipc_queue_new(st, device_obj);
+  PyObject *queue = pyusmipc_queue_new(st, device_obj);
   Py_DECREF(device_obj);
   return queue;
 }
 
 static int queue_traverse(PyObject *self, visitproc visit, void *arg) {
   Py_VISIT(Py_TYPE(self));
-  Py_VISIT(((usmipc_queue_object_t *)self)->device);
-  Py_VISIT(((usmipc_queue_object_t *)self)->stream);
+  Py_VISIT(((pyusmipc_queue_object_t *)self)->device);
+  Py_VISIT(((pyusmipc_queue_object_t *)self)->stream);
   return 0;
 }
 
@@ -86,40 +112,41 @@ static int queue_traverse(PyObject *self, visitproc visit, void *arg) {
  * wrapper, which only dealloc destroys (a stream in a cycle with its
  * wrapper is released after it). */
 static int queue_clear(PyObject *self) {
-  Py_CLEAR(((usmipc_queue_object_t *)self)->device);
+  Py_CLEAR(((pyusmipc_queue_object_t *)self)->device);
   return 0;
 }
 
 static void queue_dealloc(PyObject *op) {
-  usmipc_queue_object_t *self = (usmipc_queue_object_t *)op;
+  pyusmipc_queue_object_t *self = (pyusmipc_queue_object_t *)op;
   PyObject_GC_UnTrack(op);
-  USMIPC_DESTROY_WITHOUT_GIL(usmipc_queue_t, self->queue, usmipc_queue_destroy);
+  PYUSMIPC_DESTROY_WITHOUT_GIL(usmipc_queue_t, self->queue,
+                               usmipc_queue_destroy);
   queue_clear(op);
   Py_CLEAR(self->stream); /* after the wrapper is gone */
-  usmipc_object_free(op);
+  pyusmipc_object_free(op);
 }
 
 /* ---- wrapping other libraries' streams ----------------------------------- */
 
-PyObject *usmipc_queue_wrap(usmipc_module_state_t *st, PyObject *device_obj,
-                            void *native, PyObject *keep, const char *what) {
-  usmipc_device_t *device = ((usmipc_device_object_t *)device_obj)->device;
+PyObject *pyusmipc_queue_wrap(pyusmipc_module_state_t *st, PyObject *device_obj,
+                              void *native, PyObject *keep, const char *what) {
+  usmipc_device_t *device = ((pyusmipc_device_object_t *)device_obj)->device;
   if (usmipc_device_backend(device) == USMIPC_BACKEND_HOST && native != NULL) {
-    return usmipc_raise_format(
+    return pyusmipc_raise_format(
         st, USMIPC_EINVAL,
         "%s: %s has no native streams (its work completes at once), so the "
         "only stream it accepts is 0, not %p; pass 0, None or a "
         "usmipc.Queue of that device",
         what, usmipc_device_filter_string(device), native);
   }
-  usmipc_queue_object_t *self = queue_alloc(st, device_obj);
+  pyusmipc_queue_object_t *self = queue_alloc(st, device_obj);
   if (self == NULL) {
     return NULL;
   }
   usmipc_queue_t *queue = NULL;
   int rc = usmipc_queue_from_native(device, native, &queue);
   if (rc < 0) {
-    usmipc_raise(st, rc);
+    pyusmipc_raise(st, rc);
     Py_DECREF(self);
     return NULL;
   }
@@ -128,7 +155,7 @@ PyObject *usmipc_queue_wrap(usmipc_module_state_t *st, PyObject *device_obj,
   return (PyObject *)self;
 }
 
-int usmipc_type_module_is(PyObject *obj, const char *package) {
+int pyusmipc_type_module_is(PyObject *obj, const char *package) {
   PyObject *module =
       PyObject_GetAttrString((PyObject *)Py_TYPE(obj), "__module__");
   if (module == NULL) {
@@ -149,13 +176,78 @@ int usmipc_type_module_is(PyObject *obj, const char *package) {
   return r;
 }
 
+/* The current stream of another library's array, for ordering its
+ * handoffs: torch.cuda.current_stream(tensor.device) for a torch tensor,
+ * cupy.cuda.get_current_stream() for a CuPy array (modules already
+ * imported, since the array exists). New reference; Py_None for other
+ * arrays; NULL with an exception set. */
+PyObject *pyusmipc_foreign_current_stream(PyObject *obj) {
+  if (pyusmipc_type_module_is(obj, "torch")) {
+    PyObject *device = PyObject_GetAttrString(obj, "device");
+    if (device == NULL) {
+      return NULL;
+    }
+    PyObject *kind = PyObject_GetAttrString(device, "type");
+    int is_cuda = kind != NULL && PyUnicode_Check(kind) &&
+                  PyUnicode_CompareWithASCIIString(kind, "cuda") == 0;
+    Py_XDECREF(kind);
+    if (!is_cuda) {
+      Py_DECREF(device);
+      if (PyErr_Occurred()) {
+        return NULL;
+      }
+      Py_RETURN_NONE;
+    }
+    PyObject *torch = PyImport_ImportModule("torch");
+    PyObject *cuda = torch ? PyObject_GetAttrString(torch, "cuda") : NULL;
+    PyObject *stream =
+        cuda ? PyObject_CallMethod(cuda, "current_stream", "O", device) : NULL;
+    Py_XDECREF(cuda);
+    Py_XDECREF(torch);
+    Py_DECREF(device);
+    return stream;
+  }
+  if (pyusmipc_type_module_is(obj, "cupy")) {
+    PyObject *cupy = PyImport_ImportModule("cupy");
+    PyObject *cuda = cupy ? PyObject_GetAttrString(cupy, "cuda") : NULL;
+    PyObject *get =
+        cuda ? PyObject_GetAttrString(cuda, "get_current_stream") : NULL;
+    Py_XDECREF(cuda);
+    Py_XDECREF(cupy);
+    if (get == NULL) {
+      return NULL;
+    }
+    /* The array's device's current stream where CuPy takes a device id. */
+    PyObject *stream = NULL;
+    PyObject *device = PyObject_GetAttrString(obj, "device");
+    PyObject *id = device ? PyObject_GetAttrString(device, "id") : NULL;
+    Py_XDECREF(device);
+    if (id != NULL) {
+      stream = PyObject_CallFunctionObjArgs(get, id, NULL);
+      Py_DECREF(id);
+      if (stream == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+      }
+    } else {
+      PyErr_Clear();
+    }
+    if (stream == NULL && !PyErr_Occurred()) {
+      stream = PyObject_CallNoArgs(get);
+    }
+    Py_DECREF(get);
+    return stream;
+  }
+  Py_RETURN_NONE;
+}
+
 /* A native stream handle given as a Python int (never a bool). 0, or -1
  * with an exception set. */
 static int native_from_int(PyObject *value, void **native, const char *what,
                            const char *source) {
   if (!PyLong_Check(value) || PyBool_Check(value)) {
-    usmipc_type_error("%s: %s must be an int (a native stream handle), not %R", what,
-                 source, (PyObject *)Py_TYPE(value));
+    pyusmipc_type_error(
+        "%s: %s must be an int (a native stream handle), not %R", what, source,
+        (PyObject *)Py_TYPE(value));
     return -1;
   }
   int overflow = 0;
@@ -164,9 +256,10 @@ static int native_from_int(PyObject *value, void **native, const char *what,
     return -1;
   }
   if (overflow < 0 || (overflow == 0 && v < 0)) {
-    usmipc_value_error("%s: %s must be a non-negative int (a native stream handle; "
-                 "0 is the default stream), not %R",
-                 what, source, value);
+    pyusmipc_value_error(
+        "%s: %s must be a non-negative int (a native stream handle; "
+        "0 is the default stream), not %R",
+        what, source, value);
     return -1;
   }
   unsigned long long u =
@@ -175,8 +268,8 @@ static int native_from_int(PyObject *value, void **native, const char *what,
     return -1;
   }
   if (u > (unsigned long long)UINTPTR_MAX) {
-    usmipc_value_error("%s: %s %R does not fit in a pointer", what,
-                 source, value);
+    pyusmipc_value_error("%s: %s %R does not fit in a pointer", what, source,
+                         value);
     return -1;
   }
   *native = (void *)(uintptr_t)u;
@@ -186,7 +279,7 @@ static int native_from_int(PyObject *value, void **native, const char *what,
 /* The Device of a CUDA stream: device= if given, else cuda:gpu:<ordinal>
  * (ordinal >= 0: the stream names its GPU), else the operation's device,
  * else the first CUDA device. It must be a CUDA device. New reference. */
-static PyObject *cuda_stream_device(usmipc_module_state_t *st, PyObject *obj,
+static PyObject *cuda_stream_device(pyusmipc_module_state_t *st, PyObject *obj,
                                     PyObject *device, long ordinal,
                                     PyObject *fallback, const char *what,
                                     const char *kind) {
@@ -205,7 +298,7 @@ static PyObject *cuda_stream_device(usmipc_module_state_t *st, PyObject *obj,
     if (rc < 0) {
       char reason[384];
       snprintf(reason, sizeof(reason), "%s", usmipc_last_error());
-      return usmipc_raise_format(
+      return pyusmipc_raise_format(
           st, rc,
           "%s: %R is a CUDA stream (%s), but this process has no CUDA "
           "device%s%s (%s); pass device= or use the stream in a process that "
@@ -213,16 +306,16 @@ static PyObject *cuda_stream_device(usmipc_module_state_t *st, PyObject *obj,
           what, (PyObject *)Py_TYPE(obj), kind, ordinal >= 0 ? " " : "",
           ordinal >= 0 ? filter : "", reason);
     }
-    dev = usmipc_device_object(st, d);
+    dev = pyusmipc_device_object(st, d);
     if (dev == NULL) {
       return NULL;
     }
   } else {
     dev = Py_NewRef(fallback);
   }
-  usmipc_device_t *d = ((usmipc_device_object_t *)dev)->device;
+  usmipc_device_t *d = ((pyusmipc_device_object_t *)dev)->device;
   if (usmipc_device_backend(d) != USMIPC_BACKEND_CUDA) {
-    usmipc_raise_format(
+    pyusmipc_raise_format(
         st, USMIPC_EWRONGDEVICE,
         "%s: %R is a CUDA stream (%s), but %s is not a CUDA device; give a "
         "stream of that device's backend (a usmipc.Queue, or 0 for the "
@@ -237,7 +330,7 @@ static PyObject *cuda_stream_device(usmipc_module_state_t *st, PyObject *obj,
 /* An int attribute of obj as a long, -1 when absent or None. -2 with an
  * exception set on a bad value. */
 static long ordinal_attr(PyObject *obj, const char *name) {
-  PyObject *value = usmipc_optional_attr(obj, name);
+  PyObject *value = pyusmipc_optional_attr(obj, name);
   if (value == NULL) {
     return PyErr_Occurred() ? -2 : -1;
   }
@@ -255,7 +348,7 @@ static long ordinal_attr(PyObject *obj, const char *name) {
 }
 
 /* Wraps a CUDA stream handle read from a stream object. */
-static PyObject *wrap_cuda(usmipc_module_state_t *st, PyObject *obj,
+static PyObject *wrap_cuda(pyusmipc_module_state_t *st, PyObject *obj,
                            PyObject *handle, long ordinal, PyObject *device,
                            PyObject *fallback, const char *what,
                            const char *kind) {
@@ -268,19 +361,19 @@ static PyObject *wrap_cuda(usmipc_module_state_t *st, PyObject *obj,
   if (dev == NULL) {
     return NULL;
   }
-  PyObject *queue = usmipc_queue_wrap(st, dev, native, obj, what);
+  PyObject *queue = pyusmipc_queue_wrap(st, dev, native, obj, what);
   Py_DECREF(dev);
   return queue;
 }
 
-PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
-                                   PyObject *device, PyObject *fallback,
-                                   const char *what) {
+PyObject *pyusmipc_queue_from_stream(pyusmipc_module_state_t *st, PyObject *obj,
+                                     PyObject *device, PyObject *fallback,
+                                     const char *what) {
   if (PyObject_TypeCheck(obj, st->QueueType)) {
-    PyObject *own = ((usmipc_queue_object_t *)obj)->device;
+    PyObject *own = ((pyusmipc_queue_object_t *)obj)->device;
     if (device != NULL && own != device) {
-      usmipc_value_error("%s: the queue is on %R but device %R was given", what, own,
-                   device);
+      pyusmipc_value_error("%s: the queue is on %R but device %R was given",
+                           what, own, device);
       return NULL;
     }
     return Py_NewRef(obj);
@@ -293,21 +386,21 @@ PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
     }
     PyObject *dev = device != NULL     ? Py_NewRef(device)
                     : fallback != NULL ? Py_NewRef(fallback)
-                                       : usmipc_device_from_arg(st, NULL);
+                                       : pyusmipc_device_from_arg(st, NULL);
     if (dev == NULL) {
       return NULL;
     }
-    PyObject *queue = usmipc_queue_wrap(st, dev, native, NULL, what);
+    PyObject *queue = pyusmipc_queue_wrap(st, dev, native, NULL, what);
     Py_DECREF(dev);
     return queue;
   }
 
   /* torch.cuda.Stream (and ExternalStream): .cuda_stream, .device.index */
-  if (usmipc_type_module_is(obj, "torch")) {
-    PyObject *handle = usmipc_optional_attr(obj, "cuda_stream");
+  if (pyusmipc_type_module_is(obj, "torch")) {
+    PyObject *handle = pyusmipc_optional_attr(obj, "cuda_stream");
     if (handle != NULL) {
       long ordinal = -1;
-      PyObject *dev = usmipc_optional_attr(obj, "device");
+      PyObject *dev = pyusmipc_optional_attr(obj, "device");
       if (dev != NULL) {
         ordinal = ordinal_attr(dev, "index");
         Py_DECREF(dev);
@@ -325,9 +418,9 @@ PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
   }
 
   /* cupy.cuda.Stream (and ExternalStream): .ptr, .device_id */
-  if (usmipc_type_module_is(obj, "cupy") ||
-      usmipc_type_module_is(obj, "cupy_backends")) {
-    PyObject *handle = usmipc_optional_attr(obj, "ptr");
+  if (pyusmipc_type_module_is(obj, "cupy") ||
+      pyusmipc_type_module_is(obj, "cupy_backends")) {
+    PyObject *handle = pyusmipc_optional_attr(obj, "ptr");
     if (handle != NULL) {
       long ordinal = ordinal_attr(obj, "device_id");
       PyObject *queue = ordinal == -2
@@ -343,7 +436,7 @@ PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
   }
 
   /* The CUDA stream protocol: __cuda_stream__() -> (version, handle). */
-  PyObject *method = usmipc_optional_attr(obj, "__cuda_stream__");
+  PyObject *method = pyusmipc_optional_attr(obj, "__cuda_stream__");
   if (method != NULL) {
     PyObject *pair = PyCallable_Check(method) ? PyObject_CallNoArgs(method)
                                               : Py_NewRef(method);
@@ -353,9 +446,10 @@ PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
     }
     PyObject *queue = NULL;
     if (!PyTuple_Check(pair) || PyTuple_Size(pair) != 2) {
-      usmipc_type_error("%s: %R.__cuda_stream__() must return a tuple (version, "
-                   "handle), not %R",
-                   what, (PyObject *)Py_TYPE(obj), pair);
+      pyusmipc_type_error(
+          "%s: %R.__cuda_stream__() must return a tuple (version, "
+          "handle), not %R",
+          what, (PyObject *)Py_TYPE(obj), pair);
     } else {
       PyObject *version = PyTuple_GetItem(pair, 0);
       long v = PyLong_Check(version) ? PyLong_AsLong(version) : -1;
@@ -363,9 +457,9 @@ PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
         PyErr_Clear();
       }
       if (v != 0) {
-        usmipc_value_error("%s: %R.__cuda_stream__() gave version %R; usmipc "
-                     "reads version 0 of the protocol",
-                     what, (PyObject *)Py_TYPE(obj), version);
+        pyusmipc_value_error("%s: %R.__cuda_stream__() gave version %R; usmipc "
+                             "reads version 0 of the protocol",
+                             what, (PyObject *)Py_TYPE(obj), version);
       } else {
         queue = wrap_cuda(st, obj, PyTuple_GetItem(pair, 1), -1, device,
                           fallback, what, "__cuda_stream__");
@@ -378,10 +472,11 @@ PyObject *usmipc_queue_from_stream(usmipc_module_state_t *st, PyObject *obj,
     return NULL;
   }
 
-  usmipc_type_error("%s: stream must be a usmipc.Queue, a torch.cuda.Stream, a "
-               "CuPy stream, an object with __cuda_stream__, or an int (a "
-               "native stream handle; 0 is the default stream), not %R",
-               what, (PyObject *)Py_TYPE(obj));
+  pyusmipc_type_error(
+      "%s: stream must be a usmipc.Queue, a torch.cuda.Stream, a "
+      "CuPy stream, an object with __cuda_stream__, or an int (a "
+      "native stream handle; 0 is the default stream), not %R",
+      what, (PyObject *)Py_TYPE(obj));
   return NULL;
 }
 
@@ -391,28 +486,28 @@ static PyObject *queue_from_stream(PyObject *cls, PyTypeObject *defining_class,
   (void)cls;
   static const char *const names[] = {"stream", "device"};
   PyObject *a[2];
-  usmipc_module_state_t *st = PyType_GetModuleState(defining_class);
-  if (usmipc_parse_fastcall("from_stream", args, nargs, kwnames, names, 2, 2,
-                            a) < 0) {
+  pyusmipc_module_state_t *st = PyType_GetModuleState(defining_class);
+  if (pyusmipc_parse_fastcall("from_stream", args, nargs, kwnames, names, 2, 2,
+                              a) < 0) {
     return NULL;
   }
   if (a[0] == NULL) {
-    usmipc_type_error("from_stream() missing required argument 'stream'");
+    pyusmipc_type_error("from_stream() missing required argument 'stream'");
     return NULL;
   }
   PyObject *device;
-  if (usmipc_optional_device_arg(st, a[1], &device, NULL) < 0) {
+  if (pyusmipc_optional_device_arg(st, a[1], &device, NULL) < 0) {
     return NULL;
   }
   PyObject *queue =
-      usmipc_queue_from_stream(st, a[0], device, NULL, "Queue.from_stream()");
+      pyusmipc_queue_from_stream(st, a[0], device, NULL, "Queue.from_stream()");
   Py_XDECREF(device);
   return queue;
 }
 
 static PyObject *queue_get_device(PyObject *self, void *closure) {
   (void)closure;
-  PyObject *device = ((usmipc_queue_object_t *)self)->device;
+  PyObject *device = ((pyusmipc_queue_object_t *)self)->device;
   if (device == NULL) {
     Py_RETURN_NONE;
   }
@@ -420,9 +515,9 @@ static PyObject *queue_get_device(PyObject *self, void *closure) {
 }
 
 static PyObject *queue_synchronize(PyObject *op, PyObject *Py_UNUSED(ignored)) {
-  usmipc_queue_object_t *self = (usmipc_queue_object_t *)op;
+  pyusmipc_queue_object_t *self = (pyusmipc_queue_object_t *)op;
   if (self->queue == NULL || self->device == NULL) {
-    usmipc_value_error("queue is not initialized");
+    pyusmipc_value_error("queue is not initialized");
     return NULL;
   }
   int rc;
@@ -430,16 +525,16 @@ static PyObject *queue_synchronize(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   rc = usmipc_queue_synchronize(self->queue);
   Py_END_ALLOW_THREADS
   if (rc < 0) {
-    return usmipc_raise(usmipc_state_from_device(self->device), rc);
+    return pyusmipc_raise(pyusmipc_state_from_device(self->device), rc);
   }
   Py_RETURN_NONE;
 }
 
 static PyObject *queue_get_native(PyObject *op, void *closure) {
   (void)closure;
-  usmipc_queue_object_t *self = (usmipc_queue_object_t *)op;
+  pyusmipc_queue_object_t *self = (pyusmipc_queue_object_t *)op;
   if (self->queue == NULL) {
-    usmipc_value_error("queue is not initialized");
+    pyusmipc_value_error("queue is not initialized");
     return NULL;
   }
   return PyLong_FromVoidPtr(usmipc_queue_native(self->queue));
@@ -447,17 +542,17 @@ static PyObject *queue_get_native(PyObject *op, void *closure) {
 
 static PyObject *queue_get_stream(PyObject *op, void *closure) {
   (void)closure;
-  PyObject *stream = ((usmipc_queue_object_t *)op)->stream;
+  PyObject *stream = ((pyusmipc_queue_object_t *)op)->stream;
   return Py_NewRef(stream ? stream : Py_None);
 }
 
 static PyObject *queue_repr(PyObject *op) {
-  usmipc_queue_object_t *self = (usmipc_queue_object_t *)op;
+  pyusmipc_queue_object_t *self = (pyusmipc_queue_object_t *)op;
   if (self->device == NULL) {
     return PyUnicode_FromString("<usmipc.Queue (cleared)>");
   }
   const char *filter = usmipc_device_filter_string(
-      ((usmipc_device_object_t *)self->device)->device);
+      ((pyusmipc_device_object_t *)self->device)->device);
   if (self->stream != NULL) {
     return PyUnicode_FromFormat("<usmipc.Queue on [%s] wrapping %R at %p>",
                                 filter, self->stream, (void *)self);
@@ -481,15 +576,15 @@ static PyGetSetDef queue_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-USMIPC_CLASSMETHOD(queue_from_stream_cls, queue_from_stream, QueueType)
+PYUSMIPC_CLASSMETHOD(queue_from_stream_cls, queue_from_stream, QueueType)
 
 static PyMethodDef queue_methods[] = {
     {"synchronize", queue_synchronize, METH_NOARGS,
      "synchronize()\n\nWaits until every operation on the queue has "
      "completed."},
     {"wait", queue_synchronize, METH_NOARGS, "Alias of synchronize()."},
-    {"from_stream", USMIPC_CMETHOD(queue_from_stream_cls),
-     USMIPC_CLASS_FLAGS,
+    {"from_stream", PYUSMIPC_CMETHOD(queue_from_stream_cls),
+     PYUSMIPC_CLASS_FLAGS,
      "from_stream($cls, /, stream, device=None)\n--\n\n"
      "A Queue over another library's stream, which it does not own (the "
      "Queue\nkeeps the stream object alive). stream: a usmipc.Queue "
@@ -522,13 +617,13 @@ static PyType_Slot queue_slots[] = {
 
 static PyType_Spec queue_spec = {
     .name = "usmipc.Queue",
-    .basicsize = sizeof(usmipc_queue_object_t),
+    .basicsize = sizeof(pyusmipc_queue_object_t),
     .itemsize = 0,
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = queue_slots,
 };
 
-int usmipc_init_queue_type(PyObject *module, usmipc_module_state_t *st) {
+int pyusmipc_init_queue_type(PyObject *module, pyusmipc_module_state_t *st) {
   st->QueueType =
       (PyTypeObject *)PyType_FromModuleAndSpec(module, &queue_spec, NULL);
   if (st->QueueType == NULL) {
