@@ -111,13 +111,13 @@ suites() {
   step demo-cuda-native 120 env USMIPC_CUDA_IPC=native python3 -m usmipc demo --device cuda:gpu
   step demo-host 120 python3 -m usmipc demo --device host:cpu
   step pytest-host 600 python3 -m pytest -q -rs tests/python
-  step pytest-gpu 900 python3 -m pytest -q -rs -s tests/gpu --ignore=tests/gpu/test_torch_allocator.py
+  step pytest-gpu 900 python3 -m pytest -q -rs -s tests/gpu --ignore=tests/gpu/test_gpu_torch_allocator.py
   # Every code block of README.md and docs/, the GPU ones included.
   step doc-blocks 600 bash tests/gpu/doc_blocks.sh
   # usmipc pools as torch's CUDA allocator: each case in a fresh process
   # (torch's allocator is chosen once per process); prints one RESULT line
   # per case (segments, driver exports and imports per sharing round).
-  step torch-allocator 600 python3 -m pytest -v -rs -s tests/gpu/test_torch_allocator.py
+  step torch-allocator 600 python3 -m pytest -v -rs -s tests/gpu/test_gpu_torch_allocator.py
 }
 
 # The cheap benchmarks: the transport's first open and broker concurrency
