@@ -1,7 +1,7 @@
 /* The PyTorch allocator's entry points (src/torch_allocator.c): the host
  * pools through the internal calls, which run everywhere, and the public
  * CUDA ones where a CUDA device exists. torch itself is tested in
- * tests/gpu/test_torch_allocator.py. */
+ * tests/gpu/test_gpu_torch_allocator.py. */
 #include <pthread.h>
 
 #include "objects.h"

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Compares the layout of a benchmark's JSON with a reference kept in
 bench/results/: the same keys at every level (values are not compared).
+tests/gpu/run.sh bench-layout runs it on every benchmark's JSON.
 
     python3 tests/gpu/bench_layout.py REFERENCE.json NEW.json [--no-errors]
 

@@ -17,6 +17,6 @@ for kind in fd native; do
   done
 done
 python3 -m pip install -q --no-build-isolation --no-index --no-deps . 2>&1 | tail -2
-timeout 300 python3 -m pytest -q -rs -x tests/gpu/test_bundles.py 2>&1 | tail -25
+timeout 300 python3 -m pytest -q -rs -x tests/gpu/test_gpu_bundles.py 2>&1 | tail -25
 timeout 240 python3 bench/bench_weights.py --reps 3 --json "$OUT/bench_weights_quick.json" 2>&1 | tail -40
 echo "=== done"

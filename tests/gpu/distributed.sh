@@ -33,7 +33,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 nvidia-smi --query-gpu=index,name,driver_version,uuid --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -4
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
-# SKIP_BUILD=1: usmipc is installed already (tests/gpu/issue12.sh does it).
+# SKIP_BUILD=1: usmipc is installed already (tests/gpu/run.sh distributed does it).
 [ -n "${SKIP_BUILD:-}" ] || python3 -m pip install -q --no-build-isolation --no-index --no-deps . 2>&1 | tail -2
 python3 -m usmipc | head -8
 

@@ -115,7 +115,8 @@ class Cuda:
         """One kernel on s: spins busy_ms, then writes v everywhere (repeat:
         writes v over and over for busy_ms). One launch, because on the
         H200 machine a second launch can block the host until the first
-        kernel ends, plain torch included (tests/gpu/launch_diag.py), and
+        kernel ends, plain torch included (run 36:
+        bench/results/h200-2026-12-01-issue21/run36_launch_diag.txt), and
         the consumer must return its ticket while its work still runs."""
         if not busy_ms:
             with self.torch.cuda.stream(s):

@@ -101,9 +101,9 @@ step pytest-host env USMIPC_TEST_INSTALLED=1 "$venv/bin/python" -m pytest -q -rs
 if [ "${WHEEL_SKIP_GPU:-0}" != 1 ]; then
   step pytest-gpu "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider \
     --rootdir "$root" -c "$root/pyproject.toml" "$root/tests/gpu" \
-    --ignore="$root/tests/gpu/test_torch_allocator.py"
+    --ignore="$root/tests/gpu/test_gpu_torch_allocator.py"
   step torch-allocator "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider \
-    --rootdir "$root" -c "$root/pyproject.toml" "$root/tests/gpu/test_torch_allocator.py"
+    --rootdir "$root" -c "$root/pyproject.toml" "$root/tests/gpu/test_gpu_torch_allocator.py"
 fi
 echo "=== summary"
 cat "$OUT/wheel-summary.txt"

@@ -2,7 +2,7 @@
 a GPU: the extension exports the entry points torch loads, the functions
 hand torch the extension's path and names, refuse a torch that initialized
 CUDA already, and import torch only when called. On a GPU machine with torch,
-tests/gpu/test_torch_allocator.py runs the real thing."""
+tests/gpu/test_gpu_torch_allocator.py runs the real thing."""
 
 import ctypes
 

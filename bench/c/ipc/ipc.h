@@ -65,7 +65,7 @@ struct bench_mode {
 /* The measurements, one file each: adding one is its file and a line here.
  * The first is the default. */
 #define BENCH_MODES(X)                                                         \
-  X(mode_usmipc) /* usmipc.c: usmipc alone */                                  \
+  X(mode_alone)  /* alone.c: usmipc alone */                                   \
   X(mode_paired) /* paired.c: --raw */
 
 #define BENCH_DECLARE(name) extern const bench_mode_t name;

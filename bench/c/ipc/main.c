@@ -9,7 +9,7 @@
  *
  * This file parses the options, selects the device and runs one of the
  * measurements, each in its own file:
- *   usmipc.c  (default) usmipc alone: export, first open per fd transport,
+ *   alone.c   (default) usmipc alone: export, first open per fd transport,
  *             cached re-open, close;
  *   paired.c  (--raw) usmipc's first open and close against a peer's bare
  *             driver calls (peer_cuda.c), paired in one importer.

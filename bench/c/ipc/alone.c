@@ -149,7 +149,7 @@ static int open_round(const options_t *o, usmipc_device_t *dev,
       bench_die("usmipc_ipc_get_handle", rc);
   }
   int to, from;
-  pid_t pid = spawn_self(mode_usmipc.importer_role, "USMIPC_FD_TRANSPORT",
+  pid_t pid = spawn_self(mode_alone.importer_role, "USMIPC_FD_TRANSPORT",
                          transport, &to, &from);
   uint32_t hdr[3] = {o->k, iters,
                      usmipc_device_backend(dev) == USMIPC_BACKEND_HOST};
@@ -368,7 +368,7 @@ static int run(const options_t *o, usmipc_device_t *dev, usmipc_queue_t *q) {
   return 0;
 }
 
-const bench_mode_t mode_usmipc = {
+const bench_mode_t mode_alone = {
     .flag = NULL,
     .importer_role = "--importer",
     .importer_main = importer_main,
