@@ -45,12 +45,21 @@ static void reply_ok(const char *fmt, ...) {
   fflush(stdout);
 }
 
+/* The command being run, for the behaviour probe's records (probe.h). */
+static const char *current_command;
+
 static void reply_err(int code, const char *msg) {
   char clean[2048];
   snprintf(clean, sizeof(clean), "%s", msg && msg[0] ? msg : "");
   for (char *c = clean; *c; c++)
     if (*c == '\n' || *c == '\r')
       *c = ' ';
+  if (getenv("USMIPC_TEST_PROBE") != NULL) {
+    char what[64];
+    snprintf(what, sizeof(what), "agent command %s",
+             current_command ? current_command : "?");
+    probe_record(__FILE__, __LINE__, what, code, clean);
+  }
   printf("err %d %s %s\n", code, usmipc_err_name(code), clean);
   fflush(stdout);
 }
@@ -429,6 +438,7 @@ static void do_command(char *line) {
   char *a3 = strtok_r(NULL, " \n", &save);
   char *a4 = strtok_r(NULL, " \n", &save);
   int r;
+  current_command = cmd;
 
   if (cmd == NULL) {
     reply_err(USMIPC_EINVAL, "empty command");

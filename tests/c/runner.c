@@ -133,6 +133,11 @@ static int run_one(const char *name) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   catch_crashes();
   alarm(timeout_seconds());
+  /* The behaviour probe's records name the test; its helpers learn it
+   * from the environment they inherit. */
+  probe_set_test(t->name);
+  if (getenv("USMIPC_TEST_PROBE") != NULL)
+    setenv("USMIPC_TEST_PROBE_TEST", t->name, 1);
   int r = t->fn();
   fflush(stdout);
   fflush(stderr);
@@ -149,6 +154,11 @@ static int run_helper(int argc, char **argv) {
     return 2;
   }
   const char *name = argv[0];
+  static char probe_name[256];
+  const char *of_test = getenv("USMIPC_TEST_PROBE_TEST");
+  snprintf(probe_name, sizeof(probe_name), "%s/%s", of_test ? of_test : "?",
+           name);
+  probe_set_test(probe_name);
   if (argc >= 2) {
     pid_t ppid = (pid_t)strtol(argv[1], NULL, 10);
     prctl(PR_SET_PDEATHSIG, SIGKILL);

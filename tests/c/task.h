@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sys/types.h>
 
+#include "probe.h"
 #include "usmipc.h"
 
 /* Exit status of a skipped test (also CTest's SKIP_RETURN_CODE). */
@@ -290,10 +291,12 @@ int agent_parse_reply(agent_t *a, const char *cmd);
 #define AGENT_ERR3(a, c1, c2, c3, ...)                                         \
   do {                                                                         \
     int r_ = agent_call((a), __VA_ARGS__);                                     \
-    agent_check_error(__FILE__, __LINE__, (a), r_, (c1), (c2), (c3));          \
+    agent_check_error(__FILE__, __LINE__, (a), #__VA_ARGS__, r_, (c1), (c2),   \
+                      (c3));                                                   \
   } while (0)
-void agent_check_error(const char *file, int line, const agent_t *a, int r,
-                       int c1, int c2, int c3);
+/* what: the command's source text, for the behaviour probe (probe.h). */
+void agent_check_error(const char *file, int line, const agent_t *a,
+                       const char *what, int r, int c1, int c2, int c3);
 /* Tells the agent to exit and returns its wait status. */
 int agent_stop(agent_t *a);
 /* agent_stop, and the agent must have exited with status 0 (under ASan

@@ -86,6 +86,7 @@ HELPER_IMPL(bundle_reader) {
       reply(0, 0, 0, 0);
     } else if (op == 'R') {
       int r = usmipc_ipc_release(data, len, code ? reader_queue() : NULL);
+      PROBE_ERR("reader 'R': usmipc_ipc_release", r);
       fprintf(stderr, "reader: release: %d %s\n", r,
               r ? usmipc_last_error() : "");
       reply(r, 0, 0, 0);
@@ -106,14 +107,17 @@ HELPER_IMPL(bundle_reader) {
         opened[nopen++] = ob;
         r = usmipc_ipc_release(data, len, q);
       }
-      if (r != 0)
+      if (r != 0) {
+        PROBE_ERR("reader 'W': usmipc_bundle_open, usmipc_ipc_release", r);
         fprintf(stderr, "reader: %s\n", usmipc_last_error());
+      }
       reply(r, narr, 0, 0);
     } else if (op == 'E') {
       usmipc_opened_bundle_t *ob = NULL;
       int r = usmipc_bundle_open(data, len, test_device(), NULL, 0, &ob);
       if (r == 0)
         usmipc_bundle_close(ob);
+      PROBE_ERR("reader 'E': usmipc_bundle_open", r);
       fprintf(stderr, "reader: expected %d, got %d: %s\n", (int)code, r,
               r ? usmipc_last_error() : "");
       reply(r == (int)code ? 0 : (r == 0 ? -2 : r), 0, 0, 0);
@@ -121,6 +125,7 @@ HELPER_IMPL(bundle_reader) {
       usmipc_opened_bundle_t *ob;
       int r = usmipc_bundle_open(data, len, test_device(), NULL, 0, &ob);
       if (r != 0) {
+        PROBE_ERR("reader 'O': usmipc_bundle_open", r);
         fprintf(stderr, "reader: %s\n", usmipc_last_error());
         reply(r, 0, 0, 0);
       } else {

@@ -167,6 +167,7 @@ TEST_IMPL(devices_select_bad_filters) {
   for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
     usmipc_device_t *d = NULL;
     int r = usmipc_device_select(bad[i], &d);
+    PROBE_ERR(bad[i], r);
     ASSERT_MSG(r == USMIPC_ENODEV || r == USMIPC_EINVAL,
                "usmipc_device_select(\"%s\") returned %d (%s), expected "
                "USMIPC_ENODEV or USMIPC_EINVAL",
@@ -203,6 +204,7 @@ TEST_IMPL(devices_backend_status) {
     reason = NULL;
     int r = usmipc_backend_status(gpus[i], &reason);
     if (r != 0) {
+      probe_record(__FILE__, __LINE__, usmipc_backend_name(gpus[i]), r, reason);
       ASSERT_EQ(r, USMIPC_EUNAVAILABLE);
       ASSERT_NOT_NULL(reason);
       ASSERT_MSG(reason[0] != '\0', "%s unavailable without a reason",

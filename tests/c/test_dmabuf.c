@@ -29,11 +29,15 @@ TEST_IMPL(dmabuf_check_refuses_others) {
     ASSERT_EQ(usmipc__dmabuf_size(fds[i], &size), -EBADFD);
     ASSERT_EQ(usmipc__dmabuf_check(fds[i], 1, USMIPC_ENOTSUP, "export"),
               USMIPC_ENOTSUP);
+    PROBE_ERR("usmipc__dmabuf_check(fds[i], 1, USMIPC_ENOTSUP, \"export\")",
+              USMIPC_ENOTSUP);
     ASSERT_MSG(strstr(usmipc_last_error(), "not a dma-buf") != NULL,
                "message: %s", usmipc_last_error());
   }
   /* A closed descriptor: an errno, not "not a dma-buf". */
   ASSERT_EQ(usmipc__dmabuf_check(1000000, 1, USMIPC_EUNTRUSTED, "import"),
+            USMIPC_EUNTRUSTED);
+  PROBE_ERR("usmipc__dmabuf_check(1000000, 1, USMIPC_EUNTRUSTED, \"import\")",
             USMIPC_EUNTRUSTED);
   ASSERT_MSG(strstr(usmipc_last_error(), "cannot inspect") != NULL,
              "message: %s", usmipc_last_error());
@@ -96,6 +100,8 @@ TEST_IMPL(dmabuf_check_cuda) {
   ASSERT(size >= n);
   ASSERT_EQ(usmipc__dmabuf_check(fd, n, USMIPC_ENOTSUP, "export"), 0);
   ASSERT_EQ(usmipc__dmabuf_check(fd, size + 1, USMIPC_ENOTSUP, "export"),
+            USMIPC_ENOTSUP);
+  PROBE_ERR("usmipc__dmabuf_check(fd, size + 1, USMIPC_ENOTSUP, \"export\")",
             USMIPC_ENOTSUP);
   ASSERT_MSG(strstr(usmipc_last_error(), "smaller") != NULL, "message: %s",
              usmipc_last_error());

@@ -321,6 +321,7 @@ TEST_IMPL(event_bad_handles) {
     c[bit / 8] ^= (uint8_t)(1u << (bit % 8));
     test_error_sentinel();
     int r = usmipc_ipc_open_event(c, len, NULL, &view);
+    PROBE_ERR("usmipc_ipc_open_event(c, len, NULL, &view) (a bit flipped)", r);
     ASSERT_MSG(r != 0, "bit %zu flipped still opens", bit);
   }
   uint8_t *rec = record_of(b, len, USMIPC__EXT_EVENT);
@@ -433,8 +434,8 @@ TEST_IMPL(event_forged_cross_process) {
   if (r == 0)
     AGENT_ERR(&im, USMIPC_EBADHANDLE, "evsync 0");
   else
-    agent_check_error(__FILE__, __LINE__, &im, r, USMIPC_EBADHANDLE,
-                      USMIPC_EBADHANDLE, USMIPC_EBADHANDLE);
+    agent_check_error(__FILE__, __LINE__, &im, "\"evopen 0 %s\", hex", r,
+                      USMIPC_EBADHANDLE, USMIPC_EBADHANDLE, USMIPC_EBADHANDLE);
   /* Recorded once more, the point exists. */
   AGENT_OK(&ex, "evrecord 0");
   AGENT_OK(&im, "evopen 1 %s", hex);
@@ -459,8 +460,10 @@ TEST_IMPL(event_fork_child) {
   pid_t pid = fork();
   if (pid == 0) {
     int r = usmipc_event_record(ev, q);
+    PROBE_ERR("usmipc_event_record(ev, q) in a fork child", r);
     usmipc_ipc_handle_t *h;
     int r2 = usmipc_ipc_get_event_handle(ev, &h);
+    PROBE_ERR("usmipc_ipc_get_event_handle(ev, &h) in a fork child", r2);
     /* The child's own events work. */
     usmipc_event_t *mine;
     int r3 = usmipc_event_create(dev, 0, &mine);

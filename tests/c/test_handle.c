@@ -114,11 +114,13 @@ TEST_IMPL(handle_truncated) {
     memcpy(b, e.data, len);
     void *p = NULL;
     int r = usmipc_ipc_open(b, len, NULL, 0, &p, NULL);
+    PROBE_ERR("usmipc_ipc_open(b, len, NULL, 0, &p, NULL) (truncated)", r);
     ASSERT_MSG(r == USMIPC_EBADHANDLE || (len == 0 && r == USMIPC_EINVAL),
                "truncated to %zu bytes: %d %s", len, r, usmipc_err_name(r));
     ASSERT_GT(strlen(usmipc_last_error()), 0);
     usmipc_ipc_handle_info_t info;
     r = usmipc_ipc_handle_inspect(b, len, &info);
+    PROBE_ERR("usmipc_ipc_handle_inspect(b, len, &info) (truncated)", r);
     ASSERT_MSG(r == USMIPC_EBADHANDLE || (len == 0 && r == USMIPC_EINVAL),
                "inspect of %zu bytes: %d", len, r);
     free(b);
@@ -175,6 +177,8 @@ TEST_IMPL(handle_bit_flips) {
                        : USMIPC_EBADHANDLE;
       void *p = NULL;
       int r = usmipc_ipc_open(b, e.len, NULL, 0, &p, NULL);
+      PROBE_ERR("usmipc_ipc_open(b, e.len, NULL, 0, &p, NULL) (a bit flipped)",
+                r);
       ASSERT_MSG(r == expect, "bit %d of byte %zu flipped: open gave %d (%s)",
                  bit, byte, r, usmipc_err_name(r));
       ASSERT_GT(strlen(usmipc_last_error()), 0);

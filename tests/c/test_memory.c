@@ -105,6 +105,7 @@ TEST_IMPL(memory_pointer_query_interior) {
   /* One past the end belongs to no allocation, or to another one. */
   usmipc_pointer_info_t past;
   int r = usmipc_pointer_query(p + n, &past);
+  PROBE_ERR("usmipc_pointer_query(p + n, &past)", r);
   if (r == 0)
     ASSERT_PTR_NE(past.base, p);
   else

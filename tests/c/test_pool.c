@@ -119,6 +119,9 @@ TEST_IMPL(pool_cross_process) {
       void *m;
       int r = usmipc_ipc_open(h[i], len[i], NULL, 0, &m, NULL);
       if (i == 7) {
+        PROBE_ERR("usmipc_ipc_open(h[7], len[7], NULL, 0, &m, NULL) in a fork "
+                  "child",
+                  r);
         fail |= r != USMIPC_EEXPORTERGONE;
         continue;
       }
@@ -139,8 +142,11 @@ TEST_IMPL(pool_cross_process) {
     if (write(from[1], "1", 1) != 1 || read(to[0], &c, 1) != 1)
       _exit(3);
     /* After the parent freed block 2: refused; block 3 still opens. */
-    fail |= usmipc_ipc_open(h[2], len[2], NULL, 0, &m, NULL) !=
-            USMIPC_EEXPORTERGONE;
+    int r2 = usmipc_ipc_open(h[2], len[2], NULL, 0, &m, NULL);
+    PROBE_ERR("usmipc_ipc_open(h[2], len[2], NULL, 0, &m, NULL) in a fork "
+              "child",
+              r2);
+    fail |= r2 != USMIPC_EEXPORTERGONE;
     fail |= usmipc_ipc_open(h[3], len[3], NULL, 0, &m, NULL) != 0;
     _exit(fail ? 1 : 0);
   }
@@ -197,6 +203,7 @@ static int open_fails(const uint8_t *h, size_t len, int code,
                       const char *words) {
   void *m;
   int r = usmipc_ipc_open(h, len, NULL, 0, &m, NULL);
+  PROBE_ERR("open_fails: usmipc_ipc_open(h, len, NULL, 0, &m, NULL)", r);
   if (r == 0)
     usmipc_ipc_close(m);
   return r != code || (words && !strstr(usmipc_last_error(), words));

@@ -757,6 +757,7 @@ static void open_in_child(const uint8_t *data, size_t len,
     void *p = NULL;
     size_t m = 0;
     int r = usmipc_ipc_open(data, len, NULL, 0, &p, &m);
+    PROBE_ERR("usmipc_ipc_open(data, len, NULL, 0, &p, &m) in a fork child", r);
     if (r == 0) {
       volatile const uint8_t *b = p;
       unsigned sum = 0;
@@ -1597,6 +1598,7 @@ static int symlink_swap(int sticky) {
   usmipc_ipc_handle_t *h = NULL;
   ASSERT_OK(usmipc_malloc(host_device(), USMIPC_MEM_DEVICE, 4096, &p));
   int r = usmipc_ipc_get_handle(p, 0, &h);
+  PROBE_ERR("usmipc_ipc_get_handle(p, 0, &h)", r);
   printf("export with USMIPC_SOCKET_DIR=%s (%s): %s\n", dir,
          sticky ? "root's, 1777" : "uid 65534's",
          r ? usmipc_last_error() : "exported");
@@ -1673,6 +1675,7 @@ TEST_IMPL(trust_socket_dir_squatted_name) {
   ASSERT_OK(usmipc_malloc(host_device(), USMIPC_MEM_DEVICE, 4096, &p));
   test_error_sentinel();
   int r = usmipc_ipc_get_handle(p, 0, &h);
+  PROBE_ERR("usmipc_ipc_get_handle(p, 0, &h)", r);
   char message[1024];
   snprintf(message, sizeof(message), "%s", r ? usmipc_last_error() : "");
   printf("the name taken by uid %d first: %s\n", NOBODY,
@@ -1743,6 +1746,7 @@ TEST_IMPL(trust_pid_reuse) {
     setenv("USMIPC_FD_TRANSPORT", transports[t], 1);
     test_error_sentinel();
     int r = open_here(b, len);
+    PROBE_ERR("open_here(b, len)", r);
     printf("%s: %d %s\n", transports[t], r, r ? usmipc_last_error() : "");
     ASSERT_MSG(r == USMIPC_EEXPORTERGONE || r == USMIPC_EUNTRUSTED,
                "%s: the old handle of pid %d opened (or failed oddly: %d) "

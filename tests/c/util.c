@@ -46,6 +46,7 @@ void test_fail(const char *file, int line, const char *fmt, ...) {
 
 void test_check_error(const char *file, int line, const char *what, int r,
                       int c1, int c2, int c3) {
+  probe_record(file, line, what, r, r ? usmipc_last_error() : "");
   if (r != c1 && r != c2 && r != c3) {
     if (c1 == c2 && c2 == c3)
       test_fail(file, line, "%s returned %d (%s), expected %s; message: %s",
@@ -72,6 +73,11 @@ void test_error_sentinel(void) {
   /* A failure no test asserts on: a fill with no queue. */
   int r = usmipc_memset(NULL, NULL, 0, 1);
   ASSERT_MSG(r != 0, "usmipc_memset(NULL queue) succeeded");
+  /* Recorded once per process, not before every check. */
+  static int probed;
+  if (getenv("USMIPC_TEST_PROBE") != NULL &&
+      !__atomic_exchange_n(&probed, 1, __ATOMIC_RELAXED))
+    PROBE_ERR("usmipc_memset(NULL, NULL, 0, 1) (the sentinel)", r);
   snprintf(sentinel_message, sizeof(sentinel_message), "%s",
            usmipc_last_error());
 }
@@ -595,8 +601,16 @@ int agent_parse_reply(agent_t *a, const char *cmd) {
             (int)a->pid, a->reply, cmd);
 }
 
-void agent_check_error(const char *file, int line, const agent_t *a, int r,
-                       int c1, int c2, int c3) {
+void agent_check_error(const char *file, int line, const agent_t *a,
+                       const char *what, int r, int c1, int c2, int c3) {
+  if (getenv("USMIPC_TEST_PROBE") != NULL) {
+    /* The reply is "CODE NAME message": the probe keeps the message. */
+    const char *m = strchr(a->reply, ' ');
+    m = m ? strchr(m + 1, ' ') : NULL;
+    char agent_what[1024];
+    snprintf(agent_what, sizeof(agent_what), "agent %s", what);
+    probe_record(file, line, agent_what, r, m ? m + 1 : a->reply);
+  }
   if (r != c1 && r != c2 && r != c3)
     test_fail(file, line, "agent %d: got %d (%s), expected %s/%s/%s; reply: %s",
               (int)a->pid, r, r ? usmipc_err_name(r) : "success",

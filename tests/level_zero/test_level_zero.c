@@ -33,7 +33,8 @@
 
 #include <level_zero/ze_api.h>
 
-#include "objects.h" /* usmipc__wire_t, the backend ops (event payloads) */
+#include "../c/probe.h" /* the behaviour probe's records */
+#include "objects.h"    /* usmipc__wire_t, the backend ops (event payloads) */
 #include "usmipc.h"
 #include "ze_test_driver.h"
 
@@ -63,6 +64,7 @@
 #define CHECK_ERR(call, code)                                                  \
   do {                                                                         \
     int rc_ = (call);                                                          \
+    probe_record(__FILE__, __LINE__, #call, rc_, usmipc_last_error());         \
     CHECK(rc_ == (code), "returned %s, expected %s (%s)",                      \
           usmipc_err_name(rc_), usmipc_err_name(code), usmipc_last_error());   \
     CHECK(strcmp(usmipc_last_error(), "no error recorded on this thread"),     \
@@ -356,6 +358,18 @@ static int say(const char *fmt, ...) USMIPC__FORMAT(1, 2);
 static int say(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
+  if (getenv("USMIPC_TEST_PROBE") != NULL) {
+    /* A helper's failures reach its test as lines: the probe keeps those
+     * that report one ("error NAME message", "status NAME NAME | reason"). */
+    char line[4096];
+    va_list copy;
+    va_copy(copy, ap);
+    vsnprintf(line, sizeof(line), fmt, copy);
+    va_end(copy);
+    if (!strncmp(line, "error", 5) || !strncmp(line, "status ", 7) ||
+        strstr(line, "USMIPC_E") != NULL)
+      probe_record_named(__FILE__, __LINE__, "a helper's line", "-", line);
+  }
   vprintf(fmt, ap);
   va_end(ap);
   putchar('\n');
@@ -1000,6 +1014,11 @@ static int helper_status(void) {
 static int helper_main(int argc, char **argv) {
   if (argc < 1)
     return 2;
+  static char probe_name[256];
+  const char *of_test = getenv("USMIPC_TEST_PROBE_TEST");
+  snprintf(probe_name, sizeof(probe_name), "%s/%s", of_test ? of_test : "?",
+           argv[0]);
+  probe_set_test(probe_name);
   if (!strcmp(argv[0], "export"))
     return helper_export(argc - 1, argv + 1);
   if (!strcmp(argv[0], "import"))
@@ -2218,6 +2237,7 @@ static int test_event_payload_forged(void) {
     usmipc__wire_encode(&x, f);
     usmipc_event_t *ev = NULL;
     int rc = usmipc_ipc_open_event(f, flen, NULL, &ev);
+    probe_record(__FILE__, __LINE__, c->what, rc, usmipc_last_error());
     CHECK(rc == c->code, "%s: %s, expected %s (%s)", c->what,
           usmipc_err_name(rc), usmipc_err_name(c->code), usmipc_last_error());
     const char *msg = usmipc_last_error();
@@ -2289,6 +2309,7 @@ static int test_event_descriptor_refused(void) {
     void *native = NULL;
     int rc =
         ops->event_import(d->native, d->native, &payload, cases[i].fd, &native);
+    probe_record(__FILE__, __LINE__, cases[i].what, rc, usmipc_last_error());
     CHECK(rc == USMIPC_EBADHANDLE, "%s: %s (%s)", cases[i].what,
           usmipc_err_name(rc), usmipc_last_error());
     fprintf(stderr, "    %s: %s\n", cases[i].what, usmipc_last_error());
@@ -2480,6 +2501,7 @@ static int test_release_consumer_exits(void) {
   CHECK_OK(usmipc_event_set_timeout(200));
   for (int call = 0; call < 3; call++) {
     int rc = usmipc_ipc_handle_wait_released(h, NULL);
+    PROBE_ERR("usmipc_ipc_handle_wait_released(h, NULL)", rc);
     CHECK(rc == USMIPC_ETIMEDOUT,
           "call %d of the wait returned %s (%s) while consumer B's work "
           "still ran (%llu ms after its release)",
@@ -2915,6 +2937,15 @@ static const struct {
 };
 #define NTESTS (sizeof(tests) / sizeof(tests[0]))
 
+/* Test i, its name given to the behaviour probe's records (and through the
+ * environment to its helpers'). */
+static int run_test(size_t i) {
+  probe_set_test(tests[i].name);
+  if (getenv("USMIPC_TEST_PROBE") != NULL)
+    setenv("USMIPC_TEST_PROBE_TEST", tests[i].name, 1);
+  return tests[i].fn();
+}
+
 int main(int argc, char **argv) {
   if (argc > 1 && !strcmp(argv[1], "--helper"))
     return helper_main(argc - 2, argv + 2);
@@ -2931,7 +2962,7 @@ int main(int argc, char **argv) {
   if (argc > 1) {
     for (size_t i = 0; i < NTESTS; i++)
       if (!strcmp(argv[1], tests[i].name))
-        return tests[i].fn();
+        return run_test(i);
     fprintf(stderr, "no test named %s\n", argv[1]);
     return 2;
   }
@@ -2945,7 +2976,7 @@ int main(int argc, char **argv) {
     pid_t pid = fork();
     if (pid == 0) {
       alarm(TEST_TIMEOUT_S);
-      _exit(tests[i].fn());
+      _exit(run_test(i));
     }
     int status = 0;
     waitpid(pid, &status, 0);

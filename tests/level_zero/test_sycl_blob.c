@@ -17,6 +17,7 @@
 
 #include <level_zero/ze_api.h>
 
+#include "../c/probe.h" /* the behaviour probe's records */
 #include "usmipc.h"
 #include "ze_test_driver.h"
 
@@ -140,6 +141,8 @@ static int expect_error(const uint8_t *b, size_t len, usmipc_device_t *dev,
                         size_t nbytes, int code, const char *words) {
   void *p = NULL;
   int rc = usmipc_ipc_open_sycl(b, len, dev, nbytes, &p, NULL);
+  probe_record(__FILE__, __LINE__, words ? words : "usmipc_ipc_open_sycl", rc,
+               usmipc_last_error());
   CHECK(rc == code, "got %s (%s), want %s", usmipc_err_name(rc),
         usmipc_last_error(), usmipc_err_name(code));
   CHECK(p == NULL, "a failed open left a pointer");
@@ -210,7 +213,9 @@ static int run(const char *layout_env) {
         (unsigned long long)s1.live_mappings);
   CHECK(usmipc_ipc_close(p[0]) == 0 && usmipc_ipc_close(p[1]) == 0, "%s",
         usmipc_last_error());
-  CHECK(usmipc_ipc_close(p[0]) == USMIPC_ENOTMAPPED, "closed twice");
+  int twice = usmipc_ipc_close(p[0]);
+  PROBE_ERR("usmipc_ipc_close(p[0]) (closed twice)", twice);
+  CHECK(twice == USMIPC_ENOTMAPPED, "closed twice");
   CHECK(stats().live_mappings == s0.live_mappings, "a mapping outlived close");
 
   /* What is refused, and how. */
@@ -320,6 +325,7 @@ static int other_uid(void) {
   /* Root opens the blob of uid 65534's process: refused. */
   void *p = NULL;
   int rc = usmipc_ipc_open_sycl(blob, len, NULL, 0, &p, NULL);
+  PROBE_ERR("usmipc_ipc_open_sycl (a blob of uid 65534's)", rc);
   printf("root opening a blob of uid %u: %s\n", (unsigned)nobody,
          rc ? usmipc_last_error() : "opened");
   if (rc == 0)
@@ -347,6 +353,7 @@ static int other_uid(void) {
       _exit(9);
     void *q = NULL;
     int r = usmipc_ipc_open_sycl(blob, len, NULL, 0, &q, NULL);
+    PROBE_ERR("usmipc_ipc_open_sycl as uid 65534 (a blob of root's)", r);
     dprintf(report[1], "%d %s", r, r ? usmipc_last_error() : "opened");
     _exit(0);
   }
@@ -368,6 +375,7 @@ static int other_uid(void) {
 }
 
 int main(int argc, char **argv) {
+  probe_set_test("sycl_blob");
   /* --export: be the exporter on stdin and stdout (tests/python drives it:
    * three blobs in hex, 120-byte, 108-byte, host memory; then "free"). */
   if (argc == 2 && strcmp(argv[1], "--export") == 0)

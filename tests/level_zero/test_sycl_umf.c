@@ -16,6 +16,7 @@
 
 #include <level_zero/ze_api.h>
 
+#include "../c/probe.h" /* the behaviour probe's records */
 #include "usmipc.h"
 
 /* The few UMF entry points used, as UMF 1.2.0 headers declare them. */
@@ -144,6 +145,7 @@ static int run(const char *layout_env, uid_t exporter_uid) {
   void *p = NULL;
   size_t mapped = 0;
   int rc = usmipc_ipc_open_sycl(blob, len, NULL, 0, &p, &mapped);
+  PROBE_ERR("usmipc_ipc_open_sycl (a UMF blob of another uid)", rc);
   if (exporter_uid != 0) {
     printf("root opening the UMF blob of uid %u: %s\n", (unsigned)exporter_uid,
            rc ? usmipc_last_error() : "opened");
@@ -183,6 +185,7 @@ static int run(const char *layout_env, uid_t exporter_uid) {
 }
 
 int main(void) {
+  probe_set_test("sycl_umf");
   const char *path = getenv("USMIPC_UMF_LIB");
   if (getenv("ZE_ENABLE_ALT_DRIVERS") == NULL || path == NULL ||
       access(path, R_OK) != 0) {

@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "../c/probe.h" /* the behaviour probe's records */
 #include "usmipc.h"
 
 #define CHECK(cond, ...)                                                       \
@@ -82,6 +83,7 @@ static void case_broken(void) {
   usmipc_ipc_handle_t *h;
   CHECK(usmipc_malloc(d, USMIPC_MEM_DEVICE, 4096, &p) == 0, "malloc");
   int rc = usmipc_ipc_get_handle(p, 0, &h);
+  PROBE_ERR("usmipc_ipc_get_handle(p, 0, &h) (a broken driver)", rc);
   CHECK(rc == USMIPC_ENOTSUP, "export: %s", usmipc_err_name(rc));
   CHECK(strstr(usmipc_last_error(), "self-test failed") != NULL &&
             strstr(usmipc_last_error(), "read back wrong") != NULL,
@@ -100,7 +102,9 @@ static void case_no_helper(void) {
   void *p;
   usmipc_ipc_handle_t *h;
   CHECK(usmipc_malloc(gpu(), USMIPC_MEM_DEVICE, 4096, &p) == 0, "malloc");
-  CHECK(usmipc_ipc_get_handle(p, 0, &h) == USMIPC_ENOTSUP &&
+  int rc = usmipc_ipc_get_handle(p, 0, &h);
+  PROBE_ERR("usmipc_ipc_get_handle(p, 0, &h) (no helper)", rc);
+  CHECK(rc == USMIPC_ENOTSUP &&
             strstr(usmipc_last_error(), "USMIPC_ZE_SELFTEST=0") != NULL,
         "message: %s", usmipc_last_error());
   usmipc_free(p);
@@ -143,6 +147,7 @@ static int run(const char *name, void (*fn)(void), int fresh) {
 }
 
 int main(void) {
+  probe_set_test("ze_selftest");
   if (getenv("ZE_ENABLE_ALT_DRIVERS") == NULL ||
       getenv("USMIPC_HELPER") == NULL) {
     printf("skipped: ZE_ENABLE_ALT_DRIVERS and USMIPC_HELPER must be set\n");

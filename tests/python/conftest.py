@@ -39,6 +39,147 @@ def pytest_report_header(config):
     return f"usmipc {usmipc.__version__} from {PACKAGE}"
 
 
+# ---- the behaviour probe (tools/probe/README.md) -----------------------------
+# With USMIPC_TEST_PROBE=FILE, every exception that pytest.raises catches (and
+# every warning that pytest.warns records) is appended to FILE as one line,
+# as the C suite's checked failures are (tests/c/probe.h):
+#
+#   py TAB pid TAB context TAB test TAB file:line TAB what TAB class TAB str(exc)
+#
+# class is the exception's qualified class name, then its usmipc code name
+# (e.name) where it has one; context the device the run defaults to
+# (USMIPC_DEFAULT_DEVICE, "-" when unset). Unset, pytest.raises and
+# pytest.warns are pytest's own, untouched.
+PROBE_FILE = os.environ.get("USMIPC_TEST_PROBE") or None
+
+
+def _probe_field(value):
+    return (str(value).replace("\\", "\\\\").replace("\t", "\\t")
+            .replace("\n", "\\n").replace("\r", "\\r"))
+
+
+def _probe_where(depth):
+    """file:line of the frame depth levels above the caller."""
+    frame = sys._getframe(depth + 1)
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _probe_write(where, what, code, message):
+    test = os.environ.get("PYTEST_CURRENT_TEST", "-").rsplit(" (", 1)[0]
+    context = os.environ.get("USMIPC_DEFAULT_DEVICE", "-")
+    fields = ["py", os.getpid(), context, test, where, what, code, message]
+    line = "\t".join(_probe_field(f) for f in fields) + "\n"
+    # One write(2) to an O_APPEND descriptor: the records of processes that
+    # write at once do not interleave.
+    fd = os.open(PROBE_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode("utf-8", "backslashreplace"))
+    finally:
+        os.close(fd)
+
+
+def _probe_code(exc):
+    cls = type(exc)
+    code = f"{cls.__module__}.{cls.__qualname__}"
+    name = getattr(exc, "name", None)
+    if isinstance(name, str) and name.startswith("USMIPC_"):
+        code += " " + name
+    return code
+
+
+def probe_exception(exc, what):
+    """Records an exception a test checks without pytest.raises (one that a
+    helper process reports, say); nothing when the probe is off."""
+    if PROBE_FILE is not None:
+        _probe_write(_probe_where(1), what, _probe_code(exc), str(exc))
+
+
+class _ProbeRaises:
+    """pytest.raises's context manager, unchanged, that records what it
+    caught as the block ends."""
+
+    def __init__(self, inner, where, what):
+        self._inner = inner
+        self._where = where
+        self._what = what
+
+    def __enter__(self):
+        return self._inner.__enter__()
+
+    def __exit__(self, exc_type, exc, tb):
+        __tracebackhide__ = True
+        caught = self._inner.__exit__(exc_type, exc, tb)
+        if caught:
+            _probe_write(self._where, self._what, _probe_code(exc), str(exc))
+        return caught
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _ProbeWarns:
+    """pytest.warns's context manager, unchanged, that records the warnings
+    it saw as the block ends."""
+
+    def __init__(self, inner, where):
+        self._inner = inner
+        self._where = where
+
+    def __enter__(self):
+        return self._inner.__enter__()
+
+    def __exit__(self, exc_type, exc, tb):
+        __tracebackhide__ = True
+        try:
+            return self._inner.__exit__(exc_type, exc, tb)
+        finally:
+            for w in list(self._inner):
+                _probe_write(self._where, "pytest.warns",
+                             _probe_code(w.message), str(w.message))
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _probe_expected(args, kwargs):
+    expected = args[0] if args else kwargs.get("expected_exception")
+    if expected is None:
+        return "pytest.raises()"
+    if not isinstance(expected, tuple):
+        expected = (expected,)
+    return "pytest.raises(" + ", ".join(
+        getattr(e, "__qualname__", repr(e)) for e in expected) + ")"
+
+
+def _probe_install():
+    raises, warns = pytest.raises, pytest.warns
+
+    def probe_raises(*args, **kwargs):
+        __tracebackhide__ = True
+        where, what = _probe_where(1), _probe_expected(args, kwargs)
+        got = raises(*args, **kwargs)
+        if isinstance(got, pytest.ExceptionInfo):  # the callable form
+            _probe_write(where, what, _probe_code(got.value), str(got.value))
+            return got
+        return _ProbeRaises(got, where, what)
+
+    def probe_warns(*args, **kwargs):
+        __tracebackhide__ = True
+        where = _probe_where(1)
+        got = warns(*args, **kwargs)
+        if len(args) > 1 or "func" in kwargs:  # the callable form: its result
+            return got
+        return _ProbeWarns(got, where)
+
+    probe_raises.__doc__ = raises.__doc__
+    probe_warns.__doc__ = warns.__doc__
+    pytest.raises, pytest.warns = probe_raises, probe_warns
+
+
+if PROBE_FILE is not None:
+    _probe_install()
+
+
 HOST = "host:cpu"
 TIMEOUT = 60  # seconds for any helper process
 MAGIC = b"\x89USMIPC\n"
@@ -240,6 +381,7 @@ def is_known(address):
     try:
         usmipc._usmipc._pointer_query(address)
     except usmipc.Error as e:
+        probe_exception(e, "is_known: _pointer_query")
         assert e.name == "USMIPC_EUNKNOWNPTR", e
         return False
     return True

@@ -13,7 +13,7 @@ import pytest
 import usmipc
 from usmipc.memory import MemoryPool, MemoryUSMDevice
 
-from conftest import TIMEOUT, reseal
+from conftest import TIMEOUT, probe_exception, reseal
 
 HOST = "host:cpu"
 
@@ -78,6 +78,7 @@ def _consumer(conn):
         try:
             tree = usmipc.open_shared(data, device=dev)
         except usmipc.Error as e:
+            probe_exception(e, "consumer process: usmipc.open_shared")
             conn.send(("error", e.name, str(e)))
             continue
         if op == "check":

@@ -15,7 +15,8 @@ import pytest
 import usmipc
 from usmipc.memory import MemoryPool
 
-from conftest import TIMEOUT, join_ok, recv_from, reseal, spawn_peer
+from conftest import (TIMEOUT, join_ok, probe_exception, recv_from, reseal,
+                      spawn_peer)
 
 HOST = "host:cpu"
 # The ticket record (0x8003: u64 release id, u64 ticket, 16-byte token)
@@ -157,6 +158,7 @@ def _returning_consumer(conn):
             usmipc.release_shared(msg)
             conn.send("ok")
         except usmipc.Error as e:
+            probe_exception(e, "consumer process: usmipc.release_shared")
             conn.send((e.name, str(e)))
 
 

@@ -27,8 +27,8 @@ import usmipc
 from usmipc import Event, IPCEventHandle, Queue
 from usmipc.memory import IPCMemoryHandle, MemoryUSMDevice
 
-from conftest import (TIMEOUT, child_env, join_ok, pattern, recv_from, reseal,
-                      spawn_peer)
+from conftest import (TIMEOUT, child_env, join_ok, pattern, probe_exception,
+                      recv_from, reseal, spawn_peer)
 
 SIGNAL_LATENCY = 0.1  # seconds from SIGINT to KeyboardInterrupt
 
@@ -208,6 +208,8 @@ def _event_importer(conn, handle):
                 call()
                 out.append("no error")
             except usmipc.Error as e:
+                probe_exception(e, "peer process: after the exporter's "
+                                   "destroy")
                 out.append(e.name)
         conn.send(("after", *out))
     except BaseException as e:  # reported to the parent

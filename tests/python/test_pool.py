@@ -10,7 +10,7 @@ import pytest
 import usmipc
 from usmipc.memory import IPCMemoryHandle, MemoryPool, MemoryUSMDevice
 
-from conftest import TIMEOUT
+from conftest import TIMEOUT, probe_exception
 
 HOST = "host:cpu"
 
@@ -32,6 +32,7 @@ def _opener(conn, raws):
         IPCMemoryHandle.open(late, dev)
         conn.send("opened")
     except usmipc.Error as e:
+        probe_exception(e, "peer process: IPCMemoryHandle.open (late)")
         conn.send(e.name)
 
 
