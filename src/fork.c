@@ -40,6 +40,11 @@
  * handler lock) are not taken by the fork handlers: each guards its own
  * module's state only.
  *
+ * No library lock is held across a wait on another process or on the
+ * device, nor across a call to the binding's interrupt hook
+ * (usmipc__interrupted), which may take a lock of the binding's own
+ * (Python's GIL) whose holder may be waiting for a library lock.
+ *
  * The handlers are registered by a constructor, so this object must be
  * linked into every program: the static archive usmipc_static makes its
  * users reference usmipc__fork_linked (CMakeLists.txt), since an archive

@@ -6,6 +6,8 @@ a ticket returned twice, forged and ticketless bytes, a consumer that dies,
 and the arguments, each with its own outcome."""
 
 import gc
+import subprocess
+import sys
 import threading
 import time
 
@@ -271,3 +273,44 @@ def test_to_torch_trees_return_by_bytes():
     gc.collect()
     assert bundle.releases == (2, 2)
     bundle.wait_released()
+
+
+COUNTS_WHILE_WAITING_SRC = r"""
+import sys, threading, time
+import numpy as np
+import usmipc
+from usmipc.memory import MemoryPool
+
+pool = MemoryPool(device=usmipc.Device("host:cpu"))
+bundle = usmipc.share({"a": np.from_dlpack(pool.allocate(4096))},
+                      release=True)
+raw = bundle.to_bytes()  # one ticket out, never returned
+usmipc.set_event_timeout(2.0)
+outcome = []
+
+def wait():
+    try:
+        bundle.wait_released()
+    except usmipc.Error as e:
+        outcome.append(e.name)
+
+waiter = threading.Thread(target=wait)
+waiter.start()
+n = 0
+while waiter.is_alive():
+    bundle.releases  # the GIL held, the library's lock wanted
+    n += 1
+print(outcome, n, flush=True)
+"""
+
+
+def test_counts_while_wait_released_waits():
+    """bundle.releases on one thread while wait_released waits on another:
+    the wait asks the interrupt hook (which takes the GIL) every 50 ms, and
+    must not hold the library's lock while it does, or the thread that holds
+    the GIL and wants that lock deadlocks with it (the behaviour probe saw
+    test_wait_released_ends_after_the_consumer_wrote hang so)."""
+    proc = subprocess.run([sys.executable, "-c", COUNTS_WHILE_WAITING_SRC],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("['USMIPC_ETIMEDOUT']"), proc.stdout
