@@ -441,12 +441,13 @@ static ring_t *ring_of(usmipc_device_t *dev) {
 }
 
 /* An event of dev's ring whose previous record has completed (or that has
- * none); usmipc__events_lock held. Grows the ring while every event is busy,
- * and past RING_MAX waits for the oldest. */
+ * none); usmipc__events_lock held (and dropped while it waits). Grows the
+ * ring while every event is busy, and past RING_MAX waits for the oldest. */
 static int ring_take(usmipc_device_t *dev, usmipc_event_t **out) {
   ring_t *r = ring_of(dev);
   if (r == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+again:
   for (size_t i = 0; i < r->count; i++) {
     size_t at = (r->cursor + i) % r->count;
     usmipc_event_t *ev = r->events[at];
@@ -482,14 +483,19 @@ static int ring_take(usmipc_device_t *dev, usmipc_event_t **out) {
     *out = ev;
     return 0;
   }
-  /* RING_MAX handoffs in flight: the oldest must finish first. */
+  /* RING_MAX handoffs in flight: the oldest must finish first. It is waited
+   * for without usmipc__events_lock, since the wait reads the wait limit and
+   * asks the interrupt hook, which take locks of their own (the lock
+   * order, fork.c): with the lock held the process deadlocked with itself
+   * (tests/level_zero event_ring_full). Another thread may take the event
+   * meanwhile, so the ring is looked at again. */
   usmipc_event_t *ev = r->events[r->cursor];
+  pthread_mutex_unlock(&usmipc__events_lock);
   int rc = host_poll(dev, ev->native, NULL, 0);
+  pthread_mutex_lock(&usmipc__events_lock);
   if (rc != 0)
     return rc;
-  r->cursor = (r->cursor + 1) % r->count;
-  *out = ev;
-  return 0;
+  goto again;
 }
 
 int usmipc__event_order(usmipc_queue_t *queue, uint8_t *out, size_t *len) {

@@ -2672,6 +2672,54 @@ static int test_event_rerecord_never_early(void) {
   return PASS;
 }
 
+/* event_ring_full: more ordered handoffs in flight than the ring holds
+ * (1,024 events per device): the next handoff waits for the oldest record,
+ * as long as the event wait limit allows, and then goes on. The wait must
+ * not hold the events' lock: it reads the wait limit (which takes that lock:
+ * the process deadlocked with itself) and asks the interrupt hook (which
+ * may take a binding's lock). */
+static int test_event_ring_full(void) {
+  usmipc_device_t *d = gpu();
+  CHECK(d != NULL, "no device");
+  foreign_list_t fl;
+  CHECK(foreign_list_create(&fl) == 0, "list");
+  usmipc_queue_t *q = NULL;
+  CHECK_OK(usmipc_queue_from_native(d, fl.list, &q));
+  void *p = NULL;
+  usmipc_ipc_handle_t *h = NULL;
+  CHECK_OK(usmipc_malloc(d, USMIPC_MEM_DEVICE, 4096, &p));
+  CHECK_OK(usmipc_ipc_get_handle(p, 0, &h));
+  CHECK(append_delay(fl.list, 3000) == 0, "delay");
+  uint64_t t0 = mono_ms();
+  /* Every record waits behind the 3 s command: the ring grows to its
+   * 1,024 events, all busy. */
+  for (int i = 0; i < 1024; i++)
+    CHECK_OK(usmipc_ipc_handle_order(h, q));
+  CHECK(mono_ms() - t0 < 2500, "1,024 handoffs took %llu ms",
+        (unsigned long long)(mono_ms() - t0));
+  /* The next one waits for the oldest, within the event wait limit. */
+  CHECK_OK(usmipc_event_set_timeout(200));
+  CHECK_ERR(usmipc_ipc_handle_order(h, q), USMIPC_ETIMEDOUT);
+  CHECK(mono_ms() - t0 < 2900,
+        "the handoff past a full ring timed out after %llu ms, not within "
+        "its 200 ms limit",
+        (unsigned long long)(mono_ms() - t0));
+  /* Without a limit it waits for the oldest record, then goes on. */
+  CHECK_OK(usmipc_event_set_timeout(0));
+  CHECK_OK(usmipc_ipc_handle_order(h, q));
+  CHECK(mono_ms() - t0 >= 2900,
+        "the handoff past a full ring went on after %llu ms, before the "
+        "oldest record's 3 s command was done",
+        (unsigned long long)(mono_ms() - t0));
+  CHECK_OK(usmipc_ipc_handle_order(h, q));
+  CHECK_OK(usmipc_queue_synchronize(q));
+  CHECK_OK(usmipc_ipc_free_handle(h));
+  CHECK_OK(usmipc_free(p));
+  CHECK_OK(usmipc_queue_destroy(q));
+  foreign_list_destroy(&fl);
+  return PASS;
+}
+
 /* event_refusals: drivers usmipc cannot share events with say so
  * (USMIPC_ENOTSUP with the reason), on either side: an exporter whose
  * event pool handles have a layout no release has, a driver without
@@ -2918,6 +2966,7 @@ static const struct {
     {"event_exporter_killed", test_event_exporter_killed, false},
     {"event_rerecord_never_early", test_event_rerecord_never_early, false},
     {"event_refusals", test_event_refusals, false},
+    {"event_ring_full", test_event_ring_full, false},
     {"release_consumer_exits", test_release_consumer_exits, false},
     {"release_lone_consumer_exits", test_release_lone_consumer_exits, false},
     {"release_consumer_killed", test_release_consumer_killed, false},
