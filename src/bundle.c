@@ -198,8 +198,7 @@ static bool tree_complete(const tree_check_t *t) {
   return t->rooted && t->depth == 0;
 }
 
-/* ---- the producer's side --------------------------------------------------
- */
+/* ---- the producer's side ------------------------------------------------- */
 
 typedef struct segment_out {
   usmipc_ipc_handle_t *handle; /* of the whole allocation */

@@ -310,8 +310,7 @@ bool usmipc__bundle_magic(const void *data, size_t len);
 int usmipc__bundle_ticket(const void *data, size_t len, struct usmipc__wire *w,
                           bool *no_memory);
 
-/* ---- USMIPC_DEBUG and malformed settings (debug.c) ------------------------
- */
+/* ---- USMIPC_DEBUG and malformed settings (debug.c) ----------------------- */
 
 bool usmipc__debug_enabled(void);
 /* A line on stderr when USMIPC_DEBUG=1: "usmipc[pid]: ..." */
@@ -338,17 +337,15 @@ extern usmipc__stats_t usmipc__stats;
 #define USMIPC__WIRE_VERSION 2
 #define USMIPC__WIRE_FIXED_LEN 212 /* bytes before the payload */
 #define USMIPC__WIRE_EXT_MAX 1024  /* bytes of extension records at most */
-#define USMIPC__NO_SLOT                                                        \
-  UINT32_MAX /* the allocation has no export-table slot                        \
-              */
+/* the allocation has no export-table slot */
+#define USMIPC__NO_SLOT UINT32_MAX
 /* flags */
-#define USMIPC__WIRE_FLAG_FD                                                   \
-  0x1u /* an fd must be fetched from the exporter                              \
-        */
-#define USMIPC__WIRE_FLAG_REOPENABLE                                           \
-  0x2u /* that fd is a memfd, which /proc/<pid>/fd can reopen */
-#define USMIPC__WIRE_FLAG_SOCKET_DIR                                           \
-  0x4u /* the exporter also listens in USMIPC_SOCKET_DIR */
+/* an fd must be fetched from the exporter */
+#define USMIPC__WIRE_FLAG_FD 0x1u
+/* that fd is a memfd, which /proc/<pid>/fd can reopen */
+#define USMIPC__WIRE_FLAG_REOPENABLE 0x2u
+/* the exporter also listens in USMIPC_SOCKET_DIR */
+#define USMIPC__WIRE_FLAG_SOCKET_DIR 0x4u
 #define USMIPC__WIRE_FLAGS_KNOWN 0x7u
 /* Extension records: type bit 15 marks a record an importer must
  * understand (critical); others it may skip. */
@@ -391,10 +388,10 @@ static inline uint64_t usmipc__foreign_buffer_id(uint64_t raw) {
 #define USMIPC__EVENT_RECORD_LEN 16
 #define USMIPC__ORDER_FIXED_LEN 68
 /* Event flags (both records). */
-#define USMIPC__EVENT_FLAG_RING                                                \
-  0x1u /* re-recorded only after its previous record completed */
-#define USMIPC__EVENT_FLAG_HOST                                                \
-  0x2u /* no device event: a record is complete when it is made */
+/* re-recorded only after its previous record completed */
+#define USMIPC__EVENT_FLAG_RING 0x1u
+/* no device event: a record is complete when it is made */
+#define USMIPC__EVENT_FLAG_HOST 0x2u
 #define USMIPC__EVENT_FLAGS_KNOWN 0x3u
 
 typedef struct usmipc__wire {
@@ -471,8 +468,7 @@ size_t usmipc__order_record(const usmipc__wire_t *ev, uint8_t *out);
 size_t usmipc__wire_reorder(uint8_t *out, const uint8_t *base, size_t base_len,
                             const uint8_t *rec, size_t rec_len);
 
-/* ---- events (event.c) -----------------------------------------------------
- */
+/* ---- events (event.c) ---------------------------------------------------- */
 /* A handle holding the encoding of w (ipc.c). */
 int usmipc__handle_from_wire(const usmipc__wire_t *w,
                              usmipc_ipc_handle_t **handle);
@@ -519,8 +515,7 @@ int usmipc__release_body_parse(const uint8_t *body, size_t len,
                                uint64_t *ticket, const uint8_t **event,
                                size_t *event_len);
 #define USMIPC__RELEASE_BODY_MAX (10 + USMIPC__EVENT_HANDLE_MAX)
-/* ---- pools (pool.c) --------------------------------------------------------
- */
+/* ---- pools (pool.c) ------------------------------------------------------ */
 /* usmipc_free of a pointer in a pool segment (region->pool_segment). */
 int usmipc__pool_free(void *segment, void *ptr);
 /* The block record (0x8101, 4 + 48 bytes into rec) of the block holding ptr,

@@ -283,8 +283,7 @@ int usmipc_ipc_set_cache_bytes(size_t bytes) {
   return set_cache_limit(&idle_byte_limit, bytes);
 }
 
-/* ---- export ---------------------------------------------------------------
- */
+/* ---- export -------------------------------------------------------------- */
 
 /* First export of a region: the backend's payload and, for fd-backed memory,
  * a grant from the transport. Later exports reuse both, so an export after
@@ -987,8 +986,7 @@ int usmipc_ipc_revoke(const void *ptr) {
   return 0;
 }
 
-/* ---- open and close -------------------------------------------------------
- */
+/* ---- open and close ------------------------------------------------------ */
 
 /* A handle opened by the process that exported it: the memory is already
  * here, so the open is an alias of the original pointer, counted so that

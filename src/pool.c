@@ -58,7 +58,7 @@ typedef struct segment {
   void *base;
   size_t size;
   uint64_t buffer_id; /* its region's, with USMIPC__POOL_SEGMENT_ID */
-  size_t live; /* blocks allocated in it */
+  size_t live;        /* blocks allocated in it */
   struct segment *next;
 } segment_t;
 

@@ -158,8 +158,7 @@ void usmipc__fds_capability(const uint8_t *req, const uint8_t token[16],
   mac_with_label(out, token, "usmipc-fdbatch-2", req, 48, buffer_id);
 }
 
-/* ---- the protocol as pure functions (fuzzed: tests/fuzz/fuzz_broker.c) ----
- */
+/* ---- the protocol as pure functions (fuzzed: tests/fuzz/fuzz_broker.c) --- */
 
 void usmipc__request_build(uint8_t req[USMIPC__REQUEST_LEN],
                            const usmipc__wire_t *w, unsigned want,
