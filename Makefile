@@ -24,7 +24,7 @@ PY_SETUP := $(VENV)/bin/python
 endif
 
 .PHONY: all build demo test test-c test-python test-asan test-python-asan test-tsan fuzz fuzz-build fuzz-ci bench python distributed-deps docs \
-        wheel test-wheel sdist test-sdist clean
+        wheel test-wheel sdist test-sdist layering format format-check clean
 
 all: build
 
@@ -107,6 +107,34 @@ test-python-asan: $(PY_SETUP)
 	    LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libubsan.so)" \
 	    ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	    USMIPC_BUILD_DIR=$(BUILD) $(PY) -m pytest -q -p no:cacheprovider $(PYASAN_TESTS)
+
+# The layering check (tools/layering/check.py): each file of the core and of
+# the extension includes and references only files that stand below it in
+# tools/layering/floors.txt, and no files form a circle. It reads the symbols
+# of object files with nm: the library's and the helper's from make build,
+# the extension's from a CMake build of it in $(BUILD)-layering (as
+# test-python-asan builds it; that build compiles the library once more).
+LAYERING_TABLE ?= tools/layering/floors.txt
+layering: build $(PY_SETUP)
+	cmake -S . -B $(BUILD)-layering -DUSMIPC_BUILD_PYTHON=ON -DUSMIPC_BUILD_TESTS=OFF \
+	    -DUSMIPC_WERROR=ON -DPython_EXECUTABLE=$(PY_ABS_PATH) $(CMAKE_FLAGS)
+	cmake --build $(BUILD)-layering -j $(JOBS) --target _usmipc
+	$(PYTHON) tools/layering/check.py --table $(LAYERING_TABLE) --root . \
+	    --objects $(BUILD)/CMakeFiles/usmipc_objects.dir \
+	    --objects $(BUILD)/CMakeFiles/usmipc-helper.dir \
+	    --objects $(BUILD)-layering/python/CMakeFiles/_usmipc.dir
+
+# Formatting with clang-format 14, the version .clang-format is written for
+# (another one formats the same style differently). format rewrites the C
+# files of src/, include/ and python/usmipc/_ext/; format-check changes
+# nothing and fails, naming each file that would change with a short diff.
+# Both refuse any other version (tools/format/format.sh).
+CLANG_FORMAT ?= clang-format-14
+format:
+	CLANG_FORMAT="$(CLANG_FORMAT)" bash tools/format/format.sh fix
+
+format-check:
+	CLANG_FORMAT="$(CLANG_FORMAT)" bash tools/format/format.sh check
 
 # The C tests under ThreadSanitizer. Forking tests run with die_after_fork=0
 # (a fork child of a threaded process is what they test); the suppressions
@@ -205,4 +233,5 @@ bench: build python
 	$(PY) bench/bench_python.py $(if $(DEVICE),--device $(DEVICE))
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-pyasan $(BUILD)-tsan $(BUILD)-fuzz $(BUILD)-wheel
+	rm -rf $(BUILD) $(BUILD)-asan $(BUILD)-pyasan $(BUILD)-tsan $(BUILD)-fuzz $(BUILD)-wheel \
+	    $(BUILD)-layering

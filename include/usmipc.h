@@ -293,8 +293,7 @@ typedef struct usmipc_pointer_info {
 USMIPC_API int usmipc_pointer_query(const void *ptr,
                                     usmipc_pointer_info_t *info);
 
-/* ---- IPC: the four calls of the seed --------------------------------------
- */
+/* ---- IPC: the four calls of the seed ------------------------------------- */
 
 /* Exports nbytes of device memory starting at ptr (an interior pointer is
  * fine: the handle carries the offset). nbytes == 0 exports up to the end of

@@ -32,8 +32,7 @@
 
 #include "objects.h"
 
-/* ---- the producer's side --------------------------------------------------
- */
+/* ---- the producer's side ------------------------------------------------- */
 
 typedef struct segment_out {
   usmipc_ipc_handle_t *handle; /* of the whole allocation */

@@ -424,8 +424,7 @@ static void put_event_record(usmipc__wire_t *w) {
   w->ext_len = 4 + USMIPC__EVENT_RECORD_LEN;
 }
 
-/* ---- the ring of ordering events ------------------------------------------
- */
+/* ---- the ring of ordering events ----------------------------------------- */
 
 static ring_t *ring_of(usmipc_device_t *dev) {
   for (ring_t *r = rings; r; r = r->next)

@@ -30,12 +30,12 @@
   XX(EMEMKIND, -30008, "memory of the wrong kind")                             \
   XX(EUNKNOWNPTR, -30009, "pointer not known to usmipc")                       \
   XX(ENOTMAPPED, -30010, "pointer is not an open IPC mapping")                 \
-  XX(ETRANSPORT, -30011, "file descriptor transport failed")                 \
-  XX(ETIMEDOUT, -ETIMEDOUT, "timed out waiting for the exporting process")    \
+  XX(ETRANSPORT, -30011, "file descriptor transport failed")                   \
+  XX(ETIMEDOUT, -ETIMEDOUT, "timed out waiting for the exporting process")     \
   XX(EINTR, -EINTR, "interrupted")                                             \
   XX(EMFILE, -EMFILE, "too many open files")                                   \
-  XX(ENAMESPACE, -30012, "exporter in another PID or network namespace")      \
-  XX(EUNTRUSTED, -30013, "peer failed authentication")                       \
+  XX(ENAMESPACE, -30012, "exporter in another PID or network namespace")       \
+  XX(EUNTRUSTED, -30013, "peer failed authentication")                         \
   XX(ENOTREADY, -30014, "event not complete yet")
 
 typedef enum usmipc_errno {

@@ -189,8 +189,7 @@ static void ctx_leave(void) {
 
 static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
-/* ---- probe ----------------------------------------------------------------
- */
+/* ---- probe --------------------------------------------------------------- */
 
 static int cuda_probe(usmipc__device_desc_t *devices, int max, char *reason,
                       size_t reason_len) {
@@ -271,8 +270,7 @@ static int cuda_probe(usmipc__device_desc_t *devices, int max, char *reason,
   return count;
 }
 
-/* ---- memory ---------------------------------------------------------------
- */
+/* ---- memory -------------------------------------------------------------- */
 
 /* Reserves address space for a physical allocation, maps it and makes it
  * readable and writable from device dev; undoes what it did on failure.
@@ -655,8 +653,7 @@ static int cuda_foreign_chunks(void *dev, const void *ptr, size_t nbytes,
   return rc;
 }
 
-/* ---- queues ---------------------------------------------------------------
- */
+/* ---- queues -------------------------------------------------------------- */
 
 static int cuda_queue_create(void *dev, void **queue) {
   int rc = ctx_enter(dev);
@@ -820,8 +817,7 @@ static int cuda_queue_unwrap(void *dev, void *queue) {
   return 0;
 }
 
-/* ---- IPC ------------------------------------------------------------------
- */
+/* ---- IPC ----------------------------------------------------------------- */
 
 static void put_u64(uint8_t *p, uint64_t v) {
   for (int i = 0; i < 8; i++)

@@ -52,8 +52,7 @@
 #include "backend/backend.h"
 #include "linux/transport.h"
 
-/* ---- driver types (ze_api.h, Level Zero API 1.4) ----------------------------
- */
+/* ---- driver types (ze_api.h, Level Zero API 1.4) ------------------------- */
 
 typedef int ze_result_t; /* every value fits an int */
 typedef uint8_t ze_bool_t;
@@ -346,8 +345,7 @@ typedef ze_result_t (*zex_get_ipc_handles_fn)(ze_context_handle_t, const void *,
                                               uint32_t *,
                                               ze_ipc_mem_handle_t *);
 
-/* ---- backend state
- * ------------------------------------------------------------ */
+/* ---- backend state ------------------------------------------------------- */
 
 /* How an allocation or mapping was made (usmipc__allocation_t.how). */
 enum {
@@ -502,8 +500,7 @@ static int lz_fail(ze_result_t res, const char *what) {
                              result_name(res), (unsigned)res);
 }
 
-/* ---- probe
- * -------------------------------------------------------------------- */
+/* ---- probe --------------------------------------------------------------- */
 
 /* Resolves an entry point newer than the loader may be. The loader's own
  * export is preferred: it dispatches to the right driver whatever the
@@ -670,8 +667,7 @@ static int lz_probe(usmipc__device_desc_t *devices, int max, char *reason,
   return count;
 }
 
-/* ---- memory
- * ------------------------------------------------------------------- */
+/* ---- memory -------------------------------------------------------------- */
 
 static int lz_mem_alloc(void *dev, usmipc_mem_kind_t kind, size_t nbytes,
                         unsigned flags, usmipc__allocation_t *out) {
@@ -806,8 +802,7 @@ static int lz_pointer_query(const void *ptr, usmipc__allocation_t *out,
   return USMIPC_EUNKNOWNPTR;
 }
 
-/* ---- queues
- * ------------------------------------------------------------------- */
+/* ---- queues -------------------------------------------------------------- */
 
 /* A synchronous immediate command list: every append has completed when it
  * returns, so queue_synchronize has nothing to wait for. It needs nothing
@@ -958,10 +953,9 @@ static int lz_memset(void *dev, void *queue, void *dst, int value, size_t n) {
              : lz_fail(res, "zeCommandListAppendMemoryFill");
 }
 
-/* ---- IPC
- * ---------------------------------------------------------------------- What
- * Intel's driver puts in ze_ipc_mem_handle_t has changed with almost every
- * compute-runtime release from 25.35 to 26.31 (docs/level-zero.md has the
+/* ---- IPC ------------------------------------------------------------------
+ * What Intel's driver puts in ze_ipc_mem_handle_t has changed with almost
+ * every compute-runtime release from 25.35 to 26.31 (docs/level-zero.md has the
  * table): a legacy layout, an "opaque" one with the exporter's pid that makes
  * the importer's driver fetch the descriptor itself (pidfd_getfd, or a socket),
  * a copy of the descriptor number whose equality with the first one selects

@@ -50,8 +50,7 @@
 #define FUTEX_OWNER_DIED_ 0x40000000u
 #define FUTEX_TID_MASK_ 0x3fffffffu
 
-/* ---- the exporter's side --------------------------------------------------
- */
+/* ---- the exporter's side ------------------------------------------------- */
 
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint8_t *table; /* this process's table, read-write */
