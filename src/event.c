@@ -33,7 +33,10 @@
  * (its place in the library's lock order: fork.c). It is never held across a
  * wait on another process or on the device.
  *
- * Floor 5 of the core (objects), above queue.c. */
+ * Floor 5 of the core (objects), above queue.c. Its length serves that
+ * one concern, events: local ones, their sharing (export, the import cache,
+ * views), the ring that ordered handoffs take their events from, and the
+ * waits on the host and on the device. */
 #include <errno.h>
 #include <sched.h>
 #include <stdio.h>

@@ -18,7 +18,9 @@
  *    back into one reserved range (docs/cuda.md).
  *
  * Floor 3 of the core (backends, beside the transport): the core reaches
- * it only through its ops table (backend.h). */
+ * it only through its ops table (backend.h). Its length serves that one
+ * concern, the CUDA driver: the two forms of shared memory, runs of VMM
+ * chunks, events, and the driver's own error codes read into sentences. */
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <stdio.h>

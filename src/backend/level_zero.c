@@ -34,7 +34,10 @@
  *
  * Floor 3 of the core (backends, beside the transport): the core reaches
  * it only through its ops table (backend.h), and it calls only the floors
- * below and linux/dmabuf.c. */
+ * below and linux/dmabuf.c. Its length serves that one concern, the Level
+ * Zero driver: the IPC handle layouts of each of Intel's releases, read
+ * from their source (docs/level-zero.md), events, SYCL's blobs and the
+ * self-test that checks it all on a real driver. */
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
