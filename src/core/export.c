@@ -51,7 +51,6 @@ typedef struct foreign_export {
 } foreign_export_t;
 
 static foreign_export_t *foreign_exports;
-
 static uint64_t next_foreign_id = 1;
 
 /* First export of a region: the backend's payload and, for fd-backed memory,

@@ -28,13 +28,9 @@
  * of those with no open reference (most recently closed at the head). All
  * guarded by usmipc__registry_lock. */
 static usmipc__region_t **imports;
-
 static size_t import_count, import_capacity;
-
 static usmipc__region_t *idle_head, *idle_tail;
-
 static size_t idle_count, idle_bytes;
-
 static size_t idle_limit = 64;
 
 /* A closed mapping pins memory its exporter may already have freed (device

@@ -17,11 +17,8 @@
 pthread_mutex_t usmipc__registry_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static usmipc__region_t **regions;
-
 static size_t region_count, region_capacity;
-
 static uint64_t next_buffer_id;
-
 static pthread_once_t registry_once = PTHREAD_ONCE_INIT;
 
 /* Fork handlers, called by fork.c in the library's lock order. */

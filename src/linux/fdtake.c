@@ -272,8 +272,7 @@ static int check_listener(int s, const usmipc__wire_t *w, const char *name) {
  * one answer: no connect, no credential checks. Each connection serves one
  * thread at a time (taken out of the list while in use); the broker closes
  * one idle for KEEP_MS, or to make room, and the importer then reconnects. */
-#define KEPT_MAX 16 /* in all */
-
+#define KEPT_MAX 16         /* in all */
 #define KEPT_MAX_PER_PEER 4 /* to one exporter */
 
 typedef struct kept_conn {

@@ -38,9 +38,7 @@
  *           WANT_FDS request's in the order of its entries. */
 
 #define REQUEST_MAGIC 0x32524655u /* "UFR2" */
-
-#define REPLY_MAGIC 0x32504655u /* "UFP2" */
-
+#define REPLY_MAGIC 0x32504655u   /* "UFP2" */
 #define PROTOCOL_VERSION 2u
 
 static void mac_with_label(uint8_t out[16], const uint8_t key[16],
