@@ -507,14 +507,20 @@ typedef struct usmipc_ipc_handle_info {
 USMIPC_API int usmipc_ipc_handle_inspect(const void *data, size_t len,
                                          usmipc_ipc_handle_info_t *info);
 
-/* Importers keep up to this many closed mappings so that a re-open is cheap
- * (default 64, or USMIPC_IPC_CACHE_SIZE); 0 unmaps on the last close. */
+/* Importers keep closed mappings so that a re-open is cheap. By default a
+ * closed mapping stays as long as its exporter still exports the
+ * allocation (its export table says so), however many there are: it pins
+ * nothing the exporter does not hold anyway. Once the allocation is freed
+ * or its exporter gone, the mapping is dropped at the next close or within
+ * a second by the cache's sweeper thread, even if the process makes no
+ * further call (USMIPC_IPC_CACHE_DROP_FREED=0 turns that off, for tests).
+ * Mappings whose liveness cannot be read are kept at most 64 and 1 GiB.
+ * usmipc_ipc_set_cache_size (or USMIPC_IPC_CACHE_SIZE) bounds every closed
+ * mapping to this many; 0 unmaps on the last close. */
 USMIPC_API int usmipc_ipc_set_cache_size(size_t entries);
-/* ... and at most this many bytes of them (default 1 GiB, or
- * USMIPC_IPC_CACHE_BYTES): a closed mapping pins memory the exporter may
- * have freed. Independently of both bounds, an idle mapping is dropped as
- * soon as its allocation is known to be freed or its exporter gone
- * (USMIPC_IPC_CACHE_DROP_FREED=0 turns that off, for tests). */
+/* ... and usmipc_ipc_set_cache_bytes (or USMIPC_IPC_CACHE_BYTES) to this
+ * many bytes of them; lowering either unmaps the least recently used idle
+ * mappings at once. */
 USMIPC_API int usmipc_ipc_set_cache_bytes(size_t bytes);
 
 /* Every wait inside one usmipc_ipc_open (connecting to the exporter, its

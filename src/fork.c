@@ -23,7 +23,9 @@
  *                      cache and (release.c) the release-ticket registry;
  *                      taken before the registry's (peer references).
  *   4. core/region.c   usmipc__registry_lock: regions, the import cache and
- *                      the importer's peers (one lock, by design).
+ *                      the importer's peers (one lock, by design); the
+ *                      import cache's sweeper thread holds it while it
+ *                      sweeps.
  *   5. pool.c          live_pools_lock, then each pool's lock: an export
  *                      holds the registry lock when it asks the pool for its
  *                      block, and a pool lock is held while a block's slot is
@@ -88,6 +90,7 @@ static void fork_child(void) {
   usmipc__exports_fork_child();
   usmipc__devices_fork_child();
   usmipc__pools_fork_child();
+  usmipc__imports_fork_child(); /* under usmipc__registry_lock */
   usmipc__registry_fork_child();
   usmipc__releases_fork_child(); /* under usmipc__events_lock */
   usmipc__events_fork_child();

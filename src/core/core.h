@@ -229,6 +229,9 @@ bool usmipc__foreign_export_current(const void *base, uint32_t slot,
  * and fetch their descriptors together first (usmipc__open_wire is
  * usmipc__open_mapping without a prefetched descriptor). */
 /* ---- the import engine (core/import.c) ---------------------------------- */
+/* fork.c's hook of the import cache, in the child with the registry lock
+ * held: its sweeper thread does not exist there. */
+void usmipc__imports_fork_child(void);
 /* Unmaps a list of regions linked by idle_next (lock NOT held). */
 void usmipc__unmap_list(usmipc__region_t *list);
 /* Maps w (a decoded memory handle) on device (NULL: the exporting device)

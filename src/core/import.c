@@ -20,42 +20,78 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "core/core.h"
 
 /* Import cache: regions of origin IMPORTED sorted by key, plus the LRU list
  * of those with no open reference (most recently closed at the head). All
- * guarded by usmipc__registry_lock. */
+ * guarded by usmipc__registry_lock.
+ *
+ * How long an idle mapping stays. A closed mapping pins memory its exporter
+ * may already have freed (device memory, on a GPU), so what is kept must be
+ * bounded; but a count or a byte cap also sends a large model cold at every
+ * step (a consumer that drops 4,719 tensors between handoffs re-imported
+ * 775 of 798 allocations under the old 64-entry, 1 GiB caps). Liveness
+ * bounds it instead: the exporter's export table says whether each
+ * allocation is still exported, and a mapping of one that is (the exporter
+ * holds the memory anyway) costs nothing extra. An idle mapping whose
+ * allocation was freed, or whose exporter died, is dropped at the next
+ * close (which checks the newest few) or by the sweeper thread within
+ * SWEEP_MS, even if this process makes no further call. Mappings whose
+ * liveness the cache cannot read (no export-table slot, or drop-on-free
+ * switched off: "blind") are bounded by idle_limit and idle_byte_limit; a
+ * bound set through usmipc_ipc_set_cache_size/_bytes or the environment
+ * (limits_all) bounds every idle mapping. */
 static usmipc__region_t **imports;
 static size_t import_count, import_capacity;
 static usmipc__region_t *idle_head, *idle_tail;
-static size_t idle_count, idle_bytes;
+static size_t idle_count, idle_bytes, blind_count, blind_bytes;
 static size_t idle_limit = 64;
-
-/* A closed mapping pins memory its exporter may already have freed (device
- * memory, on a GPU): the bytes kept idle are bounded too. */
 static size_t idle_byte_limit = (size_t)1 << 30;
-
+static bool limits_all;
 static bool drop_freed = true; /* USMIPC_IPC_CACHE_DROP_FREED=0: off */
+/* The sweeper: a thread that runs while idle mappings whose liveness it can
+ * read exist, and drops those freed or orphaned every SWEEP_MS. */
+#define SWEEP_MS 250
+/* A close checks this many of the newest idle mappings (its own first): a
+ * producer that streams fresh buffers frees the one before, which is then
+ * dropped at once rather than at the next sweep. */
+#define CLOSE_CHECKS 8
+static bool sweeper_running;
+static pthread_cond_t sweeper_cond;
 
 static pthread_once_t cache_once = PTHREAD_ONCE_INIT;
 
-static void env_size(const char *name, size_t *out) {
+/* name's value into *out; whether there was one to take. */
+static bool env_size(const char *name, size_t *out) {
   const char *env = getenv(name);
   if (env != NULL && *env != '\0') {
     char *end;
     unsigned long long v = strtoull(env, &end, 10);
-    if (*end == '\0' && env[0] != '-')
+    if (*end == '\0' && env[0] != '-') {
       *out = (size_t)v;
-    else
-      usmipc__env_malformed(name, env, "a count", "the default");
+      return true;
+    }
+    usmipc__env_malformed(name, env, "a count", "the default");
   }
+  return false;
+}
+
+static void sweeper_cond_init(void) {
+  pthread_condattr_t attr;
+  pthread_condattr_init(&attr);
+  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  pthread_cond_init(&sweeper_cond, &attr);
+  pthread_condattr_destroy(&attr);
 }
 
 static void cache_init(void) {
-  env_size("USMIPC_IPC_CACHE_SIZE", &idle_limit);
-  env_size("USMIPC_IPC_CACHE_BYTES", &idle_byte_limit);
+  sweeper_cond_init();
+  bool entries = env_size("USMIPC_IPC_CACHE_SIZE", &idle_limit);
+  bool bytes = env_size("USMIPC_IPC_CACHE_BYTES", &idle_byte_limit);
+  limits_all = entries || bytes;
   const char *env = getenv("USMIPC_IPC_CACHE_DROP_FREED");
   if (env != NULL && strcmp(env, "0") == 0)
     drop_freed = false;
@@ -127,6 +163,11 @@ static void import_remove(usmipc__region_t *r) {
   }
 }
 
+/* An idle mapping whose liveness the cache cannot read. */
+static bool blind(const usmipc__region_t *r) {
+  return r->peer == NULL || !drop_freed;
+}
+
 static void idle_unlink(usmipc__region_t *r) {
   if (r->idle_prev)
     r->idle_prev->idle_next = r->idle_next;
@@ -139,6 +180,10 @@ static void idle_unlink(usmipc__region_t *r) {
   r->idle_prev = r->idle_next = NULL;
   idle_count--;
   idle_bytes -= mapped_bytes(r);
+  if (blind(r)) {
+    blind_count--;
+    blind_bytes -= mapped_bytes(r);
+  }
 }
 
 static void idle_push(usmipc__region_t *r) {
@@ -151,6 +196,10 @@ static void idle_push(usmipc__region_t *r) {
     idle_tail = r;
   idle_count++;
   idle_bytes += mapped_bytes(r);
+  if (blind(r)) {
+    blind_count++;
+    blind_bytes += mapped_bytes(r);
+  }
 }
 
 /* Takes an idle mapping out of the cache and the registry onto a list
@@ -163,11 +212,22 @@ static void idle_detach(usmipc__region_t *r, usmipc__region_t **list) {
   *list = r;
 }
 
-/* Detaches idle mappings beyond the limits, least recently used first. */
+/* Detaches idle mappings beyond the limits, least recently used first:
+ * every idle mapping once a limit was set, else only blind ones. */
 static usmipc__region_t *idle_evict_over_limit(void) {
   usmipc__region_t *evicted = NULL;
-  while (idle_count > idle_limit || idle_bytes > idle_byte_limit)
-    idle_detach(idle_tail, &evicted);
+  if (limits_all) {
+    while (idle_count > idle_limit || idle_bytes > idle_byte_limit)
+      idle_detach(idle_tail, &evicted);
+    return evicted;
+  }
+  for (usmipc__region_t *r = idle_tail, *prev;
+       r != NULL && (blind_count > idle_limit || blind_bytes > idle_byte_limit);
+       r = prev) {
+    prev = r->idle_prev;
+    if (blind(r))
+      idle_detach(r, &evicted);
+  }
   return evicted;
 }
 
@@ -187,18 +247,71 @@ void usmipc__unmap_list(usmipc__region_t *list) {
 
 /* Drop-on-free: idle mappings whose allocation the exporter freed, or whose
  * exporter died, can never be opened again (every open checks), so they
- * only pin memory: detach them. A few loads per idle mapping, no system
- * call. Returns them as a list (linked by idle_next). Lock held. */
-static usmipc__region_t *idle_drop_dead(usmipc__region_t *evicted) {
+ * only pin memory: detach them, of the newest `at_most` idle mappings (all
+ * of them: SIZE_MAX). A few loads per idle mapping, no system call. Returns
+ * them as a list (linked by idle_next). Lock held. */
+static usmipc__region_t *idle_drop_dead(usmipc__region_t *evicted,
+                                        size_t at_most) {
   if (!drop_freed)
     return evicted;
-  for (usmipc__region_t *r = idle_head, *next; r; r = next) {
+  size_t seen = 0;
+  for (usmipc__region_t *r = idle_head, *next; r && seen < at_most;
+       r = next, seen++) {
     next = r->idle_next;
     if (r->peer != NULL && !usmipc__peer_slot_live(r->peer, r->export_slot,
                                                    r->buffer_id, r->slot_tag))
       idle_detach(r, &evicted);
   }
   return evicted;
+}
+
+/* The sweeper's loop: every SWEEP_MS, with the registry lock (which the
+ * condition's wait gives up meanwhile), every idle mapping's liveness;
+ * unmaps outside the lock. Ends when no idle mapping is left to watch. */
+static void *sweep_main(void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&usmipc__registry_lock);
+  for (;;) {
+    struct timespec ts;
+    uint64_t until = usmipc__now_ns() + (uint64_t)SWEEP_MS * 1000000u;
+    ts.tv_sec = (time_t)(until / 1000000000u);
+    ts.tv_nsec = (long)(until % 1000000000u);
+    pthread_cond_timedwait(&sweeper_cond, &usmipc__registry_lock, &ts);
+    if (!drop_freed || idle_count == blind_count) {
+      sweeper_running = false;
+      break;
+    }
+    usmipc__region_t *evicted = idle_drop_dead(NULL, SIZE_MAX);
+    if (evicted != NULL) {
+      pthread_mutex_unlock(&usmipc__registry_lock);
+      usmipc__unmap_list(evicted);
+      pthread_mutex_lock(&usmipc__registry_lock);
+    }
+  }
+  pthread_mutex_unlock(&usmipc__registry_lock);
+  return NULL;
+}
+
+/* Starts the sweeper if an idle mapping it can watch exists and it is not
+ * running. Lock held. A failure to start it leaves the next close's checks
+ * (and a later start) to drop freed mappings. */
+static void sweeper_ensure(void) {
+  if (sweeper_running || !drop_freed || idle_count == blind_count)
+    return;
+  pthread_attr_t attr;
+  pthread_t t;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  if (pthread_create(&t, &attr, sweep_main, NULL) == 0)
+    sweeper_running = true;
+  pthread_attr_destroy(&attr);
+}
+
+/* fork.c's hook, in the child (the registry lock held): no sweeper runs
+ * there; the next close starts one if it has mappings to watch. */
+void usmipc__imports_fork_child(void) {
+  sweeper_running = false;
+  sweeper_cond_init();
 }
 
 /* Unmaps every idle mapping, for an import that ran out of room: the cache
@@ -218,6 +331,7 @@ static int set_cache_limit(size_t *limit, size_t value) {
   pthread_once(&cache_once, cache_init);
   pthread_mutex_lock(&usmipc__registry_lock);
   *limit = value;
+  limits_all = true;
   usmipc__region_t *evicted = idle_evict_over_limit();
   pthread_mutex_unlock(&usmipc__registry_lock);
   usmipc__unmap_list(evicted);
@@ -815,7 +929,8 @@ int usmipc_ipc_close(void *ptr) {
   } else if (r != NULL && r->origin == USMIPC__IMPORTED && r->open_refs > 0) {
     if (--r->open_refs == 0) {
       idle_push(r);
-      evicted = idle_drop_dead(idle_evict_over_limit());
+      evicted = idle_drop_dead(idle_evict_over_limit(), CLOSE_CHECKS);
+      sweeper_ensure();
     }
   } else {
     rc = usmipc__fail(USMIPC_ENOTMAPPED,

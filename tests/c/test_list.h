@@ -53,6 +53,7 @@
   X(ipc_revoke)                                                                \
   X(ipc_other_uid_refused)                                                     \
   X(ipc_fork_child_exports)                                                    \
+  X(ipc_cache_warm_by_liveness)                                                \
   X(ipc_cache_limit)                                                           \
   X(ipc_no_leak_cached)                                                        \
   X(ipc_no_leak_uncached)                                                      \

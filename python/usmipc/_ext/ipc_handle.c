@@ -1189,8 +1189,9 @@ static PyMethodDef handle_methods[] = {
     {"set_cache_size", PYUSMIPC_CMETHOD(handle_set_cache_size_cls),
      PYUSMIPC_CLASS_FLAGS,
      "set_cache_size($cls, /, entries)\n--\n\n"
-     "How many closed mappings this process keeps for cheap re-opens\n"
-     "(default 64, or USMIPC_IPC_CACHE_SIZE); 0 unmaps on the last close.\n"
+     "At most how many closed mappings this process keeps for cheap\n"
+     "re-opens (default: every one whose allocation is still exported;\n"
+     "or USMIPC_IPC_CACHE_SIZE); 0 unmaps on the last close.\n"
      "The same as usmipc.set_ipc_cache_size()."},
     {"from_bytes", PYUSMIPC_CMETHOD(handle_from_bytes_cls),
      PYUSMIPC_CLASS_FLAGS,

@@ -278,13 +278,16 @@ static PyMethodDef module_methods[] = {
      "(available, reason): reason says why a backend is unavailable."},
     {"set_ipc_cache_size", set_ipc_cache_size, METH_O,
      "set_ipc_cache_size(entries)\n\n"
-     "How many closed IPC mappings this process keeps for cheap re-opens\n"
-     "(default 64, or USMIPC_IPC_CACHE_SIZE); 0 unmaps on the last close."},
+     "At most how many closed IPC mappings this process keeps for cheap\n"
+     "re-opens (default: every one whose allocation its exporter still\n"
+     "exports, dropped within a second once it is freed; or\n"
+     "USMIPC_IPC_CACHE_SIZE); 0 unmaps on the last close."},
     {"set_ipc_cache_bytes", set_ipc_cache_bytes, METH_O,
      "set_ipc_cache_bytes(nbytes)\n\n"
      "At most how many bytes of closed IPC mappings this process keeps\n"
-     "(default 1 GiB, or USMIPC_IPC_CACHE_BYTES): an idle mapping pins\n"
-     "memory its exporter may have freed. 0 unmaps on the last close.\n"
+     "(default: no bound on mappings whose allocation is still exported,\n"
+     "which pin nothing the exporter does not hold; or\n"
+     "USMIPC_IPC_CACHE_BYTES). 0 unmaps on the last close.\n"
      "Applies together with set_ipc_cache_size(); lowering it unmaps the\n"
      "least recently used idle mappings at once."},
     {"set_ipc_timeout", set_ipc_timeout, METH_O,
