@@ -465,18 +465,22 @@ def GPU_MEM_INFO():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("mode", ["drop-on-free", "byte-cap"])
+@pytest.mark.parametrize("mode", ["defaults", "drop-on-free", "byte-cap"])
 def test_streamed_1gib_buffers_do_not_pin_device_memory(kind, mode):
     """A producer streams 40 fresh 1 GiB buffers (allocate, export, the
     consumer opens, reads, closes, the producer frees). The consumer's idle
     cache must not keep freed device memory: device memory in use stays
-    within two buffers of the start. drop-on-free: the byte cap is set above
-    the stream's total, so only dropping the mappings of freed allocations
-    can hold it; byte-cap: dropping is off and a 2 GiB cap alone holds it."""
+    within two buffers of the start. defaults: the cache's own policy (no
+    count or byte bound on mappings of live exports; freed ones dropped);
+    drop-on-free: the byte cap is set above the stream's total, so only
+    dropping the mappings of freed allocations can hold it; byte-cap:
+    dropping is off and a 2 GiB cap alone holds it."""
     import gc
     gib = 1 << 30
     env = {"USMIPC_IPC_CACHE_SIZE": "1000"}
-    if mode == "drop-on-free":
+    if mode == "defaults":
+        env = {}
+    elif mode == "drop-on-free":
         env["USMIPC_IPC_CACHE_BYTES"] = str(1 << 40)
     else:
         env["USMIPC_IPC_CACHE_DROP_FREED"] = "0"
