@@ -519,3 +519,61 @@ def test_streamed_1gib_buffers_do_not_pin_device_memory(kind, mode):
     finally:
         consumer.stdin.close()
         consumer.wait(timeout=60)
+
+
+@pytest.mark.parametrize("drop", ["default", "off"])
+def test_freed_segment_leaves_the_consumers_cache_within_a_second(drop):
+    """A producer shares a torch tensor (PyTorch's caching allocator) in a
+    bundle; a consumer opens and closes it (its mapping stays idle in the
+    import cache, warm for the next handoff); then the producer drops the
+    bundle and the tensor and calls torch.cuda.empty_cache(). The export
+    goes with its last holder, and the consumer's cache drops the idle
+    mapping within a second with no call from the consumer (its sweeper),
+    so the segment's device memory is free again; the old bytes open no
+    more. drop="off" (USMIPC_IPC_CACHE_DROP_FREED=0, no dropping, no
+    sweeper) shows what the sweeper buys: the consumer's idle mapping keeps
+    the memory."""
+    torch = pytest.importorskip("torch")
+    env = {} if drop == "default" else {"USMIPC_IPC_CACHE_DROP_FREED": "0"}
+    consumer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import sys, torch, usmipc
+            dev = usmipc.Device("cuda:gpu:0")
+            print("ready", flush=True)
+            for line in sys.stdin:
+                try:
+                    tree = usmipc.open_shared(bytes.fromhex(line.strip()),
+                                              device=dev)
+                    first = int(torch.from_dlpack(tree["t"])[0])
+                    usmipc.close_shared(tree)
+                    print("opened", first, flush=True)
+                except usmipc.Error as e:
+                    print(e.name, flush=True)
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, **env))
+    try:
+        assert consumer.stdout.readline().strip() == "ready"
+        t = torch.full((256 << 20,), 7, dtype=torch.uint8, device="cuda:0")
+        torch.cuda.synchronize()
+        bundle = usmipc.share({"t": t})
+        raw = bundle.to_bytes().hex()
+        consumer.stdin.write(raw + "\n")
+        consumer.stdin.flush()
+        assert consumer.stdout.readline().split() == ["opened", "7"]
+        free_before = torch.cuda.mem_get_info()[0]
+        del t, bundle
+        torch.cuda.empty_cache()
+        time.sleep(1.2)
+        back = (torch.cuda.mem_get_info()[0] - free_before) >> 20
+        consumer.stdin.write(raw + "\n")
+        consumer.stdin.flush()
+        again = consumer.stdout.readline().strip()
+        print(f"drop={drop}: {back} MiB back after 1.2 s; the old bytes "
+              f"again: {again}")
+        assert again == "USMIPC_EEXPORTERGONE", again
+        if drop == "default":
+            assert back >= 250, f"only {back} MiB of 256 came back"
+    finally:
+        consumer.stdin.close()
+        consumer.wait(30)
