@@ -23,7 +23,7 @@ PY := $(VENV)/bin/python
 PY_SETUP := $(VENV)/bin/python
 endif
 
-.PHONY: all build demo test test-c test-python test-asan test-python-asan test-tsan fuzz fuzz-build fuzz-ci bench python distributed-deps docs \
+.PHONY: all ptx ptx-check build demo test test-c test-python test-asan test-python-asan test-tsan fuzz fuzz-build fuzz-ci bench python distributed-deps docs \
         wheel test-wheel sdist test-sdist layering format format-check clean
 
 all: build
@@ -135,6 +135,16 @@ format:
 
 format-check:
 	CLANG_FORMAT="$(CLANG_FORMAT)" bash tools/format/format.sh check
+
+# The batched copy's CUDA kernel (src/backend/kernels/copy_batch.cu) is
+# committed as PTX, so that building usmipc needs no CUDA toolkit: `make ptx`
+# regenerates the header after an edit of the kernel, `make ptx-check` (CI)
+# fails when the committed header is not what the kernel compiles to.
+ptx:
+	bash tools/ptx/gen.sh
+
+ptx-check:
+	bash tools/ptx/gen.sh check
 
 # The C tests under ThreadSanitizer. Forking tests run with die_after_fork=0
 # (a fork child of a threaded process is what they test); the suppressions

@@ -684,6 +684,61 @@ USMIPC_API int usmipc_bundle_release(usmipc_opened_bundle_t *opened);
 USMIPC_API int usmipc_bundle_inspect(const void *data, size_t len,
                                      size_t *arrays, size_t *allocations);
 
+/* ---- updates: a handoff copied into the consumer's own arrays ------------
+ * (docs/bundles.md, "Updating an engine's weights")
+ *
+ * An engine keeps its own weights and copies each handoff into them. A copy
+ * plan says, once, where each of the bundle's arrays goes; each
+ * usmipc_bundle_update then opens the bytes (warm: no driver work), orders
+ * the copies after the producer's work on queue, queues every copy as one
+ * unit (CUDA: one kernel launch over a table kept on the device; Level
+ * Zero: the copies on one command list; host memory: a parallel memcpy),
+ * and returns the bytes' release ticket after the copies, on the device.
+ * Host time does not grow with the leaf count beyond a compare per leaf.
+ *
+ * A destination takes the bundle's array `array` (its index in
+ * usmipc_opened_bundle_arrays order): the same dtype and shape; any
+ * strides on both sides whose elements fall into rows of contiguous
+ * elements with one pitch each (a contiguous tensor, a row or column shard
+ * of a matrix); other layouts are refused naming the destination. Every
+ * destination is checked against the bundle before anything is copied. */
+typedef struct usmipc_copy_plan usmipc_copy_plan_t;
+
+typedef struct usmipc_copy_dest {
+  uint32_t array;           /* the bundle's array that goes here */
+  void *ptr;                /* the destination's first element */
+  usmipc_array_desc_t desc; /* its dtype, shape, strides (NULL: C order) */
+  const char *name;         /* for errors (NUL-terminated; may be NULL) */
+} usmipc_copy_dest_t;
+
+/* usmipc_copy_plan_create flags: refuse a bundle whose tree (keys, nesting,
+ * arrays' dtypes and shapes) differs from the one of the plan's first
+ * update, with USMIPC_EINVAL (bindings that match by name rebuild then). */
+#define USMIPC_PLAN_PIN_TREE 1u
+/* usmipc_bundle_update flags: USMIPC_OPEN_UNORDERED, and this one: keep
+ * the bytes' release ticket (the caller returns it, usmipc_ipc_release). */
+#define USMIPC_UPDATE_KEEP_TICKET 0x100u
+
+/* A plan of count destinations on device (the memory the copies write
+ * must be usable there). The destinations are copied: dests may go. */
+USMIPC_API int usmipc_copy_plan_create(usmipc_device_t *device,
+                                       const usmipc_copy_dest_t *dests,
+                                       size_t count, unsigned flags,
+                                       usmipc_copy_plan_t **plan);
+/* Copies the handoff in data into the plan's destinations, on queue after
+ * the producer's work (queue NULL: the host waits for the copies), and
+ * returns the ticket the bytes carry after the copies. The mappings stay
+ * open until the next update or usmipc_copy_plan_free, so that a warm
+ * update maps nothing. One thread at a time per plan. */
+USMIPC_API int usmipc_bundle_update(usmipc_copy_plan_t *plan, const void *data,
+                                    size_t len, usmipc_queue_t *queue,
+                                    unsigned flags);
+/* Closes the plan's mappings and frees it. Where the backend batches its
+ * copies on the device (CUDA's kernel) it first waits for the last ones;
+ * otherwise (USMIPC_COPY_BATCH=loop, Level Zero) synchronize the last
+ * update's queue first. NULL is accepted. */
+USMIPC_API int usmipc_copy_plan_free(usmipc_copy_plan_t *plan);
+
 /* What IPC has cost this process since it started (or since
  * usmipc_reset_stats): driver exports (a new driver handle or descriptor for
  * an allocation), driver imports (a driver open or map of another process's

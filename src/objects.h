@@ -4,7 +4,7 @@
  * Floor 5 of the core (the .c files directly in src/), in this order, each
  * file calling only those before it and the floors below: queue.c,
  * event.c, pool.c, release.c, memory.c, ipc.c, torch_allocator.c,
- * bundle.c. fork.c stands above them all (floor 6). */
+ * bundle.c, update.c. fork.c stands above them all (floor 6). */
 #ifndef USMIPC_OBJECTS_H
 #define USMIPC_OBJECTS_H
 
@@ -87,6 +87,10 @@ void usmipc__release_counts(usmipc__release_t *const *slot, uint64_t *sent,
                             uint64_t *released);
 /* Waits for every ticket handed out so far (none: returns 0 at once). */
 int usmipc__release_wait(usmipc__release_t *const *slot, usmipc_queue_t *queue);
+/* Consumer: returns the ticket of decoded handoff records w (has_release),
+ * after the work queued on queue so far (NULL: now), as usmipc_ipc_release
+ * does for the bytes they came from. */
+int usmipc__release_send(const usmipc__wire_t *w, usmipc_queue_t *queue);
 /* The broker's side: a release request (header req, body of len bytes)
  * for this process; returns the reply status (0 accepted). Registered with
  * the broker (usmipc__broker_on_release) at the first registry. */

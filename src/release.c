@@ -495,6 +495,12 @@ int usmipc_ipc_release(const void *data, size_t len, usmipc_queue_t *queue) {
                           "(its producer did not order it with "
                           "USMIPC_ORDER_RELEASE)");
   }
+  return usmipc__release_send(&w, queue);
+}
+
+int usmipc__release_send(const usmipc__wire_t *wp, usmipc_queue_t *queue) {
+  const usmipc__wire_t w = *wp;
+  int rc;
   const usmipc__process_t *self = usmipc__self_basic();
   if (memcmp(w.boot_id, self->boot_id, 16) != 0)
     return usmipc__fail(USMIPC_EOTHERHOST,

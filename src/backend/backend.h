@@ -61,6 +61,15 @@ typedef struct usmipc__chunk_run {
  * this process right now (positive: never one of the public codes). */
 #define USMIPC__IMPORT_BUSY 1
 
+/* One copy of a batch (usmipc_bundle_update): rows of row_bytes each, the
+ * row r from src + r * src_pitch to dst + r * dst_pitch. A contiguous copy is
+ * one row. Rows never overlap between or within copies. */
+typedef struct usmipc__copy {
+  uint64_t src, dst;
+  uint64_t row_bytes, rows;
+  uint64_t src_pitch, dst_pitch;
+} usmipc__copy_t;
+
 typedef struct usmipc__backend_ops {
   size_t struct_size; /* sizeof(usmipc__backend_ops_t) when compiled */
   usmipc_backend_t backend;
@@ -177,6 +186,18 @@ typedef struct usmipc__backend_ops {
                            const usmipc__payload_t *payload, const int *fds,
                            const uint64_t *sizes, uint32_t count,
                            uint64_t allocation_size, usmipc__allocation_t *out);
+
+  /* Optional, all three or none: a batch of copies queued as one unit
+   * (CUDA: one kernel launch over a table kept on the device). copy_batch
+   * holds the backend's state between calls (the table, its event);
+   * copy_batch_run queues count copies on queue after the work queued so
+   * far; same says the copies are those of the previous run on this batch
+   * (the table on the device may be reused). NULL: the core queues each
+   * row with memcpy. */
+  int (*copy_batch_create)(void *dev, void **batch);
+  int (*copy_batch_run)(void *dev, void *batch, void *queue,
+                        const usmipc__copy_t *copies, size_t count, bool same);
+  int (*copy_batch_destroy)(void *dev, void *batch);
 
   /* Optional: fills what usmipc_device_get_info reports of a device (the
    * core zeroed it first), asking the driver. NULL: nothing is known. */

@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "backend/backend.h"
+#include "backend/cuda_copy.h"
 #include "util/blake2s.h"
 
 #include "cuda_driver.h"
@@ -710,6 +711,34 @@ static int cuda_memset(void *dev, void *queue, void *dst, int value, size_t n) {
   return res == CUDA_SUCCESS ? 0 : cu_fail(res, "cuMemsetD8Async");
 }
 
+/* ---- batched copies (cuda_copy.c) ------------------------------------------
+ * With the device's context current, as every call of this file. */
+
+static int cuda_copy_batch_create(void *dev, void **batch) {
+  (void)dev;
+  return usmipc__cuda_copy_create((usmipc__cuda_copy_t **)batch);
+}
+
+static int cuda_copy_batch_run(void *dev, void *batch, void *queue,
+                               const usmipc__copy_t *copies, size_t count,
+                               bool same) {
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  rc = usmipc__cuda_copy_run(batch, queue, copies, count, same);
+  ctx_leave();
+  return rc;
+}
+
+static int cuda_copy_batch_destroy(void *dev, void *batch) {
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  usmipc__cuda_copy_destroy(batch);
+  ctx_leave();
+  return 0;
+}
+
 /* ---- events ---------------------------------------------------------------
  * Interprocess events (CU_EVENT_INTERPROCESS needs DISABLE_TIMING). An
  * imported event is a CUevent like a local one: cuEventDestroy closes it.
@@ -1242,6 +1271,9 @@ const usmipc__backend_ops_t usmipc__cuda_backend = {
     .queue_synchronize = cuda_queue_synchronize,
     .memcpy = cuda_memcpy,
     .memset = cuda_memset,
+    .copy_batch_create = cuda_copy_batch_create,
+    .copy_batch_run = cuda_copy_batch_run,
+    .copy_batch_destroy = cuda_copy_batch_destroy,
     .ipc_export = cuda_ipc_export,
     .ipc_import = cuda_ipc_import,
     .ipc_unmap = cuda_ipc_unmap,

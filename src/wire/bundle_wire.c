@@ -455,6 +455,8 @@ int usmipc__bundle_decode(const void *data, size_t len, bool keep,
   wire = NULL;
   /* Dimensions: the arrays' shape and strides, counted first. */
   size_t dims_total = 0, arrays_at = at;
+  ob->meta_at = at; /* the arrays and the nodes: what a handoff keeps */
+  ob->meta_len = end - at;
   for (uint32_t i = 0; i < narr; i++) {
     if (end - at < USMIPC__BUNDLE_ARRAY_FIXED) {
       rc = BAD("array %u is truncated", i);

@@ -314,6 +314,9 @@ struct usmipc_opened_bundle {
   bool borrowed;               /* bytes are the caller's (no copy) */
   size_t len;
   usmipc_device_t *device; /* where the arrays are mapped */
+  /* Where the arrays and the nodes are in bytes: the part that stays the
+   * same from one handoff of a kept bundle to the next (update.c). */
+  size_t meta_at, meta_len;
 };
 /* Checks everything about the bytes and describes them (pointers unset).
  * Without keep, the description borrows data (no copy). */

@@ -152,6 +152,8 @@
   X(bundle_release_consumer_dies)                                              \
   X(bundle_release_consumer_exits)                                             \
   X(bundle_release_same_process)                                               \
+  X(update_cross_process)                                                       \
+  X(update_refused)                                                            \
   X(cuda_vmm_foreign_chunks)                                                   \
   X(cuda_vmm_foreign_limits)                                                   \
   X(torch_alloc_host_threads)                                                  \
@@ -164,6 +166,6 @@
   X(fdbatch_pidfd_procfd)                                                      \
   X(fdbatch_prefetch_open)
 
-#define HELPER_LIST(X) X(agent) X(bundle_reader)
+#define HELPER_LIST(X) X(agent) X(bundle_reader) X(update_consumer)
 
 #endif /* USMIPC_TEST_LIST_H */
