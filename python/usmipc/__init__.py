@@ -66,6 +66,7 @@ from usmipc import _usmipc  # noqa: E402
 from usmipc import memory  # noqa: E402  (after the version check)
 from usmipc import ipc  # noqa: E402
 from usmipc import distributed  # noqa: E402  (imports torch/mpi4py lazily)
+from usmipc.update import UpdatePlan  # noqa: E402
 
 # dpctl's names for the same classes, so that a program written for dpctl
 # runs with its import lines changed (the seed's example does).
@@ -115,6 +116,7 @@ __all__ = [
     "Queue",
     "SharedArray",
     "SharedBundle",
+    "UpdatePlan",
     "SyclDevice",
     "SyclDeviceCreationError",
     "SyclQueue",

@@ -130,7 +130,7 @@ static int contiguous_strides(const int64_t *shape, int64_t *strides, int nd) {
   return 0;
 }
 
-static int leaf_torch(PyObject *obj, leaf_info_t *L) {
+static int leaf_torch(PyObject *obj, leaf_info_t *L, int dest) {
   PyObject *is_cpu = PyObject_GetAttrString(obj, "is_cpu");
   if (is_cpu == NULL)
     return -1;
@@ -205,7 +205,7 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
   for (int i = 0; rc == 0 && i < nd; i++)
     empty |= L->shape[i] == 0;
   usmipc_pointer_info_t info;
-  if (rc == 0 && cpu && !empty &&
+  if (rc == 0 && cpu && !empty && !dest &&
       (usmipc_pointer_query(L->ptr, &info) != 0 ||
        info.kind != USMIPC_MEM_DEVICE)) {
     pyusmipc_kind_error("a CPU tensor of torch's own memory: only device "
@@ -381,8 +381,8 @@ static int leaf_kind(PyObject *obj) {
 }
 
 /* Reads a leaf into L; -1 with an exception naming what is wrong. */
-static int leaf_read(pyusmipc_module_state_t *st, PyObject *obj,
-                     leaf_info_t *L) {
+static int leaf_read(pyusmipc_module_state_t *st, PyObject *obj, leaf_info_t *L,
+                     int dest) {
   int kind;
   memset(L, 0, sizeof(*L));
   L->desc.shape = L->shape;
@@ -401,7 +401,7 @@ static int leaf_read(pyusmipc_module_state_t *st, PyObject *obj,
   } else if ((kind = leaf_kind(obj)) < 0) {
     return -1;
   } else if (kind == LEAF_TORCH) {
-    if (leaf_torch(obj, L) < 0)
+    if (leaf_torch(obj, L, dest) < 0)
       return -1;
   } else {
     PyObject *cai =
@@ -454,6 +454,21 @@ static int leaf_read(pyusmipc_module_state_t *st, PyObject *obj,
     }
   if (L->keep == NULL)
     L->keep = Py_NewRef(obj);
+  return 0;
+}
+
+int pyusmipc_array_read(pyusmipc_module_state_t *st, PyObject *obj,
+                        pyusmipc_array_t *out) {
+  leaf_info_t L;
+  if (leaf_read(st, obj, &L, 1) < 0)
+    return -1;
+  out->ptr = L.ptr;
+  out->desc = L.desc;
+  memcpy(out->shape, L.shape, sizeof(out->shape));
+  memcpy(out->strides, L.strides, sizeof(out->strides));
+  out->desc.shape = out->shape;
+  out->desc.strides = out->strides;
+  out->keep = L.keep;
   return 0;
 }
 
@@ -591,7 +606,7 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
     return 0;
   }
   leaf_info_t L;
-  if (leaf_read(w->st, obj, &L) < 0)
+  if (leaf_read(w->st, obj, &L, 0) < 0)
     return -1;
   rc = PyList_Append(w->keep, L.keep);
   Py_DECREF(L.keep);

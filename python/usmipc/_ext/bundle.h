@@ -48,4 +48,18 @@ typedef struct pyusmipc_dtype {
 /* The dtype of DLPack code and bits, or NULL if none travels. */
 const pyusmipc_dtype_t *pyusmipc_dtype_by_code(uint8_t code, uint8_t bits);
 
+/* An array read as share() reads a leaf (usmipc memory, a torch tensor,
+ * __cuda_array_interface__, __dlpack__), for a destination: any memory,
+ * a CPU tensor of torch's own too. */
+typedef struct pyusmipc_array {
+  void *ptr;
+  usmipc_array_desc_t desc; /* shape and strides point into this struct:
+                               copy them, never the struct */
+  int64_t shape[USMIPC_BUNDLE_MAX_NDIM], strides[USMIPC_BUNDLE_MAX_NDIM];
+  PyObject *keep; /* new reference keeping the memory alive */
+} pyusmipc_array_t;
+/* 0 with *out filled, or -1 with an exception naming what is wrong. */
+int pyusmipc_array_read(pyusmipc_module_state_t *st, PyObject *obj,
+                        pyusmipc_array_t *out);
+
 #endif /* PYUSMIPC_BUNDLE_H */

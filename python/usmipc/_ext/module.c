@@ -15,6 +15,7 @@
  *   8  module.c         module init and module functions
  *   7  ipc_handle.c     IPCMemoryHandle
  *      shared_array.c   open_shared(), SharedArray (bundles, consumer's side)
+ *      update.c         _CopyPlan (UpdatePlan's one call), _bundle_paths
  *   6  memory.c         the memory types of usmipc.memory, MemoryPool
  *      bundle.c         share(), SharedBundle (bundles, producer's side)
  *   5  interop.c        DLPack and the array interfaces, both ways
@@ -34,6 +35,7 @@
 #include "memory_core.h"
 #include "queue.h"
 #include "shared_array.h"
+#include "update.h"
 #include "util.h"
 
 #include <limits.h>
@@ -393,6 +395,8 @@ static PyMethodDef bundle_functions[] = {
     {"reset_stats", reset_stats, METH_NOARGS,
      "reset_stats()\n--\n\nSets the counters of stats() to zero."},
     {"_bundle_from_bytes", pyusmipc_bundle_from_bytes, METH_O, NULL},
+    {"_copy_plan", PYUSMIPC_CMETHOD(pyusmipc_copy_plan), METH_FASTCALL, NULL},
+    {"_bundle_paths", pyusmipc_bundle_paths, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -602,6 +606,7 @@ static int module_exec(PyObject *module) {
       pyusmipc_init_event_types(module, st) < 0 ||
       pyusmipc_init_bundle_type(module, st) < 0 ||
       pyusmipc_init_shared_array_type(module, st) < 0 ||
+      pyusmipc_init_copy_plan_type(module, st) < 0 ||
       PyModule_AddFunctions(module, bundle_functions) < 0 ||
       add_error_codes(module) < 0 || install_interrupt_hook() < 0) {
     return -1;
@@ -642,6 +647,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
   Py_VISIT(st->IPCEventHandleType);
   Py_VISIT(st->SharedBundleType);
   Py_VISIT(st->SharedArrayType);
+  Py_VISIT(st->CopyPlanType);
   for (Py_ssize_t i = 0; i < st->nslots; i++) {
     Py_VISIT(st->slots[i].device_obj);
     Py_VISIT(st->slots[i].queue_obj);
@@ -672,6 +678,7 @@ static int module_clear(PyObject *module) {
   Py_CLEAR(st->IPCEventHandleType);
   Py_CLEAR(st->SharedBundleType);
   Py_CLEAR(st->SharedArrayType);
+  Py_CLEAR(st->CopyPlanType);
   Py_CLEAR(st->EventType);
   Py_CLEAR(st->IPCMemoryHandleType);
   Py_CLEAR(st->MemoryIPCDeviceType);

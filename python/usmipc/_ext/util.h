@@ -54,6 +54,7 @@ typedef struct pyusmipc_module_state {
   PyTypeObject *IPCEventHandleType;
   PyObject *SharedBundleType; /* usmipc.SharedBundle (bundle.c) */
   PyObject *SharedArrayType;  /* usmipc.SharedArray */
+  PyObject *CopyPlanType;     /* usmipc._CopyPlan (update.c) */
 
   struct pyusmipc_device_slot *slots; /* the per-device cache: device.h */
   Py_ssize_t nslots;
