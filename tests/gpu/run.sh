@@ -35,6 +35,13 @@ build-gpu/ and pip-installs usmipc, once:
                 (tests/gpu/tickets_exit.py), fd and native memory
   distributed   usmipc.distributed with 2 ranks (tests/gpu/distributed.sh:
                 one rank per GPU with two GPUs, both on GPU 0 with one)
+  update        the one-call update (issue 23): its C tests on cuda:gpu:0
+                (fd, native), tests/gpu/test_gpu_update.py, and
+                tests/gpu/update_bench.py for the 338-tensor and the MoE
+                layouts (caching allocator, expandable segments, the copy
+                loop) beside a flat device copy
+  update-more   the same bench with expandable segments (both layouts) and
+                with the copy loop (USMIPC_COPY_BATCH=loop, MoE)
   wheel         the release wheel in dist/ (carried; make wheel) in a fresh
                 environment: tests/python, tests/gpu, the demo
                 (tests/gpu/wheel.sh; WHEEL_SKIP_GPU=1 leaves out tests/gpu)
@@ -52,7 +59,7 @@ pool and bundle C tests, the GPU bundle tests, a short weight handoff) and
 tickets_exit.sh (the ticket C tests and tickets_exit.py).
 EOF
 }
-SUBSETS=" full quick suites bench bench-quick bench-layout probe races tickets distributed wheel "
+SUBSETS=" full quick suites bench bench-quick bench-layout probe races tickets distributed update update-more wheel "
 [ $# -gt 0 ] || set -- full
 for s in "$@"; do
   case $s in
@@ -186,6 +193,24 @@ races() {
   step same-handle-fd-x2 300 repeat_c_test ipc_open_same_handle_threads fd 2
   step no-leak-uncached-native-x10 300 repeat_c_test ipc_no_leak_uncached native 10
 }
+update() {
+  need_build; need_install
+  local t kind
+  for kind in fd native; do
+    for t in update_cross_process update_refused; do
+      step "c-$t-$kind" 120 env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=$kind build-gpu/tests/c/usmipc_tests $t
+    done
+  done
+  step pytest-update 300 python3 -m pytest -q -rs tests/gpu/test_gpu_update.py tests/python/test_update.py
+  step update-qwen 300 python3 tests/gpu/update_bench.py --layout qwen --json "$OUT/update_qwen.json"
+  step update-moe 400 python3 tests/gpu/update_bench.py --layout moe --json "$OUT/update_moe.json"
+}
+update_more() {
+  need_install
+  step update-moe-expandable 400 python3 tests/gpu/update_bench.py --layout moe --expandable --json "$OUT/update_moe_expandable.json"
+  step update-qwen-expandable 300 python3 tests/gpu/update_bench.py --layout qwen --expandable --json "$OUT/update_qwen_expandable.json"
+  step update-moe-loop 400 env USMIPC_COPY_BATCH=loop python3 tests/gpu/update_bench.py --layout moe --rounds 3 --json "$OUT/update_moe_loop.json"
+}
 tickets() {
   need_install
   step tickets-exit-fd 400 env USMIPC_CUDA_IPC=fd python3 tests/gpu/tickets_exit.py
@@ -212,6 +237,8 @@ for s in "$@"; do
     probe) probe_subset ;;
     races) races ;;
     tickets) tickets ;;
+    update) update ;;
+    update-more) update_more ;;
     distributed) distributed ;;
     wheel) wheel ;;
   esac

@@ -1,0 +1,217 @@
+"""The consumer's update in one call, on the GPU: a producer keeps one bundle
+of a state dict (PyTorch's caching allocator, or expandable segments with
+--expandable) and hands its bytes over every round after an in-place
+update; a consumer process copies them into its own weights with
+usmipc.UpdatePlan.update(raw, stream) and synchronizes. Every round checks
+a float64 sum of every destination tensor against the producer's.
+
+Side by side in the consumer, on the same bytes:
+  - flat:     one device copy of the same total bytes (the floor);
+  - update:   UpdatePlan.update + synchronize (host time of the call too);
+  - loop:     open_shared(to="torch") + a copy_ per tensor + close (the way
+              engines do it without the plan).
+
+  python3 tests/gpu/update_bench.py --layout moe|qwen [--rounds 6]
+      [--expandable] [--json out.json]
+
+Exits 1 when a round's data is wrong or a warm update did driver work.
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+
+def qwen_spec():
+    hidden, inter, q, kv = 1536, 8960, 12 * 128, 2 * 128
+    spec = [("model.embed_tokens.weight", (151936, hidden))]
+    for i in range(28):
+        p = f"model.layers.{i}."
+        spec += [(p + "self_attn.q_proj.weight", (q, hidden)),
+                 (p + "self_attn.q_proj.bias", (q,)),
+                 (p + "self_attn.k_proj.weight", (kv, hidden)),
+                 (p + "self_attn.k_proj.bias", (kv,)),
+                 (p + "self_attn.v_proj.weight", (kv, hidden)),
+                 (p + "self_attn.v_proj.bias", (kv,)),
+                 (p + "self_attn.o_proj.weight", (hidden, q)),
+                 (p + "mlp.gate_proj.weight", (inter, hidden)),
+                 (p + "mlp.up_proj.weight", (inter, hidden)),
+                 (p + "mlp.down_proj.weight", (hidden, inter)),
+                 (p + "input_layernorm.weight", (hidden,)),
+                 (p + "post_attention_layernorm.weight", (hidden,))]
+    spec.append(("model.norm.weight", (hidden,)))
+    return spec
+
+
+def moe_spec(layers=12):
+    """Qwen3-30B-A3B's layout, `layers` of its 48: 4,719 tensors at 12."""
+    hidden, q, kv, experts, inter = 2048, 32 * 128, 4 * 128, 128, 768
+    spec = [("model.embed_tokens.weight", (151936, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        spec += [(p + "self_attn.q_proj.weight", (q, hidden)),
+                 (p + "self_attn.k_proj.weight", (kv, hidden)),
+                 (p + "self_attn.v_proj.weight", (kv, hidden)),
+                 (p + "self_attn.o_proj.weight", (hidden, q)),
+                 (p + "self_attn.q_norm.weight", (128,)),
+                 (p + "self_attn.k_norm.weight", (128,)),
+                 (p + "input_layernorm.weight", (hidden,)),
+                 (p + "post_attention_layernorm.weight", (hidden,)),
+                 (p + "mlp.gate.weight", (experts, hidden))]
+        for e in range(experts):
+            x = f"{p}mlp.experts.{e}."
+            spec += [(x + "gate_proj.weight", (inter, hidden)),
+                     (x + "up_proj.weight", (inter, hidden)),
+                     (x + "down_proj.weight", (hidden, inter))]
+    spec += [("model.norm.weight", (hidden,)), ("lm_head.weight",
+                                                (151936, hidden))]
+    return spec
+
+
+def sums(tensors):
+    import torch
+    return torch.stack([t.sum(dtype=torch.float64) for t in tensors]).cpu()
+
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def consumer(conn, spec):
+    import torch
+    import usmipc
+    torch.cuda.init()
+    dev = torch.device("cuda:0")
+    dest = {n: torch.empty(s, dtype=torch.bfloat16, device=dev)
+            for n, s in spec}
+    total = sum(t.numel() * 2 for t in dest.values())
+    flat_src = torch.empty(total, dtype=torch.uint8, device=dev)
+    flat_dst = torch.empty_like(flat_src)
+    s = torch.cuda.Stream()
+    plan = usmipc.UpdatePlan(dest)
+    out = {"flat_ms": [], "update_ms": [], "update_call_ms": [],
+           "loop_ms": [], "bad": 0, "warm_driver": []}
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        op, raw, expect = msg
+        if op == "flat":
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                flat_dst.copy_(flat_src)
+                torch.cuda.synchronize()
+                out["flat_ms"].append((time.perf_counter() - t0) * 1e3)
+            conn.send("ok")
+            continue
+        for t in dest.values():
+            t.zero_()
+        torch.cuda.synchronize()
+        before = usmipc.stats()
+        t0 = time.perf_counter()
+        if op == "update":
+            plan.update(raw, stream=s)
+            t1 = time.perf_counter()
+            s.synchronize()
+        else:  # the loop engines write without a plan
+            with torch.cuda.stream(s):
+                tree = usmipc.open_shared(raw, stream=s, to="torch")
+                for k, t in dest.items():
+                    t.copy_(tree[k])
+                usmipc.release_shared(raw, stream=s)
+                del tree
+            t1 = time.perf_counter()
+            s.synchronize()
+        t2 = time.perf_counter()
+        after = usmipc.stats()
+        got = sums(list(dest.values()))
+        if not torch.equal(got, expect):
+            out["bad"] += 1
+            print(f"consumer: {op}: {int((got != expect).sum())} tensors "
+                  f"differ", flush=True)
+        if op == "update":
+            out["update_ms"].append((t2 - t0) * 1e3)
+            out["update_call_ms"].append((t1 - t0) * 1e3)
+            out["warm_driver"].append(after["driver_imports"]
+                                      - before["driver_imports"])
+        else:
+            out["loop_ms"].append((t2 - t0) * 1e3)
+        conn.send("ok")
+    conn.send(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layout", default="moe", choices=["moe", "qwen"])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--expandable", action="store_true")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if a.expandable:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    import torch
+    import usmipc
+    spec = moe_spec() if a.layout == "moe" else qwen_spec()
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=consumer, args=(there, spec))
+    proc.start()
+    dev = torch.device("cuda:0")
+    state = {n: torch.empty(s, dtype=torch.bfloat16, device=dev)
+             for n, s in spec}
+    nbytes = sum(t.numel() * 2 for t in state.values())
+    bundle = usmipc.share(state, release=True)
+    here.send(("flat", None, None))
+    assert here.recv() == "ok"
+    rounds = []
+    for r in range(a.rounds):
+        for op in ("update", "loop"):
+            for i, t in enumerate(state.values()):  # the in-place update
+                t.copy_(torch.arange(t.numel(), device=dev).view(t.shape)
+                        % 251 + (r + i) % 5)
+            expect = sums(list(state.values()))
+            bundle.wait_released(stream=torch.cuda.current_stream())
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            raw = bundle.to_bytes()
+            here.send((op, raw, expect))
+            assert here.poll(600), "the consumer did not answer"
+            assert here.recv() == "ok"
+            rounds.append((op, (time.perf_counter() - t0) * 1e3))
+    here.send(None)
+    out = here.recv()
+    proc.join(60)
+    upd = [ms for op, ms in rounds if op == "update"][1:]
+    loop = [ms for op, ms in rounds if op == "loop"][1:]
+    flat = med(out["flat_ms"])
+    res = {
+        "layout": a.layout, "tensors": len(spec), "bytes": nbytes,
+        "allocator": "expandable" if a.expandable else "caching",
+        "copy_batch": os.environ.get("USMIPC_COPY_BATCH", "kernel"),
+        "flat_copy_ms": flat,
+        "update_consumer_ms": med(out["update_ms"][1:]),
+        "update_call_host_ms": med(out["update_call_ms"][1:]),
+        "update_round_ms": med(upd),
+        "loop_consumer_ms": med(out["loop_ms"][1:]),
+        "loop_round_ms": med(loop),
+        "update_cold_ms": out["update_ms"][0],
+        "warm_driver_imports": out["warm_driver"][1:],
+        "bad_rounds": out["bad"],
+    }
+    res["update_over_flat"] = res["update_consumer_ms"] / flat
+    res["host_us_per_leaf"] = res["update_call_host_ms"] * 1e3 / len(spec)
+    print(json.dumps(res, indent=1), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    ok = out["bad"] == 0 and not any(out["warm_driver"][1:])
+    print("PASS" if ok else "FAIL", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
