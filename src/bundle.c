@@ -760,6 +760,30 @@ int usmipc_bundle_open(const void *data, size_t len, usmipc_device_t *device,
   return 0;
 }
 
+int usmipc__bundle_reuse(usmipc_opened_bundle_t *ob, const void *data,
+                         size_t len, usmipc_queue_t *queue, unsigned flags) {
+  usmipc__wire_t *handoff, *order_event;
+  int same = usmipc__bundle_same_tree(ob, data, len, &handoff, &order_event);
+  if (same <= 0)
+    return same;
+  int rc = ob->nseg > 0 ? check_live(ob) : 0;
+  if (rc == 0 && order_event != NULL && !(flags & USMIPC_OPEN_UNORDERED) &&
+      (rc = usmipc__event_wait_wire(order_event, ob->device, queue)) != 0)
+    usmipc__error_prefix("waiting for the producer's work: ");
+  if (rc != 0) {
+    free(handoff);
+    free(order_event);
+    return rc;
+  }
+  free(ob->handoff);
+  free(ob->order_event);
+  ob->handoff = handoff;
+  ob->order_event = order_event;
+  size_t prefix = ob->meta_at + ob->meta_len;
+  memcpy(ob->bytes + prefix, (const uint8_t *)data + prefix, len - prefix);
+  return 1;
+}
+
 const usmipc_bundle_node_t *
 usmipc_opened_bundle_nodes(const usmipc_opened_bundle_t *ob, size_t *count) {
   if (count)

@@ -131,4 +131,16 @@ void usmipc__bundles_fork_prepare(void);
 void usmipc__bundles_fork_parent(void);
 void usmipc__bundles_fork_child(void);
 
+/* ---- bundles (bundle.c) --------------------------------------------------
+ * For update.c: ob, an open of earlier bytes of one bundle, takes the
+ * handoff of data when data is the same bundle's next handoff (only the
+ * event and the ticket after the tree differ): the bundle is checked to be
+ * still shared and the producer's work waited for on queue (unless flags
+ * has USMIPC_OPEN_UNORDERED), and ob carries data's records from then on.
+ * 1 when so, 0 when data is not such bytes (open them anew), else an error
+ * code (ob unchanged). Its mappings are those already held: a warm update
+ * neither decodes the tree nor looks up an allocation. */
+int usmipc__bundle_reuse(usmipc_opened_bundle_t *ob, const void *data,
+                         size_t len, usmipc_queue_t *queue, unsigned flags);
+
 #endif /* USMIPC_OBJECTS_H */

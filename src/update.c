@@ -10,7 +10,10 @@
  *
  *   create  the destinations are copied and checked on their own (dtype,
  *           shape, strides).
- *   update  open the bytes (usmipc_bundle_open: warm, a cache hit per
+ *   update  the same bundle's next handoff (only its event and ticket
+ *           differ: usmipc__bundle_reuse) is copied from the mappings the
+ *           plan holds, with neither a decode nor a lookup; other bytes are
+ *           opened (usmipc_bundle_open: warm, a cache hit per
  *           allocation) -> if the arrays and nodes are byte for byte those
  *           of the last update, only each source pointer is compared (a
  *           changed mapping changes one copy); else every destination is
@@ -345,6 +348,37 @@ static int queue_copies(usmipc_copy_plan_t *p, usmipc_queue_t *q, bool same) {
   return 0;
 }
 
+/* The copies, then the ticket after them; ob becomes the held open (the
+ * one held before is closed, unless it is ob). On a failed copy ob is
+ * closed unless held. */
+static int finish(usmipc_copy_plan_t *p, usmipc_opened_bundle_t *ob,
+                  usmipc_queue_t *q, usmipc_queue_t *queue, unsigned flags,
+                  bool same) {
+  int rc = queue_copies(p, q, same);
+  if (rc != 0) {
+    usmipc__error_prefix("usmipc_bundle_update: ");
+    if (ob != p->held)
+      usmipc_bundle_close(ob);
+    return rc;
+  }
+  if (!(flags & USMIPC_UPDATE_KEEP_TICKET) && ob->handoff != NULL &&
+      ob->handoff->has_release &&
+      (rc = usmipc__release_send(ob->handoff, q)) != 0) {
+    /* The copies are queued: keep the mappings they read. */
+    usmipc__error_prefix("usmipc_bundle_update: the copies are queued, but "
+                         "returning the ticket failed: ");
+  }
+  if (ob != p->held) {
+    usmipc_opened_bundle_t *old = p->held;
+    p->held = ob;
+    if (old != NULL)
+      usmipc_bundle_close(old);
+  }
+  if (rc == 0 && queue == NULL)
+    rc = usmipc_queue_synchronize(q);
+  return rc;
+}
+
 int usmipc_bundle_update(usmipc_copy_plan_t *p, const void *data, size_t len,
                          usmipc_queue_t *queue, unsigned flags) {
   if (p == NULL)
@@ -364,6 +398,14 @@ int usmipc_bundle_update(usmipc_copy_plan_t *p, const void *data, size_t len,
         (rc = usmipc_queue_create(p->device, &p->own_queue)) != 0)
       return rc;
     q = p->own_queue;
+  }
+  /* Warm: the same bundle's next handoff, its mappings already held. */
+  if (p->held != NULL &&
+      (rc = usmipc__bundle_reuse(p->held, data, len, q,
+                                 flags & USMIPC_OPEN_UNORDERED)) != 0) {
+    if (rc < 0)
+      return rc;
+    return finish(p, p->held, q, queue, flags, true);
   }
   usmipc_opened_bundle_t *ob;
   if ((rc = usmipc_bundle_open(data, len, p->device, q,
@@ -400,23 +442,5 @@ int usmipc_bundle_update(usmipc_copy_plan_t *p, const void *data, size_t len,
   } else {
     same = sources_same(p, ob);
   }
-  if ((rc = queue_copies(p, q, same)) != 0) {
-    usmipc__error_prefix("usmipc_bundle_update: ");
-    usmipc_bundle_close(ob);
-    return rc;
-  }
-  if (!(flags & USMIPC_UPDATE_KEEP_TICKET) && ob->handoff != NULL &&
-      ob->handoff->has_release &&
-      (rc = usmipc__release_send(ob->handoff, q)) != 0) {
-    /* The copies are queued: keep the mappings they read. */
-    usmipc__error_prefix("usmipc_bundle_update: the copies are queued, but "
-                         "returning the ticket failed: ");
-  }
-  usmipc_opened_bundle_t *old = p->held;
-  p->held = ob;
-  if (old != NULL)
-    usmipc_bundle_close(old);
-  if (rc == 0 && queue == NULL)
-    rc = usmipc_queue_synchronize(q);
-  return rc;
+  return finish(p, ob, q, queue, flags, same);
 }

@@ -624,6 +624,32 @@ int usmipc__bundle_decode_check(const void *data, size_t len, size_t *arrays,
   return 0;
 }
 
+int usmipc__bundle_same_tree(const usmipc_opened_bundle_t *ob, const void *data,
+                             size_t len, usmipc__wire_t **handoff,
+                             usmipc__wire_t **order_event) {
+  *handoff = *order_event = NULL;
+  if (data == NULL || len != ob->len || len < USMIPC__BUNDLE_HDR_LEN + 4)
+    return 0;
+  const uint8_t *p = data;
+  uint32_t tail_len = usmipc__get32le(ob->bytes + USMIPC__BUNDLE_OFF_TAIL_LEN);
+  size_t prefix = len - 4 - tail_len;
+  /* The header is in the prefix: equal prefixes have equal tail lengths. */
+  if (memcmp(p, ob->bytes, prefix) != 0)
+    return 0;
+  usmipc_opened_bundle_t tmp;
+  memset(&tmp, 0, sizeof(tmp));
+  tmp.bytes = ob->bytes; /* allocation 0's handle, which the tail extends */
+  int rc = tail_len > 0 ? decode_tail(&tmp, p + prefix, tail_len) : 0;
+  if (rc != 0) {
+    free(tmp.handoff);
+    free(tmp.order_event);
+    return rc;
+  }
+  *handoff = tmp.handoff;
+  *order_event = tmp.order_event;
+  return 1;
+}
+
 bool usmipc__bundle_magic(const void *data, size_t len) {
   return data != NULL && len >= 8 && memcmp(data, USMIPC__BUNDLE_MAGIC, 8) == 0;
 }

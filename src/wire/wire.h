@@ -331,6 +331,16 @@ void usmipc__opened_bundle_free(usmipc_opened_bundle_t *ob);
 int usmipc__bundle_decode_check(const void *data, size_t len, size_t *arrays,
                                 size_t *allocations,
                                 usmipc_opened_bundle_t **kept);
+/* Whether data is another handoff of the bundle ob was decoded from (with
+ * keep): every byte before the records after the tree the same (header,
+ * allocations, arrays, nodes). 1 with the new records decoded and checked
+ * into *handoff and *order_event (malloc'd, NULL when absent), 0 when not
+ * the same, or an error code for malformed records. The checksum is not
+ * recomputed: it would vouch for the bytes already checked in ob, and the
+ * records are checked as the decoder checks them. */
+int usmipc__bundle_same_tree(const usmipc_opened_bundle_t *ob, const void *data,
+                             size_t len, usmipc__wire_t **handoff,
+                             usmipc__wire_t **order_event);
 /* Whether data starts as bundle bytes do (bundle_wire.c). */
 bool usmipc__bundle_magic(const void *data, size_t len);
 /* For usmipc_ipc_release of bundle bytes (bundle_wire.c), decoded in full: *w

@@ -421,7 +421,29 @@ TEST_IMPL(update_refused) {
   ASSERT_OK(usmipc_bundle_update(plan, data2, len2, NULL, 0));
   ASSERT_EQ(dev_check(d0, 64 * 64 * 4, 70, 0), SIZE_MAX);
   ASSERT_EQ(dev_check(d1, 4 * 6 * 10 * 4, 70 + 6, 0), SIZE_MAX);
-  /* A bundle without a ticket updates too, and keeps no ticket to return. */
+  /* A warm update (the same bundle's next handoff) still checks the
+   * records after the tree: a forged record type is refused, nothing is
+   * copied, and the plan goes on with honest bytes. */
+  ASSERT_OK(usmipc_bundle_order_ex(other.bundle, NULL, USMIPC_ORDER_RELEASE));
+  ASSERT_OK(usmipc_bundle_data(other.bundle, &data2, &len2));
+  ASSERT_OK(usmipc_bundle_update(plan, data2, len2, NULL, 0));
+  uint8_t *forged = malloc(len2);
+  ASSERT_NOT_NULL(forged);
+  memcpy(forged, data2, len2);
+  uint32_t tail_len;
+  memcpy(&tail_len, forged + 60, 4); /* header: the tail's length */
+  ASSERT_GT(tail_len, 0);
+  forged[len2 - 4 - tail_len] = 0x01; /* record 0x8003 -> 0x8001 */
+  producer_fill(&other, 71);
+  ASSERT_ERR(usmipc_bundle_update(plan, forged, len2, NULL, 0),
+             USMIPC_EBADHANDLE);
+  ASSERT_MSG(strstr(usmipc_last_error(), "0x8001"), "%s", usmipc_last_error());
+  ASSERT_EQ(dev_check(d0, 64 * 64 * 4, 70, 0), SIZE_MAX);
+  free(forged);
+  ASSERT_OK(usmipc_bundle_order_ex(other.bundle, NULL, USMIPC_ORDER_RELEASE));
+  ASSERT_OK(usmipc_bundle_data(other.bundle, &data2, &len2));
+  ASSERT_OK(usmipc_bundle_update(plan, data2, len2, NULL, 0));
+  ASSERT_EQ(dev_check(d0, 64 * 64 * 4, 71, 0), SIZE_MAX);
   ASSERT_OK(usmipc_copy_plan_free(pinned));
   ASSERT_OK(usmipc_copy_plan_free(plan));
   ASSERT_OK(usmipc_copy_plan_free(NULL));
