@@ -32,31 +32,35 @@ each (a column shard of a matrix, say). Everything is checked before
 anything is copied, and errors name the destination's path.
 """
 
+from typing import Any, Optional, Union
+
 from usmipc import _usmipc
 
 __all__ = ["UpdatePlan"]
 
+Path = tuple[Union[str, int], ...]
 
-def _label(path):
+
+def _label(path: Path) -> str:
     return "".join(f"[{p!r}]" for p in path) or "the root"
 
 
-def _is_path(p):
+def _is_path(p: Any) -> bool:
     if isinstance(p, str):
         return True
     return isinstance(p, tuple) and all(
         isinstance(x, (str, int)) and not isinstance(x, bool) for x in p)
 
 
-def _flatten(dest):
+def _flatten(dest: Any) -> list[tuple[Path, Any]]:
     """(path, array) pairs of the destinations, in a stable order."""
     if isinstance(dest, list) and dest and all(
             isinstance(x, tuple) and len(x) == 2 and _is_path(x[0])
             for x in dest):
         return [((p,) if isinstance(p, str) else p, a) for p, a in dest]
-    out = []
+    out: list[tuple[Path, Any]] = []
 
-    def walk(obj, path, depth):
+    def walk(obj: Any, path: Path, depth: int) -> None:
         if depth > 64:
             raise _usmipc.ArgumentError(
                 f"UpdatePlan: the destinations are nested deeper than 64 "
@@ -93,7 +97,9 @@ class UpdatePlan:
     differs from the first one instead of matching the paths again.
     """
 
-    def __init__(self, dest, device=None, *, strict=False):
+    def __init__(self, dest: Any,
+                 device: Union[_usmipc.Device, str, None] = None, *,
+                 strict: bool = False) -> None:
         self._pairs = _flatten(dest)
         seen = set()
         for path, _ in self._pairs:
@@ -101,16 +107,17 @@ class UpdatePlan:
                 raise _usmipc.ArgumentError(
                     f"UpdatePlan: two destinations for {_label(path)}")
             seen.add(path)
-        self._device = device if device is None or isinstance(
-            device, _usmipc.Device) else _usmipc.Device(device)
+        self._device: Optional[_usmipc.Device] = (
+            device if device is None or isinstance(device, _usmipc.Device)
+            else _usmipc.Device(device))
         self._strict = bool(strict)
-        self._plan = None
-        self._paths = None
+        self._plan: Optional[_usmipc._CopyPlan] = None
+        self._paths: Optional[list[Path]] = None
 
-    def _bind(self, data):
+    def _bind(self, data: _usmipc.BytesLike) -> _usmipc._CopyPlan:
         paths, device = _usmipc._bundle_paths(data)
         index = {p: i for i, p in enumerate(paths)}
-        dests = []
+        dests: list[tuple[int, Any, str]] = []
         for path, array in self._pairs:
             i = index.get(path)
             if i is None:
@@ -130,7 +137,9 @@ class UpdatePlan:
         self._plan, self._paths = plan, paths
         return plan
 
-    def update(self, data, stream=None, *, ordered=True, release=True):
+    def update(self, data: _usmipc.BytesLike,
+               stream: Optional[_usmipc.StreamLike] = None, *,
+               ordered: bool = True, release: bool = True) -> None:
         """Copies the handoff ``data`` (the producer's ``to_bytes()``) into
         the destinations.
 
@@ -146,27 +155,28 @@ class UpdatePlan:
         if plan is None:
             plan = self._bind(data)
         try:
-            return plan.update(data, stream, ordered, release)
+            plan.update(data, stream, ordered, release)
+            return
         except _usmipc.ArgumentError:
             # The producer's tree changed (the plan is pinned to the tree it
             # was made for): match the paths again, once.
             if self._strict or _usmipc._bundle_paths(data)[0] == self._paths:
                 raise
-        return self._bind(data).update(data, stream, ordered, release)
+        self._bind(data).update(data, stream, ordered, release)
 
-    def close(self):
+    def close(self) -> None:
         """Frees the plan (and the mappings of its last update); the
         destinations are no longer kept alive by it."""
         if self._plan is not None:
             self._plan.close()
             self._plan = None
 
-    def __enter__(self):
+    def __enter__(self) -> "UpdatePlan":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "bound" if self._plan is not None else "not bound yet"
         return f"<usmipc.UpdatePlan of {len(self._pairs)} destinations, {state}>"
