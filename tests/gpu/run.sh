@@ -210,6 +210,10 @@ update_more() {
   step update-moe-expandable 400 python3 tests/gpu/update_bench.py --layout moe --expandable --json "$OUT/update_moe_expandable.json"
   step update-qwen-expandable 300 python3 tests/gpu/update_bench.py --layout qwen --expandable --json "$OUT/update_qwen_expandable.json"
   step update-moe-loop 400 env USMIPC_COPY_BATCH=loop python3 tests/gpu/update_bench.py --layout moe --rounds 3 --json "$OUT/update_moe_loop.json"
+  local k
+  for k in 256 4096; do
+    step "update-moe-chunk-$k" 300 env USMIPC_COPY_CHUNK_KIB=$k python3 tests/gpu/update_bench.py --layout moe --rounds 4 --json "$OUT/update_moe_chunk$k.json"
+  done
 }
 tickets() {
   need_install

@@ -5,7 +5,9 @@ update; a consumer process copies them into its own weights with
 usmipc.UpdatePlan.update(raw, stream) and synchronizes. Every round checks
 a float64 sum of every destination tensor against the producer's.
 
-Side by side in the consumer, on the same bytes:
+The round (update_round_ms, loop_round_ms) is the issue's "update": from the
+producer's to_bytes() to the consumer's stream synchronized, the bytes sent
+through a Pipe. Side by side in the consumer, on the same bytes:
   - flat:     one device copy of the same total bytes (the floor);
   - update:   UpdatePlan.update + synchronize (host time of the call too);
   - loop:     open_shared(to="torch") + a copy_ per tensor + close (the way
@@ -127,6 +129,7 @@ def consumer(conn, spec):
             t1 = time.perf_counter()
             s.synchronize()
         t2 = time.perf_counter()
+        conn.send("synced")  # the producer's round ends here; checks follow
         after = usmipc.stats()
         got = sums(list(dest.values()))
         if not torch.equal(got, expect):
@@ -180,8 +183,9 @@ def main():
             raw = bundle.to_bytes()
             here.send((op, raw, expect))
             assert here.poll(600), "the consumer did not answer"
-            assert here.recv() == "ok"
+            assert here.recv() == "synced"
             rounds.append((op, (time.perf_counter() - t0) * 1e3))
+            assert here.poll(600) and here.recv() == "ok"
     here.send(None)
     out = here.recv()
     proc.join(60)
@@ -192,6 +196,7 @@ def main():
         "layout": a.layout, "tensors": len(spec), "bytes": nbytes,
         "allocator": "expandable" if a.expandable else "caching",
         "copy_batch": os.environ.get("USMIPC_COPY_BATCH", "kernel"),
+        "chunk_kib": int(os.environ.get("USMIPC_COPY_CHUNK_KIB", "1024")),
         "flat_copy_ms": flat,
         "update_consumer_ms": med(out["update_ms"][1:]),
         "update_call_host_ms": med(out["update_call_ms"][1:]),
