@@ -32,6 +32,8 @@ each (a column shard of a matrix, say). Everything is checked before
 anything is copied, and errors name the destination's path.
 """
 
+from __future__ import annotations
+
 from typing import Any, Optional, Union
 
 from usmipc import _usmipc
