@@ -623,8 +623,20 @@ USMIPC_API int usmipc_bundle_order(usmipc_bundle_t *bundle,
  * names no memory carries none. flags 0 is usmipc_bundle_order. */
 USMIPC_API int usmipc_bundle_order_ex(usmipc_bundle_t *bundle,
                                       usmipc_queue_t *queue, unsigned flags);
-/* Producer: release tickets the bundle handed out and that came back so
- * far (usmipc_ipc_release of its bytes). */
+/* usmipc_bundle_order_ex(bundle, queue, USMIPC_ORDER_RELEASE) for one
+ * handoff sent to `consumers` processes at once (tensor-parallel ranks
+ * getting the same bytes): one event, one ticket, the same bytes for all;
+ * each process returns the ticket (usmipc_ipc_release), a process's second
+ * return counts for nothing, and usmipc_bundle_wait_released waits for all
+ * of them. The broker tells processes apart by the kernel's word
+ * (SO_PEERCRED); one it cannot see (another PID namespace) counts at each
+ * return. 1 to 4096; 1 is usmipc_bundle_order_ex's ticket. */
+USMIPC_API int usmipc_bundle_order_fanout(usmipc_bundle_t *bundle,
+                                          usmipc_queue_t *queue,
+                                          unsigned consumers);
+/* Producer: the returns the bundle's tickets expect (one per handoff, or
+ * its consumer count for a fan-out) and those that came back so far
+ * (usmipc_ipc_release of its bytes). */
 USMIPC_API int usmipc_bundle_releases(const usmipc_bundle_t *bundle,
                                       uint64_t *sent, uint64_t *released);
 /* Producer: waits until every ticket the bundle handed out so far came

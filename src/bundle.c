@@ -494,8 +494,10 @@ int usmipc_bundle_order(usmipc_bundle_t *b, usmipc_queue_t *queue) {
  * rebuilds a handle's records: the bytes before it never change. A bundle
  * of no memory carries neither record: there is nothing to wait for or to
  * give back, and no allocation names the producer to a consumer. */
-int usmipc_bundle_order_ex(usmipc_bundle_t *b, usmipc_queue_t *queue,
-                           unsigned flags) {
+/* A handoff: the event on queue, and a ticket that `consumers` processes
+ * return (with USMIPC_ORDER_RELEASE). */
+static int order(usmipc_bundle_t *b, usmipc_queue_t *queue, unsigned flags,
+                 unsigned consumers) {
   if (b == NULL || !b->finished)
     return usmipc__fail(USMIPC_EINVAL, "usmipc_bundle_order: %s",
                         b == NULL ? "NULL bundle" : "finish the bundle first");
@@ -516,8 +518,8 @@ int usmipc_bundle_order_ex(usmipc_bundle_t *b, usmipc_queue_t *queue,
       return rc;
   }
   if ((flags & USMIPC_ORDER_RELEASE) && b->nseg > 0 &&
-      (rc = usmipc__release_ticket(&b->release, tail + tail_len, &tail_len)) !=
-          0)
+      (rc = usmipc__release_ticket(&b->release, tail + tail_len, &tail_len,
+                                   consumers)) != 0)
     return rc;
   memcpy(b->bytes + b->base_len, tail, tail_len);
   b->len = b->base_len + tail_len + 4;
@@ -526,6 +528,20 @@ int usmipc_bundle_order_ex(usmipc_bundle_t *b, usmipc_queue_t *queue,
   usmipc__put32le(b->bytes + b->len - 4,
                   usmipc__crc32c(0, b->bytes, b->len - 4));
   return 0;
+}
+
+int usmipc_bundle_order_ex(usmipc_bundle_t *b, usmipc_queue_t *queue,
+                           unsigned flags) {
+  return order(b, queue, flags, 1);
+}
+
+int usmipc_bundle_order_fanout(usmipc_bundle_t *b, usmipc_queue_t *queue,
+                               unsigned consumers) {
+  if (consumers == 0)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_bundle_order_fanout: 0 consumers (a handoff "
+                        "goes to at least one process)");
+  return order(b, queue, USMIPC_ORDER_RELEASE, consumers);
 }
 
 int usmipc_bundle_releases(const usmipc_bundle_t *b, uint64_t *sent,

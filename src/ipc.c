@@ -56,8 +56,8 @@ int usmipc_ipc_handle_order_ex(usmipc_ipc_handle_t *handle,
   if (queue != NULL && (rc = usmipc__event_order(queue, rec, &rec_len)) != 0)
     return rc;
   if ((flags & USMIPC_ORDER_RELEASE) &&
-      (rc = usmipc__release_ticket(&handle->release, rec + rec_len,
-                                   &rec_len)) != 0)
+      (rc = usmipc__release_ticket(&handle->release, rec + rec_len, &rec_len,
+                                   1)) != 0)
     return rc;
   handle->len = usmipc__wire_reorder(handle->data, handle->base,
                                      handle->base_len, rec, rec_len);

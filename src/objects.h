@@ -79,9 +79,14 @@ void usmipc__pools_fork_child(void);
  * the first ticket and published whole, so that the counts and the wait may
  * run on other threads meanwhile (they see none, or all of it). */
 void usmipc__release_free(usmipc__release_t *rel);
+/* The most consumer processes one handoff may go to (a fan-out). */
+#define USMIPC__FANOUT_MAX 4096u
 /* A new ticket of *slot's registry (made on the first): writes record
- * 0x8003 (4 + 32 bytes) at out and adds its length to *len. */
-int usmipc__release_ticket(usmipc__release_t **slot, uint8_t *out, size_t *len);
+ * 0x8003 (4 + 32 bytes) at out and adds its length to *len. consumers: how
+ * many processes receive this handoff (a fan-out), each of which returns
+ * the ticket once; the wait waits for all of them (1: the usual ticket). */
+int usmipc__release_ticket(usmipc__release_t **slot, uint8_t *out, size_t *len,
+                           unsigned consumers);
 /* Tickets handed out and come back (0 and 0 before the first). */
 void usmipc__release_counts(usmipc__release_t *const *slot, uint64_t *sent,
                             uint64_t *released);
@@ -92,10 +97,11 @@ int usmipc__release_wait(usmipc__release_t *const *slot, usmipc_queue_t *queue);
  * does for the bytes they came from. */
 int usmipc__release_send(const usmipc__wire_t *w, usmipc_queue_t *queue);
 /* The broker's side: a release request (header req, body of len bytes)
- * for this process; returns the reply status (0 accepted). Registered with
- * the broker (usmipc__broker_on_release) at the first registry. */
+ * for this process from process peer_pid (0: unknown); returns the reply
+ * status (0 accepted). Registered with the broker
+ * (usmipc__broker_on_release) at the first registry. */
 uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
-                                 size_t len);
+                                 size_t len, uint32_t peer_pid);
 /* fork.c's hook: the child forgets the parent's registries. */
 void usmipc__releases_fork_child(void);
 

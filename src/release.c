@@ -18,6 +18,13 @@
  * ticket came back, then for the consumers' events, on the device where it
  * can. Each ticket counts once, however often it is returned.
  *
+ * Fan-out: one handoff's bytes may go to N consumer processes at once
+ * (tensor-parallel ranks). Its ticket then expects N returns, one per
+ * process: the broker says which process sent each (SO_PEERCRED), a
+ * process's second return of it counts for nothing, and the wait waits
+ * for all N (and each one's event). A return whose process the broker
+ * cannot see (another PID namespace: pid 0) counts each time.
+ *
  * Locks: the registry lives under event.c's usmipc__events_lock (its place
  * in the lock order: fork.c). */
 #include <errno.h>
@@ -67,11 +74,22 @@ struct pending {
   unsigned refs; /* the registry's list and waiters; usmipc__events_lock */
 };
 
+/* A fan-out ticket whose returns are not all in yet: which processes
+ * returned it so far. */
+typedef struct fanout {
+  uint64_t ticket;
+  uint32_t need, got;
+  struct fanout *next;
+  uint32_t pids[]; /* got of them */
+} fanout_t;
+
 struct usmipc__release {
   uint64_t id;
-  uint8_t secret[16]; /* keys each ticket's own token (ticket_token) */
-  uint64_t sent, released;
-  uint8_t *returned; /* bit t-1: ticket t came back */
+  uint8_t secret[16];      /* keys each ticket's own token (ticket_token) */
+  uint64_t sent, released; /* returns expected, and come back */
+  uint64_t tickets;        /* the last ticket number handed out */
+  fanout_t *fanouts;       /* fan-out tickets not yet all returned */
+  uint8_t *returned;       /* bit t-1: ticket t came back */
   size_t returned_bytes;
   struct pending **pending; /* events not yet known complete */
   size_t npending, cap_pending;
@@ -171,6 +189,11 @@ void usmipc__release_free(usmipc__release_t *r) {
   pthread_mutex_unlock(&usmipc__events_lock);
   free(r->pending);
   free(r->returned);
+  while (r->fanouts != NULL) {
+    fanout_t *f = r->fanouts;
+    r->fanouts = f->next;
+    free(f);
+  }
   pthread_cond_destroy(&r->cond);
   free(r);
 }
@@ -189,13 +212,24 @@ static void ticket_token(const usmipc__release_t *r, uint64_t ticket,
   usmipc__mac(out, r->secret, msg, sizeof(msg));
 }
 
-int usmipc__release_ticket(usmipc__release_t **slot, uint8_t *out,
-                           size_t *len) {
+int usmipc__release_ticket(usmipc__release_t **slot, uint8_t *out, size_t *len,
+                           unsigned nconsumers) {
+  if (nconsumers == 0 || nconsumers > USMIPC__FANOUT_MAX)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "a handoff goes to 1 to %u consumer processes, not "
+                        "%u",
+                        USMIPC__FANOUT_MAX, nconsumers);
+  fanout_t *f = NULL;
+  if (nconsumers > 1 &&
+      (f = calloc(1, sizeof(*f) + nconsumers * sizeof(uint32_t))) == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
   usmipc__release_t *r = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
   if (r == NULL) {
     int rc = release_new(&r);
-    if (rc != 0)
+    if (rc != 0) {
+      free(f);
       return rc;
+    }
     usmipc__release_t *none = NULL;
     if (!__atomic_compare_exchange_n(slot, &none, r, false, __ATOMIC_ACQ_REL,
                                      __ATOMIC_ACQUIRE)) {
@@ -204,7 +238,14 @@ int usmipc__release_ticket(usmipc__release_t **slot, uint8_t *out,
     }
   }
   pthread_mutex_lock(&usmipc__events_lock);
-  uint64_t ticket = ++r->sent;
+  uint64_t ticket = ++r->tickets;
+  r->sent += nconsumers;
+  if (f != NULL) {
+    f->ticket = ticket;
+    f->need = nconsumers;
+    f->next = r->fanouts;
+    r->fanouts = f;
+  }
   pthread_mutex_unlock(&usmipc__events_lock);
   usmipc__put16le(out, USMIPC__EXT_RELEASE);
   usmipc__put16le(out + 2, USMIPC__RELEASE_RECORD_LEN);
@@ -226,8 +267,46 @@ void usmipc__release_counts(usmipc__release_t *const *slot, uint64_t *sent,
   pthread_mutex_unlock(&usmipc__events_lock);
 }
 
+/* The fan-out record of ticket t, or NULL for a plain ticket (or one
+ * whose returns are all in). usmipc__events_lock held. */
+static fanout_t **fanout_of(usmipc__release_t *r, uint64_t ticket) {
+  fanout_t **l = &r->fanouts;
+  while (*l != NULL && (*l)->ticket != ticket)
+    l = &(*l)->next;
+  return l;
+}
+
+/* Whether a return of ticket t from process pid counts: a plain ticket's
+ * first return; a fan-out ticket's first from each process (pid 0, a
+ * process the broker cannot see: every time). returned: t's bit. */
+static bool return_counts(usmipc__release_t *r, uint64_t ticket, uint32_t pid,
+                          bool returned) {
+  if (returned)
+    return false;
+  fanout_t *f = *fanout_of(r, ticket);
+  for (uint32_t i = 0; f != NULL && pid != 0 && i < f->got; i++)
+    if (f->pids[i] == pid)
+      return false;
+  return true;
+}
+
+/* Files a counted return of ticket t from pid; true when the ticket is then
+ * done with (a plain one at once, a fan-out one at its last return, which
+ * forgets its record). */
+static bool return_filed(usmipc__release_t *r, uint64_t ticket, uint32_t pid) {
+  fanout_t **l = fanout_of(r, ticket), *f = *l;
+  if (f == NULL)
+    return true;
+  f->pids[f->got++] = pid;
+  if (f->got < f->need)
+    return false;
+  *l = f->next;
+  free(f);
+  return true;
+}
+
 uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
-                                 size_t len) {
+                                 size_t len, uint32_t peer_pid) {
   enum { OK = 0, UNKNOWN = 1, BAD_CAPABILITY = 2, BAD_REQUEST = 4 };
   uint64_t ticket;
   const uint8_t *ev;
@@ -249,13 +328,13 @@ uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
   /* The capability is the MAC of the request under the token of the
    * ticket it names (a never-issued number is refused first, as before). */
   uint8_t token[16], cap[16];
-  if (r != NULL && ticket <= r->sent) {
+  if (r != NULL && ticket <= r->tickets) {
     ticket_token(r, ticket, token);
     usmipc__release_capability(req, token, body, len, cap);
   }
   if (r == NULL) {
     status = UNKNOWN;
-  } else if (ticket > r->sent) {
+  } else if (ticket > r->tickets) {
     status = BAD_REQUEST;
   } else if (!usmipc__ct_equal(cap, req + 64, 16)) {
     status = BAD_CAPABILITY;
@@ -275,7 +354,7 @@ uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
       r->returned_bytes = n;
     }
     uint8_t bit = (uint8_t)(1u << ((ticket - 1) % 8));
-    if (!(r->returned[byte] & bit)) {
+    if (return_counts(r, ticket, peer_pid, r->returned[byte] & bit)) {
       if (copy != NULL) {
         if (r->npending == r->cap_pending) {
           size_t n = r->cap_pending ? 2 * r->cap_pending : 8;
@@ -303,7 +382,8 @@ uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
         r->pending[r->npending++] = p;
         copy = NULL;
       }
-      r->returned[byte] |= bit;
+      if (return_filed(r, ticket, peer_pid))
+        r->returned[byte] |= bit;
       r->released++;
       pthread_cond_broadcast(&r->cond);
     }
@@ -522,7 +602,8 @@ int usmipc__release_send(const usmipc__wire_t *wp, usmipc_queue_t *queue) {
     usmipc__request_build(req, &named, USMIPC__WANT_RELEASE, nonce);
     usmipc__release_capability(req, w.release_token, body, 10 + ev_len,
                                req + 64);
-    uint32_t status = usmipc__release_arrived(req, body, 10 + ev_len);
+    uint32_t status =
+        usmipc__release_arrived(req, body, 10 + ev_len, self->pid);
     /* The codes and reasons of the broker's answer (usmipc__reply_check). */
     if (status == 0)
       return 0;

@@ -270,11 +270,11 @@ void usmipc__broker_on_release(usmipc__release_handler_t handler) {
 /* A release request's answer: the handler's, or before any registry exists
  * the answer it would give (a malformed body, else nothing to release). */
 static uint32_t release_status(const uint8_t *req, const uint8_t *body,
-                               size_t len) {
+                               size_t len, uint32_t peer_pid) {
   usmipc__release_handler_t handler =
       __atomic_load_n(&release_handler, __ATOMIC_ACQUIRE);
   if (handler != NULL)
-    return handler(req, body, len);
+    return handler(req, body, len, peer_pid);
   uint64_t ticket;
   const uint8_t *ev;
   size_t ev_len;
@@ -287,7 +287,7 @@ static uint32_t release_status(const uint8_t *req, const uint8_t *body,
 /* One complete request: check, answer, done. A release carries its body
  * after the request (body_len bytes). */
 static void serve_request(int conn, const uint8_t *req, const uint8_t *body,
-                          size_t body_len) {
+                          size_t body_len, uint32_t peer_pid) {
   const usmipc__process_t *self = usmipc__self();
   uint32_t want = 0;
   uint64_t buffer_id = 0;
@@ -300,7 +300,8 @@ static void serve_request(int conn, const uint8_t *req, const uint8_t *body,
     return;
   }
   if (want == USMIPC__WANT_RELEASE) {
-    send_reply(conn, req, release_status(req, body, body_len), NULL, 0);
+    send_reply(conn, req, release_status(req, body, body_len, peer_pid), NULL,
+               0);
     return;
   }
   if (want == USMIPC__WANT_FDS) {
@@ -453,7 +454,8 @@ static void *broker_loop(void *arg) {
           const uint8_t *m = conn_bytes(k);
           serve_request(
               k->fd, m, m + USMIPC__REQUEST_LEN + 2,
-              need > USMIPC__REQUEST_LEN ? need - USMIPC__REQUEST_LEN - 2 : 0);
+              need > USMIPC__REQUEST_LEN ? need - USMIPC__REQUEST_LEN - 2 : 0,
+              (uint32_t)k->peer_pid);
           free(k->big);
           k->big = NULL;
           conns[c].got = 0;

@@ -87,9 +87,13 @@ bool usmipc__broker_socket_dir(void);
  * window an attacker who can write the directory would race. */
 extern unsigned usmipc__test_socket_bind_delay_ms;
 /* The broker hands each release request of this process to the handler
- * registered last (none: it answers as a handler with no registry would). */
+ * registered last (none: it answers as a handler with no registry would),
+ * with the requester's pid as the kernel gave it when it connected
+ * (SO_PEERCRED, in this process's PID namespace; 0 when it is not visible
+ * there). */
 typedef uint32_t (*usmipc__release_handler_t)(const uint8_t *req,
-                                              const uint8_t *body, size_t len);
+                                              const uint8_t *body, size_t len,
+                                              uint32_t peer_pid);
 void usmipc__broker_on_release(usmipc__release_handler_t handler);
 /* fork.c's hooks of the broker. */
 void usmipc__broker_fork_prepare(void);

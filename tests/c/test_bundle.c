@@ -1353,3 +1353,78 @@ TEST_IMPL(bundle_release_same_process) {
   three_arrays_free(ptr, q);
   return 0;
 }
+
+/* bundle_release_fanout: one handoff's bytes to three consumer processes
+ * (as tensor-parallel ranks get them): one event, one ticket, the same
+ * bytes; the wait waits for all three, a process's second return counts
+ * for nothing (nor does returning it from the same process twice), and the
+ * next plain handoff counts as before. */
+TEST_IMPL(bundle_release_fanout) {
+  usmipc_queue_t *q = events_queue();
+  void *ptr[3];
+  size_t extent[3];
+  usmipc_bundle_t *b = three_arrays(ptr, extent);
+  ASSERT_ERR(usmipc_bundle_order_fanout(b, q, 0), USMIPC_EINVAL);
+  ASSERT_ERR(usmipc_bundle_order_fanout(b, q, 5000), USMIPC_EINVAL);
+  ASSERT_RELEASES(b, 0, 0);
+  const void *data;
+  size_t len;
+  ASSERT_OK(usmipc_bundle_order_fanout(b, q, 3));
+  ASSERT_OK(usmipc_bundle_data(b, &data, &len));
+  uint8_t *a = malloc(len);
+  ASSERT_NOT_NULL(a);
+  memcpy(a, data, len);
+  ASSERT_RELEASES(b, 3, 0);
+  reader_t r[3];
+  uint64_t out[7];
+  for (int i = 0; i < 3; i++)
+    reader_start(&r[i]);
+  reader_send(&r[0], 'W', 1, a, len, out); /* opens, writes, returns */
+  ASSERT_EQ((int64_t)out[0], 0);
+  reader_send(&r[0], 'R', 0, a, len, out); /* again: counts for nothing */
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_RELEASES(b, 3, 1);
+  reader_send(&r[1], 'R', 1, a, len, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_RELEASES(b, 3, 2);
+  ASSERT_OK(usmipc_event_set_timeout(300));
+  ASSERT_ERR(usmipc_bundle_wait_released(b, q), USMIPC_ETIMEDOUT);
+  ASSERT_MSG(strstr(usmipc_last_error(), "2 of 3") != NULL, "%s",
+             usmipc_last_error());
+  reader_send(&r[2], 'R', 0, a, len, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_RELEASES(b, 3, 3);
+  ASSERT_OK(usmipc_event_set_timeout(0));
+  ASSERT_OK(usmipc_bundle_wait_released(b, q));
+  if (q != NULL)
+    ASSERT_OK(usmipc_queue_synchronize(q));
+  ASSERT_PATTERN(ptr[0], extent[0], 700, 0); /* the first consumer's work */
+  /* All three in: a fourth return of the done ticket counts for nothing. */
+  reader_send(&r[1], 'R', 0, a, len, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_RELEASES(b, 3, 3);
+  /* A fan-out of two returned from this process twice and one reader. */
+  ASSERT_OK(usmipc_bundle_order_fanout(b, NULL, 2));
+  ASSERT_OK(usmipc_bundle_data(b, &data, &len));
+  memcpy(a, data, len);
+  ASSERT_OK(usmipc_ipc_release(a, len, NULL));
+  ASSERT_OK(usmipc_ipc_release(a, len, NULL));
+  ASSERT_RELEASES(b, 5, 4);
+  reader_send(&r[2], 'R', 0, a, len, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_RELEASES(b, 5, 5);
+  /* A plain handoff after them counts as before. */
+  ASSERT_OK(usmipc_bundle_order_ex(b, NULL, USMIPC_ORDER_RELEASE));
+  ASSERT_OK(usmipc_bundle_data(b, &data, &len));
+  memcpy(a, data, len);
+  reader_send(&r[0], 'R', 0, a, len, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_RELEASES(b, 6, 6);
+  ASSERT_OK(usmipc_bundle_wait_released(b, NULL));
+  for (int i = 0; i < 3; i++)
+    reader_stop(&r[i]);
+  free(a);
+  usmipc_bundle_free(b);
+  three_arrays_free(ptr, q);
+  return 0;
+}

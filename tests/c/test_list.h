@@ -152,6 +152,7 @@
   X(bundle_release_consumer_dies)                                              \
   X(bundle_release_consumer_exits)                                             \
   X(bundle_release_same_process)                                               \
+  X(bundle_release_fanout)                                                     \
   X(update_cross_process)                                                       \
   X(update_refused)                                                            \
   X(cuda_vmm_foreign_chunks)                                                   \

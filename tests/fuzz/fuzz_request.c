@@ -212,7 +212,7 @@ static void check_release(const uint8_t *data, size_t size) {
                    (ev_len == 0) == (ev == NULL),
                "release body");
   }
-  uint32_t status = usmipc__release_arrived(data, body, len);
+  uint32_t status = usmipc__release_arrived(data, body, len, 0);
   FUZZ_CHECK(status == 1 || status == 4, "release status %u", status);
 }
 
@@ -230,7 +230,7 @@ static void check_ticket_capability(const uint8_t *data, size_t size) {
   if (registry == NULL)
     for (int i = 0; i < 3; i++) {
       size_t len = 0;
-      FUZZ_CHECK(usmipc__release_ticket(&registry, ticket_records[i], &len) ==
+      FUZZ_CHECK(usmipc__release_ticket(&registry, ticket_records[i], &len, 1) ==
                      0,
                  "making the ticket registry: %s", usmipc_last_error());
     }
@@ -252,7 +252,7 @@ static void check_ticket_capability(const uint8_t *data, size_t size) {
   else
     usmipc__release_capability(req, ticket_records[k - 1] + 20, body, 10,
                                req + 64);
-  uint32_t status = usmipc__release_arrived(req, body, 10);
+  uint32_t status = usmipc__release_arrived(req, body, 10, 0);
   if (n == 4)
     FUZZ_CHECK(status == 4, "ticket never handed out: status %u", status);
   else if (!raw)

@@ -314,3 +314,63 @@ def test_counts_while_wait_released_waits():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("['USMIPC_ETIMEDOUT']"), proc.stdout
+
+
+def _fanout_consumer(conn, raw, rank):
+    """A tensor-parallel rank: opens the broadcast bytes, writes its own
+    array, returns the ticket on the word, then twice more (an open of its
+    own again, and the bytes): counted once."""
+    tree = usmipc.open_shared(raw, device=usmipc.Device(HOST))
+    np.from_dlpack(_leaves(tree)[rank])[...] = 100 + rank
+    conn.send("written")
+    conn.recv()
+    usmipc.release_shared(tree)
+    again = usmipc.open_shared(raw, device=usmipc.Device(HOST))
+    usmipc.release_shared(again)
+    usmipc.release_shared(raw)
+    conn.send("returned")
+    conn.recv()
+
+
+def test_fanout_waits_for_every_consumer():
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    tree = _tree(pool)
+    bundle = usmipc.share(tree, release=True)
+    raw = bundle.to_bytes(consumers=3)  # one event, one ticket, three ranks
+    assert bundle.releases == (3, 0)
+    peers = [spawn_peer(_fanout_consumer, raw, rank) for rank in range(3)]
+    try:
+        for conn, proc in peers:
+            assert recv_from(conn, proc) == "written"
+        usmipc.set_event_timeout(0.3)
+        for i, (conn, proc) in enumerate(peers[:2]):
+            conn.send("go")
+            assert recv_from(conn, proc) == "returned"
+            assert bundle.releases == (3, i + 1)  # each counted once
+            with pytest.raises(usmipc.IPCTimeoutError,
+                               match=f"{i + 1} of 3"):
+                bundle.wait_released()
+        conn, proc = peers[2]
+        conn.send("go")
+        assert recv_from(conn, proc) == "returned"
+        assert bundle.releases == (3, 3)
+        bundle.wait_released()
+        for rank, leaf in enumerate(_leaves(tree)):
+            assert (leaf == 100 + rank).all()
+        for conn, proc in peers:
+            conn.send("done")
+            join_ok(proc)
+    finally:
+        for _, proc in peers:
+            if proc.is_alive():
+                proc.kill()
+    # The next handoff to one consumer counts as before; bad counts refused.
+    bundle.to_bytes()
+    assert bundle.releases == (4, 3)
+    for bad in (0, 4097, -1):
+        with pytest.raises(usmipc.ArgumentError, match="1 to 4096"):
+            bundle.to_bytes(consumers=bad)
+    with pytest.raises(usmipc.ArgumentTypeError):
+        bundle.to_bytes(consumers="3")
+    with pytest.raises(usmipc.ArgumentError, match="release=True"):
+        usmipc.share(tree).to_bytes(consumers=2)

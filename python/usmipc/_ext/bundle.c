@@ -798,10 +798,27 @@ fail:
   return NULL;
 }
 
-PyObject *pyusmipc_bundle_to_bytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+/* The next handoff's bytes, for `consumers` processes (a fan-out of one
+ * ticket when more than one). */
+static PyObject *to_bytes_for(PyObject *op, unsigned consumers) {
   Bundle *self = (Bundle *)op;
-  if (self->bundle == NULL)
+  if (consumers != 1 && !self->release) {
+    pyusmipc_value_error("to_bytes(consumers=%u): a fan-out counts each "
+                         "consumer's release ticket, and this bundle hands "
+                         "out none; share it with release=True",
+                         consumers);
+    return NULL;
+  }
+  if (self->bundle == NULL) {
+    if (consumers != 1) {
+      pyusmipc_value_error("to_bytes(consumers=%u): this SharedBundle was "
+                           "made from bytes; only the producer's own (from "
+                           "share()) hands out release tickets",
+                           consumers);
+      return NULL;
+    }
     return Py_NewRef(self->bytes);
+  }
   const void *data;
   size_t len;
   if (self->queue == NULL && !self->release) { /* the same bytes each time */
@@ -818,7 +835,8 @@ PyObject *pyusmipc_bundle_to_bytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   int rc;
   Py_BEGIN_ALLOW_THREADS
   pthread_mutex_lock(&self->order_lock);
-  rc = usmipc_bundle_order_ex(b, q, flags);
+  rc = consumers > 1 ? usmipc_bundle_order_fanout(b, q, consumers)
+                     : usmipc_bundle_order_ex(b, q, flags);
   if (rc == 0 && (rc = usmipc_bundle_data(b, &data, &len)) == 0 &&
       (copy = malloc(len)) != NULL)
     memcpy(copy, data, len);
@@ -831,6 +849,38 @@ PyObject *pyusmipc_bundle_to_bytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   PyObject *out = PyBytes_FromStringAndSize(copy, (Py_ssize_t)len);
   free(copy);
   return out;
+}
+
+PyObject *pyusmipc_bundle_to_bytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  return to_bytes_for(op, 1);
+}
+
+/* to_bytes(consumers=1) */
+static PyObject *bundle_to_bytes_method(PyObject *op, PyObject *const *args,
+                                        Py_ssize_t nargs, PyObject *kwnames) {
+  static const char *const names[] = {"consumers"};
+  PyObject *c = NULL;
+  if (pyusmipc_parse_fastcall("to_bytes", args, nargs, kwnames, names, 1, 1,
+                              &c) < 0)
+    return NULL;
+  unsigned long n = 1;
+  if (c != NULL) {
+    if (!PyLong_Check(c)) {
+      pyusmipc_type_error("to_bytes(): consumers must be an int");
+      return NULL;
+    }
+    n = PyLong_AsUnsignedLong(c);
+    if (n == (unsigned long)-1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      n = 0;
+    }
+    if (n < 1 || n > 4096) {
+      pyusmipc_value_error("to_bytes(): consumers is 1 to 4096 (the "
+                           "processes this handoff goes to)");
+      return NULL;
+    }
+  }
+  return to_bytes_for(op, (unsigned)n);
 }
 
 PyObject *pyusmipc_bundle_from_bytes(PyObject *module, PyObject *arg) {
@@ -978,10 +1028,14 @@ static void bundle_dealloc(PyObject *op) {
 }
 
 static PyMethodDef bundle_methods[] = {
-    {"to_bytes", pyusmipc_bundle_to_bytes, METH_NOARGS,
-     "to_bytes()\n--\n\nThe bundle's bytes, to send to another process "
-     "(usmipc.open_shared opens them). Ordered bundles record a fresh event "
-     "on the producer's stream at every call."},
+    {"to_bytes", PYUSMIPC_CMETHOD(bundle_to_bytes_method),
+     METH_FASTCALL | METH_KEYWORDS,
+     "to_bytes(consumers=1)\n--\n\nThe bundle's bytes, to send to another "
+     "process (usmipc.open_shared opens them). Ordered bundles record a "
+     "fresh event on the producer's stream at every call. consumers=N "
+     "(release=True bundles): the same bytes go to N processes (a "
+     "broadcast to tensor-parallel ranks); each returns the ticket once and "
+     "wait_released() waits for all N."},
     {"__reduce__", bundle_reduce, METH_NOARGS, NULL},
     {"wait_released", PYUSMIPC_CMETHOD(bundle_wait_released),
      METH_FASTCALL | METH_KEYWORDS,
