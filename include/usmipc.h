@@ -655,6 +655,9 @@ USMIPC_API int usmipc_bundle_data(const usmipc_bundle_t *bundle,
 /* Counts of what usmipc_bundle_finish found. */
 USMIPC_API int usmipc_bundle_counts(const usmipc_bundle_t *bundle,
                                     size_t *arrays, size_t *allocations);
+/* The device of the bundle's memory (every allocation's; NULL when it
+ * names none), known since each array was added: no driver call. */
+USMIPC_API usmipc_device_t *usmipc_bundle_device(const usmipc_bundle_t *bundle);
 /* Frees the bundle and withdraws its bytes: importers refuse them from now
  * on (mappings already open stay valid), and tickets still out are refused
  * when returned (USMIPC_EEXPORTERGONE). NULL is accepted. */

@@ -278,12 +278,13 @@ static int segment_new(usmipc_bundle_t *b, const void *ptr, size_t extent,
     b->hash_cap = cap;
   }
   segment_out_t *s = &b->segs[b->nseg];
-  usmipc__allocation_ref_t exported;
+  usmipc__allocation_ref_t exported = {0};
   /* A run of chunks: from the chunk holding ptr to the one holding the
    * array's last byte. */
   size_t nbytes = ref.chunked ? (uintptr_t)ptr + extent - ref.base : 0;
   if ((rc = usmipc__export_allocation((const void *)ref.base, nbytes,
-                                      &s->handle, &exported)) != 0)
+                                      ref.chunked ? NULL : &ref, &s->handle,
+                                      &exported)) != 0)
     return rc;
   if (ref.chunked) {
     exported.device = ref.device;
@@ -580,6 +581,10 @@ int usmipc_bundle_counts(const usmipc_bundle_t *b, size_t *arrays,
   if (allocations)
     *allocations = b->nseg;
   return 0;
+}
+
+usmipc_device_t *usmipc_bundle_device(const usmipc_bundle_t *b) {
+  return b != NULL && b->nseg > 0 ? b->segs[0].ref.device : NULL;
 }
 
 int usmipc_bundle_free(usmipc_bundle_t *b) {

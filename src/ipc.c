@@ -82,17 +82,19 @@ int usmipc_ipc_handle_wait_released(usmipc_ipc_handle_t *handle,
 }
 
 static int get_handle(const void *ptr, size_t nbytes, bool whole,
+                      const usmipc__allocation_ref_t *known,
                       usmipc_ipc_handle_t **handle);
 
 int usmipc_ipc_get_handle(const void *ptr, size_t nbytes,
                           usmipc_ipc_handle_t **handle) {
-  return get_handle(ptr, nbytes, false, handle);
+  return get_handle(ptr, nbytes, false, NULL, handle);
 }
 
 int usmipc__export_allocation(const void *base, size_t nbytes,
+                              const usmipc__allocation_ref_t *known,
                               usmipc_ipc_handle_t **handle,
                               usmipc__allocation_ref_t *ref) {
-  int rc = get_handle(base, nbytes, true, handle);
+  int rc = get_handle(base, nbytes, true, known, handle);
   for (int again = 0; rc == 0; again++) {
     /* The handle says what it exports: its fixed fields (handle.c). */
     usmipc__wire_extent_t x;
@@ -114,13 +116,14 @@ int usmipc__export_allocation(const void *base, size_t nbytes,
                           "exported as one",
                           base);
     }
-    rc = get_handle((const void *)ref->base, ref->size, true, handle);
+    rc = get_handle((const void *)ref->base, ref->size, true, NULL, handle);
     usmipc_ipc_free_handle(first);
   }
   return rc;
 }
 
 static int get_handle(const void *ptr, size_t nbytes, bool whole,
+                      const usmipc__allocation_ref_t *known,
                       usmipc_ipc_handle_t **handle) {
   if (handle == NULL)
     return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_get_handle: handle is NULL");
@@ -142,7 +145,7 @@ static int get_handle(const void *ptr, size_t nbytes, bool whole,
   }
   if (r == NULL || r->origin == USMIPC__FOREIGN_ALIAS) {
     pthread_mutex_unlock(&usmipc__registry_lock);
-    return usmipc__export_foreign(ptr, nbytes, handle);
+    return usmipc__export_foreign(ptr, nbytes, known, handle);
   }
   size_t offset;
   int rc = 0;

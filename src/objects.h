@@ -110,8 +110,11 @@ void usmipc__releases_fork_child(void);
 /* An unordered handle of the whole allocation at base (a pool segment as
  * a whole, without a block record); for memory in chunks, of the whole run
  * of chunks under [base, base + nbytes). Fills ref's id, base and size
- * from the handle. */
+ * from the handle. known: what usmipc__allocation_of said of base just
+ * before (another library's memory is then not asked of the driver
+ * again), or NULL. */
 int usmipc__export_allocation(const void *base, size_t nbytes,
+                              const usmipc__allocation_ref_t *known,
                               usmipc_ipc_handle_t **handle,
                               usmipc__allocation_ref_t *ref);
 

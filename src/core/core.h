@@ -196,6 +196,8 @@ typedef struct usmipc__allocation_ref {
   size_t size;
   usmipc_device_t *device;
   bool chunked; /* one physical chunk of CUDA VMM memory (docs/cuda.md) */
+  bool foreign; /* another library's: alloc is the driver's description */
+  usmipc__allocation_t alloc;
 } usmipc__allocation_ref_t;
 int usmipc__allocation_of(const void *ptr, usmipc__allocation_ref_t *ref);
 /* ---- the export engine (core/export.c) ----------------------------------
@@ -213,8 +215,11 @@ int usmipc__check_export(const void *ptr, usmipc_device_t *device,
 void usmipc__export_wire_fill(usmipc__wire_t *w, usmipc_device_t *device,
                               const usmipc__allocation_t *a, uint64_t buffer_id,
                               size_t offset, size_t nbytes);
-/* A handle of memory another library allocated (lock NOT held). */
+/* A handle of memory another library allocated (lock NOT held). known:
+ * the allocation as usmipc__allocation_of described it just before (its
+ * driver query is not made again), or NULL. */
 int usmipc__export_foreign(const void *ptr, size_t nbytes,
+                           const usmipc__allocation_ref_t *known,
                            usmipc_ipc_handle_t **handle);
 /* Drops one owner of a foreign export; the last revokes it. */
 void usmipc__foreign_export_put(uint64_t foreign_id);

@@ -257,14 +257,24 @@ static void foreign_release(foreign_export_t *e, bool slotted) {
  * buffer id; the export lives as long as handles hold it (see
  * foreign_export_t). */
 int usmipc__export_foreign(const void *ptr, size_t nbytes,
+                           const usmipc__allocation_ref_t *known,
                            usmipc_ipc_handle_t **handle) {
   usmipc__allocation_t a = {0};
   uint64_t buffer_id;
   usmipc_device_t *device;
   size_t offset;
   usmipc__chunk_run_t *run = NULL;
-  int rc = usmipc__foreign_query_unlocked(ptr, &a, &buffer_id, &device);
-  if (rc != 0) {
+  int rc = 0;
+  if (known != NULL && known->foreign &&
+      (uintptr_t)ptr - (uintptr_t)known->alloc.base < known->alloc.size) {
+    /* Asked of the driver a moment ago (a bundle's share: one query per
+     * allocation); its buffer id is what proves it is still that
+     * allocation, as the registry of foreign exports matches below. */
+    a = known->alloc;
+    buffer_id = known->buffer_id;
+    device = known->device;
+  } else if ((rc = usmipc__foreign_query_unlocked(ptr, &a, &buffer_id,
+                                                  &device)) != 0) {
     usmipc__error_prefix("cannot export: ");
     return rc;
   }
@@ -360,6 +370,7 @@ int usmipc__allocation_of(const void *ptr, usmipc__allocation_ref_t *ref) {
   usmipc__region_t *r = usmipc__region_find(ptr);
   if (r != NULL && r->origin == USMIPC__LOCAL && !r->user_freed) {
     ref->chunked = false;
+    ref->foreign = false;
     ref->buffer_id = r->buffer_id;
     ref->base = (uintptr_t)r->alloc.base;
     ref->size = r->alloc.size;
@@ -383,6 +394,8 @@ int usmipc__allocation_of(const void *ptr, usmipc__allocation_ref_t *ref) {
   ref->base = (uintptr_t)a.base;
   ref->size = a.size;
   ref->chunked = a.chunked;
+  ref->foreign = true;
+  ref->alloc = a;
   return 0;
 }
 

@@ -130,15 +130,45 @@ static int contiguous_strides(const int64_t *shape, int64_t *strides, int nd) {
   return 0;
 }
 
+/* The names share() reads of every torch tensor, made once: a lookup by C
+ * string makes and hashes a str object each time, which was a fifth of a
+ * tensor's cost beyond torch's own. Interned, never freed (as CPython's
+ * own identifiers). */
+static PyObject *name_is_cpu, *name_dtype, *name_shape, *name_stride,
+    *name_data_ptr;
+
+static int torch_names(void) {
+  if (name_data_ptr != NULL)
+    return 0;
+  PyObject *n[5] = {
+      PyUnicode_InternFromString("is_cpu"), PyUnicode_InternFromString("dtype"),
+      PyUnicode_InternFromString("shape"), PyUnicode_InternFromString("stride"),
+      PyUnicode_InternFromString("data_ptr")};
+  for (int i = 0; i < 5; i++)
+    if (n[i] == NULL) {
+      for (int j = 0; j < 5; j++)
+        Py_XDECREF(n[j]);
+      return -1;
+    }
+  name_is_cpu = n[0];
+  name_dtype = n[1];
+  name_shape = n[2];
+  name_stride = n[3];
+  name_data_ptr = n[4];
+  return 0;
+}
+
 static int leaf_torch(PyObject *obj, leaf_info_t *L, int dest) {
-  PyObject *is_cpu = PyObject_GetAttrString(obj, "is_cpu");
+  if (torch_names() < 0)
+    return -1;
+  PyObject *is_cpu = PyObject_GetAttr(obj, name_is_cpu);
   if (is_cpu == NULL)
     return -1;
   int cpu = PyObject_IsTrue(is_cpu);
   Py_DECREF(is_cpu);
   if (cpu < 0)
     return -1;
-  PyObject *dtype = PyObject_GetAttrString(obj, "dtype");
+  PyObject *dtype = PyObject_GetAttr(obj, name_dtype);
   if (dtype == NULL)
     return -1;
   if (torch_dtypes == NULL && (torch_dtypes = PyDict_New()) == NULL) {
@@ -189,9 +219,11 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L, int dest) {
   L->desc.dtype_code = dt->code;
   L->desc.dtype_bits = dt->bits;
   L->desc.dtype_lanes = 1;
-  PyObject *shape = PyObject_GetAttrString(obj, "shape");
-  PyObject *stride = shape ? PyObject_CallMethod(obj, "stride", NULL) : NULL;
-  PyObject *ptr = stride ? PyObject_CallMethod(obj, "data_ptr", NULL) : NULL;
+  PyObject *shape = PyObject_GetAttr(obj, name_shape);
+  PyObject *stride =
+      shape ? PyObject_CallMethodObjArgs(obj, name_stride, NULL) : NULL;
+  PyObject *ptr =
+      stride ? PyObject_CallMethodObjArgs(obj, name_data_ptr, NULL) : NULL;
   int nd = -1, rc = -1;
   if (ptr != NULL && fill_int_tuple(shape, L->shape, &nd, "the tensor") == 0 &&
       fill_int_tuple(stride, L->strides, &nd, "the tensor") == 0) {
@@ -542,29 +574,37 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
      * reference to the leaf. The copy holds every key and child while the
      * walk is inside it (tests/python/test_mutation.py). A tuple cannot
      * change, and the caller holds it. */
-    PyObject *items = kind == USMIPC_BUNDLE_DICT ? PyDict_Items(obj)
+    /* A dict's keys and values as two lists (no code runs between the
+     * two copies): no (key, value) tuple per leaf, which the cyclic GC
+     * would then have to visit. */
+    PyObject *keys = kind == USMIPC_BUNDLE_DICT ? PyDict_Keys(obj) : NULL;
+    PyObject *items = kind == USMIPC_BUNDLE_DICT ? PyDict_Values(obj)
                       : kind == USMIPC_BUNDLE_LIST
                           ? PyList_GetSlice(obj, 0, PY_SSIZE_T_MAX)
                           : Py_NewRef(obj);
-    if (items == NULL)
+    if (items == NULL || (kind == USMIPC_BUNDLE_DICT && keys == NULL)) {
+      Py_XDECREF(keys);
+      Py_XDECREF(items);
       return -1;
+    }
     Py_ssize_t n =
         kind == USMIPC_BUNDLE_TUPLE ? PyTuple_Size(items) : PyList_Size(items);
     if (n > UINT32_MAX) {
+      Py_XDECREF(keys);
       Py_DECREF(items);
       pyusmipc_value_error("a container too large for a bundle");
       return -1;
     }
     if ((rc = usmipc_bundle_add_container(w->b, kind, (uint32_t)n, key,
                                           (size_t)key_len)) != 0) {
+      Py_XDECREF(keys);
       Py_DECREF(items);
       return bundle_fail(w, rc);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
       if (kind == USMIPC_BUNDLE_DICT) {
-        /* (key, value): a tuple the copy holds, borrowed items of it */
-        PyObject *pair = PyList_GetItem(items, i);
-        PyObject *k = PyTuple_GetItem(pair, 0), *v = PyTuple_GetItem(pair, 1);
+        /* Borrowed from the copies, which hold them. */
+        PyObject *k = PyList_GetItem(keys, i), *v = PyList_GetItem(items, i);
         if (!PyUnicode_Check(k)) {
           PyObject *tn = pyusmipc_type_name(k);
           if (tn != NULL)
@@ -572,6 +612,7 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
                                 "not %U",
                                 tn);
           Py_XDECREF(tn);
+          Py_XDECREF(keys);
           Py_DECREF(items);
           return -1;
         }
@@ -580,6 +621,7 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
         const char *ks = PyUnicode_AsUTF8AndSize(k, &kl);
         if (ks == NULL) {
           key_not_utf8(w, k);
+          Py_XDECREF(keys);
           Py_DECREF(items);
           return -1;
         }
@@ -590,6 +632,7 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
                               : PyTuple_GetItem(items, i);
         PyObject *label = PyLong_FromSsize_t(i);
         if (label == NULL) {
+          Py_XDECREF(keys);
           Py_DECREF(items);
           return -1;
         }
@@ -597,10 +640,12 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
         Py_DECREF(label);
       }
       if (rc < 0) {
+        Py_XDECREF(keys);
         Py_DECREF(items);
         return -1;
       }
     }
+    Py_XDECREF(keys);
     Py_DECREF(items);
     w->depth--;
     return 0;
@@ -774,15 +819,17 @@ PyObject *pyusmipc_share(PyObject *module, PyObject *const *args,
   self->arrays = (Py_ssize_t)narr;
   self->allocations = (Py_ssize_t)nseg;
   if (w.first_ptr != NULL) {
-    usmipc_pointer_info_t info;
-    Py_BEGIN_ALLOW_THREADS
-    rc = usmipc_pointer_query(w.first_ptr, &info);
-    Py_END_ALLOW_THREADS
-    if (rc != 0) {
-      pyusmipc_raise(st, rc);
+    /* The bundle knows its memory's device: asking the driver again about
+     * another library's pointer would be a second query of an allocation
+     * (issue 23: one per allocation per share). */
+    usmipc_device_t *dev = usmipc_bundle_device(self->bundle);
+    if (dev == NULL) {
+      pyusmipc_raise_msg(st, USMIPC_EINVAL,
+                         "share(): the bundle names no allocation although "
+                         "an array has memory");
       goto fail;
     }
-    if ((self->device = pyusmipc_device_object(st, info.device)) == NULL)
+    if ((self->device = pyusmipc_device_object(st, dev)) == NULL)
       goto fail;
     self->queue = order_queue(st, &w, stream, ordered, self->device);
     if (self->queue == NULL && PyErr_Occurred())
