@@ -1421,8 +1421,10 @@ TEST_IMPL(bundle_release_fanout) {
   ASSERT_EQ((int64_t)out[0], 0);
   ASSERT_RELEASES(b, 6, 6);
   ASSERT_OK(usmipc_bundle_wait_released(b, NULL));
-  for (int i = 0; i < 3; i++)
+  for (int i = 0; i < 3; i++) {
+    reader_send(&r[i], 'C', 0, NULL, 0, out); /* what 'W' opened */
     reader_stop(&r[i]);
+  }
   free(a);
   usmipc_bundle_free(b);
   three_arrays_free(ptr, q);

@@ -177,6 +177,11 @@ HELPER_IMPL(update_consumer) {
     if (op == 'Q') {
       free(data);
       usmipc_copy_plan_free(w.plan);
+      for (size_t i = 0; i < w.n; i++)
+        if (w.ptr[i] != NULL)
+          usmipc_free(w.ptr[i]);
+      free(w.ptr);
+      free(w.strides);
       return 0;
     }
     usmipc_opened_bundle_t *ob = NULL;
