@@ -138,16 +138,10 @@ int usmipc_event_set_timeout(unsigned long long timeout_ms) {
 unsigned long long usmipc__event_timeout_ms(void) {
   pthread_mutex_lock(&usmipc__events_lock);
   if (!timeout_from_env) {
-    const char *env = getenv("USMIPC_EVENT_TIMEOUT_MS");
-    if (env != NULL && *env != '\0') {
-      char *end;
-      unsigned long long v = strtoull(env, &end, 10);
-      if (*end == '\0' && env[0] != '-')
-        event_timeout_ms = v;
-      else
-        usmipc__env_malformed("USMIPC_EVENT_TIMEOUT_MS", env,
-                              "milliseconds, 0 for none", "no timeout");
-    }
+    unsigned long long v;
+    if (usmipc__env_number("USMIPC_EVENT_TIMEOUT_MS", 0, ~0ull, false,
+                           "no timeout (0: none)", &v))
+      event_timeout_ms = v;
     timeout_from_env = true;
   }
   unsigned long long ms = event_timeout_ms;

@@ -99,30 +99,10 @@ static int first_segment_size(size_t *out) {
   *out = __atomic_load_n(&torch_segment_size, __ATOMIC_RELAXED);
   if (*out != 0)
     return 0;
-  const char *env = getenv("USMIPC_TORCH_POOL_SEGMENT");
-  if (env == NULL || env[0] == '\0')
-    return 0;
-  char *end = NULL;
-  errno = 0;
-  unsigned long long v =
-      isdigit((unsigned char)env[0]) ? strtoull(env, &end, 10) : 0;
-  unsigned shift = 0;
-  if (end != NULL && *end != '\0' && end[1] == '\0') {
-    const char *units = "KMG";
-    const char *u = strchr(units, toupper((unsigned char)*end));
-    if (u != NULL) {
-      shift = 10 * (unsigned)(u - units + 1);
-      end++;
-    }
-  }
-  if (end == NULL || *end != '\0' || errno != 0 || v == 0 ||
-      v > (TORCH_MAX_SEGMENT >> shift))
-    return usmipc__fail(USMIPC_EINVAL,
-                        "USMIPC_TORCH_POOL_SEGMENT='%.40s' is not a size: give "
-                        "bytes, or a number with K, M or G (such as 1G), up "
-                        "to 64 TiB",
-                        env);
-  *out = (size_t)v << shift;
+  unsigned long long v;
+  if (usmipc__env_number("USMIPC_TORCH_POOL_SEGMENT", 1, TORCH_MAX_SEGMENT,
+                         true, "the pool default (64 MiB)", &v))
+    *out = (size_t)v;
   return 0;
 }
 

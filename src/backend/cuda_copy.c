@@ -93,16 +93,10 @@ static void load(void) {
     force_loop = true;
   else if (env && env[0] != '\0' && strcmp(env, "kernel") != 0)
     usmipc__env_malformed("USMIPC_COPY_BATCH", env, "kernel or loop", "kernel");
-  const char *kib = getenv("USMIPC_COPY_CHUNK_KIB");
-  if (kib && kib[0] != '\0') {
-    char *end;
-    unsigned long v = strtoul(kib, &end, 10);
-    if (*end == '\0' && v >= 4 && v <= (1ul << 20))
-      chunk_bytes = (size_t)v << 10;
-    else
-      usmipc__env_malformed("USMIPC_COPY_CHUNK_KIB", kib,
-                            "a number of KiB from 4 to 1048576", "1024");
-  }
+  unsigned long long kib;
+  if (usmipc__env_number("USMIPC_COPY_CHUNK_KIB", 4, 1u << 20, false, "1024",
+                         &kib))
+    chunk_bytes = (size_t)kib << 10;
 }
 
 static int fail(CUresult res, const char *what) {

@@ -65,18 +65,16 @@ static pthread_cond_t sweeper_cond;
 static pthread_once_t cache_once = PTHREAD_ONCE_INIT;
 
 /* name's value into *out; whether there was one to take. */
-static bool env_size(const char *name, size_t *out) {
-  const char *env = getenv(name);
-  if (env != NULL && *env != '\0') {
-    char *end;
-    unsigned long long v = strtoull(env, &end, 10);
-    if (*end == '\0' && env[0] != '-') {
-      *out = (size_t)v;
-      return true;
-    }
-    usmipc__env_malformed(name, env, "a count", "the default");
-  }
-  return false;
+/* USMIPC_IPC_CACHE_SIZE (a count) or _BYTES (a size, 64G and the like). */
+static bool env_size(const char *name, bool units, size_t *out) {
+  unsigned long long v;
+  if (!usmipc__env_number(name, 0, SIZE_MAX, units,
+                          "the default (idle mappings kept while their "
+                          "exporter exports them)",
+                          &v))
+    return false;
+  *out = (size_t)v;
+  return true;
 }
 
 static void sweeper_cond_init(void) {
@@ -89,8 +87,8 @@ static void sweeper_cond_init(void) {
 
 static void cache_init(void) {
   sweeper_cond_init();
-  bool entries = env_size("USMIPC_IPC_CACHE_SIZE", &idle_limit);
-  bool bytes = env_size("USMIPC_IPC_CACHE_BYTES", &idle_byte_limit);
+  bool entries = env_size("USMIPC_IPC_CACHE_SIZE", false, &idle_limit);
+  bool bytes = env_size("USMIPC_IPC_CACHE_BYTES", true, &idle_byte_limit);
   limits_all = entries || bytes;
   const char *env = getenv("USMIPC_IPC_CACHE_DROP_FREED");
   if (env != NULL && strcmp(env, "0") == 0)

@@ -511,15 +511,10 @@ static void *broker_main(void *arg) {
  * requests/s; with 16 importers at once on 16 cores a single thread queued
  * each request behind ~15 others (4.6x a lone importer's open). */
 static int broker_thread_count(void) {
-  const char *env = getenv("USMIPC_BROKER_THREADS");
-  if (env != NULL && *env != '\0') {
-    char *end;
-    long v = strtol(env, &end, 10);
-    if (*end == '\0')
-      return v < 1 ? 1 : v > 16 ? 16 : (int)v;
-    usmipc__env_malformed("USMIPC_BROKER_THREADS", env, "1 to 16",
-                          "the default");
-  }
+  unsigned long long v;
+  if (usmipc__env_number("USMIPC_BROKER_THREADS", 1, 16, false,
+                         "the default (one per 4 CPUs, at most 4)", &v))
+    return (int)v;
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   int n = cpus < 8 ? 1 : (int)(cpus / 4);
   return n > 4 ? 4 : n;

@@ -133,6 +133,17 @@ void usmipc__debug(const char *fmt, ...) USMIPC__PRINTF(1, 2);
 void usmipc__env_malformed(const char *name, const char *value,
                            const char *expected, const char *used);
 
+/* ---- numbers from the environment (env.c) --------------------------------
+ * The one parser of every USMIPC_* count, size and time: true with *out
+ * when name is set to a number from min to max (units: a size, which may
+ * end in K, M, G or T, with an optional B or iB); false when it is unset or
+ * empty, and when it is malformed or out of range, which also warns on
+ * stderr naming the variable, the value, the form expected and
+ * used_instead (the caller then uses its default). */
+bool usmipc__env_number(const char *name, unsigned long long min,
+                        unsigned long long max, bool units,
+                        const char *used_instead, unsigned long long *out);
+
 /* ---- counters (stats.c) -------------------------------------------------- */
 
 typedef struct usmipc__stats {

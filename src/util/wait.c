@@ -26,15 +26,10 @@ static void *interrupt_arg;
 static pthread_mutex_t interrupt_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static unsigned env_timeout_ms(void) {
-  const char *env = getenv("USMIPC_IPC_TIMEOUT_MS");
-  if (env != NULL && *env != '\0') {
-    char *end;
-    unsigned long v = strtoul(env, &end, 10);
-    if (*end == '\0' && v > 0 && v <= 86400000ul && env[0] != '-')
-      return (unsigned)v;
-    usmipc__env_malformed("USMIPC_IPC_TIMEOUT_MS", env,
-                          "milliseconds, 1 to 86400000", "5000");
-  }
+  unsigned long long v;
+  if (usmipc__env_number("USMIPC_IPC_TIMEOUT_MS", 1, 86400000, false,
+                         "5000 (ms)", &v))
+    return (unsigned)v;
   return DEFAULT_TIMEOUT_MS;
 }
 

@@ -153,6 +153,7 @@
   X(bundle_release_consumer_exits)                                             \
   X(bundle_release_same_process)                                               \
   X(bundle_release_fanout)                                                     \
+  X(env_numbers)                                                                \
   X(update_cross_process)                                                       \
   X(update_refused)                                                            \
   X(cuda_vmm_foreign_chunks)                                                   \
