@@ -45,6 +45,7 @@ __all__ = [
     "SyclIPCCloseMemHandle",
     "SyclIPCGetMemHandle",
     "SyclIPCOpenMemHandle",
+    "host_array",
     "is_ipc_available",
     "torch_allocator",
     "torch_last_error",
@@ -217,6 +218,30 @@ def SyclIPCCloseMemHandle(mem):
     ``mem.is_closed``; idempotent. Memory that is not a mapping raises
     ``RuntimeError`` (``usmipc.Error``)."""
     IPCMemoryHandle.close_mapping(mem)
+
+
+def host_array(array, device="host:cpu"):
+    """A copy of ``array`` (anything ``numpy.asarray`` takes) in shareable
+    host memory: a NumPy array of the same dtype and shape over a
+    ``MemoryUSMDevice`` of the host backend, which it keeps alive.
+    ``usmipc.share()`` and ``IPCMemoryHandle()`` take it (ordinary NumPy
+    memory is private to its process and cannot be shared)::
+
+        w = usmipc.memory.host_array(np.arange(10.0))
+        bundle = usmipc.share({"w": w})
+    """
+    import numpy as np
+
+    src = np.asarray(array)
+    if src.dtype.hasobject:
+        raise _argument_error(
+            _usmipc.ArgumentTypeError,
+            f"host_array(): an array of Python objects ({src.dtype}) has no "
+            "bytes to share; convert it to a numeric dtype first")
+    mem = MemoryUSMDevice(max(src.nbytes, 1), device=device)
+    out = np.from_dlpack(mem)[:src.nbytes].view(src.dtype).reshape(src.shape)
+    out[...] = src
+    return out
 
 
 def is_ipc_available(device=None):

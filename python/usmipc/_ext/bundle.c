@@ -80,6 +80,7 @@ typedef struct leaf_info {
   PyObject *stream_of; /* the leaf whose current stream orders the bundle
                           (torch, CuPy), or NULL; borrowed */
   pyusmipc_memory_object_t *mem; /* usmipc memory, borrowed, or NULL */
+  int cpu; /* the array says it is CPU memory (DLPack, torch) */
 } leaf_info_t;
 
 /* A dict of torch dtype objects -> index into DTYPES, filled on first use
@@ -251,6 +252,7 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L, int dest) {
   Py_XDECREF(ptr);
   L->desc.ndim = nd;
   L->stream_of = obj;
+  L->cpu = cpu;
   return rc;
 }
 
@@ -373,6 +375,7 @@ static int leaf_dlpack(PyObject *obj, leaf_info_t *L, int *found) {
   }
   L->ptr = (char *)t.data + t.byte_offset;
   L->keep = owner;
+  L->cpu = t.device.device_type == kDLCPU;
   return 0;
 }
 
@@ -661,6 +664,17 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
    * for another library's; releasing and taking the GIL per leaf cost
    * more. (The first export of an allocation may wait longer: rare.) */
   rc = usmipc_bundle_add_array(w->b, key, (size_t)key_len, L.ptr, &L.desc);
+  if (rc == USMIPC_EUNKNOWNPTR && L.cpu) {
+    /* Ordinary process memory (a NumPy array of its own): say what to
+     * do, as for a torch CPU tensor. */
+    pyusmipc_kind_error("an array in ordinary CPU memory (a NumPy array of "
+                        "its own, say), which is private to this process: "
+                        "only shareable memory can be shared; copy it into "
+                        "some with usmipc.memory.host_array(array), or "
+                        "allocate it there (np.from_dlpack(MemoryUSMDevice("
+                        "n, device='host:cpu')))");
+    return -1;
+  }
   if (rc != 0)
     return bundle_fail(w, rc);
   int has_memory = 1;

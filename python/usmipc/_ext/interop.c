@@ -849,8 +849,9 @@ static int dl_check_device(const DLTensor *t, const void *ptr) {
       pyusmipc_kind_error(
           "IPCMemoryHandle() exports device memory only; this "
           "DLPack tensor is ordinary CPU memory (device type 1), "
-          "not usmipc device memory: copy it into a "
-          "MemoryUSMDevice to share it");
+          "not usmipc device memory: copy it into shareable memory "
+          "with usmipc.memory.host_array(array) (or into a "
+          "MemoryUSMDevice) to share it");
       return -1;
     }
     if (info.kind != USMIPC_MEM_DEVICE) {
