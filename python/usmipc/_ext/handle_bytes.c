@@ -9,6 +9,7 @@
 #include "handle_bytes.h"
 
 #include <stdio.h>
+#include <string.h>
 
 #include "util.h"
 
@@ -107,6 +108,15 @@ PyObject *pyusmipc_handle_bytes_decode(pyusmipc_module_state_t *st,
 PyObject *pyusmipc_raise_open_error(pyusmipc_module_state_t *st, int rc,
                                     const char *data, Py_ssize_t len,
                                     int want_event, const char *wrong_kind) {
+  if ((rc == USMIPC_EINVAL || rc == USMIPC_EBADHANDLE) && data != NULL &&
+      len >= 8 && memcmp(data, "\x89USMIPCB", 8) == 0) {
+    /* The other format of the library: say which opener takes it. */
+    return pyusmipc_raise_msg(
+        st, rc,
+        "these are the bytes of a bundle (usmipc.share()"
+        ", SharedBundle.to_bytes()), not of one IPC "
+        "handle: open them with usmipc.open_shared(data)");
+  }
   if (rc != USMIPC_EINVAL) {
     return pyusmipc_raise(st, rc);
   }

@@ -365,10 +365,10 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args,
  * handle, freshly ordered on its queue (without the GIL); otherwise the
  * handle's bytes, the same object each time. */
 static PyObject *handle_closed_error(void) {
-  PyErr_SetString(PyExc_RuntimeError,
-                  "the IPCMemoryHandle is closed (close() was called): it "
-                  "gives no more bytes; make a new one of the memory");
-  return NULL;
+  /* usmipc.ArgumentError: a usmipc.Error, so a RuntimeError as before. */
+  return pyusmipc_value_error("the IPCMemoryHandle is closed (close() was "
+                              "called): it gives no more bytes; make a new "
+                              "one of the memory: IPCMemoryHandle(mem)");
 }
 
 static PyObject *handle_current_bytes(Handle *self) {

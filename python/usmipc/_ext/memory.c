@@ -640,6 +640,14 @@ static PyObject *memory_copy_from_host(PyObject *op, PyObject *obj) {
   Mem *self = (Mem *)op;
   Py_buffer src;
   if (PyObject_GetBuffer(obj, &src, PyBUF_SIMPLE) < 0) {
+    PyErr_Clear();
+    PyObject *tn = pyusmipc_type_name(obj);
+    if (tn != NULL)
+      pyusmipc_type_error("copy_from_host(): obj is bytes-like (bytes, "
+                          "bytearray, memoryview, a contiguous NumPy array), "
+                          "not a %U; bytes(obj) makes one of a list of ints",
+                          tn);
+    Py_XDECREF(tn);
     return NULL;
   }
   if (src.len > self->nbytes) {

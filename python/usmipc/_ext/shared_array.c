@@ -727,7 +727,21 @@ static PyObject *arr_tobytes(PyObject *op, PyObject *Py_UNUSED(ignored)) {
   return out;
 }
 
+/* A SharedArray is a view of a mapping that this process opened: pickled
+ * on its own it would mean nothing elsewhere (and copying its bytes would
+ * hide that). Send what opens it instead. */
+static PyObject *arr_reduce(PyObject *op, PyObject *Py_UNUSED(ignored)) {
+  (void)op;
+  return pyusmipc_type_error(
+      "a SharedArray is not pickled on its own: it is a view of a mapping "
+      "this process opened; send the bundle's bytes (SharedBundle.to_bytes(), "
+      "or the SharedBundle itself) and open them with usmipc.open_shared() "
+      "there, or copy the data (numpy.array(leaf) on host memory)");
+}
+
 static PyMethodDef arr_methods[] = {
+    {"__reduce__", arr_reduce, METH_NOARGS, NULL},
+    {"__reduce_ex__", (PyCFunction)(void (*)(void))arr_reduce, METH_O, NULL},
     {"tobytes", arr_tobytes, METH_NOARGS,
      "tobytes()\n--\n\nA host copy of the bytes the array spans (for a "
      "C-contiguous array, its elements in order)."},
@@ -940,12 +954,32 @@ PyObject *pyusmipc_open_shared(PyObject *module, PyObject *const *args,
     bytes = pyusmipc_bundle_to_bytes(a[0], NULL);
   } else if (PyBytes_Check(a[0])) {
     bytes = Py_NewRef(a[0]);
+  } else if (PyObject_CheckBuffer(a[0])) {
+    bytes = PyBytes_FromObject(a[0]); /* bytearray, memoryview, ... */
   } else {
-    bytes = PyBytes_FromObject(a[0]); /* any buffer */
+    /* PyBytes_FromObject would take a list of ints as bytes. */
+    PyObject *tn = pyusmipc_type_name(a[0]);
+    if (tn != NULL)
+      pyusmipc_type_error("open_shared(): data is the bytes of "
+                          "SharedBundle.to_bytes() (bytes, bytearray, "
+                          "memoryview) or a SharedBundle, not a %U",
+                          tn);
+    Py_XDECREF(tn);
+    bytes = NULL;
   }
   if (bytes == NULL) {
     Py_XDECREF(convert);
     return NULL;
+  }
+  if (PyBytes_Size(bytes) >= 8 &&
+      memcmp(PyBytes_AsString(bytes), "\x89USMIPC\n", 8) == 0) {
+    Py_DECREF(bytes);
+    Py_XDECREF(convert);
+    return pyusmipc_raise_msg(st, USMIPC_EBADHANDLE,
+                              "open_shared(): these are the bytes of one IPC "
+                              "handle (IPCMemoryHandle.to_bytes()), not of a "
+                              "bundle: open them with IPCMemoryHandle.open("
+                              "data, device)");
   }
   PyObject *device, *queue = NULL;
   usmipc_device_t *dev;

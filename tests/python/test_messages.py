@@ -1,0 +1,55 @@
+"""Mistakes of a newcomer's first hour (issue 25): each gets a usmipc.Error
+subclass that keeps the builtin base code may catch today, and a message
+that says what to do in Python terms."""
+import pickle
+
+import numpy as np
+import pytest
+
+import usmipc
+from usmipc.memory import IPCMemoryHandle, MemoryUSMDevice, host_array
+
+HOST = usmipc.Device("host:cpu")
+
+
+@pytest.fixture
+def bundle_and_handle():
+    b = usmipc.share({"w": host_array(np.ones(4))})
+    m = MemoryUSMDevice(64, device=HOST)
+    h = IPCMemoryHandle(m)
+    yield b, b.to_bytes(), h, h.to_bytes(), m
+
+
+def test_each_opener_names_the_other(bundle_and_handle):
+    _, raw, _, hraw, _ = bundle_and_handle
+    with pytest.raises(usmipc.ArgumentError,
+                       match=r"bytes of a bundle.*usmipc\.open_shared"):
+        IPCMemoryHandle.open(raw, HOST)
+    with pytest.raises(usmipc.ArgumentError,
+                       match=r"one IPC handle.*IPCMemoryHandle\.open"):
+        usmipc.open_shared(hraw)
+
+
+def test_wrong_types_are_argument_type_errors(bundle_and_handle):
+    _, raw, _, _, m = bundle_and_handle
+    with pytest.raises(usmipc.ArgumentTypeError, match="not a list"):
+        usmipc.open_shared([1, 2, 3])  # once taken as 3 bytes
+    with pytest.raises(TypeError):  # the builtin base stays
+        usmipc.open_shared([1, 2, 3])
+    with pytest.raises(usmipc.ArgumentTypeError, match="bytes-like.*not a list"):
+        m.copy_from_host([1, 2])
+    usmipc.open_shared(bytearray(raw))  # buffers still work
+    usmipc.open_shared(memoryview(raw))
+
+
+def test_closed_handle_and_lone_leaf(bundle_and_handle):
+    _, raw, h, _, _ = bundle_and_handle
+    h.close()
+    with pytest.raises(usmipc.Error, match=r"closed.*IPCMemoryHandle\(mem\)") as e:
+        h.to_bytes()
+    assert isinstance(e.value, RuntimeError)  # as before
+    tree = usmipc.open_shared(raw)
+    with pytest.raises(usmipc.ArgumentTypeError,
+                       match=r"not pickled on its own.*open_shared"):
+        pickle.dumps(tree["w"])
+    usmipc.close_shared(tree)
