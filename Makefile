@@ -8,6 +8,9 @@
 # scikit-build-core and pytest are already installed).
 
 SHELL := /bin/bash
+# No "Entering directory" lines from this make or the makes cmake runs
+# (make test printed 96 of them).
+MAKEFLAGS += --no-print-directory
 
 PYTHON ?= python3
 BUILD ?= build
@@ -60,12 +63,13 @@ demo: python
 test: test-c test-python
 
 test-c: build $(PY_SETUP)
-	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
+	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS); rc=$$?; \
+	  python3 tools/test/ctest_skips.py $(BUILD); exit $$rc
 
 # build: the C blocks of the docs (tests/python/test_doc_blocks.py) link
 # the library.
 test-python: python build
-	USMIPC_BUILD_DIR=$(BUILD) $(PY) -m pytest -q tests/python
+	USMIPC_BUILD_DIR=$(BUILD) $(PY) -m pytest -q -rs tests/python
 
 # The documentation site (mkdocs.yml) in $(BUILD)/site: docs/, the README,
 # the Python docstrings and include/usmipc.h. --strict: any warning (a
