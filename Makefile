@@ -35,13 +35,19 @@ build:
 	cmake -S . -B $(BUILD) -DUSMIPC_WERROR=ON $(CMAKE_FLAGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The build needs scikit-build-core alone (make demo installs nothing else).
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q scikit-build-core pytest numpy mypy
-	# UMF (the library SYCL and dpctl make IPC handles with) and its hwloc:
-	# tests/level_zero/test_sycl_umf.c opens blobs that UMF itself makes.
-	$(VENV)/bin/python -m pip install -q umf==1.2.0 tcmlib
+	$(VENV)/bin/python -m pip install -q scikit-build-core
+
+# What the tests add: pytest, numpy, mypy; UMF (the library SYCL and dpctl
+# make IPC handles with) and its hwloc, for tests/level_zero/test_sycl_umf.c,
+# which opens blobs that UMF itself makes (it skips without them).
+PY_TEST_SETUP := $(if $(PY_SETUP),$(VENV)/.test-deps)
+$(VENV)/.test-deps: | $(VENV)/bin/python
+	$(VENV)/bin/python -m pip install -q pytest numpy mypy umf==1.2.0 tcmlib
+	touch $@
 
 # Builds the wheel's extension and installs the package into $(PY).
 python: $(PY_SETUP)
@@ -62,13 +68,13 @@ demo: python
 
 test: test-c test-python
 
-test-c: build $(PY_SETUP)
+test-c: build $(PY_SETUP) $(PY_TEST_SETUP)
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS); rc=$$?; \
 	  python3 tools/test/ctest_skips.py $(BUILD); exit $$rc
 
 # build: the C blocks of the docs (tests/python/test_doc_blocks.py) link
 # the library.
-test-python: python build
+test-python: python build $(PY_TEST_SETUP)
 	USMIPC_BUILD_DIR=$(BUILD) $(PY) -m pytest -q -rs tests/python
 
 # The documentation site (mkdocs.yml) in $(BUILD)/site: docs/, the README,
@@ -98,7 +104,7 @@ test-asan:
 # with malloc there, so that ASan sees each).
 PYASAN_TESTS ?= tests/python/test_mutation.py tests/python/test_bundles.py
 PY_ABS_PATH = $(if $(findstring /,$(PY)),$(abspath $(PY)),$(shell command -v $(PY)))
-test-python-asan: $(PY_SETUP)
+test-python-asan: $(PY_SETUP) $(PY_TEST_SETUP)
 	cmake -S . -B $(BUILD)-pyasan -DUSMIPC_BUILD_PYTHON=ON -DUSMIPC_BUILD_TESTS=OFF \
 	    -DUSMIPC_SANITIZE=ON -DUSMIPC_WERROR=ON -DPython_EXECUTABLE=$(PY_ABS_PATH) $(CMAKE_FLAGS)
 	cmake --build $(BUILD)-pyasan -j $(JOBS) --target _usmipc usmipc-helper
@@ -242,7 +248,7 @@ sdist: $(if $(PY_SETUP),$(VENV)/.wheel-tools)
 test-sdist: sdist
 	bash tests/install/sdist.sh $(DIST)/usmipc-*.tar.gz
 
-bench: build python
+bench: build python $(PY_TEST_SETUP)
 	$(BUILD)/bench/usmipc_bench $(if $(DEVICE),--device $(DEVICE))
 	$(PY) bench/bench_python.py $(if $(DEVICE),--device $(DEVICE))
 
