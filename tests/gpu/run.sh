@@ -41,7 +41,8 @@ build-gpu/ and pip-installs usmipc, once:
                 layouts (caching allocator, expandable segments, the copy
                 loop) beside a flat device copy
   update-more   the same bench with expandable segments (both layouts) and
-                with the copy loop (USMIPC_COPY_BATCH=loop, MoE)
+                with the copy loop (USMIPC_COPY_BATCH=loop, MoE); fan-out to 8
+                consumers (tests/gpu/fanout_bench.py)
   wheel         the release wheel in dist/ (carried; make wheel) in a fresh
                 environment: tests/python, tests/gpu, the demo
                 (tests/gpu/wheel.sh; WHEEL_SKIP_GPU=1 leaves out tests/gpu)
@@ -201,7 +202,7 @@ update() {
       step "c-$t-$kind" 120 env USMIPC_TEST_DEVICE=cuda:gpu:0 USMIPC_CUDA_IPC=$kind build-gpu/tests/c/usmipc_tests $t
     done
   done
-  step pytest-update 300 python3 -m pytest -q -rs tests/gpu/test_gpu_update.py tests/python/test_update.py
+  step pytest-update 300 python3 -m pytest -q -rs tests/gpu/test_gpu_update.py tests/gpu/test_gpu_share_queries.py tests/python/test_update.py
   step update-qwen 300 python3 tests/gpu/update_bench.py --layout qwen --json "$OUT/update_qwen.json"
   step update-moe 400 python3 tests/gpu/update_bench.py --layout moe --json "$OUT/update_moe.json"
 }
@@ -210,6 +211,7 @@ update_more() {
   step update-moe-expandable 400 python3 tests/gpu/update_bench.py --layout moe --expandable --json "$OUT/update_moe_expandable.json"
   step update-qwen-expandable 300 python3 tests/gpu/update_bench.py --layout qwen --expandable --json "$OUT/update_qwen_expandable.json"
   step update-moe-loop 400 env USMIPC_COPY_BATCH=loop python3 tests/gpu/update_bench.py --layout moe --rounds 3 --json "$OUT/update_moe_loop.json"
+  step fanout-qwen 300 python3 tests/gpu/fanout_bench.py --layout qwen --json "$OUT/fanout_qwen.json"
   local k
   for k in 256 4096; do
     step "update-moe-chunk-$k" 300 env USMIPC_COPY_CHUNK_KIB=$k python3 tests/gpu/update_bench.py --layout moe --rounds 4 --json "$OUT/update_moe_chunk$k.json"

@@ -1,0 +1,103 @@
+"""Fan-out on one GPU (issue 23, item 4): one handoff's bytes to N consumer
+processes released together by a barrier, each opening the same bytes
+(opens only: open_shared with a stream, synchronized), cold (first open:
+every allocation imported) and warm (the same bundle's next handoff, the
+previous tree closed). The slowest consumer's open is compared with a lone
+consumer's in the same run (target: <= 1.5x). The producer makes one
+to_bytes(consumers=N) per round (one event, one ticket) and wait_released()
+waits for all N.
+
+  python3 tests/gpu/fanout_bench.py [--consumers 8] [--layout qwen|moe]
+      [--rounds 5] [--json out.json]
+"""
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from update_bench import moe_spec, qwen_spec  # noqa: E402
+
+
+def consumer(conn, barrier):
+    import torch
+    import usmipc
+    torch.cuda.init()
+    s = torch.cuda.Stream()
+    tree = None
+    while True:
+        raw = conn.recv()
+        if raw is None:
+            break
+        if tree is not None:
+            usmipc.close_shared(tree)
+        barrier.wait()
+        t0 = time.perf_counter()
+        tree = usmipc.open_shared(raw, stream=s)
+        s.synchronize()
+        dt = (time.perf_counter() - t0) * 1e3
+        usmipc.release_shared(tree, stream=s)
+        conn.send(dt)
+    conn.send("bye")
+
+
+def run(n, spec, rounds):
+    import torch
+    import usmipc
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(n)
+    pipes, procs = [], []
+    for _ in range(n):
+        here, there = ctx.Pipe()
+        p = ctx.Process(target=consumer, args=(there, barrier))
+        p.start()
+        pipes.append(here)
+        procs.append(p)
+    state = {k: torch.full(s, 1.0, dtype=torch.bfloat16, device="cuda")
+             for k, s in spec}
+    bundle = usmipc.share(state, release=True)
+    out = []
+    for r in range(rounds):
+        raw = bundle.to_bytes(consumers=n)  # one event, one ticket
+        for c in pipes:
+            c.send(raw)
+        times = [c.recv() for c in pipes]
+        bundle.wait_released()
+        out.append(max(times))
+    for c in pipes:
+        c.send(None)
+        c.recv()
+    for p in procs:
+        p.join(60)
+    sent, back = bundle.releases
+    assert sent == back == n * rounds, bundle.releases
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--consumers", type=int, default=8)
+    ap.add_argument("--layout", default="qwen", choices=["qwen", "moe"])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    spec = qwen_spec() if a.layout == "qwen" else moe_spec()
+    lone = run(1, spec, a.rounds)
+    many = run(a.consumers, spec, a.rounds)
+    res = {"layout": a.layout, "tensors": len(spec), "consumers": a.consumers,
+           "lone_cold_ms": lone[0], "lone_warm_ms": statistics.median(lone[1:]),
+           "slowest_cold_ms": many[0],
+           "slowest_warm_ms": statistics.median(many[1:])}
+    res["cold_ratio"] = res["slowest_cold_ms"] / res["lone_cold_ms"]
+    res["warm_ratio"] = res["slowest_warm_ms"] / res["lone_warm_ms"]
+    print(json.dumps(res, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
