@@ -43,8 +43,15 @@ typedef struct {
 } CUDA_MEMCPY2D; /* cuda.h's layout */
 enum { CU_MEMORYTYPE_UNIFIED = 4 };
 
-#define COPY_SYMBOLS(X)                                                        \
+/* What the copy loop needs (cuda.c requires the same entry points, so a
+ * driver that runs usmipc has them), then what the kernel needs, each
+ * optional: without one of those the batch is the loop, and without
+ * cuMemcpy2DAsync_v2 rows go one by one. */
+#define LOOP_SYMBOLS(X)                                                        \
   X(cuGetErrorName, "cuGetErrorName", (CUresult, const char **))               \
+  X(cuMemcpyAsync, "cuMemcpyAsync",                                            \
+    (CUdeviceptr, CUdeviceptr, size_t, CUstream))
+#define KERNEL_SYMBOLS(X)                                                      \
   X(cuCtxGetCurrent, "cuCtxGetCurrent", (CUcontext *))                         \
   X(cuModuleLoadData, "cuModuleLoadData", (CUmodule *, const void *))          \
   X(cuModuleGetFunction, "cuModuleGetFunction",                                \
@@ -56,9 +63,6 @@ enum { CU_MEMORYTYPE_UNIFIED = 4 };
   X(cuMemFree, "cuMemFree_v2", (CUdeviceptr))                                  \
   X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2",                                 \
     (CUdeviceptr, const void *, size_t, CUstream))                             \
-  X(cuMemcpyAsync, "cuMemcpyAsync",                                            \
-    (CUdeviceptr, CUdeviceptr, size_t, CUstream))                              \
-  X(cuMemcpy2DAsync, "cuMemcpy2DAsync_v2", (const CUDA_MEMCPY2D *, CUstream))  \
   X(cuEventCreate, "cuEventCreate", (CUevent *, unsigned))                     \
   X(cuEventDestroy, "cuEventDestroy_v2", (CUevent))                            \
   X(cuEventRecord, "cuEventRecord", (CUevent, CUstream))                       \
@@ -66,28 +70,39 @@ enum { CU_MEMORYTYPE_UNIFIED = 4 };
 
 static struct {
 #define X(field, symbol, args) CUresult(*field) args;
-  COPY_SYMBOLS(X)
+  LOOP_SYMBOLS(X)
+  KERNEL_SYMBOLS(X)
 #undef X
+  CUresult (*cuMemcpy2DAsync)(const CUDA_MEMCPY2D *, CUstream);
 } cu;
 
 /* What loads once per process: the entry points and the switch. */
 static pthread_once_t load_once = PTHREAD_ONCE_INIT;
-static bool symbols_ok;
+static bool symbols_ok; /* the loop's */
+static bool kernel_symbols_ok;
 static bool force_loop; /* USMIPC_COPY_BATCH=loop */
 static size_t chunk_bytes = (size_t)1 << 20;
 
 static void load(void) {
   void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  symbols_ok = lib != NULL;
+  symbols_ok = kernel_symbols_ok = lib != NULL;
 #define X(field, symbol, args)                                                 \
-  if (symbols_ok && (*(void **)&cu.field = dlsym(lib, symbol)) == NULL) {      \
+  if (symbols_ok && (*(void **)&cu.field = dlsym(lib, symbol)) == NULL)        \
+    symbols_ok = false;
+  LOOP_SYMBOLS(X)
+#undef X
+#define X(field, symbol, args)                                                 \
+  if (kernel_symbols_ok &&                                                     \
+      (*(void **)&cu.field = dlsym(lib, symbol)) == NULL) {                    \
     usmipc__debug("cuda copy batch: the driver lacks %s; copies go one by "    \
                   "one",                                                       \
                   symbol);                                                     \
-    symbols_ok = false;                                                        \
+    kernel_symbols_ok = false;                                                 \
   }
-  COPY_SYMBOLS(X)
+  KERNEL_SYMBOLS(X)
 #undef X
+  if (lib != NULL)
+    *(void **)&cu.cuMemcpy2DAsync = dlsym(lib, "cuMemcpy2DAsync_v2");
   const char *env = getenv("USMIPC_COPY_BATCH");
   if (env && !strcmp(env, "loop"))
     force_loop = true;
@@ -245,7 +260,8 @@ static int run_loop(CUstream stream, const usmipc__copy_t *c, size_t n) {
     m.dstPitch = k->dst_pitch;
     m.WidthInBytes = k->row_bytes;
     m.Height = k->rows;
-    res = cu.cuMemcpy2DAsync(&m, stream);
+    res = cu.cuMemcpy2DAsync ? cu.cuMemcpy2DAsync(&m, stream)
+                             : CUDA_ERROR_NOT_SUPPORTED;
     for (uint64_t r = 0; res != CUDA_SUCCESS && r < k->rows; r++) {
       /* Pitches past the 2-D copy's limits: row by row. */
       CUresult one =
@@ -265,11 +281,10 @@ int usmipc__cuda_copy_run(usmipc__cuda_copy_t *b, CUstream stream,
                           bool same) {
   if (!symbols_ok)
     return usmipc__fail(USMIPC_ENOTSUP,
-                        "the batched copy needs cuModuleLoadData, "
-                        "cuLaunchKernel and cuMemcpy2DAsync_v2, which this "
-                        "CUDA driver lacks (USMIPC_DEBUG=1 names the one)");
+                        "the batched copy needs cuMemcpyAsync, which this "
+                        "CUDA driver lacks");
   if (!b->decided) {
-    b->fn = force_loop ? NULL : kernel_for_current();
+    b->fn = force_loop || !kernel_symbols_ok ? NULL : kernel_for_current();
     b->decided = true;
   }
   if (b->fn == NULL)
