@@ -16,6 +16,7 @@ import copyreg
 import ctypes
 import os
 import threading
+from typing import Any  # noqa: F401  (host_array's annotations)
 from multiprocessing.reduction import ForkingPickler
 
 from usmipc import _usmipc
@@ -220,7 +221,7 @@ def SyclIPCCloseMemHandle(mem):
     IPCMemoryHandle.close_mapping(mem)
 
 
-def host_array(array, device="host:cpu"):
+def host_array(array: "Any", device: "Any" = "host:cpu") -> "Any":
     """A copy of ``array`` (anything ``numpy.asarray`` takes) in shareable
     host memory: a NumPy array of the same dtype and shape over a
     ``MemoryUSMDevice`` of the host backend, which it keeps alive.
