@@ -192,6 +192,8 @@ pid_t spawn_helper(const char *name, char *const extra_args[],
 /* Waits up to timeout_s for pid; returns its wait status, or -1 on timeout
  * (after which the process has been killed). */
 int wait_pid_timeout(pid_t pid, double timeout_s);
+/* Reads exactly n bytes from fd: 0, or -1 at end of file or an error. */
+int read_full(int fd, void *p, size_t n);
 /* 0 when the status is a normal exit with code 0. */
 int exit_code_of(int status);
 /* fork() `forks` times while another thread calls step(arg) over and over:

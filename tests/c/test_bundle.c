@@ -24,17 +24,6 @@
  * u64: status (0 ok, else the usmipc code or -1 wrong data), arrays,
  * allocations, driver imports and descriptors taken so far, nodes, broker
  * round trips so far. */
-static int read_full(int fd, void *p, size_t n) {
-  while (n > 0) {
-    ssize_t r = read(fd, p, n);
-    if (r <= 0)
-      return -1;
-    p = (uint8_t *)p + r;
-    n -= (size_t)r;
-  }
-  return 0;
-}
-
 static void reply(int64_t status, size_t arrays, size_t allocs, size_t nodes) {
   usmipc_stats_t s;
   usmipc_get_stats(&s, sizeof(s));

@@ -20,17 +20,6 @@
 #define BIG_MIB 40
 #endif
 
-static int read_full(int fd, void *p, size_t n) {
-  while (n > 0) {
-    ssize_t r = read(fd, p, n);
-    if (r <= 0)
-      return -1;
-    p = (uint8_t *)p + r;
-    n -= (size_t)r;
-  }
-  return 0;
-}
-
 /* A queue where the device has events (so that tickets go back after work
  * on it), else NULL (the host). */
 static usmipc_queue_t *event_queue(void) {

@@ -509,6 +509,17 @@ void fork_beside_thread(void (*step)(void *), void *arg, int forks,
   pthread_join(t, NULL);
 }
 
+int read_full(int fd, void *p, size_t n) {
+  while (n > 0) {
+    ssize_t r = read(fd, p, n);
+    if (r <= 0)
+      return -1;
+    p = (uint8_t *)p + r;
+    n -= (size_t)r;
+  }
+  return 0;
+}
+
 int wait_pid_timeout(pid_t pid, double timeout_s) {
   double deadline = now_seconds() + timeout_s;
   unsigned delay = 1;

@@ -29,24 +29,11 @@ import time
 
 
 def qwen_spec():
-    hidden, inter, q, kv = 1536, 8960, 12 * 128, 2 * 128
-    spec = [("model.embed_tokens.weight", (151936, hidden))]
-    for i in range(28):
-        p = f"model.layers.{i}."
-        spec += [(p + "self_attn.q_proj.weight", (q, hidden)),
-                 (p + "self_attn.q_proj.bias", (q,)),
-                 (p + "self_attn.k_proj.weight", (kv, hidden)),
-                 (p + "self_attn.k_proj.bias", (kv,)),
-                 (p + "self_attn.v_proj.weight", (kv, hidden)),
-                 (p + "self_attn.v_proj.bias", (kv,)),
-                 (p + "self_attn.o_proj.weight", (hidden, q)),
-                 (p + "mlp.gate_proj.weight", (inter, hidden)),
-                 (p + "mlp.up_proj.weight", (inter, hidden)),
-                 (p + "mlp.down_proj.weight", (hidden, inter)),
-                 (p + "input_layernorm.weight", (hidden,)),
-                 (p + "post_attention_layernorm.weight", (hidden,))]
-    spec.append(("model.norm.weight", (hidden,)))
-    return spec
+    """Qwen2.5-1.5B's 338 tensors: bench/bench_weights.py's layout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "..", "bench"))
+    from bench_weights import qwen2_spec
+    return qwen2_spec()
 
 
 def moe_spec(layers=12):

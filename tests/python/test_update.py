@@ -5,7 +5,6 @@ given three ways), warm rounds without driver work, tickets returned by the
 update itself, and plans that do not fit refused before anything moves."""
 
 import gc
-import multiprocessing
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import pytest
 import usmipc
 from usmipc.memory import MemoryPool
 
-from conftest import TIMEOUT
+from conftest import join_ok, recv_from, spawn_peer
 
 HOST = "host:cpu"
 
@@ -94,20 +93,15 @@ def _consumer(conn):
 
 @pytest.fixture
 def consumer():
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_consumer, args=(child,))
-    proc.start()
+    conn, proc = spawn_peer(_consumer)
 
     def call(op, arg):
-        parent.send((op, arg))
-        assert parent.poll(TIMEOUT), "the consumer did not answer"
-        return parent.recv()
+        conn.send((op, arg))
+        return recv_from(conn, proc)
 
     yield call
-    parent.send(None)
-    proc.join(TIMEOUT)
-    assert proc.exitcode == 0
+    conn.send(None)
+    join_ok(proc)
 
 
 def _shapes(tree):
