@@ -1,7 +1,7 @@
 # Type stubs of the C extension usmipc._usmipc (written by hand, as the
 # extension is; tests/python/test_typing.py runs mypy --strict on the
 # examples and the README's snippets against them).
-from typing import Any, Literal, Optional, Protocol, TypeVar, Union, overload
+from typing import Any, Callable, Literal, Optional, Protocol, TypeVar, Union, overload
 
 __version__: str
 VERSION_HEX: int
@@ -288,7 +288,9 @@ def share(obj: Any, stream: Optional[StreamLike] = None,
           release: bool = False) -> SharedBundle: ...
 def open_shared(data: Union[BytesLike, SharedBundle], device: DeviceLike = None,
                 stream: Optional[StreamLike] = None,
-                to: Optional[Literal["torch"]] = None) -> Any: ...
+                to: Optional[Literal["torch"]] = None,
+                release_stream: Optional[Callable[[], Optional[StreamLike]]] = None
+                ) -> Any: ...
 def close_shared(tree: Any, stream: Optional[StreamLike] = None) -> None: ...
 
 # Copy plans (update.c), which usmipc.UpdatePlan (update.py) makes and uses.

@@ -374,3 +374,50 @@ def test_fanout_waits_for_every_consumer():
         bundle.to_bytes(consumers="3")
     with pytest.raises(usmipc.ArgumentError, match="release=True"):
         usmipc.share(tree).to_bytes(consumers=2)
+
+
+def test_release_stream_is_asked_when_the_last_array_goes():
+    """open_shared(release_stream=f): f() is called once, when the open's
+    last array is closed or collected, and the ticket goes back after the
+    work on the stream it returns (usmipc.torch passes the receiver's
+    current torch stream). A failing f, or one that returns no stream,
+    still returns the ticket (from the host) and reports the error as
+    unraisable: a producer must not wait forever for it."""
+    dev = usmipc.Device(HOST)
+    pool = MemoryPool(device=dev)
+    bundle = usmipc.share(_tree(pool), ordered=False, release=True)
+    calls = []
+
+    def current():
+        calls.append(len(calls))
+        return usmipc.Queue(dev)
+
+    opened = usmipc.open_shared(bundle.to_bytes(), release_stream=current)
+    w = opened["w"]
+    del opened
+    gc.collect()
+    assert calls == [] and bundle.releases == (1, 0)  # w still lives
+    w.close()
+    assert calls == [0] and bundle.releases == (1, 1)
+    del w
+    gc.collect()
+    assert calls == [0]  # once per open
+
+    seen = []
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = lambda u: seen.append(u.exc_value)
+    try:
+        for bad in (lambda: 1 / 0, lambda: 5):
+            sent = bundle.releases[0]
+            tree = usmipc.open_shared(bundle.to_bytes(), release_stream=bad)
+            del tree
+            gc.collect()
+            assert bundle.releases == (sent + 1, sent + 1)
+    finally:
+        sys.unraisablehook = old_hook
+    assert isinstance(seen[0], ZeroDivisionError)
+    assert len(seen) == 2 and "5" in str(seen[1])
+    with pytest.raises(TypeError, match=r"release_stream=.*a function of no "
+                                        r"arguments"):
+        usmipc.open_shared(b"", release_stream=5)  # checked first
+    bundle.wait_released()  # every ticket handed out came back

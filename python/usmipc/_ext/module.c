@@ -363,13 +363,17 @@ static PyMethodDef bundle_functions[] = {
      "of them."},
     {"open_shared", PYUSMIPC_CMETHOD(pyusmipc_open_shared),
      METH_FASTCALL | METH_KEYWORDS,
-     "open_shared(data, device=None, stream=None, to=None)\n--\n\n"
+     "open_shared(data, device=None, stream=None, to=None, "
+     "release_stream=None)\n--\n\n"
      "Opens the bytes of a SharedBundle (or the bundle itself): the same "
      "nesting, each array a SharedArray mapped without a copy. Waits for "
      "the producer's work on the host, or on stream (the device waits). "
      "to='torch' gives torch tensors instead (made from DLPack capsules in "
      "C, faster than torch.from_dlpack per leaf), ready on stream; each "
-     "keeps its mapping until it dies."},
+     "keeps its mapping until it dies. release_stream: a function of no "
+     "arguments called when the last array closes or dies; the release "
+     "ticket then waits for the work on the stream it returns (None: "
+     "from the host)."},
     {"close_shared", PYUSMIPC_CMETHOD(pyusmipc_close_shared),
      METH_FASTCALL | METH_KEYWORDS,
      "close_shared(tree, stream=None)\n--\n\nCloses every SharedArray of "

@@ -74,6 +74,12 @@ typedef struct ticket {
   Py_ssize_t open;  /* arrays not closed yet */
   PyObject *bytes;  /* the bundle's bytes: they carry the ticket */
   PyObject *device; /* the arrays' usmipc.Device (stream= resolves on it) */
+  /* open_shared(release_stream=): called when the last array closes or
+   * dies, for the stream whose work the ticket's event covers (None: from
+   * the host). usmipc.torch passes torch.cuda.current_stream, so that a
+   * tensor dropped while a kernel still reads it keeps the producer's
+   * memory until that kernel is done. */
+  PyObject *release_stream;
   char returned;
   struct ticket *prev, *next; /* tickets_of_opens */
 } ticket_t;
@@ -150,9 +156,47 @@ static int ticket_return(ticket_t *t, PyObject *stream, const char *what,
 
 /* An array of t's open was closed (or collected unclosed): the last one
  * gives the ticket back from the host. */
+/* sys.is_finalizing() (Py_IsFinalizing is not in the stable ABI before
+ * 3.13): no stream is asked for while the interpreter tears down. */
+static int interpreter_finalizing(void) {
+  PyObject *f = PySys_GetObject("is_finalizing"); /* borrowed */
+  PyObject *r = f ? PyObject_CallNoArgs(f) : NULL;
+  int yes = r == NULL || PyObject_IsTrue(r) != 0;
+  Py_XDECREF(r);
+  if (r == NULL)
+    PyErr_Clear();
+  return yes;
+}
+
 static int ticket_close(ticket_t *t, int quiet) {
   if (t == NULL || --t->open > 0)
     return 0;
+  PyObject *stream = NULL;
+  if (t->release_stream != NULL && !t->returned && !interpreter_finalizing()) {
+    /* Held across the call: it may drop what holds the ticket. */
+    t->refs++;
+    stream = PyObject_CallNoArgs(t->release_stream);
+    if (stream == NULL) {
+      /* The ticket still goes back (from the host): a producer must not
+       * wait forever because the consumer's stream could not be found. */
+      if (quiet)
+        PyErr_WriteUnraisable(t->release_stream);
+      else
+        PyErr_Clear();
+    }
+    int rc = ticket_return(t, stream, "release_stream()", quiet);
+    if (rc < 0 && stream != NULL && stream != Py_None) {
+      /* Not a stream usmipc can order: from the host instead. */
+      if (quiet)
+        PyErr_WriteUnraisable(t->release_stream);
+      else
+        PyErr_Clear();
+      rc = ticket_return(t, NULL, "close()", quiet);
+    }
+    Py_XDECREF(stream);
+    ticket_put(t);
+    return rc;
+  }
   return ticket_return(t, NULL, "close()", quiet);
 }
 
@@ -170,6 +214,7 @@ static void ticket_put(ticket_t *t) {
     t->next->prev = t->prev;
   Py_DECREF(t->bytes);
   Py_XDECREF(t->device);
+  Py_XDECREF(t->release_stream);
   free(t);
 }
 
@@ -905,12 +950,21 @@ static PyObject *build_node(build_t *b) {
 
 PyObject *pyusmipc_open_shared(PyObject *module, PyObject *const *args,
                                Py_ssize_t nargs, PyObject *kwnames) {
-  static const char *const names[] = {"data", "device", "stream", "to"};
-  PyObject *a[4];
-  if (pyusmipc_parse_fastcall("open_shared", args, nargs, kwnames, names, 4, 1,
+  static const char *const names[] = {"data", "device", "stream", "to",
+                                      "release_stream"};
+  PyObject *a[5];
+  if (pyusmipc_parse_fastcall("open_shared", args, nargs, kwnames, names, 5, 1,
                               a) < 0)
     return NULL;
   pyusmipc_module_state_t *st = PyModule_GetState(module);
+  PyObject *release_stream = a[4] == Py_None ? NULL : a[4];
+  if (release_stream != NULL && !PyCallable_Check(release_stream)) {
+    pyusmipc_type_error("open_shared(release_stream=...): a function of no "
+                        "arguments that returns the stream (or None) whose "
+                        "work the release ticket waits for, e.g. "
+                        "torch.cuda.current_stream");
+    return NULL;
+  }
   PyObject *convert = NULL;
   if (a[3] != NULL && a[3] != Py_None) {
     if (!PyUnicode_Check(a[3]) ||
@@ -1050,6 +1104,7 @@ PyObject *pyusmipc_open_shared(PyObject *module, PyObject *const *args,
     b.ticket->refs = 1;
     b.ticket->bytes = Py_NewRef(bytes);
     b.ticket->device = Py_XNewRef(b.device);
+    b.ticket->release_stream = Py_XNewRef(release_stream);
     b.ticket->next = tickets_of_opens;
     if (tickets_of_opens)
       tickets_of_opens->prev = b.ticket;

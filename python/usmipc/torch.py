@@ -1,0 +1,746 @@
+"""torch.multiprocessing's sharing of CUDA tensors, through usmipc.
+
+Code that shares CUDA tensors by putting them on a ``torch.multiprocessing``
+queue, or by calling ``ForkingPickler.dumps`` /
+``torch.multiprocessing.reductions.reduce_tensor`` itself, gets usmipc's
+sharing without a change::
+
+    import usmipc.torch
+    usmipc.torch.install()          # or USMIPC_TORCH=1 for every process
+
+What ``install()`` changes (``uninstall()`` puts each back):
+
+- torch's ``reduce_tensor`` and ``reduce_storage`` (the functions torch
+  registers with ``ForkingPickler``) route CUDA tensors and storages, and
+  CPU ones whose memory is usmipc's, to usmipc. The functions keep their
+  identity (their code is swapped), so code that bound them by name before,
+  and a later ``init_reductions()``, get the routed ones too. Everything
+  else (CPU tensors of torch's allocator, meta, sparse and nested layouts'
+  own handling) stays torch's.
+- ``ForkingPickler.dumps`` pickles a message's CUDA storages as one usmipc
+  bundle: one export per new allocation (none when repeated), one event and
+  one release ticket per message, whatever the number of tensors.
+- ``multiprocessing``'s ``Queue.put`` / ``JoinableQueue.put`` record an
+  event on the putting thread's current CUDA stream, so that the message,
+  pickled later in the queue's feeder thread, is ordered after the work the
+  caller queued before ``put()`` (on that stream, whatever the feeder's).
+
+The receiver rebuilds through ``usmipc.torch`` functions (importable: the
+receiver needs usmipc, not ``install()``): its current stream waits for the
+sender's work on the device; its storages are views of one mapping per
+allocation; a storage that arrives again while the last one lives is that
+storage. When the receiver's last tensor of a message dies, the message's
+ticket goes back with an event recorded then on the receiver's current
+stream; the sender keeps the storages (and so the caching allocator's
+blocks) until every ticket of them came back and that work is done.
+docs/torch.md says what differs from torch's own sharing.
+
+This module imports torch; ``_usmipc_torch_hook`` (the ``.pth`` switch)
+imports it only once the program imports ``torch.multiprocessing``.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing.queues
+import os
+import sys
+import threading
+import types
+import warnings
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Optional
+
+from usmipc import _usmipc
+from usmipc import memory as _memory
+
+__all__ = ["install", "uninstall", "installed", "stats", "reset_stats"]
+
+ENV_SWITCH = "USMIPC_TORCH"
+ENV_STATS_DIR = "USMIPC_TORCH_STATS"
+
+_lock = threading.RLock()
+_tls = threading.local()
+
+# What install() replaced, to put back: torch's functions whose code was
+# swapped (function -> its own code), and the attributes set on classes.
+_swapped_code: dict = {}
+_torch_reduce: dict = {}  # name -> a copy of torch's function, called as-is
+_saved_attrs: list = []  # (owner, name, value) in the order set
+
+# ---- counters (stats(); USMIPC_TORCH_STATS writes them at exit) ----------
+
+_COUNTERS = (
+    "cuda_tensors",  # CUDA tensors the reducer saw
+    "cuda_storages",  # CUDA storages the reducer saw (not through a tensor)
+    "routed_tensors",  # ... that travel through usmipc (CUDA or host)
+    "routed_storages",
+    "host_tensors",  # CPU tensors over usmipc memory, routed
+    "torch_tensors",  # tensors left to torch's own reduction
+    "fallbacks",  # CUDA tensors usmipc refused, sent by torch's path instead
+    "messages",  # ForkingPickler.dumps calls that carried routed memory
+    "bundles",  # usmipc bundles made (one per message and device)
+    "standalone",  # tensors pickled outside dumps (one bundle each)
+    "received_tensors",
+    "received_storages",
+    "reused_storages",  # arrivals that found their storage alive
+)
+_counts = dict.fromkeys(_COUNTERS, 0)
+
+
+def stats() -> dict:
+    """What the reducers did in this process (counts since install or
+    ``reset_stats()``), with ``usmipc.stats()`` under ``"usmipc"``."""
+    out: dict[str, Any] = dict(_counts)
+    out["usmipc"] = _usmipc.stats()
+    return out
+
+
+def reset_stats() -> None:
+    """Sets the counters of ``stats()`` to zero (not usmipc.stats())."""
+    for k in _counts:
+        _counts[k] = 0
+
+
+def _write_stats(directory: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"{os.getpid()}.json")
+        with open(path, "w") as f:
+            json.dump({"pid": os.getpid(), "argv": sys.argv, **stats()}, f)
+    except Exception as e:  # at exit: say so, never raise
+        print(f"usmipc.torch: could not write {ENV_STATS_DIR}: {e}",
+              file=sys.stderr)
+
+
+class _StatsAtExit:
+    """Writes stats() to USMIPC_TORCH_STATS/<pid>.json when the process
+    ends: multiprocessing's finalizers run at the end of every process it
+    starts (fork and forkserver children leave by os._exit, without atexit)
+    and, through its own atexit hook, of the main process. A forked child
+    starts its counts from zero and registers again."""
+
+    def __init__(self, directory: str):
+        import multiprocessing.util as util
+        self.directory = directory
+        self._util = util
+        self._register()
+        util.register_after_fork(self, _StatsAtExit._after_fork)
+
+    def _register(self):
+        self._util.Finalize(self, _write_stats, args=(self.directory,),
+                            exitpriority=0)
+
+    def _after_fork(self):
+        reset_stats()
+        self._register()
+
+
+_stats_at_exit: Optional[_StatsAtExit] = None
+
+
+# ---- devices ---------------------------------------------------------------
+
+
+def _torch():
+    return sys.modules["torch"]
+
+
+_uuid_of_index: dict = {}
+_index_of_uuid: Optional[dict] = None
+
+
+def _device_uuid(index: int) -> str:
+    """The CUDA device's UUID: what names it across processes that see
+    different CUDA_VISIBLE_DEVICES."""
+    u = _uuid_of_index.get(index)
+    if u is None:
+        u = str(_torch().cuda.get_device_properties(index).uuid)
+        _uuid_of_index[index] = u
+    return u
+
+
+def _local_index(uuid: str) -> Optional[int]:
+    """This process's index of the device the sender named, or None."""
+    global _index_of_uuid
+    if _index_of_uuid is None or uuid not in _index_of_uuid:
+        cuda = _torch().cuda
+        _index_of_uuid = {_device_uuid(i): i
+                          for i in range(cuda.device_count())}
+    return _index_of_uuid.get(uuid)
+
+
+def _stream_getter(index: int):
+    """The function the release ticket calls when the receiver's last
+    tensor of a message dies: the current stream of that device then."""
+    cuda = _torch().cuda
+    return lambda: cuda.current_stream(index)
+
+
+# ---- the sender's side -----------------------------------------------------
+
+
+_last_host_check = (0, False)  # (ptr, verdict): torch reduces a CPU
+# tensor's storage right after the tensor; one query serves both.
+
+
+def _is_usmipc_host(ptr: int) -> bool:
+    """Whether ptr is host memory of usmipc (a MemoryUSMDevice of
+    'host:cpu', host_array(), or a mapping of another process's): such CPU
+    tensors travel through usmipc, not through torch's fd copy into shared
+    memory (which would also rebind the tensor to the copy)."""
+    global _last_host_check
+    last_ptr, verdict = _last_host_check
+    if ptr == last_ptr:
+        _last_host_check = (0, False)  # used once: the memory may change
+        return verdict
+    try:
+        info = _usmipc._pointer_query(ptr)
+    except Exception:
+        verdict = False
+    else:
+        # Mappings of another process's usmipc memory too: torch's path
+        # would move them into a shared-memory copy.
+        verdict = not info["is_foreign"]
+    _last_host_check = (ptr, verdict)
+    return verdict
+
+
+class _Group:
+    """The storages of one message on one device: one bundle."""
+
+    __slots__ = ("device", "views", "index_of")
+
+    def __init__(self, device):
+        self.device = device  # torch.device
+        self.views: list = []  # uint8 tensors over each whole storage
+        self.index_of: dict = {}  # (data_ptr, nbytes) -> index
+
+
+class _Message:
+    """What one ForkingPickler.dumps collects while torch's pickling of
+    the object runs: the routed storages, grouped by device."""
+
+    __slots__ = ("groups", "group_of", "put_event")
+
+    def __init__(self, put_event):
+        self.groups: list[_Group] = []
+        self.group_of: dict = {}
+        self.put_event = put_event  # (device index, torch.cuda.Event) or None
+
+    def add(self, storage) -> tuple[int, int]:
+        device = storage.device
+        g = self.group_of.get(device)
+        if g is None:
+            g = self.group_of[device] = len(self.groups)
+            self.groups.append(_Group(device))
+        group = self.groups[g]
+        key = (storage.data_ptr(), storage.nbytes())
+        i = group.index_of.get(key)
+        if i is None:
+            _refuse_forward(storage)
+            i = group.index_of[key] = len(group.views)
+            group.views.append(_whole(storage))
+        return g, i
+
+
+def _refuse_forward(storage) -> None:
+    """A storage this process received is another process's memory: not
+    this one's to export."""
+    ref = _received.get((storage.device, storage.data_ptr(),
+                         storage.nbytes()))
+    if ref is not None and not ref.expired():
+        raise RuntimeError(
+            "usmipc.torch: this tensor's memory was received from another "
+            "process; sending it on is not supported yet: put a copy "
+            "(tensor.clone()) instead")
+
+
+def _whole(storage):
+    """A uint8 tensor over the whole storage: what the bundle exports (and
+    keeps alive until the message's tickets are back)."""
+    torch = _torch()
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (storage.nbytes(),), (1,))
+
+
+def _routes(storage) -> bool:
+    kind = storage.device.type
+    if kind == "cuda":
+        return storage.nbytes() > 0
+    if kind == "cpu":
+        ptr = storage.data_ptr()
+        return ptr != 0 and _is_usmipc_host(ptr)
+    return False
+
+
+def _order_stream(group: _Group, put_event):
+    """The stream the group's event is recorded on: the putting thread's
+    (through its event) for a Queue.put, else this thread's current one
+    (share() takes the first array's current stream)."""
+    if group.device.type != "cuda" or put_event is None:
+        return None
+    index, event = put_event
+    if index != group.device.index:
+        return None
+    streams = _tls.__dict__.setdefault("order_streams", {})
+    s = streams.get(index)
+    if s is None:
+        s = streams[index] = _torch().cuda.Stream(index)
+    s.wait_event(event)  # on the device: no host wait
+    return s
+
+
+def _share_group(group: _Group, put_event) -> bytes:
+    """The bytes of one bundle of the group's storages, kept by the
+    sender until every ticket of it came back."""
+    stream = _order_stream(group, put_event)
+    bundle = _usmipc.share(group.views, stream=stream, release=True)
+    raw = bundle.to_bytes()
+    _memory._keep(bundle)  # dropped once released and the work done
+    _counts["bundles"] += 1
+    return raw
+
+
+def _device_name(device) -> str:
+    if device.type == "cuda":
+        return "cuda:" + _device_uuid(device.index)
+    return "cpu"
+
+
+def _refusal(e: BaseException) -> bool:
+    """A refusal of the memory (sent instead by torch's own path, with a
+    warning): not a failure of the exchange itself."""
+    return isinstance(e, (_usmipc.MemoryKindError, _usmipc.ArgumentError)) \
+        or getattr(e, "name", "") in ("USMIPC_ENOTSUP", "USMIPC_EUNKNOWNPTR",
+                                      "USMIPC_ENODEV")
+
+
+_warned: set = set()
+
+
+def _warn_fallback(e: BaseException) -> None:
+    key = getattr(e, "name", type(e).__name__)
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(
+        f"usmipc.torch: usmipc cannot share this CUDA memory ({e}); it "
+        f"travels by torch's own CUDA IPC instead (further cases of "
+        f"{key} are not reported)", RuntimeWarning, stacklevel=3)
+
+
+class _Fallback(Exception):
+    """Raised inside a message's pickling to start it again through torch's
+    own reductions."""
+
+
+def _refuse_non_leaf(tensor) -> None:
+    if tensor.requires_grad and not tensor.is_leaf:
+        # torch's words: code and tests match them.
+        raise RuntimeError(
+            "Cowardly refusing to serialize non-leaf tensor which "
+            "requires_grad, since autograd does not support crossing process "
+            "boundaries.  If you just want to transfer the data, call "
+            "detach() on the tensor before serializing (e.g., putting it on "
+            "the queue).")
+
+
+def _reduce_tensor(tensor):
+    """torch's reduce_tensor, routed (its code is swapped for a call of
+    this)."""
+    torch = _torch()
+    if (getattr(_tls, "bypass", 0) or tensor.is_nested
+            or tensor.layout != torch.strided):
+        # Sparse and nested layouts: torch splits them into strided
+        # tensors, each reduced through this function again.
+        _counts["torch_tensors"] += 1
+        return _torch_reduce["reduce_tensor"](tensor)
+    storage = tensor.untyped_storage()
+    is_cuda = storage.device.type == "cuda"
+    if is_cuda:
+        _counts["cuda_tensors"] += 1
+    if not (is_cuda or storage.device.type == "cpu") or (
+            not is_cuda and not _routes(storage)):
+        _counts["torch_tensors"] += 1
+        return _torch_reduce["reduce_tensor"](tensor)
+    _refuse_non_leaf(tensor)
+    torch.utils.hooks.warn_if_has_hooks(tensor)
+    meta = (type(tensor), tuple(tensor.size()), tuple(tensor.stride()),
+            tensor.storage_offset(), tensor.dtype, tensor.requires_grad)
+    if storage.nbytes() == 0:
+        _counts["routed_tensors"] += 1
+        return (_rebuild_empty, (_device_name(storage.device),) + meta)
+    _counts["routed_tensors"] += 1
+    if not is_cuda:
+        _counts["host_tensors"] += 1
+    messages = getattr(_tls, "messages", None)
+    if messages:
+        g, i = messages[-1].add(storage)
+        return (_rebuild_tensor, (g, i) + meta)
+    return _standalone(storage, tensor, meta)
+
+
+def _standalone(storage, tensor, meta):
+    """A tensor pickled outside ForkingPickler.dumps (a spawned Process's
+    arguments, ForkingPickler(file).dump()): one bundle of its own."""
+    _refuse_forward(storage)
+    group = _Group(storage.device)
+    group.views.append(_whole(storage))
+    try:
+        raw = _share_group(group, None)
+    except _usmipc.Error as e:
+        if not _refusal(e):
+            raise
+        _warn_fallback(e)
+        _counts["fallbacks"] += 1
+        _counts["routed_tensors"] -= 1
+        return _torch_reduce["reduce_tensor"](tensor)
+    _counts["standalone"] += 1
+    return (_rebuild_standalone,
+            (raw, _device_name(storage.device)) + meta)
+
+
+def _reduce_storage(storage):
+    """torch's reduce_storage, routed: CUDA storages (which torch refuses
+    to pickle) travel as usmipc memory too; typed storages come here
+    through torch's reduce_typed_storage(_child), as their untyped one."""
+    if getattr(_tls, "bypass", 0):
+        return _torch_reduce["reduce_storage"](storage)
+    kind = storage.device.type
+    if kind == "cuda":
+        _counts["cuda_storages"] += 1
+    if kind == "cuda" and storage.nbytes() == 0:
+        return (_rebuild_empty_storage, (_device_name(storage.device),))
+    if not _routes(storage):
+        return _torch_reduce["reduce_storage"](storage)
+    _counts["routed_storages"] += 1
+    messages = getattr(_tls, "messages", None)
+    if messages:
+        g, i = messages[-1].add(storage)
+        return (_rebuild_storage, (g, i))
+    _refuse_forward(storage)
+    group = _Group(storage.device)
+    group.views.append(_whole(storage))
+    raw = _share_group(group, None)
+    _counts["standalone"] += 1
+    return (_rebuild_standalone_storage, (raw, _device_name(storage.device)))
+
+
+# ForkingPickler.dumps, and the message it makes.
+
+
+class _Envelope:
+    """What a message with routed memory is pickled as: the bundles' bytes,
+    then torch's pickle of the object, loaded once they are open."""
+
+    __slots__ = ("groups", "body")
+
+    def __init__(self, groups, body):
+        self.groups, self.body = groups, body
+
+    def __reduce__(self):
+        return (_open_message, (self.groups, self.body))
+
+
+class _Tagged:
+    """An object Queue.put() handed to the feeder thread with the event it
+    recorded on the putting thread's stream."""
+
+    __slots__ = ("obj", "put_event")
+
+    def __init__(self, obj, put_event):
+        self.obj, self.put_event = obj, put_event
+
+    def __reduce__(self):  # pickled by something else than dumps: as is
+        return (_untag, (self.obj,))
+
+
+def _untag(obj):
+    return obj
+
+
+_torch_dumps = None  # ForkingPickler.dumps as it was (a classmethod)
+
+
+def _dumps(cls, obj, protocol=None):
+    put_event = None
+    if type(obj) is _Tagged:
+        obj, put_event = obj.obj, obj.put_event
+    plain = _torch_dumps.__func__
+    messages = _tls.__dict__.setdefault("messages", [])
+    msg = _Message(put_event)
+    messages.append(msg)
+    try:
+        body = plain(cls, obj, protocol)
+    finally:
+        messages.pop()
+    if not msg.groups:
+        return body
+    try:
+        groups = [(_device_name(g.device), _share_group(g, put_event))
+                  for g in msg.groups]
+    except _usmipc.Error as e:
+        if not _refusal(e):
+            raise
+        # Pickled again by torch's own reductions (a bundle already made
+        # for another device of the message goes when collected).
+        _warn_fallback(e)
+        _counts["fallbacks"] += sum(len(g.views) for g in msg.groups)
+        _tls.bypass = getattr(_tls, "bypass", 0) + 1
+        try:
+            return plain(cls, obj, protocol)
+        finally:
+            _tls.bypass -= 1
+    _counts["messages"] += 1
+    return plain(cls, _Envelope(groups, bytes(body)), protocol)
+
+
+def _put_event():
+    """An event on the putting thread's current stream (None when this
+    process has not initialized CUDA: nothing to order)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return (torch.cuda.current_device(), event)
+
+
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+def _wrap_put(put):
+    def put_ordered(self, obj, block=True, timeout=None):
+        if type(obj) not in _SCALARS:
+            e = _put_event()
+            if e is not None:
+                obj = _Tagged(obj, e)
+        return put(self, obj, block, timeout)
+
+    put_ordered.__name__ = put.__name__
+    put_ordered.__qualname__ = put.__qualname__
+    put_ordered.__doc__ = put.__doc__
+    put_ordered.__wrapped__ = put  # type: ignore[attr-defined]
+    return put_ordered
+
+
+# ---- the receiver's side ---------------------------------------------------
+
+# (device, data_ptr, nbytes) -> StorageWeakRef: a storage that arrives again
+# while the last one lives is that storage (as torch's shared_cache).
+_received: dict = {}
+_RECEIVED_PRUNE = 4096
+
+
+class _Opened:
+    """A message's bundles, opened: their leaves are uint8 tensors, one per
+    storage."""
+
+    __slots__ = ("leaves", "storages")
+
+    def __init__(self, leaves):
+        self.leaves = leaves
+        self.storages: dict = {}
+
+    def storage(self, g: int, i: int):
+        s = self.storages.get((g, i))
+        if s is None:
+            s = self.storages[(g, i)] = _storage_of(self.leaves[g][i])
+        return s
+
+
+def _storage_of(leaf):
+    """The storage of an opened leaf, or the live storage of the same
+    memory this process received before."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    torch = _torch()
+    key = (leaf.device, leaf.data_ptr(), leaf.nbytes)
+    ref = _received.get(key)
+    if ref is not None and not ref.expired():
+        _counts["reused_storages"] += 1
+        return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    storage = leaf.untyped_storage()
+    if len(_received) >= _RECEIVED_PRUNE:
+        for k in [k for k, r in _received.items() if r.expired()]:
+            del _received[k]
+    _received[key] = StorageWeakRef(storage)
+    return storage
+
+
+def _open_group(device: str, raw: bytes):
+    stream = release = None
+    if device.startswith("cuda:"):
+        index = _local_index(device[5:])
+        if index is None:
+            raise _usmipc.Error(
+                f"usmipc.torch: the sender's CUDA device {device[5:]} is not "
+                f"visible in this process (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): "
+                f"make it visible to receive its tensors")
+        torch = _torch()
+        torch.cuda.init()
+        stream = torch.cuda.current_stream(index)
+        release = _stream_getter(index)
+    return _usmipc.open_shared(raw, stream=stream, to="torch",
+                               release_stream=release)
+
+
+def _open_message(groups, body):
+    opened = _Opened([_open_group(device, raw) for device, raw in groups])
+    stack = _tls.__dict__.setdefault("opened", [])
+    stack.append(opened)
+    try:
+        return ForkingPickler.loads(body)
+    finally:
+        stack.pop()
+
+
+def _finish(t, cls, requires_grad):
+    torch = _torch()
+    if cls is torch.nn.parameter.Parameter:
+        # Integer parameters need requires_grad=False in the constructor.
+        return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
+    t.requires_grad = requires_grad
+    return t
+
+
+def _tensor_on(storage, cls, size, stride, offset, dtype, requires_grad):
+    torch = _torch()
+    _counts["received_tensors"] += 1
+    t = torch.empty(0, dtype=dtype, device=storage.device).set_(
+        storage, offset, size, stride)
+    return _finish(t, cls, requires_grad)
+
+
+def _current_opened() -> _Opened:
+    stack = getattr(_tls, "opened", None)
+    if not stack:
+        raise _usmipc.Error(
+            "usmipc.torch: a routed tensor outside its message (these bytes "
+            "are part of what ForkingPickler.dumps made: load all of them "
+            "with ForkingPickler.loads)")
+    return stack[-1]
+
+
+def _rebuild_tensor(g, i, cls, size, stride, offset, dtype, requires_grad):
+    """Rebuilds a tensor of a message (ForkingPickler.dumps)."""
+    storage = _current_opened().storage(g, i)
+    return _tensor_on(storage, cls, size, stride, offset, dtype,
+                      requires_grad)
+
+
+def _rebuild_storage(g, i):
+    """Rebuilds a storage of a message."""
+    _counts["received_storages"] += 1
+    return _current_opened().storage(g, i)
+
+
+def _rebuild_standalone(raw, device, cls, size, stride, offset, dtype,
+                        requires_grad):
+    """Rebuilds a tensor pickled on its own (one bundle)."""
+    storage = _storage_of(_open_group(device, raw)[0])
+    return _tensor_on(storage, cls, size, stride, offset, dtype,
+                      requires_grad)
+
+
+def _rebuild_standalone_storage(raw, device):
+    _counts["received_storages"] += 1
+    return _storage_of(_open_group(device, raw)[0])
+
+
+def _local_device(device: str):
+    torch = _torch()
+    if device.startswith("cuda:"):
+        index = _local_index(device[5:])
+        return torch.device("cuda", index if index is not None else
+                            torch.cuda.current_device())
+    return torch.device(device)
+
+
+def _rebuild_empty(device, cls, size, stride, offset, dtype, requires_grad):
+    """A tensor of no bytes: nothing to map."""
+    torch = _torch()
+    storage = torch.UntypedStorage(0, device=_local_device(device))
+    return _tensor_on(storage, cls, size, stride, offset, dtype,
+                      requires_grad)
+
+
+def _rebuild_empty_storage(device):
+    return _torch().UntypedStorage(0, device=_local_device(device))
+
+
+# ---- install / uninstall ---------------------------------------------------
+
+_ROUTED = {"reduce_tensor": _reduce_tensor, "reduce_storage": _reduce_storage}
+
+
+def _trampoline(name: str) -> types.CodeType:
+    """The code torch's function gets: a call of usmipc's, looked up in
+    the module's globals (set by install, removed by uninstall)."""
+    src = f"def {name}(arg):\n    return __usmipc_{name}(arg)\n"
+    scope: dict = {}
+    exec(compile(src, f"<usmipc.torch: {name}>", "exec"), scope)
+    return scope[name].__code__
+
+
+def installed() -> bool:
+    """Whether install() is in effect."""
+    return bool(_swapped_code)
+
+
+def install() -> None:
+    """Routes torch.multiprocessing's CUDA tensors and storages through
+    usmipc for this process (see the module's documentation). Idempotent;
+    thread-safe. Imports torch."""
+    global _torch_dumps
+    with _lock:
+        if _swapped_code:
+            return
+        import torch.multiprocessing.reductions as reductions
+        import multiprocessing.queues as queues
+
+        for name, routed in _ROUTED.items():
+            fn = getattr(reductions, name)
+            code = fn.__code__
+            if code.co_argcount != 1 or code.co_freevars:
+                raise _usmipc.Error(
+                    f"usmipc.torch: torch.multiprocessing.reductions.{name} "
+                    f"of torch {_torch().__version__} is not the one-argument "
+                    f"function usmipc routes; usmipc.torch does not "
+                    f"support this torch")
+            copy = types.FunctionType(code, fn.__globals__, name,
+                                      fn.__defaults__, fn.__closure__)
+            _torch_reduce[name] = copy
+            fn.__globals__["__usmipc_" + name] = routed
+            fn.__code__ = _trampoline(name)
+            _swapped_code[fn] = code
+        _torch_dumps = ForkingPickler.__dict__["dumps"]
+        _set(ForkingPickler, "dumps", classmethod(_dumps))
+        for cls in (queues.Queue, queues.JoinableQueue):
+            _set(cls, "put", _wrap_put(cls.__dict__["put"]))
+        global _stats_at_exit
+        directory = os.environ.get(ENV_STATS_DIR)
+        if directory and _stats_at_exit is None:
+            _stats_at_exit = _StatsAtExit(directory)
+
+
+def _set(owner, name, value) -> None:
+    _saved_attrs.append((owner, name, owner.__dict__[name]))
+    setattr(owner, name, value)
+
+
+def uninstall() -> None:
+    """Puts torch's reductions, ForkingPickler.dumps and Queue.put back.
+    Tensors already sent stay valid (their bundles are kept until
+    released); messages pickled while installed still load."""
+    with _lock:
+        for fn, code in _swapped_code.items():
+            fn.__code__ = code
+            fn.__globals__.pop("__usmipc_" + fn.__name__, None)
+        _swapped_code.clear()
+        _torch_reduce.clear()
+        while _saved_attrs:
+            owner, name, value = _saved_attrs.pop()
+            setattr(owner, name, value)

@@ -1,0 +1,514 @@
+"""usmipc.torch: torch.multiprocessing's reducers routed through usmipc.
+
+On this machine there is no GPU: the routed path runs on CPU tensors over
+usmipc host memory (which install() routes too: they are usmipc memory),
+through the same message, bundle, ticket and rebuild code as CUDA tensors;
+tests/gpu/test_gpu_torch_reducers.py and torch's own test_multiprocessing.py
+(tests/gpu/torch_mp/) run the CUDA side on the GPU machine. CPU tensors of
+torch's allocator must keep torch's own path.
+
+The .pth switch (USMIPC_TORCH=1) is tested twice: with a stand-in torch
+package (runs everywhere, the installed wheel included, where torch is
+absent) and with torch itself through spawn and forkserver children.
+"""
+
+import gc
+import json
+import multiprocessing
+import os
+import pickle
+import sys
+import textwrap
+import time
+
+import pytest
+
+import usmipc
+
+from conftest import TIMEOUT, child_env, run_python
+
+MUST_RUN = os.environ.get("CI") == "true" and \
+    os.environ.get("USMIPC_TEST_INSTALLED") != "1"
+
+
+def _need_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        if MUST_RUN:
+            pytest.fail("torch is not installed (make distributed-deps); "
+                        "CI must run these tests")
+        pytest.skip("torch is not installed")
+    import usmipc.torch as ut
+    return torch, ut
+
+
+@pytest.fixture
+def routed():
+    """torch and usmipc.torch, installed for the test and uninstalled
+    after it."""
+    torch, ut = _need_torch()
+    ut.install()
+    ut.reset_stats()
+    try:
+        yield torch, ut
+    finally:
+        ut.uninstall()
+
+
+HOST = "host:cpu"
+
+
+def host_tensor(torch, n, dtype=None):
+    """A CPU tensor over usmipc host memory (n float32 unless dtype)."""
+    from usmipc.memory import MemoryUSMDevice
+    dtype = dtype or torch.float32
+    nbytes = n * torch.empty(0, dtype=dtype).element_size()
+    mem = MemoryUSMDevice(nbytes, device=usmipc.Device(HOST))
+    return torch.from_dlpack(mem).view(dtype)
+
+
+# ---- install / uninstall ---------------------------------------------------
+
+
+def test_install_swaps_code_and_uninstall_restores():
+    torch, ut = _need_torch()
+    import multiprocessing.queues as queues
+    from multiprocessing.reduction import ForkingPickler
+    import torch.multiprocessing.reductions as red
+    # Bound by name before install(): the same function objects.
+    from torch.multiprocessing.reductions import reduce_tensor as bound
+    before = (red.reduce_tensor.__code__, red.reduce_storage.__code__,
+              ForkingPickler.__dict__["dumps"], queues.Queue.__dict__["put"],
+              queues.JoinableQueue.__dict__["put"])
+    ut.install()
+    try:
+        ut.install()  # idempotent
+        assert ut.installed()
+        assert red.reduce_tensor.__code__ is not before[0]
+        assert red.reduce_storage.__code__ is not before[1]
+        assert ForkingPickler.__dict__["dumps"] is not before[2]
+        t = host_tensor(torch, 4)
+        fn, args = bound(t)  # outside dumps: a bundle of its own
+        assert fn is ut._rebuild_standalone
+        assert fn(*args).data_ptr() == t.data_ptr()  # (its ticket back)
+        assert bound(torch.zeros(3))[0] is red.rebuild_tensor  # torch's
+    finally:
+        ut.uninstall()
+    assert not ut.installed()
+    assert (red.reduce_tensor.__code__, red.reduce_storage.__code__,
+            ForkingPickler.__dict__["dumps"], queues.Queue.__dict__["put"],
+            queues.JoinableQueue.__dict__["put"]) == before
+    assert "__usmipc_reduce_tensor" not in vars(red)
+    assert bound(host_tensor(torch, 4))[0] is red.rebuild_tensor
+
+
+def test_reinit_reductions_keeps_the_routing(routed):
+    """torch.multiprocessing's init_reductions() (run again by a later
+    import or reload of torch.multiprocessing) registers the same function
+    objects: still routed."""
+    torch, ut = routed
+    import torch.multiprocessing.reductions as red
+    from multiprocessing.reduction import ForkingPickler
+    red.init_reductions()
+    t = host_tensor(torch, 8)
+    data = ForkingPickler.dumps([t, t[2:]])
+    assert b"_open_message" in bytes(data)
+    back = ForkingPickler.loads(data)
+    assert back[0].data_ptr() == t.data_ptr()  # this process maps it once
+    assert back[1].storage_offset() == 2
+    assert ut.stats()["messages"] == 1 and ut.stats()["bundles"] == 1
+
+
+def test_cpu_tensors_keep_torchs_path(routed):
+    torch, ut = routed
+    from multiprocessing.reduction import ForkingPickler
+    t = torch.arange(6.0)
+    data = bytes(ForkingPickler.dumps(t))
+    assert b"usmipc" not in data and b"rebuild_storage_fd" in data
+    assert ForkingPickler.loads(data).tolist() == t.tolist()
+    assert ut.stats()["torch_tensors"] == 1
+    assert ut.stats()["routed_tensors"] == 0
+
+
+def test_non_leaf_requiring_grad_is_refused_as_torch_does(routed):
+    torch, _ = routed
+    from multiprocessing.reduction import ForkingPickler
+    leaf = host_tensor(torch, 4).requires_grad_(True)
+    with pytest.raises(RuntimeError, match="requires_grad"):
+        ForkingPickler.dumps(leaf * 2)
+    q = multiprocessing.get_context("spawn").SimpleQueue()
+    with pytest.raises(RuntimeError, match="requires_grad"):
+        q.put(leaf * 2)
+    q.close()
+
+
+# ---- across processes ------------------------------------------------------
+
+
+def _receive_and_check(q, out):
+    import torch
+    data = q.get(timeout=TIMEOUT)
+    t, v, p, s, i = data["t"], data["v"], data["p"], data["s"], data["i"]
+    checks = {
+        "shape": tuple(t.shape) == (16,),
+        "view": (v.storage_offset(), v.stride(), tuple(v.shape)) ==
+                (4, (2,), (6,)),
+        "one storage": t.untyped_storage().data_ptr() ==
+                       v.untyped_storage().data_ptr() == s.data_ptr(),
+        "values": t.tolist() == [float(x) for x in range(16)],
+        "parameter": type(p) is torch.nn.Parameter and p.requires_grad,
+        "grad flag": t.requires_grad is False,
+        "storage": type(s) is torch.UntypedStorage and s.nbytes() == 64,
+        "int parameter": type(i) is torch.nn.Parameter and
+                         not i.requires_grad and i.dtype == torch.int64,
+    }
+    t[0] = 42.0  # the sender sees it: the same memory
+    out.put(checks)
+    del data, t, v, p, s, i
+    gc.collect()
+    out.put("dropped")
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "fork"])
+def test_queue_moves_views_parameters_and_storages(routed, method):
+    torch, ut = routed
+    from usmipc import memory
+    kept_before = {id(b) for b in memory._kept}
+    ctx = multiprocessing.get_context(method)
+    base = host_tensor(torch, 16)
+    base.copy_(torch.arange(16.0))
+    ints = host_tensor(torch, 2, torch.int64)
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_receive_and_check, args=(q, out))
+    p.start()
+    q.put({"t": base, "v": base[4::2], "p": torch.nn.Parameter(base[:4]),
+           "s": base.untyped_storage(),
+           "i": torch.nn.Parameter(ints, requires_grad=False)})
+    checks = out.get(timeout=TIMEOUT)
+    assert checks == dict.fromkeys(checks, True)
+    assert out.get(timeout=TIMEOUT) == "dropped"
+    assert float(base[0]) == 42.0
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+    st = ut.stats()
+    # One message, one bundle: two allocations (base's, ints'), one event
+    # and one ticket for the five objects.
+    assert (st["messages"], st["bundles"], st["routed_tensors"],
+            st["routed_storages"]) == (1, 1, 4, 1)
+    deadline = time.monotonic() + TIMEOUT
+
+    def ours():
+        return [b for b in memory._kept if id(b) not in kept_before]
+
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # The ticket came back when the child dropped its tensors.
+    assert not ours()
+
+
+def _load_write_report(conn):
+    import torch  # noqa: F401  (the rebuild needs it; usmipc is imported)
+    from multiprocessing.reduction import ForkingPickler
+    data = conn.recv_bytes()
+    t = ForkingPickler.loads(data)
+    conn.send(t.tolist())
+    t.add_(1)
+    conn.send("written")
+    conn.recv()
+
+
+def test_forking_pickler_bytes_outside_a_queue(routed):
+    """As SGLang's MultiprocessingSerializer: ForkingPickler.dumps in one
+    process, the bytes over any channel, ForkingPickler.loads in another."""
+    torch, ut = routed
+    from multiprocessing.reduction import ForkingPickler
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_load_write_report, args=(child,))
+    p.start()
+    t = host_tensor(torch, 5)
+    t.copy_(torch.tensor([1.0, 2, 3, 4, 5]))
+    parent.send_bytes(ForkingPickler.dumps(t[1:4]))
+    assert parent.recv() == [2.0, 3.0, 4.0]
+    assert parent.recv() == "written"
+    assert t.tolist() == [1.0, 3.0, 4.0, 5.0, 5.0]
+    parent.send("bye")
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+
+def _get_twice(q, out):
+    import usmipc.torch as ut
+    a = q.get(timeout=TIMEOUT)
+    b = q.get(timeout=TIMEOUT)
+    out.put((a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr(),
+             a.untyped_storage()._cdata == b.untyped_storage()._cdata,
+             ut.stats()["reused_storages"]))
+
+
+def test_a_storage_sent_twice_is_one_storage(routed):
+    torch, _ = routed
+    ctx = multiprocessing.get_context("spawn")
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_get_twice, args=(q, out))
+    p.start()
+    t = host_tensor(torch, 8)
+    q.put(t)
+    q.put(t[1:])
+    assert out.get(timeout=TIMEOUT) == (True, True, 1)
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+
+def _read_later(q, out, go):
+    t = q.get(timeout=TIMEOUT)
+    out.put("got")
+    go.get(timeout=TIMEOUT)
+    out.put(t.tolist())
+
+
+def test_memory_stays_while_the_receiver_holds_it(routed):
+    """The sender drops every reference right after put(): the bundle it
+    keeps until the ticket returns holds the memory."""
+    torch, _ = routed
+    ctx = multiprocessing.get_context("spawn")
+    q, out, go = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_read_later, args=(q, out, go))
+    p.start()
+    t = host_tensor(torch, 1024)
+    t.copy_(torch.arange(1024.0))
+    q.put(t)
+    del t
+    assert out.get(timeout=TIMEOUT) == "got"
+    gc.collect()
+    junk = [host_tensor(torch, 1024).fill_(-1) for _ in range(8)]  # reuse?
+    go.put(1)
+    assert out.get(timeout=TIMEOUT) == [float(x) for x in range(1024)]
+    del junk
+    p.join(TIMEOUT)
+
+
+def _process_arg(t, out):
+    out.put(t.tolist())
+    t.fill_(7)
+
+
+def test_process_arguments_travel_as_usmipc_memory(routed):
+    """A spawned Process's arguments are pickled by reduction.dump, not
+    ForkingPickler.dumps: each tensor is a bundle of its own."""
+    torch, ut = routed
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    t = host_tensor(torch, 3)
+    t.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    p = ctx.Process(target=_process_arg, args=(t, out))
+    p.start()
+    assert out.get(timeout=TIMEOUT) == [1.0, 2.0, 3.0]
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+    assert t.tolist() == [7.0, 7.0, 7.0]
+    assert ut.stats()["standalone"] == 1
+
+
+def _forward(q, out):
+    from multiprocessing.reduction import ForkingPickler
+    import usmipc.torch
+    usmipc.torch.install()
+    t = q.get(timeout=TIMEOUT)
+    try:
+        ForkingPickler.dumps(t[1:])
+    except RuntimeError as e:
+        out.put(str(e))
+    else:
+        out.put("sent")
+    out.put(ForkingPickler.loads(ForkingPickler.dumps(t.clone())).tolist())
+
+
+def test_sending_on_a_received_tensor_says_to_clone(routed):
+    torch, _ = routed
+    ctx = multiprocessing.get_context("spawn")
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_forward, args=(q, out))
+    p.start()
+    t = host_tensor(torch, 4)
+    t.fill_(2)
+    q.put(t)
+    msg = out.get(timeout=TIMEOUT)
+    assert "received from another process" in msg and "clone()" in msg
+    assert out.get(timeout=TIMEOUT) == [2.0] * 4
+    p.join(TIMEOUT)
+
+
+SENDER_EXITS = """
+import os, sys, torch, usmipc, usmipc.torch
+from multiprocessing.connection import Client
+from multiprocessing.reduction import ForkingPickler
+from usmipc.memory import MemoryUSMDevice
+usmipc.torch.install()
+mem = MemoryUSMDevice(4096, device=usmipc.Device("host:cpu"))
+t = torch.from_dlpack(mem).view(torch.int32)
+t.copy_(torch.arange(1024, dtype=torch.int32))
+c = Client(sys.argv[1], authkey=b"k")
+c.send_bytes(ForkingPickler.dumps(t))
+c.recv()  # the receiver has it: exit at once
+"""
+
+
+def test_receiver_keeps_reading_after_the_sender_exits(routed, tmp_path):
+    """fd memory (usmipc host memory here; CUDA expandable segments and
+    usmipc's allocator on the GPU) outlives its exporter once mapped; the
+    sender exits without a word on stderr."""
+    torch, _ = routed
+    import subprocess
+    from multiprocessing.connection import Listener
+    from multiprocessing.reduction import ForkingPickler
+    addr = str(tmp_path / "sock")
+    with Listener(addr, authkey=b"k") as lst:
+        proc = subprocess.Popen([sys.executable, "-c", SENDER_EXITS, addr],
+                                stderr=subprocess.PIPE)
+        conn = lst.accept()
+        t = ForkingPickler.loads(conn.recv_bytes())
+        conn.send("got")
+        _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0
+    assert err.decode().strip() == ""
+    assert t.tolist() == list(range(1024))
+    t.add_(1)  # still mapped, still writable
+    assert int(t[-1]) == 1024
+
+
+# ---- the switch: USMIPC_TORCH=1 through usmipc-torch.pth -------------------
+
+FAKE_TORCH = {
+    "torch/__init__.py": "from torch import multiprocessing\n",
+    "torch/multiprocessing/__init__.py":
+        "from torch.multiprocessing import reductions\n"
+        "reductions.init_reductions()\n",
+    "torch/multiprocessing/reductions.py": textwrap.dedent("""
+        INIT = []
+        def reduce_tensor(tensor):
+            return "torch's own"
+        def reduce_storage(storage):
+            return "torch's own"
+        def init_reductions():
+            INIT.append(1)
+        """),
+}
+
+HOOK_PROBE = """
+import sys
+before = {m for m in ("usmipc", "torch") if m in sys.modules}
+import torch
+import torch.multiprocessing.reductions as red
+print(sorted(before), red.INIT,
+      red.reduce_tensor.__code__.co_filename,
+      "usmipc" in sys.modules, "usmipc.torch" in sys.modules)
+"""
+
+
+def _site_has_pth():
+    import sysconfig
+    return os.path.exists(os.path.join(sysconfig.get_paths()["purelib"],
+                                       "usmipc-torch.pth"))
+
+
+@pytest.fixture
+def fake_torch(tmp_path):
+    if not _site_has_pth():
+        pytest.skip("usmipc-torch.pth is not in this interpreter's "
+                    "site-packages (usmipc is not installed: make python)")
+    for name, text in FAKE_TORCH.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(tmp_path)
+
+
+def test_switch_off_imports_nothing(fake_torch):
+    env = child_env(PYTHONPATH=fake_torch)
+    env.pop("USMIPC_TORCH", None)
+    r = run_python(HOOK_PROBE, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().split() == \
+        ["[]", "[1]", "/".join([fake_torch, "torch/multiprocessing/"
+                                "reductions.py"]), "False", "False"]
+    r = run_python(HOOK_PROBE, env=dict(env, USMIPC_TORCH="0"))
+    assert r.stdout.decode().split()[-2:] == ["False", "False"]
+
+
+def test_switch_on_installs_at_the_first_import(fake_torch):
+    """Nothing is imported at start (not torch, not usmipc: the .pth line
+    imports only the hook, a finder of 80 lines); the first
+    import of torch.multiprocessing runs torch's module, then install()."""
+    r = run_python(HOOK_PROBE,
+                   env=child_env(PYTHONPATH=fake_torch, USMIPC_TORCH="1"))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.decode().split()
+    assert out[0] == "[]" and out[1] == "[1]"
+    assert out[2:] == ["<usmipc.torch:", "reduce_tensor>", "True", "True"]
+
+
+SWITCH_PARENT = """
+import multiprocessing, sys, torch
+import usmipc.torch as ut
+from usmipc.memory import MemoryUSMDevice
+import usmipc
+
+def child(q, out):
+    import usmipc.torch as ut
+    t = q.get(timeout=60)
+    out.put((ut.installed(), t.tolist()))
+
+if __name__ == "__main__":
+    assert ut.installed(), "the switch did not install"
+    mem = MemoryUSMDevice(16, device=usmipc.Device("host:cpu"))
+    t = torch.from_dlpack(mem).view(torch.float32)
+    t.fill_(3)
+    for method in ("spawn", "forkserver"):
+        ctx = multiprocessing.get_context(method)
+        q, out = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=child, args=(q, out))
+        p.start()
+        q.put(t)
+        print(method, out.get(timeout=60))
+        p.join(60)
+"""
+
+
+def test_switch_reaches_spawn_and_forkserver_children(tmp_path):
+    _need_torch()
+    if not _site_has_pth():
+        pytest.skip("usmipc-torch.pth is not installed (make python)")
+    script = tmp_path / "parent.py"
+    script.write_text(SWITCH_PARENT)
+    stats = tmp_path / "stats"
+    import subprocess
+    r = subprocess.run([sys.executable, str(script)], capture_output=True,
+                       timeout=3 * TIMEOUT,
+                       env=child_env(USMIPC_TORCH="1",
+                                     USMIPC_TORCH_STATS=str(stats)))
+    assert r.returncode == 0, r.stderr.decode()
+    lines = r.stdout.decode().splitlines()
+    assert lines == ["spawn (True, [3.0, 3.0, 3.0, 3.0])",
+                     "forkserver (True, [3.0, 3.0, 3.0, 3.0])"]
+    # Each process that installed wrote its counters at exit: the parent
+    # routed two tensors, each child received one (the forkserver server
+    # itself installs too, and sends nothing).
+    records = [json.loads(p.read_text()) for p in stats.iterdir()]
+    parent = [x for x in records if x["routed_tensors"]]
+    children = [x for x in records if x["received_tensors"]]
+    assert len(parent) == 1 and parent[0]["routed_tensors"] == 2
+    assert parent[0]["messages"] == 2
+    assert len(children) == 2
+    assert all(c["received_tensors"] == 1 for c in children)
+
+
+def test_plain_pickle_is_untouched(routed):
+    """pickle.dumps (not ForkingPickler) of a tensor over usmipc memory is
+    torch's copy, as before."""
+    torch, _ = routed
+    t = host_tensor(torch, 4).fill_(5)
+    data = pickle.dumps(t)
+    assert b"usmipc" not in data
+    assert pickle.loads(data).tolist() == [5.0] * 4
