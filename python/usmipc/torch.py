@@ -583,8 +583,23 @@ def _open_group(device: str, raw: bytes):
         torch.cuda.init()
         stream = torch.cuda.current_stream(index)
         release = _stream_getter(index)
-    return _usmipc.open_shared(raw, stream=stream, to="torch",
-                               release_stream=release)
+    try:
+        return _usmipc.open_shared(raw, stream=stream, to="torch",
+                                   release_stream=release)
+    except _usmipc.Error as e:
+        if getattr(e, "name", "") != "USMIPC_EEXPORTERGONE":
+            raise
+        said = type(e)(
+            f"{e}. usmipc.torch: the sender is gone before this message was "
+            f"loaded, and memory of PyTorch's default caching allocator "
+            f"ends with its process: keep the sender alive until its "
+            f"receivers have loaded what it sent, or allocate what must "
+            f"outlive it as fd memory (PYTORCH_CUDA_ALLOC_CONF="
+            f"expandable_segments:True, or usmipc.memory."
+            f"use_torch_allocator())")
+        said.code, said.name = e.code, e.name
+        said.native_code = getattr(e, "native_code", 0)
+        raise said from e
 
 
 def _open_message(groups, body):

@@ -378,6 +378,27 @@ def test_receiver_keeps_reading_after_the_sender_exits(routed, tmp_path):
     assert int(t[-1]) == 1024
 
 
+SENDER_GONE = SENDER_EXITS.replace('c.recv()  # the receiver has it: exit '
+                                   'at once', 'c.close()')
+
+
+def test_a_message_loaded_after_the_sender_exited_says_what_to_do(
+        routed, tmp_path):
+    torch, _ = routed
+    import subprocess
+    from multiprocessing.connection import Listener
+    from multiprocessing.reduction import ForkingPickler
+    addr = str(tmp_path / "sock")
+    with Listener(addr, authkey=b"k") as lst:
+        proc = subprocess.Popen([sys.executable, "-c", SENDER_GONE, addr])
+        data = lst.accept().recv_bytes()
+        assert proc.wait(timeout=TIMEOUT) == 0
+    with pytest.raises(usmipc.Error, match=r"has exited.*usmipc\.torch: the "
+                       r"sender is gone.*expandable_segments:True") as info:
+        ForkingPickler.loads(data)
+    assert info.value.name == "USMIPC_EEXPORTERGONE"
+
+
 # ---- the switch: USMIPC_TORCH=1 through usmipc-torch.pth -------------------
 
 FAKE_TORCH = {
