@@ -106,8 +106,11 @@ def _write_stats(directory: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"{os.getpid()}.json")
-        with open(path, "w") as f:
+        # Whole or not at all: a process killed while writing (a pool's
+        # worker terminated) leaves no half file.
+        with open(path + ".tmp", "w") as f:
             json.dump({"pid": os.getpid(), "argv": sys.argv, **stats()}, f)
+        os.replace(path + ".tmp", path)
     except Exception as e:  # at exit: say so, never raise
         print(f"usmipc.torch: could not write {ENV_STATS_DIR}: {e}",
               file=sys.stderr)
@@ -213,7 +216,9 @@ class _Group:
 
     def __init__(self, device):
         self.device = device  # torch.device
-        self.views: list = []  # uint8 tensors over each whole storage
+        # The storages: share() exports each whole (a 1-D uint8 array of
+        # its bytes) and the bundle keeps them until its tickets are back.
+        self.views: list = []
         self.index_of: dict = {}  # (data_ptr, nbytes) -> index
 
 
@@ -238,9 +243,10 @@ class _Message:
         key = (storage.data_ptr(), storage.nbytes())
         i = group.index_of.get(key)
         if i is None:
-            _refuse_forward(storage)
+            if _received:
+                _refuse_forward(storage)
             i = group.index_of[key] = len(group.views)
-            group.views.append(_whole(storage))
+            group.views.append(storage)
         return g, i
 
 
@@ -254,14 +260,6 @@ def _refuse_forward(storage) -> None:
             "usmipc.torch: this tensor's memory was received from another "
             "process; sending it on is not supported yet: put a copy "
             "(tensor.clone()) instead")
-
-
-def _whole(storage):
-    """A uint8 tensor over the whole storage: what the bundle exports (and
-    keeps alive until the message's tickets are back)."""
-    torch = _torch()
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
-        storage, 0, (storage.nbytes(),), (1,))
 
 
 def _routes(storage) -> bool:
@@ -386,7 +384,7 @@ def _standalone(storage, tensor, meta):
     arguments, ForkingPickler(file).dump()): one bundle of its own."""
     _refuse_forward(storage)
     group = _Group(storage.device)
-    group.views.append(_whole(storage))
+    group.views.append(storage)
     try:
         raw = _share_group(group, None)
     except _usmipc.Error as e:
@@ -421,7 +419,7 @@ def _reduce_storage(storage):
         return (_rebuild_storage, (g, i))
     _refuse_forward(storage)
     group = _Group(storage.device)
-    group.views.append(_whole(storage))
+    group.views.append(storage)
     raw = _share_group(group, None)
     _counts["standalone"] += 1
     return (_rebuild_standalone_storage, (raw, _device_name(storage.device)))

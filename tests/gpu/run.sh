@@ -43,6 +43,11 @@ build-gpu/ and pip-installs usmipc, once:
   update-more   the same bench with expandable segments (both layouts) and
                 with the copy loop (USMIPC_COPY_BATCH=loop, MoE); fan-out to 8
                 consumers (tests/gpu/fanout_bench.py)
+  torch-mp      usmipc.torch (issue 24): tests/gpu/test_gpu_torch_reducers.py
+                and tests/python/test_torch_reducers.py; PyTorch's own
+                test_multiprocessing.py with USMIPC_TORCH=1 in every process
+                (tests/torch_mp/run.sh; carry .carry/, which holds the file
+                and an expecttest wheel); tests/gpu/torch_mp_bench.py
   wheel         the release wheel in dist/ (carried; make wheel) in a fresh
                 environment: tests/python, tests/gpu, the demo
                 (tests/gpu/wheel.sh; WHEEL_SKIP_GPU=1 leaves out tests/gpu)
@@ -228,6 +233,12 @@ distributed() {
   [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] && mode=x2
   step distributed 540 env OUT="$OUT/distributed" SKIP_BUILD=1 bash tests/gpu/distributed.sh $mode
 }
+torch_mp() {
+  need_install
+  step pytest-torch-reducers 400 python3 -m pytest -q -rs tests/gpu/test_gpu_torch_reducers.py tests/python/test_torch_reducers.py
+  step torch-test-multiprocessing 540 env PY=python3 OUT="$OUT/torch_mp" bash tests/torch_mp/run.sh
+  step torch-mp-bench 500 python3 tests/gpu/torch_mp_bench.py --json "$OUT/torch_mp_bench.json"
+}
 wheel() {
   step wheel 540 env OUT="$OUT/wheel" bash tests/gpu/wheel.sh
 }
@@ -246,6 +257,7 @@ for s in "$@"; do
     update) update ;;
     update-more) update_more ;;
     distributed) distributed ;;
+    torch-mp) torch_mp ;;
     wheel) wheel ;;
   esac
 done

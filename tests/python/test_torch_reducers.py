@@ -129,6 +129,16 @@ def test_cpu_tensors_keep_torchs_path(routed):
     assert ForkingPickler.loads(data).tolist() == t.tolist()
     assert ut.stats()["torch_tensors"] == 1
     assert ut.stats()["routed_tensors"] == 0
+    # share() takes a torch storage whole (what the reducers send), and
+    # refuses torch's own CPU memory as it refuses a CPU tensor.
+    with pytest.raises(usmipc.MemoryKindError, match="CPU storage of "
+                       "torch's own memory"):
+        usmipc.share([t.untyped_storage()])
+    s = host_tensor(torch, 6).untyped_storage()
+    bundle = usmipc.share([s])
+    leaf = usmipc.open_shared(bundle.to_bytes())[0]
+    assert (leaf.dtype, leaf.shape, leaf.ptr) == ("uint8", (24,),
+                                                  s.data_ptr())
 
 
 def test_non_leaf_requiring_grad_is_refused_as_torch_does(routed):

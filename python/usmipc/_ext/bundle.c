@@ -256,6 +256,53 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L, int dest) {
   return rc;
 }
 
+/* A torch storage (UntypedStorage; usmipc.torch sends whole storages): a
+ * 1-D uint8 array of its bytes, read through data_ptr(), nbytes() and
+ * is_cuda, and refused as a CPU tensor is when it is torch's own memory. */
+static PyObject *name_nbytes, *name_is_cuda;
+
+static int leaf_torch_storage(PyObject *obj, leaf_info_t *L, int dest) {
+  if (name_is_cuda == NULL &&
+      ((name_nbytes = PyUnicode_InternFromString("nbytes")) == NULL ||
+       (name_is_cuda = PyUnicode_InternFromString("is_cuda")) == NULL))
+    return -1;
+  if (torch_names() < 0)
+    return -1;
+  PyObject *is_cuda = PyObject_GetAttr(obj, name_is_cuda);
+  int cuda = is_cuda ? PyObject_IsTrue(is_cuda) : -1;
+  Py_XDECREF(is_cuda);
+  if (cuda < 0)
+    return -1;
+  PyObject *n = PyObject_CallMethodObjArgs(obj, name_nbytes, NULL);
+  PyObject *ptr =
+      n ? PyObject_CallMethodObjArgs(obj, name_data_ptr, NULL) : NULL;
+  int rc = -1;
+  if (ptr != NULL) {
+    L->shape[0] = PyLong_AsLongLong(n);
+    L->ptr = PyLong_AsVoidPtr(ptr);
+    rc = PyErr_Occurred() || L->shape[0] < 0 ? -1 : 0;
+    if (rc < 0 && !PyErr_Occurred())
+      pyusmipc_value_error("the storage has a negative size");
+  }
+  Py_XDECREF(n);
+  Py_XDECREF(ptr);
+  L->desc = (usmipc_array_desc_t){1, 8, 1, 1, L->shape, L->strides};
+  L->strides[0] = 1;
+  usmipc_pointer_info_t info;
+  if (rc == 0 && !cuda && L->shape[0] != 0 && !dest &&
+      (usmipc_pointer_query(L->ptr, &info) != 0 ||
+       info.kind != USMIPC_MEM_DEVICE)) {
+    pyusmipc_kind_error("a CPU storage of torch's own memory: only device "
+                        "memory can be shared (move it to the GPU, or make it "
+                        "a view of usmipc memory: torch.from_dlpack("
+                        "MemoryUSMDevice(n, device='host:cpu')))");
+    rc = -1;
+  }
+  L->stream_of = obj;
+  L->cpu = !cuda;
+  return rc;
+}
+
 /* cai[key] as a new reference; NULL with no exception when absent. The
  * lookup may run the code of a colliding key's __eq__, and reading one
  * field may run code (a shape's __len__) that empties the dict: each field
@@ -382,7 +429,7 @@ static int leaf_dlpack(PyObject *obj, leaf_info_t *L, int *found) {
 /* How a leaf's type is read, found once per type: asking an object for an
  * attribute it lacks raises (and clears) an AttributeError, which costs
  * more than the rest of a leaf. */
-enum { LEAF_TORCH = 1, LEAF_CAI = 2, LEAF_DLPACK = 3 };
+enum { LEAF_TORCH = 1, LEAF_CAI = 2, LEAF_DLPACK = 3, LEAF_TORCH_STORAGE = 4 };
 static PyObject *leaf_kinds; /* type -> kind */
 
 static int leaf_kind(PyObject *obj) {
@@ -399,7 +446,8 @@ static int leaf_kind(PyObject *obj) {
   int kind;
   if (pyusmipc_type_module_is(obj, "torch") &&
       PyObject_HasAttrString(obj, "data_ptr"))
-    kind = LEAF_TORCH;
+    kind =
+        PyObject_HasAttrString(obj, "stride") ? LEAF_TORCH : LEAF_TORCH_STORAGE;
   else if (PyObject_HasAttrString(type, "__cuda_array_interface__"))
     kind = LEAF_CAI;
   else
@@ -437,6 +485,9 @@ static int leaf_read(pyusmipc_module_state_t *st, PyObject *obj, leaf_info_t *L,
     return -1;
   } else if (kind == LEAF_TORCH) {
     if (leaf_torch(obj, L, dest) < 0)
+      return -1;
+  } else if (kind == LEAF_TORCH_STORAGE) {
+    if (leaf_torch_storage(obj, L, dest) < 0)
       return -1;
   } else {
     PyObject *cai =

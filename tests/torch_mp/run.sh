@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# PyTorch's own test/test_multiprocessing.py with usmipc.torch installed in
+# every process (USMIPC_TORCH=1: the .pth switch, as a launcher would set
+# it), then a check that every CUDA tensor any process pickled went through
+# usmipc (tests/torch_mp/check_stats.py over each process's counters).
+#
+# The test file is PyTorch's code: it is not in this tree. Put it (and an
+# expecttest wheel, which torch.testing._internal needs) in the ignored
+# folder .carry/torch_mp/ and carry that folder to the GPU machine:
+#   .carry/torch_mp/test_multiprocessing.py   the file, from pytorch/pytorch
+#   .carry/torch_mp/SOURCE.txt                which commit it is
+#   .carry/wheels/expecttest-*.whl
+#
+#   PY=python3 OUT=dir bash tests/torch_mp/run.sh [unittest arguments]
+#
+# PYTORCH_TEST_WITH_SLOW=1 runs the slow tests too (test_cuda_send_many).
+# Writes OUT/unittest.log, OUT/stats/<pid>.json, OUT/stats.txt.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PY:-python3}
+FILE=${TORCH_MP_FILE:-.carry/torch_mp/test_multiprocessing.py}
+OUT=${OUT:-/tmp/usmipc-torch-mp}
+mkdir -p "$OUT"
+if [ ! -f "$FILE" ]; then
+  echo "run.sh: $FILE is missing: fetch pytorch/pytorch's test/test_multiprocessing.py for the installed torch into it" >&2
+  exit 2
+fi
+$PY -c 'import expecttest' 2>/dev/null ||
+  $PY -m pip install -q --no-index --find-links .carry/wheels expecttest
+rm -rf "$OUT/stats"
+mkdir -p "$OUT/stats"
+{
+  echo "== $(date -u +%F' '%T) UTC on $(hostname)"
+  $PY -c 'import torch, usmipc; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.device_count(), "usmipc", usmipc.__version__)'
+  echo "== test file: $(cat "$(dirname "$FILE")/SOURCE.txt" 2>/dev/null || echo "$FILE")"
+  echo "== USMIPC_TORCH=1 PYTORCH_TEST_WITH_SLOW=${PYTORCH_TEST_WITH_SLOW-1} $PY $FILE -v $*"
+} | tee "$OUT/unittest.log"
+USMIPC_TORCH=1 USMIPC_TORCH_STATS="$OUT/stats" \
+  PYTORCH_TEST_WITH_SLOW=${PYTORCH_TEST_WITH_SLOW-1} \
+  $PY "$FILE" -v "$@" 2>&1 | tee -a "$OUT/unittest.log"
+rc=${PIPESTATUS[0]}
+$PY tests/torch_mp/check_stats.py "$OUT/stats" | tee "$OUT/stats.txt"
+src=${PIPESTATUS[0]}
+echo "== unittest exit $rc, stats check exit $src" | tee -a "$OUT/unittest.log"
+[ "$rc" -eq 0 ] && [ "$src" -eq 0 ]
