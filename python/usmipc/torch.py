@@ -60,7 +60,18 @@ ENV_SWITCH = "USMIPC_TORCH"
 ENV_STATS_DIR = "USMIPC_TORCH_STATS"
 
 _lock = threading.RLock()
-_tls = threading.local()
+
+
+class _Local(threading.local):
+    """Per thread: class attributes are the defaults, so a lookup never
+    raises (getattr(local, name, default) costs an exception when unset)."""
+
+    bypass = 0  # > 0: torch's own reductions (a message pickled again)
+    messages: list = []  # the dumps calls running, innermost last
+    opened: list = []  # the messages being loaded, innermost last
+
+
+_tls = _Local()
 
 # What install() replaced, to put back: torch's functions whose code was
 # swapped (function -> its own code), and the attributes set on classes.
@@ -230,11 +241,12 @@ class _Message:
 
     def __init__(self, put_event):
         self.groups: list[_Group] = []
+        # torch.device -> group index
         self.group_of: dict = {}
         self.put_event = put_event  # (device index, torch.cuda.Event) or None
 
-    def add(self, storage) -> tuple[int, int]:
-        device = storage.device
+    def add(self, storage, device) -> tuple[int, int]:
+        """(group, index) of the storage in this message, added if new."""
         g = self.group_of.get(device)
         if g is None:
             g = self.group_of[device] = len(self.groups)
@@ -346,36 +358,35 @@ def _refuse_non_leaf(tensor) -> None:
 
 def _reduce_tensor(tensor):
     """torch's reduce_tensor, routed (its code is swapped for a call of
-    this)."""
-    torch = _torch()
-    if (getattr(_tls, "bypass", 0) or tensor.is_nested
-            or tensor.layout != torch.strided):
+    this). Runs once per tensor pickled: every attribute is read once."""
+    if (_tls.bypass or tensor.is_nested
+            or tensor.layout is not _torch().strided):
         # Sparse and nested layouts: torch splits them into strided
         # tensors, each reduced through this function again.
         _counts["torch_tensors"] += 1
         return _torch_reduce["reduce_tensor"](tensor)
+    device = tensor.device
     storage = tensor.untyped_storage()
-    is_cuda = storage.device.type == "cuda"
-    if is_cuda:
+    if device.type == "cuda":
         _counts["cuda_tensors"] += 1
-    if not (is_cuda or storage.device.type == "cpu") or (
-            not is_cuda and not _routes(storage)):
+    elif device.type != "cpu" or not _routes(storage):
         _counts["torch_tensors"] += 1
         return _torch_reduce["reduce_tensor"](tensor)
-    _refuse_non_leaf(tensor)
-    torch.utils.hooks.warn_if_has_hooks(tensor)
+    requires_grad = tensor.requires_grad
+    if requires_grad and not tensor.is_leaf:
+        _refuse_non_leaf(tensor)
+    if tensor._backward_hooks:
+        _torch().utils.hooks.warn_if_has_hooks(tensor)
     meta = (type(tensor), tuple(tensor.size()), tuple(tensor.stride()),
-            tensor.storage_offset(), tensor.dtype, tensor.requires_grad)
-    if storage.nbytes() == 0:
-        _counts["routed_tensors"] += 1
-        return (_rebuild_empty, (_device_name(storage.device),) + meta)
+            tensor.storage_offset(), tensor.dtype, requires_grad)
     _counts["routed_tensors"] += 1
-    if not is_cuda:
+    if device.type != "cuda":
         _counts["host_tensors"] += 1
-    messages = getattr(_tls, "messages", None)
+    if storage.nbytes() == 0:
+        return (_rebuild_empty, (_device_name(device),) + meta)
+    messages = _tls.messages
     if messages:
-        g, i = messages[-1].add(storage)
-        return (_rebuild_tensor, (g, i) + meta)
+        return (_rebuild_tensor, (messages[-1].add(storage, device),) + meta)
     return _standalone(storage, tensor, meta)
 
 
@@ -403,7 +414,7 @@ def _reduce_storage(storage):
     """torch's reduce_storage, routed: CUDA storages (which torch refuses
     to pickle) travel as usmipc memory too; typed storages come here
     through torch's reduce_typed_storage(_child), as their untyped one."""
-    if getattr(_tls, "bypass", 0):
+    if _tls.bypass:
         return _torch_reduce["reduce_storage"](storage)
     kind = storage.device.type
     if kind == "cuda":
@@ -413,10 +424,9 @@ def _reduce_storage(storage):
     if not _routes(storage):
         return _torch_reduce["reduce_storage"](storage)
     _counts["routed_storages"] += 1
-    messages = getattr(_tls, "messages", None)
+    messages = _tls.messages
     if messages:
-        g, i = messages[-1].add(storage)
-        return (_rebuild_storage, (g, i))
+        return (_rebuild_storage, (messages[-1].add(storage, storage.device),))
     _refuse_forward(storage)
     group = _Group(storage.device)
     group.views.append(storage)
@@ -466,7 +476,7 @@ def _dumps(cls, obj, protocol=None):
     if type(obj) is _Tagged:
         obj, put_event = obj.obj, obj.put_event
     plain = _torch_dumps.__func__
-    messages = _tls.__dict__.setdefault("messages", [])
+    messages = _tls.__dict__.setdefault("messages", [])  # this thread's
     msg = _Message(put_event)
     messages.append(msg)
     try:
@@ -485,7 +495,7 @@ def _dumps(cls, obj, protocol=None):
         # for another device of the message goes when collected).
         _warn_fallback(e)
         _counts["fallbacks"] += sum(len(g.views) for g in msg.groups)
-        _tls.bypass = getattr(_tls, "bypass", 0) + 1
+        _tls.bypass += 1
         try:
             return plain(cls, obj, protocol)
         finally:
@@ -541,10 +551,11 @@ class _Opened:
         self.leaves = leaves
         self.storages: dict = {}
 
-    def storage(self, g: int, i: int):
-        s = self.storages.get((g, i))
+    def storage(self, at: tuple[int, int]):
+        s = self.storages.get(at)
         if s is None:
-            s = self.storages[(g, i)] = _storage_of(self.leaves[g][i])
+            g, i = at
+            s = self.storages[at] = _storage_of(self.leaves[g][i])
         return s
 
 
@@ -610,25 +621,22 @@ def _open_message(groups, body):
         stack.pop()
 
 
-def _finish(t, cls, requires_grad):
-    torch = _torch()
-    if cls is torch.nn.parameter.Parameter:
-        # Integer parameters need requires_grad=False in the constructor.
-        return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
-    t.requires_grad = requires_grad
-    return t
-
-
 def _tensor_on(storage, cls, size, stride, offset, dtype, requires_grad):
+    """torch's _rebuild_tensor and rebuild_tensor's Parameter rule."""
     torch = _torch()
     _counts["received_tensors"] += 1
     t = torch.empty(0, dtype=dtype, device=storage.device).set_(
         storage, offset, size, stride)
-    return _finish(t, cls, requires_grad)
+    if cls is not torch.Tensor and cls is torch.nn.parameter.Parameter:
+        # Integer parameters need requires_grad=False in the constructor.
+        return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad = True
+    return t
 
 
 def _current_opened() -> _Opened:
-    stack = getattr(_tls, "opened", None)
+    stack = _tls.opened
     if not stack:
         raise _usmipc.Error(
             "usmipc.torch: a routed tensor outside its message (these bytes "
@@ -637,17 +645,18 @@ def _current_opened() -> _Opened:
     return stack[-1]
 
 
-def _rebuild_tensor(g, i, cls, size, stride, offset, dtype, requires_grad):
-    """Rebuilds a tensor of a message (ForkingPickler.dumps)."""
-    storage = _current_opened().storage(g, i)
+def _rebuild_tensor(at, cls, size, stride, offset, dtype, requires_grad):
+    """Rebuilds a tensor of a message (ForkingPickler.dumps); at is its
+    storage's (bundle, array) in the message."""
+    storage = _current_opened().storage(at)
     return _tensor_on(storage, cls, size, stride, offset, dtype,
                       requires_grad)
 
 
-def _rebuild_storage(g, i):
+def _rebuild_storage(at):
     """Rebuilds a storage of a message."""
     _counts["received_storages"] += 1
-    return _current_opened().storage(g, i)
+    return _current_opened().storage(at)
 
 
 def _rebuild_standalone(raw, device, cls, size, stride, offset, dtype,
