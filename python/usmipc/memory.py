@@ -16,6 +16,7 @@ import copyreg
 import ctypes
 import os
 import threading
+import warnings
 from typing import Any  # noqa: F401  (host_array's annotations)
 from multiprocessing.reduction import ForkingPickler
 
@@ -36,6 +37,7 @@ from usmipc._usmipc import (
 )
 
 __all__ = [
+    "CopyWarning",
     "IPCEventHandle",
     "IPCMemoryHandle",
     "MemoryIPCDevice",
@@ -167,11 +169,38 @@ def _open_shared_memory(raw):
     return IPCMemoryHandle.open(raw)
 
 
+class CopyWarning(UserWarning):
+    """usmipc memory that ``multiprocessing`` (ForkingPickler) sends as a
+    copy: host and shared memory, device memory of a device without IPC,
+    and mappings of another process's memory. The receiver's writes do not
+    come back. Silence it where a copy is what you want::
+
+        warnings.filterwarnings("ignore", category=usmipc.memory.CopyWarning)
+    """
+
+
+def _warn_copy(mem, why, remedy):
+    warnings.warn(
+        f"{type(mem).__name__} of {mem.nbytes} bytes goes to the other "
+        f"process as a copy ({why}): writes there do not come back here; "
+        f"{remedy} (usmipc.memory.CopyWarning: silence it where a copy is "
+        f"what you want)", CopyWarning, stacklevel=3)
+
+
 def _reduce_share(mem):
     if mem.is_closed:
         raise _argument_error(ArgumentError, "cannot send a closed mapping")
-    if mem.get_usm_type() != "device" or not mem.device.has_aspect_ipc_memory:
-        return _reduce_copy(mem)  # only device memory is shared
+    if mem.get_usm_type() != "device":
+        _warn_copy(mem, f"only device memory is shared; this is "
+                   f"{mem.get_usm_type()} memory",
+                   "to share it, allocate MemoryUSMDevice (on 'host:cpu' for "
+                   "host data, or usmipc.memory.host_array() for a NumPy "
+                   "array)")
+        return _reduce_copy(mem)
+    if not mem.device.has_aspect_ipc_memory:
+        _warn_copy(mem, f"{mem.device.filter_string} has no IPC",
+                   "allocate on a device whose has_aspect_ipc_memory is True")
+        return _reduce_copy(mem)
     handle = IPCMemoryHandle(mem, release=True)
     raw = handle.to_bytes()
     _keep(handle)
@@ -182,9 +211,22 @@ for _cls in (MemoryUSMDevice, MemoryUSMHost, MemoryUSMShared,
              MemoryIPCDevice):
     copyreg.pickle(_cls, _reduce_copy)
 # A mapping sent on arrives as a copy (its exporter's memory is not this
-# process's to share); an allocation of this process as the memory itself.
+# process's to share), with a CopyWarning; an allocation of this process as
+# the memory itself.
+
+
+def _reduce_mapping(mem):
+    if mem.is_closed:
+        raise _argument_error(ArgumentError, "cannot send a closed mapping")
+    _warn_copy(mem, "it maps another process's memory, which is not this "
+               "one's to share", "to share it, send the handle bytes it was "
+               "opened from (IPCMemoryHandle.to_bytes() of the exporter)")
+    return _reduce_copy(mem)
+
+
 for _cls in (MemoryUSMDevice, MemoryUSMHost, MemoryUSMShared):
     ForkingPickler.register(_cls, _reduce_share)
+ForkingPickler.register(MemoryIPCDevice, _reduce_mapping)
 del _cls
 
 

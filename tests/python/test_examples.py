@@ -33,3 +33,16 @@ def test_quickstart_two_processes(tmp_path):
     finally:
         if producer.poll() is None:
             producer.kill()
+
+
+def test_pool_workers_write_the_parents_memory():
+    """examples/pool_workers.py, as docs/multiprocessing.md shows it (the
+    page holds the file's code verbatim, after its docstring)."""
+    path = ROOT / "examples" / "pool_workers.py"
+    r = subprocess.run([sys.executable, str(path)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines() == ["workers wrote [1, 2, 3, 4]",
+                                     "parent sees [1, 2, 3, 4]", "ok"]
+    code = path.read_text().split('"""', 2)[2].lstrip("\n")
+    assert code in (ROOT / "docs" / "multiprocessing.md").read_text()

@@ -138,3 +138,32 @@ def test_sender_frees_when_tickets_return():
         go.put(None)
         p.join(TIMEOUT)
     assert p.exitcode == 0
+
+
+def test_what_travels_as_a_copy_says_so():
+    """Under ForkingPickler (queues, pipes, pools) host and shared memory
+    and mappings of another process's memory are copies: each says so with
+    a CopyWarning naming what to use instead; device memory, shared by
+    reference, warns nothing."""
+    import warnings
+    from multiprocessing.reduction import ForkingPickler
+    from usmipc.memory import CopyWarning, IPCMemoryHandle, MemoryUSMShared
+    dev = usmipc.Device(HOST)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ForkingPickler.dumps(MemoryUSMDevice(64, device=dev))  # no warning
+    cases = [(MemoryUSMHost(64, device=dev), r"MemoryUSMHost of 64 bytes "
+              r"goes to the other process as a copy \(only device memory is "
+              r"shared; this is host memory\).*allocate MemoryUSMDevice"),
+             (MemoryUSMShared(32, device=dev), r"this is shared memory")]
+    exporter = MemoryUSMDevice(16, device=dev)
+    mapping = IPCMemoryHandle.open(IPCMemoryHandle(exporter).to_bytes())
+    cases.append((mapping, r"MemoryIPCDevice of 16 bytes .*maps another "
+                  r"process's memory.*send the handle bytes"))
+    for mem, said in cases:
+        with pytest.warns(CopyWarning, match=said):
+            data = ForkingPickler.dumps(mem)
+        again = pickle.loads(data)
+        assert type(again) is not MemoryIPCDevice  # a copy, of the bytes
+        assert bytes(again.copy_to_host()) == bytes(mem.copy_to_host())
+    assert issubclass(CopyWarning, UserWarning)
