@@ -198,7 +198,7 @@ def test_bad_input_is_refused_with_where():
     dev = usmipc.Device(HOST)
     pool = MemoryPool(device=dev)
     good = np.from_dlpack(pool.allocate(64)).view(np.float32)
-    with pytest.raises(TypeError, match=r"at \['a'\]\[1\]: a int is not an "
+    with pytest.raises(TypeError, match=r"at \['a'\]\[1\]: an int is not an "
                                         "array"):
         usmipc.share({"a": [good, 1]})
     with pytest.raises(TypeError, match="keys must be str"):

@@ -53,3 +53,27 @@ def test_closed_handle_and_lone_leaf(bundle_and_handle):
                        match=r"not pickled on its own.*open_shared"):
         pickle.dumps(tree["w"])
     usmipc.close_shared(tree)
+
+
+def test_words_and_sizes_agree(bundle_and_handle):
+    """The trial's typos: 'a int', '1 allocations', and a repr saying
+    '216-byte handle' of an ordered handle whose to_bytes() gives 288."""
+    b, _, h, hraw, m = bundle_and_handle
+    with pytest.raises(usmipc.ArgumentTypeError,
+                       match=r"at \['x'\]: an int is not an array"):
+        usmipc.share({"x": 3})
+    with pytest.raises(usmipc.ArgumentTypeError,
+                       match=r"at \['y'\]\[0\]: a float is not an array"):
+        usmipc.share({"y": [1.5]})
+    with pytest.raises(usmipc.ArgumentTypeError,
+                       match=r"an int is not a shared array"):
+        usmipc.close_shared([5])
+    assert repr(b) == "<usmipc.SharedBundle of 1 array in 1 allocation>"
+    two = usmipc.share([host_array(np.ones(2)), host_array(np.ones(3))])
+    assert repr(two) == "<usmipc.SharedBundle of 2 arrays in 2 allocations>"
+    assert len(hraw) == 288
+    assert repr(h).endswith("216-byte handle, ordered: to_bytes() gives "
+                            "288 bytes with its event record>")
+    plain = IPCMemoryHandle(m, ordered=False)
+    assert len(plain.to_bytes()) == 216
+    assert repr(plain).endswith("; 216-byte handle>")

@@ -521,10 +521,10 @@ static int leaf_read(pyusmipc_module_state_t *st, PyObject *obj, leaf_info_t *L,
         PyObject *tn = pyusmipc_type_name(obj);
         if (tn != NULL)
           pyusmipc_type_error(
-              "a %U is not an array: a leaf must be usmipc memory "
+              "%s %U is not an array: a leaf must be usmipc memory "
               "or have __cuda_array_interface__ or __dlpack__ "
               "(dicts, lists and tuples hold the leaves)",
-              tn);
+              pyusmipc_article(tn), tn);
         Py_XDECREF(tn);
         return -1;
       }
@@ -1099,10 +1099,10 @@ static PyObject *bundle_wait_released(PyObject *op, PyObject *const *args,
 
 static PyObject *bundle_repr(PyObject *op) {
   Bundle *self = (Bundle *)op;
-  return PyUnicode_FromFormat("<usmipc.SharedBundle of %zd arrays in %zd "
-                              "allocations%s>",
-                              self->arrays, self->allocations,
-                              self->bundle ? "" : " (bytes)");
+  return PyUnicode_FromFormat(
+      "<usmipc.SharedBundle of %zd array%s in %zd allocation%s%s>",
+      self->arrays, self->arrays == 1 ? "" : "s", self->allocations,
+      self->allocations == 1 ? "" : "s", self->bundle ? "" : " (bytes)");
 }
 
 static int bundle_traverse(PyObject *op, visitproc visit, void *arg) {

@@ -1033,10 +1033,22 @@ static PyObject *handle_repr(PyObject *op) {
            (unsigned)self->info.exporter_pid);
   int ordered =
       self->handle != NULL ? self->order_queue != NULL : self->info.is_ordered;
+  Py_ssize_t len = self->data ? PyBytes_Size(self->data) : 0;
+  if (!ordered || self->handle == NULL)
+    return PyUnicode_FromFormat("<usmipc.memory.IPCMemoryHandle: %s; "
+                                "%zd-byte handle%s>",
+                                text, len, ordered ? ", ordered" : "");
+  /* An exporter's ordered handle: each to_bytes() appends the record of
+   * the event it records (docs/handle-format.md), so its bytes are longer
+   * than the handle itself. */
+  const char *backend = usmipc_backend_name(self->info.backend);
+  int record = strcmp(backend, "cuda") == 0         ? 136
+               : strcmp(backend, "level_zero") == 0 ? 104
+                                                    : 72;
   return PyUnicode_FromFormat("<usmipc.memory.IPCMemoryHandle: %s; %zd-byte "
-                              "handle%s>",
-                              text, self->data ? PyBytes_Size(self->data) : 0,
-                              ordered ? ", ordered" : "");
+                              "handle, ordered: to_bytes() gives %zd bytes "
+                              "with its event record>",
+                              text, len, len + record);
 }
 
 /* Handles are equal when they name the same exported range of the same

@@ -1177,9 +1177,9 @@ static int walk_tree(pyusmipc_module_state_t *st, PyObject *obj,
   }
   PyObject *tn = pyusmipc_type_name(obj);
   if (tn != NULL)
-    pyusmipc_type_error("%s: a %U is not a shared array (pass what "
+    pyusmipc_type_error("%s: %s %U is not a shared array (pass what "
                         "open_shared() returned%s)",
-                        what, tn, hint);
+                        what, pyusmipc_article(tn), tn, hint);
   Py_XDECREF(tn);
   return -1;
 }

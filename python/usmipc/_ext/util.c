@@ -372,3 +372,16 @@ PyObject *pyusmipc_optional_attr(PyObject *obj, const char *name) {
 PyObject *pyusmipc_type_name(PyObject *obj) {
   return PyType_GetName(Py_TYPE(obj));
 }
+
+const char *pyusmipc_article(PyObject *name) {
+  /* By the first letter only: "an int", "an ndarray", "a list", "a
+   * Tensor" (good enough for type names; "an usmipc..." never occurs:
+   * usmipc's own types are never the wrong ones). */
+  if (name == NULL || !PyUnicode_Check(name) || PyUnicode_GetLength(name) < 1)
+    return "a";
+  Py_UCS4 c = PyUnicode_ReadChar(name, 0);
+  return c == 'a' || c == 'e' || c == 'i' || c == 'o' || c == 'u' || c == 'A' ||
+                 c == 'E' || c == 'I' || c == 'O' || c == 'U'
+             ? "an"
+             : "a";
+}

@@ -161,6 +161,8 @@ int pyusmipc_parse_fastcall(const char *funcname, PyObject *const *args,
 PyObject *pyusmipc_optional_attr(PyObject *obj, const char *name);
 /* The name of obj's type, for messages (new reference, or NULL). */
 PyObject *pyusmipc_type_name(PyObject *obj);
+/* "an" before a type name that starts with a vowel ("an int"), else "a". */
+const char *pyusmipc_article(PyObject *name);
 /* pyusmipc_parse_fastcall for a function of one parameter, name, which must
  * be given (positionally or by keyword): 0 with *out borrowed, or -1 with
  * TypeError set ("<funcname>() missing argument '<name>'" if absent). */
