@@ -8,6 +8,7 @@ the test instead of the suite.
 import ctypes.util
 import multiprocessing
 import os
+import re
 import select
 import subprocess
 import sys
@@ -94,9 +95,26 @@ def probe_exception(exc, what):
         _probe_write(_probe_where(1), what, _probe_code(exc), str(exc))
 
 
+# Python messages name Python calls (issue 25): an exception a test
+# catches with pytest.raises must not name a C function of the library
+# (usmipc_ipc_open, ...); the extension rewrites the library's C words
+# (python/usmipc/_ext/util.c, PYTHON_WORDS). Always on.
+C_NAME = re.compile(r"\busmipc_[a-z][a-z0-9_]*")
+
+
+def _check_python_words(exc):
+    __tracebackhide__ = True
+    found = C_NAME.search(str(exc))
+    if found:
+        pytest.fail(f"the {type(exc).__name__} caught names the C function "
+                    f"{found.group()} (Python messages name Python calls: "
+                    f"add its Python words to PYTHON_WORDS in "
+                    f"python/usmipc/_ext/util.c): {exc}")
+
+
 class _ProbeRaises:
     """pytest.raises's context manager, unchanged, that records what it
-    caught as the block ends."""
+    caught as the block ends (and checks its words)."""
 
     def __init__(self, inner, where, what):
         self._inner = inner
@@ -110,7 +128,10 @@ class _ProbeRaises:
         __tracebackhide__ = True
         caught = self._inner.__exit__(exc_type, exc, tb)
         if caught:
-            _probe_write(self._where, self._what, _probe_code(exc), str(exc))
+            _check_python_words(exc)
+            if PROBE_FILE is not None:
+                _probe_write(self._where, self._what, _probe_code(exc),
+                             str(exc))
         return caught
 
     def __getattr__(self, name):
@@ -159,7 +180,10 @@ def _probe_install():
         where, what = _probe_where(1), _probe_expected(args, kwargs)
         got = raises(*args, **kwargs)
         if isinstance(got, pytest.ExceptionInfo):  # the callable form
-            _probe_write(where, what, _probe_code(got.value), str(got.value))
+            _check_python_words(got.value)
+            if PROBE_FILE is not None:
+                _probe_write(where, what, _probe_code(got.value),
+                             str(got.value))
             return got
         return _ProbeRaises(got, where, what)
 
@@ -167,8 +191,8 @@ def _probe_install():
         __tracebackhide__ = True
         where = _probe_where(1)
         got = warns(*args, **kwargs)
-        if len(args) > 1 or "func" in kwargs:  # the callable form: its result
-            return got
+        if len(args) > 1 or "func" in kwargs or PROBE_FILE is None:
+            return got  # the callable form's result; unprobed, as it is
         return _ProbeWarns(got, where)
 
     probe_raises.__doc__ = raises.__doc__
@@ -176,8 +200,7 @@ def _probe_install():
     pytest.raises, pytest.warns = probe_raises, probe_warns
 
 
-if PROBE_FILE is not None:
-    _probe_install()
+_probe_install()  # records only with the probe on; checks words always
 
 
 HOST = "host:cpu"

@@ -54,7 +54,7 @@ def test_bundle_on_level_zero():
                  "level_zero:gpu")
     out = result.stdout.decode()
     assert result.returncode == 0, out + result.stderr.decode()
-    assert "bundle OK" in out and "3 arrays in 1 allocations" in out
+    assert "bundle OK" in out and "3 arrays in 1 allocation" in out
 
 
 def test_handle_sizes_on_level_zero():

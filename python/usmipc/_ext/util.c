@@ -85,6 +85,44 @@ PyObject *pyusmipc_raise_as(pyusmipc_module_state_t *st, PyObject *type,
   return raise_with_type(st, type, code, message, usmipc_last_native_error());
 }
 
+/* The library's messages are written for C callers and name C calls; a
+ * Python caller reads the Python call instead. Each pair: the C words,
+ * then the Python words (tests/python/conftest.py fails a test whose
+ * caught exception still names a C function). */
+static const char *const PYTHON_WORDS[][2] = {
+    {" / usmipc_ipc_handle_data()", ""},
+    {"usmipc_bundle_order_ex(..., USMIPC_ORDER_RELEASE), or share(..., "
+     "release=True) in Python",
+     "share(..., release=True)"},
+    {"usmipc_ipc_release: ", "returning the release ticket: "},
+    {"usmipc_bundle_update: ", "UpdatePlan.update(): "},
+    {"usmipc_pool_malloc: ", "MemoryPool.allocate(): "},
+    {"open them with usmipc_ipc_open (IPCMemoryHandle.open)",
+     "open them with IPCMemoryHandle.open()"},
+};
+
+static PyObject *python_words(PyObject *text) {
+  const char *utf8 = PyUnicode_AsUTF8AndSize(text, NULL);
+  if (utf8 == NULL) {
+    PyErr_Clear();
+    return text;
+  }
+  if (strstr(utf8, "usmipc_") == NULL)
+    return text;
+  for (size_t i = 0; i < sizeof(PYTHON_WORDS) / sizeof(PYTHON_WORDS[0]); i++) {
+    PyObject *from = PyUnicode_FromString(PYTHON_WORDS[i][0]);
+    PyObject *to = from ? PyUnicode_FromString(PYTHON_WORDS[i][1]) : NULL;
+    PyObject *out = to ? PyUnicode_Replace(text, from, to, -1) : NULL;
+    Py_XDECREF(from);
+    Py_XDECREF(to);
+    Py_DECREF(text);
+    if (out == NULL)
+      return NULL;
+    text = out;
+  }
+  return text;
+}
+
 static PyObject *raise_with_type(pyusmipc_module_state_t *st, PyObject *type,
                                  int code, const char *message, long native) {
   (void)st;
@@ -93,6 +131,8 @@ static PyObject *raise_with_type(pyusmipc_module_state_t *st, PyObject *type,
   }
   PyObject *text =
       PyUnicode_DecodeUTF8(message, (Py_ssize_t)strlen(message), "replace");
+  if (text != NULL)
+    text = python_words(text);
   if (text == NULL) {
     return NULL;
   }
