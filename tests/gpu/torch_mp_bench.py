@@ -15,6 +15,10 @@ with usmipc.torch installed, in one run (issue 24's speed criteria):
 
     python3 tests/gpu/torch_mp_bench.py --json OUT.json [--rounds 15]
 
+--device host runs the same harness on the CPU over usmipc host memory
+(with --small: 1 MiB tensors, a 10-tensor dict), to check the harness
+itself where there is no GPU; its figures are not the comparison.
+
 Each mode runs in a process of its own (spawn children), so that torch's
 reductions are untouched in the torch run.
 """
@@ -32,14 +36,37 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
 MIB64 = 16 << 20  # float32 elements: 64 MiB
 
 
+def _sync():
+    import torch
+    if os.environ.get("BENCH_DEVICE", "cuda") == "cuda":
+        torch.cuda.synchronize()
+
+
+def _alloc(shape, dtype, value):
+    """A tensor of shape filled with value: on the GPU, or over usmipc host
+    memory (--device host)."""
+    import torch
+    if os.environ.get("BENCH_DEVICE", "cuda") == "cuda":
+        return torch.full(shape, value, dtype=dtype, device="cuda")
+    import math
+    import usmipc
+    from usmipc.memory import MemoryUSMDevice
+    n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    mem = MemoryUSMDevice(max(n, 1), device=usmipc.Device("host:cpu"))
+    t = torch.from_dlpack(mem)[:n].view(dtype).view(shape)
+    return t.fill_(value)
+
+
 def _receiver(conn, q, out):
     import torch
     from multiprocessing.reduction import ForkingPickler
     if os.environ.get("BENCH_MODE") == "usmipc":
         import usmipc.torch
         usmipc.torch.install()
-    torch.cuda.init()
-    stream = torch.cuda.current_stream()
+    cuda = os.environ.get("BENCH_DEVICE", "cuda") == "cuda"
+    if cuda:
+        torch.cuda.init()
+    stream = torch.cuda.current_stream() if cuda else None
     while True:
         cmd = conn.recv()
         if cmd == "stop":
@@ -51,20 +78,26 @@ def _receiver(conn, q, out):
             t1 = time.perf_counter()
         else:  # "queue": end to end
             obj = q.get()
-            stream.synchronize()
+            if stream is not None:
+                stream.synchronize()
             t1 = time.monotonic()
             t0 = None
-        first = obj if torch.is_tensor(obj) else next(iter(obj.values()))
-        value = float(first.view(-1)[0])
+        if isinstance(obj, bytes):  # the floor
+            value = None
+        else:
+            first = obj if torch.is_tensor(obj) else next(iter(obj.values()))
+            value = float(first.view(-1)[0])
+            del first
         out.send((t0 and t1 - t0, t1, value))
-        del obj, first
+        del obj
 
 
-def run_mode(mode, rounds):
+def run_mode(mode, rounds, small):
     import multiprocessing
     import torch
     from multiprocessing.reduction import ForkingPickler
     os.environ["BENCH_MODE"] = mode
+    numel = (1 << 18) if small else MIB64
     if mode == "usmipc":
         import usmipc.torch
         usmipc.torch.install()
@@ -74,12 +107,13 @@ def run_mode(mode, rounds):
     q = ctx.Queue()
     p = ctx.Process(target=_receiver, args=(child_conn, q, child_out))
     p.start()
-    torch.cuda.init()
+    if os.environ.get("BENCH_DEVICE", "cuda") == "cuda":
+        torch.cuda.init()
     results = {}
 
     def one(obj, value):
         """pickle + rebuild (ms), end to end (ms), the floor (ms)."""
-        torch.cuda.synchronize()
+        _sync()
         conn.send("bytes")
         t0 = time.perf_counter()
         data = ForkingPickler.dumps(obj)
@@ -88,7 +122,7 @@ def run_mode(mode, rounds):
         load_s, _, got = out.recv()
         assert got == value, (got, value)
         size = len(data)
-        torch.cuda.synchronize()
+        _sync()
         conn.send("queue")
         ta = time.monotonic()
         q.put(obj)
@@ -117,14 +151,15 @@ def run_mode(mode, rounds):
     keep = []
     samples = []
     for r in range(rounds):
-        x = torch.full((MIB64,), float(r), device="cuda")
+        x = _alloc((numel,), torch.float32, float(r))
         keep.append(x)
         samples.append(one(x, float(r)))
     record("tensor_fresh", samples)
     del keep, x
-    torch.cuda.empty_cache()
+    if os.environ.get("BENCH_DEVICE", "cuda") == "cuda":
+        torch.cuda.empty_cache()
     # One tensor, repeated: the same one after an in-place update.
-    x = torch.zeros(MIB64, device="cuda")
+    x = _alloc((numel,), torch.float32, 0.0)
     samples = []
     for r in range(rounds + 1):
         x.fill_(float(r))
@@ -132,9 +167,9 @@ def run_mode(mode, rounds):
     record("tensor_repeated", samples[1:])
     del x
     # The state dict: cold (round 0), warm (the rest).
-    from bench_weights import qwen2_spec
-    sd = {name: torch.empty(shape, dtype=torch.bfloat16, device="cuda")
-          for name, shape in qwen2_spec()}
+    from bench_weights import SMALL_SPEC, qwen2_spec
+    sd = {name: _alloc(shape, torch.bfloat16, 0.0)
+          for name, shape in (SMALL_SPEC if small else qwen2_spec())}
     samples = []
     for r in range(rounds + 1):
         for t in sd.values():
@@ -155,21 +190,27 @@ def main():
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--json")
     ap.add_argument("--mode", choices=["torch", "usmipc"])
+    ap.add_argument("--device", choices=["cuda", "host"], default="cuda")
+    ap.add_argument("--small", action="store_true")
     a = ap.parse_args()
+    os.environ["BENCH_DEVICE"] = a.device
     if a.mode:  # one mode, in this process
-        json.dump(run_mode(a.mode, a.rounds), sys.stdout)
+        json.dump(run_mode(a.mode, a.rounds, a.small), sys.stdout)
         return
     both = {}
     for mode in ("torch", "usmipc"):
         r = subprocess.run([sys.executable, __file__, "--mode", mode,
-                            "--rounds", str(a.rounds)],
+                            "--rounds", str(a.rounds), "--device", a.device]
+                           + (["--small"] if a.small else []),
                            capture_output=True, text=True, timeout=500)
         if r.returncode != 0:
             print(r.stderr, file=sys.stderr)
             sys.exit(f"the {mode} run failed")
         both[mode] = json.loads(r.stdout.strip().splitlines()[-1])
     import torch
-    meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+    meta = {"torch": torch.__version__, "device": a.device,
+            "gpu": torch.cuda.get_device_name() if a.device == "cuda"
+            else None,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join(sys.argv)}
     print(f"{'case':18} {'':6} {'torch':>9} {'usmipc':>9} {'ratio':>7}")
