@@ -301,15 +301,14 @@ def _order_stream(group: _Group, put_event):
     return s
 
 
-def _share_group(group: _Group, put_event) -> bytes:
-    """The bytes of one bundle of the group's storages, kept by the
-    sender until every ticket of it came back."""
+def _share_group(group: _Group, put_event):
+    """One bundle of the group's storages and its bytes. The caller keeps
+    the bundle (_memory._keep) once the whole message is made: the sender
+    holds it until every ticket of it came back."""
     stream = _order_stream(group, put_event)
     bundle = _usmipc.share(group.views, stream=stream, release=True)
-    raw = bundle.to_bytes()
-    _memory._keep(bundle)  # dropped once released and the work done
     _counts["bundles"] += 1
-    return raw
+    return bundle, bundle.to_bytes()
 
 
 def _device_name(device) -> str:
@@ -397,7 +396,7 @@ def _standalone(storage, tensor, meta):
     group = _Group(storage.device)
     group.views.append(storage)
     try:
-        raw = _share_group(group, None)
+        bundle, raw = _share_group(group, None)
     except _usmipc.Error as e:
         if not _refusal(e):
             raise
@@ -405,6 +404,7 @@ def _standalone(storage, tensor, meta):
         _counts["fallbacks"] += 1
         _counts["routed_tensors"] -= 1
         return _torch_reduce["reduce_tensor"](tensor)
+    _memory._keep(bundle)
     _counts["standalone"] += 1
     return (_rebuild_standalone,
             (raw, _device_name(storage.device)) + meta)
@@ -430,7 +430,8 @@ def _reduce_storage(storage):
     _refuse_forward(storage)
     group = _Group(storage.device)
     group.views.append(storage)
-    raw = _share_group(group, None)
+    bundle, raw = _share_group(group, None)
+    _memory._keep(bundle)
     _counts["standalone"] += 1
     return (_rebuild_standalone_storage, (raw, _device_name(storage.device)))
 
@@ -485,14 +486,17 @@ def _dumps(cls, obj, protocol=None):
         messages.pop()
     if not msg.groups:
         return body
+    made = []  # (bundle, bytes) per group
     try:
-        groups = [(_device_name(g.device), _share_group(g, put_event))
-                  for g in msg.groups]
+        for g in msg.groups:
+            made.append(_share_group(g, put_event))
     except _usmipc.Error as e:
         if not _refusal(e):
             raise
-        # Pickled again by torch's own reductions (a bundle already made
-        # for another device of the message goes when collected).
+        # Pickled again by torch's own reductions; a bundle already made
+        # for another device of the message is dropped unsent (its ticket
+        # was never handed to anyone).
+        del made
         _warn_fallback(e)
         _counts["fallbacks"] += sum(len(g.views) for g in msg.groups)
         _tls.bypass += 1
@@ -500,6 +504,10 @@ def _dumps(cls, obj, protocol=None):
             return plain(cls, obj, protocol)
         finally:
             _tls.bypass -= 1
+    groups = []
+    for g, (bundle, raw) in zip(msg.groups, made):
+        _memory._keep(bundle)  # dropped once released and the work done
+        groups.append((_device_name(g.device), raw))
     _counts["messages"] += 1
     return plain(cls, _Envelope(groups, bytes(body)), protocol)
 

@@ -543,3 +543,28 @@ def test_plain_pickle_is_untouched(routed):
     data = pickle.dumps(t)
     assert b"usmipc" not in data
     assert pickle.loads(data).tolist() == [5.0] * 4
+
+
+def test_a_refused_message_goes_by_torchs_path(routed, monkeypatch):
+    """When usmipc refuses the memory (MemoryKindError, ENOTSUP...), the
+    message is pickled again by torch's own reductions, with one warning;
+    nothing of the refused attempt stays kept by the sender."""
+    torch, ut = routed
+    from multiprocessing.reduction import ForkingPickler
+    from usmipc import memory
+    t = host_tensor(torch, 4).fill_(2)
+    kept = len(memory._kept)
+
+    def refuse(*args, **kwargs):
+        raise usmipc.MemoryKindError("refused for the test")
+
+    monkeypatch.setattr(ut._usmipc, "share", refuse)
+    with pytest.warns(RuntimeWarning, match="travels by torch's own CUDA "
+                      "IPC instead"):
+        data = bytes(ForkingPickler.dumps({"a": t, "b": t[1:]}))
+    monkeypatch.undo()
+    assert b"_open_message" not in data and b"rebuild_storage_fd" in data
+    assert len(memory._kept) == kept
+    assert ut.stats()["fallbacks"] == 1 and ut.stats()["messages"] == 0
+    back = ForkingPickler.loads(data)
+    assert back["a"].tolist() == [2.0] * 4
