@@ -255,8 +255,7 @@ class _Message:
         key = (storage.data_ptr(), storage.nbytes())
         i = group.index_of.get(key)
         if i is None:
-            if _received:
-                _refuse_forward(storage)
+            _refuse_forward(storage)
             i = group.index_of[key] = len(group.views)
             group.views.append(storage)
         return g, i
@@ -264,7 +263,9 @@ class _Message:
 
 def _refuse_forward(storage) -> None:
     """A storage this process received is another process's memory: not
-    this one's to export."""
+    this one's to export. (Free for a process that never received.)"""
+    if not _received:
+        return
     ref = _received.get((storage.device, storage.data_ptr(),
                          storage.nbytes()))
     if ref is not None and not ref.expired():
@@ -344,15 +345,15 @@ class _Fallback(Exception):
     own reductions."""
 
 
-def _refuse_non_leaf(tensor) -> None:
-    if tensor.requires_grad and not tensor.is_leaf:
-        # torch's words: code and tests match them.
-        raise RuntimeError(
-            "Cowardly refusing to serialize non-leaf tensor which "
-            "requires_grad, since autograd does not support crossing process "
-            "boundaries.  If you just want to transfer the data, call "
-            "detach() on the tensor before serializing (e.g., putting it on "
-            "the queue).")
+def _refuse_non_leaf() -> None:
+    """torch's refusal of a non-leaf tensor that requires grad, in torch's
+    words (code and tests match them)."""
+    raise RuntimeError(
+        "Cowardly refusing to serialize non-leaf tensor which "
+        "requires_grad, since autograd does not support crossing process "
+        "boundaries.  If you just want to transfer the data, call "
+        "detach() on the tensor before serializing (e.g., putting it on "
+        "the queue).")
 
 
 def _reduce_tensor(tensor):
@@ -373,7 +374,7 @@ def _reduce_tensor(tensor):
         return _torch_reduce["reduce_tensor"](tensor)
     requires_grad = tensor.requires_grad
     if requires_grad and not tensor.is_leaf:
-        _refuse_non_leaf(tensor)
+        _refuse_non_leaf()
     if tensor._backward_hooks:
         _torch().utils.hooks.warn_if_has_hooks(tensor)
     meta = (type(tensor), tuple(tensor.size()), tuple(tensor.stride()),
@@ -570,8 +571,6 @@ class _Opened:
 def _storage_of(leaf):
     """The storage of an opened leaf, or the live storage of the same
     memory this process received before."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     torch = _torch()
     key = (leaf.device, leaf.data_ptr(), leaf.nbytes)
     ref = _received.get(key)
@@ -582,7 +581,7 @@ def _storage_of(leaf):
     if len(_received) >= _RECEIVED_PRUNE:
         for k in [k for k, r in _received.items() if r.expired()]:
             del _received[k]
-    _received[key] = StorageWeakRef(storage)
+    _received[key] = torch.multiprocessing.reductions.StorageWeakRef(storage)
     return storage
 
 

@@ -68,6 +68,16 @@ def host_tensor(torch, n, dtype=None):
     return torch.from_dlpack(mem).view(dtype)
 
 
+def spawn_with_queues(target, n):
+    """Starts target(*queues) in a spawned process with n fresh queues;
+    returns the queues, then the process."""
+    ctx = multiprocessing.get_context("spawn")
+    queues = [ctx.Queue() for _ in range(n)]
+    p = ctx.Process(target=target, args=tuple(queues))
+    p.start()
+    return (*queues, p)
+
+
 # ---- install / uninstall ---------------------------------------------------
 
 
@@ -259,10 +269,7 @@ def _get_twice(q, out):
 
 def test_a_storage_sent_twice_is_one_storage(routed):
     torch, _ = routed
-    ctx = multiprocessing.get_context("spawn")
-    q, out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_get_twice, args=(q, out))
-    p.start()
+    q, out, p = spawn_with_queues(_get_twice, 2)
     t = host_tensor(torch, 8)
     q.put(t)
     q.put(t[1:])
@@ -282,10 +289,7 @@ def test_memory_stays_while_the_receiver_holds_it(routed):
     """The sender drops every reference right after put(): the bundle it
     keeps until the ticket returns holds the memory."""
     torch, _ = routed
-    ctx = multiprocessing.get_context("spawn")
-    q, out, go = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_read_later, args=(q, out, go))
-    p.start()
+    q, out, go, p = spawn_with_queues(_read_later, 3)
     t = host_tensor(torch, 1024)
     t.copy_(torch.arange(1024.0))
     q.put(t)
@@ -337,10 +341,7 @@ def _forward(q, out):
 
 def test_sending_on_a_received_tensor_says_to_clone(routed):
     torch, _ = routed
-    ctx = multiprocessing.get_context("spawn")
-    q, out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_forward, args=(q, out))
-    p.start()
+    q, out, p = spawn_with_queues(_forward, 2)
     t = host_tensor(torch, 4)
     t.fill_(2)
     q.put(t)

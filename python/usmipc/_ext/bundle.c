@@ -159,6 +159,22 @@ static int torch_names(void) {
   return 0;
 }
 
+/* A CPU tensor or storage shares only over usmipc's own memory (a view
+ * of host:cpu device memory, as torch.distributed's gloo ranks use):
+ * torch's own CPU allocations are private to the process. 0, or -1 with
+ * MemoryKindError naming what (a "tensor", a "storage"). */
+static int refuse_torch_cpu_memory(void *ptr, const char *what) {
+  usmipc_pointer_info_t info;
+  if (usmipc_pointer_query(ptr, &info) == 0 && info.kind == USMIPC_MEM_DEVICE)
+    return 0;
+  pyusmipc_kind_error("a CPU %s of torch's own memory: only device memory "
+                      "can be shared (move it to the GPU, or make it a view "
+                      "of usmipc memory: torch.from_dlpack("
+                      "MemoryUSMDevice(n, device='host:cpu')))",
+                      what);
+  return -1;
+}
+
 static int leaf_torch(PyObject *obj, leaf_info_t *L, int dest) {
   if (torch_names() < 0)
     return -1;
@@ -231,22 +247,11 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L, int dest) {
     L->ptr = PyLong_AsVoidPtr(ptr);
     rc = PyErr_Occurred() ? -1 : 0;
   }
-  /* A CPU tensor shares only over usmipc's own memory (a view of host:cpu
-   * device memory, as torch.distributed's gloo ranks use): torch's own
-   * CPU allocations are private to the process. */
   int empty = 0;
   for (int i = 0; rc == 0 && i < nd; i++)
     empty |= L->shape[i] == 0;
-  usmipc_pointer_info_t info;
-  if (rc == 0 && cpu && !empty && !dest &&
-      (usmipc_pointer_query(L->ptr, &info) != 0 ||
-       info.kind != USMIPC_MEM_DEVICE)) {
-    pyusmipc_kind_error("a CPU tensor of torch's own memory: only device "
-                        "memory can be shared (move it to the GPU, or make it "
-                        "a view of usmipc memory: torch.from_dlpack("
-                        "MemoryUSMDevice(n, device='host:cpu')))");
-    rc = -1;
-  }
+  if (rc == 0 && cpu && !empty && !dest)
+    rc = refuse_torch_cpu_memory(L->ptr, "tensor");
   Py_XDECREF(shape);
   Py_XDECREF(stride);
   Py_XDECREF(ptr);
@@ -288,16 +293,8 @@ static int leaf_torch_storage(PyObject *obj, leaf_info_t *L, int dest) {
   Py_XDECREF(ptr);
   L->desc = (usmipc_array_desc_t){1, 8, 1, 1, L->shape, L->strides};
   L->strides[0] = 1;
-  usmipc_pointer_info_t info;
-  if (rc == 0 && !cuda && L->shape[0] != 0 && !dest &&
-      (usmipc_pointer_query(L->ptr, &info) != 0 ||
-       info.kind != USMIPC_MEM_DEVICE)) {
-    pyusmipc_kind_error("a CPU storage of torch's own memory: only device "
-                        "memory can be shared (move it to the GPU, or make it "
-                        "a view of usmipc memory: torch.from_dlpack("
-                        "MemoryUSMDevice(n, device='host:cpu')))");
-    rc = -1;
-  }
+  if (rc == 0 && !cuda && L->shape[0] != 0 && !dest)
+    rc = refuse_torch_cpu_memory(L->ptr, "storage");
   L->stream_of = obj;
   L->cpu = !cuda;
   return rc;
