@@ -65,7 +65,7 @@ pool and bundle C tests, the GPU bundle tests, a short weight handoff) and
 tickets_exit.sh (the ticket C tests and tickets_exit.py).
 EOF
 }
-SUBSETS=" full quick suites bench bench-quick bench-layout probe races tickets distributed update update-more wheel "
+SUBSETS=" full quick suites bench bench-quick bench-layout probe races tickets distributed update update-more torch-mp wheel "
 [ $# -gt 0 ] || set -- full
 for s in "$@"; do
   case $s in
