@@ -454,6 +454,21 @@ USMIPC_API int usmipc_ipc_handle_order_ex(usmipc_ipc_handle_t *handle,
  * handed out) for forged bytes. Returning a ticket twice counts once. */
 USMIPC_API int usmipc_ipc_release(const void *data, size_t len,
                                   usmipc_queue_t *queue);
+/* Consumer: hands the handoff of bytes data (handle or bundle bytes with a
+ * release ticket, as opened here) on to one more consumer process: out
+ * (len bytes; may be data) receives the same bytes with a ticket of their
+ * own, which the producer mints at this call, so that its wait for
+ * releases also waits for the process that opens out (and returns that
+ * ticket). Call it while this process still holds what it opened from
+ * data, before returning data's ticket: the producer refuses afterwards
+ * (USMIPC_EINVAL), as it may reuse the memory then. out keeps the
+ * producer's ordering record: work this process queued on the memory is
+ * not ordered before the next consumer's, so finish it first.
+ * USMIPC_EEXPORTERGONE when the producer is gone or freed the handle or
+ * bundle; USMIPC_EACCES or USMIPC_EBADHANDLE for forged bytes; USMIPC_EBUSY
+ * while 65,536 forwarded tickets of one handoff are out. A bundle of no
+ * memory is copied as it is. */
+USMIPC_API int usmipc_ipc_forward(const void *data, size_t len, void *out);
 /* Producer: tickets handed out and come back so far. This and
  * usmipc_ipc_handle_wait_released may run while another thread orders the
  * handle. */

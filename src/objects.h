@@ -102,6 +102,15 @@ int usmipc__release_send(const usmipc__wire_t *w, usmipc_queue_t *queue);
  * (usmipc__broker_on_release) at the first registry. */
 uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
                                  size_t len, uint32_t peer_pid);
+/* A forward request (WANT_FORWARD, body u64 ticket) from process peer_pid:
+ * the reply status, and in *word the ticket minted for one more consumer
+ * (release.c, "Forwarding"). */
+uint32_t usmipc__release_forward_arrived(const uint8_t *req,
+                                         const uint8_t *body, size_t len,
+                                         uint32_t peer_pid, uint32_t *word);
+/* The broker's handler (usmipc__release_handler_t): either of the two. */
+uint32_t usmipc__release_request(const uint8_t *req, const uint8_t *body,
+                                 size_t len, uint32_t peer_pid, uint32_t *word);
 /* fork.c's hook: the child forgets the parent's registries. */
 void usmipc__releases_fork_child(void);
 

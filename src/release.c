@@ -83,6 +83,13 @@ typedef struct fanout {
   uint32_t pids[]; /* got of them */
 } fanout_t;
 
+/* A ticket a forward minted, and its token (derived from its parent's:
+ * usmipc__forward_token), kept until it comes back. */
+typedef struct minted {
+  uint64_t ticket;
+  uint8_t token[16];
+} minted_t;
+
 struct usmipc__release {
   uint64_t id;
   uint8_t secret[16];      /* keys each ticket's own token (ticket_token) */
@@ -90,7 +97,10 @@ struct usmipc__release {
   uint64_t tickets;        /* the last ticket number handed out */
   fanout_t *fanouts;       /* fan-out tickets not yet all returned */
   uint8_t *returned;       /* bit t-1: ticket t came back */
-  size_t returned_bytes;
+  uint8_t *forwarded;      /* bit t-1: ticket t was minted by a forward */
+  size_t returned_bytes;   /* of each of the two maps */
+  minted_t *minted;        /* forwarded tickets not yet come back */
+  size_t nminted, cap_minted;
   struct pending **pending; /* events not yet known complete */
   size_t npending, cap_pending;
   pthread_cond_t cond;
@@ -104,7 +114,7 @@ static int release_new(usmipc__release_t **out) {
   int rc = usmipc__random(r->secret, 16);
   if (rc == 0) {
     /* Consumers return tickets to the broker, which hands them here. */
-    usmipc__broker_on_release(usmipc__release_arrived);
+    usmipc__broker_on_release(usmipc__release_request);
     rc = usmipc__broker_serve();
   }
   if (rc != 0) {
@@ -189,6 +199,8 @@ void usmipc__release_free(usmipc__release_t *r) {
   pthread_mutex_unlock(&usmipc__events_lock);
   free(r->pending);
   free(r->returned);
+  free(r->forwarded);
+  free(r->minted);
   while (r->fanouts != NULL) {
     fanout_t *f = r->fanouts;
     r->fanouts = f->next;
@@ -305,6 +317,130 @@ static bool return_filed(usmipc__release_t *r, uint64_t ticket, uint32_t pid) {
   return true;
 }
 
+/* Room in both maps for ticket t's bit; false when out of memory.
+ * usmipc__events_lock held. */
+static bool maps_room(usmipc__release_t *r, uint64_t ticket) {
+  size_t byte = (size_t)((ticket - 1) / 8);
+  if (byte < r->returned_bytes)
+    return true;
+  size_t n =
+      byte + 1 > 2 * r->returned_bytes ? byte + 1 : 2 * r->returned_bytes;
+  uint8_t *a = realloc(r->returned, n);
+  if (a == NULL)
+    return false;
+  r->returned = a;
+  uint8_t *b = realloc(r->forwarded, n);
+  if (b == NULL)
+    return false; /* returned_bytes unchanged: both still that long */
+  r->forwarded = b;
+  memset(a + r->returned_bytes, 0, n - r->returned_bytes);
+  memset(b + r->returned_bytes, 0, n - r->returned_bytes);
+  r->returned_bytes = n;
+  return true;
+}
+
+static bool map_bit(const uint8_t *map, size_t bytes, uint64_t ticket) {
+  size_t byte = (size_t)((ticket - 1) / 8);
+  return byte < bytes && (map[byte] & (1u << ((ticket - 1) % 8))) != 0;
+}
+
+static minted_t *minted_find(usmipc__release_t *r, uint64_t ticket) {
+  for (size_t i = 0; i < r->nminted; i++)
+    if (r->minted[i].ticket == ticket)
+      return &r->minted[i];
+  return NULL;
+}
+
+/* Ticket t's token into out: its own (ticket_token), or for a forwarded
+ * one the token kept when it was minted. false for a forwarded ticket that
+ * came back already (its token is forgotten). usmipc__events_lock held. */
+static bool token_of(usmipc__release_t *r, uint64_t ticket, uint8_t out[16]) {
+  if (!map_bit(r->forwarded, r->returned_bytes, ticket)) {
+    ticket_token(r, ticket, out);
+    return true;
+  }
+  minted_t *m = minted_find(r, ticket);
+  if (m == NULL)
+    return false;
+  memcpy(out, m->token, 16);
+  return true;
+}
+
+static bool minted_grow(usmipc__release_t *r) {
+  size_t n = r->cap_minted ? 2 * r->cap_minted : 8;
+  minted_t *grown = realloc(r->minted, n * sizeof(*grown));
+  if (grown == NULL)
+    return false;
+  r->minted = grown;
+  r->cap_minted = n;
+  return true;
+}
+
+uint32_t usmipc__release_request(const uint8_t *req, const uint8_t *body,
+                                 size_t len, uint32_t peer_pid,
+                                 uint32_t *word) {
+  *word = 0;
+  if (usmipc__get32le(req + 12) == USMIPC__WANT_FORWARD)
+    return usmipc__release_forward_arrived(req, body, len, peer_pid, word);
+  return usmipc__release_arrived(req, body, len, peer_pid);
+}
+
+/* Forwarding: a consumer that holds what a handoff gave it hands the same
+ * bytes on to one more process (torch.multiprocessing puts a received
+ * tensor again). The producer must then wait for that process too, so the
+ * forwarder first asks the producer's broker for a ticket of its own for
+ * it, proving the ticket it holds (its token). The new ticket's token is
+ * derived from the held one (usmipc__forward_token), so the forwarder
+ * writes it into the bytes it hands on, and only it, and the producer,
+ * know it. A forward is refused once the ticket it names came back from
+ * the asking process (or from every consumer of a fan-out): the memory
+ * may then be reused. A forwarded ticket is an ordinary one-consumer
+ * ticket, forwardable in turn. */
+uint32_t usmipc__release_forward_arrived(const uint8_t *req,
+                                         const uint8_t *body, size_t len,
+                                         uint32_t peer_pid, uint32_t *word) {
+  *word = 0;
+  if (len != USMIPC__FORWARD_BODY_LEN)
+    return USMIPC__REPLY_BAD_REQUEST;
+  uint64_t ticket = usmipc__get64le(body);
+  uint64_t id = usmipc__get64le(req + 24);
+  uint32_t status;
+  pthread_mutex_lock(&usmipc__events_lock);
+  usmipc__release_t *r = releases[id % RELEASE_BUCKETS];
+  while (r != NULL && r->id != id)
+    r = r->next;
+  uint8_t token[16], cap[16];
+  if (r == NULL) {
+    status = USMIPC__REPLY_UNKNOWN_BUFFER;
+  } else if (ticket == 0 || ticket > r->tickets) {
+    status = USMIPC__REPLY_BAD_REQUEST;
+  } else if (map_bit(r->returned, r->returned_bytes, ticket) ||
+             !token_of(r, ticket, token)) {
+    status = USMIPC__REPLY_RELEASED;
+  } else if (usmipc__forward_capability(req, token, body, len, cap),
+             !usmipc__ct_equal(cap, req + 64, 16)) {
+    status = USMIPC__REPLY_BAD_CAPABILITY;
+  } else if (!return_counts(r, ticket, peer_pid, false)) {
+    status = USMIPC__REPLY_RELEASED; /* this process's return is in */
+  } else if (r->nminted >= USMIPC__FORWARDS_MAX || r->tickets >= UINT32_MAX) {
+    status = USMIPC__REPLY_TOO_MANY;
+  } else if (!maps_room(r, r->tickets + 1) ||
+             (r->nminted == r->cap_minted && !minted_grow(r))) {
+    status = USMIPC__REPLY_TOO_MANY; /* out of memory */
+  } else {
+    uint64_t t = ++r->tickets;
+    r->sent++;
+    minted_t *m = &r->minted[r->nminted++];
+    m->ticket = t;
+    usmipc__forward_token(token, r->id, t, m->token);
+    r->forwarded[(t - 1) / 8] |= (uint8_t)(1u << ((t - 1) % 8));
+    *word = (uint32_t)t;
+    status = USMIPC__REPLY_OK;
+  }
+  pthread_mutex_unlock(&usmipc__events_lock);
+  return status;
+}
+
 uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
                                  size_t len, uint32_t peer_pid) {
   enum { OK = 0, UNKNOWN = 1, BAD_CAPABILITY = 2, BAD_REQUEST = 4 };
@@ -328,30 +464,25 @@ uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
   /* The capability is the MAC of the request under the token of the
    * ticket it names (a never-issued number is refused first, as before). */
   uint8_t token[16], cap[16];
-  if (r != NULL && ticket <= r->tickets) {
-    ticket_token(r, ticket, token);
+  bool known = false; /* the ticket's token is known */
+  if (r != NULL && ticket <= r->tickets && (known = token_of(r, ticket, token)))
     usmipc__release_capability(req, token, body, len, cap);
-  }
   if (r == NULL) {
     status = UNKNOWN;
   } else if (ticket > r->tickets) {
     status = BAD_REQUEST;
+  } else if (!known) {
+    /* A forwarded ticket back again: it came back already, and counted
+     * then (each ticket counts once, however often it is returned). */
+    status = OK;
   } else if (!usmipc__ct_equal(cap, req + 64, 16)) {
     status = BAD_CAPABILITY;
   } else {
     status = OK;
     size_t byte = (size_t)((ticket - 1) / 8);
-    if (byte >= r->returned_bytes) {
-      size_t n =
-          byte + 1 > 2 * r->returned_bytes ? byte + 1 : 2 * r->returned_bytes;
-      uint8_t *grown = realloc(r->returned, n);
-      if (grown == NULL) {
-        status = BAD_REQUEST;
-        goto out;
-      }
-      memset(grown + r->returned_bytes, 0, n - r->returned_bytes);
-      r->returned = grown;
-      r->returned_bytes = n;
+    if (!maps_room(r, ticket)) {
+      status = BAD_REQUEST;
+      goto out;
     }
     uint8_t bit = (uint8_t)(1u << ((ticket - 1) % 8));
     if (return_counts(r, ticket, peer_pid, r->returned[byte] & bit)) {
@@ -382,8 +513,12 @@ uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
         r->pending[r->npending++] = p;
         copy = NULL;
       }
-      if (return_filed(r, ticket, peer_pid))
+      if (return_filed(r, ticket, peer_pid)) {
         r->returned[byte] |= bit;
+        minted_t *m = minted_find(r, ticket);
+        if (m != NULL) /* its token is no longer needed */
+          *m = r->minted[--r->nminted];
+      }
       r->released++;
       pthread_cond_broadcast(&r->cond);
     }
@@ -554,28 +689,112 @@ void usmipc__releases_fork_child(void) {
   consumers = NULL;
 }
 
-int usmipc_ipc_release(const void *data, size_t len, usmipc_queue_t *queue) {
-  usmipc__wire_t w;
+/* The release record of handle or bundle bytes, decoded into *w; *no_memory
+ * for a bundle of no memory (nothing was lent: no ticket). fn names the
+ * caller in the messages. */
+static int bytes_ticket(const void *data, size_t len, usmipc__wire_t *w,
+                        bool *no_memory, const char *fn) {
   int rc;
+  *no_memory = false;
   if (usmipc__bundle_magic(data, len)) {
     /* Bundle bytes: their ticket rides after the tree as if appended to
      * allocation 0's handle, which names the producer; from here on a
      * bundle's ticket goes back exactly as a handle's does. */
-    bool no_memory = false;
-    if ((rc = usmipc__bundle_ticket(data, len, &w, &no_memory)) != 0)
-      return rc;
-    if (no_memory)
-      return 0; /* a bundle of no memory: nothing was lent */
-  } else {
-    if ((rc = usmipc__wire_decode(data, len, &w)) != 0)
-      return rc;
-    if (!w.has_release)
-      return usmipc__fail(USMIPC_EINVAL,
-                          "usmipc_ipc_release: the handle asks for no release "
-                          "(its producer did not order it with "
-                          "USMIPC_ORDER_RELEASE)");
+    return usmipc__bundle_ticket(data, len, fn, w, no_memory);
   }
+  if ((rc = usmipc__wire_decode(data, len, w)) != 0)
+    return rc;
+  if (!w->has_release)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "%s: the handle asks for no release (its producer "
+                        "did not order it with USMIPC_ORDER_RELEASE)",
+                        fn);
+  return 0;
+}
+
+int usmipc_ipc_release(const void *data, size_t len, usmipc_queue_t *queue) {
+  usmipc__wire_t w;
+  bool no_memory;
+  int rc = bytes_ticket(data, len, &w, &no_memory, "usmipc_ipc_release");
+  if (rc != 0)
+    return rc;
+  if (no_memory)
+    return 0; /* a bundle of no memory: nothing was lent */
   return usmipc__release_send(&w, queue);
+}
+
+/* The record both formats end with, before the checksum, when ordered with
+ * a release (usmipc_ipc_handle_order_ex, usmipc_bundle_order_ex append
+ * it last): u16 type, u16 length, u64 release id, u64 ticket, [16] token. */
+#define TICKET_RECORD_END (4 + 4 + USMIPC__RELEASE_RECORD_LEN)
+
+int usmipc_ipc_forward(const void *data, size_t len, void *out) {
+  if (out == NULL)
+    return usmipc__fail(USMIPC_EINVAL, "usmipc_ipc_forward: out is NULL");
+  usmipc__wire_t w;
+  bool no_memory;
+  int rc = bytes_ticket(data, len, &w, &no_memory, "usmipc_ipc_forward");
+  if (rc != 0)
+    return rc;
+  if (no_memory) { /* nothing lent: the same bytes serve anyone */
+    memmove(out, data, len);
+    return 0;
+  }
+  /* Decoded, the record is known well formed; it must also be the last,
+   * where the new ticket goes (both writers put it there). */
+  const uint8_t *rec = len > TICKET_RECORD_END
+                           ? (const uint8_t *)data + len - TICKET_RECORD_END
+                           : NULL;
+  if (rec == NULL || usmipc__get16le(rec) != USMIPC__EXT_RELEASE ||
+      usmipc__get16le(rec + 2) != USMIPC__RELEASE_RECORD_LEN ||
+      usmipc__get64le(rec + 4) != w.release_id ||
+      usmipc__get64le(rec + 12) != w.release_ticket ||
+      memcmp(rec + 20, w.release_token, 16) != 0)
+    return usmipc__fail(
+        USMIPC_EBADHANDLE,
+        "usmipc_ipc_forward: the release ticket is not the "
+        "last record of the bytes (they were not written by "
+        "usmipc_ipc_handle_order_ex or usmipc_bundle_order_ex)");
+  const usmipc__process_t *self = usmipc__self_basic();
+  if (memcmp(w.boot_id, self->boot_id, 16) != 0)
+    return usmipc__fail(USMIPC_EOTHERHOST,
+                        "the handle was exported on another machine or boot");
+  uint64_t ticket = 0;
+  if (w.nonce == self->nonce && w.pid == self->pid) {
+    /* Our own handoff: ask the registry directly, as the broker would. */
+    uint8_t req[USMIPC__REQUEST_LEN], nonce[16] = {0},
+                                      body[USMIPC__FORWARD_BODY_LEN];
+    usmipc__wire_t named = w;
+    named.buffer_id = w.release_id;
+    usmipc__request_build(req, &named, USMIPC__WANT_FORWARD, nonce);
+    usmipc__put64le(body, w.release_ticket);
+    usmipc__forward_capability(req, w.release_token, body, sizeof(body),
+                               req + 64);
+    uint32_t word = 0;
+    uint32_t status = usmipc__release_forward_arrived(req, body, sizeof(body),
+                                                      self->pid, &word);
+    /* The codes and reasons of the broker's answer, as the forwarder reads
+     * it (usmipc__reply_check_forward). */
+    uint8_t rep[USMIPC__REPLY_LEN];
+    usmipc__reply_build(rep, req, status, (int)word, w.key);
+    rc = usmipc__reply_check_forward(rep, sizeof(rep), req, &w, 0,
+                                     "this process's own registry", &ticket);
+  } else {
+    rc = usmipc__broker_forward(&w, usmipc__deadline_after_timeout(), &ticket);
+  }
+  if (rc != 0) {
+    usmipc__error_prefix("handing a handoff of process %u on: ", w.pid);
+    return rc;
+  }
+  uint8_t token[16];
+  usmipc__forward_token(w.release_token, w.release_id, ticket, token);
+  memmove(out, data, len);
+  uint8_t *o = (uint8_t *)out + len - TICKET_RECORD_END;
+  usmipc__put64le(o + 12, ticket);
+  memcpy(o + 20, token, 16);
+  uint8_t *end = (uint8_t *)out + len - 4;
+  usmipc__put32le(end, usmipc__crc32c(0, out, len - 4));
+  return 0;
 }
 
 int usmipc__release_send(const usmipc__wire_t *wp, usmipc_queue_t *queue) {

@@ -5,7 +5,7 @@
  * the grants (which descriptor each capability may take) and the broker
  * thread that serves them. The importer's side is linux/fdtake.c, the
  * messages both sides build and check are wire/broker_msg.c (pure, fuzzed),
- * and a release request is handed to the handler release.c registers
+ * and a release or forward request is handed to the handler release.c registers
  * (usmipc__broker_on_release): the broker names no object.
  *
  * Memory shared through a file descriptor (host memfd, CUDA VMM POSIX fds,
@@ -161,7 +161,8 @@ static size_t message_len(const conn_t *c) {
   if (c->got < USMIPC__REQUEST_LEN)
     return USMIPC__REQUEST_LEN;
   uint32_t want = usmipc__get32le(m + 12);
-  if (want != USMIPC__WANT_RELEASE && want != USMIPC__WANT_FDS)
+  if (want != USMIPC__WANT_RELEASE && want != USMIPC__WANT_FDS &&
+      want != USMIPC__WANT_FORWARD)
     return USMIPC__REQUEST_LEN;
   if (c->got < USMIPC__REQUEST_LEN + 2)
     return USMIPC__REQUEST_LEN + 2;
@@ -170,6 +171,9 @@ static size_t message_len(const conn_t *c) {
     return body < 2 + USMIPC__FDS_ENTRY_LEN || body > USMIPC__FDS_BODY_MAX
                ? 0
                : USMIPC__REQUEST_LEN + 2 + body;
+  if (want == USMIPC__WANT_FORWARD)
+    return body != USMIPC__FORWARD_BODY_LEN ? 0
+                                            : USMIPC__REQUEST_LEN + 2 + body;
   return body < 10 || body > USMIPC__RELEASE_BODY_MAX
              ? 0
              : USMIPC__REQUEST_LEN + 2 + body;
@@ -259,22 +263,28 @@ static void serve_fds(int conn, const uint8_t *req, const uint8_t *body,
   pthread_mutex_unlock(&fdx_lock);
 }
 
-/* Who files release tickets (release.c registers it with its first
- * registry): the broker moves the request and knows nothing of tickets. */
+/* Who files release tickets and mints forwarded ones (release.c registers
+ * it with its first registry): the broker moves the request and knows
+ * nothing of tickets. */
 static usmipc__release_handler_t release_handler; /* atomic */
 
 void usmipc__broker_on_release(usmipc__release_handler_t handler) {
   __atomic_store_n(&release_handler, handler, __ATOMIC_RELEASE);
 }
 
-/* A release request's answer: the handler's, or before any registry exists
- * the answer it would give (a malformed body, else nothing to release). */
+/* A release or forward request's answer (*word: word 8 of the reply): the
+ * handler's, or before any registry exists the answer it would give (a
+ * malformed body, else nothing to release or forward). */
 static uint32_t release_status(const uint8_t *req, const uint8_t *body,
-                               size_t len, uint32_t peer_pid) {
+                               size_t len, uint32_t peer_pid, uint32_t *word) {
+  *word = 0;
   usmipc__release_handler_t handler =
       __atomic_load_n(&release_handler, __ATOMIC_ACQUIRE);
   if (handler != NULL)
-    return handler(req, body, len, peer_pid);
+    return handler(req, body, len, peer_pid, word);
+  if (usmipc__get32le(req + 12) == USMIPC__WANT_FORWARD)
+    return len == USMIPC__FORWARD_BODY_LEN ? USMIPC__REPLY_UNKNOWN_BUFFER
+                                           : USMIPC__REPLY_BAD_REQUEST;
   uint64_t ticket;
   const uint8_t *ev;
   size_t ev_len;
@@ -299,9 +309,10 @@ static void serve_request(int conn, const uint8_t *req, const uint8_t *body,
                NULL, 0);
     return;
   }
-  if (want == USMIPC__WANT_RELEASE) {
-    send_reply(conn, req, release_status(req, body, body_len, peer_pid), NULL,
-               0);
+  if (want == USMIPC__WANT_RELEASE || want == USMIPC__WANT_FORWARD) {
+    uint32_t word;
+    status = release_status(req, body, body_len, peer_pid, &word);
+    send_reply_word(conn, req, status, word, NULL, 0);
     return;
   }
   if (want == USMIPC__WANT_FDS) {

@@ -351,10 +351,11 @@ typedef struct call_args {
   size_t body_len;
   const usmipc__wire_t *const *batch; /* WANT_FDS: the allocations */
   size_t batch_n;
-  int *table_fd;  /* WANT_TABLE */
-  int *data_fd;   /* WANT_FD: one, or a run's chunk_count, in chunk order */
-  int *fds;       /* WANT_FDS: batch_n descriptors */
-  size_t *failed; /* WANT_FDS: the entry the broker refused */
+  int *table_fd;    /* WANT_TABLE */
+  int *data_fd;     /* WANT_FD: one, or a run's chunk_count, in chunk order */
+  int *fds;         /* WANT_FDS: batch_n descriptors */
+  size_t *failed;   /* WANT_FDS: the entry the broker refused */
+  uint64_t *minted; /* WANT_FORWARD: the ticket the broker minted */
 } call_args_t;
 
 /* Writes the message a asks for into out (request, and a body where there
@@ -374,6 +375,19 @@ static size_t message_build(uint8_t *out, const usmipc__wire_t *w,
     usmipc__put16le(out + USMIPC__REQUEST_LEN, (uint16_t)a->body_len);
     memcpy(out + USMIPC__REQUEST_LEN + 2, a->body, a->body_len);
     return USMIPC__REQUEST_LEN + 2 + a->body_len;
+  }
+  if (a->want == USMIPC__WANT_FORWARD) {
+    /* As a release: the release named, its ticket's token proven over the
+     * header and the body (the ticket), under another label. */
+    usmipc__wire_t named = *w;
+    named.buffer_id = w->release_id;
+    usmipc__request_build(req, &named, a->want, client_nonce);
+    uint8_t *body = out + USMIPC__REQUEST_LEN + 2;
+    usmipc__put16le(out + USMIPC__REQUEST_LEN, USMIPC__FORWARD_BODY_LEN);
+    usmipc__put64le(body, w->release_ticket);
+    usmipc__forward_capability(req, w->release_token, body,
+                               USMIPC__FORWARD_BODY_LEN, req + 64);
+    return USMIPC__REQUEST_LEN + 2 + USMIPC__FORWARD_BODY_LEN;
   }
   if (a->want == USMIPC__WANT_FDS) {
     /* The header names no allocation; each entry names one and proves its
@@ -470,6 +484,9 @@ static int exchange(int s, const usmipc__wire_t *w, const call_args_t *a,
     rc = usmipc__fail_native(USMIPC_ETRANSPORT, e,
                              "no answer from the broker of process %u: %s",
                              w->pid, strerror(e));
+  else if (a->want == USMIPC__WANT_FORWARD)
+    rc = usmipc__reply_check_forward(rep, (size_t)n, req, w, nfds, name,
+                                     a->minted);
   else if (a->want == USMIPC__WANT_FDS)
     rc = usmipc__reply_check_fds(rep, (size_t)n, req, w, a->batch_n, nfds,
                                  truncated, name, a->failed);
@@ -539,6 +556,13 @@ int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
 int usmipc__broker_release(const usmipc__wire_t *w, const uint8_t *body,
                            size_t len, uint64_t deadline) {
   call_args_t a = {.want = USMIPC__WANT_RELEASE, .body = body, .body_len = len};
+  return call(w, &a, deadline);
+}
+
+int usmipc__broker_forward(const usmipc__wire_t *w, uint64_t deadline,
+                           uint64_t *ticket) {
+  *ticket = 0;
+  call_args_t a = {.want = USMIPC__WANT_FORWARD, .minted = ticket};
   return call(w, &a, deadline);
 }
 

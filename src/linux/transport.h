@@ -86,14 +86,16 @@ bool usmipc__broker_socket_dir(void);
  * USMIPC_SOCKET_DIR and using it (0, the default: not at all), to widen the
  * window an attacker who can write the directory would race. */
 extern unsigned usmipc__test_socket_bind_delay_ms;
-/* The broker hands each release request of this process to the handler
- * registered last (none: it answers as a handler with no registry would),
- * with the requester's pid as the kernel gave it when it connected
- * (SO_PEERCRED, in this process's PID namespace; 0 when it is not visible
- * there). */
+/* The broker hands each release and forward request of this process to
+ * the handler registered last (none: it answers as a handler with no
+ * registry would), with the requester's pid as the kernel gave it when it
+ * connected (SO_PEERCRED, in this process's PID namespace; 0 when it is not
+ * visible there). The handler returns the reply's status and sets *word,
+ * the reply's word 8 (a forward's minted ticket; else 0). */
 typedef uint32_t (*usmipc__release_handler_t)(const uint8_t *req,
                                               const uint8_t *body, size_t len,
-                                              uint32_t peer_pid);
+                                              uint32_t peer_pid,
+                                              uint32_t *word);
 void usmipc__broker_on_release(usmipc__release_handler_t handler);
 /* fork.c's hooks of the broker. */
 void usmipc__broker_fork_prepare(void);
@@ -122,6 +124,11 @@ int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
  * broker of w's exporter for w's release record, and awaits its answer. */
 int usmipc__broker_release(const usmipc__wire_t *w, const uint8_t *body,
                            size_t len, uint64_t deadline);
+/* Asks the broker of w's exporter for one more consumer of w's release
+ * ticket (w->release_ticket, proven with w->release_token): *ticket
+ * receives the ticket minted for it (release.c, "Forwarding"). */
+int usmipc__broker_forward(const usmipc__wire_t *w, uint64_t deadline,
+                           uint64_t *ticket);
 /* Asks the broker of the exporter of w[0] for the descriptors of w[0..n)
  * (1 <= n <= USMIPC__FDS_PER_REQUEST, all of that exporter, each with
  * USMIPC__WIRE_FLAG_FD and of one piece: a run of chunks, whose descriptors

@@ -24,12 +24,14 @@
  *   48 [16] proof = MAC(process key, "usmipc-request-2" || bytes[0, 48)),
  *   64 [16] capability = MAC(token, "usmipc-capabil-2" || bytes[0, 48)) with
  *           USMIPC__WANT_FD, else zero.
- * want = USMIPC__WANT_RELEASE (alone) and USMIPC__WANT_FDS (alone) are
- * followed by u16 body length and the body. A WANT_FDS request's buffer id
- * and capability fields are zero; its body is u16 count (1 to 253), then
- * count entries of u64 buffer id and
- *   [16] MAC(that allocation's token, "usmipc-fdbatch-2" || bytes[0, 48) ||
- *        u64 buffer id).
+ * want = USMIPC__WANT_RELEASE, USMIPC__WANT_FDS and USMIPC__WANT_FORWARD
+ * (each alone) are followed by u16 body length and the body. A
+ * WANT_FORWARD request names the release (its id in the buffer id field)
+ * as a WANT_RELEASE one does; its body is u64 ticket, its capability
+ * usmipc__forward_capability, and its answer's word 8 the ticket minted. A
+ * WANT_FDS request's buffer id and capability fields are zero; its body is u16
+ * count (1 to 253), then count entries of u64 buffer id and [16] MAC(that
+ * allocation's token, "usmipc-fdbatch-2" || bytes[0, 48) || u64 buffer id).
  * Reply:
  *   0 u32 magic, 4 u32 status, 8 u32 descriptors sent (a refused WANT_FDS
  *   entry: its index), 12 u32 want (echo), 16 [16] client nonce (echo),
@@ -59,6 +61,27 @@ void usmipc__release_capability(const uint8_t *req, const uint8_t token[16],
   memcpy(msg + 16, req, 48);
   memcpy(msg + 64, body, len);
   usmipc__mac(out, token, msg, 64 + len);
+}
+
+void usmipc__forward_capability(const uint8_t *req, const uint8_t token[16],
+                                const uint8_t *body, size_t len,
+                                uint8_t out[16]) {
+  uint8_t msg[16 + 48 + USMIPC__FORWARD_BODY_LEN];
+  if (len > USMIPC__FORWARD_BODY_LEN)
+    len = USMIPC__FORWARD_BODY_LEN; /* the judge refuses it before */
+  memcpy(msg, "usmipc-forward-2", 16);
+  memcpy(msg + 16, req, 48);
+  memcpy(msg + 64, body, len);
+  usmipc__mac(out, token, msg, 64 + len);
+}
+
+void usmipc__forward_token(const uint8_t parent[16], uint64_t release_id,
+                           uint64_t ticket, uint8_t out[16]) {
+  uint8_t msg[16 + 8 + 8];
+  memcpy(msg, "usmipc-fwdtokn-2", 16);
+  usmipc__put64le(msg + 16, release_id);
+  usmipc__put64le(msg + 24, ticket);
+  usmipc__mac(out, parent, msg, sizeof(msg));
 }
 
 static void request_proof(const uint8_t *req, const uint8_t key[16],
@@ -110,7 +133,8 @@ uint32_t usmipc__request_check(const uint8_t *req, size_t len, uint32_t pid,
   if (usmipc__get32le(req + 8) != pid || usmipc__get64le(req + 16) != nonce ||
       !usmipc__ct_equal(proof, req + 48, 16) ||
       ((*want & ~(USMIPC__WANT_TABLE | USMIPC__WANT_FD)) != 0 &&
-       *want != USMIPC__WANT_RELEASE && *want != USMIPC__WANT_FDS) ||
+       *want != USMIPC__WANT_RELEASE && *want != USMIPC__WANT_FDS &&
+       *want != USMIPC__WANT_FORWARD) ||
       *want == 0)
     return USMIPC__REPLY_BAD_PROOF;
   return USMIPC__REPLY_OK;
@@ -347,6 +371,63 @@ int usmipc__reply_check_fds(const uint8_t *rep, size_t n, const uint8_t *req,
                         "the broker of process %u sent %d descriptors%s, not "
                         "%zu",
                         w->pid, nfds, truncated ? " (truncated)" : "", count);
+  return 0;
+}
+
+/* The producer's answer to a forward: a refusal in words the forwarder can
+ * act on, or the ticket minted (never 0; fuzz_reply.c). */
+int usmipc__reply_check_forward(const uint8_t *rep, size_t n,
+                                const uint8_t *req, const usmipc__wire_t *w,
+                                int nfds, const char *name, uint64_t *ticket) {
+  *ticket = 0;
+  int rc = reply_authentic(rep, n, req, w, name);
+  if (rc != 0)
+    return rc;
+  uint32_t status = usmipc__get32le(rep + 4);
+  switch (status) {
+  case USMIPC__REPLY_OK:
+    break;
+  case USMIPC__REPLY_UNKNOWN_BUFFER:
+    return usmipc__fail(USMIPC_EEXPORTERGONE,
+                        "process %u no longer waits for releases of this "
+                        "handoff (the producer freed its handle or bundle): "
+                        "there is nothing left to hand on",
+                        w->pid);
+  case USMIPC__REPLY_BAD_CAPABILITY:
+    return usmipc__fail(USMIPC_EACCES,
+                        "process %u refused to hand the handoff on: the "
+                        "release ticket's token is wrong for its number "
+                        "(forged, edited or corrupted bytes)",
+                        w->pid);
+  case USMIPC__REPLY_BAD_REQUEST:
+    return usmipc__fail(USMIPC_EBADHANDLE,
+                        "process %u refused to hand the handoff on: its "
+                        "ticket was never handed out (forged bytes)",
+                        w->pid);
+  case USMIPC__REPLY_RELEASED:
+    return usmipc__fail(USMIPC_EINVAL,
+                        "process %u already has this handoff's release "
+                        "ticket back from this process (or from all its "
+                        "consumers), so its memory may be reused: hand it "
+                        "on before releasing what was opened from it",
+                        w->pid);
+  case USMIPC__REPLY_TOO_MANY:
+    return usmipc__fail(USMIPC_EBUSY,
+                        "process %u holds %u forwarded tickets of this "
+                        "handoff that have not come back: release some "
+                        "before handing it on again",
+                        w->pid, USMIPC__FORWARDS_MAX);
+  default:
+    return reply_error(w, status);
+  }
+  uint32_t minted = usmipc__get32le(rep + 8);
+  if (nfds != 0 || minted == 0 ||
+      usmipc__get32le(rep + 12) != USMIPC__WANT_FORWARD)
+    return usmipc__fail(USMIPC_ETRANSPORT,
+                        "the broker of process %u answered a forward with "
+                        "%d descriptors and ticket %u",
+                        w->pid, nfds, minted);
+  *ticket = minted;
   return 0;
 }
 

@@ -654,8 +654,8 @@ bool usmipc__bundle_magic(const void *data, size_t len) {
   return data != NULL && len >= 8 && memcmp(data, USMIPC__BUNDLE_MAGIC, 8) == 0;
 }
 
-int usmipc__bundle_ticket(const void *data, size_t len, usmipc__wire_t *w,
-                          bool *no_memory) {
+int usmipc__bundle_ticket(const void *data, size_t len, const char *fn,
+                          usmipc__wire_t *w, bool *no_memory) {
   usmipc_opened_bundle_t *ob;
   int rc = usmipc__bundle_decode(data, len, false, &ob);
   if (rc != 0)
@@ -665,10 +665,11 @@ int usmipc__bundle_ticket(const void *data, size_t len, usmipc__wire_t *w,
     *w = *ob->handoff;
   else if (!*no_memory)
     rc = usmipc__fail(USMIPC_EINVAL,
-                      "usmipc_ipc_release: the bundle carries no release "
+                      "%s: the bundle carries no release "
                       "ticket (its producer did not order it with "
                       "usmipc_bundle_order_ex(..., USMIPC_ORDER_RELEASE), or "
-                      "share(..., release=True) in Python)");
+                      "share(..., release=True) in Python)",
+                      fn);
   usmipc__opened_bundle_free(ob);
   return rc;
 }

@@ -343,13 +343,14 @@ int usmipc__bundle_same_tree(const usmipc_opened_bundle_t *ob, const void *data,
                              usmipc__wire_t **order_event);
 /* Whether data starts as bundle bytes do (bundle_wire.c). */
 bool usmipc__bundle_magic(const void *data, size_t len);
-/* For usmipc_ipc_release of bundle bytes (bundle_wire.c), decoded in full: *w
+/* For usmipc_ipc_release and usmipc_ipc_forward (fn, named in the message)
+ * of bundle bytes (bundle_wire.c), decoded in full: *w
  * becomes allocation 0's handle with the records that follow the tree,
  * which name the producer and carry the ticket. *no_memory: the bundle
  * names no allocation, so it has no ticket and needs none. USMIPC_EINVAL
  * when the producer asked for no release. */
-int usmipc__bundle_ticket(const void *data, size_t len, struct usmipc__wire *w,
-                          bool *no_memory);
+int usmipc__bundle_ticket(const void *data, size_t len, const char *fn,
+                          struct usmipc__wire *w, bool *no_memory);
 
 /* ---- the export table's layout (linux/exports.c writes and maps it) -----
  * Which allocations a process still exports, shared read-only with
@@ -404,6 +405,12 @@ enum usmipc__reply_status {
   USMIPC__REPLY_BAD_PROOF =
       5, /* the request's MAC fails: not a handle of ours */
   USMIPC__REPLY_NO_TABLE = 6,
+  /* WANT_FORWARD: the ticket named came back already (from the asking
+   * process, or from all of a fan-out's): too late to hand it on. */
+  USMIPC__REPLY_RELEASED = 7,
+  /* WANT_FORWARD: the producer holds USMIPC__FORWARDS_MAX forwarded
+   * tickets of that handoff not yet returned. */
+  USMIPC__REPLY_TOO_MANY = 8,
 };
 /* The most descriptors one SCM_RIGHTS message carries: SCM_MAX_FD
  * (unix(7)). A WANT_FDS answer carries up to USMIPC__FDS_PER_REQUEST, an
@@ -419,6 +426,13 @@ static inline int usmipc__wire_run_length(const usmipc__wire_t *w) {
 #define USMIPC__WANT_FD 0x2u
 #define USMIPC__WANT_RELEASE 0x4u /* alone: a release signal, with a body */
 #define USMIPC__WANT_FDS 0x8u     /* alone: many descriptors, with a body */
+/* Alone, with a body of u64 ticket: one more consumer for a handoff's
+ * release ticket (release.c, "Forwarding"); the answer's word 8 is the
+ * ticket minted for it. */
+#define USMIPC__WANT_FORWARD 0x10u
+#define USMIPC__FORWARD_BODY_LEN 8u
+/* Forwarded tickets of one handoff registry not yet returned. */
+#define USMIPC__FORWARDS_MAX 65536u
 /* A WANT_FDS request names at most this many allocations: one SCM_RIGHTS
  * message carries at most SCM_MAX_FD (253) descriptors (unix(7)). */
 #define USMIPC__FDS_PER_REQUEST 253u
@@ -489,6 +503,23 @@ int usmipc__release_body_check(const uint8_t *body, size_t len,
                                uint64_t *ticket, const uint8_t **event,
                                size_t *event_len, usmipc__wire_t *w);
 #define USMIPC__RELEASE_BODY_MAX (10 + USMIPC__EVENT_HANDLE_MAX)
+/* A forward request's capability: MAC(token of the ticket it names,
+ * "usmipc-forward-2" || req[0,48) || body). */
+void usmipc__forward_capability(const uint8_t *req, const uint8_t token[16],
+                                const uint8_t *body, size_t len,
+                                uint8_t out[16]);
+/* The token of ticket `ticket` minted by a forward of a ticket whose token
+ * is parent: MAC(parent, "usmipc-fwdtokn-2" || u64 release id || u64
+ * ticket). The forwarder computes it from what it holds; the producer
+ * keeps it to check the ticket's return. */
+void usmipc__forward_token(const uint8_t parent[16], uint64_t release_id,
+                           uint64_t ticket, uint8_t out[16]);
+/* The importer's judgement of the answer to a WANT_FORWARD request: 0 only
+ * for an authentic OK with no descriptor and a minted ticket (word 8, not
+ * 0) in *ticket. */
+int usmipc__reply_check_forward(const uint8_t *rep, size_t n,
+                                const uint8_t *req, const usmipc__wire_t *w,
+                                int nfds, const char *name, uint64_t *ticket);
 /* The broker's socket names: the abstract one, and the file DIR/usmipc.
  * <pid>.<nonce>.sock (0 when the path does not fit); USMIPC_SOCKET_DIR or
  * NULL. */

@@ -291,7 +291,8 @@ static void reply_hex(const void *data, size_t len) {
  * evquery, evwait, evdestroy on event slot E; exportord S exports slot S
  * ordered on the agent's queue; openord S HEX opens it with a host wait;
  * exportrel S orders slot S's release handle again (a new ticket);
- * release 0 HEX returns a ticket after the agent's queue; relcount S ->
+ * release 0 HEX returns a ticket after the agent's queue; relforward 0 HEX
+ * -> ok HEX2, the bytes handed on (usmipc_ipc_forward); relcount S ->
  * ok SENT RELEASED; relwait S; evtimeout MS sets the event timeout. */
 static int do_event_command(const char *cmd, const char *a1, const char *a2) {
   long i = a1 ? strtol(a1, NULL, 10) : -1;
@@ -356,6 +357,17 @@ static int do_event_command(const char *cmd, const char *a1, const char *a2) {
     }
     if ((r = agent_queue()) == 0)
       r = usmipc_ipc_release(data, (size_t)len, queue);
+  } else if (strcmp(cmd, "relforward") == 0) {
+    uint8_t data[4096];
+    ssize_t len = a2 ? hex_decode(a2, data, sizeof(data)) : -1;
+    if (len < 0) {
+      reply_err(USMIPC_EINVAL, "bad hex");
+      return 1;
+    }
+    if ((r = usmipc_ipc_forward(data, (size_t)len, data)) == 0) {
+      reply_hex(data, (size_t)len);
+      return 1;
+    }
   } else if (strcmp(cmd, "relcount") == 0 || strcmp(cmd, "relwait") == 0) {
     slot_t *s = &slots[i];
     const int k = 0; /* the handle of exportrel */

@@ -1343,6 +1343,66 @@ TEST_IMPL(bundle_release_same_process) {
   return 0;
 }
 
+/* bundle_release_forward: a fan-out ticket handed on by a consumer that
+ * still holds it (here the producer's own process, the same path as the
+ * broker's): the forwarded bytes differ only in their ticket, a reader
+ * opens and writes through them, and the wait waits for it as well. Once
+ * the fan-out's returns are all in, forwarding it is refused. */
+TEST_IMPL(bundle_release_forward) {
+  usmipc_queue_t *q = events_queue();
+  void *ptr[3];
+  size_t extent[3];
+  usmipc_bundle_t *b = three_arrays(ptr, extent);
+  const void *data;
+  size_t len;
+  ASSERT_OK(usmipc_bundle_order_fanout(b, q, 2));
+  ASSERT_OK(usmipc_bundle_data(b, &data, &len));
+  uint8_t *a = malloc(len), *f = malloc(len);
+  ASSERT_NOT_NULL(a);
+  ASSERT_NOT_NULL(f);
+  memcpy(a, data, len);
+  ASSERT_ERR(usmipc_ipc_forward(a, len, NULL), USMIPC_EINVAL);
+  ASSERT_OK(usmipc_ipc_forward(a, len, f));
+  ASSERT_RELEASES(b, 3, 0);
+  ASSERT_OK(usmipc_bundle_inspect(f, len, NULL, NULL));
+  /* Only the ticket's number and token (and the checksum) differ. */
+  ASSERT_EQ(memcmp(a, f, len - 28), 0);
+  ASSERT_MSG(memcmp(a + len - 28, f + len - 28, 24) != 0, "same ticket");
+  reader_t r[2];
+  uint64_t out[7];
+  for (int i = 0; i < 2; i++)
+    reader_start(&r[i]);
+  reader_send(&r[0], 'W', 1, f, len, out); /* opens, writes, returns */
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_RELEASES(b, 3, 1);
+  reader_send(&r[0], 'R', 0, f, len, out); /* again: counts for nothing */
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_RELEASES(b, 3, 1);
+  reader_send(&r[0], 'R', 0, a, len, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  reader_send(&r[1], 'R', 0, a, len, out);
+  ASSERT_EQ((int64_t)out[0], 0);
+  ASSERT_RELEASES(b, 3, 3);
+  ASSERT_ERR(usmipc_ipc_forward(a, len, f), USMIPC_EINVAL);
+  ASSERT_OK(usmipc_bundle_wait_released(b, q));
+  if (q != NULL)
+    ASSERT_OK(usmipc_queue_synchronize(q));
+  ASSERT_PATTERN(ptr[0], extent[0], 700, 0); /* written through f */
+  /* Bytes with no ticket: nothing to hand on. */
+  ASSERT_OK(usmipc_bundle_order(b, NULL));
+  ASSERT_OK(usmipc_bundle_data(b, &data, &len));
+  ASSERT_ERR(usmipc_ipc_forward(data, len, f), USMIPC_EINVAL);
+  for (int i = 0; i < 2; i++) {
+    reader_send(&r[i], 'C', 0, NULL, 0, out);
+    reader_stop(&r[i]);
+  }
+  free(a);
+  free(f);
+  usmipc_bundle_free(b);
+  three_arrays_free(ptr, q);
+  return 0;
+}
+
 /* bundle_release_fanout: one handoff's bytes to three consumer processes
  * (as tensor-parallel ranks get them): one event, one ticket, the same
  * bytes; the wait waits for all three, a process's second return counts

@@ -632,6 +632,99 @@ TEST_IMPL(event_release_ticket_own_capability) {
   return 0;
 }
 
+/* Forwarding (usmipc_ipc_forward): a consumer hands what it holds on to a
+ * third process, which gets a ticket of its own from the producer; the
+ * producer's wait then waits for it too. Refused once the forwarder's
+ * ticket came back (the memory may be reused), for edited bytes, and when
+ * the producer freed the handle. A forwarded ticket is forwardable in
+ * turn, and returning it twice counts once. */
+TEST_IMPL(event_release_forward) {
+  agent_t ex, im, im2;
+  static char hex[HEX_MAX], fwd[HEX_MAX], fwd2[HEX_MAX], forged[HEX_MAX];
+  agent_start(&ex, NULL);
+  agent_start(&im, NULL);
+  agent_start(&im2, NULL);
+  AGENT_OK(&ex, "alloc 0 device 8192");
+  AGENT_OK(&ex, "evtimeout 300");
+  AGENT_OK(&ex, "fill 0 33");
+  AGENT_OK(&ex, "exportrel 0");
+  snprintf(hex, sizeof(hex), "%s", ex.reply);
+  AGENT_OK(&im, "openord 1 %s", hex);
+  AGENT_OK(&im, "relforward 0 %s", hex);
+  snprintf(fwd, sizeof(fwd), "%s", im.reply);
+  ASSERT_EQ(strlen(fwd), strlen(hex));
+  ASSERT_MSG(strcmp(fwd, hex) != 0, "the forwarded bytes are the same");
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "2 0");
+  /* The third process reads the producer's memory through them. */
+  AGENT_OK(&im2, "openord 1 %s", fwd);
+  AGENT_OK(&im2, "check 1 33");
+  /* The forwarder is done: the producer still waits for the third. */
+  AGENT_OK(&im, "close 1");
+  AGENT_OK(&im, "release 0 %s", hex);
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "2 1");
+  AGENT_ERR(&ex, USMIPC_ETIMEDOUT, "relwait 0");
+  ASSERT_MSG(strstr(ex.reply, "1 of 2") != NULL, "%s", ex.reply);
+  /* Too late for the first ticket: it came back. */
+  AGENT_ERR(&im, USMIPC_EINVAL, "relforward 0 %s", hex);
+  ASSERT_MSG(strstr(im.reply, "before releasing") != NULL, "%s", im.reply);
+  /* The third forwards in turn, then returns its own ticket. */
+  AGENT_OK(&im2, "relforward 0 %s", fwd);
+  snprintf(fwd2, sizeof(fwd2), "%s", im2.reply);
+  AGENT_OK(&im2, "close 1");
+  AGENT_OK(&im2, "release 0 %s", fwd);
+  AGENT_OK(&im2, "release 0 %s", fwd); /* counts once */
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "3 2");
+
+  /* Edited bytes (checksum recomputed): the forwarded ticket's number
+   * changed to one that came back (refused as released: nothing to
+   * gain), a token flipped, a ticket never handed out. */
+  uint8_t b[4096];
+  size_t len = hex_to_bytes(fwd2, b, sizeof(b));
+  uint8_t *rel = record_of(b, len, USMIPC__EXT_RELEASE);
+  ASSERT_NOT_NULL(rel);
+  ASSERT_UEQ(usmipc__get64le(rel + 8), 3);
+  usmipc__put64le(rel + 8, 2);
+  reseal(b, len);
+  hex_encode(b, len, forged);
+  AGENT_ERR(&im, USMIPC_EINVAL, "relforward 0 %s", forged);
+  usmipc__put64le(rel + 8, 3);
+  rel[20] ^= 1;
+  reseal(b, len);
+  hex_encode(b, len, forged);
+  AGENT_ERR(&im, USMIPC_EACCES, "relforward 0 %s", forged);
+  AGENT_ERR(&im, USMIPC_EACCES, "release 0 %s", forged);
+  rel[20] ^= 1;
+  usmipc__put64le(rel + 8, 99);
+  reseal(b, len);
+  hex_encode(b, len, forged);
+  AGENT_ERR(&im, USMIPC_EBADHANDLE, "relforward 0 %s", forged);
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "3 2");
+  /* The producer hands its own handoff on (same process), then every
+   * ticket comes back and the wait ends. */
+  AGENT_OK(&ex, "relforward 0 %s", fwd2);
+  snprintf(fwd, sizeof(fwd), "%s", ex.reply);
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "4 2");
+  AGENT_OK(&im, "release 0 %s", fwd2);
+  AGENT_OK(&ex, "release 0 %s", fwd);
+  AGENT_OK(&ex, "relwait 0");
+  AGENT_OK(&ex, "relcount 0");
+  ASSERT_STR_EQ(ex.reply, "4 4");
+  /* The producer freed its handle: nothing left to hand on. */
+  AGENT_OK(&ex, "exportrel 0");
+  snprintf(hex, sizeof(hex), "%s", ex.reply);
+  AGENT_OK(&ex, "free 0");
+  AGENT_ERR(&im, USMIPC_EEXPORTERGONE, "relforward 0 %s", hex);
+  agent_stop_ok(&ex);
+  agent_stop_ok(&im);
+  agent_stop_ok(&im2);
+  return 0;
+}
+
 typedef struct handle_waiter {
   usmipc_ipc_handle_t *h;
   int rc;

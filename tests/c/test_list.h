@@ -125,6 +125,7 @@
   X(event_threads)                                                             \
   X(event_release_cross_process)                                               \
   X(event_release_same_process)                                                \
+  X(event_release_forward)                                                     \
   X(event_release_consumer_exits)                                              \
   X(event_release_ticket_own_capability)                                       \
   X(event_timeout_no_wrap)                                                     \
@@ -153,6 +154,7 @@
   X(bundle_release_consumer_exits)                                             \
   X(bundle_release_same_process)                                               \
   X(bundle_release_fanout)                                                     \
+  X(bundle_release_forward)                                                    \
   X(env_numbers)                                                                \
   X(update_cross_process)                                                       \
   X(update_refused)                                                            \

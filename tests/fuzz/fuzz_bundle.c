@@ -66,7 +66,7 @@ static void check_one(const uint8_t *data, size_t size) {
    * there is none (EINVAL) or that the bundle lends no memory. */
   usmipc__wire_t w;
   bool no_memory = false;
-  int rt = usmipc__bundle_ticket(data, size, &w, &no_memory);
+  int rt = usmipc__bundle_ticket(data, size, "fuzz", &w, &no_memory);
   if (rd != 0)
     FUZZ_CHECK(rt == rd, "ticket %d, decode %d", rt, rd);
   else if (rt == 0 && !no_memory)

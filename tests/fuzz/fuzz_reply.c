@@ -18,7 +18,8 @@
  * may accept only the exporter's OK carrying exactly that many, and may
  * name a refused entry only from an authentic refusal, within the request.
  * (Handles of a run of chunks are never batched: the batch's answers are
- * judged for single descriptors only.) */
+ * judged for single descriptors only.) Each input is also the answer to a
+ * forward (usmipc__reply_check_forward), with no descriptor or one. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -132,6 +133,41 @@ static void check_fds(const uint8_t *rep, size_t n, size_t count, int nfds,
              "accepted an answer the exporter did not write");
 }
 
+/* The answer to a forward (WANT_FORWARD, release id 55 in the buffer id
+ * field): accepted only as the exporter's OK with no descriptor and a
+ * ticket, which is then the answer's word 8. */
+static void check_forward(const uint8_t *rep, size_t n, int nfds) {
+  usmipc__wire_t w;
+  memset(&w, 0, sizeof(w));
+  w.pid = 4242;
+  w.nonce = 0x1122334455667788ull;
+  w.buffer_id = 55;
+  memcpy(w.key, KEY, 16);
+  uint8_t req[USMIPC__REQUEST_LEN];
+  usmipc__request_build(req, &w, USMIPC__WANT_FORWARD, CLIENT);
+  uint64_t ticket = 12345;
+  int rc = usmipc__reply_check_forward(rep, n, req, &w, nfds, "fuzz", &ticket);
+  if (rc != 0) {
+    FUZZ_CHECK(ticket == 0, "refused with ticket %llu",
+               (unsigned long long)ticket);
+    FUZZ_CHECK(rc == USMIPC_EEXPORTERGONE || rc == USMIPC_EUNTRUSTED ||
+                   rc == USMIPC_EACCES || rc == USMIPC_ETRANSPORT ||
+                   rc == USMIPC_EBADHANDLE || rc == USMIPC_EINVAL ||
+                   rc == USMIPC_EBUSY,
+               "code %d", rc);
+    FUZZ_CHECK(usmipc_last_error()[0] != '\0', "no message");
+    return;
+  }
+  FUZZ_CHECK(n == USMIPC__REPLY_LEN && le32(rep + 4) == 0 && nfds == 0,
+             "not ok");
+  FUZZ_CHECK(ticket != 0 && ticket == le32(rep + 8), "ticket %llu",
+             (unsigned long long)ticket);
+  uint8_t good[USMIPC__REPLY_LEN];
+  usmipc__reply_build(good, req, 0, (int)ticket, KEY);
+  FUZZ_CHECK(memcmp(good, rep, USMIPC__REPLY_LEN) == 0,
+             "accepted an answer the exporter did not write");
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -151,6 +187,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                    : how == 2 ? (int)count + 1
                               : nfds;
   check_fds(rep, n, count, batch_nfds, truncated);
+  check_forward(rep, n, nfds & 1);
   if (n >= 32) {
     /* The same answer with a valid MAC and echo, as the exporter signs
      * (a WANT_FDS request's buffer id field is zero). */
@@ -159,6 +196,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     check_one(fixed, sizeof(fixed), want, nfds, truncated, chunks);
     sign(fixed, rep, n, 0);
     check_fds(fixed, sizeof(fixed), count, batch_nfds, truncated);
+    sign(fixed, rep, n, 55);
+    check_forward(fixed, sizeof(fixed), nfds & 1);
   }
   return 0;
 }

@@ -54,7 +54,7 @@ static void check_one(const uint8_t *req, size_t len) {
   /* Accepted: every promise holds. */
   FUZZ_CHECK(len == USMIPC__REQUEST_LEN, "accepted %zu bytes", len);
   FUZZ_CHECK((want >= 1 && want <= 3) || want == USMIPC__WANT_RELEASE ||
-                 want == USMIPC__WANT_FDS,
+                 want == USMIPC__WANT_FDS || want == USMIPC__WANT_FORWARD,
              "want %u", want);
   FUZZ_CHECK(le32(req + 8) == PID, "pid");
   /* A rebuilt request from the same fields and nonce is byte-identical in
@@ -214,6 +214,12 @@ static void check_release(const uint8_t *data, size_t size) {
   }
   uint32_t status = usmipc__release_arrived(data, body, len, 0);
   FUZZ_CHECK(status == 1 || status == 4, "release status %u", status);
+  /* The same bytes as a forward: no registry has the id (the one below
+   * has a random one), or the body is not one ticket. */
+  uint32_t word = 7;
+  status = usmipc__release_forward_arrived(data, body, len, 0, &word);
+  FUZZ_CHECK((status == 1 || status == 4) && word == 0,
+             "forward status %u, ticket %u", status, word);
 }
 
 /* Each ticket is its own capability (issue 21 #3): against a registry of

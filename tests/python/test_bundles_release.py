@@ -421,3 +421,97 @@ def test_release_stream_is_asked_when_the_last_array_goes():
                                         r"arguments"):
         usmipc.open_shared(b"", release_stream=5)  # checked first
     bundle.wait_released()  # every ticket handed out came back
+
+
+def _forwarding_consumer(conn, raw):
+    """Opens the bundle, hands it on (forward_shared, with its SharedArray
+    and with the bytes), then closes when told: its ticket goes back while
+    the bytes it handed on are still held elsewhere."""
+    tree = usmipc.open_shared(raw)
+    fwd = usmipc.forward_shared(tree["w"])
+    conn.send(fwd)
+    conn.recv()
+    usmipc.close_shared(tree)
+    conn.send("closed")
+    conn.recv()
+    try:  # too late: its own ticket went back
+        usmipc.forward_shared(raw)
+        conn.send("forwarded after release")
+    except usmipc.Error as e:
+        conn.send((type(e).__name__, e.name, str(e)))
+    conn.recv()
+
+
+def _third_consumer(conn, raw):
+    tree = usmipc.open_shared(raw)
+    conn.send([float(np.from_dlpack(x).reshape(-1)[0])
+               for x in _leaves(tree)])
+    conn.recv()
+    _write(tree)
+    usmipc.close_shared(tree)
+    conn.send("closed")
+    conn.recv()
+
+
+def test_a_consumer_hands_the_bundle_on():
+    """forward_shared: process B holds the producer's bundle and hands it to
+    C with a ticket of its own. The producer's wait goes on after B's
+    ticket is back, until C's is, and then sees C's writes."""
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    tree = _tree(pool)
+    bundle = usmipc.share(tree, release=True)
+    raw = bundle.to_bytes()
+    b, pb = spawn_peer(_forwarding_consumer, raw)
+    c = pc = None
+    try:
+        fwd = recv_from(b, pb)
+        assert isinstance(fwd, bytes) and len(fwd) == len(raw) and fwd != raw
+        assert fwd[:TOKEN_AT - 8] == raw[:TOKEN_AT - 8]  # the ticket differs
+        assert bundle.releases == (2, 0)
+        c, pc = spawn_peer(_third_consumer, fwd)
+        assert recv_from(c, pc) == [1.0, 2.0, 3.0]
+        b.send("close")
+        assert recv_from(b, pb) == "closed"
+        assert bundle.releases == (2, 1)
+        usmipc.set_event_timeout(0.3)
+        with pytest.raises(usmipc.IPCTimeoutError, match="1 of 2"):
+            bundle.wait_released()
+        b.send("again")
+        kind, name, said = recv_from(b, pb)
+        assert (kind, name) == ("ArgumentError", "USMIPC_EINVAL"), said
+        assert "before releasing" in said
+        c.send("write")
+        assert recv_from(c, pc) == "closed"
+        usmipc.set_event_timeout(None)
+        bundle.wait_released()
+        assert bundle.releases == (2, 2)
+        for i, leaf in enumerate(_leaves(tree)):
+            assert (leaf == 10 + i).all()
+        for conn, proc in ((b, pb), (c, pc)):
+            conn.send("done")
+            join_ok(proc)
+    finally:
+        for proc in (pb, pc):
+            if proc is not None and proc.is_alive():
+                proc.kill()
+
+
+def test_forward_shared_arguments():
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    tree = _tree(pool)
+    bundle = usmipc.share(tree, release=True)
+    with pytest.raises(usmipc.ArgumentError, match="producer's own"):
+        usmipc.forward_shared(bundle)
+    with pytest.raises(usmipc.ArgumentTypeError, match="not an int"):
+        usmipc.forward_shared(3)
+    with pytest.raises(usmipc.Error) as e:
+        usmipc.forward_shared(b"not a bundle")
+    assert e.value.name == "USMIPC_EBADHANDLE"
+    unticketed = usmipc.share(tree)
+    plain = unticketed.to_bytes()  # no ticket
+    with pytest.raises(usmipc.ArgumentError, match="no release|no ticket"):
+        usmipc.forward_shared(plain)
+    opened = usmipc.open_shared(plain)
+    with pytest.raises(usmipc.ArgumentError, match="no release ticket"):
+        usmipc.forward_shared(opened["w"])
+    usmipc.close_shared(opened)

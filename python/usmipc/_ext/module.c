@@ -392,6 +392,17 @@ static PyMethodDef bundle_functions[] = {
      "to='torch' trees). Once per open: closing the last array of an open "
      "returns its ticket from the host, if nothing did before. Bytes that "
      "carry no ticket are refused; a tree of them needs nothing."},
+    {"forward_shared", pyusmipc_forward_shared, METH_O,
+     "forward_shared(data)\n--\n\nBytes that hand a bundle this process "
+     "opened (shared with release=True) on to one more consumer process: "
+     "the same bytes with a release ticket of their own, which the "
+     "producer makes now, so that its SharedBundle.wait_released() also "
+     "waits for whoever opens them. data is the bytes open_shared() "
+     "opened, or a SharedArray it returned. Call it while this process "
+     "still holds what it opened: once its own ticket went back, the "
+     "producer may reuse the memory and refuses (usmipc.ArgumentError). "
+     "Work this process queued on the arrays is not ordered before the "
+     "next consumer's: finish it (synchronize) first."},
     {"stats", stats, METH_NOARGS,
      "stats()\n--\n\nWhat IPC has cost this process: driver exports, "
      "imports and queries, descriptors sent and received, round trips to "

@@ -1293,6 +1293,65 @@ PyObject *pyusmipc_release_shared(PyObject *module, PyObject *const *args,
   Py_RETURN_NONE;
 }
 
+/* forward_shared(data): the bytes that hand what this process opened on to
+ * one more consumer (usmipc_ipc_forward): data is the bytes it opened, a
+ * consumer's SharedBundle of them, or one of its SharedArrays. */
+PyObject *pyusmipc_forward_shared(PyObject *module, PyObject *obj) {
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
+  PyObject *bytes;
+  if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedArrayType)) {
+    ticket_t *t = ((Arr *)obj)->ticket;
+    if (t == NULL) {
+      pyusmipc_value_error(
+          "forward_shared(): this array's bundle carries no release ticket "
+          "(its producer shared it without release=True): its bytes can be "
+          "sent on as they are");
+      return NULL;
+    }
+    bytes = Py_NewRef(t->bytes);
+  } else if (PyObject_TypeCheck(obj, (PyTypeObject *)st->SharedBundleType)) {
+    if (((Bundle *)obj)->bundle != NULL) {
+      pyusmipc_value_error(
+          "forward_shared(): this SharedBundle is the producer's own (from "
+          "share()): share it again for one more consumer; a consumer "
+          "passes what it opened");
+      return NULL;
+    }
+    bytes = Py_NewRef(((Bundle *)obj)->bytes);
+  } else if (PyBytes_Check(obj) || PyObject_CheckBuffer(obj)) {
+    bytes = PyBytes_Check(obj) ? Py_NewRef(obj) : PyBytes_FromObject(obj);
+    if (bytes == NULL)
+      return NULL;
+  } else {
+    PyObject *tn = pyusmipc_type_name(obj);
+    if (tn != NULL)
+      pyusmipc_type_error("forward_shared() takes the bytes open_shared() "
+                          "opened, or a SharedArray it returned, not %s %U",
+                          pyusmipc_article(tn), tn);
+    Py_XDECREF(tn);
+    return NULL;
+  }
+  Py_ssize_t len = PyBytes_Size(bytes);
+  PyObject *out = PyBytes_FromStringAndSize(NULL, len);
+  if (out == NULL) {
+    Py_DECREF(bytes);
+    return NULL;
+  }
+  int rc;
+  const char *data = PyBytes_AsString(bytes);
+  char *dst = PyBytes_AsString(out);
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_ipc_forward(data, (size_t)len, dst);
+  Py_END_ALLOW_THREADS
+  Py_DECREF(bytes);
+  if (rc != 0) {
+    Py_DECREF(out);
+    pyusmipc_raise(st, rc);
+    return NULL;
+  }
+  return out;
+}
+
 PyObject *pyusmipc_close_shared(PyObject *module, PyObject *const *args,
                                 Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"tree", "stream"};

@@ -15,6 +15,7 @@ PyObject *pyusmipc_open_shared(PyObject *module, PyObject *const *args,
                                Py_ssize_t nargs, PyObject *kwnames);
 PyObject *pyusmipc_close_shared(PyObject *module, PyObject *const *args,
                                 Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyusmipc_forward_shared(PyObject *module, PyObject *obj);
 PyObject *pyusmipc_release_shared(PyObject *module, PyObject *const *args,
                                   Py_ssize_t nargs, PyObject *kwnames);
 

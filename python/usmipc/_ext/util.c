@@ -95,6 +95,10 @@ static const char *const PYTHON_WORDS[][2] = {
      "release=True) in Python",
      "share(..., release=True)"},
     {"usmipc_ipc_release: ", "returning the release ticket: "},
+    {"usmipc_ipc_forward: ", "forward_shared(): "},
+    {"(they were not written by usmipc_ipc_handle_order_ex or "
+     "usmipc_bundle_order_ex)",
+     "(they were not written by share(..., release=True))"},
     {"usmipc_bundle_update: ", "UpdatePlan.update(): "},
     {"usmipc_pool_malloc: ", "MemoryPool.allocate(): "},
     {"open them with usmipc_ipc_open (IPCMemoryHandle.open)",
