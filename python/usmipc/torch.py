@@ -92,6 +92,7 @@ _COUNTERS = (
     "messages",  # ForkingPickler.dumps calls that carried routed memory
     "bundles",  # usmipc bundles made (one per message and device)
     "standalone",  # tensors pickled outside dumps (one bundle each)
+    "forwarded",  # received bundles sent on (usmipc.forward_shared)
     "received_tensors",
     "received_storages",
     "reused_storages",  # arrivals that found their storage alive
@@ -233,20 +234,42 @@ class _Group:
         self.index_of: dict = {}  # (data_ptr, nbytes) -> index
 
 
+class _Forward:
+    """Received storages of one bundle, sent on: the bytes this process
+    opened, handed on once per message with a ticket of their own."""
+
+    __slots__ = ("device", "name", "raw")
+
+    def __init__(self, device, name, raw):
+        self.device = device  # torch.device, here
+        self.name = name  # the device as the bundle's sender named it
+        self.raw = raw
+
+
 class _Message:
     """What one ForkingPickler.dumps collects while torch's pickling of
-    the object runs: the routed storages, grouped by device."""
+    the object runs: the routed storages, grouped by device, and the
+    received ones, grouped by the bundle they came in."""
 
-    __slots__ = ("groups", "group_of", "put_event")
+    __slots__ = ("groups", "group_of", "forward_of", "put_event")
 
     def __init__(self, put_event):
-        self.groups: list[_Group] = []
+        self.groups: list = []  # _Group and _Forward
         # torch.device -> group index
         self.group_of: dict = {}
+        self.forward_of: dict = {}  # bundle bytes -> group index
         self.put_event = put_event  # (device index, torch.cuda.Event) or None
 
     def add(self, storage, device) -> tuple[int, int]:
         """(group, index) of the storage in this message, added if new."""
+        origin = _origin(storage) if _received else None
+        if origin is not None:
+            name, raw, index = origin
+            g = self.forward_of.get(raw)
+            if g is None:
+                g = self.forward_of[raw] = len(self.groups)
+                self.groups.append(_Forward(device, name, raw))
+            return g, index
         g = self.group_of.get(device)
         if g is None:
             g = self.group_of[device] = len(self.groups)
@@ -255,24 +278,43 @@ class _Message:
         key = (storage.data_ptr(), storage.nbytes())
         i = group.index_of.get(key)
         if i is None:
-            _refuse_forward(storage)
             i = group.index_of[key] = len(group.views)
             group.views.append(storage)
         return g, i
 
 
-def _refuse_forward(storage) -> None:
-    """A storage this process received is another process's memory: not
-    this one's to export. (Free for a process that never received.)"""
-    if not _received:
-        return
-    ref = _received.get((storage.device, storage.data_ptr(),
-                         storage.nbytes()))
-    if ref is not None and not ref.expired():
-        raise RuntimeError(
-            "usmipc.torch: this tensor's memory was received from another "
-            "process; sending it on is not supported yet: put a copy "
-            "(tensor.clone()) instead")
+def _origin(storage):
+    """(the sender's device name, the bundle bytes, the leaf index) of a
+    storage this process received and still holds, else None: another
+    process's memory, not this one's to export, is handed on instead."""
+    key = (storage.device, storage.data_ptr(), storage.nbytes())
+    ref = _received.get(key)
+    if ref is None or ref.expired():
+        return None
+    return _origins.get(key)
+
+
+def _forward_group(fwd: _Forward, put_event):
+    """The bytes that hand a received bundle on (a ticket of their own,
+    usmipc.forward_shared). They carry the first sender's ordering, not
+    this process's: the work queued here on the memory finishes first
+    (the put's event, or this thread's current stream), on the host."""
+    if fwd.device.type == "cuda":
+        if put_event is not None and put_event[0] == fwd.device.index:
+            put_event[1].synchronize()
+        else:
+            _torch().cuda.current_stream(fwd.device).synchronize()
+    try:
+        raw = _usmipc.forward_shared(fwd.raw)
+    except _usmipc.Error as e:
+        said = type(e)(
+            f"usmipc.torch: sending on a tensor this process received: {e} "
+            f"(or put a copy: tensor.clone())")
+        said.code, said.name = e.code, e.name
+        said.native_code = getattr(e, "native_code", 0)
+        raise said from e
+    _counts["forwarded"] += 1
+    return None, raw
 
 
 def _routes(storage) -> bool:
@@ -392,8 +434,13 @@ def _reduce_tensor(tensor):
 
 def _standalone(storage, tensor, meta):
     """A tensor pickled outside ForkingPickler.dumps (a spawned Process's
-    arguments, ForkingPickler(file).dump()): one bundle of its own."""
-    _refuse_forward(storage)
+    arguments, ForkingPickler(file).dump()): one bundle of its own, or
+    the bundle it came in, handed on."""
+    origin = _origin(storage) if _received else None
+    if origin is not None:
+        name, raw, index = origin
+        _, raw = _forward_group(_Forward(storage.device, name, raw), None)
+        return (_rebuild_forwarded, (raw, name, index) + meta)
     group = _Group(storage.device)
     group.views.append(storage)
     try:
@@ -428,7 +475,11 @@ def _reduce_storage(storage):
     messages = _tls.messages
     if messages:
         return (_rebuild_storage, (messages[-1].add(storage, storage.device),))
-    _refuse_forward(storage)
+    origin = _origin(storage) if _received else None
+    if origin is not None:
+        name, raw, index = origin
+        _, raw = _forward_group(_Forward(storage.device, name, raw), None)
+        return (_rebuild_forwarded_storage, (raw, name, index))
     group = _Group(storage.device)
     group.views.append(storage)
     bundle, raw = _share_group(group, None)
@@ -487,10 +538,11 @@ def _dumps(cls, obj, protocol=None):
         messages.pop()
     if not msg.groups:
         return body
-    made = []  # (bundle, bytes) per group
+    made = []  # (bundle or None, bytes) per group
     try:
         for g in msg.groups:
-            made.append(_share_group(g, put_event))
+            made.append(_forward_group(g, put_event) if type(g) is _Forward
+                        else _share_group(g, put_event))
     except _usmipc.Error as e:
         if not _refusal(e):
             raise
@@ -499,7 +551,8 @@ def _dumps(cls, obj, protocol=None):
         # was never handed to anyone).
         del made
         _warn_fallback(e)
-        _counts["fallbacks"] += sum(len(g.views) for g in msg.groups)
+        _counts["fallbacks"] += sum(len(g.views) for g in msg.groups
+                                    if type(g) is _Group)
         _tls.bypass += 1
         try:
             return plain(cls, obj, protocol)
@@ -507,6 +560,9 @@ def _dumps(cls, obj, protocol=None):
             _tls.bypass -= 1
     groups = []
     for g, (bundle, raw) in zip(msg.groups, made):
+        if bundle is None:  # handed on: the first sender keeps it
+            groups.append((g.name, raw))
+            continue
         _memory._keep(bundle)  # dropped once released and the work done
         groups.append((_device_name(g.device), raw))
     _counts["messages"] += 1
@@ -547,6 +603,9 @@ def _wrap_put(put):
 # (device, data_ptr, nbytes) -> StorageWeakRef: a storage that arrives again
 # while the last one lives is that storage (as torch's shared_cache).
 _received: dict = {}
+# The same keys -> (sender's device name, bundle bytes, leaf index): what
+# hands the storage on (_origin).
+_origins: dict = {}
 _RECEIVED_PRUNE = 4096
 
 
@@ -554,9 +613,10 @@ class _Opened:
     """A message's bundles, opened: their leaves are uint8 tensors, one per
     storage."""
 
-    __slots__ = ("leaves", "storages")
+    __slots__ = ("groups", "leaves", "storages")
 
-    def __init__(self, leaves):
+    def __init__(self, groups, leaves):
+        self.groups = groups  # (device name, bytes) per bundle
         self.leaves = leaves
         self.storages: dict = {}
 
@@ -564,13 +624,16 @@ class _Opened:
         s = self.storages.get(at)
         if s is None:
             g, i = at
-            s = self.storages[at] = _storage_of(self.leaves[g][i])
+            name, raw = self.groups[g]
+            s = self.storages[at] = _storage_of(self.leaves[g][i],
+                                                (name, raw, i))
         return s
 
 
-def _storage_of(leaf):
+def _storage_of(leaf, origin):
     """The storage of an opened leaf, or the live storage of the same
-    memory this process received before."""
+    memory this process received before. origin: (device name, bundle
+    bytes, leaf index), which hand it on."""
     torch = _torch()
     key = (leaf.device, leaf.data_ptr(), leaf.nbytes)
     ref = _received.get(key)
@@ -581,7 +644,9 @@ def _storage_of(leaf):
     if len(_received) >= _RECEIVED_PRUNE:
         for k in [k for k, r in _received.items() if r.expired()]:
             del _received[k]
+            _origins.pop(k, None)
     _received[key] = torch.multiprocessing.reductions.StorageWeakRef(storage)
+    _origins[key] = origin
     return storage
 
 
@@ -619,7 +684,8 @@ def _open_group(device: str, raw: bytes):
 
 
 def _open_message(groups, body):
-    opened = _Opened([_open_group(device, raw) for device, raw in groups])
+    opened = _Opened(groups,
+                     [_open_group(device, raw) for device, raw in groups])
     stack = _tls.__dict__.setdefault("opened", [])
     stack.append(opened)
     try:
@@ -669,14 +735,28 @@ def _rebuild_storage(at):
 def _rebuild_standalone(raw, device, cls, size, stride, offset, dtype,
                         requires_grad):
     """Rebuilds a tensor pickled on its own (one bundle)."""
-    storage = _storage_of(_open_group(device, raw)[0])
+    storage = _storage_of(_open_group(device, raw)[0], (device, raw, 0))
     return _tensor_on(storage, cls, size, stride, offset, dtype,
                       requires_grad)
 
 
 def _rebuild_standalone_storage(raw, device):
     _counts["received_storages"] += 1
-    return _storage_of(_open_group(device, raw)[0])
+    return _storage_of(_open_group(device, raw)[0], (device, raw, 0))
+
+
+def _rebuild_forwarded(raw, device, index, cls, size, stride, offset, dtype,
+                       requires_grad):
+    """Rebuilds a tensor pickled on its own that its sender had received:
+    leaf index of the bundle it came in, handed on."""
+    storage = _storage_of(_open_group(device, raw)[index], (device, raw, index))
+    return _tensor_on(storage, cls, size, stride, offset, dtype,
+                      requires_grad)
+
+
+def _rebuild_forwarded_storage(raw, device, index):
+    _counts["received_storages"] += 1
+    return _storage_of(_open_group(device, raw)[index], (device, raw, index))
 
 
 def _local_device(device: str):

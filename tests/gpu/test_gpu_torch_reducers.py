@@ -257,3 +257,60 @@ def test_torch_rebuild_path_still_works():
     spec = x.untyped_storage()._share_cuda_()
     assert len(spec) == 8
     assert ut.stats()["cuda_tensors"] == 0
+
+
+def _gpu_forwarder(q, hop, out):
+    """B: adds 1 on the GPU to what it received, puts a view of it on to C
+    (the work finishes before the message goes), drops it and exits."""
+    import usmipc.torch
+    usmipc.torch.install()
+    t = q.get(timeout=TIMEOUT)
+    torch.cuda._sleep(SPIN)
+    t.add_(1)
+    hop.put(t[1:])
+    out.put(usmipc.torch.stats()["forwarded"])
+    del t
+    q.get(timeout=TIMEOUT)
+
+
+def _gpu_hop_reader(hop, out, go):
+    import usmipc.torch
+    usmipc.torch.install()
+    t = hop.get(timeout=TIMEOUT)
+    out.put(t.tolist())
+    go.get(timeout=TIMEOUT)
+    t.fill_(9)
+    torch.cuda.synchronize()
+    out.put("written")
+    go.get(timeout=TIMEOUT)
+
+
+def test_a_received_tensor_is_sent_on():
+    """A -> B -> C with a CUDA tensor: B's kernel (after a long sleep)
+    is finished before C reads; C writes into A's memory after B exited,
+    and A sees it; A exported once."""
+    ctx = multiprocessing.get_context("spawn")
+    q, hop, out, go = (ctx.Queue() for _ in range(4))
+    b = ctx.Process(target=_gpu_forwarder, args=(q, hop, out))
+    c = ctx.Process(target=_gpu_hop_reader, args=(hop, out, go))
+    b.start()
+    c.start()
+    try:
+        t = torch.arange(4, dtype=torch.float32, device="cuda")
+        q.put(t)
+        got = [out.get(timeout=TIMEOUT) for _ in range(2)]
+        assert sorted(got, key=str) == [1, [2.0, 3.0, 4.0]]
+        q.put("done")
+        b.join(TIMEOUT)
+        assert b.exitcode == 0
+        go.put(1)
+        assert out.get(timeout=TIMEOUT) == "written"
+        assert t.tolist() == [1.0, 9.0, 9.0, 9.0]
+        go.put(1)
+        c.join(TIMEOUT)
+        assert c.exitcode == 0
+        assert ut.stats()["bundles"] == 1
+    finally:
+        for p in (b, c):
+            if p.is_alive():
+                p.kill()

@@ -325,30 +325,75 @@ def test_process_arguments_travel_as_usmipc_memory(routed):
     assert ut.stats()["standalone"] == 1
 
 
-def _forward(q, out):
-    from multiprocessing.reduction import ForkingPickler
+def _forwarder(q, hop, out):
+    """B: receives t, hands a view of it on to C through hop (a message),
+    then a Process argument (reduction.dump: standalone), then drops
+    everything it received."""
+    import torch.multiprocessing as tmp
     import usmipc.torch
     usmipc.torch.install()
     t = q.get(timeout=TIMEOUT)
+    hop.put(t[1:])
+    c = tmp.get_context("spawn").Process(target=_arg_reader, args=(t, out))
+    c.start()
+    c.join(TIMEOUT)
+    stats = usmipc.torch.stats()
+    out.put((stats["forwarded"], stats["bundles"], c.exitcode))
+    del t
+    q.get(timeout=TIMEOUT)
+
+
+def _arg_reader(t, out):
+    out.put(("arg", t.tolist()))
+
+
+def _hop_reader(hop, out, go):
+    """C: reads the view B handed on, and writes into it when told: the
+    first sender's memory."""
+    import usmipc.torch
+    usmipc.torch.install()
+    t = hop.get(timeout=TIMEOUT)
+    out.put(("hop", t.tolist()))
+    go.get(timeout=TIMEOUT)
+    t.fill_(9)
+    out.put("written")
+    go.get(timeout=TIMEOUT)
+
+
+def test_a_received_tensor_is_sent_on_as_the_first_handoff(routed):
+    """A puts t to B; B puts a view of it to C (a queue message) and passes
+    it to a Process (its arguments): neither is a copy or a new export, C
+    writes into A's memory, and A's tensor sees it."""
+    torch, ut = routed
+    ctx = multiprocessing.get_context("spawn")
+    q, hop, out, go = (ctx.Queue() for _ in range(4))
+    b = ctx.Process(target=_forwarder, args=(q, hop, out))
+    c = ctx.Process(target=_hop_reader, args=(hop, out, go))
+    b.start()
+    c.start()
     try:
-        ForkingPickler.dumps(t[1:])
-    except RuntimeError as e:
-        out.put(str(e))
-    else:
-        out.put("sent")
-    out.put(ForkingPickler.loads(ForkingPickler.dumps(t.clone())).tolist())
-
-
-def test_sending_on_a_received_tensor_says_to_clone(routed):
-    torch, _ = routed
-    q, out, p = spawn_with_queues(_forward, 2)
-    t = host_tensor(torch, 4)
-    t.fill_(2)
-    q.put(t)
-    msg = out.get(timeout=TIMEOUT)
-    assert "received from another process" in msg and "clone()" in msg
-    assert out.get(timeout=TIMEOUT) == [2.0] * 4
-    p.join(TIMEOUT)
+        t = host_tensor(torch, 4)
+        t.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        q.put(t)
+        got = sorted([out.get(timeout=TIMEOUT) for _ in range(3)], key=str)
+        assert got[0] == ("arg", [1.0, 2.0, 3.0, 4.0])
+        assert got[1] == ("hop", [2.0, 3.0, 4.0])
+        forwarded, bundles, exitcode = got[2]
+        assert (forwarded, bundles, exitcode) == (2, 0, 0)
+        q.put("done")  # B drops what it received and exits
+        b.join(TIMEOUT)
+        assert b.exitcode == 0
+        go.put(1)  # C writes after B is gone: A's memory, still held
+        assert out.get(timeout=TIMEOUT) == "written"
+        assert t.tolist() == [1.0, 9.0, 9.0, 9.0]
+        go.put(1)
+        c.join(TIMEOUT)
+        assert c.exitcode == 0
+        assert ut.stats()["bundles"] == 1  # A exported once
+    finally:
+        for p in (b, c):
+            if p.is_alive():
+                p.kill()
 
 
 SENDER_EXITS = """

@@ -17,7 +17,7 @@ if unfinished:
           f"counters: {' '.join(unfinished)}")
 keys = ("cuda_tensors", "cuda_storages", "routed_tensors", "routed_storages",
         "host_tensors", "torch_tensors", "fallbacks", "messages", "bundles",
-        "standalone", "received_tensors", "received_storages",
+        "standalone", "forwarded", "received_tensors", "received_storages",
         "reused_storages")
 total = dict.fromkeys(keys, 0)
 exports = imports = 0
