@@ -538,13 +538,15 @@ def _dumps(cls, obj, protocol=None):
         messages.pop()
     if not msg.groups:
         return body
-    made = []  # (bundle or None, bytes) per group
+    made: dict = {}  # group index -> (bundle or None, bytes)
     try:
-        for g in msg.groups:
-            made.append(_forward_group(g, put_event) if type(g) is _Forward
-                        else _share_group(g, put_event))
+        for k, g in enumerate(msg.groups):
+            if type(g) is _Group:
+                made[k] = _share_group(g, put_event)
     except _usmipc.Error as e:
-        if not _refusal(e):
+        # Received memory has no torch path to fall back on (another
+        # process's memory): then the refusal stands.
+        if not _refusal(e) or msg.forward_of:
             raise
         # Pickled again by torch's own reductions; a bundle already made
         # for another device of the message is dropped unsent (its ticket
@@ -558,8 +560,14 @@ def _dumps(cls, obj, protocol=None):
             return plain(cls, obj, protocol)
         finally:
             _tls.bypass -= 1
+    # Forwarded last: a ticket minted for a message that is never sent
+    # would keep the first sender's memory until it exits.
+    for k, g in enumerate(msg.groups):
+        if type(g) is _Forward:
+            made[k] = _forward_group(g, put_event)
     groups = []
-    for g, (bundle, raw) in zip(msg.groups, made):
+    for k, g in enumerate(msg.groups):
+        bundle, raw = made[k]
         if bundle is None:  # handed on: the first sender keeps it
             groups.append((g.name, raw))
             continue
