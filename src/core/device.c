@@ -275,10 +275,21 @@ int usmipc_device_select(const char *filter, usmipc_device_t **out) {
                           "(%s); run 'python -m usmipc' to list devices",
                           filter, want_backend, reason);
   }
+  if (want_index >= 0 && seen == 1)
+    return usmipc__fail(USMIPC_ENODEV,
+                        "no device matches '%s': there is one such device, "
+                        "index 0; run 'python -m usmipc' to list devices",
+                        filter);
+  if (want_index >= 0 && seen > 1)
+    return usmipc__fail(USMIPC_ENODEV,
+                        "no device matches '%s': there are %ld such devices, "
+                        "indexes 0 to %ld; run 'python -m usmipc' to list "
+                        "devices",
+                        filter, seen, seen - 1);
   return usmipc__fail(USMIPC_ENODEV,
-                      "no device matches '%s' (%ld matched before the index); "
-                      "run 'python -m usmipc' to list devices",
-                      filter, seen);
+                      "no device matches '%s'; run 'python -m usmipc' to "
+                      "list devices",
+                      filter);
 
 malformed:
   return usmipc__fail(USMIPC_EINVAL,

@@ -99,3 +99,13 @@ def test_no_caught_message_names_a_c_function():
         IPCMemoryHandle.open(bytes(raw), HOST)
     assert "IPCMemoryHandle.to_bytes() produced" in str(info.value)
     assert "usmipc_" not in str(info.value)
+
+
+def test_a_device_index_past_the_end_says_which_exist():
+    with pytest.raises(usmipc.Error) as e:
+        usmipc.Device("host:cpu:3")
+    assert e.value.name == "USMIPC_ENODEV"
+    assert "there is one such device, index 0" in str(e.value)
+    with pytest.raises(usmipc.Error, match=r"no device matches 'host:gpu'; "
+                       r"run 'python -m usmipc'"):
+        usmipc.Device("host:gpu")
