@@ -390,12 +390,14 @@ uint32_t usmipc__release_request(const uint8_t *req, const uint8_t *body,
  * tensor again). The producer must then wait for that process too, so the
  * forwarder first asks the producer's broker for a ticket of its own for
  * it, proving the ticket it holds (its token). The new ticket's token is
- * derived from the held one (usmipc__forward_token), so the forwarder
- * writes it into the bytes it hands on, and only it, and the producer,
- * know it. A forward is refused once the ticket it names came back from
- * the asking process (or from every consumer of a fan-out): the memory
- * may then be reused. A forwarded ticket is an ordinary one-consumer
- * ticket, forwardable in turn. */
+ * derived from the held one and a random nonce the forwarder sent with
+ * its request (usmipc__forward_token), so the forwarder writes it into
+ * the bytes it hands on, and only it and the producer know it: another
+ * holder of the held ticket's bytes (a fan-out's sibling) cannot return
+ * the new ticket early (event_release_forward). A forward is refused once the
+ * ticket it names came back from the asking process (or from every consumer of
+ * a fan-out): the memory may then be reused. A forwarded ticket is an ordinary
+ * one-consumer ticket, forwardable in turn. */
 uint32_t usmipc__release_forward_arrived(const uint8_t *req,
                                          const uint8_t *body, size_t len,
                                          uint32_t peer_pid, uint32_t *word) {
@@ -432,7 +434,7 @@ uint32_t usmipc__release_forward_arrived(const uint8_t *req,
     r->sent++;
     minted_t *m = &r->minted[r->nminted++];
     m->ticket = t;
-    usmipc__forward_token(token, r->id, t, m->token);
+    usmipc__forward_token(token, r->id, t, body + 8, m->token);
     r->forwarded[(t - 1) / 8] |= (uint8_t)(1u << ((t - 1) % 8));
     *word = (uint32_t)t;
     status = USMIPC__REPLY_OK;
@@ -760,14 +762,19 @@ int usmipc_ipc_forward(const void *data, size_t len, void *out) {
     return usmipc__fail(USMIPC_EOTHERHOST,
                         "the handle was exported on another machine or boot");
   uint64_t ticket = 0;
+  uint8_t nonce[16]; /* ours: another holder of data cannot know it */
+  int rn = usmipc__random(nonce, 16);
+  if (rn != 0)
+    return rn;
   if (w.nonce == self->nonce && w.pid == self->pid) {
     /* Our own handoff: ask the registry directly, as the broker would. */
-    uint8_t req[USMIPC__REQUEST_LEN], nonce[16] = {0},
+    uint8_t req[USMIPC__REQUEST_LEN], client[16] = {0},
                                       body[USMIPC__FORWARD_BODY_LEN];
     usmipc__wire_t named = w;
     named.buffer_id = w.release_id;
-    usmipc__request_build(req, &named, USMIPC__WANT_FORWARD, nonce);
+    usmipc__request_build(req, &named, USMIPC__WANT_FORWARD, client);
     usmipc__put64le(body, w.release_ticket);
+    memcpy(body + 8, nonce, 16);
     usmipc__forward_capability(req, w.release_token, body, sizeof(body),
                                req + 64);
     uint32_t word = 0;
@@ -780,14 +787,15 @@ int usmipc_ipc_forward(const void *data, size_t len, void *out) {
     rc = usmipc__reply_check_forward(rep, sizeof(rep), req, &w, 0,
                                      "this process's own registry", &ticket);
   } else {
-    rc = usmipc__broker_forward(&w, usmipc__deadline_after_timeout(), &ticket);
+    rc = usmipc__broker_forward(&w, nonce, usmipc__deadline_after_timeout(),
+                                &ticket);
   }
   if (rc != 0) {
     usmipc__error_prefix("handing a handoff of process %u on: ", w.pid);
     return rc;
   }
   uint8_t token[16];
-  usmipc__forward_token(w.release_token, w.release_id, ticket, token);
+  usmipc__forward_token(w.release_token, w.release_id, ticket, nonce, token);
   memmove(out, data, len);
   uint8_t *o = (uint8_t *)out + len - TICKET_RECORD_END;
   usmipc__put64le(o + 12, ticket);

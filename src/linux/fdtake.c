@@ -356,6 +356,7 @@ typedef struct call_args {
   int *fds;         /* WANT_FDS: batch_n descriptors */
   size_t *failed;   /* WANT_FDS: the entry the broker refused */
   uint64_t *minted; /* WANT_FORWARD: the ticket the broker minted */
+  const uint8_t *forward_nonce; /* WANT_FORWARD: the forwarder's */
 } call_args_t;
 
 /* Writes the message a asks for into out (request, and a body where there
@@ -385,6 +386,7 @@ static size_t message_build(uint8_t *out, const usmipc__wire_t *w,
     uint8_t *body = out + USMIPC__REQUEST_LEN + 2;
     usmipc__put16le(out + USMIPC__REQUEST_LEN, USMIPC__FORWARD_BODY_LEN);
     usmipc__put64le(body, w->release_ticket);
+    memcpy(body + 8, a->forward_nonce, 16);
     usmipc__forward_capability(req, w->release_token, body,
                                USMIPC__FORWARD_BODY_LEN, req + 64);
     return USMIPC__REQUEST_LEN + 2 + USMIPC__FORWARD_BODY_LEN;
@@ -559,10 +561,11 @@ int usmipc__broker_release(const usmipc__wire_t *w, const uint8_t *body,
   return call(w, &a, deadline);
 }
 
-int usmipc__broker_forward(const usmipc__wire_t *w, uint64_t deadline,
-                           uint64_t *ticket) {
+int usmipc__broker_forward(const usmipc__wire_t *w, const uint8_t nonce[16],
+                           uint64_t deadline, uint64_t *ticket) {
   *ticket = 0;
-  call_args_t a = {.want = USMIPC__WANT_FORWARD, .minted = ticket};
+  call_args_t a = {
+      .want = USMIPC__WANT_FORWARD, .minted = ticket, .forward_nonce = nonce};
   return call(w, &a, deadline);
 }
 

@@ -125,10 +125,11 @@ int usmipc__broker_call(const usmipc__wire_t *w, unsigned want,
 int usmipc__broker_release(const usmipc__wire_t *w, const uint8_t *body,
                            size_t len, uint64_t deadline);
 /* Asks the broker of w's exporter for one more consumer of w's release
- * ticket (w->release_ticket, proven with w->release_token): *ticket
- * receives the ticket minted for it (release.c, "Forwarding"). */
-int usmipc__broker_forward(const usmipc__wire_t *w, uint64_t deadline,
-                           uint64_t *ticket);
+ * ticket (w->release_ticket, proven with w->release_token), with the
+ * forwarder's nonce: *ticket receives the ticket minted for it (release.c,
+ * "Forwarding"). */
+int usmipc__broker_forward(const usmipc__wire_t *w, const uint8_t nonce[16],
+                           uint64_t deadline, uint64_t *ticket);
 /* Asks the broker of the exporter of w[0] for the descriptors of w[0..n)
  * (1 <= n <= USMIPC__FDS_PER_REQUEST, all of that exporter, each with
  * USMIPC__WIRE_FLAG_FD and of one piece: a run of chunks, whose descriptors

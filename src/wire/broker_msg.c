@@ -27,7 +27,8 @@
  * want = USMIPC__WANT_RELEASE, USMIPC__WANT_FDS and USMIPC__WANT_FORWARD
  * (each alone) are followed by u16 body length and the body. A
  * WANT_FORWARD request names the release (its id in the buffer id field)
- * as a WANT_RELEASE one does; its body is u64 ticket, its capability
+ * as a WANT_RELEASE one does; its body is u64 ticket and the forwarder's
+ * 16-byte nonce, its capability
  * usmipc__forward_capability, and its answer's word 8 the ticket minted. A
  * WANT_FDS request's buffer id and capability fields are zero; its body is u16
  * count (1 to 253), then count entries of u64 buffer id and [16] MAC(that
@@ -76,11 +77,13 @@ void usmipc__forward_capability(const uint8_t *req, const uint8_t token[16],
 }
 
 void usmipc__forward_token(const uint8_t parent[16], uint64_t release_id,
-                           uint64_t ticket, uint8_t out[16]) {
-  uint8_t msg[16 + 8 + 8];
+                           uint64_t ticket, const uint8_t nonce[16],
+                           uint8_t out[16]) {
+  uint8_t msg[16 + 8 + 8 + 16];
   memcpy(msg, "usmipc-fwdtokn-2", 16);
   usmipc__put64le(msg + 16, release_id);
   usmipc__put64le(msg + 24, ticket);
+  memcpy(msg + 32, nonce, 16);
   usmipc__mac(out, parent, msg, sizeof(msg));
 }
 

@@ -426,11 +426,11 @@ static inline int usmipc__wire_run_length(const usmipc__wire_t *w) {
 #define USMIPC__WANT_FD 0x2u
 #define USMIPC__WANT_RELEASE 0x4u /* alone: a release signal, with a body */
 #define USMIPC__WANT_FDS 0x8u     /* alone: many descriptors, with a body */
-/* Alone, with a body of u64 ticket: one more consumer for a handoff's
- * release ticket (release.c, "Forwarding"); the answer's word 8 is the
- * ticket minted for it. */
+/* Alone, with a body of u64 ticket and the forwarder's 16-byte random
+ * nonce: one more consumer for a handoff's release ticket (release.c,
+ * "Forwarding"); the answer's word 8 is the ticket minted for it. */
 #define USMIPC__WANT_FORWARD 0x10u
-#define USMIPC__FORWARD_BODY_LEN 8u
+#define USMIPC__FORWARD_BODY_LEN 24u
 /* Forwarded tickets of one handoff registry not yet returned. */
 #define USMIPC__FORWARDS_MAX 65536u
 /* A WANT_FDS request names at most this many allocations: one SCM_RIGHTS
@@ -510,10 +510,13 @@ void usmipc__forward_capability(const uint8_t *req, const uint8_t token[16],
                                 uint8_t out[16]);
 /* The token of ticket `ticket` minted by a forward of a ticket whose token
  * is parent: MAC(parent, "usmipc-fwdtokn-2" || u64 release id || u64
- * ticket). The forwarder computes it from what it holds; the producer
- * keeps it to check the ticket's return. */
+ * ticket || the forwarder's nonce). The forwarder computes it from what it
+ * holds and its nonce, which only its request carried (so another holder
+ * of the parent's bytes, a fan-out's sibling, cannot); the producer keeps
+ * it to check the ticket's return. */
 void usmipc__forward_token(const uint8_t parent[16], uint64_t release_id,
-                           uint64_t ticket, uint8_t out[16]);
+                           uint64_t ticket, const uint8_t nonce[16],
+                           uint8_t out[16]);
 /* The importer's judgement of the answer to a WANT_FORWARD request: 0 only
  * for an authentic OK with no descriptor and a minted ticket (word 8, not
  * 0) in *ticket. */

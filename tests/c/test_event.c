@@ -656,6 +656,26 @@ TEST_IMPL(event_release_forward) {
   ASSERT_MSG(strcmp(fwd, hex) != 0, "the forwarded bytes are the same");
   AGENT_OK(&ex, "relcount 0");
   ASSERT_STR_EQ(ex.reply, "2 0");
+  /* Whoever else holds the first bytes (a fan-out's sibling) knows the
+   * held ticket's token, but not the forwarder's nonce: it cannot make
+   * the forwarded ticket's token and return that ticket early. */
+  {
+    uint8_t p[4096], f[4096];
+    size_t plen = hex_to_bytes(hex, p, sizeof(p));
+    size_t flen = hex_to_bytes(fwd, f, sizeof(f));
+    const uint8_t *held = record_of(p, plen, USMIPC__EXT_RELEASE);
+    uint8_t *minted = record_of(f, flen, USMIPC__EXT_RELEASE);
+    ASSERT_NOT_NULL(held);
+    ASSERT_NOT_NULL(minted);
+    static const uint8_t zero[16];
+    usmipc__forward_token(held + 16, usmipc__get64le(held),
+                          usmipc__get64le(minted + 8), zero, minted + 16);
+    reseal(f, flen);
+    hex_encode(f, flen, forged);
+    AGENT_ERR(&im2, USMIPC_EACCES, "release 0 %s", forged);
+    AGENT_OK(&ex, "relcount 0");
+    ASSERT_STR_EQ(ex.reply, "2 0");
+  }
   /* The third process reads the producer's memory through them. */
   AGENT_OK(&im2, "openord 1 %s", fwd);
   AGENT_OK(&im2, "check 1 33");
