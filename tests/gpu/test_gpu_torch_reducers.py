@@ -47,7 +47,10 @@ def _reader(q, out, n):
     import usmipc.torch
     usmipc.torch.install()
     for _ in range(n):
-        x = q.get(timeout=TIMEOUT)
+        # SimpleQueue.get takes no timeout (run 47: a TypeError here left
+        # the parent waiting on `out` until the step's limit).
+        x = q.get() if type(q).__name__ == "SimpleQueue" else q.get(
+            timeout=TIMEOUT)
         # The current stream waits for the sender's event: no host wait.
         out.put(x.sum().item())
         del x

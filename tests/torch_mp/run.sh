@@ -14,7 +14,8 @@
 #   PY=python3 OUT=dir bash tests/torch_mp/run.sh [unittest arguments]
 #
 # PYTORCH_TEST_WITH_SLOW=1 runs the slow tests too (test_cuda_send_many).
-# Writes OUT/unittest.log, OUT/stats/<pid>.json, OUT/stats.txt.
+# Writes OUT/unittest.log, OUT/tests.txt (a verdict per test),
+# OUT/stats/<pid>.json, OUT/stats.txt.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
@@ -35,10 +36,42 @@ mkdir -p "$OUT/stats"
   echo "== test file: $(cat "$(dirname "$FILE")/SOURCE.txt" 2>/dev/null || echo "$FILE")"
   echo "== USMIPC_TORCH=1 PYTORCH_TEST_WITH_SLOW=${PYTORCH_TEST_WITH_SLOW-1} $PY $FILE -v $*"
 } | tee "$OUT/unittest.log"
-USMIPC_TORCH=1 USMIPC_TORCH_STATS="$OUT/stats" \
-  PYTORCH_TEST_WITH_SLOW=${PYTORCH_TEST_WITH_SLOW-1} \
-  $PY "$FILE" -v "$@" 2>&1 | tee -a "$OUT/unittest.log"
-rc=${PIPESTATUS[0]}
+# One process per test, each under PER_TEST seconds (default 150): a test
+# that hangs costs its own limit, and every other test still runs and
+# prints its traceback (run 47 lost test_cuda_send_many's to a later hang).
+# Test names as arguments run only those.
+if [ $# -eq 0 ]; then
+  mapfile -t tests < <($PY - "$FILE" <<'PY'
+import importlib.util, sys, unittest
+spec = importlib.util.spec_from_file_location("torch_mp_file", sys.argv[1])
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+loader = unittest.TestLoader()
+for name in sorted(vars(mod)):
+    cls = getattr(mod, name)
+    if isinstance(cls, type) and issubclass(cls, unittest.TestCase):
+        for t in loader.getTestCaseNames(cls):
+            print(f"{name}.{t}")
+PY
+  )
+  set -- "${tests[@]}"
+fi
+echo "== $# tests, each in its own process, ${PER_TEST:-150} s each at most" | tee -a "$OUT/unittest.log"
+rc=0
+: > "$OUT/tests.txt"
+for t in "$@"; do
+  USMIPC_TORCH=1 USMIPC_TORCH_STATS="$OUT/stats" \
+    PYTORCH_TEST_WITH_SLOW=${PYTORCH_TEST_WITH_SLOW-1} \
+    timeout -k 10 "${PER_TEST:-150}" $PY "$FILE" -v "$t" >> "$OUT/unittest.log" 2>&1
+  r=$?
+  case $r in
+    0) verdict=ok ;;
+    124 | 137) verdict="TIMEOUT (${PER_TEST:-150} s)"; rc=1 ;;
+    *) verdict="FAIL ($r)"; rc=1 ;;
+  esac
+  echo "$t: $verdict" | tee -a "$OUT/tests.txt"
+done
+grep -c ": ok$" "$OUT/tests.txt" | sed 's/$/ passed (skips included: see unittest.log)/'
 $PY tests/torch_mp/check_stats.py "$OUT/stats" | tee "$OUT/stats.txt"
 src=${PIPESTATUS[0]}
 echo "== unittest exit $rc, stats check exit $src" | tee -a "$OUT/unittest.log"
