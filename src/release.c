@@ -517,7 +517,7 @@ uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
       }
       if (return_filed(r, ticket, peer_pid)) {
         r->returned[byte] |= bit;
-        minted_t *m = minted_find(r, ticket);
+        minted_t *m = r->forwarded[byte] & bit ? minted_find(r, ticket) : NULL;
         if (m != NULL) /* its token is no longer needed */
           *m = r->minted[--r->nminted];
       }

@@ -287,6 +287,14 @@ static void reply_hex(const void *data, size_t len) {
   free(hex);
 }
 
+/* The bytes of a hex argument; -1 after replying "bad hex" (or none). */
+static ssize_t hex_arg(const char *hex, uint8_t *out, size_t cap) {
+  ssize_t len = hex ? hex_decode(hex, out, cap) : -1;
+  if (len < 0)
+    reply_err(USMIPC_EINVAL, "bad hex");
+  return len;
+}
+
 /* Event commands (task.h): evcreate, evrecord, evhandle, evopen, evsync,
  * evquery, evwait, evdestroy on event slot E; exportord S exports slot S
  * ordered on the agent's queue; openord S HEX opens it with a host wait;
@@ -328,11 +336,9 @@ static int do_event_command(const char *cmd, const char *a1, const char *a2) {
       return 1;
   } else if (strcmp(cmd, "evopen") == 0) {
     uint8_t data[4096];
-    ssize_t len = a2 ? hex_decode(a2, data, sizeof(data)) : -1;
-    if (len < 0) {
-      reply_err(USMIPC_EINVAL, "bad hex");
+    ssize_t len = hex_arg(a2, data, sizeof(data));
+    if (len < 0)
       return 1;
-    }
     usmipc_event_t *opened = NULL;
     if ((r = usmipc_ipc_open_event(data, (size_t)len, NULL, &opened)) == 0) {
       usmipc_event_destroy(*ev);
@@ -350,20 +356,16 @@ static int do_event_command(const char *cmd, const char *a1, const char *a2) {
     *ev = NULL;
   } else if (strcmp(cmd, "release") == 0) {
     uint8_t data[4096];
-    ssize_t len = a2 ? hex_decode(a2, data, sizeof(data)) : -1;
-    if (len < 0) {
-      reply_err(USMIPC_EINVAL, "bad hex");
+    ssize_t len = hex_arg(a2, data, sizeof(data));
+    if (len < 0)
       return 1;
-    }
     if ((r = agent_queue()) == 0)
       r = usmipc_ipc_release(data, (size_t)len, queue);
   } else if (strcmp(cmd, "relforward") == 0) {
     uint8_t data[4096];
-    ssize_t len = a2 ? hex_decode(a2, data, sizeof(data)) : -1;
-    if (len < 0) {
-      reply_err(USMIPC_EINVAL, "bad hex");
+    ssize_t len = hex_arg(a2, data, sizeof(data));
+    if (len < 0)
       return 1;
-    }
     if ((r = usmipc_ipc_forward(data, (size_t)len, data)) == 0) {
       reply_hex(data, (size_t)len);
       return 1;

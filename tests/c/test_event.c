@@ -22,6 +22,12 @@ static void reseal(uint8_t *b, size_t len) {
   usmipc__put32le(b + len - 4, usmipc__crc32c(0, b, len - 4));
 }
 
+/* Edited bytes b with their checksum recomputed, as hex into out. */
+static void reseal_hex(uint8_t *b, size_t len, char *out) {
+  reseal(b, len);
+  hex_encode(b, len, out);
+}
+
 /* The body of record type in encoded handle bytes b, or NULL. */
 static uint8_t *record_of(uint8_t *b, size_t len, uint16_t type) {
   uint16_t plen = usmipc__get16le(b + 208), elen = usmipc__get16le(b + 210);
@@ -670,8 +676,7 @@ TEST_IMPL(event_release_forward) {
     static const uint8_t zero[16];
     usmipc__forward_token(held + 16, usmipc__get64le(held),
                           usmipc__get64le(minted + 8), zero, minted + 16);
-    reseal(f, flen);
-    hex_encode(f, flen, forged);
+    reseal_hex(f, flen, forged);
     AGENT_ERR(&im2, USMIPC_EACCES, "release 0 %s", forged);
     AGENT_OK(&ex, "relcount 0");
     ASSERT_STR_EQ(ex.reply, "2 0");
@@ -707,19 +712,16 @@ TEST_IMPL(event_release_forward) {
   ASSERT_NOT_NULL(rel);
   ASSERT_UEQ(usmipc__get64le(rel + 8), 3);
   usmipc__put64le(rel + 8, 2);
-  reseal(b, len);
-  hex_encode(b, len, forged);
+  reseal_hex(b, len, forged);
   AGENT_ERR(&im, USMIPC_EINVAL, "relforward 0 %s", forged);
   usmipc__put64le(rel + 8, 3);
   rel[20] ^= 1;
-  reseal(b, len);
-  hex_encode(b, len, forged);
+  reseal_hex(b, len, forged);
   AGENT_ERR(&im, USMIPC_EACCES, "relforward 0 %s", forged);
   AGENT_ERR(&im, USMIPC_EACCES, "release 0 %s", forged);
   rel[20] ^= 1;
   usmipc__put64le(rel + 8, 99);
-  reseal(b, len);
-  hex_encode(b, len, forged);
+  reseal_hex(b, len, forged);
   AGENT_ERR(&im, USMIPC_EBADHANDLE, "relforward 0 %s", forged);
   AGENT_OK(&ex, "relcount 0");
   ASSERT_STR_EQ(ex.reply, "3 2");
