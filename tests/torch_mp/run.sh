@@ -39,6 +39,9 @@ mkdir -p "$OUT/stats"
 # One process per test, each under PER_TEST seconds (default 150): a test
 # that hangs costs its own limit, and every other test still runs and
 # prints its traceback (run 47 lost test_cuda_send_many's to a later hang).
+# A test that runs out of time gets SIGABRT, sent by timeout to its whole
+# process group, so that every Python process of it (spawned children
+# included) prints where each of its threads stood (PYTHONFAULTHANDLER).
 # Test names as arguments run only those.
 if [ $# -eq 0 ]; then
   mapfile -t tests < <($PY - "$FILE" <<'PY'
@@ -62,7 +65,8 @@ rc=0
 for t in "$@"; do
   USMIPC_TORCH=1 USMIPC_TORCH_STATS="$OUT/stats" \
     PYTORCH_TEST_WITH_SLOW=${PYTORCH_TEST_WITH_SLOW-1} \
-    timeout -k 10 "${PER_TEST:-150}" $PY "$FILE" -v "$t" >> "$OUT/unittest.log" 2>&1
+    PYTHONFAULTHANDLER=1 timeout -s ABRT -k 10 "${PER_TEST:-150}" \
+    $PY "$FILE" -v "$t" >> "$OUT/unittest.log" 2>&1
   r=$?
   case $r in
     0) verdict=ok ;;
