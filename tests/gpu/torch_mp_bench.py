@@ -133,7 +133,7 @@ def run_mode(mode, rounds, small):
         q.put(b"\0" * size)  # the queue's own cost for that many bytes
         _, td, _ = out.recv()
         return ((t1 - t0 + load_s) * 1e3, (tb - ta) * 1e3, (td - tc) * 1e3,
-                size)
+                size, (t1 - t0) * 1e3, load_s * 1e3)
 
     def record(name, samples):
         pick = [s[0] for s in samples]
@@ -143,6 +143,8 @@ def run_mode(mode, rounds, small):
             "pickle_rebuild_ms": statistics.median(pick),
             "end_to_end_ms": statistics.median(e2e),
             "floor_ms": statistics.median(floor),
+            "dumps_ms": statistics.median(s[4] for s in samples),
+            "loads_ms": statistics.median(s[5] for s in samples),
             "message_bytes": samples[-1][3], "rounds": len(samples),
             "all_pickle_rebuild_ms": pick, "all_end_to_end_ms": e2e}
 
@@ -217,6 +219,7 @@ def main():
     for case in ("tensor_fresh", "tensor_repeated", "state_dict_cold",
                  "state_dict_warm"):
         for k, label in (("pickle_rebuild_ms", "pickle"),
+                         ("dumps_ms", "dumps"), ("loads_ms", "loads"),
                          ("end_to_end_ms", "e2e"), ("floor_ms", "floor")):
             t, u = both["torch"][case][k], both["usmipc"][case][k]
             print(f"{case:18} {label:6} {t:9.3f} {u:9.3f} {u / t:7.3f}")

@@ -102,7 +102,7 @@ def case(name, obj, storages, n, conn, mode, quiet):
         for s in storages[:1]:
             torch.empty(0, dtype=torch.uint8, device="cuda").set_(s)[0] = i
         t0 = time.perf_counter()
-        b = ForkingPickler.dumps(obj)
+        b = bytes(ForkingPickler.dumps(obj))
         dumps.append(time.perf_counter() - t0)
         blobs.append(b)
     res["dumps_us"] = med_us(dumps[1:])
@@ -115,7 +115,7 @@ def case(name, obj, storages, n, conn, mode, quiet):
     blobs = []
     for i in range(min(n, 100)):
         prof.enable()
-        blobs.append(ForkingPickler.dumps(obj))
+        blobs.append(bytes(ForkingPickler.dumps(obj)))
         prof.disable()
     res["dumps_profile"] = top(prof)
     conn.send(("profile", blobs))
