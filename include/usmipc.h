@@ -481,6 +481,27 @@ USMIPC_API int usmipc_ipc_handle_releases(const usmipc_ipc_handle_t *handle,
 USMIPC_API int usmipc_ipc_handle_wait_released(usmipc_ipc_handle_t *handle,
                                                usmipc_queue_t *queue);
 
+/* Producer, for a process that keeps many handoffs out (a reaper thread
+ * that frees what came back): which handles and bundles of this process had
+ * every ticket back, without asking each. Each time one does (its last
+ * outstanding ticket returns), its release key joins a process-wide log;
+ * usmipc_releases_wait returns the keys logged after *seq (at most cap, in
+ * keys; *count of them) and advances *seq past them, waiting up to
+ * timeout_ms (0: not at all) while there are none (*count 0 then). The log
+ * keeps the last 4096; a caller further behind (or starting from a *seq
+ * this process never reached: after fork) gets *missed 1, no keys, and
+ * *seq set to now: it must then look at every handle it keeps. Readers do
+ * not take keys from each other. A key says the counts were equal then: a
+ * handle that hands out another ticket afterwards is logged again when that
+ * one is back. Check usmipc_*_releases before freeing. */
+USMIPC_API int usmipc_releases_wait(uint64_t *seq, uint64_t *keys, size_t cap,
+                                    size_t *count, int *missed,
+                                    unsigned long long timeout_ms);
+/* The release key of a handle (usmipc_releases_wait; a bundle's:
+ * usmipc_bundle_release_key), 0 before its first ticket. */
+USMIPC_API uint64_t
+usmipc_ipc_handle_release_key(const usmipc_ipc_handle_t *handle);
+
 /* usmipc_ipc_open with ordering: when the handle is ordered, later work on
  * queue waits for the producer's work on the device, or, with queue NULL,
  * the host waits (usmipc_event_synchronize's rules). usmipc_ipc_open is
@@ -654,6 +675,9 @@ USMIPC_API int usmipc_bundle_order_fanout(usmipc_bundle_t *bundle,
  * (usmipc_ipc_release of its bytes). */
 USMIPC_API int usmipc_bundle_releases(const usmipc_bundle_t *bundle,
                                       uint64_t *sent, uint64_t *released);
+/* The bundle's release key (usmipc_releases_wait), 0 before its first
+ * ticket. */
+USMIPC_API uint64_t usmipc_bundle_release_key(const usmipc_bundle_t *bundle);
 /* Producer: waits until every ticket the bundle handed out so far came
  * back, then makes queue wait on the device for the work the consumers
  * submitted before returning them (queue NULL: the host waits). A consumer

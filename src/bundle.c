@@ -553,6 +553,10 @@ int usmipc_bundle_releases(const usmipc_bundle_t *b, uint64_t *sent,
   return 0;
 }
 
+uint64_t usmipc_bundle_release_key(const usmipc_bundle_t *b) {
+  return b != NULL ? usmipc__release_key(&b->release) : 0;
+}
+
 int usmipc_bundle_wait_released(usmipc_bundle_t *b, usmipc_queue_t *queue) {
   if (b == NULL)
     return usmipc__fail(USMIPC_EINVAL,

@@ -73,6 +73,10 @@ int usmipc_ipc_handle_releases(const usmipc_ipc_handle_t *handle,
   return 0;
 }
 
+uint64_t usmipc_ipc_handle_release_key(const usmipc_ipc_handle_t *handle) {
+  return handle != NULL ? usmipc__release_key(&handle->release) : 0;
+}
+
 int usmipc_ipc_handle_wait_released(usmipc_ipc_handle_t *handle,
                                     usmipc_queue_t *queue) {
   if (handle == NULL)

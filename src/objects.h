@@ -90,6 +90,9 @@ int usmipc__release_ticket(usmipc__release_t **slot, uint8_t *out, size_t *len,
 /* Tickets handed out and come back (0 and 0 before the first). */
 void usmipc__release_counts(usmipc__release_t *const *slot, uint64_t *sent,
                             uint64_t *released);
+/* The registry's id, its release key (usmipc_releases_wait); 0 before the
+ * first ticket. */
+uint64_t usmipc__release_key(usmipc__release_t *const *slot);
 /* Waits for every ticket handed out so far (none: returns 0 at once). */
 int usmipc__release_wait(usmipc__release_t *const *slot, usmipc_queue_t *queue);
 /* Consumer: returns the ticket of decoded handoff records w (has_release),

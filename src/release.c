@@ -107,6 +107,87 @@ struct usmipc__release {
   struct usmipc__release *next;
 };
 
+/* The log of registries that had every ticket back (usmipc_releases_wait):
+ * done_log[s % DONE_LOG] is the key of completion s, done_seq the next
+ * one's number; done_cond wakes its readers. Under usmipc__events_lock. */
+#define DONE_LOG 4096u
+static uint64_t done_log[DONE_LOG];
+static uint64_t done_seq;
+static pthread_cond_t done_cond;
+static pthread_once_t done_once = PTHREAD_ONCE_INIT;
+static bool done_ready; /* done_cond made */
+
+static void done_cond_init(void) {
+  done_ready = true;
+  pthread_condattr_t attr;
+  pthread_condattr_init(&attr);
+  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  pthread_cond_init(&done_cond, &attr);
+  pthread_condattr_destroy(&attr);
+}
+
+/* r's last outstanding ticket came back: log it; usmipc__events_lock held. */
+static void done_log_add(const usmipc__release_t *r) {
+  pthread_once(&done_once, done_cond_init);
+  done_log[done_seq % DONE_LOG] = r->id;
+  done_seq++;
+  pthread_cond_broadcast(&done_cond);
+}
+
+int usmipc_releases_wait(uint64_t *seq, uint64_t *keys, size_t cap,
+                         size_t *count, int *missed,
+                         unsigned long long timeout_ms) {
+  if (seq == NULL || count == NULL || missed == NULL ||
+      (keys == NULL && cap != 0))
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_releases_wait: seq, count and missed must "
+                        "not be NULL, nor keys when cap is not 0");
+  *count = 0;
+  *missed = 0;
+  pthread_once(&done_once, done_cond_init);
+  uint64_t until = usmipc__now_ns() + timeout_ms * 1000000u;
+  pthread_mutex_lock(&usmipc__events_lock);
+  /* A wait is cut into slices of at most 50 ms, so that an interrupt is
+   * seen; the interrupt hook runs without the lock (release.c's wait says
+   * why). */
+  while (done_seq == *seq && timeout_ms != 0) {
+    uint64_t now = usmipc__now_ns();
+    if (now >= until)
+      break;
+    uint64_t slice = until - now < 50000000u ? until : now + 50000000u;
+    struct timespec ts = {(time_t)(slice / 1000000000u),
+                          (long)(slice % 1000000000u)};
+    pthread_cond_timedwait(&done_cond, &usmipc__events_lock, &ts);
+    if (done_seq == *seq) {
+      pthread_mutex_unlock(&usmipc__events_lock);
+      int stop = usmipc__interrupted();
+      pthread_mutex_lock(&usmipc__events_lock);
+      if (stop != 0 && done_seq == *seq) {
+        pthread_mutex_unlock(&usmipc__events_lock);
+        return usmipc__fail(USMIPC_EINTR,
+                            "interrupted while waiting for releases");
+      }
+    }
+  }
+  if (*seq > done_seq || done_seq - *seq > DONE_LOG) {
+    *missed = 1; /* fallen behind the log, or a seq from before a fork */
+    *seq = done_seq;
+  } else {
+    size_t n = 0;
+    for (; n < cap && *seq + n < done_seq; n++)
+      keys[n] = done_log[(*seq + n) % DONE_LOG];
+    *seq += n;
+    *count = n;
+  }
+  pthread_mutex_unlock(&usmipc__events_lock);
+  return 0;
+}
+
+uint64_t usmipc__release_key(usmipc__release_t *const *slot) {
+  usmipc__release_t *r = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+  return r != NULL ? r->id : 0;
+}
+
 static int release_new(usmipc__release_t **out) {
   usmipc__release_t *r = calloc(1, sizeof(*r));
   if (r == NULL)
@@ -523,6 +604,8 @@ uint32_t usmipc__release_arrived(const uint8_t *req, const uint8_t *body,
       }
       r->released++;
       pthread_cond_broadcast(&r->cond);
+      if (r->released == r->sent)
+        done_log_add(r);
     }
   }
 out:
@@ -689,6 +772,12 @@ int usmipc__release_wait(usmipc__release_t *const *slot,
 void usmipc__releases_fork_child(void) {
   memset(releases, 0, sizeof(releases));
   consumers = NULL;
+  /* The log is the parent's too; a waiter's seq from before the fork is
+   * then ahead of it (missed). The condition variable may have had a
+   * waiter in another thread of the parent: made anew. */
+  done_seq = 0;
+  if (done_ready)
+    done_cond_init();
 }
 
 /* The release record of handle or bundle bytes, decoded into *w; *no_memory

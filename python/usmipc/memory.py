@@ -70,66 +70,107 @@ __all__ = [
 # reference right after put(); a receiver that dies without closing leaves
 # the memory held until the sender exits.
 #
-# A daemon thread (_reap) drops each kept handle once its ticket came back
-# and its receiver's work is done, so the memory goes then, not at the
-# sender's next put(). It looks at the tickets' counts (a lock and two
-# loads each, in C) every 10 ms after a put, backing off to every 200 ms
-# while nothing comes back, and ends when nothing is kept; it runs Python
-# code only in its own thread, with the GIL, never from the broker's.
+# A daemon thread (_reap) drops each kept handle once its tickets came back
+# and its receivers' work is done, so the memory goes then, not at the
+# sender's next put(). It does not poll: it sleeps in the library
+# (usmipc._releases_wait, without the GIL) until a handle or bundle of this
+# process has every ticket back, and then looks only at the ones named
+# (their release keys), so a put() costs it nothing and a return costs it
+# one lookup, however many handoffs are out (PyTorch's test_cuda_send_many
+# keeps thousands). It runs Python code only in its own thread, with the
+# GIL, never from the broker's. A handle whose tickets were all back before
+# _keep() filed it, and one whose wait failed, are looked at again at the
+# next wake (at most _REAP_WAIT_S later).
 
-_kept = []  # IPCMemoryHandles whose tickets are out
+_kept: dict = {}  # release key -> the kept handles and bundles with it
 _kept_lock = threading.Lock()
-_kept_changed = threading.Condition(_kept_lock)
+_due: list = []  # kept, to look at at the next wake (see above)
 _reaper = None  # the _reap thread while one runs
-_REAP_MIN_S, _REAP_MAX_S = 0.01, 0.2
+_reap_seq = 0  # where the reaper stands in the library's log of returns
+_REAP_WAIT_S = 0.1
+
+
+def _kept_handles() -> list:
+    """Every kept handle and bundle (tests)."""
+    with _kept_lock:
+        return [h for hs in _kept.values() for h in hs]
+
+
+def _all_back(h) -> bool:
+    sent, back = h.releases  # one read: both counts at one instant
+    return back >= sent
+
+
+def _unkeep(h) -> None:
+    """Takes h out of _kept; _kept_lock held."""
+    hs = _kept.get(h._release_key)
+    if hs is not None:
+        hs[:] = [x for x in hs if x is not h]
+        if not hs:
+            del _kept[h._release_key]
 
 
 def _reap():
-    global _reaper
-    interval = _REAP_MIN_S
+    global _reaper, _reap_seq
+    scan_all = True  # handles kept before this thread ran
     while True:
+        keys = ()
+        if not scan_all:
+            keys, _reap_seq, scan_all = _usmipc._releases_wait(
+                _reap_seq, int(_REAP_WAIT_S * 1000))
         with _kept_lock:
-            back = [h for h in _kept if h.releases[1] >= h.releases[0]]
-            if back:
-                _kept[:] = [h for h in _kept if h.releases[1] < h.releases[0]]
+            if scan_all:
+                look = [h for hs in _kept.values() for h in hs]
+            else:
+                look = [h for k in keys for h in _kept.get(k, ())]
+            look += _due
+            _due.clear()
+            back = []
+            for h in look:
+                if _all_back(h) and any(x is h for x in
+                                        _kept.get(h._release_key, ())):
+                    _unkeep(h)
+                    back.append(h)
+        scan_all = False
         failed = []
         for h in back:
             try:
                 h.wait_released()  # the receivers' queued work, if any
             except Exception:  # kept (and retried): never freed early
                 failed.append(h)
-        del back  # the memory goes here, outside the lock
+        del back, look  # the memory goes here, outside the lock
         with _kept_lock:
-            _kept.extend(failed)
+            for h in failed:
+                _kept.setdefault(h._release_key, []).append(h)
+                _due.append(h)
+            del failed
             if not _kept:
                 _reaper = None
                 return
-            interval = _REAP_MIN_S if failed else min(interval * 2,
-                                                      _REAP_MAX_S)
-            if _kept_changed.wait(interval):
-                interval = _REAP_MIN_S  # a put: look again soon
 
 
 def _keep(handle):
     """Keeps handle until its tickets came back (the reaper drops it)."""
     global _reaper
     with _kept_lock:
-        _kept.append(handle)
+        _kept.setdefault(handle._release_key, []).append(handle)
+        # Back already (a fast receiver): its return may have been logged
+        # before it was filed here, and looked for in vain.
+        if _all_back(handle):
+            _due.append(handle)
         if _reaper is None:
             _reaper = threading.Thread(target=_reap, name="usmipc-reaper",
                                        daemon=True)
             _reaper.start()
-        else:
-            _kept_changed.notify()
 
 
 def _reset_after_fork():
     # The parent's reaper does not run in the child, and may have held the
-    # lock when it forked.
-    global _kept_lock, _kept_changed, _reaper
+    # lock when it forked; the library's log starts anew in the child.
+    global _kept_lock, _reaper, _reap_seq
     _kept_lock = threading.Lock()
-    _kept_changed = threading.Condition(_kept_lock)
     _reaper = None
+    _reap_seq = 0
 
 
 if hasattr(os, "register_at_fork"):

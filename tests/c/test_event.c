@@ -899,6 +899,152 @@ TEST_IMPL(event_release_same_process) {
   return 0;
 }
 
+/* The log of handoffs whose tickets are all back (usmipc_releases_wait):
+ * a handle is logged once its last outstanding ticket returns, not before;
+ * a wait with nothing logged times out empty; a reader that fell more than
+ * the log's 4096 behind, or a fork child holding its parent's seq, is told
+ * it missed some; bad arguments are refused. */
+static void release_one(usmipc_ipc_handle_t *h, usmipc_queue_t *q,
+                        uint8_t *b, size_t *len) {
+  const void *data;
+  ASSERT_OK(usmipc_ipc_handle_order_ex(h, q, USMIPC_ORDER_RELEASE));
+  ASSERT_OK(usmipc_ipc_handle_data(h, &data, len));
+  memcpy(b, data, *len);
+}
+
+TEST_IMPL(event_releases_wait_log) {
+  SKIP_WITHOUT_EVENTS();
+  usmipc_device_t *dev = test_device();
+  usmipc_queue_t *q;
+  void *p;
+  ASSERT_OK(usmipc_queue_create(dev, &q));
+  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &p));
+  usmipc_ipc_handle_t *h;
+  ASSERT_OK(usmipc_ipc_get_handle(p, 0, &h));
+  ASSERT_UEQ(usmipc_ipc_handle_release_key(h), 0);
+  ASSERT_UEQ(usmipc_ipc_handle_release_key(NULL), 0);
+  uint64_t seq = 0, keys[8];
+  size_t n = 99;
+  int missed = 7;
+  ASSERT_ERR(usmipc_releases_wait(NULL, keys, 8, &n, &missed, 0),
+             USMIPC_EINVAL);
+  ASSERT_ERR(usmipc_releases_wait(&seq, NULL, 8, &n, &missed, 0),
+             USMIPC_EINVAL);
+  /* Nothing back yet in this process: a wait of 60 ms comes back empty. */
+  uint64_t t0 = usmipc__now_ns();
+  ASSERT_OK(usmipc_releases_wait(&seq, keys, 8, &n, &missed, 60));
+  ASSERT_MSG(usmipc__now_ns() - t0 >= 50000000u, "returned after %llu ns",
+             (unsigned long long)(usmipc__now_ns() - t0));
+  ASSERT_UEQ(n, 0);
+  ASSERT_EQ(missed, 0);
+  /* Two tickets out: the first back logs nothing, the second the key. */
+  uint8_t b1[1024], b2[1024];
+  size_t l1, l2;
+  release_one(h, q, b1, &l1);
+  release_one(h, q, b2, &l2);
+  uint64_t key = usmipc_ipc_handle_release_key(h);
+  ASSERT_MSG(key != 0, "no key after a ticket");
+  ASSERT_OK(usmipc_ipc_release(b1, l1, q));
+  ASSERT_OK(usmipc_releases_wait(&seq, keys, 8, &n, &missed, 0));
+  ASSERT_UEQ(n, 0);
+  ASSERT_OK(usmipc_ipc_release(b2, l2, q));
+  ASSERT_OK(usmipc_releases_wait(&seq, keys, 8, &n, &missed, 1000));
+  ASSERT_UEQ(n, 1);
+  ASSERT_UEQ(keys[0], key);
+  ASSERT_UEQ(seq, 1);
+  /* The same ticket again counts for nothing and logs nothing. */
+  ASSERT_OK(usmipc_ipc_release(b2, l2, q));
+  ASSERT_OK(usmipc_releases_wait(&seq, keys, 8, &n, &missed, 0));
+  ASSERT_UEQ(n, 0);
+  /* A reader left 4097 completions behind missed some. */
+  for (int i = 0; i < 4097; i++) {
+    release_one(h, q, b1, &l1);
+    ASSERT_OK(usmipc_ipc_release(b1, l1, q));
+  }
+  uint64_t behind = 1;
+  ASSERT_OK(usmipc_releases_wait(&behind, keys, 8, &n, &missed, 0));
+  ASSERT_EQ(missed, 1);
+  ASSERT_UEQ(n, 0);
+  ASSERT_UEQ(behind, 4098);
+  /* cap 0 reads nothing and moves nothing. */
+  uint64_t near = 4095;
+  ASSERT_OK(usmipc_releases_wait(&near, NULL, 0, &n, &missed, 0));
+  ASSERT_UEQ(n, 0);
+  ASSERT_UEQ(near, 4095);
+  ASSERT_EQ(missed, 0);
+  /* Paging: 3 at a time from seq 4090 to the end. */
+  uint64_t page = 4090;
+  ASSERT_OK(usmipc_releases_wait(&page, keys, 3, &n, &missed, 0));
+  ASSERT_UEQ(n, 3);
+  ASSERT_UEQ(page, 4093);
+  ASSERT_UEQ(keys[2], key);
+  ASSERT_OK(usmipc_releases_wait(&page, keys, 8, &n, &missed, 0));
+  ASSERT_UEQ(n, 5);
+  ASSERT_UEQ(page, 4098);
+  if (test_device_is_host()) {
+    /* A fork child's log starts empty: the parent's seq is ahead of it. */
+    pid_t pid = fork();
+    if (pid == 0) {
+      uint64_t s = page, k[2];
+      size_t cn = 9;
+      int cm = 0;
+      int r = usmipc_releases_wait(&s, k, 2, &cn, &cm, 0);
+      _exit(r == 0 && cm == 1 && cn == 0 && s == 0 ? 0 : 1);
+    }
+    ASSERT_EQ(exit_code_of(wait_pid_timeout(pid, 10)), 0);
+  }
+  ASSERT_OK(usmipc_ipc_free_handle(h));
+  ASSERT_OK(usmipc_free(p));
+  ASSERT_OK(usmipc_queue_destroy(q));
+  return 0;
+}
+
+/* A thread blocked in usmipc_releases_wait wakes at a return, well before
+ * its limit. */
+struct releases_waiter {
+  uint64_t seq;
+  size_t n;
+  uint64_t key;
+  uint64_t waited_ns;
+};
+
+static void *releases_waiter_main(void *arg) {
+  struct releases_waiter *w = arg;
+  int missed;
+  uint64_t t0 = usmipc__now_ns();
+  ASSERT_OK(usmipc_releases_wait(&w->seq, &w->key, 1, &w->n, &missed, 10000));
+  w->waited_ns = usmipc__now_ns() - t0;
+  return NULL;
+}
+
+TEST_IMPL(event_releases_wait_wakes) {
+  SKIP_WITHOUT_EVENTS();
+  usmipc_device_t *dev = test_device();
+  usmipc_queue_t *q;
+  void *p;
+  ASSERT_OK(usmipc_queue_create(dev, &q));
+  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &p));
+  usmipc_ipc_handle_t *h;
+  ASSERT_OK(usmipc_ipc_get_handle(p, 0, &h));
+  uint8_t b[1024];
+  size_t len;
+  release_one(h, q, b, &len);
+  struct releases_waiter w = {0};
+  pthread_t t;
+  ASSERT_EQ(pthread_create(&t, NULL, releases_waiter_main, &w), 0);
+  usleep(100000);
+  ASSERT_OK(usmipc_ipc_release(b, len, q));
+  ASSERT_EQ(pthread_join(t, NULL), 0);
+  ASSERT_UEQ(w.n, 1);
+  ASSERT_UEQ(w.key, usmipc_ipc_handle_release_key(h));
+  ASSERT_MSG(w.waited_ns < 5000000000u, "woke after %llu ns",
+             (unsigned long long)w.waited_ns);
+  ASSERT_OK(usmipc_ipc_free_handle(h));
+  ASSERT_OK(usmipc_free(p));
+  ASSERT_OK(usmipc_queue_destroy(q));
+  return 0;
+}
+
 /* Events imported from exporters that exited do not stay pinned: the
  * import cache drops such entries (at a miss, once it has doubled since its
  * last sweep), so an importer that

@@ -125,6 +125,8 @@
   X(event_threads)                                                             \
   X(event_release_cross_process)                                               \
   X(event_release_same_process)                                                \
+  X(event_releases_wait_log)                                                   \
+  X(event_releases_wait_wakes)                                                 \
   X(event_release_forward)                                                     \
   X(event_release_consumer_exits)                                              \
   X(event_release_ticket_own_capability)                                       \

@@ -194,7 +194,7 @@ def _receive_and_check(q, out):
 def test_queue_moves_views_parameters_and_storages(routed, method):
     torch, ut = routed
     from usmipc import memory
-    kept_before = {id(b) for b in memory._kept}
+    kept_before = {id(b) for b in memory._kept_handles()}
     ctx = multiprocessing.get_context(method)
     base = host_tensor(torch, 16)
     base.copy_(torch.arange(16.0))
@@ -219,7 +219,7 @@ def test_queue_moves_views_parameters_and_storages(routed, method):
     deadline = time.monotonic() + TIMEOUT
 
     def ours():
-        return [b for b in memory._kept if id(b) not in kept_before]
+        return [b for b in memory._kept_handles() if id(b) not in kept_before]
 
     while ours() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -599,7 +599,7 @@ def test_a_refused_message_goes_by_torchs_path(routed, monkeypatch):
     from multiprocessing.reduction import ForkingPickler
     from usmipc import memory
     t = host_tensor(torch, 4).fill_(2)
-    kept = len(memory._kept)
+    kept = len(memory._kept_handles())
 
     def refuse(*args, **kwargs):
         raise usmipc.MemoryKindError("refused for the test")
@@ -610,7 +610,7 @@ def test_a_refused_message_goes_by_torchs_path(routed, monkeypatch):
         data = bytes(ForkingPickler.dumps({"a": t, "b": t[1:]}))
     monkeypatch.undo()
     assert b"_open_message" not in data and b"rebuild_storage_fd" in data
-    assert len(memory._kept) == kept
+    assert len(memory._kept_handles()) == kept
     assert ut.stats()["fallbacks"] == 1 and ut.stats()["messages"] == 0
     back = ForkingPickler.loads(data)
     assert back["a"].tolist() == [2.0] * 4

@@ -1054,6 +1054,13 @@ static PyObject *bundle_get_releases(PyObject *op, void *c) {
                        (unsigned long long)back);
 }
 
+static PyObject *bundle_get_release_key(PyObject *op, void *c) {
+  (void)c;
+  Bundle *self = (Bundle *)op;
+  return PyLong_FromUnsignedLongLong(
+      self->bundle != NULL ? usmipc_bundle_release_key(self->bundle) : 0);
+}
+
 /* wait_released(stream=None): every ticket handed out so far came back;
  * then stream waits for the consumers' work on the device, or the host
  * waits (IPCMemoryHandle.wait_released). */
@@ -1168,6 +1175,10 @@ static PyGetSetDef bundle_getset[] = {
      "(sent, returned): release tickets handed out (one per to_bytes() or "
      "pickle of\na bundle shared with release=True) and returned by "
      "consumers so far.",
+     NULL},
+    {"_release_key", bundle_get_release_key, NULL,
+     "The key usmipc._releases_wait() names this bundle by (0 before its "
+     "first\nticket).",
      NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

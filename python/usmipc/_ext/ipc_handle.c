@@ -941,6 +941,13 @@ static PyObject *handle_get_releases(PyObject *op, void *closure) {
                        (unsigned long long)back);
 }
 
+static PyObject *handle_get_release_key(PyObject *op, void *closure) {
+  (void)closure;
+  Handle *self = (Handle *)op;
+  return PyLong_FromUnsignedLongLong(
+      self->handle != NULL ? usmipc_ipc_handle_release_key(self->handle) : 0);
+}
+
 /* wait_released(stream=None): every release ticket handed out so far came
  * back; then stream waits for the consumers' work on the device, or the
  * host waits. */
@@ -1247,6 +1254,10 @@ static PyGetSetDef handle_getset[] = {
     {"releases", handle_get_releases, NULL,
      "(sent, returned): release tickets handed out (one per handoff of a "
      "handle made\nwith release=True) and returned by consumers so far.",
+     NULL},
+    {"_release_key", handle_get_release_key, NULL,
+     "The key usmipc._releases_wait() names this handle by (0 before its "
+     "first\nticket).",
      NULL},
     {"ordered", handle_get_ordered, NULL,
      "True if the handle's bytes make importers wait for the producer's "

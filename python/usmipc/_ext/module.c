@@ -262,6 +262,39 @@ static PyObject *torch_pool_info(PyObject *module, PyObject *arg) {
                        (Py_ssize_t)info.block_bytes);
 }
 
+/* _releases_wait(seq, timeout_ms) -> (keys, seq, missed): the release keys
+ * of this process's handles and bundles that had every ticket back since
+ * seq (usmipc_releases_wait), waiting up to timeout_ms without the GIL
+ * while there are none. usmipc.memory's reaper drops what it keeps by
+ * them. */
+static PyObject *releases_wait(PyObject *module, PyObject *args) {
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
+  unsigned long long seq, timeout_ms;
+  if (!PyArg_ParseTuple(args, "KK:_releases_wait", &seq, &timeout_ms))
+    return NULL;
+  uint64_t s = seq, keys[256];
+  size_t n = 0;
+  int missed = 0, rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_releases_wait(&s, keys, 256, &n, &missed, timeout_ms);
+  Py_END_ALLOW_THREADS
+  if (rc < 0)
+    return pyusmipc_raise(st, rc);
+  PyObject *list = PyTuple_New((Py_ssize_t)n);
+  if (list == NULL)
+    return NULL;
+  for (size_t i = 0; i < n; i++) {
+    PyObject *k = PyLong_FromUnsignedLongLong(keys[i]);
+    if (k == NULL) {
+      Py_DECREF(list);
+      return NULL;
+    }
+    PyTuple_SetItem(list, (Py_ssize_t)i, k); /* steals k */
+  }
+  return Py_BuildValue("(NKO)", list, (unsigned long long)s,
+                       missed ? Py_True : Py_False);
+}
+
 /* The message of the last failed usmipc call on this thread: what a NULL
  * from usmipc_torch_malloc (a tensor whose data_ptr() is 0) was about. */
 static PyObject *last_error(PyObject *module, PyObject *Py_UNUSED(ignored)) {
@@ -319,6 +352,11 @@ static PyMethodDef module_methods[] = {
      "USMIPC_EUNKNOWNPTR if nothing."},
     {"_torch_pool_info", torch_pool_info, METH_O,
      "_torch_pool_info(device) -> dict (usmipc.memory.torch_pool_info)."},
+    {"_releases_wait", releases_wait, METH_VARARGS,
+     "_releases_wait(seq, timeout_ms) -> (keys, seq, missed)\n\n"
+     "Release keys of this process's handoffs whose tickets all came back "
+     "since\nseq (usmipc_releases_wait); missed: fell behind, look at "
+     "all."},
     {"_last_error", last_error, METH_NOARGS,
      "_last_error() -> str\n\n"
      "The message of the last failed usmipc call on this thread."},
