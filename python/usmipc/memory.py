@@ -101,13 +101,15 @@ def _all_back(h) -> bool:
     return back >= sent
 
 
-def _unkeep(h) -> None:
-    """Takes h out of _kept; _kept_lock held."""
+def _unkeep(h) -> bool:
+    """Takes h out of _kept; False if it was not there. _kept_lock held."""
     hs = _kept.get(h._release_key)
-    if hs is not None:
-        hs[:] = [x for x in hs if x is not h]
-        if not hs:
-            del _kept[h._release_key]
+    if hs is None or not any(x is h for x in hs):
+        return False
+    hs[:] = [x for x in hs if x is not h]
+    if not hs:
+        del _kept[h._release_key]
+    return True
 
 
 def _reap():
@@ -127,9 +129,7 @@ def _reap():
             _due.clear()
             back = []
             for h in look:
-                if _all_back(h) and any(x is h for x in
-                                        _kept.get(h._release_key, ())):
-                    _unkeep(h)
+                if _all_back(h) and _unkeep(h):
                     back.append(h)
         scan_all = False
         failed = []

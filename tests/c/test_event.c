@@ -912,15 +912,32 @@ static void release_one(usmipc_ipc_handle_t *h, usmipc_queue_t *q,
   memcpy(b, data, *len);
 }
 
-TEST_IMPL(event_releases_wait_log) {
-  SKIP_WITHOUT_EVENTS();
-  usmipc_device_t *dev = test_device();
+/* What both usmipc_releases_wait tests start from: a queue, one device
+ * allocation and its handle. */
+struct release_fixture {
   usmipc_queue_t *q;
   void *p;
-  ASSERT_OK(usmipc_queue_create(dev, &q));
-  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &p));
   usmipc_ipc_handle_t *h;
-  ASSERT_OK(usmipc_ipc_get_handle(p, 0, &h));
+};
+
+static void release_fixture_open(struct release_fixture *f) {
+  ASSERT_OK(usmipc_queue_create(test_device(), &f->q));
+  ASSERT_OK(usmipc_malloc(test_device(), USMIPC_MEM_DEVICE, 4096, &f->p));
+  ASSERT_OK(usmipc_ipc_get_handle(f->p, 0, &f->h));
+}
+
+static void release_fixture_close(struct release_fixture *f) {
+  ASSERT_OK(usmipc_ipc_free_handle(f->h));
+  ASSERT_OK(usmipc_free(f->p));
+  ASSERT_OK(usmipc_queue_destroy(f->q));
+}
+
+TEST_IMPL(event_releases_wait_log) {
+  SKIP_WITHOUT_EVENTS();
+  struct release_fixture f;
+  release_fixture_open(&f);
+  usmipc_queue_t *q = f.q;
+  usmipc_ipc_handle_t *h = f.h;
   ASSERT_UEQ(usmipc_ipc_handle_release_key(h), 0);
   ASSERT_UEQ(usmipc_ipc_handle_release_key(NULL), 0);
   uint64_t seq = 0, keys[8];
@@ -993,9 +1010,7 @@ TEST_IMPL(event_releases_wait_log) {
     }
     ASSERT_EQ(exit_code_of(wait_pid_timeout(pid, 10)), 0);
   }
-  ASSERT_OK(usmipc_ipc_free_handle(h));
-  ASSERT_OK(usmipc_free(p));
-  ASSERT_OK(usmipc_queue_destroy(q));
+  release_fixture_close(&f);
   return 0;
 }
 
@@ -1019,29 +1034,22 @@ static void *releases_waiter_main(void *arg) {
 
 TEST_IMPL(event_releases_wait_wakes) {
   SKIP_WITHOUT_EVENTS();
-  usmipc_device_t *dev = test_device();
-  usmipc_queue_t *q;
-  void *p;
-  ASSERT_OK(usmipc_queue_create(dev, &q));
-  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &p));
-  usmipc_ipc_handle_t *h;
-  ASSERT_OK(usmipc_ipc_get_handle(p, 0, &h));
+  struct release_fixture f;
+  release_fixture_open(&f);
   uint8_t b[1024];
   size_t len;
-  release_one(h, q, b, &len);
+  release_one(f.h, f.q, b, &len);
   struct releases_waiter w = {0};
   pthread_t t;
   ASSERT_EQ(pthread_create(&t, NULL, releases_waiter_main, &w), 0);
   usleep(100000);
-  ASSERT_OK(usmipc_ipc_release(b, len, q));
+  ASSERT_OK(usmipc_ipc_release(b, len, f.q));
   ASSERT_EQ(pthread_join(t, NULL), 0);
   ASSERT_UEQ(w.n, 1);
-  ASSERT_UEQ(w.key, usmipc_ipc_handle_release_key(h));
+  ASSERT_UEQ(w.key, usmipc_ipc_handle_release_key(f.h));
   ASSERT_MSG(w.waited_ns < 5000000000u, "woke after %llu ns",
              (unsigned long long)w.waited_ns);
-  ASSERT_OK(usmipc_ipc_free_handle(h));
-  ASSERT_OK(usmipc_free(p));
-  ASSERT_OK(usmipc_queue_destroy(q));
+  release_fixture_close(&f);
   return 0;
 }
 

@@ -187,6 +187,20 @@ def test_reaper_waits_for_every_handle_it_drops():
     assert dropped == [True]
 
 
+def test_releases_wait_refuses_negative_counts():
+    """The reaper's wait takes a position in the log and a limit in ms;
+    a negative one is a bug and is refused, not wrapped to 2**64-1 (which
+    would wait for ever, or read the log from its far end)."""
+    from usmipc import _usmipc
+    keys, seq, missed = _usmipc._releases_wait(0, 0)
+    assert isinstance(keys, tuple) and seq >= 0 and missed in (True, False)
+    for args in ((-1, 0), (0, -1), (2**64, 0)):
+        with pytest.raises(OverflowError):
+            _usmipc._releases_wait(*args)
+    with pytest.raises(TypeError):
+        _usmipc._releases_wait(0, 1.5)
+
+
 def test_what_travels_as_a_copy_says_so():
     """Under ForkingPickler (queues, pipes, pools) host and shared memory
     and mappings of another process's memory are copies: each says so with

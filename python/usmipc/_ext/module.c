@@ -269,8 +269,17 @@ static PyObject *torch_pool_info(PyObject *module, PyObject *arg) {
  * them. */
 static PyObject *releases_wait(PyObject *module, PyObject *args) {
   pyusmipc_module_state_t *st = PyModule_GetState(module);
-  unsigned long long seq, timeout_ms;
-  if (!PyArg_ParseTuple(args, "KK:_releases_wait", &seq, &timeout_ms))
+  PyObject *seq_obj, *timeout_obj;
+  if (!PyArg_ParseTuple(args, "O!O!:_releases_wait", &PyLong_Type, &seq_obj,
+                        &PyLong_Type, &timeout_obj))
+    return NULL;
+  /* "K" would take -1 as 2**64-1 without a word: both are counts, and a
+   * negative one is the caller's bug (OverflowError names it). */
+  unsigned long long seq = PyLong_AsUnsignedLongLong(seq_obj);
+  if (seq == (unsigned long long)-1 && PyErr_Occurred())
+    return NULL;
+  unsigned long long timeout_ms = PyLong_AsUnsignedLongLong(timeout_obj);
+  if (timeout_ms == (unsigned long long)-1 && PyErr_Occurred())
     return NULL;
   uint64_t s = seq, keys[256];
   size_t n = 0;
