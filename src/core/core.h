@@ -221,6 +221,16 @@ void usmipc__export_wire_fill(usmipc__wire_t *w, usmipc_device_t *device,
 int usmipc__export_foreign(const void *ptr, size_t nbytes,
                            const usmipc__allocation_ref_t *known,
                            usmipc_ipc_handle_t **handle);
+/* core/foreign_payloads.c: the driver payloads of foreign allocations,
+ * kept by (buffer id, base, size, device) after their exports are gone, at
+ * most 4096, the oldest dropped first. Registry lock held. */
+bool usmipc__foreign_payload_find(uint64_t buffer_id, const void *base,
+                                  size_t size, const usmipc_device_t *device,
+                                  usmipc__payload_t *out);
+void usmipc__foreign_payload_keep(uint64_t buffer_id, const void *base,
+                                  size_t size, const usmipc_device_t *device,
+                                  const usmipc__payload_t *payload);
+size_t usmipc__foreign_payloads_count(void);
 /* Drops one owner of a foreign export; the last revokes it. */
 void usmipc__foreign_export_put(uint64_t foreign_id);
 /* Whether a live foreign export at base has this slot and token (a

@@ -10,7 +10,9 @@
  *                 allocation (or until usmipc_ipc_revoke).
  * Foreign memory: asked of the driver (a torch tensor, a CuPy array), or a
  *                 run of physical chunks (CUDA VMM); the export lives as
- *                 long as its handles. Guarded by usmipc__registry_lock. */
+ *                 long as its handles, the driver's payload of a whole
+ *                 allocation as long as the allocation (foreign_payloads.c).
+ *                 Guarded by usmipc__registry_lock. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -253,6 +255,31 @@ static void foreign_release(foreign_export_t *e, bool slotted) {
   free(e);
 }
 
+/* The driver's payload of a foreign allocation exported whole (not in
+ * chunks): the one kept from an earlier export of it (foreign_payloads.c),
+ * else the driver's, then kept. Lock held. */
+static int foreign_payload(const void *ptr, usmipc_device_t *device,
+                           usmipc__allocation_t *a, uint64_t buffer_id,
+                           usmipc__payload_t *payload) {
+  if (usmipc__foreign_payload_find(buffer_id, a->base, a->size, device,
+                                   payload))
+    return 0;
+  int fd = -1;
+  int rc = device->ops->ipc_export(device->native, a, payload, &fd);
+  if (rc != 0)
+    return rc;
+  USMIPC__STAT_ADD(driver_exports, 1);
+  if (fd >= 0) {
+    close(fd);
+    return usmipc__fail(USMIPC_ENOTSUP,
+                        "cannot export %p: memory of another library shared "
+                        "through a descriptor is not supported",
+                        ptr);
+  }
+  usmipc__foreign_payload_keep(buffer_id, a->base, a->size, device, payload);
+  return 0;
+}
+
 /* Memory another library allocated: the driver names its allocation and
  * buffer id; the export lives as long as handles hold it (see
  * foreign_export_t). */
@@ -295,19 +322,13 @@ int usmipc__export_foreign(const void *ptr, size_t nbytes,
                 e->size == a.size && e->device == device))
     e = e->next;
   if (e == NULL) {
-    int fd = -1;
     e = calloc(1, sizeof(*e));
     if (e == NULL)
       rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
     else if (run != NULL)
       rc = export_chunks(device, run, buffer_id, e);
-    else if ((rc = device->ops->ipc_export(device->native, &a, &e->payload,
-                                           &fd)) == 0 &&
-             (USMIPC__STAT_ADD(driver_exports, 1), fd >= 0))
-      rc = usmipc__fail(USMIPC_ENOTSUP,
-                        "cannot export %p: memory of another library shared "
-                        "through a descriptor is not supported",
-                        ptr);
+    else
+      rc = foreign_payload(ptr, device, &a, buffer_id, &e->payload);
     if (rc == 0 && run == NULL && (rc = usmipc__random(e->token, 16)) == 0)
       rc = usmipc__broker_serve();
     if (rc == 0)
