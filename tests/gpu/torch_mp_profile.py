@@ -90,7 +90,39 @@ def receiver(conn, mode):
             out = {"open_torch_us": med_us(opens),
                    "open_arrays_us": med_us(plain),
                    "drop_us": med_us(drops)}
+        elif what == "rebuild":  # ways to make a tensor over a storage
+            out = rebuild_ways(blobs)
         conn.send(out)
+
+
+def rebuild_ways(n):
+    """Medians (us) of the ways to make a (1536, 1536) bf16 CUDA tensor at
+    an offset in a storage, as the receiver rebuilds each tensor: torch's
+    own (empty(0).set_), a template's new_empty, and views of the storage's
+    uint8 leaf (view(dtype).as_strided)."""
+    import torch
+    leaf = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+    storage = leaf.untyped_storage()
+    dev, dt = storage.device, torch.bfloat16
+    size, stride, off = (1536, 1536), (1536, 1), 1024
+    tmpl = torch.empty(0, dtype=dt, device=dev)
+    ways = {
+        "rebuild_empty_set_us": lambda: torch.empty(
+            0, dtype=dt, device=dev).set_(storage, off, size, stride),
+        "rebuild_new_empty_set_us": lambda: tmpl.new_empty(0).set_(
+            storage, off, size, stride),
+        "rebuild_view_as_strided_us": lambda: leaf.view(dt).as_strided(
+            size, stride, off),
+    }
+    out = {}
+    for name, fn in ways.items():
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        out[name] = med_us(ts)
+    return out
 
 
 def case(name, obj, storages, n, conn, mode, quiet):
@@ -150,6 +182,8 @@ def case(name, obj, storages, n, conn, mode, quiet):
             e.record()
             ts.append(time.perf_counter() - t0)
         res["torch_event_record_us"] = med_us(ts)
+        conn.send(("rebuild", n))
+        res.update(conn.recv())
     for k, v in res.items():
         if k.endswith("_profile"):
             if not quiet:
