@@ -397,9 +397,11 @@ def test_a_received_tensor_is_sent_on_as_the_first_handoff(routed):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "open defect (stop 32): a forwarder's own ticket never comes back once "
-    "it exits, so the first sender keeps the memory until it exits; seen "
-    "as releases (3, 1) after B exited, (3, 2) after C, never (3, 3)"))
+    "open defect (stop 32): a receiver that still holds a tensor when its "
+    "interpreter exits never returns that ticket; here B's Process-argument "
+    "child, whose Process object (and so the tensor) multiprocessing keeps "
+    "as current_process() to the end: releases stay (3, 2), so the first "
+    "sender keeps the memory until it exits"))
 def test_the_first_sender_frees_once_forwarder_and_next_receiver_exit(
         routed):
     """A puts t to B, B hands it on to C and to a Process argument, then
