@@ -12,6 +12,7 @@ gathers them (dpctl's ``dpctl.memory`` layout), and adds
 pool block (torch is imported only by the torch functions).
 """
 
+import atexit
 import copyreg
 import ctypes
 import os
@@ -175,6 +176,47 @@ def _reset_after_fork():
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+# ---- at exit: the tickets this process still holds ------------------------
+#
+# A receiver that still holds what it opened when it ends never closes it
+# (the interpreter does not free every object at exit): a tensor a spawned
+# Process got as its argument lives as long as multiprocessing's Process
+# object, to the very end. Its ticket then never went back and the sender
+# kept the memory until the sender exited. So the tickets of every open
+# still held go back as the process ends (_usmipc._return_tickets_at_exit:
+# after the work on each open's release stream): from atexit, and from
+# multiprocessing's finalizers, which also run in the children of fork and
+# forkserver (they leave by os._exit, without atexit). A process killed,
+# or leaving by os._exit outside multiprocessing, still keeps them.
+
+
+def _return_tickets_at_exit() -> None:
+    try:
+        _usmipc._return_tickets_at_exit()
+    except Exception:  # at exit: the sender keeps the memory, as before
+        pass
+
+
+class _TicketsAtExit:
+    """Registers _return_tickets_at_exit with multiprocessing's finalizers,
+    again in each forked child (fork clears them)."""
+
+    def __init__(self):
+        import multiprocessing.util as util
+        self._util = util
+        self._register()
+        util.register_after_fork(self, _TicketsAtExit._register)
+
+    def _register(self):
+        # exitpriority -100: after the finalizers of higher priority, which
+        # may still use what was opened (multiprocessing runs them first).
+        self._util.Finalize(self, _return_tickets_at_exit, exitpriority=-100)
+
+
+atexit.register(_return_tickets_at_exit)
+_tickets_at_exit = _TicketsAtExit()
 
 
 def _argument_error(cls, message):

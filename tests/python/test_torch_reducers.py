@@ -396,17 +396,14 @@ def test_a_received_tensor_is_sent_on_as_the_first_handoff(routed):
                 p.kill()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open defect (stop 32): a receiver that still holds a tensor when its "
-    "interpreter exits never returns that ticket; here B's Process-argument "
-    "child, whose Process object (and so the tensor) multiprocessing keeps "
-    "as current_process() to the end: releases stay (3, 2), so the first "
-    "sender keeps the memory until it exits"))
 def test_the_first_sender_frees_once_forwarder_and_next_receiver_exit(
         routed):
     """A puts t to B, B hands it on to C and to a Process argument, then
     every one of them exits: A's bundle has every ticket back, and A drops
-    it (its memory is not held until A exits)."""
+    it (its memory is not held until A exits). Before, the Process
+    argument's ticket never came back: multiprocessing keeps the child's
+    Process object, and so the tensor, to the very end, and a ticket held
+    at exit was never returned (releases stayed (3, 2))."""
     torch, ut = routed
     from usmipc import memory
     ctx = multiprocessing.get_context("spawn")
@@ -439,6 +436,42 @@ def test_the_first_sender_frees_once_forwarder_and_next_receiver_exit(
         for p in (b, c):
             if p.is_alive():
                 p.kill()
+
+
+def _hold_until_exit(q, out):
+    """A fork child that keeps what it received in a global and leaves
+    (by os._exit, after multiprocessing's finalizers)."""
+    global _held
+    _held = q.get(timeout=TIMEOUT)
+    out.put(_held.tolist())
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_receiver_that_exits_holding_a_tensor_returns_its_ticket(
+        routed, method):
+    """A receiver that still holds a received tensor when it ends gives its
+    ticket back as it exits (atexit, and multiprocessing's finalizers in
+    fork and forkserver children), so the sender frees the memory then,
+    not when it exits itself."""
+    torch, ut = routed
+    from usmipc import memory
+    ctx = multiprocessing.get_context(method)
+    q, out = ctx.Queue(), ctx.Queue()
+    before = {id(h) for h in memory._kept_handles()}
+    p = ctx.Process(target=_hold_until_exit, args=(q, out))
+    p.start()
+    t = host_tensor(torch, 3)
+    t.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    q.put(t)
+    assert out.get(timeout=TIMEOUT) == [1.0, 2.0, 3.0]
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+    deadline = time.monotonic() + 5
+    ours = [h for h in memory._kept_handles() if id(h) not in before]
+    while ours and time.monotonic() < deadline:
+        time.sleep(0.05)
+        ours = [h for h in memory._kept_handles() if id(h) not in before]
+    assert [h.releases for h in ours] == []
 
 
 SENDER_EXITS = """

@@ -439,6 +439,11 @@ static PyMethodDef bundle_functions[] = {
      "to='torch' trees). Once per open: closing the last array of an open "
      "returns its ticket from the host, if nothing did before. Bytes that "
      "carry no ticket are refused; a tree of them needs nothing."},
+    {"_return_tickets_at_exit", pyusmipc_return_tickets_at_exit, METH_NOARGS,
+     "_return_tickets_at_exit() -> int\n--\n\nReturns the release tickets "
+     "of every open this process still holds (after the work on each "
+     "open's release_stream), as the process ends: registered with atexit "
+     "and multiprocessing's finalizers by usmipc. How many."},
     {"forward_shared", pyusmipc_forward_shared, METH_O,
      "forward_shared(data)\n--\n\nBytes that hand a bundle this process "
      "opened (shared with release=True) on to one more consumer process: "

@@ -1296,6 +1296,39 @@ PyObject *pyusmipc_release_shared(PyObject *module, PyObject *const *args,
 /* forward_shared(data): the bytes that hand what this process opened on to
  * one more consumer (usmipc_ipc_forward): data is the bytes it opened, a
  * consumer's SharedBundle of them, or one of its SharedArrays. */
+/* _return_tickets_at_exit() -> int: the tickets of every open this
+ * process still holds, returned now (after the work on each open's
+ * release_stream, else from the host), as the process ends. An open whose
+ * arrays are still alive when the interpreter exits never closes them: a
+ * tensor a spawned Process got as its argument lives as long as
+ * multiprocessing's Process object, to the very end, and its producer kept
+ * the memory until it exited itself. usmipc registers this with atexit and
+ * multiprocessing's finalizers (python/usmipc/__init__.py). The arrays stay
+ * mapped; their memory may be reused by the producer from now on, so
+ * nothing of this process may use them after it (at exit, nothing should).
+ * The count returned, for tests. */
+PyObject *pyusmipc_return_tickets_at_exit(PyObject *module,
+                                          PyObject *Py_UNUSED(ignored)) {
+  (void)module;
+  long n = 0;
+  for (;;) {
+    /* From the head each time: a release_stream call may close other
+     * opens and unlink them. Each pass returns one, so this ends. */
+    ticket_t *t = tickets_of_opens;
+    while (t != NULL && t->returned)
+      t = t->next;
+    if (t == NULL)
+      break;
+    t->refs++;
+    t->open = 1; /* ticket_close: this is the last close */
+    (void)ticket_close(t, 1);
+    t->returned = 1; /* even where sending failed: once */
+    ticket_put(t);
+    n++;
+  }
+  return PyLong_FromLong(n);
+}
+
 PyObject *pyusmipc_forward_shared(PyObject *module, PyObject *obj) {
   pyusmipc_module_state_t *st = PyModule_GetState(module);
   PyObject *bytes;

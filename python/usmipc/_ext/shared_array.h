@@ -16,6 +16,8 @@ PyObject *pyusmipc_open_shared(PyObject *module, PyObject *const *args,
 PyObject *pyusmipc_close_shared(PyObject *module, PyObject *const *args,
                                 Py_ssize_t nargs, PyObject *kwnames);
 PyObject *pyusmipc_forward_shared(PyObject *module, PyObject *obj);
+PyObject *pyusmipc_return_tickets_at_exit(PyObject *module,
+                                          PyObject *Py_UNUSED(ignored));
 PyObject *pyusmipc_release_shared(PyObject *module, PyObject *const *args,
                                   Py_ssize_t nargs, PyObject *kwnames);
 
