@@ -140,6 +140,41 @@ def test_sender_frees_when_tickets_return():
     assert p.exitcode == 0
 
 
+def _hold_mapping_until_exit(q, out):
+    """Keeps what it received in a global and leaves (fork and forkserver
+    children by os._exit, after multiprocessing's finalizers)."""
+    global _held
+    _held = q.get(timeout=TIMEOUT)
+    out.put(bytes(_held.copy_to_host()))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_receiver_that_exits_holding_a_mapping_returns_its_ticket(method):
+    """A receiver that still holds the mapping when it ends gives its
+    ticket back as it exits, so the sender frees the memory then (before,
+    only when the sender itself exited)."""
+    from usmipc import memory
+    ctx = multiprocessing.get_context(method)
+    q, out = ctx.Queue(), ctx.Queue()
+    before = {id(h) for h in memory._kept_handles()}
+    p = ctx.Process(target=_hold_mapping_until_exit, args=(q, out))
+    p.start()
+    mem = MemoryUSMDevice(64, device=usmipc.Device(HOST))
+    mem.copy_from_host(pattern(64, 3))
+    q.put(mem)
+    del mem
+    assert out.get(timeout=TIMEOUT) == pattern(64, 3)
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+    def ours():
+        return [h for h in memory._kept_handles() if id(h) not in before]
+    deadline = time.monotonic() + 5
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [h.releases for h in ours()] == []
+
+
 class _Racy:
     """A kept handle whose last ticket comes back while the reaper looks:
     its counts read (1, 0) the first time and (1, 1) after."""

@@ -735,6 +735,7 @@ static PyObject *open_common(PyTypeObject *defining_class,
       goto fail_args;
     }
     ((pyusmipc_memory_object_t *)mem)->release_handle = bytes;
+    pyusmipc_mapping_ticket_list((pyusmipc_memory_object_t *)mem);
   }
   pyusmipc_handle_bytes_release(&hb);
   Py_XDECREF(queue_obj);

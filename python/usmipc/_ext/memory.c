@@ -479,10 +479,63 @@ PyObject *pyusmipc_mapping_new(pyusmipc_module_state_t *st,
   return (PyObject *)self;
 }
 
+/* The mappings with a ticket not returned yet (pyusmipc_mapping_ticket_
+ * list): a mapping still open when the interpreter exits is never closed,
+ * and its producer kept the memory until it exited itself. GIL held; a
+ * mapping leaves the list before anything releases the GIL on its way to
+ * returning or dropping the ticket, so the walk at exit never meets one
+ * whose bytes another thread is sending. */
+static Mem *ticketed_mappings;
+
+void pyusmipc_mapping_ticket_list(Mem *m) {
+  if (m->ticket_listed) {
+    return;
+  }
+  m->ticket_prev = NULL;
+  m->ticket_next = ticketed_mappings;
+  if (ticketed_mappings != NULL) {
+    ticketed_mappings->ticket_prev = m;
+  }
+  ticketed_mappings = m;
+  m->ticket_listed = 1;
+}
+
+static void mapping_ticket_unlist(Mem *m) {
+  if (!m->ticket_listed) {
+    return;
+  }
+  if (m->ticket_prev != NULL) {
+    m->ticket_prev->ticket_next = m->ticket_next;
+  } else {
+    ticketed_mappings = m->ticket_next;
+  }
+  if (m->ticket_next != NULL) {
+    m->ticket_next->ticket_prev = m->ticket_prev;
+  }
+  m->ticket_prev = m->ticket_next = NULL;
+  m->ticket_listed = 0;
+}
+
+long pyusmipc_mapping_tickets_return_all(pyusmipc_module_state_t *st) {
+  long n = 0;
+  while (ticketed_mappings != NULL) {
+    Mem *m = ticketed_mappings;
+    Py_INCREF(m);
+    if (pyusmipc_mapping_release(st, m, NULL) < 0) {
+      PyErr_Clear();
+    }
+    mapping_ticket_unlist(m); /* released unlisted it; a failure too */
+    Py_DECREF(m);
+    n++;
+  }
+  return n;
+}
+
 int pyusmipc_mapping_release(pyusmipc_module_state_t *st,
                              pyusmipc_memory_object_t *m,
                              usmipc_queue_t *queue) {
   PyObject *bytes = m->release_handle;
+  mapping_ticket_unlist(m);
   if (bytes == NULL) {
     return 0;
   }
@@ -558,6 +611,7 @@ static void view_release(Mem *self) {
 
 static int memory_clear(PyObject *op) {
   Mem *self = (Mem *)op;
+  mapping_ticket_unlist(self);
   view_release(self);
   Py_CLEAR(self->base);
   Py_CLEAR(self->queue);
@@ -570,6 +624,7 @@ static int memory_clear(PyObject *op) {
 static void memory_dealloc(PyObject *op) {
   Mem *self = (Mem *)op;
   PyObject_GC_UnTrack(op);
+  mapping_ticket_unlist(self); /* before the GIL is released below */
   /* No export can be alive: each holds a reference to this object. Errors
    * cannot be reported from here; a failed free leaks, nothing worse. */
   (void)pyusmipc_memory_release(self);

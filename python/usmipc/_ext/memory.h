@@ -21,5 +21,12 @@ int pyusmipc_mapping_close(pyusmipc_module_state_t *st,
 int pyusmipc_mapping_release(pyusmipc_module_state_t *st,
                              pyusmipc_memory_object_t *m,
                              usmipc_queue_t *queue);
+/* Lists a mapping whose release_handle was just set, so that its ticket
+ * goes back as the process exits if nothing returned it before. */
+void pyusmipc_mapping_ticket_list(pyusmipc_memory_object_t *m);
+/* Returns the ticket of every listed mapping now, from the host (the
+ * process is ending: _return_tickets_at_exit). How many; errors are
+ * dropped (the producer then keeps the memory until it exits). */
+long pyusmipc_mapping_tickets_return_all(pyusmipc_module_state_t *st);
 
 #endif /* PYUSMIPC_MEMORY_H */

@@ -31,6 +31,11 @@ typedef struct pyusmipc_memory_object {
    * for one): the bytes, until the ticket is returned (release(), or
    * close_mapping / close, which return it from the host). */
   PyObject *release_handle;
+  /* While release_handle is set: this mapping's place in the list of
+   * mappings whose ticket has not gone back (memory.c), which the process
+   * returns as it exits. GIL held. */
+  struct pyusmipc_memory_object *ticket_prev, *ticket_next;
+  char ticket_listed;
   /* A block of a MemoryPool: the pool, kept alive until the block is
    * returned (usmipc_free gives it back). NULL otherwise. */
   PyObject *pool;

@@ -28,6 +28,7 @@
 #include "device.h"
 #include "dlpack.h"
 #include "interop.h"
+#include "memory.h"
 #include "queue.h"
 #include "util.h"
 
@@ -1296,11 +1297,11 @@ PyObject *pyusmipc_release_shared(PyObject *module, PyObject *const *args,
 /* forward_shared(data): the bytes that hand what this process opened on to
  * one more consumer (usmipc_ipc_forward): data is the bytes it opened, a
  * consumer's SharedBundle of them, or one of its SharedArrays. */
-/* _return_tickets_at_exit() -> int: the tickets of every open this
- * process still holds, returned now (after the work on each open's
- * release_stream, else from the host), as the process ends. An open whose
- * arrays are still alive when the interpreter exits never closes them: a
- * tensor a spawned Process got as its argument lives as long as
+/* _return_tickets_at_exit() -> int: the tickets of every open (and mapping
+ * of IPCMemoryHandle.open) this process still holds, returned now (after the
+ * work on each open's release_stream, else from the host), as the process ends.
+ * An open whose arrays are still alive when the interpreter exits never closes
+ * them: a tensor a spawned Process got as its argument lives as long as
  * multiprocessing's Process object, to the very end, and its producer kept
  * the memory until it exited itself. usmipc registers this with atexit and
  * multiprocessing's finalizers (python/usmipc/__init__.py). The arrays stay
@@ -1309,8 +1310,9 @@ PyObject *pyusmipc_release_shared(PyObject *module, PyObject *const *args,
  * The count returned, for tests. */
 PyObject *pyusmipc_return_tickets_at_exit(PyObject *module,
                                           PyObject *Py_UNUSED(ignored)) {
-  (void)module;
-  long n = 0;
+  pyusmipc_module_state_t *st = PyModule_GetState(module);
+  /* Mappings of IPCMemoryHandle.open first (memory.c), from the host. */
+  long n = pyusmipc_mapping_tickets_return_all(st);
   for (;;) {
     /* From the head each time: a release_stream call may close other
      * opens and unlink them. Each pass returns one, so this ends. */
