@@ -520,12 +520,12 @@ long pyusmipc_mapping_tickets_return_all(pyusmipc_module_state_t *st) {
   long n = 0;
   while (ticketed_mappings != NULL) {
     Mem *m = ticketed_mappings;
-    Py_INCREF(m);
+    Py_INCREF((PyObject *)m);
     if (pyusmipc_mapping_release(st, m, NULL) < 0) {
       PyErr_Clear();
     }
     mapping_ticket_unlist(m); /* released unlisted it; a failure too */
-    Py_DECREF(m);
+    Py_DECREF((PyObject *)m);
     n++;
   }
   return n;
