@@ -89,6 +89,8 @@ _COUNTERS = (
     "host_tensors",  # CPU tensors over usmipc memory, routed
     "torch_tensors",  # tensors left to torch's own reduction
     "fallbacks",  # CUDA tensors usmipc refused, sent by torch's path instead
+    "refused",  # CUDA tensors refused as torch refuses them (a non-leaf
+    # that requires grad): never pickled
     "messages",  # ForkingPickler.dumps calls that carried routed memory
     "bundles",  # usmipc bundles made (one per message and device)
     "standalone",  # tensors pickled outside dumps (one bundle each)
@@ -224,7 +226,7 @@ def _is_usmipc_host(ptr: int) -> bool:
 class _Group:
     """The storages of one message on one device: one bundle."""
 
-    __slots__ = ("device", "views", "index_of")
+    __slots__ = ("device", "views", "index_of", "single")
 
     def __init__(self, device):
         self.device = device  # torch.device
@@ -232,6 +234,9 @@ class _Group:
         # its bytes) and the bundle keeps them until its tickets are back.
         self.views: list = []
         self.index_of: dict = {}  # (data_ptr, nbytes) -> index
+        # Per storage, the one tensor of the message over it, or None (a
+        # second tensor or the storage itself pickled): _whole_leaves.
+        self.single: list = []
 
 
 class _Forward:
@@ -260,8 +265,9 @@ class _Message:
         self.forward_of: dict = {}  # bundle bytes -> group index
         self.put_event = put_event  # (device index, torch.cuda.Event) or None
 
-    def add(self, storage, device) -> tuple[int, int]:
-        """(group, index) of the storage in this message, added if new."""
+    def add(self, storage, device, tensor=None) -> tuple[int, int]:
+        """(group, index) of the storage in this message, added if new;
+        tensor: the tensor over it being pickled (None: the storage)."""
         origin = _origin(storage) if _received else None
         if origin is not None:
             name, raw, index = origin
@@ -280,6 +286,9 @@ class _Message:
         if i is None:
             i = group.index_of[key] = len(group.views)
             group.views.append(storage)
+            group.single.append(tensor)
+        else:
+            group.single[i] = None
         return g, i
 
 
@@ -348,10 +357,37 @@ def _order_stream(group: _Group, put_event):
     return s
 
 
+# dtypes a bundle carries and torch's DLPack import gives back as they are.
+_LEAF_DTYPES = frozenset(
+    ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32",
+     "int64", "uint8", "bool"))
+
+
+def _whole_leaves(group: _Group) -> None:
+    """A storage that exactly one tensor of the message covers whole (a
+    state dict's parameter, as a rule) travels as that tensor: its leaf in
+    the receiver is the tensor itself, with its dtype and shape, and
+    _rebuild_tensor hands it out as it is instead of making a tensor over
+    the storage (torch.empty().set_(), 2.9 us on an H100) and keeping the
+    storage's bookkeeping. The memory, and so the export and the ticket,
+    are the same."""
+    torch = None
+    for i, t in enumerate(group.single):
+        if t is None:
+            continue
+        if torch is None:
+            torch = _torch()
+        if (t.storage_offset() == 0 and t.is_contiguous()
+                and str(t.dtype)[6:] in _LEAF_DTYPES
+                and t.numel() * t.element_size() == group.views[i].nbytes()):
+            group.views[i] = t if type(t) is torch.Tensor else t.detach()
+
+
 def _share_group(group: _Group, put_event):
     """One bundle of the group's storages and its bytes. The caller keeps
     the bundle (_memory._keep) once the whole message is made: the sender
     holds it until every ticket of it came back."""
+    _whole_leaves(group)
     stream = _order_stream(group, put_event)
     bundle = _usmipc.share(group.views, stream=stream, release=True)
     _counts["bundles"] += 1
@@ -422,6 +458,8 @@ def _reduce_tensor(tensor):
         return _torch_reduce["reduce_tensor"](tensor)
     requires_grad = tensor.requires_grad
     if requires_grad and not tensor.is_leaf:
+        if cuda:
+            _counts["refused"] += 1
         _refuse_non_leaf()
     if tensor._backward_hooks:
         _torch().utils.hooks.warn_if_has_hooks(tensor)
@@ -435,7 +473,7 @@ def _reduce_tensor(tensor):
     messages = _tls.messages
     if messages:
         return (_rebuild_tensor,
-                (messages[-1].add(storage, tensor.device),) + meta)
+                (messages[-1].add(storage, tensor.device, tensor),) + meta)
     return _standalone(storage, tensor, meta)
 
 
@@ -639,6 +677,15 @@ class _Opened:
         self.leaves = leaves
         self.storages: dict = {}
 
+    def whole(self, at: tuple[int, int], leaf):
+        """leaf, a tensor the sender sent whole, as the received tensor;
+        None when this process still holds its storage (then the tensor is
+        made over that storage, as torch does)."""
+        g, i = at
+        name, raw = self.groups[g]
+        s = self.storages[at] = _storage_of(leaf, (name, raw, i))
+        return leaf if s._cdata == leaf.untyped_storage()._cdata else None
+
     def storage(self, at: tuple[int, int]):
         s = self.storages.get(at)
         if s is None:
@@ -756,6 +803,21 @@ def _rebuild_tensor(at, cls, size, stride, offset, dtype, requires_grad):
     opened = _current_opened()
     storage = opened.storages.get(at)
     if storage is None:
+        g, i = at
+        leaf = opened.leaves[g][i]
+        if (leaf.dtype is dtype and offset == 0 and leaf.shape == size
+                and leaf.stride() == stride):
+            # The sender's tensor itself (_whole_leaves): handed out as it
+            # is, unless this process still holds that storage.
+            t = opened.whole(at, leaf)
+            if t is not None:
+                _counts["received_tensors"] += 1
+                if cls is not _Tensor and cls is _torch().nn.Parameter:
+                    return _torch().nn.Parameter(
+                        t, requires_grad=requires_grad)
+                if requires_grad:
+                    t.requires_grad = True
+                return t
         storage = opened.storage(at)
     if cls is not _Tensor or requires_grad:
         return _tensor_on(storage, cls, size, stride, offset, dtype,
