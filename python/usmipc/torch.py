@@ -357,10 +357,20 @@ def _order_stream(group: _Group, put_event):
     return s
 
 
-# dtypes a bundle carries and torch's DLPack import gives back as they are.
-_LEAF_DTYPES = frozenset(
-    ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32",
-     "int64", "uint8", "bool"))
+# dtypes a bundle carries and torch's DLPack import gives back as they are
+# (torch's dtype objects, made at the first use: torch is imported then).
+_LEAF_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "int8",
+                     "int16", "int32", "int64", "uint8", "bool")
+_leaf_dtype_set: Optional[frozenset] = None
+
+
+def _leaf_dtypes() -> frozenset:
+    global _leaf_dtype_set
+    if _leaf_dtype_set is None:
+        torch = _torch()
+        _leaf_dtype_set = frozenset(getattr(torch, n)
+                                    for n in _LEAF_DTYPE_NAMES)
+    return _leaf_dtype_set
 
 
 def _whole_leaves(group: _Group) -> None:
@@ -370,17 +380,14 @@ def _whole_leaves(group: _Group) -> None:
     _rebuild_tensor hands it out as it is instead of making a tensor over
     the storage (torch.empty().set_(), 2.9 us on an H100) and keeping the
     storage's bookkeeping. The memory, and so the export and the ticket,
-    are the same."""
-    torch = None
+    are the same. group.single holds a tensor only where _reduce_tensor
+    found it whole: offset 0, contiguous, all of the storage's bytes, of a
+    dtype in _LEAF_DTYPE_NAMES."""
+    plain = _torch().Tensor
+    views = group.views
     for i, t in enumerate(group.single):
-        if t is None:
-            continue
-        if torch is None:
-            torch = _torch()
-        if (t.storage_offset() == 0 and t.is_contiguous()
-                and str(t.dtype)[6:] in _LEAF_DTYPES
-                and t.numel() * t.element_size() == group.views[i].nbytes()):
-            group.views[i] = t if type(t) is torch.Tensor else t.detach()
+        if t is not None:
+            views[i] = t if type(t) is plain else t.detach()
 
 
 def _share_group(group: _Group, put_event):
@@ -468,12 +475,18 @@ def _reduce_tensor(tensor):
     _counts["routed_tensors"] += 1
     if not cuda:
         _counts["host_tensors"] += 1
-    if storage.nbytes() == 0:
+    nbytes = storage.nbytes()
+    if nbytes == 0:
         return (_rebuild_empty, (_device_name(tensor.device),) + meta)
     messages = _tls.messages
     if messages:
+        # Whole: may travel as itself if it is the storage's only tensor in
+        # the message (_whole_leaves). Read here, where it costs least.
+        whole = (meta[3] == 0 and tensor.nbytes == nbytes
+                 and meta[4] in _leaf_dtypes() and tensor.is_contiguous())
         return (_rebuild_tensor,
-                (messages[-1].add(storage, tensor.device, tensor),) + meta)
+                (messages[-1].add(storage, tensor.device,
+                                  tensor if whole else None),) + meta)
     return _standalone(storage, tensor, meta)
 
 
