@@ -205,6 +205,29 @@ _probe_install()  # records only with the probe on; checks words always
 
 HOST = "host:cpu"
 TIMEOUT = 60  # seconds for any helper process
+
+
+class KeptSince:
+    """What usmipc.memory keeps for its receivers (handles and bundles
+    whose tickets are out) that was not kept when this was made: other
+    tests' leftovers are not this test's."""
+
+    def __init__(self):
+        from usmipc import memory
+        self._memory = memory
+        self._before = {id(h) for h in memory._kept_handles()}
+
+    def __call__(self) -> list:
+        return [h for h in self._memory._kept_handles()
+                if id(h) not in self._before]
+
+    def after_waiting(self, seconds: float = 5) -> list:
+        """What is still kept once nothing is, or after seconds."""
+        import time
+        deadline = time.monotonic() + seconds
+        while self() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self()
 MAGIC = b"\x89USMIPC\n"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(

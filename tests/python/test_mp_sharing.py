@@ -13,7 +13,7 @@ import pytest
 import usmipc
 from usmipc.memory import MemoryIPCDevice, MemoryUSMDevice, MemoryUSMHost
 
-from conftest import TIMEOUT
+from conftest import TIMEOUT, KeptSince
 
 HOST = "host:cpu"
 
@@ -153,10 +153,9 @@ def test_a_receiver_that_exits_holding_a_mapping_returns_its_ticket(method):
     """A receiver that still holds the mapping when it ends gives its
     ticket back as it exits, so the sender frees the memory then (before,
     only when the sender itself exited)."""
-    from usmipc import memory
     ctx = multiprocessing.get_context(method)
     q, out = ctx.Queue(), ctx.Queue()
-    before = {id(h) for h in memory._kept_handles()}
+    kept = KeptSince()
     p = ctx.Process(target=_hold_mapping_until_exit, args=(q, out))
     p.start()
     mem = MemoryUSMDevice(64, device=usmipc.Device(HOST))
@@ -166,13 +165,7 @@ def test_a_receiver_that_exits_holding_a_mapping_returns_its_ticket(method):
     assert out.get(timeout=TIMEOUT) == pattern(64, 3)
     p.join(TIMEOUT)
     assert p.exitcode == 0
-
-    def ours():
-        return [h for h in memory._kept_handles() if id(h) not in before]
-    deadline = time.monotonic() + 5
-    while ours() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [h.releases for h in ours()] == []
+    assert [h.releases for h in kept.after_waiting()] == []
 
 
 class _Racy:

@@ -25,7 +25,7 @@ import pytest
 
 import usmipc
 
-from conftest import TIMEOUT, child_env, run_python
+from conftest import TIMEOUT, KeptSince, child_env, run_python
 
 MUST_RUN = os.environ.get("CI") == "true" and \
     os.environ.get("USMIPC_TEST_INSTALLED") != "1"
@@ -360,17 +360,24 @@ def _hop_reader(hop, out, go):
     go.get(timeout=TIMEOUT)
 
 
-def test_a_received_tensor_is_sent_on_as_the_first_handoff(routed):
-    """A puts t to B; B puts a view of it to C (a queue message) and passes
-    it to a Process (its arguments): neither is a copy or a new export, C
-    writes into A's memory, and A's tensor sees it."""
-    torch, ut = routed
+def _start_forward_chain():
+    """B (_forwarder) and C (_hop_reader), started, and their queues:
+    q (A to B), hop (B to C), out (to A), go (A to C)."""
     ctx = multiprocessing.get_context("spawn")
     q, hop, out, go = (ctx.Queue() for _ in range(4))
     b = ctx.Process(target=_forwarder, args=(q, hop, out))
     c = ctx.Process(target=_hop_reader, args=(hop, out, go))
     b.start()
     c.start()
+    return (q, hop, out, go), (b, c)
+
+
+def test_a_received_tensor_is_sent_on_as_the_first_handoff(routed):
+    """A puts t to B; B puts a view of it to C (a queue message) and passes
+    it to a Process (its arguments): neither is a copy or a new export, C
+    writes into A's memory, and A's tensor sees it."""
+    torch, ut = routed
+    (q, hop, out, go), (b, c) = _start_forward_chain()
     try:
         t = host_tensor(torch, 4)
         t.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
@@ -405,17 +412,8 @@ def test_the_first_sender_frees_once_forwarder_and_next_receiver_exit(
     Process object, and so the tensor, to the very end, and a ticket held
     at exit was never returned (releases stayed (3, 2))."""
     torch, ut = routed
-    from usmipc import memory
-    ctx = multiprocessing.get_context("spawn")
-    q, hop, out, go = (ctx.Queue() for _ in range(4))
-    b = ctx.Process(target=_forwarder, args=(q, hop, out))
-    c = ctx.Process(target=_hop_reader, args=(hop, out, go))
-    b.start()
-    c.start()
-    before = {id(h) for h in memory._kept_handles()}  # other tests' own
-
-    def ours():
-        return [h for h in memory._kept_handles() if id(h) not in before]
+    kept = KeptSince()
+    (q, hop, out, go), (b, c) = _start_forward_chain()
     try:
         t = host_tensor(torch, 4)
         q.put(t)
@@ -428,10 +426,7 @@ def test_the_first_sender_frees_once_forwarder_and_next_receiver_exit(
         go.put(1)
         c.join(TIMEOUT)
         assert (b.exitcode, c.exitcode) == (0, 0)
-        deadline = time.monotonic() + 5
-        while ours() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert [h.releases for h in ours()] == []
+        assert [h.releases for h in kept.after_waiting()] == []
     finally:
         for p in (b, c):
             if p.is_alive():
@@ -454,10 +449,9 @@ def test_a_receiver_that_exits_holding_a_tensor_returns_its_ticket(
     fork and forkserver children), so the sender frees the memory then,
     not when it exits itself."""
     torch, ut = routed
-    from usmipc import memory
     ctx = multiprocessing.get_context(method)
     q, out = ctx.Queue(), ctx.Queue()
-    before = {id(h) for h in memory._kept_handles()}
+    kept = KeptSince()
     p = ctx.Process(target=_hold_until_exit, args=(q, out))
     p.start()
     t = host_tensor(torch, 3)
@@ -466,12 +460,7 @@ def test_a_receiver_that_exits_holding_a_tensor_returns_its_ticket(
     assert out.get(timeout=TIMEOUT) == [1.0, 2.0, 3.0]
     p.join(TIMEOUT)
     assert p.exitcode == 0
-    deadline = time.monotonic() + 5
-    ours = [h for h in memory._kept_handles() if id(h) not in before]
-    while ours and time.monotonic() < deadline:
-        time.sleep(0.05)
-        ours = [h for h in memory._kept_handles() if id(h) not in before]
-    assert [h.releases for h in ours] == []
+    assert [h.releases for h in kept.after_waiting()] == []
 
 
 SENDER_EXITS = """
