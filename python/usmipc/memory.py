@@ -252,7 +252,9 @@ def _open_shared_memory(raw):
     return IPCMemoryHandle.open(raw)
 
 
-class CopyWarning(UserWarning):
+# The metaclass of usmipc.Error: help() shows what usmipc defines, not the
+# members every warning inherits from BaseException.
+class CopyWarning(UserWarning, metaclass=type(_usmipc.Error)):
     """usmipc memory that ``multiprocessing`` (ForkingPickler) sends as a
     copy: host and shared memory, device memory of a device without IPC,
     and mappings of another process's memory. The receiver's writes do not

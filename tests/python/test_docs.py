@@ -71,3 +71,39 @@ def test_every_public_name_is_on_an_api_page():
             if not names & listed:
                 missing.append(f"{modname}.{name} ({home})")
     assert not missing, f"on no page of docs/api: {missing}"
+
+
+def test_help_shows_no_inherited_exception_boilerplate():
+    """help(usmipc) repeated BaseException's members (__init__, args,
+    with_traceback, ...) under every one of its exception classes: 1,411
+    lines, about 480 of them that boilerplate (issue 25). The exception
+    classes' metaclass lists in dir() what usmipc defines; instances, user
+    subclasses, pickling and isinstance checks behave as before."""
+    import pickle
+    import pydoc
+    for mod in (usmipc, usmipc.memory):
+        text = pydoc.render_doc(mod, renderer=pydoc.plaintext)
+        assert "inherited from builtins" not in text, mod.__name__
+        assert "with_traceback" not in text, mod.__name__
+    text = pydoc.render_doc(usmipc, renderer=pydoc.plaintext)
+    assert text.count("\n") < 1100, text.count("\n")
+    assert "native_code = None" in text  # what usmipc defines is still there
+    for cls in (usmipc.Error, usmipc.ArgumentError, usmipc.IPCTimeoutError,
+                usmipc.SyclDeviceCreationError, usmipc.memory.CopyWarning):
+        assert type(cls) is type(usmipc.Error), cls
+        assert "with_traceback" not in dir(cls), cls
+
+    class Mine(usmipc.ArgumentError):
+        extra = 1
+    assert {"code", "name", "native_code", "extra"} <= set(dir(Mine))
+    e = Mine("bad")
+    assert {"args", "with_traceback", "code"} <= set(dir(e))
+    assert isinstance(e, (usmipc.Error, ValueError))
+    back = pickle.loads(pickle.dumps(usmipc.ArgumentError("x")))
+    assert type(back) is usmipc.ArgumentError and back.args == ("x",)
+    try:
+        usmipc.Device("nonesuch:gpu")
+    except usmipc.SyclDeviceCreationError as x:
+        assert x.name == "USMIPC_EINVAL"
+    else:
+        raise AssertionError("Device('nonesuch:gpu') raised nothing")

@@ -555,22 +555,101 @@ static int add_error_codes(PyObject *module) {
   return rc;
 }
 
-static int create_error(PyObject *module, pyusmipc_module_state_t *st) {
-  PyObject *dict = Py_BuildValue("{sOsOsO}", "code", Py_None, "name", Py_None,
-                                 "native_code", Py_None);
-  if (dict == NULL) {
-    return -1;
+/* dir() of usmipc's exception classes (and of subclasses users make):
+ * the names their own classes define, not the ones every exception inherits
+ * from builtins (BaseException's __init__, args, with_traceback, ...).
+ * pydoc lists whatever dir() of a class gives, grouped by defining class, so
+ * without this help(usmipc) spent about 640 of its lines repeating
+ * BaseException's members under each of the eight exception classes
+ * (issue 25). Instances are unaffected: dir(an exception) still lists args
+ * and the rest, and so does dir(RuntimeError). */
+static PyObject *error_type_dir(PyObject *cls, PyObject *unused) {
+  (void)unused;
+  PyObject *mro = PyObject_GetAttrString(cls, "__mro__");
+  PyObject *names = mro ? PySet_New(NULL) : NULL;
+  Py_ssize_t n = mro ? PyTuple_Size(mro) : -1;
+  for (Py_ssize_t i = 0; names != NULL && i < n; i++) {
+    PyObject *k = PyTuple_GetItem(mro, i); /* borrowed */
+    PyObject *mod = k ? PyObject_GetAttrString(k, "__module__") : NULL;
+    int builtin = mod == NULL ? -1
+                  : PyUnicode_Check(mod)
+                      ? PyUnicode_CompareWithASCIIString(mod, "builtins") == 0
+                      : 0;
+    Py_XDECREF(mod);
+    PyObject *d = builtin == 0 ? PyObject_GetAttrString(k, "__dict__") : NULL;
+    PyObject *it = d ? PyObject_GetIter(d) : NULL;
+    Py_XDECREF(d);
+    if (builtin == 1)
+      continue;
+    PyObject *key;
+    while (it != NULL && (key = PyIter_Next(it)) != NULL) {
+      /* The weak-reference slot every Python-level exception class gets. */
+      int rc = PyUnicode_Check(key) &&
+                       PyUnicode_CompareWithASCIIString(key, "__weakref__") == 0
+                   ? 0
+                   : PySet_Add(names, key);
+      Py_DECREF(key);
+      if (rc < 0)
+        break;
+    }
+    Py_XDECREF(it);
+    if (PyErr_Occurred())
+      Py_CLEAR(names);
   }
-  st->Error = PyErr_NewExceptionWithDoc(
-      "usmipc.Error",
+  Py_XDECREF(mro);
+  if (names == NULL)
+    return NULL;
+  PyObject *list = PySequence_List(names);
+  Py_DECREF(names);
+  if (list != NULL && PyList_Sort(list) < 0)
+    Py_CLEAR(list);
+  return list;
+}
+
+static PyMethodDef error_type_methods[] = {
+    {"__dir__", error_type_dir, METH_NOARGS,
+     "The names usmipc's exception classes define, without those of "
+     "BaseException."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot error_type_slots[] = {
+    {Py_tp_methods, error_type_methods},
+    {Py_tp_doc, "The metaclass of usmipc.Error: dir() of an error class "
+                "lists what usmipc defines, not BaseException's members."},
+    {0, NULL},
+};
+
+static PyType_Spec error_type_spec = {
+    .name = "usmipc._ErrorType",
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = error_type_slots,
+};
+
+static int create_error(PyObject *module, pyusmipc_module_state_t *st) {
+  /* usmipc.Error is made by its metaclass; the subclasses below get it from
+   * their base (type() picks the most derived metaclass of the bases). */
+  PyObject *meta =
+      PyType_FromSpecWithBases(&error_type_spec, (PyObject *)&PyType_Type);
+  if (meta == NULL)
+    return -1;
+  PyObject *dict = Py_BuildValue(
+      "{sssssOsOsO}", "__module__", "usmipc", "__doc__",
       "A failed usmipc call.\n\n"
       "code is the library's negative error code, name its symbol\n"
       "('USMIPC_EEXPORTERGONE'), native_code the driver's own code (or 0).\n"
       "Invalid arguments and handles raise ValueError, memory of the wrong\n"
       "kind TypeError, exhaustion MemoryError; they carry the same\n"
       "attributes.",
-      PyExc_RuntimeError, dict);
+      "code", Py_None, "name", Py_None, "native_code", Py_None);
+  if (dict == NULL) {
+    Py_DECREF(meta);
+    return -1;
+  }
+  st->Error =
+      PyObject_CallFunction(meta, "s(O)O", "Error", PyExc_RuntimeError, dict);
   Py_DECREF(dict);
+  Py_DECREF(meta);
   if (st->Error == NULL) {
     return -1;
   }
