@@ -626,8 +626,11 @@ static double best_seconds(int which, const uint8_t *p, size_t len,
 /* Decoding is O(S log S) in the allocations S: the duplicate check used to
  * compare every pair (9-10 s for 65,536 allocations in each of inspect,
  * open and release). Now each of them decodes or refuses those bytes in
- * under 100 ms, and the time per allocation at 65,536 is within 2x of that
- * at 4,096. */
+ * under 100 ms, and the time per allocation at 65,536 is within 3x of that
+ * at 4,096. A quadratic check is 16x there; log S alone is 1.33x, and the
+ * 14 MB of the large bytes miss the caches that the 230 KB of the small
+ * ones fit in, which measured 1.5-2.0x on a busy CI machine (2.02x once, in
+ * open: 101 against 204 ns), so 2x was a bound on the machine's load. */
 TEST_IMPL(bundle_decode_linear) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   RETURN_SKIP("a timing test: the sanitizers' cost is not the decoder's");
@@ -686,7 +689,7 @@ TEST_IMPL(bundle_decode_linear) {
   for (int which = 0; which < 3; which++) {
     fprintf(stderr, "%s: %.0f ns per allocation at 4096, %.0f at 65536\n",
             what[which], per[0][which] * 1e9, per[1][which] * 1e9);
-    ASSERT(per[1][which] < 2 * per[0][which]);
+    ASSERT(per[1][which] < 3 * per[0][which]);
   }
   usmipc_bundle_free(b);
   ASSERT_OK(usmipc_free(mem));
