@@ -157,10 +157,21 @@ def c_api():
 def test_every_public_c_call_has_a_doc_block():
     # The site's C API page (tools/docs/c_api.py) is made from the header;
     # its strict build fails on the same list.
-    page, missing = c_api().render()
+    pages, missing = c_api().render()
     assert not missing, "\n".join(missing)
-    assert '### `usmipc_ipc_open` {#usmipc_ipc_open' in page
-    assert "`USMIPC_EEXPORTERGONE`</span> | `-30007` |" in page
+    assert '### `usmipc_ipc_open` {#usmipc_ipc_open' in pages["c-ipc.md"]
+    assert "`USMIPC_EEXPORTERGONE`</span> | `-30007` |" in pages["c.md"]
+    # Split by topic, every call on exactly one page, and a call named on
+    # another page links there (the overview lists them all).
+    assert len(pages) == 5 and list(pages)[0] == "c.md"
+    _, entries, _ = c_api().entries(c_api().HEADER.read_text())
+    for call in (n for e in entries if e.kind == "function" for n in e.names):
+        homes = [name for name, page in pages.items()
+                 if f"{{#{call} data-toc-label" in page]
+        assert len(homes) == 1, (call, homes)
+        assert homes[0] == "c.md" or f"({homes[0]}#{call})" in pages["c.md"]
+    assert "[`usmipc_ipc_open`](c-ipc.md#usmipc_ipc_open)" in \
+        pages["c-bundles.md"] + pages["c-release.md"]
 
 
 def test_a_call_without_a_doc_block_is_reported():

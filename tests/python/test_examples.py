@@ -70,7 +70,9 @@ def test_c_sample_as_the_readme_builds_it(tmp_path):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed")
     lines = _readme_c_block()
-    terminals = [x for x in lines if "# terminal" in x]
+    # Each terminal's command is the line after its "# terminal N" comment.
+    terminals = [lines[i + 1] for i, x in enumerate(lines)
+                 if x.startswith("# terminal")]
     build = [x for x in lines if x not in terminals]
     assert len(terminals) == 2
     env = dict(os.environ, HOME=str(tmp_path))

@@ -3,7 +3,8 @@
 The header is the reference: one doc block (a /* ... */ comment) directly
 above each call, section comments (/* ---- title ---- ... */) between
 groups of calls, and the error codes' X-macro table in usmipc/errno.h. This
-module reads them and writes one Markdown page; a public call without its
+module reads them and writes the Markdown pages (api/c.md, an overview,
+and one page per group of sections, PAGES); a public call without its
 own doc block is an error, which fails the site's build
 (tools/docs/hooks.py) and tests/python/test_doc_blocks.py.
 
@@ -11,7 +12,7 @@ Between a call's doc block and the call there may be the #defines and
 typedefs it takes (usmipc_malloc_flags' flags, usmipc_pool_get_info's
 struct), but no blank line and no other call.
 
-    python tools/docs/c_api.py [--check] [OUTPUT.md]
+    python tools/docs/c_api.py [--check] [OUTPUT_FOLDER]
 """
 import dataclasses
 import pathlib
@@ -186,9 +187,10 @@ def error_codes(text):
 
 # ---- Markdown -------------------------------------------------------------
 
-def prose(text, functions, pages):
+def prose(text, functions, pages, here="c.md"):
     """A comment's text as Markdown: indented lines stay preformatted, "- "
-    lines are a list, names of calls link to their entries, docs/ paths to
+    lines are a list, names of calls link to their entries (functions: name
+    -> the page that has it; here: the page being written), docs/ paths to
     their pages, and everything else is escaped."""
     def inline(s):
         out, pos = [], 0
@@ -197,7 +199,7 @@ def prose(text, functions, pages):
             out.append(escape(s[pos:m.start()]))
             word = m.group(0)
             if word.removesuffix("()") in functions:
-                out.append(f"[`{word}`](#{word.removesuffix('()')})")
+                out.append(f"[`{word}`]({link(word.removesuffix('()'), functions, here)})")
             elif word.startswith("docs/") and word[5:] in pages:
                 out.append(f"[{word}](../{word[5:]})")
             else:
@@ -257,61 +259,113 @@ def escape(s):
     return s.replace("<", "&lt;").replace(">", "&gt;")
 
 
+# The reference is split by topic so that no page is a long scroll (one
+# page was 30,000 px at 1280 px wide): the sections of the header go to the
+# page whose titles they start with; what comes before the first section
+# (the shared types), "version and errors", the error codes and the version
+# macros stay on the overview, api/c.md.
+PAGES = [
+    ("c-devices.md", "Devices, queues and memory",
+     ("backends and devices", "queues", "memory", "pools",
+      "PyTorch's CUDA allocator")),
+    ("c-ipc.md", "IPC handles and events", ("IPC", "events")),
+    ("c-release.md", "Release signals", ("release signals",)),
+    ("c-bundles.md", "Bundles and updates", ("bundles", "updates")),
+]
+
+
+def page_of(section_title):
+    for name, _, starts in PAGES:
+        if section_title.startswith(starts):
+            return name
+    return "c.md"
+
+
+def link(name, functions, here):
+    page = functions[name]
+    return f"#{name}" if page == here else f"{page}#{name}"
+
+
 def render():
-    """The page, and the calls without a doc block."""
+    """The pages ({file name under api/: Markdown}, the overview c.md
+    first), and the calls without a doc block."""
     intro, page, missing = entries(HEADER.read_text())
-    functions = {n for e in page if e.kind == "function" for n in e.names}
     pages = {p.name for p in (ROOT / "docs").glob("*.md")}
-    out = ["# C API", "",
-           "Made from `include/usmipc.h` when the site is built: the header "
-           "is the reference, one doc block per call.", "",
-           prose(intro, functions, pages), ""]
+    # Where each entry goes: its section's page.
+    placed, where = [], "c.md"
     for e in page:
         if e.kind == "section":
+            where = page_of(e.names[0])
+        placed.append((where, e))
+    functions = {n: w for w, e in placed if e.kind == "function"
+                 for n in e.names}
+    out = {"c.md": ["# C API", "",
+                    "Made from `include/usmipc.h` when the site is built: "
+                    "the header is the reference, one doc block per call.",
+                    "", prose(intro, functions, pages), "",
+                    "The calls by topic:", ""]}
+    for name, title, _ in PAGES:
+        calls = [n for w, e in placed if w == name and e.kind == "function"
+                 for n in e.names]
+        out["c.md"].append(f"- [{title}]({name}): " + ", ".join(
+            f"[`{n}`]({name}#{n})" for n in calls))
+        out[name] = [f"# C API: {title.lower()[:1]}{title[1:]}", "",
+                     "Made from `include/usmipc.h` when the site is built; "
+                     "the conventions, types and error codes are on the "
+                     "[overview](c.md).", ""]
+    out["c.md"] += ["", "## Types", ""]  # the entries before any section
+    for where, e in placed:
+        lines = out[where]
+        if e.kind == "section":
             title = e.names[0]
-            out += [f"## {escape(title[:1].upper() + title[1:])}", ""]
+            lines += [f"## {escape(title[:1].upper() + title[1:])}", ""]
             if e.doc:
-                out += [prose(e.doc, functions, pages), ""]
+                lines += [prose(e.doc, functions, pages, where), ""]
             continue
         title = ", ".join(f"`{n}`" for n in e.names)
         anchor = e.names[0]
-        out.append(f"### {title} {{#{anchor} data-toc-label=\"{anchor}\"}}")
-        out += [""] + [f'<a id="{n}"></a>' for n in e.names[1:]]
-        out += ["", "```c", "\n".join(declaration(c) for c in e.code), "```",
-                ""]
+        lines.append(f"### {title} {{#{anchor} data-toc-label=\"{anchor}\"}}")
+        lines += [""] + [f'<a id="{n}"></a>' for n in e.names[1:]]
+        lines += ["", "```c", "\n".join(declaration(c) for c in e.code),
+                  "```", ""]
         if e.doc:
-            out += [prose(e.doc, functions, pages), ""]
+            lines += [prose(e.doc, functions, pages, where), ""]
     errno_doc = re.match(r"/\*.*?\*/", ERRNO.read_text(), re.S).group(0)
-    out += ["## Error codes", "", prose(strip_comment(errno_doc).split(
+    lines = out["c.md"]
+    lines += ["## Error codes", "", prose(strip_comment(errno_doc).split(
         "\n", 1)[1].strip(), functions, pages), "",
         "`usmipc_strerror(code)` gives the text, `usmipc_err_name(code)` the "
         "name (Python: `usmipc.strerror`, `usmipc.errorcode`).", "",
         "| name | value | text |", "|---|---|---|"]
     for name, value, text in error_codes(ERRNO.read_text()):
-        out.append(f"| <span id=\"USMIPC_{name}\">`USMIPC_{name}`</span> | "
-                   f"`{value}` | {escape(text)} |")
+        lines.append(f"| <span id=\"USMIPC_{name}\">`USMIPC_{name}`</span> | "
+                     f"`{value}` | {escape(text)} |")
     version = dict(re.findall(r"#define (USMIPC_VERSION_\w+) +(\S+)\n",
                               VERSION.read_text()))
-    out += ["", "## Version", "",
-            "`include/usmipc/version.h` defines `USMIPC_VERSION_MAJOR`, "
-            "`_MINOR`, `_PATCH`, `USMIPC_VERSION_STRING` "
-            f"({escape(version.get('USMIPC_VERSION_STRING', '?'))}) and "
-            "`USMIPC_VERSION_HEX` (`major << 16 | minor << 8 | patch`), the "
-            "release a program was compiled against; "
-            "[`usmipc_version`](#usmipc_version) gives the one loaded.", ""]
-    return "\n".join(out), missing
+    lines += ["", "## Version", "",
+              "`include/usmipc/version.h` defines `USMIPC_VERSION_MAJOR`, "
+              "`_MINOR`, `_PATCH`, `USMIPC_VERSION_STRING` "
+              f"({escape(version.get('USMIPC_VERSION_STRING', '?'))}) and "
+              "`USMIPC_VERSION_HEX` (`major << 16 | minor << 8 | patch`), the "
+              "release a program was compiled against; "
+              f"[`usmipc_version`]({link('usmipc_version', functions, 'c.md')})"
+              " gives the one loaded.", ""]
+    return {name: "\n".join(lines) for name, lines in out.items()}, missing
 
 
 def main(argv):
     check = "--check" in argv
     args = [a for a in argv if a != "--check"]
-    page, missing = render()
+    pages, missing = render()
     for m in missing:
         print(m, file=sys.stderr)
-    if args:
-        pathlib.Path(args[0]).write_text(page)
+    if args:  # a folder: one file per page
+        out = pathlib.Path(args[0])
+        out.mkdir(parents=True, exist_ok=True)
+        for name, page in pages.items():
+            (out / name).write_text(page)
     elif not check:
-        sys.stdout.write(page)
+        sys.stdout.write("\n\n".join(pages.values()))
     return 1 if missing else 0
 
 

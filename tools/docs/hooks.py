@@ -2,7 +2,8 @@
 after a fence's language, which tests/python/test_doc_blocks.py reads and
 the site does not show.
 
-- api/c.md: made from include/usmipc.h (tools/docs/c_api.py); a public call
+- api/c.md and api/c-*.md: made from include/usmipc.h (tools/docs/c_api.py),
+  an overview and one page per topic; a public call
   without a doc block is a warning, so the strict build fails.
 - index.md, benchmarks.md, changelog.md: README.md, bench/RESULTS.md and
   CHANGELOG.md, whose links
@@ -33,10 +34,11 @@ FENCE_WORDS = re.compile(r"^([ \t]*(?:`{3,}|~{3,})[\w+-]+)[ \t]+[^\n`]*$",
 
 
 def on_files(files, config):
-    page, missing = c_api.render()
+    pages, missing = c_api.render()
     for problem in missing:
         log.warning("C API: %s", problem)
-    files.append(File.generated(config, "api/c.md", content=page))
+    for name, page in pages.items():
+        files.append(File.generated(config, "api/" + name, content=page))
     for site_path, repo_path in OUTSIDE.items():
         text, assets = rewrite_links((ROOT / repo_path).read_text(),
                                      repo_path, site_path)
