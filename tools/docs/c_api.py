@@ -299,21 +299,25 @@ def render():
         placed.append((where, e))
     functions = {n: w for w, e in placed if e.kind == "function"
                  for n in e.names}
+    # The overview opens with the types, so that its first entry is on the
+    # first screen; the conventions and the index of calls close it.
     out = {"c.md": ["# C API", "",
                     "Made from `include/usmipc.h` when the site is built: "
-                    "the header is the reference, one doc block per call.",
-                    "", prose(intro, functions, pages), "",
-                    "The calls by topic:", ""]}
+                    "the header is the reference, one doc block per call. "
+                    "[Conventions](#conventions) and [every call by topic]"
+                    "(#calls-by-topic) are at the end of this page.", "",
+                    "## Types", ""]}  # the entries before any section
+    index = ["## Conventions", "", prose(intro, functions, pages), "",
+             "## Calls by topic", ""]
     for name, title, _ in PAGES:
         calls = [n for w, e in placed if w == name and e.kind == "function"
                  for n in e.names]
-        out["c.md"].append(f"- [{title}]({name}): " + ", ".join(
+        index.append(f"- [{title}]({name}): " + ", ".join(
             f"[`{n}`]({name}#{n})" for n in calls))
         out[name] = [f"# C API: {title.lower()[:1]}{title[1:]}", "",
                      "Made from `include/usmipc.h` when the site is built; "
                      "the conventions, types and error codes are on the "
                      "[overview](c.md).", ""]
-    out["c.md"] += ["", "## Types", ""]  # the entries before any section
     for where, e in placed:
         lines = out[where]
         if e.kind == "section":
@@ -349,7 +353,7 @@ def render():
               "`USMIPC_VERSION_HEX` (`major << 16 | minor << 8 | patch`), the "
               "release a program was compiled against; "
               f"[`usmipc_version`]({link('usmipc_version', functions, 'c.md')})"
-              " gives the one loaded.", ""]
+              " gives the one loaded.", ""] + index + [""]
     return {name: "\n".join(lines) for name, lines in out.items()}, missing
 
 
