@@ -799,7 +799,9 @@ USMIPC_API int usmipc_copy_plan_free(usmipc_copy_plan_t *plan);
  * allocation), driver queries (of memory another library allocated, to find
  * its allocation), descriptors this process's broker sent and descriptors
  * this process took (by any transport), and round trips to other processes'
- * brokers (one round trip carries up to 253 descriptors of one exporter).
+ * brokers (one round trip carries up to 253 descriptors of one exporter),
+ * and event records made to order handoffs (a handoff from a queue with
+ * nothing pending reuses a completed record and makes none).
  * A second share of buffers already shared costs none of the first two,
  * nor descriptors. Pass sizeof(usmipc_stats_t). */
 typedef struct usmipc_stats {
@@ -809,6 +811,7 @@ typedef struct usmipc_stats {
   unsigned long long descriptors_sent;
   unsigned long long descriptors_received;
   unsigned long long transport_exchanges;
+  unsigned long long event_records;
 } usmipc_stats_t;
 USMIPC_API int usmipc_get_stats(usmipc_stats_t *stats, size_t size);
 /* Sets every count of usmipc_get_stats to 0. */

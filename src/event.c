@@ -102,6 +102,12 @@ typedef struct ring {
   usmipc_device_t *device;
   usmipc_event_t **events;
   size_t count, cursor;
+  /* The latest record made for a handoff: (last, last_point), and whether
+   * it is known to have completed. A handoff from an idle queue reuses it
+   * instead of recording (usmipc__event_order). */
+  usmipc_event_t *last;
+  uint64_t last_point;
+  bool last_done;
   struct ring *next;
 } ring_t;
 static ring_t *rings;
@@ -494,15 +500,65 @@ again:
   goto again;
 }
 
+/* USMIPC_ORDER_REUSE=0: a new record for every handoff, as before the
+ * reuse below (to measure it, or should a driver's idle report be wrong). */
+static bool order_reuse(void) {
+  static int on = -1; /* read once: the hot path reads no environment */
+  int v = __atomic_load_n(&on, __ATOMIC_RELAXED);
+  if (v < 0) {
+    unsigned long long n = 1;
+    (void)usmipc__env_number("USMIPC_ORDER_REUSE", 0, 1, false, "1 (reuse)",
+                             &n);
+    v = (int)n;
+    __atomic_store_n(&on, v, __ATOMIC_RELAXED);
+  }
+  return v == 1;
+}
+
+/* A completed record of r that orders a handoff from queue, or false: when
+ * the queue is idle, everything submitted to it before the handoff has
+ * completed, so any completed record orders the handoff as well as a new
+ * one would, and costs the importer no more (it waits for a completed
+ * event). That saves the event record (a few microseconds of a driver call
+ * on CUDA, most of what ordering added to a fresh export) for the common
+ * producer that exports after its work finished. The record must still be
+ * the event's latest (a later record of it would be waited for instead:
+ * correct, but later work), and known to have completed: by a query, once.
+ * usmipc__events_lock held. */
+static bool reuse_record(ring_t *r, usmipc_queue_t *queue) {
+  usmipc_device_t *dev = queue->device;
+  usmipc_event_t *ev = r->last;
+  if (ev == NULL || dev->ops->queue_idle == NULL || !order_reuse() ||
+      __atomic_load_n(&ev->points, __ATOMIC_ACQUIRE) != r->last_point)
+    return false;
+  if (dev->ops->queue_idle(dev->native, queue->native) != 1)
+    return false;
+  if (!r->last_done)
+    r->last_done = ev->native == NULL ||
+                   dev->ops->event_query(dev->native, ev->native) == 1;
+  return r->last_done;
+}
+
 int usmipc__event_order(usmipc_queue_t *queue, uint8_t *out, size_t *len) {
   usmipc_device_t *dev = queue->device;
   usmipc_event_t *ev = NULL;
   pthread_mutex_lock(&usmipc__events_lock);
-  int rc = ring_take(dev, &ev);
-  if (rc == 0 && (rc = export_local(ev)) == 0 &&
-      (rc = record_local(ev, queue)) == 0) {
+  ring_t *r = ring_of(dev);
+  int rc = 0;
+  if (r == NULL) {
+    rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  } else if (reuse_record(r, queue)) {
+    ev = r->last; /* exported when it was recorded */
+  } else if ((rc = ring_take(dev, &ev)) == 0 && (rc = export_local(ev)) == 0 &&
+             (rc = record_local(ev, queue)) == 0) {
+    USMIPC__STAT_ADD(event_records, 1);
+    r->last = ev;
+    r->last_point = __atomic_load_n(&ev->points, __ATOMIC_ACQUIRE);
+    r->last_done = false;
+  }
+  if (rc == 0) {
     usmipc__wire_t w;
-    local_wire(ev, ev->points, &w);
+    local_wire(ev, r->last_point, &w);
     *len = usmipc__order_record(&w, out);
   }
   pthread_mutex_unlock(&usmipc__events_lock);

@@ -13,7 +13,7 @@ Devices, queues, events and errors live here; memory and IPC handles in
     IPCMemoryHandle.close_mapping(m2)
 
 Handles are ordered by default: each ``to_bytes()`` records a fresh event on
-the producer's queue, and ``open()`` waits for it (on the host, or on the
+the producer's queue (none when it is idle: a completed record serves), and ``open()`` waits for it (on the host, or on the
 device with ``stream=``), so the importer never sees the data before the
 producer's work on it is done. ``Event`` and ``IPCEventHandle`` order work
 across processes by hand; ``Queue.from_stream()`` wraps a torch, CuPy or

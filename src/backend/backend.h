@@ -98,6 +98,11 @@ typedef struct usmipc__backend_ops {
   int (*queue_create)(void *dev, void **queue);
   int (*queue_destroy)(void *dev, void *queue);
   int (*queue_synchronize)(void *dev, void *queue);
+  /* 1 when everything submitted to queue so far has completed, 0 when some
+   * of it may not have, or a negative code. Optional (NULL: never known to
+   * be idle). A handoff from an idle queue needs no new event record: one
+   * known to be complete orders it (event.c, usmipc__event_order). */
+  int (*queue_idle)(void *dev, void *queue);
   int (*memcpy)(void *dev, void *queue, void *dst, const void *src, size_t n);
   int (*memset)(void *dev, void *queue, void *dst, int value, size_t n);
 

@@ -72,6 +72,7 @@
   X(cuStreamCreate, "cuStreamCreate", (CUstream *, unsigned))                  \
   X(cuStreamDestroy, "cuStreamDestroy_v2", (CUstream))                         \
   X(cuStreamSynchronize, "cuStreamSynchronize", (CUstream))                    \
+  X(cuStreamQuery, "cuStreamQuery", (CUstream))                                \
   X(cuStreamWaitEvent, "cuStreamWaitEvent", (CUstream, CUevent, unsigned))     \
   X(cuEventCreate, "cuEventCreate", (CUevent *, unsigned))                     \
   X(cuEventDestroy, "cuEventDestroy_v2", (CUevent))                            \
@@ -689,6 +690,19 @@ static int cuda_queue_synchronize(void *dev, void *queue) {
   return res == CUDA_SUCCESS ? 0 : cu_fail(res, "cuStreamSynchronize");
 }
 
+/* The current context matters for the legacy NULL stream (torch's default
+ * stream), which is the context's own. */
+static int cuda_queue_idle(void *dev, void *queue) {
+  int rc = ctx_enter(dev);
+  if (rc != 0)
+    return rc;
+  CUresult res = cu.cuStreamQuery(queue);
+  ctx_leave();
+  if (res == CUDA_SUCCESS)
+    return 1;
+  return res == CUDA_ERROR_NOT_READY ? 0 : cu_fail(res, "cuStreamQuery");
+}
+
 static int cuda_memcpy(void *dev, void *queue, void *dst, const void *src,
                        size_t n) {
   int rc = ctx_enter(dev);
@@ -1269,6 +1283,7 @@ const usmipc__backend_ops_t usmipc__cuda_backend = {
     .queue_create = cuda_queue_create,
     .queue_destroy = cuda_queue_destroy,
     .queue_synchronize = cuda_queue_synchronize,
+    .queue_idle = cuda_queue_idle,
     .memcpy = cuda_memcpy,
     .memset = cuda_memset,
     .copy_batch_create = cuda_copy_batch_create,

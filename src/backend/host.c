@@ -216,6 +216,11 @@ static int host_queue_synchronize(void *dev, void *queue) {
   (void)queue;
   return 0;
 }
+static int host_queue_idle(void *dev, void *queue) {
+  (void)dev;
+  (void)queue;
+  return 1; /* host work completes before its call returns */
+}
 static int host_memcpy(void *dev, void *queue, void *dst, const void *src,
                        size_t n) {
   (void)dev;
@@ -423,6 +428,7 @@ const usmipc__backend_ops_t usmipc__host_backend = {
     .queue_create = host_queue_create,
     .queue_destroy = host_queue_destroy,
     .queue_synchronize = host_queue_synchronize,
+    .queue_idle = host_queue_idle,
     .memcpy = host_memcpy,
     .memset = host_memset,
     .copy_batch_create = host_copy_batch_create,

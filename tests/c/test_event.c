@@ -221,7 +221,8 @@ TEST_IMPL(event_exporter_gone) {
 }
 
 /* An ordered handoff between unrelated processes, both ways, many times:
- * each handle names its own record of the ring. */
+ * each handle names a record of the ring (a completed one, reused, where
+ * the exporter's queue is idle at the handoff). */
 TEST_IMPL(event_ordered_handoff) {
   SKIP_WITHOUT_EVENTS();
   agent_t ex, im;
@@ -257,6 +258,66 @@ TEST_IMPL(event_ordered_handoff) {
   agent_stop_ok(&im);
   AGENT_OK(&ex, "free 0");
   agent_stop_ok(&ex);
+  return 0;
+}
+
+/* Handoffs from a queue with nothing pending reuse one completed record
+ * instead of recording an event each (the cost ordering added to a fresh
+ * export): 100 orders of one handle and one of each of 20 fresh exports
+ * make at most one record, and every handle still opens ordered, here and
+ * in another process, with the data the exporter wrote. On the host and
+ * usmipc's own Level Zero lists (synchronous) the queue is always idle,
+ * on CUDA once synchronized; tests/gpu/test_gpu_events.py covers a busy
+ * CUDA stream. */
+TEST_IMPL(event_order_reuses_completed_record) {
+  SKIP_WITHOUT_EVENTS();
+  usmipc_device_t *dev = test_device();
+  usmipc_queue_t *q;
+  ASSERT_OK(usmipc_queue_create(dev, &q));
+  usmipc_stats_t a, b;
+  ASSERT_OK(usmipc_get_stats(&a, sizeof(a)));
+  void *p[21];
+  usmipc_ipc_handle_t *h[21];
+  const void *data;
+  size_t len;
+  for (int i = 0; i < 21; i++) {
+    ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &p[i]));
+    static uint8_t pat[4096];
+    pattern_fill(pat, sizeof(pat), (uint64_t)i + 1, 0);
+    ASSERT_OK(usmipc_memcpy(q, p[i], pat, sizeof(pat)));
+    /* A CUDA stream is busy until the copy lands (a first copy from
+     * pageable memory took hundreds of microseconds on an H100): a handoff
+     * then records, as it must. */
+    ASSERT_OK(usmipc_queue_synchronize(q));
+    ASSERT_OK(usmipc_ipc_get_handle(p[i], 0, &h[i]));
+    for (int k = 0; k < (i == 0 ? 100 : 1); k++)
+      ASSERT_OK(usmipc_ipc_handle_order(h[i], q));
+  }
+  ASSERT_OK(usmipc_get_stats(&b, sizeof(b)));
+  ASSERT_MSG(b.event_records - a.event_records <= 1, "%llu records",
+             b.event_records - a.event_records);
+  agent_t im;
+  static char hex[HEX_MAX];
+  agent_start(&im, NULL);
+  for (int i = 0; i < 21; i++) {
+    ASSERT_OK(usmipc_ipc_handle_data(h[i], &data, &len));
+    usmipc_ipc_handle_info_t info;
+    ASSERT_OK(usmipc_ipc_handle_inspect(data, len, &info));
+    ASSERT_EQ(info.is_ordered, 1);
+    void *m;
+    ASSERT_OK(usmipc_ipc_open_ex(data, len, NULL, 0, q, 0, &m, NULL));
+    ASSERT_OK(usmipc_ipc_close(m));
+    hex_encode(data, len, hex);
+    AGENT_OK(&im, "openord 1 %s", hex);
+    AGENT_OK(&im, "check 1 %d", i + 1);
+    AGENT_OK(&im, "close 1");
+  }
+  agent_stop_ok(&im);
+  for (int i = 0; i < 21; i++) {
+    ASSERT_OK(usmipc_ipc_free_handle(h[i]));
+    ASSERT_OK(usmipc_free(p[i]));
+  }
+  ASSERT_OK(usmipc_queue_destroy(q));
   return 0;
 }
 

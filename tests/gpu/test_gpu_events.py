@@ -296,3 +296,36 @@ def test_release_signal_orders_producer_after_consumer():
     finally:
         p.stdin.close()
         p.wait(timeout=60)
+
+
+def test_idle_stream_reuses_a_completed_record():
+    """A handoff from an idle stream names a completed record and records
+    nothing; from a busy one it records, and an open that waits on the host
+    returns only once the work before the handoff finished (the stream is
+    idle then). Without the record a reused one would return at once."""
+    torch = pytest.importorskip("torch")
+    x = torch.ones(1 << 20, device="cuda:0")
+    h = IPCMemoryHandle(x)
+    h.to_bytes()
+    torch.cuda.synchronize()
+    usmipc.reset_stats()
+    raws = [h.to_bytes() for _ in range(20)]
+    assert usmipc.stats()["event_records"] == 0, usmipc.stats()
+    assert len(set(raws)) == 1
+    stream = torch.cuda.current_stream()
+    torch.cuda._sleep(int(3e8))  # ~150-200 ms of GPU time
+    x.fill_(7)
+    t0 = time.monotonic()
+    raw = h.to_bytes()
+    assert time.monotonic() - t0 < 0.05, "the handoff synchronized the host"
+    assert usmipc.stats()["event_records"] == 1, usmipc.stats()
+    assert not stream.query(), "the sleep finished before the open: too short"
+    m = IPCMemoryHandle.open(raw, GPU)  # the host waits for the record
+    assert stream.query(), "the open returned before the producer's work"
+    assert int(x[-1]) == 7
+    IPCMemoryHandle.close_mapping(m)
+    # Idle again: the record just made is reused once known complete.
+    before = usmipc.stats()["event_records"]
+    for _ in range(5):
+        h.to_bytes()
+    assert usmipc.stats()["event_records"] == before

@@ -113,10 +113,13 @@ def test_pickle_round_trip(ordered, exported, host):
         h2 = pickle.loads(pickle.dumps(h, protocol=protocol))
         assert type(h2) is IPCMemoryHandle
         assert h2.ordered is ordered
-        # an ordered handle pickles a fresh handoff each time; the copy
-        # carries those bytes as they are
+        # an ordered handle pickles a handoff each time (a fresh record,
+        # or on an idle queue the latest, complete); the copy carries those
+        # bytes as they are
         assert h2.to_bytes() == h2.to_bytes()
-        assert (h2.to_bytes() == h.to_bytes()) is not ordered
+        assert IPCMemoryHandle.inspect(h2.to_bytes())["is_ordered"] is ordered
+        if not ordered:
+            assert h2.to_bytes() == h.to_bytes()
         assert h2 == h and hash(h2) == hash(h)
         assert h2.memory is None  # only the bytes travel
         assert h2.nbytes == 4096 and h2.device is host

@@ -11,7 +11,8 @@ from usmipc.memory import IPCMemoryHandle, MemoryPool
 from conftest import HOST, TIMEOUT, run_python
 
 FIELDS = {"driver_exports", "driver_imports", "driver_queries",
-          "descriptors_sent", "descriptors_received", "transport_exchanges"}
+          "descriptors_sent", "descriptors_received", "transport_exchanges",
+          "event_records"}
 
 
 def test_stats_fields_and_reset():

@@ -1148,7 +1148,8 @@ static PyMethodDef bundle_methods[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "to_bytes(consumers=1)\n--\n\nThe bundle's bytes, to send to another "
      "process (usmipc.open_shared opens them). Ordered bundles record a "
-     "fresh event on the producer's stream at every call. consumers=N "
+     "fresh event on the producer's stream at every call (none when it is "
+     "idle). consumers=N "
      "(release=True bundles): the same bytes go to N processes (a "
      "broadcast to tensor-parallel ranks); each returns the ticket once and "
      "wait_released() waits for all N."},

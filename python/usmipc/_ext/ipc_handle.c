@@ -1221,8 +1221,8 @@ static PyMethodDef handle_methods[] = {
     {"to_bytes", handle_to_bytes, METH_NOARGS,
      "to_bytes() -> bytes: the serialized handle, for any channel. An "
      "ordered\nhandle records a fresh event on its queue at every call (and "
-     "every\npickling), so each call gives new bytes naming the work "
-     "submitted so far."},
+     "every\npickling), naming the work submitted so far; where the queue "
+     "is idle\na completed record serves and the bytes may repeat."},
     {"__bytes__", handle_to_bytes, METH_NOARGS, NULL},
     {"__reduce__", handle_reduce, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
@@ -1285,8 +1285,8 @@ PyDoc_STRVAR(
     "ValueError\nfor strided arrays, usmipc.Error if the device does "
     "not support IPC.\n\n"
     "Ordering (correct by default): every to_bytes() and every "
-    "pickling records\na fresh event on the producer's queue, "
-    "carried in the bytes, and\nIPCMemoryHandle.open() waits for it "
+    "pickling records\na fresh event on the producer's queue (none if "
+    "idle), carried in the bytes, and\nIPCMemoryHandle.open() waits for it "
     "(on the importer's stream, or on the\nhost), so the importer "
     "never reads before the work submitted before the\nhandoff is "
     "done. The queue: stream (a usmipc.Queue, a torch or CuPy\n"
