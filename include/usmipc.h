@@ -800,8 +800,10 @@ USMIPC_API int usmipc_copy_plan_free(usmipc_copy_plan_t *plan);
  * its allocation), descriptors this process's broker sent and descriptors
  * this process took (by any transport), and round trips to other processes'
  * brokers (one round trip carries up to 253 descriptors of one exporter),
- * and event records made to order handoffs (a handoff from a queue with
- * nothing pending reuses a completed record and makes none).
+ * event records made to order handoffs (a handoff from a queue with
+ * nothing pending reuses a completed record and makes none), and waits
+ * for events put on a queue (a record already complete is not waited
+ * for).
  * A second share of buffers already shared costs none of the first two,
  * nor descriptors. Pass sizeof(usmipc_stats_t). */
 typedef struct usmipc_stats {
@@ -812,6 +814,7 @@ typedef struct usmipc_stats {
   unsigned long long descriptors_received;
   unsigned long long transport_exchanges;
   unsigned long long event_records;
+  unsigned long long event_waits;
 } usmipc_stats_t;
 USMIPC_API int usmipc_get_stats(usmipc_stats_t *stats, size_t size);
 /* Sets every count of usmipc_get_stats to 0. */

@@ -21,6 +21,7 @@ int usmipc_get_stats(usmipc_stats_t *out, size_t size) {
       .descriptors_received = USMIPC__STAT_GET(descriptors_received),
       .transport_exchanges = USMIPC__STAT_GET(transport_exchanges),
       .event_records = USMIPC__STAT_GET(event_records),
+      .event_waits = USMIPC__STAT_GET(event_waits),
   };
   /* A caller built against an older, shorter struct gets its prefix. */
   memset(out, 0, size);
@@ -36,4 +37,5 @@ void usmipc_reset_stats(void) {
   __atomic_store_n(&usmipc__stats.descriptors_received, 0, __ATOMIC_RELAXED);
   __atomic_store_n(&usmipc__stats.transport_exchanges, 0, __ATOMIC_RELAXED);
   __atomic_store_n(&usmipc__stats.event_records, 0, __ATOMIC_RELAXED);
+  __atomic_store_n(&usmipc__stats.event_waits, 0, __ATOMIC_RELAXED);
 }

@@ -149,7 +149,7 @@ bool usmipc__env_number(const char *name, unsigned long long min,
 typedef struct usmipc__stats {
   uint64_t driver_exports, driver_imports, driver_queries;
   uint64_t descriptors_sent, descriptors_received, transport_exchanges;
-  uint64_t event_records;
+  uint64_t event_records, event_waits;
 } usmipc__stats_t;
 extern usmipc__stats_t usmipc__stats;
 #define USMIPC__STAT_ADD(field, n)                                             \

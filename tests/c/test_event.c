@@ -321,6 +321,32 @@ TEST_IMPL(event_order_reuses_completed_record) {
   return 0;
 }
 
+/* A wait for a record that has completed puts nothing on the queue: a
+ * device wait is work on the GPU, and work of several processes makes it
+ * switch between their contexts. On Level Zero (usmipc's lists are
+ * synchronous, so every record is complete) no wait is made (10 without
+ * the check); on the host events have no device part at all; on CUDA
+ * tests/gpu/test_gpu_events.py covers a busy producer. */
+TEST_IMPL(event_complete_record_not_waited) {
+  SKIP_WITHOUT_EVENTS();
+  usmipc_device_t *dev = test_device();
+  usmipc_queue_t *q;
+  usmipc_event_t *ev;
+  ASSERT_OK(usmipc_queue_create(dev, &q));
+  ASSERT_OK(usmipc_event_create(dev, 0, &ev));
+  ASSERT_OK(usmipc_event_record(ev, q));
+  ASSERT_OK(usmipc_queue_synchronize(q));
+  usmipc_stats_t a, b;
+  ASSERT_OK(usmipc_get_stats(&a, sizeof(a)));
+  for (int i = 0; i < 10; i++)
+    ASSERT_OK(usmipc_event_wait(ev, q));
+  ASSERT_OK(usmipc_get_stats(&b, sizeof(b)));
+  ASSERT_UEQ(b.event_waits - a.event_waits, 0);
+  ASSERT_OK(usmipc_event_destroy(ev));
+  ASSERT_OK(usmipc_queue_destroy(q));
+  return 0;
+}
+
 /* The same process orders and opens: its own ring event, no import. */
 TEST_IMPL(event_ordered_same_process) {
   SKIP_WITHOUT_EVENTS();

@@ -121,6 +121,7 @@
   X(event_ordered_handoff)                                                     \
   X(event_ordered_same_process)                                                \
   X(event_order_reuses_completed_record)                                       \
+  X(event_complete_record_not_waited)                                          \
   X(event_bad_handles)                                                         \
   X(event_forged_cross_process)                                                \
   X(event_fork_child)                                                          \

@@ -7,8 +7,15 @@ consumer's in the same run (target: <= 1.5x). The producer makes one
 to_bytes(consumers=N) per round (one event, one ticket) and wait_released()
 waits for all N.
 
+The floor beside it, in the same run: the bare driver's fan-out, N
+processes released by a barrier each opening the same segments' legacy
+handles (torch's own, from _share_cuda_) with cuIpcOpenMemHandle through
+ctypes, every round cold (each closes them after). If the slowest of N
+raw consumers is as far from a lone one as usmipc's cold fan-out, the
+driver is what serializes the imports.
+
   python3 tests/gpu/fanout_bench.py [--consumers 8] [--layout qwen|moe]
-      [--rounds 5] [--json out.json]
+      [--rounds 5] [--json out.json] [--no-raw]
 """
 import argparse
 import json
@@ -41,6 +48,64 @@ def consumer(conn, barrier):
         usmipc.release_shared(tree, stream=s)
         conn.send(dt)
     conn.send("bye")
+
+
+def raw_consumer(conn, barrier):
+    import ctypes
+    import torch
+    torch.zeros(1, device="cuda")  # the primary context, current here
+    cuda = ctypes.CDLL("libcuda.so.1")
+    open_ = cuda.cuIpcOpenMemHandle_v2
+    open_.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_char * 64,
+                      ctypes.c_uint]
+    close = cuda.cuIpcCloseMemHandle
+    close.argtypes = [ctypes.c_uint64]
+    while True:
+        handles = conn.recv()
+        if handles is None:
+            break
+        bufs = [(ctypes.c_char * 64).from_buffer_copy(h) for h in handles]
+        ptrs = []
+        barrier.wait()
+        t0 = time.perf_counter()
+        for b in bufs:
+            p = ctypes.c_uint64()
+            rc = open_(ctypes.byref(p), b, 1)  # LAZY_ENABLE_PEER_ACCESS
+            assert rc == 0, rc
+            ptrs.append(p.value)
+        dt = (time.perf_counter() - t0) * 1e3
+        for p in ptrs:
+            close(p)
+        conn.send(dt)
+    conn.send("bye")
+
+
+def run_raw(n, spec, rounds):
+    import torch
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(n)
+    pipes, procs = [], []
+    for _ in range(n):
+        here, there = ctx.Pipe()
+        p = ctx.Process(target=raw_consumer, args=(there, barrier))
+        p.start()
+        pipes.append(here)
+        procs.append(p)
+    state = {k: torch.full(s, 1.0, dtype=torch.bfloat16, device="cuda")
+             for k, s in spec}
+    handles = list(dict.fromkeys(
+        bytes(t.untyped_storage()._share_cuda_()[1]) for t in state.values()))
+    out = []
+    for _ in range(rounds):
+        for c in pipes:
+            c.send(handles)
+        out.append(max(c.recv() for c in pipes))
+    for c in pipes:
+        c.send(None)
+        c.recv()
+    for p in procs:
+        p.join(60)
+    return out, len(handles)
 
 
 def run(n, spec, rounds):
@@ -82,6 +147,8 @@ def main():
     ap.add_argument("--layout", default="qwen", choices=["qwen", "moe"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json")
+    ap.add_argument("--no-raw", action="store_true",
+                    help="leave out the bare driver's fan-out")
     a = ap.parse_args()
     spec = qwen_spec() if a.layout == "qwen" else moe_spec()
     lone = run(1, spec, a.rounds)
@@ -92,6 +159,13 @@ def main():
            "slowest_warm_ms": statistics.median(many[1:])}
     res["cold_ratio"] = res["slowest_cold_ms"] / res["lone_cold_ms"]
     res["warm_ratio"] = res["slowest_warm_ms"] / res["lone_warm_ms"]
+    if not a.no_raw:
+        raw_lone, segments = run_raw(1, spec, a.rounds)
+        raw_many, _ = run_raw(a.consumers, spec, a.rounds)
+        res["segments"] = segments
+        res["raw_lone_ms"] = statistics.median(raw_lone)
+        res["raw_slowest_ms"] = statistics.median(raw_many)
+        res["raw_ratio"] = res["raw_slowest_ms"] / res["raw_lone_ms"]
     print(json.dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:

@@ -312,6 +312,11 @@ def test_idle_stream_reuses_a_completed_record():
     raws = [h.to_bytes() for _ in range(20)]
     assert usmipc.stats()["event_records"] == 0, usmipc.stats()
     assert len(set(raws)) == 1
+    # Opened on a stream: the record is complete, so nothing is put on it.
+    side = torch.cuda.Stream()
+    m = IPCMemoryHandle.open(raws[0], GPU, stream=side)
+    IPCMemoryHandle.close_mapping(m)
+    assert usmipc.stats()["event_waits"] == 0, usmipc.stats()
     stream = torch.cuda.current_stream()
     torch.cuda._sleep(int(3e8))  # ~150-200 ms of GPU time
     x.fill_(7)
@@ -320,6 +325,9 @@ def test_idle_stream_reuses_a_completed_record():
     assert time.monotonic() - t0 < 0.05, "the handoff synchronized the host"
     assert usmipc.stats()["event_records"] == 1, usmipc.stats()
     assert not stream.query(), "the sleep finished before the open: too short"
+    m = IPCMemoryHandle.open(raw, GPU, stream=side)  # a wait on the device
+    IPCMemoryHandle.close_mapping(m)
+    assert usmipc.stats()["event_waits"] == 1, usmipc.stats()
     m = IPCMemoryHandle.open(raw, GPU)  # the host waits for the record
     assert stream.query(), "the open returned before the producer's work"
     assert int(x[-1]) == 7

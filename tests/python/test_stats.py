@@ -12,7 +12,7 @@ from conftest import HOST, TIMEOUT, run_python
 
 FIELDS = {"driver_exports", "driver_imports", "driver_queries",
           "descriptors_sent", "descriptors_received", "transport_exchanges",
-          "event_records"}
+          "event_records", "event_waits"}
 
 
 def test_stats_fields_and_reset():

@@ -378,12 +378,12 @@ static PyObject *stats(PyObject *module, PyObject *Py_UNUSED(x)) {
   (void)module;
   usmipc_stats_t s;
   usmipc_get_stats(&s, sizeof(s));
-  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "driver_exports",
-                       s.driver_exports, "driver_imports", s.driver_imports,
-                       "driver_queries", s.driver_queries, "descriptors_sent",
-                       s.descriptors_sent, "descriptors_received",
-                       s.descriptors_received, "transport_exchanges",
-                       s.transport_exchanges, "event_records", s.event_records);
+  return Py_BuildValue(
+      "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "driver_exports", s.driver_exports,
+      "driver_imports", s.driver_imports, "driver_queries", s.driver_queries,
+      "descriptors_sent", s.descriptors_sent, "descriptors_received",
+      s.descriptors_received, "transport_exchanges", s.transport_exchanges,
+      "event_records", s.event_records, "event_waits", s.event_waits);
 }
 
 static PyObject *reset_stats(PyObject *module, PyObject *Py_UNUSED(x)) {
