@@ -518,25 +518,26 @@ static bool order_reuse(void) {
 /* A completed record of r that orders a handoff from queue, or false: when
  * the queue is idle, everything submitted to it before the handoff has
  * completed, so any completed record orders the handoff as well as a new
- * one would, and costs the importer no more (it waits for a completed
- * event). That saves the event record (a few microseconds of a driver call
- * on CUDA, most of what ordering added to a fresh export) for the common
- * producer that exports after its work finished. The record must still be
- * the event's latest (a later record of it would be waited for instead:
- * correct, but later work), and known to have completed: by a query, once.
- * usmipc__events_lock held. */
+ * one would, and costs the importer no more (it waits for nothing). That
+ * saves the event record (a driver call, most of what ordering added to a
+ * fresh export on CUDA) for the common producer that exports after its
+ * work finished. The record must still be the event's latest (a later
+ * record of it would be waited for instead: correct, but later work), and
+ * known to have completed: by a query, once, made before the queue's (a
+ * record still pending settles it at once: handoffs that follow a record
+ * within microseconds find the queue busy with that record and record
+ * again, as before). usmipc__events_lock held. */
 static bool reuse_record(ring_t *r, usmipc_queue_t *queue) {
   usmipc_device_t *dev = queue->device;
   usmipc_event_t *ev = r->last;
   if (ev == NULL || dev->ops->queue_idle == NULL || !order_reuse() ||
       __atomic_load_n(&ev->points, __ATOMIC_ACQUIRE) != r->last_point)
     return false;
-  if (dev->ops->queue_idle(dev->native, queue->native) != 1)
+  if (!r->last_done &&
+      !(r->last_done = ev->native == NULL ||
+                       dev->ops->event_query(dev->native, ev->native) == 1))
     return false;
-  if (!r->last_done)
-    r->last_done = ev->native == NULL ||
-                   dev->ops->event_query(dev->native, ev->native) == 1;
-  return r->last_done;
+  return dev->ops->queue_idle(dev->native, queue->native) == 1;
 }
 
 int usmipc__event_order(usmipc_queue_t *queue, uint8_t *out, size_t *len) {

@@ -55,16 +55,17 @@ def raw_consumer(conn, barrier):
     import torch
     torch.zeros(1, device="cuda")  # the primary context, current here
     cuda = ctypes.CDLL("libcuda.so.1")
+    class Handle(ctypes.Structure):  # CUipcMemHandle, passed by value
+        _fields_ = [("reserved", ctypes.c_char * 64)]
     open_ = cuda.cuIpcOpenMemHandle_v2
-    open_.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_char * 64,
-                      ctypes.c_uint]
+    open_.argtypes = [ctypes.POINTER(ctypes.c_uint64), Handle, ctypes.c_uint]
     close = cuda.cuIpcCloseMemHandle
     close.argtypes = [ctypes.c_uint64]
     while True:
         handles = conn.recv()
         if handles is None:
             break
-        bufs = [(ctypes.c_char * 64).from_buffer_copy(h) for h in handles]
+        bufs = [Handle.from_buffer_copy(h) for h in handles]
         ptrs = []
         barrier.wait()
         t0 = time.perf_counter()
