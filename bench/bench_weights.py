@@ -43,9 +43,17 @@ in-place update, then a device synchronize).
         cudaIpcGetMemHandle/OpenMemHandle per segment, cuda.core's pool
         export and import, flatten's 3.1 GB bucket allocation and copy.
   warm  after an in-place update of every tensor (t.add_(1), synchronize),
-        a handoff of the same tensors again; the consumer still holds every
-        earlier handoff of this repetition (it opens the new one first and
-        closes them all at the end of the repetition).
+        a handoff of the same tensors again, the consumer having dropped
+        every tensor of the last handoff first (closed its bundle, deleted
+        its tensors: what an inference engine does between weight updates,
+        and what makes a per-tensor or per-segment cache go cold).
+        --warm-keep gives the earlier definition: the consumer still holds
+        every earlier handoff of the repetition.
+
+--layout moe: Qwen3-30B-A3B's layout, --moe-layers of its 48 (12: 4,719
+tensors, 16.2 GB in bf16). Printed first, and kept in the JSON: the copy
+floor, one flat device copy of the state dict's bytes in the producer (the
+physical floor of a consumer's update).
 
 Also reported: the caching allocator's segments holding the state dict (the
 floor for (usmipc) and (torch.mp): one driver open per segment), the bytes
@@ -57,7 +65,8 @@ after its copy for that reason, and a warm torch.mp handoff is only correct
 here because the producer synchronized before it.
 
   python3 bench/bench_weights.py [--reps 10] [--warm 3] [--methods LIST]
-      [--small] [--device cuda:gpu:0] [--json FILE]
+      [--small] [--layout qwen|moe] [--moe-layers 12] [--warm-keep]
+      [--device cuda:gpu:0] [--json FILE]
   python3 bench/bench_weights.py --host [--small]   # CPU smoke run: the
       usmipc bundle path on the host backend, numpy arrays in a usmipc host
       MemoryPool (usmipc-pool) or one usmipc allocation each (usmipc-alloc),
@@ -150,6 +159,67 @@ SMALL_SPEC = [
 
 # The throwaway handoff that warms both processes up.
 TINY_SPEC = [("warmup.a", (16,)), ("warmup.b", (4, 8))]
+
+
+def moe_spec(layers=12, hidden=2048, heads=32, kv_heads=4, head_dim=128,
+             experts=128, intermediate=768, vocab=151936):
+    """Qwen3-30B-A3B's layout (names and shapes of the checkpoint), `layers`
+    of its 48: 4,719 tensors and 16.2 GB in bf16 at 12, 18,867 at 48."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    spec = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        spec += [(p + "self_attn.q_proj.weight", (q, hidden)),
+                 (p + "self_attn.k_proj.weight", (kv, hidden)),
+                 (p + "self_attn.v_proj.weight", (kv, hidden)),
+                 (p + "self_attn.o_proj.weight", (hidden, q)),
+                 (p + "self_attn.q_norm.weight", (head_dim,)),
+                 (p + "self_attn.k_norm.weight", (head_dim,)),
+                 (p + "input_layernorm.weight", (hidden,)),
+                 (p + "post_attention_layernorm.weight", (hidden,)),
+                 (p + "mlp.gate.weight", (experts, hidden))]
+        for e in range(experts):
+            x = f"{p}mlp.experts.{e}."
+            spec += [(x + "gate_proj.weight", (intermediate, hidden)),
+                     (x + "up_proj.weight", (intermediate, hidden)),
+                     (x + "down_proj.weight", (hidden, intermediate))]
+    spec += [("model.norm.weight", (hidden,)),
+             ("lm_head.weight", (vocab, hidden))]
+    return spec
+
+
+# The MoE at small shapes, for --host and --small: the same structure.
+SMALL_MOE = dict(layers=2, hidden=64, heads=4, kv_heads=1, head_dim=16,
+                 experts=8, intermediate=32, vocab=1000)
+
+
+def copy_floor_ms(cfg, nbytes, reps=7):
+    """The physical floor of an update: one flat copy of the state dict's
+    bytes on the device (torch's copy_, synchronized), median of reps, in
+    this process; on --host a numpy copy in host memory."""
+    if cfg["host"]:
+        import numpy as np
+        a, b = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            np.copyto(b, a)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:]) * 1e3
+    import torch
+    dev = f"cuda:{gpu_index(cfg['device'])}"
+    a = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    del a, b
+    torch.cuda.empty_cache()
+    return statistics.median(times[1:]) * 1e3
 
 
 def numel(shape):
@@ -888,7 +958,7 @@ def drop(conn, proc):
     answer(conn, proc, 60)
 
 
-def run_method(name, spec, cfg, reps, warm):
+def run_method(name, spec, cfg, reps, warm, keep=False):
     import multiprocessing as mp
     m = method_class(cfg, name)(cfg)
     m.p_setup()                                   # Unavailable: caller says so
@@ -913,6 +983,8 @@ def run_method(name, spec, cfg, reps, warm):
                 out["segments"] = st.segments
             out["cold"].append(handoff(m, conn, proc, st, True, rep == 0, 60))
             for w in range(warm):
+                if not keep:  # an engine drops last round's tensors
+                    drop(conn, proc)
                 m.p_update(st)
                 out["warm"].append(handoff(m, conn, proc, st, False,
                                            rep == 0 and w == 0, 60))
@@ -1005,10 +1077,24 @@ def main():
                          "usmipc host memory")
     ap.add_argument("--device", help="default cuda:gpu:0, or host:cpu "
                                      "with --host")
+    ap.add_argument("--layout", choices=["qwen", "moe"], default="qwen",
+                    help="Qwen2.5-1.5B (338 tensors, 3.1 GB) or the MoE "
+                         "(Qwen3-30B-A3B's layout, --moe-layers of 48)")
+    ap.add_argument("--moe-layers", type=int, default=12,
+                    help="the MoE's layers (12: 4,719 tensors, 16.2 GB)")
+    ap.add_argument("--warm-keep", action="store_true",
+                    help="the old warm round: the consumer keeps every "
+                         "handoff of a repetition open (default: it drops "
+                         "the last round's tensors first, as engines do)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    if args.host:
+    if args.host and args.layout == "moe":
+        spec = moe_spec(**SMALL_MOE)
+        cfg = {"host": True, "device": args.device or "host:cpu",
+               "dtype": "float32", "itemsize": 4}
+        methods = HOST_METHODS
+    elif args.host:
         spec = SMALL_SPEC if args.small else qwen2_spec(
             hidden=64, intermediate=128, heads=4, kv_heads=1, head_dim=16,
             vocab=1024)
@@ -1016,7 +1102,11 @@ def main():
                "dtype": "float32", "itemsize": 4}
         methods = HOST_METHODS
     else:
-        spec = SMALL_SPEC if args.small else qwen2_spec()
+        if args.layout == "moe":
+            spec = moe_spec(**SMALL_MOE) if args.small else moe_spec(
+                layers=args.moe_layers)
+        else:
+            spec = SMALL_SPEC if args.small else qwen2_spec()
         cfg = {"host": False, "device": args.device or "cuda:gpu:0",
                "dtype": "bfloat16", "itemsize": 2}
         methods = GPU_METHODS
@@ -1030,13 +1120,18 @@ def main():
 
     n_tensors = len(spec)
     total = sum(numel(s) for _, s in spec) * cfg["itemsize"]
-    if spec is not SMALL_SPEC and not args.host:
+    if spec is not SMALL_SPEC and not args.host and args.layout == "qwen":
         assert n_tensors == QWEN_TENSORS and total == QWEN_BYTES, \
             (n_tensors, total)
-    print(f"state dict: {n_tensors} tensors, {total:,} bytes "
+    warm_how = ("the consumer keeps every handoff open" if args.warm_keep
+                else "the consumer drops the last round's tensors first")
+    print(f"state dict ({args.layout}): {n_tensors} tensors, {total:,} bytes "
           f"({total / 1e9:.3f} GB), {cfg['dtype']}, on {cfg['device']}; "
           f"{args.reps} cold + {args.reps * args.warm} warm handoffs per "
-          f"method", flush=True)
+          f"method; warm: {warm_how}", flush=True)
+    floor = copy_floor_ms(cfg, total)
+    print(f"copy floor: one flat copy of the {total:,} bytes, "
+          f"{floor:.2f} ms (median of 7)", flush=True)
 
     results, notes = {}, []
 
@@ -1051,6 +1146,9 @@ def main():
                                   "device": cfg["device"],
                                   "dtype": cfg["dtype"],
                                   "tensors": n_tensors, "bytes": total,
+                                  "layout": args.layout,
+                                  "warm_keep": args.warm_keep,
+                                  "copy_floor_ms": floor,
                                   "methods": methods},
                        "versions": vers,
                        "results": results}, f, indent=1)
@@ -1059,7 +1157,8 @@ def main():
     for name in methods:
         t0 = time.time()
         try:
-            out = run_method(name, spec, cfg, args.reps, args.warm)
+            out = run_method(name, spec, cfg, args.reps, args.warm,
+                             keep=args.warm_keep)
         except Unavailable as e:
             print(f"{name}: {e}", flush=True)
             notes.append(f"{name}: {e}")

@@ -37,28 +37,12 @@ def qwen_spec():
 
 
 def moe_spec(layers=12):
-    """Qwen3-30B-A3B's layout, `layers` of its 48: 4,719 tensors at 12."""
-    hidden, q, kv, experts, inter = 2048, 32 * 128, 4 * 128, 128, 768
-    spec = [("model.embed_tokens.weight", (151936, hidden))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        spec += [(p + "self_attn.q_proj.weight", (q, hidden)),
-                 (p + "self_attn.k_proj.weight", (kv, hidden)),
-                 (p + "self_attn.v_proj.weight", (kv, hidden)),
-                 (p + "self_attn.o_proj.weight", (hidden, q)),
-                 (p + "self_attn.q_norm.weight", (128,)),
-                 (p + "self_attn.k_norm.weight", (128,)),
-                 (p + "input_layernorm.weight", (hidden,)),
-                 (p + "post_attention_layernorm.weight", (hidden,)),
-                 (p + "mlp.gate.weight", (experts, hidden))]
-        for e in range(experts):
-            x = f"{p}mlp.experts.{e}."
-            spec += [(x + "gate_proj.weight", (inter, hidden)),
-                     (x + "up_proj.weight", (inter, hidden)),
-                     (x + "down_proj.weight", (hidden, inter))]
-    spec += [("model.norm.weight", (hidden,)), ("lm_head.weight",
-                                                (151936, hidden))]
-    return spec
+    """Qwen3-30B-A3B's layout, `layers` of its 48: 4,719 tensors at 12
+    (bench/bench_weights.py's)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "..", "bench"))
+    from bench_weights import moe_spec as spec
+    return spec(layers=layers)
 
 
 def sums(tensors):

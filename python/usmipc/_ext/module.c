@@ -457,9 +457,12 @@ static PyMethodDef bundle_functions[] = {
      "Work this process queued on the arrays is not ordered before the "
      "next consumer's: finish it (synchronize) first."},
     {"stats", stats, METH_NOARGS,
-     "stats()\n--\n\nWhat IPC has cost this process: driver exports, "
-     "imports and queries, descriptors sent and received, round trips to "
-     "other processes' brokers (usmipc_get_stats)."},
+     "stats()\n--\n\nWhat IPC has cost this process, a dict of counts: "
+     "driver_exports,\ndriver_imports, driver_queries, descriptors_sent, "
+     "descriptors_received,\ntransport_exchanges (round trips to other "
+     "processes' brokers),\nevent_records (records made to order "
+     "handoffs; none from an idle queue)\nand event_waits (waits put on a "
+     "queue; none for a completed record)."},
     {"reset_stats", reset_stats, METH_NOARGS,
      "reset_stats()\n--\n\nSets the counters of stats() to zero."},
     {"_bundle_from_bytes", pyusmipc_bundle_from_bytes, METH_O, NULL},
