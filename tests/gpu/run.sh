@@ -20,9 +20,10 @@ build-gpu/ and pip-installs usmipc, once:
                 usmipc pools as torch's allocator, each case in a process
   bench         every benchmark: first open, broker, events, pool blocks,
                 the handoff latency, usmipc_bench (fd, native, --raw),
-                bench_cuda.py, bench_weights.py (10 repetitions)
+                the fresh exports (tests/gpu/export_bench.py), bench_cuda.py,
+                bench_weights.py (10 repetitions; the MoE layout 3)
   bench-quick   the cheap benchmarks of bench, and bench_weights.py with 3
-                repetitions
+                repetitions (the MoE layout with 2)
   bench-layout  usmipc_bench and bench_cuda.py briefly; each JSON must have
                 the layout of the results kept in bench/results/ and no
                 error (tests/gpu/bench_layout.py)
@@ -145,6 +146,10 @@ bench_cheap() {
   step bench-event-host 300 build-gpu/bench/usmipc_bench_event --device host:cpu
   step bench-pool 300 build-gpu/bench/usmipc_bench_pool --device cuda:gpu:0 --json "$OUT/bench_pool_h200.json"
   step bench-handoff 600 python3 bench/bench_events.py --trials 100 --json "$OUT/bench_handoff_h200.json"
+  # Fresh native exports from Python, ordered (issue 23, item 5), with the
+  # reuse of completed records on and off side by side.
+  step bench-export-reuse 120 python3 tests/gpu/export_bench.py --json "$OUT/export_reuse1.json"
+  step bench-export-record 120 env USMIPC_ORDER_REUSE=0 python3 tests/gpu/export_bench.py --json "$OUT/export_reuse0.json"
 }
 # Weight handoff (issue 11): a Qwen2.5-1.5B bf16 state dict (338 tensors,
 # 3.1 GB) through usmipc bundles against torch.multiprocessing, a flattened
@@ -152,6 +157,7 @@ bench_cheap() {
 bench_quick() {
   bench_cheap
   step bench-weights-quick 240 python3 bench/bench_weights.py --reps 3 --json "$OUT/bench_weights_quick_h200.json"
+  step bench-weights-moe-quick 420 python3 bench/bench_weights.py --layout moe --reps 2 --json "$OUT/bench_weights_moe_quick_h200.json"
 }
 bench() {
   bench_cheap
@@ -161,6 +167,7 @@ bench() {
   step bench-raw-native 600 build-gpu/bench/usmipc_bench --raw --device cuda:gpu:0 --kind native --k 60 --rounds 2 --json "$OUT/bench_raw_native.json"
   step bench-cuda 600 python3 bench/bench_cuda.py --json "$OUT/bench_cuda.json" --plot "$OUT/bench_cuda.png"
   step bench-weights 540 python3 bench/bench_weights.py --reps 10 --json "$OUT/bench_weights_h200.json"
+  step bench-weights-moe 600 python3 bench/bench_weights.py --layout moe --reps 3 --json "$OUT/bench_weights_moe_h200.json"
 }
 
 # Every usmipc_bench and bench_cuda.py invocation of bench, briefly, and
