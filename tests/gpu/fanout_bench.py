@@ -81,19 +81,40 @@ def raw_consumer(conn, barrier):
     conn.send("bye")
 
 
-def run_raw(n, spec, rounds):
-    import torch
+def start(n, target):
+    """n consumer processes of target, released together by one barrier:
+    (the producer's ends of their pipes, the processes, the barrier). The
+    caller holds the barrier until stop(): once it is collected its
+    semaphores go, and a child still starting cannot unpickle it."""
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(n)
     pipes, procs = [], []
     for _ in range(n):
         here, there = ctx.Pipe()
-        p = ctx.Process(target=raw_consumer, args=(there, barrier))
+        p = ctx.Process(target=target, args=(there, barrier))
         p.start()
         pipes.append(here)
         procs.append(p)
-    state = {k: torch.full(s, 1.0, dtype=torch.bfloat16, device="cuda")
-             for k, s in spec}
+    return pipes, procs, barrier
+
+
+def stop(pipes, procs):
+    for c in pipes:
+        c.send(None)
+        c.recv()
+    for p in procs:
+        p.join(60)
+
+
+def state_dict(spec):
+    import torch
+    return {k: torch.full(s, 1.0, dtype=torch.bfloat16, device="cuda")
+            for k, s in spec}
+
+
+def run_raw(n, spec, rounds):
+    pipes, procs, barrier = start(n, raw_consumer)
+    state = state_dict(spec)
     handles = list(dict.fromkeys(
         bytes(t.untyped_storage()._share_cuda_()[1]) for t in state.values()))
     out = []
@@ -101,28 +122,14 @@ def run_raw(n, spec, rounds):
         for c in pipes:
             c.send(handles)
         out.append(max(c.recv() for c in pipes))
-    for c in pipes:
-        c.send(None)
-        c.recv()
-    for p in procs:
-        p.join(60)
+    stop(pipes, procs)
     return out, len(handles)
 
 
 def run(n, spec, rounds):
-    import torch
     import usmipc
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(n)
-    pipes, procs = [], []
-    for _ in range(n):
-        here, there = ctx.Pipe()
-        p = ctx.Process(target=consumer, args=(there, barrier))
-        p.start()
-        pipes.append(here)
-        procs.append(p)
-    state = {k: torch.full(s, 1.0, dtype=torch.bfloat16, device="cuda")
-             for k, s in spec}
+    pipes, procs, barrier = start(n, consumer)
+    state = state_dict(spec)  # held here for the whole run
     bundle = usmipc.share(state, release=True)
     out = []
     for r in range(rounds):
@@ -132,11 +139,7 @@ def run(n, spec, rounds):
         times = [c.recv() for c in pipes]
         bundle.wait_released()
         out.append(max(times))
-    for c in pipes:
-        c.send(None)
-        c.recv()
-    for p in procs:
-        p.join(60)
+    stop(pipes, procs)
     sent, back = bundle.releases
     assert sent == back == n * rounds, bundle.releases
     return out
