@@ -442,13 +442,11 @@ static ring_t *ring_of(usmipc_device_t *dev) {
   return r;
 }
 
-/* An event of dev's ring whose previous record has completed (or that has
- * none); usmipc__events_lock held (and dropped while it waits). Grows the
+/* An event of ring r (ring_of) whose previous record has completed (or that
+ * has none); usmipc__events_lock held (and dropped while it waits). Grows the
  * ring while every event is busy, and past RING_MAX waits for the oldest. */
-static int ring_take(usmipc_device_t *dev, usmipc_event_t **out) {
-  ring_t *r = ring_of(dev);
-  if (r == NULL)
-    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+static int ring_take(ring_t *r, usmipc_event_t **out) {
+  usmipc_device_t *dev = r->device;
 again:
   for (size_t i = 0; i < r->count; i++) {
     size_t at = (r->cursor + i) % r->count;
@@ -550,7 +548,7 @@ int usmipc__event_order(usmipc_queue_t *queue, uint8_t *out, size_t *len) {
     rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
   } else if (reuse_record(r, queue)) {
     ev = r->last; /* exported when it was recorded */
-  } else if ((rc = ring_take(dev, &ev)) == 0 && (rc = export_local(ev)) == 0 &&
+  } else if ((rc = ring_take(r, &ev)) == 0 && (rc = export_local(ev)) == 0 &&
              (rc = record_local(ev, queue)) == 0) {
     USMIPC__STAT_ADD(event_records, 1);
     r->last = ev;
@@ -1132,7 +1130,9 @@ int usmipc__event_ring_handle(usmipc_queue_t *queue, uint8_t *out,
   usmipc_event_t *ev = NULL;
   usmipc__wire_t w;
   pthread_mutex_lock(&usmipc__events_lock);
-  int rc = ring_take(queue->device, &ev);
+  ring_t *r = ring_of(queue->device);
+  int rc = r == NULL ? usmipc__fail(USMIPC_ENOMEM, "out of memory")
+                     : ring_take(r, &ev);
   if (rc == 0 && (rc = export_local(ev)) == 0 &&
       (rc = record_local(ev, queue)) == 0)
     local_wire(ev, ev->points, &w);

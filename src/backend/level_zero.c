@@ -882,10 +882,6 @@ static void *lz_queue_native(void *dev, void *queue) {
   return ((lz_queue_t *)queue)->list;
 }
 
-/* usmipc's own lists are synchronous: nothing is pending. A wrapped list
- * may be asynchronous: a barrier that signals a private event marks all its
- * work so far, and the host waits for that event (the API 1.0 way; the
- * list's own host synchronization is API 1.6). */
 /* usmipc's own lists are synchronous: idle whenever no call is in one. A
  * wrapped list may still run work: not known to be idle (asking would take
  * a barrier and an event, which is what the caller means to save). */
@@ -894,6 +890,10 @@ static int lz_queue_idle(void *dev, void *queue) {
   return ((lz_queue_t *)queue)->wrapped ? 0 : 1;
 }
 
+/* usmipc's own lists are synchronous: nothing is pending. A wrapped list
+ * may be asynchronous: a barrier that signals a private event marks all its
+ * work so far, and the host waits for that event (the API 1.0 way; the
+ * list's own host synchronization is API 1.6). */
 static int lz_queue_synchronize(void *dev, void *queue) {
   lz_device_t *d = dev;
   lz_queue_t *q = queue;
