@@ -7,6 +7,13 @@ handed from a producer process to a consumer process, side by side:
                torch.from_dlpack on every leaf
   usmipc-pool  the same, the tensors placed in blocks of one usmipc
                MemoryPool (capacity = the state dict: one segment)
+  usmipc-exp   the same from PyTorch's expandable segments (switched on at
+               run time for this method only)
+  ... kept     (usmipc kept, usmipc-pool kept, usmipc-exp kept) the producer
+               shares once per state dict and resends that bundle's
+               to_bytes() on warm handoffs; the consumer's leaves are the
+               SharedArrays open_shared returns (no torch tensor per leaf)
+  ...>torch    the consumer asks open_shared(to="torch") for the leaves
   torch.mp     torch.multiprocessing: reduce_tensor per tensor, the consumer
                calls each rebuild (one legacy handle + one IPC event per
                tensor; opens cached per caching-allocator segment)
@@ -66,14 +73,21 @@ here because the producer synchronized before it.
 
   python3 bench/bench_weights.py [--reps 10] [--warm 3] [--methods LIST]
       [--small] [--layout qwen|moe] [--moe-layers 12] [--warm-keep]
-      [--device cuda:gpu:0] [--json FILE]
+      [--update] [--device cuda:gpu:0] [--json FILE]
   python3 bench/bench_weights.py --host [--small]   # CPU smoke run: the
       usmipc bundle path on the host backend, numpy arrays in a usmipc host
       MemoryPool (usmipc-pool) or one usmipc allocation each (usmipc-alloc),
       the Qwen structure at small shapes (338 float32 tensors, 4.2 MB)
 
+--update: the consumer's update instead of the handoff alone: it also
+copies every tensor into weights of its own, allocated before timing (the
+usmipc methods but >torch: one UpdatePlan.update call; the others: a copy_
+per tensor), synchronized; the ratio to the copy floor is printed. Fan-out
+to N consumers is tests/gpu/fanout_bench.py.
+
 --methods takes names or letters (a=usmipc b=usmipc-pool c=torch.mp
-d=flatten e=cuda.core). Needs the bundle API (usmipc.share, open_shared,
+d=flatten e=cuda.core f=usmipc>torch g=usmipc-pool>torch h=usmipc-pool>torch
+kept i=usmipc kept j=usmipc-pool kept k=usmipc-exp l=usmipc-exp kept). Needs the bundle API (usmipc.share, open_shared,
 close_shared, stats); a method whose library is missing says so and the
 others run. Exit status 1 when a method failed (a consumer that read other
 values than the producer's, in the first repetition's checks, fails it) or
@@ -93,12 +107,16 @@ import types
 
 MiB = 1 << 20
 
-GPU_METHODS = ["usmipc", "usmipc-pool", "usmipc>torch", "usmipc-pool>torch",
-               "torch.mp", "flatten", "cuda.core"]
-HOST_METHODS = ["usmipc-pool", "usmipc-alloc"]
+GPU_METHODS = ["usmipc", "usmipc kept", "usmipc-exp", "usmipc-exp kept",
+               "usmipc-pool", "usmipc-pool kept", "usmipc>torch",
+               "usmipc-pool>torch", "torch.mp", "flatten", "cuda.core"]
+HOST_METHODS = ["usmipc-pool", "usmipc-pool kept", "usmipc-alloc",
+                "usmipc-alloc kept"]
 LETTERS = {"a": "usmipc", "b": "usmipc-pool", "c": "torch.mp",
            "d": "flatten", "e": "cuda.core", "f": "usmipc>torch",
-           "g": "usmipc-pool>torch", "h": "usmipc-pool>torch kept"}
+           "g": "usmipc-pool>torch", "h": "usmipc-pool>torch kept",
+           "i": "usmipc kept", "j": "usmipc-pool kept", "k": "usmipc-exp",
+           "l": "usmipc-exp kept"}
 LABELS = {
     "usmipc": "usmipc bundle, caching-allocator tensors",
     "usmipc-pool": "usmipc bundle, tensors in a usmipc pool",
@@ -107,6 +125,15 @@ LABELS = {
                     "open_shared(to='torch')",
     "usmipc-pool>torch": "usmipc bundle, pool tensors, open_shared(to='torch')",
     "usmipc-pool>torch kept": "the same, warm handoffs resend the kept bundle",
+    "usmipc kept": "usmipc bundle kept by the producer, caching-allocator "
+                   "tensors, SharedArray leaves",
+    "usmipc-pool kept": "usmipc bundle kept by the producer, pool tensors, "
+                        "SharedArray leaves",
+    "usmipc-exp": "usmipc bundle, tensors from expandable segments",
+    "usmipc-exp kept": "usmipc bundle kept by the producer, expandable "
+                       "segments, SharedArray leaves",
+    "usmipc-alloc kept": "usmipc bundle kept by the producer, one usmipc "
+                         "allocation per array",
     "torch.mp": "torch.multiprocessing, reduce_tensor per tensor",
     "flatten": "flatten into one bucket + one reduce_tensor",
     "cuda.core": "cuda.core IPC pool, descriptor per buffer",
@@ -394,6 +421,27 @@ class Method:
     def c_drop(self):
         pass
 
+    def p_teardown(self):
+        pass
+
+    # consumer, --update: the handoff copied into weights of its own,
+    # allocated before anything is timed (c_alloc_dest) for each state
+    # dict it will receive ("tiny" for the throwaway handoff, "main").
+    def c_alloc_dest(self, spec):
+        raise NotImplementedError
+
+    def c_copy(self, dest, tensors):
+        raise NotImplementedError
+
+    def c_update(self, payload, sid):
+        """(the destinations, the holder, the opened tensors): open as
+        c_open does, then a copy per tensor into this process's weights,
+        the way an engine does it without usmipc's plan."""
+        tensors, holder = self.c_open(payload)
+        dest = self.dest[sid]
+        self.c_copy(dest, tensors)
+        return dict(dest), holder, tensors
+
 
 class TorchMethod(Method):
     """Common torch setup for the GPU methods."""
@@ -445,6 +493,17 @@ class TorchMethod(Method):
         gc.collect()
         self.torch.cuda.synchronize()
 
+    def c_alloc_dest(self, spec):
+        d = {name: self.torch.empty(shape, dtype=self.dtype, device=self.tdev)
+             for name, shape in spec}
+        self.torch.cuda.synchronize()
+        return d
+
+    def c_copy(self, dest, tensors):
+        with self.torch.cuda.stream(self.cstream):
+            for name, t in tensors.items():
+                dest[name].copy_(t)
+
 
 class UsmipcBundle(TorchMethod):
     name = "usmipc"
@@ -468,11 +527,25 @@ class UsmipcBundle(TorchMethod):
     def c_setup(self):
         super().c_setup()
         self._usmipc()
+        self.plans = {}
+
+    def _share(self, tensors):
+        return self.usmipc.share(tensors, stream=self.stream)
 
     def p_handoff(self, st, cold):
-        b = self.usmipc.share(st.tensors, stream=self.stream)
+        b = self._share(st.tensors)
         st.pending = b
         return b.to_bytes()
+
+    def c_update(self, payload, sid):
+        """--update: usmipc's one-call update (UpdatePlan.update: open,
+        ordered, every leaf copied in one unit of device work), a plan per
+        destination set, made at its first update."""
+        plan = self.plans.get(sid)
+        if plan is None:
+            plan = self.plans[sid] = self.usmipc.UpdatePlan(self.dest[sid])
+        plan.update(payload, stream=self.cstream)
+        return dict(self.dest[sid]), None, None
 
     def p_after(self, st):
         # The new bundle replaces the previous one only now: a bundle keeps
@@ -532,11 +605,16 @@ class UsmipcToTorch(UsmipcBundle):
     def c_close(self, tree):
         pass  # each tensor keeps its mapping until it dies
 
+    # --update: open_shared(to="torch") and a copy_ per tensor, without the
+    # plan (what engines write today).
+    c_update = Method.c_update
+
 
 class UsmipcPoolToTorch(UsmipcPoolBundle):
     name = "usmipc-pool>torch"
     c_open = UsmipcToTorch.c_open
     c_close = UsmipcToTorch.c_close
+    c_update = Method.c_update
 
 
 class UsmipcPoolKept(UsmipcPoolToTorch):
@@ -548,9 +626,72 @@ class UsmipcPoolKept(UsmipcPoolToTorch):
     def p_handoff(self, st, cold):
         b = getattr(st, "bundle", None)
         if cold or b is None:
-            b = self.usmipc.share(st.tensors, stream=self.stream)
+            b = self._share(st.tensors)
         st.pending = b
         return b.to_bytes()
+
+
+class Kept:
+    """Mixin: warm handoffs resend the bundle the producer kept, and the
+    consumer's leaves are the SharedArrays open_shared returns (no torch
+    tensor per leaf: the issue's "kept bundle with SharedArray leaves")."""
+    p_handoff = UsmipcPoolKept.p_handoff
+
+    def c_open(self, payload):
+        tree = self.usmipc.open_shared(payload, device=self.udev,
+                                       stream=self.cstream)
+        self.t_opened = time.perf_counter_ns()
+        return dict(tree), tree
+
+    def c_check(self, leaves):
+        torch = self.torch
+        return torch_check({k: v if isinstance(v, torch.Tensor)
+                            else torch.from_dlpack(v)
+                            for k, v in leaves.items()})
+
+
+class UsmipcKept(Kept, UsmipcBundle):
+    name = "usmipc kept"
+
+
+class UsmipcPoolKeptArrays(Kept, UsmipcPoolBundle):
+    name = "usmipc-pool kept"
+
+
+class Expandable:
+    """Mixin: the producer's tensors come from PyTorch's expandable
+    segments (switched on for this method only, at run time, and off again
+    at its end)."""
+
+    def p_setup(self):
+        super().p_setup()
+        try:
+            self.torch.cuda.memory._set_allocator_settings(
+                "expandable_segments:True")
+        except Exception as e:
+            raise Unavailable("this torch cannot switch expandable segments "
+                              f"on at run time: {errstr(e)}")
+
+    def p_make(self, spec, seed):
+        st = super().p_make(spec, seed)
+        snap = self.torch.cuda.memory_snapshot()
+        if not any(seg.get("is_expandable") for seg in snap):
+            raise Unavailable("expandable segments are not in effect (no "
+                              "segment of torch.cuda.memory_snapshot() is)")
+        return st
+
+    def p_teardown(self):
+        self.torch.cuda.empty_cache()
+        self.torch.cuda.memory._set_allocator_settings(
+            "expandable_segments:False")
+
+
+class UsmipcExpandable(Expandable, UsmipcBundle):
+    name = "usmipc-exp"
+
+
+class UsmipcExpandableKept(Expandable, Kept, UsmipcBundle):
+    name = "usmipc-exp kept"
 
 
 class TorchMP(TorchMethod):
@@ -817,6 +958,22 @@ class HostBundle(Method):
     def c_drop(self):
         gc.collect()
 
+    def c_alloc_dest(self, spec):
+        dtype = self.np.dtype(self.cfg["dtype"])
+        return {name: self.np.zeros(shape, dtype=dtype) for name, shape in spec}
+
+    def c_copy(self, dest, tensors):
+        for name, a in tensors.items():
+            self.np.copyto(dest[name], a)
+
+    def c_update(self, payload, sid):
+        plans = self.__dict__.setdefault("plans", {})
+        plan = plans.get(sid)
+        if plan is None:
+            plan = plans[sid] = self.usmipc.UpdatePlan(self.dest[sid])
+        plan.update(payload)  # no stream: returns with the copies done
+        return dict(self.dest[sid]), None, None
+
 
 class HostPoolBundle(HostBundle):
     name = "usmipc-pool"
@@ -828,11 +985,33 @@ class HostPoolBundle(HostBundle):
         return pool, [pool.allocate(n) for n in sizes]
 
 
-GPU_CLASSES = {c.name: c for c in (UsmipcBundle, UsmipcPoolBundle,
+class HostKept:
+    """Mixin for --host: warm handoffs resend the kept bundle."""
+
+    def p_handoff(self, st, cold):
+        b = getattr(st, "bundle", None)
+        if cold or b is None:
+            b = self.usmipc.share(st.tensors)
+        st.pending = b
+        return b.to_bytes()
+
+
+class HostPoolKept(HostKept, HostPoolBundle):
+    name = "usmipc-pool kept"
+
+
+class HostAllocKept(HostKept, HostBundle):
+    name = "usmipc-alloc kept"
+
+
+GPU_CLASSES = {c.name: c for c in (UsmipcBundle, UsmipcKept,
+                                   UsmipcExpandable, UsmipcExpandableKept,
+                                   UsmipcPoolBundle, UsmipcPoolKeptArrays,
                                    UsmipcToTorch, UsmipcPoolToTorch,
                                    UsmipcPoolKept, TorchMP,
                                    Flatten, CudaCore)}
-HOST_CLASSES = {c.name: c for c in (HostPoolBundle, HostBundle)}
+HOST_CLASSES = {c.name: c for c in (HostPoolBundle, HostPoolKept,
+                                    HostBundle, HostAllocKept)}
 
 
 def method_class(cfg, name):
@@ -845,25 +1024,34 @@ def consumer_main(conn, name, cfg):
     try:
         m = method_class(cfg, name)(cfg)
         m.c_setup()
+        if cfg.get("update"):  # the weights an engine keeps, before timing
+            m.dest = {"tiny": m.c_alloc_dest(TINY_SPEC),
+                      "main": m.c_alloc_dest(cfg["spec"])}
         base = m.stats()
         conn.send(("ready", os.getpid()))
     except BaseException as e:
         conn.send(("fatal", errstr(e), traceback.format_exc()))
         return
-    held = []   # (tensors, holder) of every handoff of this repetition
+    # (tensors, holder, opened) of every handoff of this repetition; with
+    # --update, tensors are the destinations and opened what was copied.
+    held = []
     while True:
         msg = conn.recv()
         t_recv = time.perf_counter_ns()
         if msg[0] == "stop":
             break
         if msg[0] == "handoff":
-            _, payload, verify = msg
+            _, payload, verify, sid = msg
             try:
-                tensors, holder = m.c_open(payload)
+                m.t_opened = None
+                if cfg.get("update"):
+                    tensors, holder, opened = m.c_update(payload, sid)
+                else:
+                    (tensors, holder), opened = m.c_open(payload), None
                 t_built = time.perf_counter_ns()
                 m.c_sync()
                 t_ready = time.perf_counter_ns()
-                held.append((tensors, holder))
+                held.append((tensors, holder, opened))
                 counters = stats_delta(m.stats(), base)
                 check = m.c_check(tensors) if verify else None
                 reply = ("done", t_recv, t_built, t_ready, counters, check,
@@ -874,11 +1062,14 @@ def consumer_main(conn, name, cfg):
             conn.send(reply)
         elif msg[0] == "drop":
             try:
-                for tensors, _ in held:
+                for tensors, _, opened in held:
                     tensors.clear()
+                    if opened is not None:
+                        opened.clear()
                 gc.collect()
-                for _, holder in held:
-                    m.c_close(holder)
+                for _, holder, _ in held:
+                    if holder is not None:  # None: the plan holds its own
+                        m.c_close(holder)
                 held.clear()
                 m.c_drop()
                 reply = ("dropped",)
@@ -911,13 +1102,13 @@ def answer(conn, proc, timeout):
     return msg
 
 
-def handoff(m, conn, proc, st, cold, verify, timeout):
+def handoff(m, conn, proc, st, cold, verify, timeout, sid="main"):
     m.p_sync()
     base = m.stats()
     t0 = time.perf_counter_ns()
     payload = m.p_handoff(st, cold)
     t1 = time.perf_counter_ns()
-    conn.send(("handoff", payload, verify))
+    conn.send(("handoff", payload, verify, sid))
     t2 = time.perf_counter_ns()
     _, t_recv, t_built, t_ready, cstats, check, t_opened = answer(
         conn, proc, timeout)
@@ -972,9 +1163,9 @@ def run_method(name, spec, cfg, reps, warm, keep=False):
     try:
         answer(conn, proc, 120)                   # imports, CUDA context
         tiny = m.p_make(TINY_SPEC, seed=0)        # the throwaway handoff
-        handoff(m, conn, proc, tiny, True, True, 60)
+        handoff(m, conn, proc, tiny, True, True, 60, "tiny")
         m.p_update(tiny)
-        handoff(m, conn, proc, tiny, False, True, 60)
+        handoff(m, conn, proc, tiny, False, True, 60, "tiny")
         drop(conn, proc)
         m.p_free(tiny)
         for rep in range(reps):
@@ -993,6 +1184,10 @@ def run_method(name, spec, cfg, reps, warm, keep=False):
             del st
         out["verified"] = True
     finally:
+        try:
+            m.p_teardown()
+        except Exception:
+            pass
         try:
             conn.send(("stop",))
             proc.join(20)
@@ -1086,6 +1281,12 @@ def main():
                     help="the old warm round: the consumer keeps every "
                          "handoff of a repetition open (default: it drops "
                          "the last round's tensors first, as engines do)")
+    ap.add_argument("--update", action="store_true",
+                    help="time the update instead of the handoff: the "
+                         "consumer also copies every tensor into weights of "
+                         "its own (usmipc: UpdatePlan.update, one call; "
+                         "the others and usmipc's >torch methods: a copy_ "
+                         "per tensor)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -1110,6 +1311,9 @@ def main():
         cfg = {"host": False, "device": args.device or "cuda:gpu:0",
                "dtype": "bfloat16", "itemsize": 2}
         methods = GPU_METHODS
+    cfg["update"] = args.update
+    if args.update:
+        cfg["spec"] = spec
     if args.methods:
         methods = [LETTERS.get(x.strip(), x.strip())
                    for x in args.methods.split(",") if x.strip()]
@@ -1125,9 +1329,11 @@ def main():
             (n_tensors, total)
     warm_how = ("the consumer keeps every handoff open" if args.warm_keep
                 else "the consumer drops the last round's tensors first")
-    print(f"state dict ({args.layout}): {n_tensors} tensors, {total:,} bytes "
+    what = "update" if args.update else "handoff"
+    print(f"{what}, state dict ({args.layout}): {n_tensors} tensors, "
+          f"{total:,} bytes "
           f"({total / 1e9:.3f} GB), {cfg['dtype']}, on {cfg['device']}; "
-          f"{args.reps} cold + {args.reps * args.warm} warm handoffs per "
+          f"{args.reps} cold + {args.reps * args.warm} warm {what}s per "
           f"method; warm: {warm_how}", flush=True)
     floor = copy_floor_ms(cfg, total)
     print(f"copy floor: one flat copy of the {total:,} bytes, "
@@ -1148,6 +1354,7 @@ def main():
                                   "tensors": n_tensors, "bytes": total,
                                   "layout": args.layout,
                                   "warm_keep": args.warm_keep,
+                                  "update": args.update,
                                   "copy_floor_ms": floor,
                                   "methods": methods},
                        "versions": vers,
@@ -1177,11 +1384,14 @@ def main():
         results[name] = out
         write_json()
         c, w = out.get("cold_summary"), out.get("warm_summary")
+        ratio = (f"{w['median_ms'] / floor:.2f}x the copy floor; "
+                 if args.update and w else "")
         print(f"{name}: cold {c['median_ms']:.2f} ms, warm "
-              f"{w['median_ms']:.2f} ms ({out['seconds']} s)"
+              f"{w['median_ms']:.2f} ms ({ratio}{out['seconds']} s)"
               if c and w else f"{name}: done", flush=True)
 
     print()
+    print(f"{what}s, copy floor {floor:.2f} ms")
     print("| method | cold ms: median (min-max) | warm ms: median (min-max) "
           "| cold: export / transfer / open / wait ms | caching-allocator "
           "segments | usmipc cold: producer; consumer | usmipc warm "
@@ -1225,8 +1435,7 @@ def main():
                   f"is {c['median_ms'] * 1e3 / seg:.1f} us per segment"
                   + (f"; the consumer's driver imports: {imports}"
                      if imports is not None else ""))
-    for name in ("usmipc", "usmipc-pool", "usmipc-alloc", "usmipc>torch",
-                 "usmipc-pool>torch", "usmipc-pool>torch kept"):
+    for name in (n for n in results if n.startswith("usmipc")):
         w = results.get(name, {}).get("warm_summary")
         if w and w["consumer_stats"] is not None:
             print(f"{name} warm handoffs, usmipc.stats() summed over all "

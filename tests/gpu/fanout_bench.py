@@ -40,13 +40,20 @@ def consumer(conn, barrier):
             break
         if tree is not None:
             usmipc.close_shared(tree)
+        before = usmipc.stats()
         barrier.wait()
         t0 = time.perf_counter()
         tree = usmipc.open_shared(raw, stream=s)
+        t1 = time.perf_counter()
         s.synchronize()
-        dt = (time.perf_counter() - t0) * 1e3
+        t2 = time.perf_counter()
+        after = usmipc.stats()
         usmipc.release_shared(tree, stream=s)
-        conn.send(dt)
+        # The open's own split and what it did (the counters that moved):
+        # where a slow consumer's time went.
+        moved = {k: after[k] - before[k] for k in after
+                 if after[k] != before.get(k)}
+        conn.send(((t2 - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3, moved))
     conn.send("bye")
 
 
@@ -136,9 +143,14 @@ def run(n, spec, rounds):
         raw = bundle.to_bytes(consumers=n)  # one event, one ticket
         for c in pipes:
             c.send(raw)
-        times = [c.recv() for c in pipes]
+        got = [c.recv() for c in pipes]
         bundle.wait_released()
-        out.append(max(times))
+        slowest = max(got, key=lambda g: g[0])
+        out.append(slowest[0])
+        print(f"  {n} consumer(s), round {r}: slowest {slowest[0]:.3f} ms "
+              f"(open {slowest[1]:.3f}, synchronize {slowest[2]:.3f}; "
+              f"fastest {min(g[0] for g in got):.3f}); its counters: "
+              f"{slowest[3]}", flush=True)
     stop(pipes, procs)
     sent, back = bundle.releases
     assert sent == back == n * rounds, bundle.releases
