@@ -800,12 +800,11 @@ USMIPC_API int usmipc_copy_plan_free(usmipc_copy_plan_t *plan);
  * its allocation), descriptors this process's broker sent and descriptors
  * this process took (by any transport), and round trips to other processes'
  * brokers (one round trip carries up to 253 descriptors of one exporter),
- * event records made to order handoffs (a handoff from a queue with
- * nothing pending reuses a completed record and makes none), and waits
- * for events put on a queue (a record already complete is not waited
- * for).
- * A second share of buffers already shared costs none of the first two,
- * nor descriptors. Pass sizeof(usmipc_stats_t). */
+ * event records made to order handoffs and release tickets (one from a queue
+ * with nothing pending reuses a completed record and makes none), and waits for
+ * events put on a queue (a record already complete is not waited for). A second
+ * share of buffers already shared costs none of the first two, nor descriptors.
+ * Pass sizeof(usmipc_stats_t). */
 typedef struct usmipc_stats {
   unsigned long long driver_exports;
   unsigned long long driver_imports;

@@ -538,23 +538,35 @@ static bool reuse_record(ring_t *r, usmipc_queue_t *queue) {
   return dev->ops->queue_idle(dev->native, queue->native) == 1;
 }
 
+/* The record of r that orders everything submitted to queue so far: the
+ * last one reused where reuse_record allows, else a new record, which
+ * becomes the last. An ordered handoff and a release ticket's event both
+ * come here, so either finds the other's completed record.
+ * usmipc__events_lock held. */
+static int order_take(ring_t *r, usmipc_queue_t *queue, usmipc_event_t **out) {
+  if (reuse_record(r, queue)) {
+    *out = r->last; /* exported when it was recorded */
+    return 0;
+  }
+  usmipc_event_t *ev = NULL;
+  int rc;
+  if ((rc = ring_take(r, &ev)) != 0 || (rc = export_local(ev)) != 0 ||
+      (rc = record_local(ev, queue)) != 0)
+    return rc;
+  USMIPC__STAT_ADD(event_records, 1);
+  r->last = ev;
+  r->last_point = __atomic_load_n(&ev->points, __ATOMIC_ACQUIRE);
+  r->last_done = false;
+  *out = ev;
+  return 0;
+}
+
 int usmipc__event_order(usmipc_queue_t *queue, uint8_t *out, size_t *len) {
-  usmipc_device_t *dev = queue->device;
   usmipc_event_t *ev = NULL;
   pthread_mutex_lock(&usmipc__events_lock);
-  ring_t *r = ring_of(dev);
-  int rc = 0;
-  if (r == NULL) {
-    rc = usmipc__fail(USMIPC_ENOMEM, "out of memory");
-  } else if (reuse_record(r, queue)) {
-    ev = r->last; /* exported when it was recorded */
-  } else if ((rc = ring_take(r, &ev)) == 0 && (rc = export_local(ev)) == 0 &&
-             (rc = record_local(ev, queue)) == 0) {
-    USMIPC__STAT_ADD(event_records, 1);
-    r->last = ev;
-    r->last_point = __atomic_load_n(&ev->points, __ATOMIC_ACQUIRE);
-    r->last_done = false;
-  }
+  ring_t *r = ring_of(queue->device);
+  int rc = r == NULL ? usmipc__fail(USMIPC_ENOMEM, "out of memory")
+                     : order_take(r, queue, &ev);
   if (rc == 0) {
     usmipc__wire_t w;
     local_wire(ev, r->last_point, &w);
@@ -1132,10 +1144,9 @@ int usmipc__event_ring_handle(usmipc_queue_t *queue, uint8_t *out,
   pthread_mutex_lock(&usmipc__events_lock);
   ring_t *r = ring_of(queue->device);
   int rc = r == NULL ? usmipc__fail(USMIPC_ENOMEM, "out of memory")
-                     : ring_take(r, &ev);
-  if (rc == 0 && (rc = export_local(ev)) == 0 &&
-      (rc = record_local(ev, queue)) == 0)
-    local_wire(ev, ev->points, &w);
+                     : order_take(r, queue, &ev);
+  if (rc == 0)
+    local_wire(ev, r->last_point, &w);
   pthread_mutex_unlock(&usmipc__events_lock);
   if (rc != 0)
     return rc;

@@ -1346,6 +1346,45 @@ TEST_IMPL(bundle_release_same_process) {
   return 0;
 }
 
+/* Tickets returned from an idle queue name a completed event record
+ * instead of recording one each, as ordered handoffs do (event.c,
+ * order_take): 20 handoffs opened and returned in one process make at most
+ * one record beyond the first handoff's, the producer's waits for them
+ * put no wait on its queue, and every ticket still comes back. On the
+ * host and usmipc's own Level Zero lists the queue is idle at once, on
+ * CUDA once synchronized after the first record. */
+TEST_IMPL(bundle_release_idle_queue_reuses_record) {
+  usmipc_device_t *dev = test_device();
+  usmipc_queue_t *q = events_queue();
+  if (q == NULL)
+    RETURN_SKIP("the test device has no events");
+  void *ptr[3];
+  size_t extent[3], len;
+  usmipc_bundle_t *b = three_arrays(ptr, extent);
+  usmipc_stats_t s0, s1;
+  ASSERT_OK(usmipc_get_stats(&s0, sizeof(s0)));
+  for (int i = 0; i < 20; i++) {
+    uint8_t *data = handoff(b, q, USMIPC_ORDER_RELEASE, &len);
+    usmipc_opened_bundle_t *ob;
+    ASSERT_OK(usmipc_bundle_open(data, len, dev, q, 0, &ob));
+    ASSERT_OK(usmipc_ipc_release(data, len, q));
+    ASSERT_OK(usmipc_bundle_close(ob));
+    ASSERT_OK(usmipc_bundle_wait_released(b, q));
+    if (i == 0) /* the first record is itself work on the queue */
+      ASSERT_OK(usmipc_queue_synchronize(q));
+    free(data);
+  }
+  ASSERT_OK(usmipc_get_stats(&s1, sizeof(s1)));
+  ASSERT_RELEASES(b, 20, 20);
+  ASSERT_MSG(s1.event_records - s0.event_records <= 2, "%llu records",
+             s1.event_records - s0.event_records);
+  ASSERT_MSG(s1.event_waits - s0.event_waits <= 2, "%llu waits",
+             s1.event_waits - s0.event_waits);
+  ASSERT_OK(usmipc_bundle_free(b));
+  three_arrays_free(ptr, q);
+  return 0;
+}
+
 /* bundle_release_forward: a fan-out ticket handed on by a consumer that
  * still holds it (here the producer's own process, the same path as the
  * broker's): the forwarded bytes differ only in their ticket, a reader

@@ -158,6 +158,7 @@
   X(bundle_release_consumer_dies)                                              \
   X(bundle_release_consumer_exits)                                             \
   X(bundle_release_same_process)                                               \
+  X(bundle_release_idle_queue_reuses_record)                                   \
   X(bundle_release_fanout)                                                     \
   X(bundle_release_forward)                                                    \
   X(env_numbers)                                                                \

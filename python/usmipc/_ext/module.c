@@ -461,7 +461,8 @@ static PyMethodDef bundle_functions[] = {
      "driver_exports,\ndriver_imports, driver_queries, descriptors_sent, "
      "descriptors_received,\ntransport_exchanges (round trips to other "
      "processes' brokers),\nevent_records (records made to order "
-     "handoffs; none from an idle queue)\nand event_waits (waits put on a "
+     "handoffs and tickets; none from an idle queue)\nand event_waits (waits "
+     "put on a "
      "queue; none for a completed record)."},
     {"reset_stats", reset_stats, METH_NOARGS,
      "reset_stats()\n--\n\nSets the counters of stats() to zero."},
