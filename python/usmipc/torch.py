@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing.queues
+import functools
 import os
+import pickle
 import sys
 import threading
 import types
@@ -187,11 +189,26 @@ def _local_index(uuid: str) -> Optional[int]:
     return _index_of_uuid.get(uuid)
 
 
+def _raw_stream(index: int) -> int:
+    """The CUDA stream current on device index now, as the native handle
+    (0: the legacy default stream). torch.cuda.current_stream() makes a
+    Stream object in Python (2-4 us a call); usmipc takes the handle as it
+    is, with the device the memory is on."""
+    return _torch()._C._cuda_getCurrentRawStream(index)
+
+
+_stream_getters: dict = {}
+
+
 def _stream_getter(index: int):
     """The function the release ticket calls when the receiver's last
-    tensor of a message dies: the current stream of that device then."""
-    cuda = _torch().cuda
-    return lambda: cuda.current_stream(index)
+    tensor of a message dies: the current stream of that device then (one
+    per device, made once)."""
+    f = _stream_getters.get(index)
+    if f is None:
+        f = _stream_getters[index] = functools.partial(
+            _torch()._C._cuda_getCurrentRawStream, index)
+    return f
 
 
 # ---- the sender's side -----------------------------------------------------
@@ -342,8 +359,8 @@ def _routes_host(storage) -> bool:
 
 def _order_stream(group: _Group, put_event):
     """The stream the group's event is recorded on: the putting thread's
-    (through its event) for a Queue.put, else this thread's current one
-    (share() takes the first array's current stream)."""
+    (through its event) for a Queue.put; None: this thread's current
+    one (_share_group passes its handle)."""
     if group.device.type != "cuda" or put_event is None:
         return None
     index, event = put_event
@@ -396,6 +413,9 @@ def _share_group(group: _Group, put_event):
     holds it until every ticket of it came back."""
     _whole_leaves(group)
     stream = _order_stream(group, put_event)
+    if stream is None and group.device.type == "cuda":
+        # What share() would ask torch for, without a Stream object.
+        stream = _raw_stream(group.device.index)
     bundle = _usmipc.share(group.views, stream=stream, release=True)
     _counts["bundles"] += 1
     return bundle, bundle.to_bytes()
@@ -632,7 +652,9 @@ def _dumps(cls, obj, protocol=None):
         _memory._keep(bundle)  # dropped once released and the work done
         groups.append((_device_name(g.device), raw))
     _counts["messages"] += 1
-    return plain(cls, _Envelope(groups, bytes(body)), protocol)
+    # The envelope holds only strs and bytes: the C pickler without
+    # ForkingPickler's per-instance copy of its dispatch table (3 us here).
+    return pickle.dumps(_Envelope(groups, bytes(body)), protocol)
 
 
 def _put_event():
@@ -741,9 +763,8 @@ def _open_group(device: str, raw: bytes):
                 f"visible in this process (CUDA_VISIBLE_DEVICES="
                 f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): "
                 f"make it visible to receive its tensors")
-        torch = _torch()
-        torch.cuda.init()
-        stream = torch.cuda.current_stream(index)
+        _torch().cuda.init()  # a no-op once done (and a bad fork's error)
+        stream = _raw_stream(index)
         release = _stream_getter(index)
     try:
         return _usmipc.open_shared(raw, stream=stream, to="torch",

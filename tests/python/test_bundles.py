@@ -5,6 +5,7 @@ producer drops the bundle; bad input refused with errors that say where."""
 
 import gc
 import multiprocessing
+import os
 import pickle
 
 import numpy as np
@@ -315,6 +316,31 @@ def test_open_shared_to_torch_on_host():
     assert a[5] == -1
     with pytest.raises(ValueError, match="'torch'"):
         usmipc.open_shared(bundle.to_bytes(), to="jax")
+
+
+def test_open_shared_to_torch_after_fork():
+    """to="torch" looks torch's converter up once per process (and a
+    forked child again): a child forked after the parent's open still gets
+    tensors of the parent's memory."""
+    torch = pytest.importorskip("torch")
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    a = np.from_dlpack(pool.allocate(64)).view(np.int32)
+    a[:] = np.arange(16)
+    bundle = usmipc.share([a])
+    raw = bundle.to_bytes()
+    assert usmipc.open_shared(raw, to="torch")[0].sum().item() == 120
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            t = usmipc.open_shared(raw, to="torch")[0]
+            t[0] = -5  # the parent's memory
+            code = 0 if isinstance(t, torch.Tensor) and t[1] == 1 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert a[0] == -5
 
 
 def test_cpu_tensor_of_usmipc_memory_shares():

@@ -799,6 +799,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
   Py_VISIT(st->SharedBundleType);
   Py_VISIT(st->SharedArrayType);
   Py_VISIT(st->CopyPlanType);
+  Py_VISIT(st->torch_from_dlpack);
   for (Py_ssize_t i = 0; i < st->nslots; i++) {
     Py_VISIT(st->slots[i].device_obj);
     Py_VISIT(st->slots[i].queue_obj);
@@ -830,6 +831,7 @@ static int module_clear(PyObject *module) {
   Py_CLEAR(st->SharedBundleType);
   Py_CLEAR(st->SharedArrayType);
   Py_CLEAR(st->CopyPlanType);
+  Py_CLEAR(st->torch_from_dlpack);
   Py_CLEAR(st->EventType);
   Py_CLEAR(st->IPCMemoryHandleType);
   Py_CLEAR(st->MemoryIPCDeviceType);

@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "bundle.h"
 #include "device.h"
@@ -949,6 +950,46 @@ static PyObject *build_node(build_t *b) {
   return c;
 }
 
+/* torch.from_dlpack's own converter, torch._C._from_dlpack, after torch's
+ * CUDA is initialized (its Python wrapper does that through
+ * current_stream(); the converter alone does not). Looked up once per
+ * process: torch.cuda.is_available() and init() from here cost 2-3 us an
+ * open (an H100's profile of usmipc.torch's receiver), and a forked child
+ * looks it up again (torch's own check of a bad fork then speaks). New
+ * reference; NULL with an exception set. */
+static PyObject *torch_converter(pyusmipc_module_state_t *st) {
+  long pid = (long)getpid();
+  if (st->torch_from_dlpack != NULL && st->torch_from_dlpack_pid == pid)
+    return Py_NewRef(st->torch_from_dlpack);
+  PyObject *torch = PyImport_ImportModule("torch");
+  PyObject *cuda = torch ? PyObject_GetAttrString(torch, "cuda") : NULL;
+  PyObject *avail =
+      cuda ? PyObject_CallMethod(cuda, "is_available", NULL) : NULL;
+  int has_cuda = avail ? PyObject_IsTrue(avail) : -1;
+  Py_XDECREF(avail);
+  PyObject *inited =
+      has_cuda > 0 ? PyObject_CallMethod(cuda, "init", NULL) : NULL;
+  if (has_cuda > 0 && inited == NULL) {
+    Py_XDECREF(cuda);
+    Py_XDECREF(torch);
+    return NULL;
+  }
+  Py_XDECREF(inited);
+  Py_XDECREF(cuda);
+  PyObject *torch_c =
+      has_cuda >= 0 ? PyObject_GetAttrString(torch, "_C") : NULL;
+  Py_XDECREF(torch);
+  PyObject *convert =
+      torch_c ? PyObject_GetAttrString(torch_c, "_from_dlpack") : NULL;
+  Py_XDECREF(torch_c);
+  if (convert != NULL) {
+    Py_XDECREF(st->torch_from_dlpack);
+    st->torch_from_dlpack = Py_NewRef(convert);
+    st->torch_from_dlpack_pid = pid;
+  }
+  return convert;
+}
+
 PyObject *pyusmipc_open_shared(PyObject *module, PyObject *const *args,
                                Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"data", "device", "stream", "to",
@@ -974,29 +1015,7 @@ PyObject *pyusmipc_open_shared(PyObject *module, PyObject *const *args,
                            "'torch' (torch tensors)");
       return NULL;
     }
-    /* torch.from_dlpack's own converter, after torch's CUDA is initialized
-     * (its Python wrapper does that through current_stream(); the converter
-     * alone does not). */
-    PyObject *torch = PyImport_ImportModule("torch");
-    PyObject *cuda = torch ? PyObject_GetAttrString(torch, "cuda") : NULL;
-    PyObject *avail =
-        cuda ? PyObject_CallMethod(cuda, "is_available", NULL) : NULL;
-    int has_cuda = avail ? PyObject_IsTrue(avail) : -1;
-    Py_XDECREF(avail);
-    PyObject *inited =
-        has_cuda > 0 ? PyObject_CallMethod(cuda, "init", NULL) : NULL;
-    if (has_cuda > 0 && inited == NULL) {
-      Py_XDECREF(cuda);
-      Py_XDECREF(torch);
-      return NULL;
-    }
-    Py_XDECREF(inited);
-    Py_XDECREF(cuda);
-    PyObject *torch_c =
-        has_cuda >= 0 ? PyObject_GetAttrString(torch, "_C") : NULL;
-    Py_XDECREF(torch);
-    convert = torch_c ? PyObject_GetAttrString(torch_c, "_from_dlpack") : NULL;
-    Py_XDECREF(torch_c);
+    convert = torch_converter(st);
     if (convert == NULL)
       return NULL;
   }
@@ -1079,8 +1098,12 @@ PyObject *pyusmipc_open_shared(PyObject *module, PyObject *const *args,
       PyErr_NoMemory();
     goto done;
   }
-  if (queue != NULL) {
-    /* Ready on the open's stream: other streams wait for it (__dlpack__). */
+  if (queue != NULL && convert == NULL) {
+    /* Ready on the open's stream: other streams wait for it (__dlpack__).
+     * Not for to="torch": its arrays are reached only through torch's
+     * tensors, which never call __dlpack__ back, and torch's rule holds
+     * (ready on the stream current at the receive, the open's): an event
+     * made, recorded and destroyed an open for nothing. */
     b.ready = calloc(1, sizeof(*b.ready));
     if (b.ready == NULL) {
       PyErr_NoMemory();

@@ -55,6 +55,10 @@ typedef struct pyusmipc_module_state {
   PyObject *SharedBundleType; /* usmipc.SharedBundle (bundle.c) */
   PyObject *SharedArrayType;  /* usmipc.SharedArray */
   PyObject *CopyPlanType;     /* usmipc._CopyPlan (update.c) */
+  /* open_shared(to="torch"): torch._C._from_dlpack, looked up (and torch's
+   * CUDA initialized) once per process, not per open (shared_array.c) */
+  PyObject *torch_from_dlpack;
+  long torch_from_dlpack_pid; /* the process that looked it up */
 
   struct pyusmipc_device_slot *slots; /* the per-device cache: device.h */
   Py_ssize_t nslots;
