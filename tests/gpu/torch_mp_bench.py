@@ -110,14 +110,31 @@ def run_mode(mode, rounds, small):
     if os.environ.get("BENCH_DEVICE", "cuda") == "cuda":
         torch.cuda.init()
     results = {}
+    # Where the sender's dumps goes (usmipc): the usmipc.stats() counters
+    # that moved over each dumps, and a profile of the repeated tensor's.
+    stats = None
+    if mode == "usmipc":
+        import usmipc
+        stats = usmipc.stats
+    moved_of: list = []
+    prof = [None]
 
     def one(obj, value):
         """pickle + rebuild (ms), end to end (ms), the floor (ms)."""
         _sync()
         conn.send("bytes")
+        before = stats() if stats else None
+        if prof[0] is not None:
+            prof[0].enable()
         t0 = time.perf_counter()
         data = ForkingPickler.dumps(obj)
         t1 = time.perf_counter()
+        if prof[0] is not None:
+            prof[0].disable()
+        if stats:
+            after = stats()
+            moved_of.append({k: after[k] - before[k] for k in after
+                             if after[k] != before[k]})
         conn.send_bytes(data)
         load_s, _, got = out.recv()
         assert got == value, (got, value)
@@ -146,7 +163,10 @@ def run_mode(mode, rounds, small):
             "dumps_ms": statistics.median(s[4] for s in samples),
             "loads_ms": statistics.median(s[5] for s in samples),
             "message_bytes": samples[-1][3], "rounds": len(samples),
-            "all_pickle_rebuild_ms": pick, "all_end_to_end_ms": e2e}
+            "all_pickle_rebuild_ms": pick, "all_end_to_end_ms": e2e,
+            "all_dumps_ms": [s[4] for s in samples]}
+        if stats:  # the counters each dumps of the case moved
+            results[name]["dumps_moved"] = moved_of[-len(samples):]
 
     # One tensor, fresh: each round a new 64 MiB tensor in a new segment
     # (the earlier ones stay alive, so no cached block fits).
@@ -163,10 +183,24 @@ def run_mode(mode, rounds, small):
     # One tensor, repeated: the same one after an in-place update.
     x = _alloc((numel,), torch.float32, 0.0)
     samples = []
+    import cProfile
+    import pstats
     for r in range(rounds + 1):
         x.fill_(float(r))
+        prof[0] = cProfile.Profile() if stats and r == 1 else prof[0]
         samples.append(one(x, float(r)))
     record("tensor_repeated", samples[1:])
+    if prof[0] is not None:
+        # Microseconds per dumps (pstats prints seconds to 3 decimals).
+        rows = sorted(pstats.Stats(prof[0]).stats.items(),
+                      key=lambda kv: -kv[1][3])[:18]
+        lines = [f"{'calls':>6} {'own us':>8} {'total us':>9}  function"]
+        for (file, line, name), (_, calls, own, total, _) in rows:
+            lines.append(f"{calls / rounds:6.1f} {own / rounds * 1e6:8.1f} "
+                         f"{total / rounds * 1e6:9.1f}  "
+                         f"{os.path.basename(file)}:{line}({name})")
+        results["tensor_repeated"]["dumps_profile"] = "\n".join(lines)
+        prof[0] = None
     del x
     # The state dict: cold (round 0), warm (the rest).
     from bench_weights import SMALL_SPEC, qwen2_spec
@@ -223,6 +257,14 @@ def main():
                          ("end_to_end_ms", "e2e"), ("floor_ms", "floor")):
             t, u = both["torch"][case][k], both["usmipc"][case][k]
             print(f"{case:18} {label:6} {t:9.3f} {u:9.3f} {u / t:7.3f}")
+    for case in ("tensor_fresh", "tensor_repeated", "state_dict_warm"):
+        u = both["usmipc"][case]
+        print(f"usmipc {case} dumps, ms: "
+              f"{[round(x, 3) for x in u['all_dumps_ms']]}; counters moved "
+              f"per dumps: {u.get('dumps_moved')}")
+    print("usmipc tensor_repeated dumps profiled (rounds 1-):\n"
+          + "\n".join(both["usmipc"]["tensor_repeated"].get(
+              "dumps_profile", "").splitlines()[:40]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, **both}, f, indent=1)
