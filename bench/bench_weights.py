@@ -882,15 +882,18 @@ class CudaCore(TorchMethod):
                 self.close_errors += 1
 
     def c_drop(self):
+        # The pool imported last stays open: the warm handoffs after a drop
+        # (an engine drops its tensors between rounds) import from it again.
+        # Those of earlier repetitions go.
         super().c_drop()
-        for mmr, ah in self.mmrs:
+        for mmr, ah in self.mmrs[:-1]:
             for close in (mmr.close, getattr(ah, "close", None)):
                 try:
                     if close is not None:
                         close()
                 except Exception:   # the pool may have closed the fd itself
                     self.close_errors += 1
-        self.mmrs = []
+        self.mmrs = self.mmrs[-1:]
 
 
 class HostBundle(Method):

@@ -72,7 +72,9 @@ def raw_consumer(conn, barrier):
         handles = conn.recv()
         if handles is None:
             break
-        bufs = [Handle.from_buffer_copy(h) for h in handles]
+        # torch's handle bytes lead with a byte naming the kind (a
+        # cudaMalloc segment's): the driver's 64 bytes are the last.
+        bufs = [Handle.from_buffer_copy(h[-64:]) for h in handles]
         ptrs = []
         barrier.wait()
         t0 = time.perf_counter()

@@ -81,6 +81,7 @@ CONSUMER = textwrap.dedent(r"""
     torch.cuda.init()
     torch.empty(1, device="cuda")
     stream = torch.cuda.Stream()
+    other = torch.cuda.Stream()  # reads on a stream the open was not on
     kept = []
 
     def skeleton(x):
@@ -142,7 +143,7 @@ CONSUMER = textwrap.dedent(r"""
             usmipc.release_shared(tree, stream=stream)
             out["released"] = True
         elif req.get("last"):
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(other if req.get("other") else stream):
                 t = torch.from_dlpack(get(tree, req["last"]))
                 out["last"] = host(t.reshape(-1)[-1:]).tolist()[0]
             del t
@@ -377,7 +378,12 @@ def sleep_cycles(ms):
     return int(khz * ms)
 
 
-def test_ordered_open_on_consumer_stream(consumer):
+@pytest.mark.parametrize("read_on", ["open's stream", "another stream"])
+def test_ordered_open_on_consumer_stream(consumer, read_on):
+    """The consumer's read is ordered after the producer's kernel, on the
+    stream it opened on and on another one (its __dlpack__(stream=) waits
+    for the open's stream; the ready record is made then, not at the
+    open)."""
     n = 1 << 20
     x = torch.zeros(n, dtype=torch.int32, device="cuda")
     y = torch.zeros(4096, dtype=torch.float32, device="cuda")
@@ -392,7 +398,8 @@ def test_ordered_open_on_consumer_stream(consumer):
         b = usmipc.share({"x": x, "y": [y]}, stream=s)
         raw = b.to_bytes()
         running.append(not s.query())
-        got = consumer.open(raw, stream=True, last=["x"])
+        got = consumer.open(raw, stream=True, last=["x"],
+                            other=read_on == "another stream")
         torch.cuda.synchronize()
         del b
         ok.append(got["last"] == 1000 + trial)
