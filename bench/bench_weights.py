@@ -1063,6 +1063,8 @@ def consumer_main(conn, name, cfg):
                 reply = ("error", errstr(e), traceback.format_exc())
             del msg, payload
             conn.send(reply)
+        elif msg[0] == "floor":  # the Pipe alone: when the bytes came
+            conn.send(("floor", t_recv))
         elif msg[0] == "drop":
             try:
                 for tensors, _, opened in held:
@@ -1147,6 +1149,32 @@ def handoff(m, conn, proc, st, cold, verify, timeout, sid="main"):
     return rec
 
 
+def pipe_floor(conn, proc, recs, n=9):
+    """The Pipe's own part of a handoff's transfer: a bytes object of the
+    warm payload's size sent the same way (in the same message tuple) and
+    timed to the consumer's receipt, medians of n: (to a consumer that has
+    just answered, to one idle for 20 ms first). A handoff's consumer has
+    been idle while the producer updated its weights: its wake from idle
+    is part of the transfer, and the machine's. None without a payload
+    size."""
+    size = next((r["payload_bytes"] for r in recs if "payload_bytes" in r),
+                None)
+    if not size:
+        return None
+    blob, out = bytes(size), []
+    for idle in (0.0, 0.02):
+        times = []
+        for _ in range(n):
+            if idle:
+                time.sleep(idle)
+            t0 = time.perf_counter_ns()
+            conn.send(("floor", blob, False, "floor"))
+            _, t_recv = answer(conn, proc, 60)
+            times.append((t_recv - t0) / 1e3)
+        out.append(statistics.median(times))
+    return out
+
+
 def drop(conn, proc):
     conn.send(("drop",))
     answer(conn, proc, 60)
@@ -1185,6 +1213,7 @@ def run_method(name, spec, cfg, reps, warm, keep=False):
             drop(conn, proc)
             m.p_free(st)
             del st
+        out["pipe_floor_us"] = pipe_floor(conn, proc, out["warm"])
         out["verified"] = True
     finally:
         try:
@@ -1428,6 +1457,13 @@ def main():
                     f"tensors {x['open_median_ms'] - x['open_shared_median_ms']:.2f}")
         if parts:
             print(f"{name}: median ms, " + "; ".join(parts))
+    for name, r in results.items():
+        w, pf = r.get("warm_summary"), r.get("pipe_floor_us")
+        if w and pf is not None:
+            print(f"{name}: warm transfer {w['transfer_median_ms']:.3f} ms; "
+                  f"the Pipe alone, {w['payload_bytes']:,} bytes: "
+                  f"{pf[0] / 1e3:.3f} ms to a consumer just done, "
+                  f"{pf[1] / 1e3:.3f} ms to one idle 20 ms")
     for name, r in results.items():
         seg = r.get("segments")
         c = r.get("cold_summary")
