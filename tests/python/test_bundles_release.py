@@ -515,3 +515,24 @@ def test_forward_shared_arguments():
     with pytest.raises(usmipc.ArgumentError, match="no release ticket"):
         usmipc.forward_shared(opened["w"])
     usmipc.close_shared(opened)
+
+
+def test_a_tree_in_a_cycle_is_collected_and_returns_its_ticket():
+    """SharedArray leaves are not tracked by the cycle collector (nothing
+    they refer to can lead back to them), yet a tree its own containers
+    hold in a cycle is still collected: its arrays close and the ticket
+    goes back."""
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    a = np.from_dlpack(pool.allocate(64)).view(np.int32)
+    bundle = usmipc.share({"a": a, "b": [a[:4]]}, release=True)
+    tree = usmipc.open_shared(bundle.to_bytes())
+    assert not gc.is_tracked(tree["a"]) and gc.is_tracked(tree)
+    tree["loop"] = [tree]
+    del tree
+    assert bundle.releases == (1, 0)  # only the collector can free it
+    gc.collect()
+    deadline = time.monotonic() + TIMEOUT
+    while bundle.releases != (1, 1) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert bundle.releases == (1, 1)
+    bundle.wait_released()
