@@ -277,28 +277,29 @@ class _Message:
 
     def __init__(self, put_event):
         self.groups: list = []  # _Group and _Forward
-        # torch.device -> group index
-        self.group_of: dict = {}
+        self.group_of: dict = {}  # torch.device -> group index
         self.forward_of: dict = {}  # bundle bytes -> group index
         self.put_event = put_event  # (device index, torch.cuda.Event) or None
 
-    def add(self, storage, device, tensor=None) -> tuple[int, int]:
-        """(group, index) of the storage in this message, added if new;
-        tensor: the tensor over it being pickled (None: the storage)."""
+    def add(self, storage, nbytes, tensor=None) -> tuple[int, int]:
+        """(group, index) of the storage (of nbytes) in this message, added
+        if new; tensor: the tensor over it being pickled (None: the
+        storage)."""
         origin = _origin(storage) if _received else None
         if origin is not None:
             name, raw, index = origin
             g = self.forward_of.get(raw)
             if g is None:
                 g = self.forward_of[raw] = len(self.groups)
-                self.groups.append(_Forward(device, name, raw))
+                self.groups.append(_Forward(storage.device, name, raw))
             return g, index
+        device = storage.device
         g = self.group_of.get(device)
         if g is None:
             g = self.group_of[device] = len(self.groups)
             self.groups.append(_Group(device))
         group = self.groups[g]
-        key = (storage.data_ptr(), storage.nbytes())
+        key = (storage.data_ptr(), nbytes)
         i = group.index_of.get(key)
         if i is None:
             i = group.index_of[key] = len(group.views)
@@ -465,11 +466,20 @@ def _refuse_non_leaf() -> None:
         "the queue).")
 
 
+_strided = None  # torch.strided, bound at the first tensor reduced
+
+
+def _strided_layout():
+    global _strided
+    _strided = _torch().strided
+    return _strided
+
+
 def _reduce_tensor(tensor):
     """torch's reduce_tensor, routed (its code is swapped for a call of
     this). Runs once per tensor pickled: every attribute is read once."""
     if (_tls.bypass or tensor.is_nested
-            or tensor.layout is not _torch().strided):
+            or tensor.layout is not (_strided or _strided_layout())):
         # Sparse and nested layouts: torch splits them into strided
         # tensors, each reduced through this function again.
         _counts["torch_tensors"] += 1
@@ -503,9 +513,10 @@ def _reduce_tensor(tensor):
         # Whole: may travel as itself if it is the storage's only tensor in
         # the message (_whole_leaves). Read here, where it costs least.
         whole = (meta[3] == 0 and tensor.nbytes == nbytes
-                 and meta[4] in _leaf_dtypes() and tensor.is_contiguous())
+                 and meta[4] in (_leaf_dtype_set or _leaf_dtypes())
+                 and tensor.is_contiguous())
         return (_rebuild_tensor,
-                (messages[-1].add(storage, tensor.device,
+                (messages[-1].add(storage, nbytes,
                                   tensor if whole else None),) + meta)
     return _standalone(storage, tensor, meta)
 
@@ -552,7 +563,8 @@ def _reduce_storage(storage):
     _counts["routed_storages"] += 1
     messages = _tls.messages
     if messages:
-        return (_rebuild_storage, (messages[-1].add(storage, storage.device),))
+        return (_rebuild_storage,
+                (messages[-1].add(storage, storage.nbytes()),))
     origin = _origin(storage) if _received else None
     if origin is not None:
         name, raw, index = origin
