@@ -730,8 +730,9 @@ class _Opened:
         made over that storage, as torch does)."""
         g, i = at
         name, raw = self.groups[g]
-        s = self.storages[at] = _storage_of(leaf, (name, raw, i))
-        return leaf if s._cdata == leaf.untyped_storage()._cdata else None
+        s, fresh = _storage_or_live(leaf, (name, raw, i))
+        self.storages[at] = s
+        return leaf if fresh else None
 
     def storage(self, at: tuple[int, int]):
         s = self.storages.get(at)
@@ -747,13 +748,25 @@ def _storage_of(leaf, origin):
     """The storage of an opened leaf, or the live storage of the same
     memory this process received before. origin: (device name, bundle
     bytes, leaf index), which hand it on."""
-    storages = _torch().UntypedStorage
-    key = (leaf.device.index, leaf.data_ptr(), leaf.nbytes)
+    return _storage_or_live(leaf, origin)[0]
+
+
+_UntypedStorage = None  # torch.UntypedStorage, bound at the first arrival
+
+
+def _storage_or_live(leaf, origin):
+    """(storage, fresh): the leaf's own storage (fresh) or the live one of
+    the same memory received before (not fresh), as _storage_of says."""
+    storages = _UntypedStorage
+    if storages is None:
+        storages = _bind_untyped_storage()
+    where = leaf.get_device()
+    key = (where if where >= 0 else None, leaf.data_ptr(), leaf.nbytes)
     got = _received.get(key)
     if got is not None:
         if not storages._expired(got[0]):
             _counts["reused_storages"] += 1
-            return storages._new_with_weak_ptr(got[0])
+            return storages._new_with_weak_ptr(got[0]), False
         storages._free_weak_ref(got[0])
     elif len(_received) >= _RECEIVED_PRUNE:
         dead = [k for k, (ref, _) in _received.items()
@@ -762,7 +775,13 @@ def _storage_of(leaf, origin):
             storages._free_weak_ref(_received.pop(k)[0])
     storage = leaf.untyped_storage()
     _received[key] = (storage._weak_ref(), origin)
-    return storage
+    return storage, True
+
+
+def _bind_untyped_storage():
+    global _UntypedStorage
+    _UntypedStorage = _torch().UntypedStorage
+    return _UntypedStorage
 
 
 def _open_group(device: str, raw: bytes):
@@ -846,7 +865,8 @@ def _rebuild_tensor(at, cls, size, stride, offset, dtype, requires_grad):
     global _Tensor, _empty
     if _empty is None:
         _Tensor, _empty = _torch().Tensor, _torch().empty
-    opened = _current_opened()
+    stack = _tls.opened
+    opened = stack[-1] if stack else _current_opened()  # that one raises
     storage = opened.storages.get(at)
     if storage is None:
         g, i = at
