@@ -130,7 +130,9 @@ CONSUMER = textwrap.dedent(r"""
         s0 = usmipc.stats()
         data = bytes.fromhex(req["data"])
         if req.get("stream"):
-            tree = usmipc.open_shared(data, stream=stream)
+            # raw_stream: the stream given as its bare handle (an int)
+            tree = usmipc.open_shared(data, stream=stream.cuda_stream
+                                      if req.get("raw_stream") else stream)
         else:
             tree = usmipc.open_shared(data)
         out = {"skeleton": skeleton(tree)}
@@ -378,12 +380,14 @@ def sleep_cycles(ms):
     return int(khz * ms)
 
 
-@pytest.mark.parametrize("read_on", ["open's stream", "another stream"])
+@pytest.mark.parametrize("read_on", ["open's stream", "another stream",
+                                     "another stream, the open's a handle"])
 def test_ordered_open_on_consumer_stream(consumer, read_on):
     """The consumer's read is ordered after the producer's kernel, on the
     stream it opened on and on another one (its __dlpack__(stream=) waits
     for the open's stream; the ready record is made then, not at the
-    open)."""
+    open, unless the open's stream came as a bare handle: then at the
+    open, as nothing keeps that stream alive)."""
     n = 1 << 20
     x = torch.zeros(n, dtype=torch.int32, device="cuda")
     y = torch.zeros(4096, dtype=torch.float32, device="cuda")
@@ -399,7 +403,8 @@ def test_ordered_open_on_consumer_stream(consumer, read_on):
         raw = b.to_bytes()
         running.append(not s.query())
         got = consumer.open(raw, stream=True, last=["x"],
-                            other=read_on == "another stream")
+                            other=read_on.startswith("another stream"),
+                            raw_stream=read_on.endswith("a handle"))
         torch.cuda.synchronize()
         del b
         ok.append(got["last"] == 1000 + trial)

@@ -1139,6 +1139,27 @@ PyObject *pyusmipc_open_shared(PyObject *module, PyObject *const *args,
     b.ready->queue = q;
     b.ready->queue_obj = Py_NewRef(queue);
     b.ready->event = NULL; /* recorded when another stream asks */
+    /* A stream given as a bare handle has no object here keeping it: the
+     * caller may destroy it before another stream asks, so its record is
+     * made now (the legacy and per-thread default streams, 0-2, live
+     * for ever). */
+    if (PyLong_Check(a[2]) && PyLong_AsUnsignedLongLongMask(a[2]) > 2) {
+      usmipc_event_t *made = NULL;
+      int rc2 = 0;
+      Py_BEGIN_ALLOW_THREADS
+      if (usmipc_event_create(usmipc_queue_device(q), 0, &made) == 0 &&
+          (rc2 = usmipc_event_record(made, q)) != 0) {
+        usmipc_event_destroy(made);
+        made = NULL;
+      }
+      Py_END_ALLOW_THREADS
+      if (rc2 != 0) {
+        pyusmipc_raise(st, rc2);
+        goto done;
+      }
+      b.ready->event = made;
+      b.ready->no_events = made == NULL; /* a backend without events */
+    }
   }
   if (usmipc_opened_bundle_ticket(ob) != 0) {
     /* The producer asked for a release: the arrays keep the bytes until
