@@ -551,7 +551,13 @@ static int arr_dlpack_sync(Arr *self, PyObject *stream) {
       Py_DECREF(q);
       return 0;
     }
-    r->event = made;
+    if (r->event == NULL) {
+      r->event = made;
+    } else { /* another thread recorded while this one had no GIL */
+      Py_BEGIN_ALLOW_THREADS
+      usmipc_event_destroy(made);
+      Py_END_ALLOW_THREADS
+    }
   }
   if (usmipc_queue_native(queue) != usmipc_queue_native(r->queue)) {
     usmipc_event_t *ev = r->event;
