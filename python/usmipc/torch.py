@@ -666,7 +666,10 @@ def _dumps(cls, obj, protocol=None):
     _counts["messages"] += 1
     # The envelope holds only strs and bytes: the C pickler without
     # ForkingPickler's per-instance copy of its dispatch table (3 us here).
-    return pickle.dumps(_Envelope(groups, bytes(body)), protocol)
+    # A memoryview, as ForkingPickler.dumps returns (callers use its
+    # methods: .tobytes(), .release()).
+    return memoryview(pickle.dumps(_Envelope(groups, bytes(body)),
+                                   protocol))
 
 
 def _put_event():

@@ -249,7 +249,11 @@ def test_forking_pickler_bytes_outside_a_queue(routed):
     p.start()
     t = host_tensor(torch, 5)
     t.copy_(torch.tensor([1.0, 2, 3, 4, 5]))
-    parent.send_bytes(ForkingPickler.dumps(t[1:4]))
+    data = ForkingPickler.dumps(t[1:4])
+    # What ForkingPickler.dumps returns without usmipc too: callers use
+    # memoryview's methods (.tobytes(), .release()).
+    assert type(data) is memoryview
+    parent.send_bytes(data.tobytes())
     assert parent.recv() == [2.0, 3.0, 4.0]
     assert parent.recv() == "written"
     assert t.tolist() == [1.0, 3.0, 4.0, 5.0, 5.0]
