@@ -121,6 +121,21 @@ def _unkeep(h) -> bool:
 
 
 def _reap():
+    """The reaper thread: _reap_loop, and should it fail, no reaper on
+    record, so that the next _keep starts one (it looks at everything kept,
+    this thread's handles included) instead of filing handles for ever
+    with no thread to drop them."""
+    global _reaper
+    try:
+        _reap_loop()
+    except BaseException:
+        with _kept_lock:
+            if _reaper is threading.current_thread():
+                _reaper = None
+        raise
+
+
+def _reap_loop():
     global _reaper, _reap_seq, _rescan
     scan_all = True  # handles kept before this thread ran
     idle_since = None  # when _kept was last seen empty

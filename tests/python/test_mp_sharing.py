@@ -6,6 +6,7 @@ import concurrent.futures
 import gc
 import multiprocessing
 import pickle
+import threading
 import time
 
 import pytest
@@ -254,6 +255,45 @@ def test_reaper_outlives_an_empty_moment(monkeypatch):
     assert _until(lambda: dropped == [True], 2.0)
     assert _until(lambda: memory._reaper is None, 5.0)
     assert not first.is_alive() or _until(lambda: not first.is_alive(), 2.0)
+
+
+class _BackThree:
+    _release_key = (1 << 63) + 4245
+    releases = (1, 1)
+
+    def wait_released(self):
+        pass
+
+
+def test_a_reaper_that_fails_is_replaced(monkeypatch):
+    """A reaper whose wait raises ends, and the next handle kept starts
+    another, which drops what the first left: before, the dead thread
+    stayed on record and no handle was dropped again."""
+    import weakref
+    from usmipc import memory
+    assert _until(lambda: not memory._kept_handles())
+    real = memory._usmipc._releases_wait
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        raise RuntimeError("the reaper's wait failed (test)")
+
+    memory._keep(_Back())  # a reaper runs, then lingers
+    assert _until(lambda: not memory._kept_handles())
+    first = memory._reaper
+    assert first is not None and first.is_alive()
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)
+    monkeypatch.setattr(memory._usmipc, "_releases_wait", failing)
+    assert _until(lambda: not first.is_alive())  # its next wake failed
+    assert calls and memory._reaper is None
+    monkeypatch.setattr(memory._usmipc, "_releases_wait", real)
+    dropped = []
+    h = _BackThree()
+    weakref.finalize(h, lambda: dropped.append(True))
+    memory._keep(h)
+    del h
+    assert _until(lambda: dropped == [True])
 
 
 def test_releases_wait_refuses_negative_counts():
