@@ -165,6 +165,23 @@ def _torch():
     return sys.modules["torch"]
 
 
+# torch's objects the per-tensor paths read, as module globals: bound by
+# _bind_torch at the first tensor reduced or rebuilt (a receiver may load
+# its first message before it imports torch itself), not looked up through
+# the torch module per tensor.
+_strided = _Tensor = _empty = _UntypedStorage = None
+_leaf_dtype_set: Optional[frozenset] = None  # see _LEAF_DTYPE_NAMES
+
+
+def _bind_torch() -> None:
+    global _strided, _Tensor, _empty, _UntypedStorage, _leaf_dtype_set
+    torch = _torch()
+    _leaf_dtype_set = frozenset(getattr(torch, n) for n in _LEAF_DTYPE_NAMES)
+    _Tensor, _empty = torch.Tensor, torch.empty
+    _UntypedStorage = torch.UntypedStorage
+    _strided = torch.strided
+
+
 _uuid_of_index: dict = {}
 _index_of_uuid: Optional[dict] = None
 
@@ -379,16 +396,6 @@ def _order_stream(group: _Group, put_event):
 # (torch's dtype objects, made at the first use: torch is imported then).
 _LEAF_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "int8",
                      "int16", "int32", "int64", "uint8", "bool")
-_leaf_dtype_set: Optional[frozenset] = None
-
-
-def _leaf_dtypes() -> frozenset:
-    global _leaf_dtype_set
-    if _leaf_dtype_set is None:
-        torch = _torch()
-        _leaf_dtype_set = frozenset(getattr(torch, n)
-                                    for n in _LEAF_DTYPE_NAMES)
-    return _leaf_dtype_set
 
 
 def _whole_leaves(group: _Group) -> None:
@@ -466,20 +473,13 @@ def _refuse_non_leaf() -> None:
         "the queue).")
 
 
-_strided = None  # torch.strided, bound at the first tensor reduced
-
-
-def _strided_layout():
-    global _strided
-    _strided = _torch().strided
-    return _strided
-
-
 def _reduce_tensor(tensor):
     """torch's reduce_tensor, routed (its code is swapped for a call of
     this). Runs once per tensor pickled: every attribute is read once."""
+    if _strided is None:
+        _bind_torch()
     if (_tls.bypass or tensor.is_nested
-            or tensor.layout is not (_strided or _strided_layout())):
+            or tensor.layout is not _strided):
         # Sparse and nested layouts: torch splits them into strided
         # tensors, each reduced through this function again.
         _counts["torch_tensors"] += 1
@@ -513,7 +513,7 @@ def _reduce_tensor(tensor):
         # Whole: may travel as itself if it is the storage's only tensor in
         # the message (_whole_leaves). Read here, where it costs least.
         whole = (meta[3] == 0 and tensor.nbytes == nbytes
-                 and meta[4] in (_leaf_dtype_set or _leaf_dtypes())
+                 and meta[4] in _leaf_dtype_set
                  and tensor.is_contiguous())
         return (_rebuild_tensor,
                 (messages[-1].add(storage, nbytes,
@@ -754,15 +754,12 @@ def _storage_of(leaf, origin):
     return _storage_or_live(leaf, origin)[0]
 
 
-_UntypedStorage = None  # torch.UntypedStorage, bound at the first arrival
-
-
 def _storage_or_live(leaf, origin):
     """(storage, fresh): the leaf's own storage (fresh) or the live one of
     the same memory received before (not fresh), as _storage_of says."""
+    if _UntypedStorage is None:
+        _bind_torch()
     storages = _UntypedStorage
-    if storages is None:
-        storages = _bind_untyped_storage()
     where = leaf.get_device()
     key = (where if where >= 0 else None, leaf.data_ptr(), leaf.nbytes)
     got = _received.get(key)
@@ -779,12 +776,6 @@ def _storage_or_live(leaf, origin):
     storage = leaf.untyped_storage()
     _received[key] = (storage._weak_ref(), origin)
     return storage, True
-
-
-def _bind_untyped_storage():
-    global _UntypedStorage
-    _UntypedStorage = _torch().UntypedStorage
-    return _UntypedStorage
 
 
 def _open_group(device: str, raw: bytes):
@@ -854,20 +845,13 @@ def _current_opened() -> _Opened:
     return stack[-1]
 
 
-# torch.Tensor and torch.empty, bound at the first tensor rebuilt (its
-# arguments imported torch; a receiver may load its first message before it
-# imports torch itself): _rebuild_tensor looks them up as globals.
-_Tensor = _empty = None
-
-
 def _rebuild_tensor(at, cls, size, stride, offset, dtype, requires_grad):
     """Rebuilds a tensor of a message (ForkingPickler.dumps); at is its
     storage's (bundle, array) in the message. Runs once per tensor: the
     common case (a plain tensor, its storage new in the message) in one
     frame."""
-    global _Tensor, _empty
     if _empty is None:
-        _Tensor, _empty = _torch().Tensor, _torch().empty
+        _bind_torch()
     stack = _tls.opened
     opened = stack[-1] if stack else _current_opened()  # that one raises
     storage = opened.storages.get(at)

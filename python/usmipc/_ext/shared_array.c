@@ -493,6 +493,39 @@ static void arr_deleter_versioned(DLManagedTensorVersioned *m) {
   arr_ctx_release(m->manager_ctx);
 }
 
+/* Records r's event on the open's stream, once (see ready_t): 0 with
+ * r->event set, or r->no_events for a backend without events; -1 with an
+ * exception set. Drops the GIL for the driver: another thread of the same
+ * open may record meanwhile, and then its event is kept. */
+static int ready_record(pyusmipc_module_state_t *st, ready_t *r) {
+  if (r->event != NULL || r->no_events)
+    return 0;
+  usmipc_event_t *made = NULL;
+  usmipc_queue_t *q = r->queue;
+  int rc = 0;
+  Py_BEGIN_ALLOW_THREADS
+  if (usmipc_event_create(usmipc_queue_device(q), 0, &made) == 0 &&
+      (rc = usmipc_event_record(made, q)) != 0) {
+    usmipc_event_destroy(made);
+    made = NULL;
+  }
+  Py_END_ALLOW_THREADS
+  if (rc != 0) {
+    pyusmipc_raise(st, rc);
+    return -1;
+  }
+  if (made == NULL) {
+    r->no_events = 1;
+  } else if (r->event == NULL) {
+    r->event = made;
+  } else {
+    Py_BEGIN_ALLOW_THREADS
+    usmipc_event_destroy(made);
+    Py_END_ALLOW_THREADS
+  }
+  return 0;
+}
+
 /* Makes the consumer's stream wait for the stream the bundle was opened on
  * (DLPack's rule: the producer orders the consumer's stream). */
 static int arr_dlpack_sync(Arr *self, PyObject *stream) {
@@ -530,36 +563,15 @@ static int arr_dlpack_sync(Arr *self, PyObject *stream) {
     return -1;
   usmipc_queue_t *queue = ((pyusmipc_queue_object_t *)q)->queue;
   int rc = 0;
-  if (usmipc_queue_native(queue) != usmipc_queue_native(r->queue) &&
-      r->event == NULL) {
-    usmipc_event_t *made = NULL;
-    usmipc_queue_t *open_queue = r->queue;
-    Py_BEGIN_ALLOW_THREADS
-    if (usmipc_event_create(usmipc_queue_device(open_queue), 0, &made) == 0 &&
-        (rc = usmipc_event_record(made, open_queue)) != 0) {
-      usmipc_event_destroy(made);
-      made = NULL;
-    }
-    Py_END_ALLOW_THREADS
-    if (rc != 0) {
+  if (usmipc_queue_native(queue) != usmipc_queue_native(r->queue)) {
+    if (ready_record(st, r) < 0) {
       Py_DECREF(q);
-      pyusmipc_raise(st, rc);
       return -1;
     }
-    if (made == NULL) { /* a backend without events: the open waited */
-      r->no_events = 1;
+    if (r->no_events) { /* a backend without events: the open waited */
       Py_DECREF(q);
       return 0;
     }
-    if (r->event == NULL) {
-      r->event = made;
-    } else { /* another thread recorded while this one had no GIL */
-      Py_BEGIN_ALLOW_THREADS
-      usmipc_event_destroy(made);
-      Py_END_ALLOW_THREADS
-    }
-  }
-  if (usmipc_queue_native(queue) != usmipc_queue_native(r->queue)) {
     usmipc_event_t *ev = r->event;
     Py_BEGIN_ALLOW_THREADS
     rc = usmipc_event_wait(ev, queue);
@@ -1149,23 +1161,9 @@ PyObject *pyusmipc_open_shared(PyObject *module, PyObject *const *args,
      * caller may destroy it before another stream asks, so its record is
      * made now (the legacy and per-thread default streams, 0-2, live
      * for ever). */
-    if (PyLong_Check(a[2]) && PyLong_AsUnsignedLongLongMask(a[2]) > 2) {
-      usmipc_event_t *made = NULL;
-      int rc2 = 0;
-      Py_BEGIN_ALLOW_THREADS
-      if (usmipc_event_create(usmipc_queue_device(q), 0, &made) == 0 &&
-          (rc2 = usmipc_event_record(made, q)) != 0) {
-        usmipc_event_destroy(made);
-        made = NULL;
-      }
-      Py_END_ALLOW_THREADS
-      if (rc2 != 0) {
-        pyusmipc_raise(st, rc2);
-        goto done;
-      }
-      b.ready->event = made;
-      b.ready->no_events = made == NULL; /* a backend without events */
-    }
+    if (PyLong_Check(a[2]) && PyLong_AsUnsignedLongLongMask(a[2]) > 2 &&
+        ready_record(st, b.ready) < 0)
+      goto done;
   }
   if (usmipc_opened_bundle_ticket(ob) != 0) {
     /* The producer asked for a release: the arrays keep the bytes until
