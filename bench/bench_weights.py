@@ -352,6 +352,55 @@ def caching_segments(tensors):
     return len(found)
 
 
+def driver_allocations(tensors):
+    """{size: count} of the distinct driver allocations holding these
+    tensors, as usmipc's pointer query sees them (base and size): what a
+    cold handoff exports and imports once each."""
+    import collections
+    from usmipc import _usmipc
+    bases = {}
+    for t in tensors.values():
+        if t.numel():
+            q = _usmipc._pointer_query(t.data_ptr())
+            bases[q["base"]] = q["size"]
+    return dict(collections.Counter(bases.values()))
+
+
+COLD_FLOOR_BIN = "usmipc_bench_cold_floor"
+
+
+def cold_floor(kind, sizes, device_index, rounds=5):
+    """The CUDA driver's own cold handoff of allocations of these sizes
+    (bench/c/bench_cold_floor.c: export, descriptor transfer, import and
+    map, two processes, nothing of usmipc), as its JSON dict; a dict with
+    "error" when the program is missing or fails. The program is looked
+    for in $USMIPC_COLD_FLOOR_BIN, then build*/bench/ of this checkout."""
+    import glob
+    import json
+    import subprocess
+    exe = os.environ.get("USMIPC_COLD_FLOOR_BIN")
+    if not exe:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        found = sorted(glob.glob(os.path.join(root, "build*", "bench",
+                                              COLD_FLOOR_BIN)))
+        if not found:
+            return {"error": f"{COLD_FLOOR_BIN} not built (cmake --build "
+                             f"BUILD builds it into BUILD/bench/)"}
+        exe = found[0]
+    arg = ",".join(f"{size}x{count}" for size, count in sorted(sizes.items()))
+    try:
+        r = subprocess.run([exe, "--kind", kind, "--sizes", arg, "--rounds",
+                            str(rounds), "--device", str(device_index),
+                            "--json", "-"], capture_output=True, text=True,
+                           timeout=300)
+    except Exception as e:
+        return {"error": errstr(e)}
+    if r.returncode != 0:
+        return {"error": f"{exe} exited {r.returncode}: "
+                         f"{r.stderr.strip()[-300:]}"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 # ---- the methods: producer side (p_*) and consumer side (c_*) ---------------
 #
 # p_make allocates and fills a fresh state dict (untimed); p_handoff is the
@@ -365,6 +414,10 @@ class Method:
     name = ""
     uses_usmipc = False
     report_segments = False   # the caching allocator's segments are its floor
+    # The memory kind of the driver's own cold handoff (cold_floor): native
+    # (cudaMalloc'd segments, legacy handles) or fd (cuMemCreate'd handles);
+    # None: no cold floor for this method.
+    floor_kind = None
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -509,6 +562,7 @@ class UsmipcBundle(TorchMethod):
     name = "usmipc"
     uses_usmipc = True
     report_segments = True
+    floor_kind = "native"
 
     def _usmipc(self):
         import usmipc
@@ -569,6 +623,7 @@ class UsmipcBundle(TorchMethod):
 class UsmipcPoolBundle(UsmipcBundle):
     name = "usmipc-pool"
     report_segments = False
+    floor_kind = "fd"
 
     def p_make(self, spec, seed):
         from usmipc.memory import MemoryPool
@@ -688,10 +743,12 @@ class Expandable:
 
 class UsmipcExpandable(Expandable, UsmipcBundle):
     name = "usmipc-exp"
+    floor_kind = "fd"
 
 
 class UsmipcExpandableKept(Expandable, Kept, UsmipcBundle):
     name = "usmipc-exp kept"
+    floor_kind = "fd"
 
 
 class TorchMP(TorchMethod):
@@ -1203,6 +1260,10 @@ def run_method(name, spec, cfg, reps, warm, keep=False):
             st = m.p_make(spec, seed=rep + 1)
             if rep == 0 and m.report_segments:
                 out["segments"] = st.segments
+            if rep == 0 and m.floor_kind and not cfg["host"]:
+                out["allocations"] = {
+                    "kind": m.floor_kind,
+                    "sizes": driver_allocations(st.tensors)}
             out["cold"].append(handoff(m, conn, proc, st, True, rep == 0, 60))
             for w in range(warm):
                 if not keep:  # an engine drops last round's tensors
@@ -1422,6 +1483,21 @@ def main():
               f"{w['median_ms']:.2f} ms ({ratio}{out['seconds']} s)"
               if c and w else f"{name}: done", flush=True)
 
+    # The cold target's floor (issue 23): the driver's own cold handoff of
+    # each method's allocations, run after every method (nothing else on
+    # the GPU), once per distinct (kind, sizes).
+    floors: dict = {}
+    for name, r in results.items():
+        al = r.get("allocations")
+        if not al or args.update:
+            continue
+        key = (al["kind"], tuple(sorted(al["sizes"].items())))
+        if key not in floors:
+            floors[key] = cold_floor(al["kind"], al["sizes"],
+                                     gpu_index(cfg["device"]))
+        r["cold_floor"] = floors[key]
+    write_json()
+
     print()
     print(f"{what}s, copy floor {floor:.2f} ms")
     print("| method | cold ms: median (min-max) | warm ms: median (min-max) "
@@ -1474,6 +1550,25 @@ def main():
                   f"is {c['median_ms'] * 1e3 / seg:.1f} us per segment"
                   + (f"; the consumer's driver imports: {imports}"
                      if imports is not None else ""))
+    for name, r in results.items():
+        cf, c = r.get("cold_floor"), r.get("cold_summary")
+        if cf is None or c is None:
+            continue
+        if "error" in cf:
+            print(f"{name}: no cold floor: {cf['error']}")
+            continue
+        exports = ((c.get("producer_stats") or {}).get("driver_exports"))
+        target = cf["floor_ms"] + 2.0
+        print(f"{name}: cold {c['median_ms']:.2f} ms against the target "
+              f"{target:.2f} ms (the driver's own cold handoff of the same "
+              f"{cf['allocations']} {cf['kind']} allocations, "
+              f"{cf['bytes'] / 2**30:.2f} GiB: export {cf['export_ms']:.2f} "
+              f" + import{' and map' if cf['kind'] == 'fd' else ''} "
+              f"{cf['import_ms']:.2f} ms, + 2 ms; descriptor transfer "
+              f"{cf['transfer_ms']:.2f} ms apart): "
+              f"{'met' if c['median_ms'] <= target else 'NOT met'}"
+              + (f"; usmipc's driver exports: {exports}"
+                 if exports is not None else ""))
     for name in (n for n in results if n.startswith("usmipc")):
         w = results.get(name, {}).get("warm_summary")
         if w and w["consumer_stats"] is not None:
