@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing.queues
+import copyreg
 import functools
+import io
 import os
 import pickle
 import sys
@@ -613,12 +615,41 @@ def _untag(obj):
 
 _torch_dumps = None  # ForkingPickler.dumps as it was (a classmethod)
 
+# ForkingPickler's __init__ copies copyreg's dispatch table and adds its
+# _extra_reducers (79 with torch imported) per dumps: 2.4 us of a one-tensor
+# dumps of 24 here. _plain_dumps pickles with a class holding that merged
+# table, made again whenever either source differs from the snapshot it
+# was made of (compared in full: 0.8 us; a count would miss a replaced
+# reducer).
+_merged: tuple = (None, None, None)  # (pickler class, copyreg's, extra)
+
+
+def _plain_dumps(cls, obj, protocol):
+    """What ForkingPickler.dumps (torch's) returns for obj."""
+    global _merged
+    if cls is not ForkingPickler:  # a subclass may differ: its own dumps
+        return _torch_dumps.__func__(cls, obj, protocol)
+    pickler, base, extra = _merged
+    if (pickler is None or extra != ForkingPickler._extra_reducers
+            or base != copyreg.dispatch_table):
+        base = dict(copyreg.dispatch_table)
+        extra = dict(ForkingPickler._extra_reducers)
+        table = dict(base)
+        table.update(extra)
+        pickler = type("ForkingPickler", (pickle.Pickler,),
+                       {"dispatch_table": table,
+                        "__module__": __name__})
+        _merged = (pickler, base, extra)  # one store: threads see either
+    buf = io.BytesIO()
+    pickler(buf, protocol).dump(obj)
+    return buf.getbuffer()
+
 
 def _dumps(cls, obj, protocol=None):
     put_event = None
     if type(obj) is _Tagged:
         obj, put_event = obj.obj, obj.put_event
-    plain = _torch_dumps.__func__
+    plain = _plain_dumps
     messages = _tls.__dict__.setdefault("messages", [])  # this thread's
     msg = _Message(put_event)
     messages.append(msg)
