@@ -892,8 +892,28 @@ def _rebuild_tensor(at, cls, size, stride, offset, dtype, requires_grad):
         if (leaf.dtype is dtype and offset == 0 and leaf.shape == size
                 and leaf.stride() == stride):
             # The sender's tensor itself (_whole_leaves): handed out as it
-            # is, unless this process still holds that storage.
-            t = opened.whole(at, leaf)
+            # is, unless this process still holds that storage
+            # (_storage_or_live, inlined for its common cases: a storage
+            # not received before, or received and dropped since, as in a
+            # weight-update loop; two calls a tensor fewer).
+            where = leaf.get_device()
+            key = (where if where >= 0 else None, leaf.data_ptr(),
+                   leaf.nbytes)
+            got = _received.get(key)
+            if got is None:
+                fresh = len(_received) < _RECEIVED_PRUNE  # else: prune
+            else:
+                fresh = _UntypedStorage._expired(got[0])
+                if fresh:  # received before and dropped since: replaced
+                    _UntypedStorage._free_weak_ref(got[0])
+            if fresh:
+                storage = leaf.untyped_storage()
+                name, raw = opened.groups[g]
+                _received[key] = (storage._weak_ref(), (name, raw, i))
+                opened.storages[at] = storage
+                t = leaf
+            else:
+                t = opened.whole(at, leaf)
             if t is not None:
                 _counts["received_tensors"] += 1
                 if cls is not _Tensor and cls is _torch().nn.Parameter:
