@@ -352,18 +352,34 @@ def caching_segments(tensors):
     return len(found)
 
 
-def driver_allocations(tensors):
-    """{size: count} of the distinct driver allocations holding these
-    tensors, as usmipc's pointer query sees them (base and size): what a
-    cold handoff exports and imports once each."""
+BUNDLE_MAGIC = b"\x89USMIPCB"
+CUDA_HANDLE_KINDS = {1: "native", 2: "fd"}
+
+
+def bundle_allocations(raw):
+    """{"kind": native or fd, "sizes": {size: count}} of the allocations a
+    bundle's bytes name, each once (docs/handle-format.md, Bundles: S at
+    byte 48, then S times a u16 length and a v2 memory handle after the
+    64-byte header; a handle's byte 12 is its backend, 2 for CUDA, byte 13
+    its CUDA kind, bytes 128-135 the whole allocation's size): what its
+    cold handoff exports and imports. None for other bytes, for memory
+    other than CUDA's, or for allocations of mixed kinds."""
     import collections
-    from usmipc import _usmipc
-    bases = {}
-    for t in tensors.values():
-        if t.numel():
-            q = _usmipc._pointer_query(t.data_ptr())
-            bases[q["base"]] = q["size"]
-    return dict(collections.Counter(bases.values()))
+    import struct
+    raw = bytes(raw)
+    if raw[:8] != BUNDLE_MAGIC:
+        return None
+    (count,) = struct.unpack_from("<I", raw, 48)
+    pos, kinds, sizes = 64, set(), collections.Counter()
+    for _ in range(count):
+        (n,) = struct.unpack_from("<H", raw, pos)
+        h = raw[pos + 2:pos + 2 + n]
+        pos += 2 + n
+        kinds.add(CUDA_HANDLE_KINDS.get(h[13]) if h[12] == 2 else None)
+        sizes[struct.unpack_from("<Q", h, 128)[0]] += 1
+    if len(kinds) != 1 or None in kinds:
+        return None
+    return {"kind": kinds.pop(), "sizes": dict(sizes)}
 
 
 COLD_FLOOR_BIN = "usmipc_bench_cold_floor"
@@ -414,10 +430,6 @@ class Method:
     name = ""
     uses_usmipc = False
     report_segments = False   # the caching allocator's segments are its floor
-    # The memory kind of the driver's own cold handoff (cold_floor): native
-    # (cudaMalloc'd segments, legacy handles) or fd (cuMemCreate'd handles);
-    # None: no cold floor for this method.
-    floor_kind = None
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -562,7 +574,6 @@ class UsmipcBundle(TorchMethod):
     name = "usmipc"
     uses_usmipc = True
     report_segments = True
-    floor_kind = "native"
 
     def _usmipc(self):
         import usmipc
@@ -623,7 +634,6 @@ class UsmipcBundle(TorchMethod):
 class UsmipcPoolBundle(UsmipcBundle):
     name = "usmipc-pool"
     report_segments = False
-    floor_kind = "fd"
 
     def p_make(self, spec, seed):
         from usmipc.memory import MemoryPool
@@ -743,12 +753,10 @@ class Expandable:
 
 class UsmipcExpandable(Expandable, UsmipcBundle):
     name = "usmipc-exp"
-    floor_kind = "fd"
 
 
 class UsmipcExpandableKept(Expandable, Kept, UsmipcBundle):
     name = "usmipc-exp kept"
-    floor_kind = "fd"
 
 
 class TorchMP(TorchMethod):
@@ -1195,6 +1203,10 @@ def handoff(m, conn, proc, st, cold, verify, timeout, sid="main"):
                 f"consumer's tensors differ from the producer's in {len(bad)} "
                 f"of {len(mine)}: {bad[:3]}, e.g. producer "
                 f"{mine.get(bad[0])} consumer {check.get(bad[0])}")
+    if cold and isinstance(payload, (bytes, bytearray)):
+        al = bundle_allocations(payload)
+        if al is not None:
+            rec["allocations"] = al
     if not cold and verify:
         try:
             from multiprocessing.reduction import ForkingPickler
@@ -1260,11 +1272,11 @@ def run_method(name, spec, cfg, reps, warm, keep=False):
             st = m.p_make(spec, seed=rep + 1)
             if rep == 0 and m.report_segments:
                 out["segments"] = st.segments
-            if rep == 0 and m.floor_kind and not cfg["host"]:
-                out["allocations"] = {
-                    "kind": m.floor_kind,
-                    "sizes": driver_allocations(st.tensors)}
             out["cold"].append(handoff(m, conn, proc, st, True, rep == 0, 60))
+            if rep == 0 and not cfg["host"]:  # the cold floor's allocations
+                al = out["cold"][0].pop("allocations", None)
+                if al is not None:
+                    out["allocations"] = al
             for w in range(warm):
                 if not keep:  # an engine drops last round's tensors
                     drop(conn, proc)
