@@ -356,14 +356,41 @@ BUNDLE_MAGIC = b"\x89USMIPCB"
 CUDA_HANDLE_KINDS = {1: "native", 2: "fd"}
 
 
+CHUNKS_RECORD = 0x8102
+
+
+def handle_chunks(h):
+    """[(chunk size, count), ...] of a memory handle whose allocation is
+    physical chunks mapped back to back (record 0x8102, "chunks", of
+    docs/handle-format.md: PyTorch's expandable segments), else None. The
+    records follow the payload: u16 payload length at byte 208, u16 records
+    length at 210, records from 212 + payload, each u16 type, u16 length."""
+    import struct
+    plen, elen = struct.unpack_from("<HH", h, 208)
+    pos, end = 212 + plen, 212 + plen + elen
+    while pos + 4 <= end:
+        rtype, rlen = struct.unpack_from("<HH", h, pos)
+        body = h[pos + 4:pos + 4 + rlen]
+        pos += 4 + rlen
+        if rtype == CHUNKS_RECORD:
+            _, runs = struct.unpack_from("<HH", body, 0)
+            return [struct.unpack_from("<QI", body, 8 + 16 * i)
+                    for i in range(runs)]
+    return None
+
+
 def bundle_allocations(raw):
     """{"kind": native or fd, "sizes": {size: count}} of the allocations a
     bundle's bytes name, each once (docs/handle-format.md, Bundles: S at
     byte 48, then S times a u16 length and a v2 memory handle after the
     64-byte header; a handle's byte 12 is its backend, 2 for CUDA, byte 13
     its CUDA kind, bytes 128-135 the whole allocation's size): what its
-    cold handoff exports and imports. None for other bytes, for memory
-    other than CUDA's, or for allocations of mixed kinds."""
+    cold handoff exports and imports. An allocation of physical chunks
+    (expandable segments) counts as its chunks, each exported, moved,
+    imported and mapped on its own, as usmipc does (the floor program
+    reserves an address range per chunk where usmipc reserves one per
+    allocation: a floor a little above the least). None for other bytes,
+    for memory other than CUDA's, or for allocations of mixed kinds."""
     import collections
     import struct
     raw = bytes(raw)
@@ -376,7 +403,12 @@ def bundle_allocations(raw):
         h = raw[pos + 2:pos + 2 + n]
         pos += 2 + n
         kinds.add(CUDA_HANDLE_KINDS.get(h[13]) if h[12] == 2 else None)
-        sizes[struct.unpack_from("<Q", h, 128)[0]] += 1
+        chunks = handle_chunks(h)
+        if chunks:  # each chunk its own export, descriptor, import and map
+            for size, k in chunks:
+                sizes[size] += k
+        else:
+            sizes[struct.unpack_from("<Q", h, 128)[0]] += 1
     if len(kinds) != 1 or None in kinds:
         return None
     return {"kind": kinds.pop(), "sizes": dict(sizes)}
