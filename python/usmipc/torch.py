@@ -636,8 +636,11 @@ def _plain_dumps(cls, obj, protocol):
         extra = dict(ForkingPickler._extra_reducers)
         table = dict(base)
         table.update(extra)
-        pickler = type("ForkingPickler", (pickle.Pickler,),
+        # A ForkingPickler still (isinstance, and whatever else a Python
+        # gives the class), whose __init__ leaves the table to the class.
+        pickler = type("ForkingPickler", (ForkingPickler,),
                        {"dispatch_table": table,
+                        "__init__": pickle.Pickler.__init__,
                         "__module__": __name__})
         _merged = (pickler, base, extra)  # one store: threads see either
     buf = io.BytesIO()
