@@ -751,8 +751,9 @@ _RECEIVED_PRUNE = 4096
 
 
 class _Opened:
-    """A message's bundles, opened: their leaves are uint8 tensors, one per
-    storage."""
+    """A message's bundles, opened: their leaves are tensors, one per
+    storage (a uint8 tensor of its bytes, or the one tensor the sender sent
+    whole: _whole_leaves)."""
 
     __slots__ = ("groups", "leaves", "storages")
 
@@ -760,16 +761,6 @@ class _Opened:
         self.groups = groups  # (device name, bytes) per bundle
         self.leaves = leaves
         self.storages: dict = {}
-
-    def whole(self, at: tuple[int, int], leaf):
-        """leaf, a tensor the sender sent whole, as the received tensor;
-        None when this process still holds its storage (then the tensor is
-        made over that storage, as torch does)."""
-        g, i = at
-        name, raw = self.groups[g]
-        s, fresh = _storage_or_live(leaf, (name, raw, i))
-        self.storages[at] = s
-        return leaf if fresh else None
 
     def storage(self, at: tuple[int, int]):
         s = self.storages.get(at)
@@ -895,36 +886,19 @@ def _rebuild_tensor(at, cls, size, stride, offset, dtype, requires_grad):
         if (leaf.dtype is dtype and offset == 0 and leaf.shape == size
                 and leaf.stride() == stride):
             # The sender's tensor itself (_whole_leaves): handed out as it
-            # is, unless this process still holds that storage
-            # (_storage_or_live, inlined for its common cases: a storage
-            # not received before, or received and dropped since, as in a
-            # weight-update loop; two calls a tensor fewer).
-            where = leaf.get_device()
-            key = (where if where >= 0 else None, leaf.data_ptr(),
-                   leaf.nbytes)
-            got = _received.get(key)
-            if got is None:
-                fresh = len(_received) < _RECEIVED_PRUNE  # else: prune
-            else:
-                fresh = _UntypedStorage._expired(got[0])
-                if fresh:  # received before and dropped since: replaced
-                    _UntypedStorage._free_weak_ref(got[0])
+            # is, unless this process still holds that storage (then the
+            # tensor is made over that storage, as torch does).
+            name, raw = opened.groups[g]
+            storage, fresh = _storage_or_live(leaf, (name, raw, i))
+            opened.storages[at] = storage
             if fresh:
-                storage = leaf.untyped_storage()
-                name, raw = opened.groups[g]
-                _received[key] = (storage._weak_ref(), (name, raw, i))
-                opened.storages[at] = storage
-                t = leaf
-            else:
-                t = opened.whole(at, leaf)
-            if t is not None:
                 _counts["received_tensors"] += 1
                 if cls is not _Tensor and cls is _torch().nn.Parameter:
                     return _torch().nn.Parameter(
-                        t, requires_grad=requires_grad)
+                        leaf, requires_grad=requires_grad)
                 if requires_grad:
-                    t.requires_grad = True
-                return t
+                    leaf.requires_grad = True
+                return leaf
         storage = opened.storage(at)
     if cls is not _Tensor or requires_grad:
         return _tensor_on(storage, cls, size, stride, offset, dtype,
