@@ -140,6 +140,18 @@ static void load(void) {
   *(void **)&cu.cuGetErrorName = dlsym(lib, "cuGetErrorName");
 }
 
+/* What cuMemCreate makes here: device memory of dev that exports as a
+ * POSIX file descriptor, as expandable segments and usmipc's pool ask. */
+static CUmemAllocationProp fd_prop(void) {
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof(prop));
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  return prop;
+}
+
 /* The device and its primary context, made current (after the fork: each
  * process its own driver state). */
 static void setup(int ordinal) {
@@ -149,12 +161,7 @@ static void setup(int ordinal) {
   check(cu.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
   check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
   if (kind == KIND_FD) {
-    CUmemAllocationProp prop;
-    memset(&prop, 0, sizeof(prop));
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = dev;
+    CUmemAllocationProp prop = fd_prop();
     check(cu.cuMemGetAllocationGranularity(&granularity, &prop,
                                            CU_MEM_ALLOC_GRANULARITY_MINIMUM),
           "cuMemGetAllocationGranularity");
@@ -276,12 +283,7 @@ static void allocate(alloc_t *a) {
     check(cu.cuMemAlloc(&a->p, a->size), "cuMemAlloc_v2");
     return;
   }
-  CUmemAllocationProp prop;
-  memset(&prop, 0, sizeof(prop));
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = dev;
+  CUmemAllocationProp prop = fd_prop();
   CUmemAccessDesc acc = access_desc();
   check(cu.cuMemCreate(&a->h, a->size, &prop, 0), "cuMemCreate");
   check(cu.cuMemAddressReserve(&a->p, a->size, granularity, 0, 0),
