@@ -15,7 +15,7 @@ weights, 4,719 fills for the MoE: the zeroing now follows the checks.) Side by s
               engines do it without the plan).
 
   python3 tests/gpu/update_bench.py --layout moe|qwen [--rounds 6]
-      [--expandable] [--json out.json]
+      [--expandable] [--late-release] [--json out.json]
 
 Exits 1 when a round's data is wrong or a warm update did driver work.
 """
@@ -54,7 +54,7 @@ def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def consumer(conn, spec):
+def consumer(conn, spec, late_release=False):
     import torch
     import usmipc
     torch.cuda.init()
@@ -67,7 +67,7 @@ def consumer(conn, spec):
     s = torch.cuda.Stream()
     plan = usmipc.UpdatePlan(dest)
     out = {"flat_ms": [], "update_ms": [], "update_call_ms": [],
-           "loop_ms": [], "bad": 0, "warm_driver": []}
+           "release_call_ms": [], "loop_ms": [], "bad": 0, "warm_driver": []}
     while True:
         msg = conn.recv()
         if msg is None:
@@ -85,8 +85,12 @@ def consumer(conn, spec):
         before = usmipc.stats()
         t0 = time.perf_counter()
         if op == "update":
-            plan.update(raw, stream=s)
+            plan.update(raw, stream=s, release=not late_release)
             t1 = time.perf_counter()
+            if late_release:  # the ticket's return, timed apart
+                usmipc.release_shared(raw, stream=s)
+                out["release_call_ms"].append(
+                    (time.perf_counter() - t1) * 1e3)
             s.synchronize()
         else:  # the loop engines write without a plan
             with torch.cuda.stream(s):
@@ -125,6 +129,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--expandable", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--late-release", action="store_true",
+                    help="update(release=False), then release_shared() "
+                         "timed apart: splits the call's host time")
     a = ap.parse_args()
     if a.expandable:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -133,7 +140,7 @@ def main():
     spec = moe_spec() if a.layout == "moe" else qwen_spec()
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=consumer, args=(there, spec))
+    proc = ctx.Process(target=consumer, args=(there, spec, a.late_release))
     proc.start()
     dev = torch.device("cuda:0")
     state = {n: torch.empty(s, dtype=torch.bfloat16, device=dev)
@@ -172,6 +179,11 @@ def main():
         "flat_copy_ms": flat,
         "update_consumer_ms": med(out["update_ms"][1:]),
         "update_call_host_ms": med(out["update_call_ms"][1:]),
+        # --late-release: the ticket returned by its own release_shared
+        # after the call (its time here), not inside the update call.
+        "late_release": a.late_release,
+        "release_call_host_ms": (med(out["release_call_ms"][1:])
+                                 if a.late_release else None),
         "update_round_ms": med(upd),
         "loop_consumer_ms": med(out["loop_ms"][1:]),
         "loop_round_ms": med(loop),
