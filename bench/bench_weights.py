@@ -383,16 +383,17 @@ def bundle_allocations(raw):
     """{"kind": native or fd, "sizes": {size: count}} of the allocations a
     bundle's bytes name, each once (docs/handle-format.md, Bundles: S at
     byte 48, then S times a u16 length and a v2 memory handle after the
-    64-byte header; a handle's byte 12 is its backend, 2 for CUDA, byte 13
-    its CUDA kind, bytes 128-135 the whole allocation's size): what its
-    cold handoff exports and imports. An allocation of physical chunks
-    (expandable segments) counts as its chunks, each exported, moved,
-    imported and mapped on its own, as usmipc does (the floor program
-    reserves an address range per chunk where usmipc reserves one per
-    allocation: a floor a little above the least). None for other bytes,
-    for memory other than CUDA's, or for allocations of mixed kinds."""
+    64-byte header; each handle read by IPCMemoryHandle.inspect, which
+    checks it): what its cold handoff exports and imports. An allocation of
+    physical chunks (expandable segments) counts as its chunks, each
+    exported, moved, imported and mapped on its own, as usmipc does (the
+    floor program reserves an address range per chunk where usmipc reserves
+    one per allocation: a floor a little above the least). None for other
+    bytes, for memory other than CUDA's, or for allocations of mixed
+    kinds."""
     import collections
     import struct
+    from usmipc.memory import IPCMemoryHandle
     raw = bytes(raw)
     if raw[:8] != BUNDLE_MAGIC:
         return None
@@ -402,13 +403,15 @@ def bundle_allocations(raw):
         (n,) = struct.unpack_from("<H", raw, pos)
         h = raw[pos + 2:pos + 2 + n]
         pos += 2 + n
-        kinds.add(CUDA_HANDLE_KINDS.get(h[13]) if h[12] == 2 else None)
+        info = IPCMemoryHandle.inspect(h)
+        kinds.add(CUDA_HANDLE_KINDS.get(info["handle_kind"])
+                  if info["backend"] == "cuda" else None)
         chunks = handle_chunks(h)
         if chunks:  # each chunk its own export, descriptor, import and map
             for size, k in chunks:
                 sizes[size] += k
         else:
-            sizes[struct.unpack_from("<Q", h, 128)[0]] += 1
+            sizes[info["allocation_size"]] += 1
     if len(kinds) != 1 or None in kinds:
         return None
     return {"kind": kinds.pop(), "sizes": dict(sizes)}
