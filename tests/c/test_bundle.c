@@ -780,6 +780,49 @@ static int nest(uint32_t containers, void *mem, usmipc_bundle_t **out) {
  * container counting as a level like any node. The decoder used to accept
  * 65 levels when the innermost container was empty, and the C producer a
  * 65th level of an array inside 64 containers. */
+/* Keys are checked eight ASCII bytes at a time: every kind of non-ASCII
+ * byte, at every place around the word edges, is still judged alone. */
+TEST_IMPL(bundle_key_utf8) {
+  static const struct {
+    const char *seq;
+    bool ok;
+  } cases[] = {
+      {"\xc3\xa9", true},          /* U+00E9 */
+      {"\xe2\x82\xac", true},      /* U+20AC */
+      {"\xf0\x9f\x98\x80", true},  /* U+1F600 */
+      {"\xff", false},             /* never in UTF-8 */
+      {"\x80", false},             /* a lone continuation byte */
+      {"\xc0\xaf", false},         /* overlong '/' */
+      {"\xed\xa0\x80", false},     /* a surrogate */
+      {"\xf4\x90\x80\x80", false}, /* past U+10FFFF */
+      {"\xc3", false},             /* cut short */
+      {"\xe2\x82", false},         /* cut short */
+  };
+  uint8_t buf[40];
+  for (size_t len = 0; len <= 24; len++) { /* ASCII alone, any length */
+    memset(buf, 'a', len);
+    ASSERT_MSG(usmipc__utf8_valid(buf, len), "%zu ASCII bytes", len);
+  }
+  for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+    size_t k = strlen(cases[c].seq);
+    for (size_t at = 0; at <= 18; at++)
+      for (size_t tail = 0; tail <= 9; tail++) {
+        memset(buf, 'k', sizeof(buf));
+        memcpy(buf + at, cases[c].seq, k);
+        size_t len = at + k + tail;
+        bool want = cases[c].ok;
+        ASSERT_MSG(usmipc__utf8_valid(buf, len) == want,
+                   "case %zu at %zu with %zu bytes after: want %d", c, at, tail,
+                   (int)want);
+        /* cut inside the sequence: never valid (for k > 1) */
+        if (k > 1)
+          ASSERT_MSG(!usmipc__utf8_valid(buf, at + k - 1),
+                     "case %zu cut at %zu", c, at + k - 1);
+      }
+  }
+  return 0;
+}
+
 TEST_IMPL(bundle_depth_one_limit) {
   void *mem;
   ASSERT_OK(usmipc_malloc(test_device(), USMIPC_MEM_DEVICE, 4096, &mem));

@@ -151,6 +151,7 @@
   X(bundle_decode_linear)                                                      \
   X(bundle_mapping_refs_do_not_wrap)                                           \
   X(bundle_depth_one_limit)                                                    \
+  X(bundle_key_utf8)                                                           \
   X(bundle_ten_thousand_arrays)                                                \
   X(bundle_one_exchange)                                                       \
   X(bundle_fork_from_thread)                                                   \
