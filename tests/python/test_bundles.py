@@ -415,3 +415,57 @@ def test_lone_surrogate_key_names_its_path():
         usmipc.share({"layers": [{"ok": leaf, "\ud800x": leaf}]},
                      ordered=False)
     assert not isinstance(info.value, UnicodeError)
+
+
+def _keys_of_opens(conn, raws):
+    """Opens each bundle in turn (closing it before the next) and sends
+    back every dict's keys, nested, with the first array's first value."""
+    dev = usmipc.Device(HOST)
+
+    def keys(node):
+        if isinstance(node, dict):
+            return [(k, keys(v)) for k, v in node.items()]
+        if isinstance(node, (list, tuple)):
+            return [keys(v) for v in node]
+        return float(np.from_dlpack(node).reshape(-1)[0])
+
+    out = []
+    for raw in raws:
+        tree = usmipc.open_shared(raw, device=dev)
+        out.append(keys(tree))
+        usmipc.close_shared(tree)
+    conn.send(out)
+
+
+def test_keys_of_trees_opened_in_turn():
+    """open_shared() keeps the keys of the last opens to hand out again
+    (an engine opens the same tree every step): trees that differ from
+    each other in some keys at the same places, non-ASCII keys, a key
+    that is a prefix of the one before, opened in turn, each get their
+    own keys, values and order."""
+    from conftest import join_ok, recv_from, spawn_peer
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    x = np.from_dlpack(pool.allocate(64)).view(np.float32)
+    x[:] = 1
+    y = np.from_dlpack(pool.allocate(64)).view(np.float32)
+    y[:] = 2
+    trees = [
+        {"model.layers.0.weight": x, "model.layers.0.bias": y},
+        {"model.layers.0.weight": y, "model.layers.1.bias": x},
+        {"gewicht.\u00e9\u20ac\U0001f600": x, "model.layers.0": {"bias": y}},
+        {"model.layers.0.weight": x, "model.layers.0.bias": y},
+        {"model.layers.0.weigh": x, "": [y, {"b": x}]},
+    ]
+    bundles = [usmipc.share(t) for t in trees]
+    conn, proc = spawn_peer(_keys_of_opens, [b.to_bytes() for b in bundles])
+    got = recv_from(conn, proc)
+    join_ok(proc)
+
+    def keys(node):
+        if isinstance(node, dict):
+            return [(k, keys(v)) for k, v in node.items()]
+        if isinstance(node, (list, tuple)):
+            return [keys(v) for v in node]
+        return float(node.reshape(-1)[0])
+
+    assert got == [keys(t) for t in trees]

@@ -129,6 +129,50 @@ def test_wait_released_ends_after_the_consumer_wrote(how):
             proc.kill()
 
 
+def _partial_closer(conn, raw, n):
+    """Opens a bundle of n arrays and closes them with close_shared() given
+    a list that holds an int after all but one of them: refused, the
+    arrays before the int closed, the ticket still out (one array open);
+    then closes the rest, which returns it."""
+    tree = usmipc.open_shared(raw, device=usmipc.Device(HOST))
+    leaves = list(tree.values())
+    with pytest.raises(usmipc.ArgumentTypeError,
+                       match=r"an int is not a shared array"):
+        usmipc.close_shared(leaves[:-1] + [5] + leaves[-1:])
+    closed = [leaf.closed for leaf in leaves]
+    conn.send(closed)
+    conn.recv()
+    usmipc.close_shared(tree)
+    conn.send([leaf.closed for leaf in leaves])
+    conn.recv()
+
+
+def test_close_shared_refused_part_way_closes_what_came_before():
+    """close_shared() closes a tree's mappings in one call: a leaf that is
+    not an array stops it there, the arrays before it closed and their
+    mappings released, and the ticket goes back with the last array of
+    the open, not before."""
+    n = 300
+    pool = MemoryPool(device=usmipc.Device(HOST))
+    mems = [pool.allocate(256) for _ in range(n)]
+    tree = {f"p{i}": np.from_dlpack(m).view(np.float32)
+            for i, m in enumerate(mems)}
+    bundle = usmipc.share(tree, release=True)
+    conn, proc = spawn_peer(_partial_closer, bundle.to_bytes(), n)
+    try:
+        assert recv_from(conn, proc) == [True] * (n - 1) + [False]
+        assert bundle.releases == (1, 0)  # one array still open
+        conn.send("rest")
+        assert recv_from(conn, proc) == [True] * n
+        bundle.wait_released()
+        assert bundle.releases == (1, 1)
+        conn.send("done")
+        join_ok(proc)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
 def _dying_consumer(conn, raw):
     tree = usmipc.open_shared(raw)
     conn.send(len(_leaves(tree)))
