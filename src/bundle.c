@@ -80,9 +80,20 @@ static usmipc_bundle_t *live;
 
 /* fork() from another thread: the child must not inherit live_lock held
  * (process.c takes it first: it is never held while waiting for another). */
-void usmipc__bundles_fork_prepare(void) { pthread_mutex_lock(&live_lock); }
-void usmipc__bundles_fork_parent(void) { pthread_mutex_unlock(&live_lock); }
-void usmipc__bundles_fork_child(void) { pthread_mutex_unlock(&live_lock); }
+static pthread_mutex_t tmpl_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void usmipc__bundles_fork_prepare(void) {
+  pthread_mutex_lock(&live_lock);
+  pthread_mutex_lock(&tmpl_lock);
+}
+void usmipc__bundles_fork_parent(void) {
+  pthread_mutex_unlock(&tmpl_lock);
+  pthread_mutex_unlock(&live_lock);
+}
+void usmipc__bundles_fork_child(void) {
+  pthread_mutex_unlock(&tmpl_lock);
+  pthread_mutex_unlock(&live_lock);
+}
 
 static int grow(void **p, size_t *cap, size_t need, size_t elem) {
   if (need <= *cap)
@@ -662,6 +673,85 @@ static void close_arrays(usmipc_opened_bundle_t *ob, size_t upto) {
     }
 }
 
+/* ---- the trees opened last --------------------------------------------
+ *
+ * An engine opens the same tree every step (a kept bundle's handoffs differ
+ * only in the records after the tree). The opens keep the decoded trees of
+ * the last TEMPLATES bundles (usmipc__bundle_from_template, wire.h): an
+ * open of the same tree again shares the decoded nodes, arrays and
+ * allocations' handles instead of decoding them (half of a warm open of a
+ * 338-array bundle on the host). A template is only the decode of bytes
+ * already checked, never a mapping: what an open checks of the exporter and
+ * maps goes on as before. Bundles of more than TEMPLATE_MAX_LEN bytes are
+ * decoded each time (4 templates of at most 8 MiB of bytes, and their
+ * decoded handles, about 1.9 KB an allocation, bound the memory).
+ * tmpl_lock guards the list, taken alone (fork.c). */
+enum { TEMPLATES = 4 };
+#define TEMPLATE_MAX_LEN ((size_t)8 << 20)
+static usmipc_opened_bundle_t *templates[TEMPLATES]; /* most recent first */
+
+static void template_first(usmipc_opened_bundle_t *t) {
+  usmipc_opened_bundle_t *evicted = NULL;
+  pthread_mutex_lock(&tmpl_lock);
+  size_t at = 0;
+  while (at < TEMPLATES && templates[at] != t)
+    at++;
+  if (at == TEMPLATES) { /* new: the oldest goes */
+    at = TEMPLATES - 1;
+    evicted = templates[at];
+    usmipc__bundle_template_get(t);
+  }
+  for (; at > 0; at--)
+    templates[at] = templates[at - 1];
+  templates[0] = t;
+  pthread_mutex_unlock(&tmpl_lock);
+  usmipc__bundle_template_put(evicted);
+}
+
+/* The open's decode of data: from a template of the same tree (its
+ * allocations' handles decoded, ob->segs), or decoded (without them: an
+ * open that fails its checks of the exporter decodes no more). */
+static int open_decode(const void *data, size_t len,
+                       usmipc_opened_bundle_t **out) {
+  usmipc_opened_bundle_t *held[TEMPLATES] = {NULL};
+  pthread_mutex_lock(&tmpl_lock);
+  for (size_t i = 0; i < TEMPLATES; i++)
+    if (templates[i] != NULL && templates[i]->len == len) {
+      held[i] = templates[i];
+      usmipc__bundle_template_get(held[i]);
+    }
+  pthread_mutex_unlock(&tmpl_lock);
+  int rc = 0;
+  usmipc_opened_bundle_t *hit = NULL;
+  for (size_t i = 0; i < TEMPLATES; i++) {
+    if (held[i] != NULL && hit == NULL && rc == 0) {
+      int same = usmipc__bundle_from_template(held[i], data, len, out);
+      if (same > 0)
+        hit = held[i];
+      else if (same < 0)
+        rc = same;
+    }
+  }
+  if (hit != NULL)
+    template_first(hit);
+  for (size_t i = 0; i < TEMPLATES; i++)
+    usmipc__bundle_template_put(held[i]);
+  if (hit != NULL || rc != 0)
+    return rc;
+  return usmipc__bundle_decode(data, len, true, out);
+}
+
+/* ob, decoded in full for an open that passed its checks, kept as the
+ * template of its tree (best effort: without memory it stays as it is). */
+static void template_keep(usmipc_opened_bundle_t *ob) {
+  usmipc_opened_bundle_t *t;
+  if (ob->tmpl != NULL || ob->nseg == 0 || ob->len > TEMPLATE_MAX_LEN ||
+      usmipc__bundle_adopt_template(ob, &t) != 0)
+    return;
+  template_first(t);
+  usmipc__bundle_template_put(t); /* the list and ob hold it */
+}
+
 int usmipc_bundle_open(const void *data, size_t len, usmipc_device_t *device,
                        usmipc_queue_t *queue, unsigned flags,
                        usmipc_opened_bundle_t **opened) {
@@ -679,7 +769,7 @@ int usmipc_bundle_open(const void *data, size_t len, usmipc_device_t *device,
   if (device == NULL && queue != NULL)
     device = queue->device;
   usmipc_opened_bundle_t *ob;
-  int rc = usmipc__bundle_decode(data, len, true, &ob);
+  int rc = open_decode(data, len, &ob);
   if (rc != 0)
     return rc;
   if (device == NULL && ob->nseg > 0)
@@ -693,6 +783,7 @@ int usmipc_bundle_open(const void *data, size_t len, usmipc_device_t *device,
     usmipc__opened_bundle_free(ob);
     return rc;
   }
+  template_keep(ob);
   /* Each allocation mapped once (its first array's reference), then one
    * more reference per further array in it. */
   void **base = calloc(ob->nseg ? ob->nseg : 1, sizeof(void *));
@@ -768,7 +859,8 @@ int usmipc_bundle_open(const void *data, size_t len, usmipc_device_t *device,
   }
   free(base);
   free(uses);
-  free(ob->segs); /* mapped: an opened bundle keeps 12 bytes an allocation */
+  if (ob->tmpl == NULL) /* a template's are the template's */
+    free(ob->segs); /* mapped: an opened bundle keeps 12 bytes an allocation */
   ob->segs = NULL;
   if (rc == 0 && ob->order_event != NULL && !(flags & USMIPC_OPEN_UNORDERED)) {
     /* One wait for every array: the producer recorded one event. */

@@ -161,6 +161,15 @@ bool usmipc__tree_complete(const usmipc__tree_check_t *t) {
 void usmipc__opened_bundle_free(usmipc_opened_bundle_t *ob) {
   if (ob == NULL)
     return;
+  if (ob->tmpl != NULL) { /* the rest is the template's */
+    free(ob->handoff);
+    free(ob->order_event);
+    free(ob->arrays);
+    free(ob->bytes);
+    usmipc__bundle_template_put(ob->tmpl);
+    free(ob);
+    return;
+  }
   free(ob->handoff);
   free(ob->order_event);
   free(ob->segs);
@@ -312,7 +321,7 @@ static int check_distinct(seg_key_t *keys, uint32_t n) {
 /* Every allocation's wire, for the open (usmipc__bundle_decode() checked their
  * bytes). */
 int usmipc__bundle_decode_segments(usmipc_opened_bundle_t *ob) {
-  if (ob->nseg == 0)
+  if (ob->nseg == 0 || ob->segs != NULL)
     return 0;
   if ((ob->segs = malloc(ob->nseg * sizeof(*ob->segs))) == NULL)
     return usmipc__fail(USMIPC_ENOMEM,
@@ -658,6 +667,84 @@ int usmipc__bundle_same_tree(const usmipc_opened_bundle_t *ob, const void *data,
   }
   *handoff = tmp.handoff;
   *order_event = tmp.order_event;
+  return 1;
+}
+
+int usmipc__bundle_adopt_template(usmipc_opened_bundle_t *ob,
+                                  usmipc_opened_bundle_t **out) {
+  usmipc_opened_bundle_t *t = malloc(sizeof(*t));
+  usmipc_bundle_array_t *arrays =
+      malloc((ob->narr ? ob->narr : 1) * sizeof(*arrays));
+  uint8_t *bytes = ob->borrowed ? NULL : malloc(ob->len);
+  if (t == NULL || arrays == NULL || bytes == NULL) {
+    free(t);
+    free(arrays);
+    free(bytes);
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  }
+  /* The template keeps the decoded parts and the bytes the keys point
+   * into; the open gets copies of what it writes. */
+  *t = *ob;
+  t->handoff = t->order_event = NULL;
+  t->device = NULL;
+  t->tmpl = NULL;
+  t->tmpl_refs = 2;
+  memcpy(arrays, ob->arrays, ob->narr * sizeof(*arrays));
+  memcpy(bytes, ob->bytes, ob->len);
+  ob->arrays = arrays;
+  ob->bytes = bytes;
+  ob->tmpl = t;
+  *out = t;
+  return 0;
+}
+
+void usmipc__bundle_template_get(usmipc_opened_bundle_t *t) {
+  __atomic_add_fetch(&t->tmpl_refs, 1, __ATOMIC_RELAXED);
+}
+
+void usmipc__bundle_template_put(usmipc_opened_bundle_t *t) {
+  if (t != NULL && __atomic_sub_fetch(&t->tmpl_refs, 1, __ATOMIC_ACQ_REL) == 0)
+    usmipc__opened_bundle_free(t);
+}
+
+int usmipc__bundle_from_template(usmipc_opened_bundle_t *t, const void *data,
+                                 size_t len, usmipc_opened_bundle_t **out) {
+  *out = NULL;
+  const uint8_t *p = data;
+  /* The checksum first, as a decode checks it: bytes that fail it are left
+   * to the decoder, which says what is wrong with them. */
+  if (data == NULL || len != t->len ||
+      usmipc__get32le(p + len - 4) != usmipc__crc32c(0, p, len - 4))
+    return 0;
+  usmipc__wire_t *handoff, *order_event;
+  int same = usmipc__bundle_same_tree(t, data, len, &handoff, &order_event);
+  if (same <= 0)
+    return same;
+  usmipc_opened_bundle_t *ob = malloc(sizeof(*ob));
+  usmipc_bundle_array_t *arrays =
+      malloc((t->narr ? t->narr : 1) * sizeof(*arrays));
+  uint8_t *bytes = malloc(len);
+  if (ob == NULL || arrays == NULL || bytes == NULL) {
+    free(ob);
+    free(arrays);
+    free(bytes);
+    free(handoff);
+    free(order_event);
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  }
+  *ob = *t;
+  memcpy(arrays, t->arrays, t->narr * sizeof(*arrays));
+  memcpy(bytes, data, len);
+  ob->arrays = arrays;
+  ob->bytes = bytes;
+  ob->borrowed = false;
+  ob->handoff = handoff;
+  ob->order_event = order_event;
+  ob->device = NULL;
+  ob->tmpl = t;
+  ob->tmpl_refs = 0;
+  usmipc__bundle_template_get(t);
+  *out = ob;
   return 1;
 }
 

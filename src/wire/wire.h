@@ -317,13 +317,38 @@ struct usmipc_opened_bundle {
   /* Where the arrays and the nodes are in bytes: the part that stays the
    * same from one handoff of a kept bundle to the next (update.c). */
   size_t meta_at, meta_len;
+  /* An open made from a template (usmipc__bundle_from_template): seg_at,
+   * seg_nbytes, segs, array_seg, array_off, dims, nodes and the keys the
+   * nodes point to are the template's, shared and never written; arrays,
+   * bytes and the records are the open's own. NULL otherwise. */
+  usmipc_opened_bundle_t *tmpl;
+  unsigned tmpl_refs; /* of a template: its holders (atomic) */
 };
 /* Checks everything about the bytes and describes them (pointers unset).
  * Without keep, the description borrows data (no copy). */
 int usmipc__bundle_decode(const void *data, size_t len, bool keep,
                           usmipc_opened_bundle_t **out);
-/* Every allocation's wire into ob->segs, for the open. */
+/* Every allocation's wire into ob->segs, for the open (nothing to do when
+ * ob shares a template's). */
 int usmipc__bundle_decode_segments(usmipc_opened_bundle_t *ob);
+/* Templates: an engine opens the same tree every step, and decoding it
+ * again (every allocation's handle twice, every key checked) was half of a
+ * warm open. usmipc__bundle_from_template makes an open of data from
+ * template t without decoding the tree: 1 when data is another handoff of
+ * t's tree (the same bytes up to the records after the tree, a good
+ * checksum, and records that decode), with *out sharing t's decoded parts
+ * (a reference on t); 0 when it is not; a negative code for malformed
+ * records. */
+int usmipc__bundle_from_template(usmipc_opened_bundle_t *t, const void *data,
+                                 size_t len, usmipc_opened_bundle_t **out);
+/* ob, just decoded with its allocations' handles (usmipc__bundle_decode with
+ * keep, usmipc__bundle_decode_segments), becomes an open of a new template
+ * that takes its decoded parts: *t holds two references (the caller's and
+ * ob's). 0, or USMIPC_ENOMEM with ob unchanged. */
+int usmipc__bundle_adopt_template(usmipc_opened_bundle_t *ob,
+                                  usmipc_opened_bundle_t **t);
+void usmipc__bundle_template_get(usmipc_opened_bundle_t *t);
+void usmipc__bundle_template_put(usmipc_opened_bundle_t *t);
 void usmipc__opened_bundle_free(usmipc_opened_bundle_t *ob);
 /* Decodes and checks bundle bytes (bundle_wire.c); the fuzzer's entry point.
  * *kept (if not NULL) receives the description, freed by

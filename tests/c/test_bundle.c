@@ -1101,6 +1101,73 @@ static void three_arrays_free(void *ptr[3], usmipc_queue_t *q) {
 /* A consumer in another process writes into every array and returns the
  * ticket; the producer's wait ends only then, and sees the writes. Tickets
  * come back once each; forged, unasked-for and late ones are refused. */
+/* The opens keep the decoded trees of the last bundles (templates,
+ * bundle.c): another handoff of the same tree opens from one, and is still
+ * checked wherever it differs, as a decode checks it. In another process:
+ * handoffs of one bundle, opened and written in turn with those of a
+ * second bundle of the same keys (the list holds both), each writing where
+ * its own arrays are; between them, bytes of a handoff whose records are
+ * corrupted (checksum), forged (resealed: the records' check) or whose
+ * tree is edited (resealed: the decoder), each refused, after which the
+ * honest bytes still open. */
+TEST_IMPL(bundle_template_opens) {
+  usmipc_queue_t *q = events_queue();
+  void *pa[3], *pb[3];
+  size_t ea[3], eb[3];
+  usmipc_bundle_t *a = three_arrays(pa, ea), *b = three_arrays(pb, eb);
+  reader_t r;
+  uint64_t out[7];
+  reader_start(&r);
+  for (int round = 0; round < 4; round++) {
+    for (int which = 0; which < 2; which++) {
+      usmipc_bundle_t *bb = which ? b : a;
+      void **p = which ? pb : pa;
+      size_t *e = which ? eb : ea;
+      for (int i = 0; i < 3; i++)
+        dev_fill(p[i], e[i], 1, 0);
+      size_t len;
+      uint8_t *h = handoff(bb, q, USMIPC_ORDER_RELEASE, &len);
+      if (round > 0 && which == 0) {
+        uint8_t *f = malloc(len);
+        ASSERT_NOT_NULL(f);
+        memcpy(f, h, len);
+        f[TICKET_TOKEN_AT(len)] ^= 1; /* a record corrupted */
+        reader_send(&r, 'E', USMIPC_EBADHANDLE, f, len, out);
+        ASSERT_EQ((int64_t)out[0], 0);
+        memcpy(f, h, len);
+        f[TICKET_AT(len)] = 0x77; /* a record of no known type */
+        reseal(f, len);
+        reader_send(&r, 'E', USMIPC_EBADHANDLE, f, len, out);
+        ASSERT_EQ((int64_t)out[0], 0);
+        size_t arr_at = 64 + 2 + usmipc__get16le(h + 64) + 2 +
+                        usmipc__get16le(h + 64 + 2 + usmipc__get16le(h + 64));
+        memcpy(f, h, len);
+        f[arr_at + 30] = 0xff; /* the first array's shape: huge */
+        reseal(f, len);
+        reader_send(&r, 'E', USMIPC_EBADHANDLE, f, len, out);
+        ASSERT_EQ((int64_t)out[0], 0);
+        free(f);
+      }
+      reader_send(&r, 'W', q != NULL, h, len, out);
+      ASSERT_EQ((int64_t)out[0], 0);
+      ASSERT_UEQ(out[1], 3);
+      ASSERT_OK(usmipc_bundle_wait_released(bb, q));
+      if (q != NULL)
+        ASSERT_OK(usmipc_queue_synchronize(q));
+      for (int i = 0; i < 3; i++)
+        ASSERT_PATTERN(p[i], e[i], 700 + i, 0);
+      free(h);
+    }
+    reader_send(&r, 'C', 0, NULL, 0, out);
+  }
+  reader_stop(&r);
+  usmipc_bundle_free(a);
+  usmipc_bundle_free(b);
+  three_arrays_free(pa, NULL);
+  three_arrays_free(pb, q);
+  return 0;
+}
+
 TEST_IMPL(bundle_release_cross_process) {
   usmipc_queue_t *q = events_queue();
   void *ptr[3];

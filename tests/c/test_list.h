@@ -156,14 +156,15 @@
   X(bundle_one_exchange)                                                       \
   X(bundle_fork_from_thread)                                                   \
   X(bundle_release_cross_process)                                              \
+  X(bundle_template_opens)                                                     \
   X(bundle_release_consumer_dies)                                              \
   X(bundle_release_consumer_exits)                                             \
   X(bundle_release_same_process)                                               \
   X(bundle_release_idle_queue_reuses_record)                                   \
   X(bundle_release_fanout)                                                     \
   X(bundle_release_forward)                                                    \
-  X(env_numbers)                                                                \
-  X(update_cross_process)                                                       \
+  X(env_numbers)                                                               \
+  X(update_cross_process)                                                      \
   X(update_refused)                                                            \
   X(cuda_vmm_foreign_chunks)                                                   \
   X(cuda_vmm_foreign_limits)                                                   \
