@@ -682,30 +682,66 @@ static void close_arrays(usmipc_opened_bundle_t *ob, size_t upto) {
  * allocations' handles instead of decoding them (half of a warm open of a
  * 338-array bundle on the host). A template is only the decode of bytes
  * already checked, never a mapping: what an open checks of the exporter and
- * maps goes on as before. Bundles of more than TEMPLATE_MAX_LEN bytes are
- * decoded each time (4 templates of at most 8 MiB of bytes, and their
- * decoded handles, about 1.9 KB an allocation, bound the memory).
- * tmpl_lock guards the list, taken alone (fork.c). */
+ * maps goes on as before. The memory is bounded by what the templates
+ * hold (template_bytes: the bytes, the decoded handles at about 1.9 KB an
+ * allocation, the arrays and the nodes): at most TEMPLATE_MAX_BYTES for
+ * one (a larger tree is decoded at each open) and TEMPLATES_MAX_BYTES for
+ * all, the oldest dropped first. tmpl_lock guards the list, taken alone
+ * (fork.c). */
 enum { TEMPLATES = 4 };
-#define TEMPLATE_MAX_LEN ((size_t)8 << 20)
+#define TEMPLATE_MAX_BYTES ((size_t)16 << 20)
+#define TEMPLATES_MAX_BYTES ((size_t)48 << 20)
 static usmipc_opened_bundle_t *templates[TEMPLATES]; /* most recent first */
 
+static size_t template_bytes(const usmipc_opened_bundle_t *t) {
+  return t->len + t->nseg * (sizeof(usmipc__wire_t) + 12) +
+         t->narr * (sizeof(usmipc_bundle_array_t) + 12) +
+         t->nnode * sizeof(usmipc_bundle_node_t);
+}
+
 static void template_first(usmipc_opened_bundle_t *t) {
-  usmipc_opened_bundle_t *evicted = NULL;
+  usmipc_opened_bundle_t *evicted[TEMPLATES] = {NULL};
   pthread_mutex_lock(&tmpl_lock);
   size_t at = 0;
   while (at < TEMPLATES && templates[at] != t)
     at++;
   if (at == TEMPLATES) { /* new: the oldest goes */
     at = TEMPLATES - 1;
-    evicted = templates[at];
+    evicted[0] = templates[at];
     usmipc__bundle_template_get(t);
   }
   for (; at > 0; at--)
     templates[at] = templates[at - 1];
   templates[0] = t;
+  /* Then the oldest while all of them hold too much (the newest stays:
+   * template_keep admits none above TEMPLATE_MAX_BYTES). */
+  size_t total = 0, n = 1;
+  for (size_t i = 0; i < TEMPLATES; i++) {
+    if (templates[i] == NULL)
+      continue;
+    total += template_bytes(templates[i]);
+    if (i > 0 && total > TEMPLATES_MAX_BYTES) {
+      evicted[n++] = templates[i];
+      templates[i] = NULL;
+    }
+  }
   pthread_mutex_unlock(&tmpl_lock);
-  usmipc__bundle_template_put(evicted);
+  for (size_t i = 0; i < n; i++)
+    usmipc__bundle_template_put(evicted[i]);
+}
+
+size_t usmipc__bundle_templates_for_test(size_t *bytes) {
+  size_t n = 0, total = 0;
+  pthread_mutex_lock(&tmpl_lock);
+  for (size_t i = 0; i < TEMPLATES; i++)
+    if (templates[i] != NULL) {
+      n++;
+      total += template_bytes(templates[i]);
+    }
+  pthread_mutex_unlock(&tmpl_lock);
+  if (bytes != NULL)
+    *bytes = total;
+  return n;
 }
 
 /* The open's decode of data: from a template of the same tree (its
@@ -745,7 +781,8 @@ static int open_decode(const void *data, size_t len,
  * template of its tree (best effort: without memory it stays as it is). */
 static void template_keep(usmipc_opened_bundle_t *ob) {
   usmipc_opened_bundle_t *t;
-  if (ob->tmpl != NULL || ob->nseg == 0 || ob->len > TEMPLATE_MAX_LEN ||
+  if (ob->tmpl != NULL || ob->nseg == 0 ||
+      template_bytes(ob) > TEMPLATE_MAX_BYTES ||
       usmipc__bundle_adopt_template(ob, &t) != 0)
     return;
   template_first(t);

@@ -151,6 +151,9 @@ void usmipc__torch_fork_child(void);
 void usmipc__bundles_fork_prepare(void);
 void usmipc__bundles_fork_parent(void);
 void usmipc__bundles_fork_child(void);
+/* Tests: how many decoded trees the opens keep, and the bytes they hold
+ * (*bytes, if not NULL). */
+size_t usmipc__bundle_templates_for_test(size_t *bytes);
 
 /* ---- bundles (bundle.c) --------------------------------------------------
  * For update.c: ob, an open of earlier bytes of one bundle, takes the

@@ -1168,6 +1168,65 @@ TEST_IMPL(bundle_template_opens) {
   return 0;
 }
 
+/* The decoded trees the opens keep are bounded: at most 4, and a tree
+ * whose decode holds more than 16 MiB (here 200,000 arrays over one
+ * allocation) is decoded at each open instead of kept, leaving the others
+ * in place. */
+TEST_IMPL(bundle_templates_bounded) {
+  usmipc_device_t *dev = test_device();
+  void *mem;
+  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, 4096, &mem));
+  int64_t one[] = {1};
+  usmipc_array_desc_t u8 = {1, 8, 1, 1, one, NULL};
+  size_t before = usmipc__bundle_templates_for_test(NULL);
+  for (int i = 0; i < 6; i++) { /* distinct trees: keys differ */
+    usmipc_bundle_t *b;
+    ASSERT_OK(usmipc_bundle_create(&b));
+    ASSERT_OK(usmipc_bundle_add_container(b, USMIPC_BUNDLE_DICT, 1, NULL, 0));
+    char key[8];
+    snprintf(key, sizeof(key), "k%d", i);
+    ASSERT_OK(usmipc_bundle_add_array(b, key, strlen(key), mem, &u8));
+    ASSERT_OK(usmipc_bundle_finish(b));
+    const void *data;
+    size_t len;
+    ASSERT_OK(usmipc_bundle_data(b, &data, &len));
+    usmipc_opened_bundle_t *ob;
+    ASSERT_OK(usmipc_bundle_open(data, len, dev, NULL, 0, &ob));
+    ASSERT_OK(usmipc_bundle_close(ob));
+    size_t held = usmipc__bundle_templates_for_test(NULL);
+    ASSERT_UEQ(held, before + i + 1 < 4 ? before + i + 1 : 4);
+    usmipc_bundle_free(b);
+  }
+  size_t bytes_before;
+  ASSERT_UEQ(usmipc__bundle_templates_for_test(&bytes_before), 4);
+  usmipc_bundle_t *big;
+  ASSERT_OK(usmipc_bundle_create(&big));
+  const uint32_t n = 200000;
+  ASSERT_OK(usmipc_bundle_add_container(big, USMIPC_BUNDLE_LIST, n, NULL, 0));
+  for (uint32_t i = 0; i < n; i++)
+    ASSERT_OK(
+        usmipc_bundle_add_array(big, NULL, 0, (uint8_t *)mem + i % 4096, &u8));
+  ASSERT_OK(usmipc_bundle_finish(big));
+  const void *data;
+  size_t len;
+  ASSERT_OK(usmipc_bundle_data(big, &data, &len));
+  for (int k = 0; k < 2; k++) {
+    usmipc_opened_bundle_t *ob;
+    ASSERT_OK(usmipc_bundle_open(data, len, dev, NULL, 0, &ob));
+    size_t narr;
+    const usmipc_bundle_array_t *a = usmipc_opened_bundle_arrays(ob, &narr);
+    ASSERT_UEQ(narr, n);
+    ASSERT(a[n - 1].ptr == (uint8_t *)a[0].ptr + (n - 1) % 4096);
+    ASSERT_OK(usmipc_bundle_close(ob));
+    size_t bytes;
+    ASSERT_UEQ(usmipc__bundle_templates_for_test(&bytes), 4);
+    ASSERT_UEQ(bytes, bytes_before); /* not kept; the others stay */
+  }
+  usmipc_bundle_free(big);
+  ASSERT_OK(usmipc_free(mem));
+  return 0;
+}
+
 TEST_IMPL(bundle_release_cross_process) {
   usmipc_queue_t *q = events_queue();
   void *ptr[3];

@@ -157,6 +157,7 @@
   X(bundle_fork_from_thread)                                                   \
   X(bundle_release_cross_process)                                              \
   X(bundle_template_opens)                                                     \
+  X(bundle_templates_bounded)                                                  \
   X(bundle_release_consumer_dies)                                              \
   X(bundle_release_consumer_exits)                                             \
   X(bundle_release_same_process)                                               \
