@@ -779,10 +779,37 @@ static int open_decode(const void *data, size_t len,
 
 /* ob, decoded in full for an open that passed its checks, kept as the
  * template of its tree (best effort: without memory it stays as it is). */
+/* Only a bundle opened before gets a template: a producer that makes a new
+ * bundle for every message (usmipc.torch's reducers, share() every step)
+ * never opens one tree twice, and a template per open (made, then pushed
+ * out by the next) cost it more than the decodes it never saved (its state
+ * dict's handoff on an H100, run 65). The bundles seen last, by their id
+ * and token (a kept bundle's handoffs share both), under tmpl_lock. */
+enum { SEEN = 16 };
+static struct {
+  uint64_t id;
+  uint8_t token[16];
+} seen[SEEN];
+static size_t seen_next;
+
+static bool seen_before(const usmipc_opened_bundle_t *ob) {
+  bool found = false;
+  pthread_mutex_lock(&tmpl_lock);
+  for (size_t i = 0; i < SEEN && !found; i++)
+    found = seen[i].id == ob->id && memcmp(seen[i].token, ob->token, 16) == 0;
+  if (!found) {
+    seen[seen_next].id = ob->id;
+    memcpy(seen[seen_next].token, ob->token, 16);
+    seen_next = (seen_next + 1) % SEEN;
+  }
+  pthread_mutex_unlock(&tmpl_lock);
+  return found;
+}
+
 static void template_keep(usmipc_opened_bundle_t *ob) {
   usmipc_opened_bundle_t *t;
   if (ob->tmpl != NULL || ob->nseg == 0 ||
-      template_bytes(ob) > TEMPLATE_MAX_BYTES ||
+      template_bytes(ob) > TEMPLATE_MAX_BYTES || !seen_before(ob) ||
       usmipc__bundle_adopt_template(ob, &t) != 0)
     return;
   template_first(t);

@@ -1168,10 +1168,10 @@ TEST_IMPL(bundle_template_opens) {
   return 0;
 }
 
-/* The decoded trees the opens keep are bounded: at most 4, and a tree
- * whose decode holds more than 16 MiB (here 200,000 arrays over one
- * allocation) is decoded at each open instead of kept, leaving the others
- * in place. */
+/* The decoded trees the opens keep: only of a bundle opened before (a
+ * bundle opened once is never kept), at most 4, and a tree whose decode
+ * holds more than 16 MiB (here 200,000 arrays over one allocation) is
+ * decoded at each open instead of kept, leaving the others in place. */
 TEST_IMPL(bundle_templates_bounded) {
   usmipc_device_t *dev = test_device();
   void *mem;
@@ -1191,6 +1191,11 @@ TEST_IMPL(bundle_templates_bounded) {
     size_t len;
     ASSERT_OK(usmipc_bundle_data(b, &data, &len));
     usmipc_opened_bundle_t *ob;
+    size_t was = usmipc__bundle_templates_for_test(NULL);
+    ASSERT_OK(usmipc_bundle_open(data, len, dev, NULL, 0, &ob));
+    ASSERT_OK(usmipc_bundle_close(ob));
+    /* Opened once: a bundle made per message is never kept. */
+    ASSERT_UEQ(usmipc__bundle_templates_for_test(NULL), was);
     ASSERT_OK(usmipc_bundle_open(data, len, dev, NULL, 0, &ob));
     ASSERT_OK(usmipc_bundle_close(ob));
     size_t held = usmipc__bundle_templates_for_test(NULL);
