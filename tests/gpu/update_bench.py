@@ -12,7 +12,14 @@ weights, 4,719 fills for the MoE: the zeroing now follows the checks.) Side by s
   - flat:     one device copy of the same total bytes (the floor);
   - update:   UpdatePlan.update + synchronize (host time of the call too);
   - loop:     open_shared(to="torch") + a copy_ per tensor + close (the way
-              engines do it without the plan).
+              engines do it without the plan);
+  - flat_idle: the flat copy timed as the update is, the consumer woken by
+              the Pipe first (an idle GPU and CPU start slower than the
+              back-to-back copies of flat);
+  - gpu:      the device's time alone of the update and of the flat copy:
+              the stream spins about 2 ms first (torch.cuda._sleep), which
+              hides the call's host work before its launch, and two events
+              time what follows (update_gpu_ms, flat_gpu_ms).
 
   python3 tests/gpu/update_bench.py --layout moe|qwen [--rounds 6]
       [--expandable] [--late-release] [--json out.json]
@@ -67,12 +74,35 @@ def consumer(conn, spec, late_release=False):
     s = torch.cuda.Stream()
     plan = usmipc.UpdatePlan(dest)
     out = {"flat_ms": [], "update_ms": [], "update_call_ms": [],
-           "release_call_ms": [], "loop_ms": [], "bad": 0, "warm_driver": []}
+           "release_call_ms": [], "loop_ms": [], "bad": 0, "warm_driver": [],
+           "flat_idle_ms": [], "flat_gpu_ms": [], "update_gpu_ms": []}
+    e0 = torch.cuda.Event(enable_timing=True)
+    e1 = torch.cuda.Event(enable_timing=True)
+    # A spin of the stream first (about 2 ms): the call's host work before
+    # its launch is hidden behind it, so that the events time the device
+    # work alone.
+    spin_cycles = 4_000_000  # about 2 ms at 1.98 GHz
     while True:
         msg = conn.recv()
         if msg is None:
             break
         op, raw, expect = msg
+        if op == "flat_idle":  # as the update: woken by the Pipe, timed
+            t0 = time.perf_counter()
+            with torch.cuda.stream(s):
+                flat_dst.copy_(flat_src)
+            s.synchronize()
+            out["flat_idle_ms"].append((time.perf_counter() - t0) * 1e3)
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(spin_cycles)
+                e0.record(s)
+                flat_dst.copy_(flat_src)
+                e1.record(s)
+            s.synchronize()
+            out["flat_gpu_ms"].append(e0.elapsed_time(e1))
+            conn.send("synced")
+            conn.send("ok")
+            continue
         if op == "flat":
             for _ in range(5):
                 torch.cuda.synchronize()
@@ -84,7 +114,17 @@ def consumer(conn, spec, late_release=False):
             continue
         before = usmipc.stats()
         t0 = time.perf_counter()
-        if op == "update":
+        if op == "update_gpu":  # the device's time alone
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(spin_cycles)
+            e0.record(s)
+            plan.update(raw, stream=s, release=not late_release)
+            e1.record(s)
+            if late_release:
+                usmipc.release_shared(raw, stream=s)
+            t1 = time.perf_counter()
+            s.synchronize()
+        elif op == "update":
             plan.update(raw, stream=s, release=not late_release)
             t1 = time.perf_counter()
             if late_release:  # the ticket's return, timed apart
@@ -112,7 +152,9 @@ def consumer(conn, spec, late_release=False):
         for t in dest.values():  # for the next round, off its clock
             t.zero_()
         torch.cuda.synchronize()
-        if op == "update":
+        if op == "update_gpu":
+            out["update_gpu_ms"].append(e0.elapsed_time(e1))
+        elif op == "update":
             out["update_ms"].append((t2 - t0) * 1e3)
             out["update_call_ms"].append((t1 - t0) * 1e3)
             out["warm_driver"].append(after["driver_imports"]
@@ -151,7 +193,12 @@ def main():
     assert here.recv() == "ok"
     rounds = []
     for r in range(a.rounds):
-        for op in ("update", "loop"):
+        for op in ("update", "loop", "update_gpu", "flat_idle"):
+            if op == "flat_idle":
+                here.send((op, None, None))
+                assert here.poll(600) and here.recv() == "synced"
+                assert here.poll(600) and here.recv() == "ok"
+                continue
             for i, t in enumerate(state.values()):  # the in-place update
                 t.copy_(torch.arange(t.numel(), device=dev).view(t.shape)
                         % 251 + (r + i) % 5)
@@ -191,6 +238,13 @@ def main():
         "warm_driver_imports": out["warm_driver"][1:],
         "bad_rounds": out["bad"],
     }
+    res["flat_idle_ms"] = med(out["flat_idle_ms"][1:])
+    res["flat_gpu_ms"] = med(out["flat_gpu_ms"][1:])
+    res["update_gpu_ms"] = med(out["update_gpu_ms"][1:])
+    res["update_over_flat_idle"] = (res["update_consumer_ms"]
+                                    / res["flat_idle_ms"])
+    res["update_gpu_over_flat_gpu"] = (res["update_gpu_ms"]
+                                       / res["flat_gpu_ms"])
     res["update_over_flat"] = res["update_consumer_ms"] / flat
     res["host_us_per_leaf"] = res["update_call_host_ms"] * 1e3 / len(spec)
     print(json.dumps(res, indent=1), flush=True)
