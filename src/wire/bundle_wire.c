@@ -670,17 +670,37 @@ int usmipc__bundle_same_tree(const usmipc_opened_bundle_t *ob, const void *data,
   return 1;
 }
 
+/* An open's own copies of t's arrays (its pointers are written per open)
+ * and of the bytes data (the records are rewritten per handoff). */
+static int open_copies(const usmipc_opened_bundle_t *t, const void *data,
+                       size_t len, usmipc_bundle_array_t **arrays,
+                       uint8_t **bytes) {
+  *arrays = malloc((t->narr ? t->narr : 1) * sizeof(**arrays));
+  *bytes = malloc(len);
+  if (*arrays == NULL || *bytes == NULL) {
+    free(*arrays);
+    free(*bytes);
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  }
+  memcpy(*arrays, t->arrays, t->narr * sizeof(**arrays));
+  memcpy(*bytes, data, len);
+  return 0;
+}
+
 int usmipc__bundle_adopt_template(usmipc_opened_bundle_t *ob,
                                   usmipc_opened_bundle_t **out) {
+  if (ob->borrowed) /* the template would outlive the caller's bytes */
+    return usmipc__fail(USMIPC_EINVAL,
+                        "a template needs a decode that kept its bytes");
+  usmipc_bundle_array_t *arrays;
+  uint8_t *bytes;
   usmipc_opened_bundle_t *t = malloc(sizeof(*t));
-  usmipc_bundle_array_t *arrays =
-      malloc((ob->narr ? ob->narr : 1) * sizeof(*arrays));
-  uint8_t *bytes = ob->borrowed ? NULL : malloc(ob->len);
-  if (t == NULL || arrays == NULL || bytes == NULL) {
-    free(t);
-    free(arrays);
-    free(bytes);
+  if (t == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  int rc = open_copies(ob, ob->bytes, ob->len, &arrays, &bytes);
+  if (rc != 0) {
+    free(t);
+    return rc;
   }
   /* The template keeps the decoded parts and the bytes the keys point
    * into; the open gets copies of what it writes. */
@@ -689,8 +709,6 @@ int usmipc__bundle_adopt_template(usmipc_opened_bundle_t *ob,
   t->device = NULL;
   t->tmpl = NULL;
   t->tmpl_refs = 2;
-  memcpy(arrays, ob->arrays, ob->narr * sizeof(*arrays));
-  memcpy(bytes, ob->bytes, ob->len);
   ob->arrays = arrays;
   ob->bytes = bytes;
   ob->tmpl = t;
@@ -711,30 +729,30 @@ int usmipc__bundle_from_template(usmipc_opened_bundle_t *t, const void *data,
                                  size_t len, usmipc_opened_bundle_t **out) {
   *out = NULL;
   const uint8_t *p = data;
-  /* The checksum first, as a decode checks it: bytes that fail it are left
-   * to the decoder, which says what is wrong with them. */
+  /* Another bundle's bytes differ in the header (its id and token): told
+   * apart there, before the checksum over all of them. The checksum then,
+   * as a decode checks it: bytes that fail it are left to the decoder,
+   * which says what is wrong with them. */
   if (data == NULL || len != t->len ||
+      memcmp(p, t->bytes, USMIPC__BUNDLE_HDR_LEN) != 0 ||
       usmipc__get32le(p + len - 4) != usmipc__crc32c(0, p, len - 4))
     return 0;
   usmipc__wire_t *handoff, *order_event;
   int same = usmipc__bundle_same_tree(t, data, len, &handoff, &order_event);
   if (same <= 0)
     return same;
+  usmipc_bundle_array_t *arrays;
+  uint8_t *bytes;
   usmipc_opened_bundle_t *ob = malloc(sizeof(*ob));
-  usmipc_bundle_array_t *arrays =
-      malloc((t->narr ? t->narr : 1) * sizeof(*arrays));
-  uint8_t *bytes = malloc(len);
-  if (ob == NULL || arrays == NULL || bytes == NULL) {
+  int rc = ob == NULL ? usmipc__fail(USMIPC_ENOMEM, "out of memory")
+                      : open_copies(t, data, len, &arrays, &bytes);
+  if (rc != 0) {
     free(ob);
-    free(arrays);
-    free(bytes);
     free(handoff);
     free(order_event);
-    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+    return rc;
   }
   *ob = *t;
-  memcpy(arrays, t->arrays, t->narr * sizeof(*arrays));
-  memcpy(bytes, data, len);
   ob->arrays = arrays;
   ob->bytes = bytes;
   ob->borrowed = false;

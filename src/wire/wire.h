@@ -344,7 +344,8 @@ int usmipc__bundle_from_template(usmipc_opened_bundle_t *t, const void *data,
 /* ob, just decoded with its allocations' handles (usmipc__bundle_decode with
  * keep, usmipc__bundle_decode_segments), becomes an open of a new template
  * that takes its decoded parts: *t holds two references (the caller's and
- * ob's). 0, or USMIPC_ENOMEM with ob unchanged. */
+ * ob's). 0, or USMIPC_ENOMEM (USMIPC_EINVAL for a decode without keep)
+ * with ob unchanged. */
 int usmipc__bundle_adopt_template(usmipc_opened_bundle_t *ob,
                                   usmipc_opened_bundle_t **t);
 void usmipc__bundle_template_get(usmipc_opened_bundle_t *t);
