@@ -27,7 +27,7 @@ PY_SETUP := $(VENV)/bin/python
 endif
 
 .PHONY: all ptx ptx-check build demo test test-c test-python test-asan test-python-asan test-tsan fuzz fuzz-build fuzz-ci bench python distributed-deps docs \
-        wheel test-wheel sdist test-sdist layering format format-check clean
+        wheel test-wheel sdist test-sdist layering format format-check fakecuda clean
 
 all: build
 
@@ -155,6 +155,15 @@ ptx:
 
 ptx-check:
 	bash tools/ptx/gen.sh check
+
+# A CUDA driver of nothing (bench/fakecuda/fakecuda.c), for profiling
+# usmipc's own time around the driver's calls on a machine without a GPU:
+#   LD_LIBRARY_PATH=build/fakecuda perf record -g .venv/bin/python ...
+# Not a backend and not tested by it; needs cuda.h (CUDA_INC).
+CUDA_INC ?= /usr/local/cuda/include
+fakecuda:
+	mkdir -p $(BUILD)/fakecuda
+	$(CC) -shared -fPIC -O2 -Wall -I$(CUDA_INC) bench/fakecuda/fakecuda.c -o $(BUILD)/fakecuda/libcuda.so.1
 
 # The C tests under ThreadSanitizer. Forking tests run with die_after_fork=0
 # (a fork child of a threaded process is what they test); the suppressions

@@ -36,7 +36,8 @@
  *   8. linux/broker.c  fdx_lock: the broker's grants and listening sockets.
  *   9. linux/fdtake.c  kept_lock: the importer's kept broker connections; a
  *                      leaf (nothing is taken under it).
- *  10. util/process.c  proof_lock: a leaf, taken under any of them.
+ *  10. util/process.c  proof_lock, then random_lock (the random pool's):
+ *                      leaves, taken under any of them.
  *
  * Locks not listed (a backend's per-device locks, wait.c's interrupt
  * handler lock) are not taken by the fork handlers: each guards its own

@@ -102,7 +102,8 @@ int usmipc__pidfd_euid(int pidfd, uint32_t pid, uint32_t *euid);
  * and ENFILE become USMIPC_EMFILE, ENOMEM USMIPC_ENOMEM, EACCES and EPERM
  * USMIPC_EACCES, the rest USMIPC_EIO (the errno stays the native code). */
 int usmipc__errno_code(int e);
-/* len bytes from the kernel's random source (getrandom(2)). */
+/* len bytes from the kernel's random source (getrandom(2), drawn ahead in a
+ * page a fork child does not inherit: process.c). */
 int usmipc__random(void *buf, size_t len);
 /* fork.c's hooks: the proof lock, and the child's new identity. */
 void usmipc__process_fork_prepare(void);

@@ -165,6 +165,8 @@
   X(bundle_release_fanout)                                                     \
   X(bundle_release_forward)                                                    \
   X(env_numbers)                                                               \
+  X(random_child_draws_its_own)                                                \
+  X(random_threads_unique)                                                     \
   X(update_cross_process)                                                      \
   X(update_refused)                                                            \
   X(cuda_vmm_foreign_chunks)                                                   \
