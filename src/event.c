@@ -108,6 +108,11 @@ typedef struct ring {
   usmipc_event_t *last;
   uint64_t last_point;
   bool last_done;
+  /* The order record of (last, last_point) as encoded for the first handoff
+   * that took it: the handoffs that reuse it copy these bytes (rec_len 0:
+   * not yet encoded). */
+  size_t rec_len;
+  uint8_t rec[USMIPC__ORDER_RECORD_MAX];
   struct ring *next;
 } ring_t;
 static ring_t *rings;
@@ -557,6 +562,7 @@ static int order_take(ring_t *r, usmipc_queue_t *queue, usmipc_event_t **out) {
   r->last = ev;
   r->last_point = __atomic_load_n(&ev->points, __ATOMIC_ACQUIRE);
   r->last_done = false;
+  r->rec_len = 0;
   *out = ev;
   return 0;
 }
@@ -567,10 +573,14 @@ int usmipc__event_order(usmipc_queue_t *queue, uint8_t *out, size_t *len) {
   ring_t *r = ring_of(queue->device);
   int rc = r == NULL ? usmipc__fail(USMIPC_ENOMEM, "out of memory")
                      : order_take(r, queue, &ev);
-  if (rc == 0) {
+  if (rc == 0 && r->rec_len == 0) {
     usmipc__wire_t w;
     local_wire(ev, r->last_point, &w);
-    *len = usmipc__order_record(&w, out);
+    r->rec_len = usmipc__order_record(&w, r->rec);
+  }
+  if (rc == 0) {
+    memcpy(out, r->rec, r->rec_len);
+    *len = r->rec_len;
   }
   pthread_mutex_unlock(&usmipc__events_lock);
   return rc;

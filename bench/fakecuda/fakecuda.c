@@ -29,12 +29,40 @@ static unsigned long long next_id = 1;
 static int fake_ctx_storage, fake_stream_storage[1024], fake_event_storage;
 static int stream_next;
 
+/* Exact base pointers are found by hash (the driver's own lookups should
+ * cost next to nothing here), interior pointers by a scan. */
+#define HASH_SIZE (2 * MAX_ALLOCS)
+static int by_base[HASH_SIZE]; /* index + 1; 0 empty, -1 deleted */
+
+static unsigned hash_of(uintptr_t p) {
+  return (unsigned)((p >> 9) * 0x9E3779B1u) % HASH_SIZE;
+}
+
+static void hash_put(uintptr_t p, int i) {
+  unsigned h = hash_of(p);
+  while (by_base[h] > 0)
+    h = (h + 1) % HASH_SIZE;
+  by_base[h] = i + 1;
+}
+
 static int find(uintptr_t p) {
+  for (unsigned h = hash_of(p), n = 0; by_base[h] != 0 && n < HASH_SIZE;
+       h = (h + 1) % HASH_SIZE, n++)
+    if (by_base[h] > 0 && allocs[by_base[h] - 1].base == p)
+      return by_base[h] - 1;
   for (int i = 0; i < MAX_ALLOCS; i++)
     if (allocs[i].base && p >= allocs[i].base &&
         p < allocs[i].base + allocs[i].size)
       return i;
   return -1;
+}
+
+static void hash_remove(uintptr_t p) {
+  for (unsigned h = hash_of(p); by_base[h] != 0; h = (h + 1) % HASH_SIZE)
+    if (by_base[h] > 0 && allocs[by_base[h] - 1].base == p) {
+      by_base[h] = -1;
+      return;
+    }
 }
 
 API CUresult cuInit(unsigned flags) {
@@ -124,6 +152,7 @@ API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
       allocs[i].base = (uintptr_t)m;
       allocs[i].size = n;
       allocs[i].id = next_id++;
+      hash_put((uintptr_t)m, i);
       *p = (CUdeviceptr)(uintptr_t)m;
       return CUDA_SUCCESS;
     }
@@ -134,6 +163,7 @@ API CUresult cuMemFree_v2(CUdeviceptr p) {
   int i = find((uintptr_t)p);
   if (i < 0 || allocs[i].base != (uintptr_t)p)
     return CUDA_ERROR_INVALID_VALUE;
+  hash_remove(allocs[i].base);
   free((void *)allocs[i].base);
   allocs[i].base = 0;
   return CUDA_SUCCESS;

@@ -11,6 +11,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "usmipc.h"
 
@@ -29,6 +30,23 @@
  * Everything usmipc puts in bytes another process reads (handles, broker
  * messages, the export table's header) is written and read field by field,
  * never as a C struct. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+/* The host's own order: one unaligned load or store each (the byte loops
+ * below compiled to a store per byte, 8% of a fresh export's own time). */
+#define USMIPC__LE_FIELD(bits)                                                 \
+  static inline void usmipc__put##bits##le(uint8_t *p, uint##bits##_t v) {     \
+    memcpy(p, &v, sizeof(v));                                                  \
+  }                                                                            \
+  static inline uint##bits##_t usmipc__get##bits##le(const uint8_t *p) {       \
+    uint##bits##_t v;                                                          \
+    memcpy(&v, p, sizeof(v));                                                  \
+    return v;                                                                  \
+  }
+USMIPC__LE_FIELD(16)
+USMIPC__LE_FIELD(32)
+USMIPC__LE_FIELD(64)
+#undef USMIPC__LE_FIELD
+#else
 static inline void usmipc__put16le(uint8_t *p, uint16_t v) {
   p[0] = (uint8_t)v;
   p[1] = (uint8_t)(v >> 8);
@@ -51,6 +69,7 @@ static inline uint32_t usmipc__get32le(const uint8_t *p) {
 static inline uint64_t usmipc__get64le(const uint8_t *p) {
   return (uint64_t)usmipc__get32le(p) | (uint64_t)usmipc__get32le(p + 4) << 32;
 }
+#endif
 
 /* ---- errors (error.c) ---------------------------------------------------- */
 
