@@ -542,6 +542,11 @@ typedef struct usmipc_ipc_handle_info {
 /* Validates handle bytes (as untrusted input) without opening them. */
 USMIPC_API int usmipc_ipc_handle_inspect(const void *data, size_t len,
                                          usmipc_ipc_handle_info_t *info);
+/* What usmipc_ipc_handle_inspect says of the bytes the handle was made with
+ * (before any handoff's ordering or ticket), without decoding them again:
+ * the library made them. */
+USMIPC_API int usmipc_ipc_handle_get_info(const usmipc_ipc_handle_t *handle,
+                                          usmipc_ipc_handle_info_t *info);
 
 /* Importers keep closed mappings so that a re-open is cheap. By default a
  * closed mapping stays as long as its exporter still exports the

@@ -729,31 +729,46 @@ int usmipc__wire_decode(const void *data, size_t len, usmipc__wire_t *w) {
   return check_extensions(w);
 }
 
+/* What a handle's bytes say, from their decoded (or about to be encoded)
+ * fields. */
+static void info_of_wire(const usmipc__wire_t *w,
+                         usmipc_ipc_handle_info_t *info) {
+  memset(info, 0, sizeof(*info));
+  info->backend = w->backend;
+  memcpy(info->device_uuid, w->device_uuid, 16);
+  info->exporter_pid = w->pid;
+  info->buffer_id = w->buffer_id;
+  info->allocation_size = w->allocation_size;
+  info->offset = w->offset;
+  info->nbytes = w->nbytes;
+  info->handle_kind = w->payload.handle_kind;
+  info->exporter_uid = w->uid;
+  info->exporter_nonce = w->nonce;
+  info->wire_version = USMIPC__WIRE_VERSION;
+  info->writer_version = w->writer_version;
+  info->is_event = w->is_event;
+  info->is_ordered = w->order_len != 0;
+  info->event_point = w->event_point;
+  info->release_ticket = w->has_release ? w->release_ticket : 0;
+}
+
 int usmipc_ipc_handle_inspect(const void *data, size_t len,
                               usmipc_ipc_handle_info_t *info) {
   usmipc__wire_t w;
   int rc = usmipc__wire_decode(data, len, &w);
   if (rc != 0)
     return rc;
-  if (info != NULL) {
-    memset(info, 0, sizeof(*info));
-    info->backend = w.backend;
-    memcpy(info->device_uuid, w.device_uuid, 16);
-    info->exporter_pid = w.pid;
-    info->buffer_id = w.buffer_id;
-    info->allocation_size = w.allocation_size;
-    info->offset = w.offset;
-    info->nbytes = w.nbytes;
-    info->handle_kind = w.payload.handle_kind;
-    info->exporter_uid = w.uid;
-    info->exporter_nonce = w.nonce;
-    info->wire_version = USMIPC__WIRE_VERSION;
-    info->writer_version = w.writer_version;
-    info->is_event = w.is_event;
-    info->is_ordered = w.order_len != 0;
-    info->event_point = w.event_point;
-    info->release_ticket = w.has_release ? w.release_ticket : 0;
-  }
+  if (info != NULL)
+    info_of_wire(&w, info);
+  return 0;
+}
+
+int usmipc_ipc_handle_get_info(const usmipc_ipc_handle_t *handle,
+                               usmipc_ipc_handle_info_t *info) {
+  if (handle == NULL || info == NULL)
+    return usmipc__fail(USMIPC_EINVAL,
+                        "usmipc_ipc_handle_get_info: NULL argument");
+  *info = handle->info;
   return 0;
 }
 
@@ -774,6 +789,10 @@ int usmipc__handle_from_wire(const usmipc__wire_t *w,
   h->base = h->data + room;
   usmipc__wire_encode(w, h->data);
   memcpy(h->base, h->data, len);
+  /* The fields an inspect of these bytes would decode: w holds no record
+   * that decoding derives a field from (ordering and tickets are added by
+   * the handoffs, to the copies they give out). */
+  info_of_wire(w, &h->info);
   *handle = h;
   return 0;
 }

@@ -220,6 +220,7 @@ struct usmipc_ipc_handle {
   usmipc__release_t *release; /* tickets handed out, or NULL */
   size_t len, base_len;
   uint8_t *base;
+  usmipc_ipc_handle_info_t info; /* of the base bytes */
   uint8_t data[];
 };
 /* A handle holding the encoding of w, with room to reorder it. */

@@ -41,6 +41,60 @@ TEST_IMPL(ipc_handle_inspect_fields) {
   return 0;
 }
 
+/* usmipc_ipc_handle_get_info says what an inspect of the handle's bytes
+ * says, field for field, for every kind of handle the library makes: an
+ * allocation's (whole, a range), a pool block's, an event's (where the
+ * backend has events). */
+static void info_is_inspect(usmipc_ipc_handle_t *h) {
+  const void *data;
+  size_t len;
+  ASSERT_OK(usmipc_ipc_handle_data(h, &data, &len));
+  usmipc_ipc_handle_info_t got, want;
+  memset(&got, 0xee, sizeof(got));
+  memset(&want, 0x11, sizeof(want));
+  ASSERT_OK(usmipc_ipc_handle_get_info(h, &got));
+  ASSERT_OK(usmipc_ipc_handle_inspect(data, len, &want));
+  ASSERT_EQ(memcmp(&got, &want, sizeof(got)), 0);
+}
+
+TEST_IMPL(ipc_handle_get_info_is_inspect) {
+  usmipc_device_t *dev = test_device();
+  const size_t n = 256 * 1024 + 9;
+  uint8_t *p = NULL, *block = NULL;
+  ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, n, (void **)&p));
+  usmipc_ipc_handle_t *h = NULL;
+  ASSERT_OK(usmipc_ipc_get_handle(p, 0, &h));
+  info_is_inspect(h);
+  usmipc_ipc_handle_info_t info;
+  ASSERT_ERR(usmipc_ipc_handle_get_info(NULL, &info), USMIPC_EINVAL);
+  ASSERT_ERR(usmipc_ipc_handle_get_info(h, NULL), USMIPC_EINVAL);
+  ASSERT_OK(usmipc_ipc_free_handle(h));
+  ASSERT_OK(usmipc_ipc_get_handle(p + 4096, 100, &h));
+  info_is_inspect(h);
+  ASSERT_OK(usmipc_ipc_free_handle(h));
+
+  usmipc_pool_t *pool = NULL;
+  ASSERT_OK(usmipc_pool_create(dev, 1 << 20, 0, &pool));
+  ASSERT_OK(usmipc_pool_malloc(pool, 5000, 0, (void **)&block));
+  ASSERT_OK(usmipc_ipc_get_handle(block, 0, &h));
+  info_is_inspect(h);
+  ASSERT_OK(usmipc_ipc_free_handle(h));
+  ASSERT_OK(usmipc_free(block));
+  ASSERT_OK(usmipc_pool_destroy(pool));
+
+  usmipc_event_t *ev = NULL;
+  int rc = usmipc_event_create(dev, 0, &ev);
+  if (rc != USMIPC_ENOTSUP) {
+    ASSERT_OK(rc);
+    ASSERT_OK(usmipc_ipc_get_event_handle(ev, &h));
+    info_is_inspect(h);
+    ASSERT_OK(usmipc_ipc_free_handle(h));
+    ASSERT_OK(usmipc_event_destroy(ev));
+  }
+  ASSERT_OK(usmipc_free(p));
+  return 0;
+}
+
 TEST_IMPL(ipc_export_bad_args) {
   usmipc_device_t *dev = test_device();
   const size_t n = 64 * 1024;

@@ -29,6 +29,7 @@
   X(memory_malloc_bad_args)                                                    \
   X(memory_threads)                                                            \
   X(ipc_handle_inspect_fields)                                                 \
+  X(ipc_handle_get_info_is_inspect)                                            \
   X(ipc_export_bad_args)                                                       \
   X(ipc_same_process_alias)                                                    \
   X(ipc_alias_refcount)                                                        \

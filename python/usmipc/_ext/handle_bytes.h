@@ -18,7 +18,7 @@ static inline int pyusmipc_handle_describe(int rc, usmipc_ipc_handle_t *handle,
     rc = usmipc_ipc_handle_data(handle, data, len);
   }
   if (rc == 0) {
-    rc = usmipc_ipc_handle_inspect(*data, *len, info);
+    rc = usmipc_ipc_handle_get_info(handle, info);
   }
   return rc;
 }
