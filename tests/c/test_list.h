@@ -59,6 +59,7 @@
   X(ipc_no_leak_cached)                                                        \
   X(ipc_no_leak_uncached)                                                      \
   X(ipc_open_same_handle_threads)                                              \
+  X(handle_crc32c_streams)                                                     \
   X(handle_truncated)                                                          \
   X(handle_oversized)                                                          \
   X(handle_bit_flips)                                                          \
