@@ -57,6 +57,49 @@ def _alloc(shape, dtype, value):
     return t.fill_(value)
 
 
+def _cuda_lib():
+    import ctypes
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    class Handle(ctypes.Structure):
+        _fields_ = [("reserved", ctypes.c_char * 64)]
+
+    get = cuda.cuIpcGetMemHandle
+    get.argtypes = [ctypes.POINTER(Handle), ctypes.c_uint64]
+    opn = cuda.cuIpcOpenMemHandle_v2
+    opn.argtypes = [ctypes.POINTER(ctypes.c_uint64), Handle, ctypes.c_uint]
+    close = cuda.cuIpcCloseMemHandle
+    close.argtypes = [ctypes.c_uint64]
+    return ctypes, Handle, get, opn, close
+
+
+def _raw_export(ptr):
+    """The driver's own export of a fresh allocation (s, handle bytes)."""
+    ctypes, Handle, get, _, _ = _cuda_lib()
+    h = Handle()
+    t0 = time.perf_counter()
+    rc = get(ctypes.byref(h), ptr)
+    t = time.perf_counter() - t0
+    assert rc == 0, rc
+    return t, bytes(h.reserved)
+
+
+def _raw_open(raw):
+    """The driver's own open (and close) of that handle here: s."""
+    import torch
+    torch.cuda.synchronize()  # the primary context current on this thread
+    ctypes, Handle, _, opn, close = _cuda_lib()
+    h = Handle()
+    h.reserved = raw
+    p = ctypes.c_uint64()
+    t0 = time.perf_counter()
+    rc = opn(ctypes.byref(p), h, 1)  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+    t = time.perf_counter() - t0
+    assert rc == 0, rc
+    assert close(p.value) == 0
+    return t
+
+
 def _receiver(conn, q, out):
     import torch
     from multiprocessing.reduction import ForkingPickler
@@ -71,6 +114,9 @@ def _receiver(conn, q, out):
         cmd = conn.recv()
         if cmd == "stop":
             return
+        if cmd == "rawopen":  # the driver's own open of a fresh handle
+            conn.send(_raw_open(conn.recv_bytes()))
+            continue
         if cmd == "bytes":  # pickling + rebuild, timed here
             data = conn.recv_bytes()
             t0 = time.perf_counter()
@@ -177,6 +223,21 @@ def run_mode(mode, rounds, small):
         keep.append(x)
         samples.append(one(x, float(r)))
     record("tensor_fresh", samples)
+    if os.environ.get("BENCH_DEVICE", "cuda") == "cuda":
+        # The floor of a fresh tensor: the driver's own export and open of
+        # a new segment of the same size (ctypes, ~0.2 us of its own), what
+        # any reduction of a fresh CUDA tensor pays at least.
+        floor = []
+        for r in range(rounds):
+            y = _alloc((numel,), torch.float32, float(r))
+            keep.append(y)
+            _sync()
+            t_export, raw = _raw_export(y.untyped_storage().data_ptr())
+            conn.send("rawopen")
+            conn.send_bytes(raw)
+            floor.append((t_export + conn.recv()) * 1e3)
+        results["tensor_fresh"]["driver_floor_ms"] = statistics.median(floor)
+        results["tensor_fresh"]["all_driver_floor_ms"] = floor
     del keep, x
     if os.environ.get("BENCH_DEVICE", "cuda") == "cuda":
         torch.cuda.empty_cache()
@@ -264,6 +325,13 @@ def main():
                          ("end_to_end_ms", "e2e"), ("floor_ms", "floor")):
             t, u = both["torch"][case][k], both["usmipc"][case][k]
             print(f"{case:18} {label:6} {t:9.3f} {u:9.3f} {u / t:7.3f}")
+    if "driver_floor_ms" in both["usmipc"]["tensor_fresh"]:
+        print("tensor_fresh: the driver's own export + open of a fresh "
+              "segment of the same size (cuIpcGetMemHandle + "
+              "cuIpcOpenMemHandle), ms: torch's run "
+              f"{both['torch']['tensor_fresh']['driver_floor_ms']:.3f}, "
+              f"usmipc's run "
+              f"{both['usmipc']['tensor_fresh']['driver_floor_ms']:.3f}")
     for case in ("tensor_fresh", "tensor_repeated", "state_dict_warm"):
         u = both["usmipc"][case]
         print(f"usmipc {case} dumps, ms: "
