@@ -383,6 +383,10 @@ static PyObject *handle_current_bytes(Handle *self) {
       queue_obj ? ((pyusmipc_queue_object_t *)queue_obj)->queue : NULL;
   unsigned flags = self->release ? USMIPC_ORDER_RELEASE : 0;
   usmipc_ipc_handle_t *handle = self->handle;
+  /* The bytes are copied out under the lock (the next handoff rewrites
+   * them); a handle fits the stack buffer but for an unusual number of
+   * extension records. */
+  char small[1024];
   char *copy = NULL;
   size_t len = 0;
   int rc;
@@ -396,7 +400,7 @@ static PyObject *handle_current_bytes(Handle *self) {
     rc = usmipc_ipc_handle_data(handle, &data, &len);
   }
   if (rc == 0) {
-    copy = malloc(len);
+    copy = len <= sizeof(small) ? small : malloc(len);
     if (copy != NULL) {
       memcpy(copy, data, len);
     }
@@ -414,7 +418,9 @@ static PyObject *handle_current_bytes(Handle *self) {
     return PyErr_NoMemory();
   }
   PyObject *bytes = PyBytes_FromStringAndSize(copy, (Py_ssize_t)len);
-  free(copy);
+  if (copy != small) {
+    free(copy);
+  }
   if (bytes != NULL) {
     PyObject *old = self->last;
     self->last = Py_NewRef(bytes);
