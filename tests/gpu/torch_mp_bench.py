@@ -81,7 +81,8 @@ def _raw_export(ptr):
     rc = get(ctypes.byref(h), ptr)
     t = time.perf_counter() - t0
     assert rc == 0, rc
-    return t, bytes(h.reserved)
+    # All 64 bytes (reading the c_char field would stop at a NUL).
+    return t, ctypes.string_at(ctypes.addressof(h), 64)
 
 
 def _raw_open(raw):
@@ -89,8 +90,7 @@ def _raw_open(raw):
     import torch
     torch.cuda.synchronize()  # the primary context current on this thread
     ctypes, Handle, _, opn, close = _cuda_lib()
-    h = Handle()
-    h.reserved = raw
+    h = Handle.from_buffer_copy(raw)
     p = ctypes.c_uint64()
     t0 = time.perf_counter()
     rc = opn(ctypes.byref(p), h, 1)  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
@@ -115,7 +115,11 @@ def _receiver(conn, q, out):
         if cmd == "stop":
             return
         if cmd == "rawopen":  # the driver's own open of a fresh handle
-            conn.send(_raw_open(conn.recv_bytes()))
+            raw = conn.recv_bytes()
+            try:
+                conn.send(_raw_open(raw))
+            except Exception as e:  # the sender reports it, not a hang
+                conn.send(repr(e))
             continue
         if cmd == "bytes":  # pickling + rebuild, timed here
             data = conn.recv_bytes()
@@ -235,7 +239,10 @@ def run_mode(mode, rounds, small):
             t_export, raw = _raw_export(y.untyped_storage().data_ptr())
             conn.send("rawopen")
             conn.send_bytes(raw)
-            floor.append((t_export + conn.recv()) * 1e3)
+            t_open = conn.recv()
+            if isinstance(t_open, str):
+                raise RuntimeError(f"the receiver's raw open: {t_open}")
+            floor.append((t_export + t_open) * 1e3)
         results["tensor_fresh"]["driver_floor_ms"] = statistics.median(floor)
         results["tensor_fresh"]["all_driver_floor_ms"] = floor
     del keep, x
