@@ -81,6 +81,7 @@ _tls = _Local()
 # swapped (function -> its own code), and the attributes set on classes.
 _swapped_code: dict = {}
 _torch_reduce: dict = {}  # name -> a copy of torch's function, called as-is
+_torch_fn: dict = {}  # name -> torch's function itself (its code swapped)
 _saved_attrs: list = []  # (owner, name, value) in the order set
 
 # ---- counters (stats(); USMIPC_TORCH_STATS writes them at exit) ----------
@@ -648,6 +649,38 @@ def _plain_dumps(cls, obj, protocol):
     return buf.getbuffer()
 
 
+class _Reduced:
+    """An object pickled as the reduction given (the tensor it was made
+    of, as torch's pickling of it would save it)."""
+
+    __slots__ = ("red",)
+
+    def __init__(self, red):
+        self.red = red
+
+    def __reduce__(self):
+        return self.red
+
+
+def _lone_body(cls, obj, protocol):
+    """The body of a message that is one tensor (of a type ForkingPickler
+    reduces by torch's reduce_tensor: Tensor, Parameter): its
+    reduction, made here, pickled by the C pickler alone when it is
+    usmipc's (strs, ints, tuples, torch's dtype and class), else by the
+    merged pickler as torch's pickling of the tensor would. The same bytes
+    as pickling the tensor, without the pickler's dispatch of it: 8 of the
+    20 us of a one-tensor dumps (2-vCPU VM), more in a sender woken from a
+    wait. None: not such a message."""
+    fn = _torch_fn.get("reduce_tensor")
+    if (cls is not ForkingPickler or fn is None or _tls.bypass
+            or ForkingPickler._extra_reducers.get(type(obj)) is not fn):
+        return None
+    red = _reduce_tensor(obj)
+    if red[0] is _rebuild_tensor or red[0] is _rebuild_empty:
+        return pickle.dumps(_Reduced(red), protocol)
+    return _plain_dumps(cls, _Reduced(red), protocol)
+
+
 def _dumps(cls, obj, protocol=None):
     put_event = None
     if type(obj) is _Tagged:
@@ -657,7 +690,9 @@ def _dumps(cls, obj, protocol=None):
     msg = _Message(put_event)
     messages.append(msg)
     try:
-        body = plain(cls, obj, protocol)
+        body = _lone_body(cls, obj, protocol)
+        if body is None:
+            body = plain(cls, obj, protocol)
     finally:
         messages.pop()
     if not msg.groups:
@@ -1004,6 +1039,7 @@ def install() -> None:
             copy = types.FunctionType(code, fn.__globals__, name,
                                       fn.__defaults__, fn.__closure__)
             _torch_reduce[name] = copy
+            _torch_fn[name] = fn
             fn.__globals__["__usmipc_" + name] = routed
             fn.__code__ = _trampoline(name)
             _swapped_code[fn] = code
@@ -1032,6 +1068,7 @@ def uninstall() -> None:
             fn.__globals__.pop("__usmipc_" + fn.__name__, None)
         _swapped_code.clear()
         _torch_reduce.clear()
+        _torch_fn.clear()
         while _saved_attrs:
             owner, name, value = _saved_attrs.pop()
             setattr(owner, name, value)

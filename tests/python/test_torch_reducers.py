@@ -306,6 +306,54 @@ def test_dumps_follows_reducers_registered_later(routed):
     assert pickle.loads(ForkingPickler.dumps(_Registered("w"))).tag == "w"
 
 
+def test_a_lone_tensor_pickles_as_torchs_pickling_of_it(routed,
+                                                       monkeypatch):
+    """A message that is one tensor skips the pickler's dispatch (its
+    reduction is made and pickled directly, usmipc.torch._lone_body): what
+    loads must be what pickling the tensor gives (a Parameter with
+    requires_grad, a strided view with its offset, the non-leaf refusal),
+    and a reducer registered for the tensor's type afterwards is what runs,
+    as with torch's own ForkingPickler.dumps."""
+    from multiprocessing.reduction import ForkingPickler
+    torch, ut = routed
+    t = host_tensor(torch, 10)
+    t.copy_(torch.arange(10.0))
+    taken = []
+    lone = ut._lone_body
+
+    def spy(cls, obj, protocol):
+        body = lone(cls, obj, protocol)
+        taken.append(body is not None)
+        return body
+
+    monkeypatch.setattr(ut, "_lone_body", spy)
+    p = torch.nn.Parameter(t[2:6])
+    got = ForkingPickler.loads(ForkingPickler.dumps(p))
+    assert type(got) is torch.nn.Parameter and got.requires_grad
+    assert got.tolist() == [2.0, 3.0, 4.0, 5.0]
+    v = ForkingPickler.loads(ForkingPickler.dumps(t[3:8:2]))
+    assert (v.tolist(), v.stride(), v.storage_offset()) == ([3.0, 5.0, 7.0],
+                                                           (2,), 3)
+    assert taken == [True, True]
+    leaf = host_tensor(torch, 4).requires_grad_()
+    with pytest.raises(RuntimeError, match="requires_grad"):
+        ForkingPickler.dumps(leaf * 2)
+    # Not a tensor, or a tensor of a type with a reducer of its own: the
+    # pickler's path, as before.
+    assert pickle.loads(ForkingPickler.dumps([1, 2])) == [1, 2]
+    saved = ForkingPickler._extra_reducers[torch.Tensor]
+    ForkingPickler._extra_reducers[torch.Tensor] = _registered_mine
+    try:
+        assert pickle.loads(ForkingPickler.dumps(t)) == "mine"
+    finally:
+        ForkingPickler._extra_reducers[torch.Tensor] = saved
+    assert taken[-2:] == [False, False]
+
+
+def _registered_mine(obj):
+    return (str, ("mine",))
+
+
 def _get_twice(q, out):
     import usmipc.torch as ut
     a = q.get(timeout=TIMEOUT)
