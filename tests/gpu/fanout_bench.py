@@ -14,6 +14,13 @@ ctypes, every round cold (each closes them after). If the slowest of N
 raw consumers is as far from a lone one as usmipc's cold fan-out, the
 driver is what serializes the imports.
 
+The machine's own floor, also in the same run: the same fixed CPU work
+(a CRC of 256 KB in cache) in 1 and in N processes released by a barrier,
+no GPU: a warm open is CPU work alone, and N processes sharing cores (SMT)
+and a cache slow each other by that ratio whatever the work is
+(cpu_ratio). templated_*: the warm rounds after the first, which makes
+the bundle's template.
+
   python3 tests/gpu/fanout_bench.py [--consumers 8] [--layout qwen|moe]
       [--rounds 5] [--json out.json] [--no-raw]
 """
@@ -88,6 +95,37 @@ def raw_consumer(conn, barrier):
             close(p)
         conn.send(dt)
     conn.send("bye")
+
+
+def cpu_consumer(conn, barrier):
+    """The machine's own fan-out: the same fixed CPU work (a CRC of 256 KB
+    held in cache) in each of n processes released by one barrier, no GPU
+    and no usmipc. Its slowest-to-lone ratio is what n identical CPU-bound
+    processes cost each other here (cores shared by SMT, one cache), the
+    floor under a warm open's ratio, which is CPU work alone."""
+    import zlib
+    buf = bytes(range(256)) * 1024
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        zlib.crc32(buf)  # warm
+        barrier.wait()
+        t0 = time.perf_counter()
+        zlib.crc32(buf)
+        conn.send((time.perf_counter() - t0) * 1e3)
+    conn.send("bye")
+
+
+def run_cpu(n, rounds):
+    pipes, procs, barrier = start(n, cpu_consumer)
+    out = []
+    for _ in range(rounds):
+        for c in pipes:
+            c.send(True)
+        out.append(max(c.recv() for c in pipes))
+    stop(pipes, procs)
+    return out
 
 
 def start(n, target):
@@ -177,6 +215,18 @@ def main():
            "slowest_warm_ms": statistics.median(many[1:])}
     res["cold_ratio"] = res["slowest_cold_ms"] / res["lone_cold_ms"]
     res["warm_ratio"] = res["slowest_warm_ms"] / res["lone_warm_ms"]
+    if a.rounds >= 4:
+        # The first warm round is the bundle's second open, which makes its
+        # template (a bundle opened before); the later ones use it.
+        res["lone_templated_ms"] = statistics.median(lone[2:])
+        res["slowest_templated_ms"] = statistics.median(many[2:])
+        res["templated_ratio"] = (res["slowest_templated_ms"]
+                                  / res["lone_templated_ms"])
+    cpu_lone = run_cpu(1, 2 * a.rounds)
+    cpu_many = run_cpu(a.consumers, 2 * a.rounds)
+    res["cpu_lone_ms"] = statistics.median(cpu_lone)
+    res["cpu_slowest_ms"] = statistics.median(cpu_many)
+    res["cpu_ratio"] = res["cpu_slowest_ms"] / res["cpu_lone_ms"]
     if not a.no_raw:
         raw_lone, segments = run_raw(1, spec, a.rounds)
         raw_many, _ = run_raw(a.consumers, spec, a.rounds)
