@@ -57,8 +57,10 @@ python: $(PY_SETUP)
 # on the CPU with gloo; about 3.5 GB with the CUDA libraries it pulls in) and
 # mpi4py built from source against the system's Open MPI (apt-get install
 # openmpi-bin libopenmpi-dev). Without them those tests skip (fail under CI).
+# --no-cache-dir: pip's cache would keep a second copy of those 3.5 GB (a
+# CI run once ended on a full disk at this step).
 distributed-deps: $(PY_SETUP)
-	$(PY) -m pip install -q torch
+	$(PY) -m pip install -q --no-cache-dir torch
 	$(PY) -m pip install -q --no-binary mpi4py mpi4py
 
 # The main job: the seed's example across two processes on DEVICE (default:
