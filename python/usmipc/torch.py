@@ -378,14 +378,15 @@ def _routes_host(storage) -> bool:
     return ptr != 0 and _is_usmipc_host(ptr)
 
 
-def _order_stream(group: _Group, put_event):
-    """The stream the group's event is recorded on: the putting thread's
-    (through its event) for a Queue.put; None: this thread's current
-    one (_share_group passes its handle)."""
-    if group.device.type != "cuda" or put_event is None:
+def _order_stream(index: Optional[int], put_event):
+    """The stream the event of a bundle of CUDA device index (None: the
+    host) is recorded on: the putting thread's (through its event) for a
+    Queue.put; None: this thread's current one (the caller passes its
+    handle)."""
+    if index is None or put_event is None:
         return None
-    index, event = put_event
-    if index != group.device.index:
+    put_index, event = put_event
+    if index != put_index:
         return None
     streams = _tls.__dict__.setdefault("order_streams", {})
     s = streams.get(index)
@@ -423,10 +424,13 @@ def _share_group(group: _Group, put_event):
     the bundle (_memory._keep) once the whole message is made: the sender
     holds it until every ticket of it came back."""
     _whole_leaves(group)
-    stream = _order_stream(group, put_event)
-    if stream is None and group.device.type == "cuda":
-        # What share() would ask torch for, without a Stream object.
-        stream = _raw_stream(group.device.index)
+    stream = None
+    if group.device.type == "cuda":
+        index = group.device.index
+        stream = _order_stream(index, put_event)
+        if stream is None:
+            # What share() would ask torch for, without a Stream object.
+            stream = _raw_stream(index)
     bundle = _usmipc.share(group.views, stream=stream, release=True)
     _counts["bundles"] += 1
     return bundle, bundle.to_bytes()
@@ -434,8 +438,20 @@ def _share_group(group: _Group, put_event):
 
 def _device_name(device) -> str:
     if device.type == "cuda":
-        return "cuda:" + _device_uuid(device.index)
+        return _cuda_name(device.index)
     return "cpu"
+
+
+_cuda_names: dict = {}  # index -> "cuda:<uuid>"
+
+
+def _cuda_name(index: int) -> str:
+    """The name a message gives CUDA device index: by its UUID, which
+    names it across processes that see different CUDA_VISIBLE_DEVICES."""
+    name = _cuda_names.get(index)
+    if name is None:
+        name = _cuda_names[index] = "cuda:" + _device_uuid(index)
+    return name
 
 
 def _refusal(e: BaseException) -> bool:
@@ -681,10 +697,89 @@ def _lone_body(cls, obj, protocol):
     return _plain_dumps(cls, _Reduced(red), protocol)
 
 
+def _lone_message(t, put_event, protocol):
+    """The message of one tensor t that travels through usmipc, whole
+    (pickled, then loaded by _open_lone: one bundle of its one storage,
+    without the _Message a message of many tensors collects, the body
+    pickled apart and the envelope around it), or None where the general
+    path must pickle it (a layout or memory torch keeps, no bytes, a
+    tensor this process received, a refusal to say, hooks to warn of, a
+    memory usmipc refuses). The repeated send of a weight-update loop:
+    the Python of a one-tensor dumps, which the receiver's wait for the
+    ticket's return makes run cold in a real loop, halved (issue 24). The
+    caller checked that ForkingPickler reduces type(t) by torch's
+    reduce_tensor as registered now."""
+    if _strided is None:
+        _bind_torch()
+    if t.is_nested or t.layout is not _strided:
+        return None
+    storage = t.untyped_storage()
+    cuda = t.is_cuda
+    if not cuda and (not t.is_cpu or not _routes_host(storage)):
+        return None
+    nbytes = storage.nbytes()
+    requires_grad = t.requires_grad
+    if (nbytes == 0 or (requires_grad and not t.is_leaf)
+            or t._backward_hooks
+            or (_received and _origin(storage) is not None)):
+        return None
+    cls = type(t)
+    dtype = t.dtype
+    offset = t.storage_offset()
+    if (offset == 0 and t.nbytes == nbytes and dtype in _leaf_dtype_set
+            and t.is_contiguous()):
+        view = t if cls is _Tensor else t.detach()  # _whole_leaves
+    else:
+        view = storage
+    if cuda:
+        index = t.get_device()
+        stream = _order_stream(index, put_event)
+        if stream is None:
+            stream = _raw_stream(index)
+        name = _cuda_name(index)
+    else:
+        stream, name = None, "cpu"
+    try:
+        bundle = _usmipc.share([view], stream=stream, release=True)
+    except _usmipc.Error as e:
+        if _refusal(e):  # the general path sends it by torch's, warned
+            return None
+        raise
+    raw = bundle.to_bytes()
+    _memory._keep(bundle)  # dropped once released and the work done
+    counts = _counts
+    counts["cuda_tensors" if cuda else "host_tensors"] += 1
+    counts["routed_tensors"] += 1
+    counts["bundles"] += 1
+    counts["messages"] += 1
+    # strs, ints, tuples and bytes: the C pickler without ForkingPickler's
+    # per-instance copy of its dispatch table. The dtype by its name in
+    # torch (what pickling it writes) and a plain Tensor's class as 0: a
+    # global costs the pickler an import and a lookup, 0.8-1.1 us each of
+    # the 2.9 us this pickling took (2-vCPU VM).
+    dtype_name = _dtype_names.get(dtype)
+    if dtype_name is None:
+        dtype_name = _dtype_names[dtype] = dtype.__reduce__()
+    return memoryview(pickle.dumps(_Reduced(
+        (_open_lone, (name, raw, 0 if cls is _Tensor else cls,
+                      tuple(t.size()), t.stride(), offset, dtype_name,
+                      requires_grad))), protocol))
+
+
+_dtype_names: dict = {}  # torch.dtype -> its name in torch ("float32")
+_dtype_of_name: dict = {}  # and back, in a receiver
+
+
 def _dumps(cls, obj, protocol=None):
     put_event = None
     if type(obj) is _Tagged:
         obj, put_event = obj.obj, obj.put_event
+    routed = _torch_fn.get("reduce_tensor")
+    if (cls is ForkingPickler and routed is not None and not _tls.bypass
+            and ForkingPickler._extra_reducers.get(type(obj)) is routed):
+        out = _lone_message(obj, put_event, protocol)
+        if out is not None:
+            return out
     plain = _plain_dumps
     messages = _tls.__dict__.setdefault("messages", [])  # this thread's
     msg = _Message(put_event)
@@ -877,6 +972,36 @@ def _open_message(groups, body):
     stack.append(opened)
     try:
         return ForkingPickler.loads(body)
+    finally:
+        stack.pop()
+
+
+def _open_lone(device, raw, cls, size, stride, offset, dtype_name,
+               requires_grad):
+    """Loads a message of one tensor (_lone_message): its bundle opened,
+    the tensor rebuilt as a message's tensor is. cls 0: torch.Tensor."""
+    if _Tensor is None:
+        # A receiver's first message may come before it imports torch
+        # (this message names no torch global, which would import it).
+        import torch  # noqa: F401
+        _bind_torch()
+    if cls == 0:
+        cls = _Tensor
+    dtype = _dtype_of_name.get(dtype_name)
+    if dtype is None:
+        dtype = getattr(_torch(), dtype_name, None)
+        if not isinstance(dtype, _torch().dtype):
+            raise _usmipc.Error(
+                f"usmipc.torch: a message names the dtype {dtype_name!r}, "
+                f"which this process's torch {_torch().__version__} does "
+                f"not have: sender and receiver must run the same torch")
+        _dtype_of_name[dtype_name] = dtype
+    leaf = _open_group(device, raw)[0]
+    stack = _tls.__dict__.setdefault("opened", [])
+    stack.append(_Opened(((device, raw),), ((leaf,),)))
+    try:
+        return _rebuild_tensor((0, 0), cls, size, stride, offset, dtype,
+                               requires_grad)
     finally:
         stack.pop()
 

@@ -308,33 +308,52 @@ def test_dumps_follows_reducers_registered_later(routed):
 
 def test_a_lone_tensor_pickles_as_torchs_pickling_of_it(routed,
                                                        monkeypatch):
-    """A message that is one tensor skips the pickler's dispatch (its
-    reduction is made and pickled directly, usmipc.torch._lone_body): what
-    loads must be what pickling the tensor gives (a Parameter with
-    requires_grad, a strided view with its offset, the non-leaf refusal),
-    and a reducer registered for the tensor's type afterwards is what runs,
-    as with torch's own ForkingPickler.dumps."""
+    """A message that is one tensor skips the pickler's dispatch: one
+    routed tensor travels as a message of its own kind
+    (usmipc.torch._lone_message), others have their reduction made and
+    pickled directly (usmipc.torch._lone_body). What loads must be what
+    pickling the tensor gives (a Parameter with requires_grad, a strided
+    view with its offset, the whole tensor as it is, the non-leaf
+    refusal), and a reducer registered for the tensor's type afterwards
+    is what runs, as with torch's own ForkingPickler.dumps."""
     from multiprocessing.reduction import ForkingPickler
     torch, ut = routed
     t = host_tensor(torch, 10)
     t.copy_(torch.arange(10.0))
     taken = []
-    lone = ut._lone_body
+    lone, lone_message = ut._lone_body, ut._lone_message
 
     def spy(cls, obj, protocol):
         body = lone(cls, obj, protocol)
-        taken.append(body is not None)
+        taken.append("body" if body is not None else None)
         return body
 
+    def spy_message(obj, put_event, protocol):
+        out = lone_message(obj, put_event, protocol)
+        if out is not None:
+            taken.append("message")
+        return out
+
     monkeypatch.setattr(ut, "_lone_body", spy)
+    monkeypatch.setattr(ut, "_lone_message", spy_message)
     p = torch.nn.Parameter(t[2:6])
     got = ForkingPickler.loads(ForkingPickler.dumps(p))
     assert type(got) is torch.nn.Parameter and got.requires_grad
     assert got.tolist() == [2.0, 3.0, 4.0, 5.0]
-    v = ForkingPickler.loads(ForkingPickler.dumps(t[3:8:2]))
-    assert (v.tolist(), v.stride(), v.storage_offset()) == ([3.0, 5.0, 7.0],
-                                                           (2,), 3)
-    assert taken == [True, True]
+    del got
+    w = host_tensor(torch, 6, torch.bfloat16)
+    w.copy_(torch.arange(6.0))
+    got = ForkingPickler.loads(ForkingPickler.dumps(w))
+    assert (got.dtype, got.shape, got.tolist()) == (
+        torch.bfloat16, (6,), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    assert taken == ["message", "message"]
+    # A tensor of memory this process received (this one, loaded here):
+    # handed on by the general path, its reduction pickled directly.
+    v = ForkingPickler.loads(ForkingPickler.dumps(got[1:6:2]))
+    assert (v.tolist(), v.stride(), v.storage_offset()) == ([1.0, 3.0, 5.0],
+                                                           (2,), 1)
+    assert taken == ["message", "message", "body"]
+    del taken[:]
     leaf = host_tensor(torch, 4).requires_grad_()
     with pytest.raises(RuntimeError, match="requires_grad"):
         ForkingPickler.dumps(leaf * 2)
@@ -347,7 +366,8 @@ def test_a_lone_tensor_pickles_as_torchs_pickling_of_it(routed,
         assert pickle.loads(ForkingPickler.dumps(t)) == "mine"
     finally:
         ForkingPickler._extra_reducers[torch.Tensor] = saved
-    assert taken[-2:] == [False, False]
+    # [1, 2] and the tensor with a reducer of its own: neither fast path.
+    assert taken == [None, None]
 
 
 def _registered_mine(obj):
