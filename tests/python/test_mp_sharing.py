@@ -112,6 +112,7 @@ def _close_all(q, done, go, n):
     go.get(timeout=TIMEOUT)  # alive until the sender has looked
 
 
+@pytest.mark.usefixtures("leftovers_aside")
 def test_sender_frees_when_tickets_return():
     """The sender holds what it put only until the receiver is done: once
     the receiver closed all 20 mappings, the 20 MiB are freed without
@@ -195,6 +196,7 @@ class _Back:
         pass
 
 
+@pytest.mark.usefixtures("leftovers_aside")
 def test_reaper_waits_for_every_handle_it_drops():
     """A handle is dropped (its memory freed) only after its wait_released
     ran, also when its ticket comes back while the reaper looks. The
@@ -231,6 +233,7 @@ def _until(cond, limit=5.0):
     return cond()
 
 
+@pytest.mark.usefixtures("leftovers_aside")
 def test_reaper_outlives_an_empty_moment(monkeypatch):
     """The reaper thread stays through a moment with nothing kept: a sender
     whose receivers return each message's ticket before the next put
@@ -265,6 +268,7 @@ class _BackThree:
         pass
 
 
+@pytest.mark.usefixtures("leftovers_aside")
 def test_a_reaper_that_fails_is_replaced(monkeypatch):
     """A reaper whose wait raises ends, and the next handle kept starts
     another, which drops what the first left: before, the dead thread
