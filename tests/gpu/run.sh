@@ -40,7 +40,8 @@ build-gpu/ and pip-installs usmipc, once:
                 (fd, native), tests/gpu/test_gpu_update.py, and
                 tests/gpu/update_bench.py for the 338-tensor and the MoE
                 layouts (caching allocator, expandable segments, the copy
-                loop) beside a flat device copy
+                loop) beside a flat device copy; per tensor on both sides
+                against torch's floors (tests/gpu/per_tensor_bench.py)
   update-more   the same bench with expandable segments (both layouts) and
                 with the copy loop (USMIPC_COPY_BATCH=loop, MoE); fan-out to 8
                 consumers (tests/gpu/fanout_bench.py)
@@ -215,6 +216,8 @@ update() {
     done
   done
   step pytest-update 300 python3 -m pytest -q -rs tests/gpu/test_gpu_update.py tests/gpu/test_gpu_share_queries.py tests/python/test_update.py
+  step per-tensor-qwen 200 python3 tests/gpu/per_tensor_bench.py --layout qwen --json "$OUT/per_tensor_qwen.json"
+  step per-tensor-moe 300 python3 tests/gpu/per_tensor_bench.py --layout moe --reps 5 --json "$OUT/per_tensor_moe.json"
   step update-qwen 300 python3 tests/gpu/update_bench.py --layout qwen --json "$OUT/update_qwen.json"
   step update-moe 400 python3 tests/gpu/update_bench.py --layout moe --json "$OUT/update_moe.json"
 }
