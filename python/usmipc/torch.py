@@ -288,46 +288,25 @@ class _Forward:
         self.raw = raw
 
 
-class _Message:
-    """What one ForkingPickler.dumps collects while torch's pickling of
-    the object runs: the routed storages, grouped by device, and the
-    received ones, grouped by the bundle they came in."""
+# What one ForkingPickler.dumps collects while torch's pickling of the
+# object runs: the routed storages, grouped by device (.group_of: a CUDA
+# device's index, -1 the host), and the received ones, grouped by the
+# bundle they came in (.forward_of); .add(storage, nbytes, tensor=None) ->
+# (group, index). In C (python/usmipc/_ext/torch_reduce.c), with the
+# per-tensor step of a message's common case: _reduce_tensor's rules, made
+# without the Python of this module per tensor.
+_Message = _usmipc._TorchMessage
 
-    __slots__ = ("groups", "group_of", "forward_of", "put_event")
 
-    def __init__(self, put_event):
-        self.groups: list = []  # _Group and _Forward
-        self.group_of: dict = {}  # torch.device -> group index
-        self.forward_of: dict = {}  # bundle bytes -> group index
-        self.put_event = put_event  # (device index, torch.cuda.Event) or None
-
-    def add(self, storage, nbytes, tensor=None) -> tuple[int, int]:
-        """(group, index) of the storage (of nbytes) in this message, added
-        if new; tensor: the tensor over it being pickled (None: the
-        storage)."""
-        origin = _origin(storage) if _received else None
-        if origin is not None:
-            name, raw, index = origin
-            g = self.forward_of.get(raw)
-            if g is None:
-                g = self.forward_of[raw] = len(self.groups)
-                self.groups.append(_Forward(storage.device, name, raw))
-            return g, index
-        device = storage.device
-        g = self.group_of.get(device)
-        if g is None:
-            g = self.group_of[device] = len(self.groups)
-            self.groups.append(_Group(device))
-        group = self.groups[g]
-        key = (storage.data_ptr(), nbytes)
-        i = group.index_of.get(key)
-        if i is None:
-            i = group.index_of[key] = len(group.views)
-            group.views.append(storage)
-            group.single.append(tensor)
-        else:
-            group.single[i] = None
-        return g, i
+def _forward_add(msg, storage, origin) -> tuple[int, int]:
+    """msg.add() of a storage this process received (origin: _origin's
+    answer): the bundle it came in, handed on once per message."""
+    name, raw, index = origin
+    g = msg.forward_of.get(raw)
+    if g is None:
+        g = msg.forward_of[raw] = len(msg.groups)
+        msg.groups.append(_Forward(storage.device, name, raw))
+    return g, index
 
 
 def _origin(storage):
@@ -653,6 +632,13 @@ def _plain_dumps(cls, obj, protocol):
         extra = dict(ForkingPickler._extra_reducers)
         table = dict(base)
         table.update(extra)
+        # Tensors that torch's routed reduce_tensor reduces: the C step
+        # (torch_reduce.c), which calls _reduce_tensor for all it does not
+        # take (no trampoline either way).
+        routed = _torch_fn.get("reduce_tensor")
+        for t, fn in extra.items():
+            if routed is not None and fn is routed:
+                table[t] = _usmipc._torch_reduce_tensor
         # A ForkingPickler still (isinstance, and whatever else a Python
         # gives the class), whose __init__ leaves the table to the class.
         pickler = type("ForkingPickler", (ForkingPickler,),
@@ -784,11 +770,13 @@ def _dumps(cls, obj, protocol=None):
     messages = _tls.__dict__.setdefault("messages", [])  # this thread's
     msg = _Message(put_event)
     messages.append(msg)
+    _usmipc._torch_push(msg)  # the C step's stack, beside this one
     try:
         body = _lone_body(cls, obj, protocol)
         if body is None:
             body = plain(cls, obj, protocol)
     finally:
+        _usmipc._torch_pop()
         messages.pop()
     if not msg.groups:
         return body
@@ -810,9 +798,11 @@ def _dumps(cls, obj, protocol=None):
         _counts["fallbacks"] += sum(len(g.views) for g in msg.groups
                                     if type(g) is _Group)
         _tls.bypass += 1
+        _usmipc._torch_push(None)  # no message: torch's reductions
         try:
             return plain(cls, obj, protocol)
         finally:
+            _usmipc._torch_pop()
             _tls.bypass -= 1
     # Forwarded last: a ticket minted for a message that is never sent
     # would keep the first sender's memory until it exits.
@@ -1168,6 +1158,12 @@ def install() -> None:
             fn.__globals__["__usmipc_" + name] = routed
             fn.__code__ = _trampoline(name)
             _swapped_code[fn] = code
+        _bind_torch()
+        _usmipc._torch_setup({
+            "Group": _Group, "forward_add": _forward_add, "origin": _origin,
+            "received": _received, "counts": _counts,
+            "rebuild": _rebuild_tensor, "fallback": _reduce_tensor,
+            "strided": _strided, "leaf_dtypes": _leaf_dtype_set})
         _torch_dumps = ForkingPickler.__dict__["dumps"]
         _set(ForkingPickler, "dumps", classmethod(_dumps))
         for cls in (queues.Queue, queues.JoinableQueue):

@@ -19,6 +19,7 @@ import os
 import pickle
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -797,3 +798,145 @@ def test_a_refused_message_goes_by_torchs_path(routed, monkeypatch):
     assert ut.stats()["fallbacks"] == 1 and ut.stats()["messages"] == 0
     back = ForkingPickler.loads(data)
     assert back["a"].tolist() == [2.0] * 4
+
+
+@pytest.fixture
+def nothing_received(routed):
+    """usmipc.torch's record of what this process received, emptied for
+    the test (other tests loaded messages here): a sender that never
+    received, whose tensors the C step reduces; put back after."""
+    _, ut = routed
+    saved = dict(ut._received)
+    ut._received.clear()
+    try:
+        yield
+    finally:
+        ut._received.update(saved)
+
+
+def _messages_made(monkeypatch, ut):
+    made = []
+
+    def make(put_event):
+        m = usmipc._usmipc._TorchMessage(put_event)
+        made.append(m)
+        return m
+
+    monkeypatch.setattr(ut, "_Message", make)
+    return made
+
+
+def _load_dict_report(conn):
+    from multiprocessing.reduction import ForkingPickler
+    import usmipc.torch  # noqa: F401 (the receiver needs no install())
+    d = ForkingPickler.loads(conn.recv_bytes())
+    a, b, c, p = d["a"], d["b"], d["c"], d["p"]
+    conn.send({
+        "a": a.tolist(), "b": b.tolist(), "c": c.tolist(),
+        "b_offset": b.storage_offset(), "b_stride": b.stride(),
+        "one_storage": a.untyped_storage()._cdata
+        == b.untyped_storage()._cdata,
+        "p": (type(p).__name__, p.requires_grad, p.tolist()),
+        "tied": d["tied"] is d["a"]})
+    conn.recv()
+
+
+def test_the_c_step_takes_a_messages_tensors(routed, nothing_received,
+                                             monkeypatch):
+    """A message of many tensors is reduced by the C step
+    (python/usmipc/_ext/torch_reduce.c) with _reduce_tensor's rules: two
+    views of one storage arrive as views of one storage (offset and stride
+    kept), a Parameter with requires_grad as a Parameter, the same tensor
+    twice as one object; what the step declines (a non-leaf requiring grad)
+    is _reduce_tensor's refusal, in torch's words."""
+    from multiprocessing.reduction import ForkingPickler
+    torch, ut = routed
+    made = _messages_made(monkeypatch, ut)
+    t = host_tensor(torch, 8)
+    t.copy_(torch.arange(8.0))
+    c = host_tensor(torch, 3, torch.bfloat16)
+    c.copy_(torch.tensor([7.0, 8.0, 9.0]))
+    w = host_tensor(torch, 2)
+    w.copy_(torch.tensor([0.5, 1.5]))
+    p = torch.nn.Parameter(w)
+    before = ut.stats()
+    data = ForkingPickler.dumps({"a": t, "b": t[1:7:2], "c": c, "p": p,
+                                 "tied": t})
+    after = ut.stats()
+    assert [m.taken for m in made] == [4]  # t once (memoized), b, c, p
+    assert after["routed_tensors"] - before["routed_tensors"] == 4
+    assert after["host_tensors"] - before["host_tensors"] == 4
+    assert after["bundles"] - before["bundles"] == 1
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_load_dict_report, args=(child,))
+    proc.start()
+    parent.send_bytes(data.tobytes())
+    got = parent.recv()
+    parent.send("bye")
+    proc.join(TIMEOUT)
+    assert proc.exitcode == 0
+    assert got == {"a": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
+                   "b": [1.0, 3.0, 5.0], "c": [7.0, 8.0, 9.0],
+                   "b_offset": 1, "b_stride": (2,), "one_storage": True,
+                   "p": ("Parameter", True, [0.5, 1.5]), "tied": True}
+    leaf = host_tensor(torch, 4).requires_grad_()
+    with pytest.raises(RuntimeError, match="requires_grad"):
+        ForkingPickler.dumps({"ok": t, "bad": leaf * 2})
+    assert made[-1].taken == 1  # "ok"; "bad" went to _reduce_tensor
+
+
+class _DumpsInside:
+    """An object whose pickling pickles a tensor message of its own (a
+    dumps inside a dumps): each message keeps its own tensors."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __reduce__(self):
+        from multiprocessing.reduction import ForkingPickler
+        return (bytes, (ForkingPickler.dumps({"inner": self.t}).tobytes(),))
+
+
+def test_the_c_step_follows_nested_messages_and_threads(
+        routed, nothing_received, monkeypatch):
+    from multiprocessing.reduction import ForkingPickler
+    torch, ut = routed
+    made = _messages_made(monkeypatch, ut)
+    a, b = host_tensor(torch, 4), host_tensor(torch, 6)
+    ForkingPickler.dumps({"a": a, "x": _DumpsInside(b), "a2": a[1:]})
+    outer, inner = made
+    # Each tensor in the message being pickled when it was reduced.
+    assert (outer.taken, inner.taken) == (2, 1)
+    assert [len(g.views) for g in outer.groups] == [1]
+    assert [len(g.views) for g in inner.groups] == [1]
+    # Threads: each thread's messages are its own.
+    del made[:]
+    errors = []
+
+    def send(n):
+        try:
+            for _ in range(n):
+                ForkingPickler.dumps({"a": a, "b": b})
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=send, args=(50,)) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(TIMEOUT)
+    assert not errors
+    assert len(made) == 200 and all(m.taken == 2 for m in made)
+    assert all(len(m.groups) == 1 and len(m.groups[0].views) == 2
+               for m in made)
+
+
+def test_the_c_step_refuses_what_is_not_its_own():
+    from usmipc import _usmipc
+    with pytest.raises(TypeError, match="_TorchMessage or None"):
+        _usmipc._torch_push(object())
+    with pytest.raises(ValueError, match="no Group"):
+        _usmipc._torch_setup({})
+    with pytest.raises(TypeError, match="a dict"):
+        _usmipc._torch_setup([])

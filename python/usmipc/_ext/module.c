@@ -1,4 +1,4 @@
-/* Floor 8 of the extension usmipc._usmipc, the top: module initialization
+/* Floor 9 of the extension usmipc._usmipc, the top: module initialization
  * (PEP 489 multi-phase), the module state's exceptions and lifecycle, the
  * interrupt hook that lets Ctrl-C end an open or an event wait, and the
  * module functions get_devices(), backends(), set_ipc_cache_size()
@@ -12,7 +12,8 @@
  * and includes only its own header and those of lower floors (one header
  * per file; a header includes only lower ones).
  *
- *   8  module.c         module init and module functions
+ *   9  module.c         module init and module functions
+ *   8  torch_reduce.c   usmipc.torch's per-tensor step (_TorchMessage)
  *   7  ipc_handle.c     IPCMemoryHandle
  *      shared_array.c   open_shared(), SharedArray (bundles, consumer's side)
  *      update.c         _CopyPlan (UpdatePlan's one call), _bundle_paths
@@ -35,6 +36,7 @@
 #include "memory_core.h"
 #include "queue.h"
 #include "shared_array.h"
+#include "torch_reduce.h"
 #include "update.h"
 #include "util.h"
 
@@ -469,6 +471,10 @@ static PyMethodDef bundle_functions[] = {
     {"_bundle_from_bytes", pyusmipc_bundle_from_bytes, METH_O, NULL},
     {"_copy_plan", PYUSMIPC_CMETHOD(pyusmipc_copy_plan), METH_FASTCALL, NULL},
     {"_bundle_paths", pyusmipc_bundle_paths, METH_O, NULL},
+    {"_torch_setup", pyusmipc_torch_setup, METH_O, NULL},
+    {"_torch_push", pyusmipc_torch_push, METH_O, NULL},
+    {"_torch_pop", pyusmipc_torch_pop, METH_NOARGS, NULL},
+    {"_torch_reduce_tensor", pyusmipc_torch_reduce_tensor, METH_O, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -758,6 +764,7 @@ static int module_exec(PyObject *module) {
       pyusmipc_init_bundle_type(module, st) < 0 ||
       pyusmipc_init_shared_array_type(module, st) < 0 ||
       pyusmipc_init_copy_plan_type(module, st) < 0 ||
+      pyusmipc_init_torch_message_type(module) < 0 ||
       PyModule_AddFunctions(module, bundle_functions) < 0 ||
       add_error_codes(module) < 0 || install_interrupt_hook() < 0) {
     return -1;

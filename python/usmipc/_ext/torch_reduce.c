@@ -1,0 +1,565 @@
+/* Floor 8 of the extension usmipc._usmipc (torch_reduce.c): usmipc.torch's
+ * per-tensor step in C. ForkingPickler.dumps of a message of many tensors
+ * (a state dict) reduces each tensor once; in Python that took about 2 us a
+ * tensor of reading, grouping and tuple making beside the 0.7 us of reading
+ * the tensor's attributes alone (2-vCPU VM), a third of the sender's whole
+ * time for a warm 338-tensor state dict (issue 24). python/usmipc/torch.py
+ * keeps every rule; this file only runs its common case:
+ *
+ *   _TorchMessage(put_event): what one dumps collects (torch.py's _Message
+ *       before): .groups (list of torch.py's _Group and _Forward), .group_of
+ *       (device index -> group index: a CUDA device's index, -1 the host),
+ *       .forward_of (bundle bytes -> group index), .put_event; .add(storage,
+ *       nbytes, tensor=None) -> (group, index), as torch.py's paths call it.
+ *   _torch_setup(config): torch.py's objects this file calls or compares
+ *       with (install() passes them; one process, one set).
+ *   _torch_push(message or None), _torch_pop(): the message a dumps on this
+ *       thread collects into (None: none, torch's own reductions run).
+ *   _torch_reduce_tensor(tensor): what the merged pickler of torch.py's
+ *       _plain_dumps calls for a tensor: the reduction of the message's
+ *       common case (a routed strided tensor of some bytes, no forwarding,
+ *       no refusal, no hooks), else torch.py's _reduce_tensor, which says
+ *       every other case.
+ *
+ * Calls util.c only, and the library's public usmipc_pointer_query(). */
+#include "torch_reduce.h"
+
+#include <stddef.h>
+#include <string.h>
+
+#include <structmember.h>
+
+#include "util.h"
+
+/* torch.py's objects (_torch_setup): strong references, for the life of
+ * the process. install() may run again after uninstall(): the new set
+ * replaces the old. */
+static struct {
+  PyObject *group_type;  /* _Group(device) */
+  PyObject *forward_add; /* _forward_add(message, storage, origin) */
+  PyObject *origin;      /* _origin(storage) */
+  PyObject *received;    /* dict: what this process received */
+  PyObject *counts;      /* dict: stats() counters */
+  PyObject *rebuild;     /* _rebuild_tensor */
+  PyObject *fallback;    /* _reduce_tensor */
+  PyObject *strided;     /* torch.strided */
+  PyObject *leaf_dtypes; /* frozenset: dtypes a whole tensor travels as */
+} cfg;
+
+/* Attribute and method names, made once (a lookup by C string makes a str
+ * each time). */
+static PyObject *n_is_nested, *n_layout, *n_untyped_storage, *n_is_cuda,
+    *n_is_cpu, *n_requires_grad, *n_is_leaf, *n_backward_hooks, *n_size,
+    *n_stride, *n_storage_offset, *n_dtype, *n_nbytes, *n_is_contiguous,
+    *n_get_device, *n_data_ptr, *n_device, *n_index, *n_views, *n_index_of,
+    *n_single, *k_cuda_tensors, *k_host_tensors, *k_routed_tensors;
+
+static int make_names(void) {
+  if (k_routed_tensors != NULL)
+    return 0;
+  struct {
+    PyObject **at;
+    const char *s;
+  } names[] = {{&n_is_nested, "is_nested"},
+               {&n_layout, "layout"},
+               {&n_untyped_storage, "untyped_storage"},
+               {&n_is_cuda, "is_cuda"},
+               {&n_is_cpu, "is_cpu"},
+               {&n_requires_grad, "requires_grad"},
+               {&n_is_leaf, "is_leaf"},
+               {&n_backward_hooks, "_backward_hooks"},
+               {&n_size, "size"},
+               {&n_stride, "stride"},
+               {&n_storage_offset, "storage_offset"},
+               {&n_dtype, "dtype"},
+               {&n_nbytes, "nbytes"},
+               {&n_is_contiguous, "is_contiguous"},
+               {&n_get_device, "get_device"},
+               {&n_data_ptr, "data_ptr"},
+               {&n_device, "device"},
+               {&n_index, "index"},
+               {&n_views, "views"},
+               {&n_index_of, "index_of"},
+               {&n_single, "single"},
+               {&k_cuda_tensors, "cuda_tensors"},
+               {&k_host_tensors, "host_tensors"},
+               {&k_routed_tensors, "routed_tensors"}};
+  for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+    if (*names[i].at == NULL &&
+        (*names[i].at = PyUnicode_InternFromString(names[i].s)) == NULL)
+      return -1;
+  return 0;
+}
+
+/* ---- _TorchMessage --------------------------------------------------------
+ */
+
+typedef struct torch_message {
+  PyObject_HEAD PyObject *groups;
+  PyObject *group_of;
+  PyObject *forward_of;
+  PyObject *put_event;
+  /* The group of the last tensor (most messages have one device): its
+   * device index and lists, strong references. */
+  long last_index;
+  Py_ssize_t taken; /* tensors the C step reduced (tests read it) */
+  PyObject *last_g; /* int: its index in groups */
+  PyObject *last_views, *last_index_of, *last_single;
+} torch_message_t;
+
+static PyObject *message_new(PyTypeObject *type, PyObject *args,
+                             PyObject *kwargs) {
+  PyObject *put_event = Py_None;
+  static char *kw[] = {"put_event", NULL};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:_TorchMessage", kw,
+                                   &put_event))
+    return NULL;
+  torch_message_t *m = (torch_message_t *)pyusmipc_object_alloc(type);
+  if (m == NULL)
+    return NULL;
+  m->groups = PyList_New(0);
+  m->group_of = PyDict_New();
+  m->forward_of = PyDict_New();
+  m->put_event = Py_NewRef(put_event);
+  if (m->groups == NULL || m->group_of == NULL || m->forward_of == NULL) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  return (PyObject *)m;
+}
+
+static int message_clear(PyObject *self) {
+  torch_message_t *m = (torch_message_t *)self;
+  Py_CLEAR(m->groups);
+  Py_CLEAR(m->group_of);
+  Py_CLEAR(m->forward_of);
+  Py_CLEAR(m->put_event);
+  Py_CLEAR(m->last_g);
+  Py_CLEAR(m->last_views);
+  Py_CLEAR(m->last_index_of);
+  Py_CLEAR(m->last_single);
+  return 0;
+}
+
+static int message_traverse(PyObject *self, visitproc visit, void *arg) {
+  torch_message_t *m = (torch_message_t *)self;
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(m->groups);
+  Py_VISIT(m->group_of);
+  Py_VISIT(m->forward_of);
+  Py_VISIT(m->put_event);
+  Py_VISIT(m->last_g);
+  Py_VISIT(m->last_views);
+  Py_VISIT(m->last_index_of);
+  Py_VISIT(m->last_single);
+  return 0;
+}
+
+static void message_dealloc(PyObject *self) {
+  PyObject_GC_UnTrack(self);
+  message_clear(self);
+  pyusmipc_object_free(self);
+}
+
+/* Makes the group of device index the message's last one: found, or made
+ * (_Group(device), device the storage's). 0, or -1 with an exception. */
+static int select_group(torch_message_t *m, long index, PyObject *storage) {
+  if (m->last_g != NULL && m->last_index == index)
+    return 0;
+  PyObject *key = PyLong_FromLong(index);
+  if (key == NULL)
+    return -1;
+  PyObject *g = PyDict_GetItemWithError(m->group_of, key);
+  Py_XINCREF(g);
+  if (g == NULL) {
+    if (PyErr_Occurred()) {
+      Py_DECREF(key);
+      return -1;
+    }
+    PyObject *device = PyObject_GetAttr(storage, n_device);
+    PyObject *group =
+        device ? PyObject_CallFunctionObjArgs(cfg.group_type, device, NULL)
+               : NULL;
+    Py_XDECREF(device);
+    g = group ? PyLong_FromSsize_t(PyList_Size(m->groups)) : NULL;
+    if (g == NULL || PyList_Append(m->groups, group) < 0 ||
+        PyDict_SetItem(m->group_of, key, g) < 0) {
+      Py_XDECREF(group);
+      Py_XDECREF(g);
+      Py_DECREF(key);
+      return -1;
+    }
+    Py_DECREF(group);
+  }
+  Py_DECREF(key);
+  PyObject *group = PyList_GetItem(m->groups, PyLong_AsSsize_t(g));
+  PyObject *views = group ? PyObject_GetAttr(group, n_views) : NULL;
+  PyObject *index_of = views ? PyObject_GetAttr(group, n_index_of) : NULL;
+  PyObject *single = index_of ? PyObject_GetAttr(group, n_single) : NULL;
+  if (single == NULL || !PyList_Check(views) || !PyDict_Check(index_of) ||
+      !PyList_Check(single)) {
+    if (single != NULL)
+      PyErr_SetString(PyExc_TypeError, "usmipc.torch: a malformed group");
+    Py_XDECREF(views);
+    Py_XDECREF(index_of);
+    Py_XDECREF(single);
+    Py_DECREF(g);
+    return -1;
+  }
+  Py_XDECREF(m->last_g);
+  Py_XDECREF(m->last_views);
+  Py_XDECREF(m->last_index_of);
+  Py_XDECREF(m->last_single);
+  m->last_g = g;
+  m->last_views = views;
+  m->last_index_of = index_of;
+  m->last_single = single;
+  m->last_index = index;
+  return 0;
+}
+
+/* (group, index) of the storage (nbytes, at data_ptr) on device index in
+ * the message, added if new; tensor: the one tensor of the message over it
+ * so far (Py_None: a second one, or the storage itself pickled). */
+static PyObject *add_own(torch_message_t *m, PyObject *storage,
+                         PyObject *nbytes, long index, PyObject *tensor) {
+  if (select_group(m, index, storage) < 0)
+    return NULL;
+  PyObject *ptr = PyObject_CallMethodObjArgs(storage, n_data_ptr, NULL);
+  if (ptr == NULL)
+    return NULL;
+  PyObject *key = PyTuple_Pack(2, ptr, nbytes);
+  Py_DECREF(ptr);
+  if (key == NULL)
+    return NULL;
+  PyObject *i = PyDict_GetItemWithError(m->last_index_of, key);
+  Py_XINCREF(i);
+  int rc = 0;
+  if (i == NULL && !PyErr_Occurred()) {
+    i = PyLong_FromSsize_t(PyList_Size(m->last_views));
+    rc = i == NULL || PyDict_SetItem(m->last_index_of, key, i) < 0 ||
+                 PyList_Append(m->last_views, storage) < 0 ||
+                 PyList_Append(m->last_single, tensor) < 0
+             ? -1
+             : 0;
+  } else if (i != NULL) {
+    rc =
+        PyList_SetItem(m->last_single, PyLong_AsSsize_t(i), Py_NewRef(Py_None));
+  }
+  Py_DECREF(key);
+  if (i == NULL || rc < 0) {
+    Py_XDECREF(i);
+    return NULL;
+  }
+  PyObject *at = PyTuple_Pack(2, m->last_g, i);
+  Py_DECREF(i);
+  return at;
+}
+
+/* A storage's device index: its CUDA index, -1 on the host. */
+static int storage_index(PyObject *storage, long *index) {
+  PyObject *cuda = PyObject_GetAttr(storage, n_is_cuda);
+  int is_cuda = cuda ? PyObject_IsTrue(cuda) : -1;
+  Py_XDECREF(cuda);
+  if (is_cuda <= 0) {
+    *index = -1;
+    return is_cuda;
+  }
+  PyObject *device = PyObject_GetAttr(storage, n_device);
+  PyObject *i = device ? PyObject_GetAttr(device, n_index) : NULL;
+  Py_XDECREF(device);
+  *index = i ? PyLong_AsLong(i) : -1;
+  Py_XDECREF(i);
+  return PyErr_Occurred() ? -1 : 0;
+}
+
+static int configured(void) {
+  if (cfg.rebuild != NULL)
+    return 0;
+  PyErr_SetString(PyExc_RuntimeError,
+                  "usmipc.torch: _torch_setup() was not called (install())");
+  return -1;
+}
+
+/* add(storage, nbytes, tensor=None): torch.py's _Message.add. */
+static PyObject *message_add(PyObject *self, PyObject *args) {
+  torch_message_t *m = (torch_message_t *)self;
+  PyObject *storage, *nbytes, *tensor = Py_None;
+  if (!PyArg_ParseTuple(args, "OO|O:add", &storage, &nbytes, &tensor) ||
+      configured() < 0 || make_names() < 0)
+    return NULL;
+  if (PyDict_Size(cfg.received) > 0) {
+    /* Memory this process received is handed on, not exported. */
+    PyObject *origin = PyObject_CallFunctionObjArgs(cfg.origin, storage, NULL);
+    if (origin == NULL)
+      return NULL;
+    if (origin != Py_None) {
+      PyObject *at = PyObject_CallFunctionObjArgs(cfg.forward_add, self,
+                                                  storage, origin, NULL);
+      Py_DECREF(origin);
+      return at;
+    }
+    Py_DECREF(origin);
+  }
+  long index;
+  if (storage_index(storage, &index) < 0)
+    return NULL;
+  return add_own(m, storage, nbytes, index, tensor);
+}
+
+static PyMethodDef message_methods[] = {
+    {"add", message_add, METH_VARARGS,
+     "add(storage, nbytes, tensor=None) -> (group, index): the storage's "
+     "place in the message, added if new."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef message_members[] = {
+    {"groups", T_OBJECT_EX, offsetof(torch_message_t, groups), READONLY, NULL},
+    {"group_of", T_OBJECT_EX, offsetof(torch_message_t, group_of), READONLY,
+     NULL},
+    {"forward_of", T_OBJECT_EX, offsetof(torch_message_t, forward_of), READONLY,
+     NULL},
+    {"put_event", T_OBJECT_EX, offsetof(torch_message_t, put_event), READONLY,
+     NULL},
+    {"taken", T_PYSSIZET, offsetof(torch_message_t, taken), READONLY,
+     "How many tensors the C step reduced (the rest: usmipc.torch's "
+     "_reduce_tensor)."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot message_slots[] = {
+    {Py_tp_doc, (void *)"What one ForkingPickler.dumps of usmipc.torch "
+                        "collects: the routed storages, grouped by device, "
+                        "and the received ones, by the bundle they came in."},
+    {Py_tp_new, message_new},
+    {Py_tp_dealloc, message_dealloc},
+    {Py_tp_traverse, message_traverse},
+    {Py_tp_clear, message_clear},
+    {Py_tp_methods, message_methods},
+    {Py_tp_members, message_members},
+    {0, NULL},
+};
+
+static PyType_Spec message_spec = {
+    .name = "usmipc._TorchMessage",
+    .basicsize = sizeof(torch_message_t),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = message_slots,
+};
+
+static PyObject *message_type;
+
+int pyusmipc_init_torch_message_type(PyObject *module) {
+  message_type = PyType_FromModuleAndSpec(module, &message_spec, NULL);
+  if (message_type == NULL)
+    return -1;
+  return PyModule_AddObjectRef(module, "_TorchMessage", message_type);
+}
+
+/* ---- the current message, per thread --------------------------------------
+ * A stack: a reducer may pickle (dumps inside dumps). Deeper than it holds,
+ * the messages are torch.py's alone (the C step declines). */
+
+#define STACK_MAX 8
+static _Thread_local PyObject *stack[STACK_MAX]; /* borrowed: torch.py's
+                                                    _tls.messages holds them */
+static _Thread_local int depth;
+
+PyObject *pyusmipc_torch_push(PyObject *module, PyObject *msg) {
+  (void)module;
+  if (msg != Py_None && !PyObject_TypeCheck(msg, (PyTypeObject *)message_type))
+    return pyusmipc_type_error("_torch_push: a _TorchMessage or None");
+  if (depth < STACK_MAX)
+    stack[depth] = msg == Py_None ? NULL : msg;
+  depth++;
+  Py_RETURN_NONE;
+}
+
+PyObject *pyusmipc_torch_pop(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+  (void)module;
+  if (depth > 0)
+    depth--;
+  if (depth < STACK_MAX)
+    stack[depth] = NULL;
+  Py_RETURN_NONE;
+}
+
+PyObject *pyusmipc_torch_setup(PyObject *module, PyObject *config) {
+  (void)module;
+  if (!PyDict_Check(config))
+    return pyusmipc_type_error("_torch_setup: a dict");
+  struct {
+    PyObject **at;
+    const char *key;
+  } keys[] = {
+      {&cfg.group_type, "Group"},       {&cfg.forward_add, "forward_add"},
+      {&cfg.origin, "origin"},          {&cfg.received, "received"},
+      {&cfg.counts, "counts"},          {&cfg.rebuild, "rebuild"},
+      {&cfg.fallback, "fallback"},      {&cfg.strided, "strided"},
+      {&cfg.leaf_dtypes, "leaf_dtypes"}};
+  PyObject *got[sizeof(keys) / sizeof(keys[0])];
+  for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
+    got[i] = PyDict_GetItemString(config, keys[i].key);
+    if (got[i] == NULL)
+      return pyusmipc_value_error("_torch_setup: no %s", keys[i].key);
+  }
+  if (!PyDict_Check(got[3]) || !PyDict_Check(got[4]) || !PyAnySet_Check(got[8]))
+    return pyusmipc_type_error("_torch_setup: received and counts are dicts, "
+                               "leaf_dtypes a set");
+  if (make_names() < 0)
+    return NULL;
+  for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
+    PyObject *old = *keys[i].at;
+    *keys[i].at = Py_NewRef(got[i]);
+    Py_XDECREF(old);
+  }
+  Py_RETURN_NONE;
+}
+
+/* ---- the per-tensor step --------------------------------------------------
+ */
+
+/* counts[key] += 1. */
+static int count(PyObject *key) {
+  PyObject *v = PyDict_GetItemWithError(cfg.counts, key);
+  if (v == NULL)
+    return PyErr_Occurred() ? -1 : 0;
+  long n = PyLong_AsLong(v);
+  PyObject *nv = n == -1 && PyErr_Occurred() ? NULL : PyLong_FromLong(n + 1);
+  int rc = nv == NULL ? -1 : PyDict_SetItem(cfg.counts, key, nv);
+  Py_XDECREF(nv);
+  return rc;
+}
+
+/* attr of obj, true or not: 1, 0, or -1 with an exception. */
+static int attr_true(PyObject *obj, PyObject *name) {
+  PyObject *v = PyObject_GetAttr(obj, name);
+  if (v == NULL)
+    return -1;
+  int t = PyObject_IsTrue(v);
+  Py_DECREF(v);
+  return t;
+}
+
+/* Whether host memory at ptr is usmipc's to send (torch.py's
+ * _is_usmipc_host): usmipc memory not registered from elsewhere. */
+static int usmipc_host(PyObject *storage) {
+  PyObject *p = PyObject_CallMethodObjArgs(storage, n_data_ptr, NULL);
+  if (p == NULL)
+    return -1;
+  void *ptr = PyLong_AsVoidPtr(p);
+  Py_DECREF(p);
+  if (ptr == NULL)
+    return PyErr_Occurred() ? -1 : 0;
+  usmipc_pointer_info_t info;
+  return usmipc_pointer_query(ptr, &info) == 0 && !info.is_foreign;
+}
+
+/* The message's reduction of tensor: NULL without an exception when the
+ * common case does not hold (torch.py's _reduce_tensor says what does). */
+static PyObject *reduce_common(torch_message_t *m, PyObject *t) {
+  if (PyDict_Size(cfg.received) > 0)
+    return NULL; /* maybe memory to hand on: torch.py's */
+  int nested = attr_true(t, n_is_nested);
+  if (nested != 0)
+    return NULL;
+  PyObject *layout = PyObject_GetAttr(t, n_layout);
+  if (layout == NULL)
+    return NULL;
+  Py_DECREF(layout); /* torch.strided lives in torch: compared only */
+  if (layout != cfg.strided)
+    return NULL;
+  int cuda = attr_true(t, n_is_cuda);
+  if (cuda < 0)
+    return NULL;
+  PyObject *storage = PyObject_CallMethodObjArgs(t, n_untyped_storage, NULL);
+  if (storage == NULL)
+    return NULL;
+  PyObject *out = NULL, *nbytes = NULL, *size = NULL, *tsize = NULL,
+           *stride = NULL, *offset = NULL, *dtype = NULL, *at = NULL,
+           *tnbytes = NULL, *rg = NULL, *args = NULL;
+  long index = -1;
+  if (cuda) {
+    PyObject *i = PyObject_CallMethodObjArgs(t, n_get_device, NULL);
+    index = i ? PyLong_AsLong(i) : -1;
+    Py_XDECREF(i);
+    if (index < 0)
+      goto done;
+  } else if (attr_true(t, n_is_cpu) != 1 || usmipc_host(storage) != 1) {
+    goto done;
+  }
+  rg = PyObject_GetAttr(t, n_requires_grad);
+  int grad = rg ? PyObject_IsTrue(rg) : -1;
+  if (grad < 0 || (grad && attr_true(t, n_is_leaf) != 1))
+    goto done; /* the refusal: torch.py's */
+  int hooks = attr_true(t, n_backward_hooks);
+  if (hooks != 0)
+    goto done; /* torch.py warns */
+  nbytes = PyObject_CallMethodObjArgs(storage, n_nbytes, NULL);
+  if (nbytes == NULL || PyObject_IsTrue(nbytes) != 1)
+    goto done; /* no bytes: torch.py's */
+  size = PyObject_CallMethodObjArgs(t, n_size, NULL);
+  tsize = size ? PySequence_Tuple(size) : NULL;
+  stride = tsize ? PyObject_CallMethodObjArgs(t, n_stride, NULL) : NULL;
+  offset =
+      stride ? PyObject_CallMethodObjArgs(t, n_storage_offset, NULL) : NULL;
+  dtype = offset ? PyObject_GetAttr(t, n_dtype) : NULL;
+  if (dtype == NULL)
+    goto done;
+  /* Whole: may travel as itself (torch.py's _whole_leaves). */
+  int whole = 0;
+  long off = PyLong_AsLong(offset);
+  if (off == -1 && PyErr_Occurred())
+    goto done;
+  if (off == 0) {
+    tnbytes = PyObject_GetAttr(t, n_nbytes);
+    int same = tnbytes ? PyObject_RichCompareBool(tnbytes, nbytes, Py_EQ) : -1;
+    int leaf = same == 1 ? PySet_Contains(cfg.leaf_dtypes, dtype) : same;
+    if (leaf < 0)
+      goto done;
+    if (leaf == 1) {
+      PyObject *c = PyObject_CallMethodObjArgs(t, n_is_contiguous, NULL);
+      whole = c ? PyObject_IsTrue(c) : -1;
+      Py_XDECREF(c);
+      if (whole < 0)
+        goto done;
+    }
+  }
+  at = add_own(m, storage, nbytes, index, whole ? t : Py_None);
+  if (at == NULL)
+    goto done;
+  if (count(cuda ? k_cuda_tensors : k_host_tensors) < 0 ||
+      count(k_routed_tensors) < 0)
+    goto done;
+  args = PyTuple_Pack(7, at, (PyObject *)Py_TYPE(t), tsize, stride, offset,
+                      dtype, grad ? Py_True : Py_False);
+  if (args != NULL && (out = PyTuple_Pack(2, cfg.rebuild, args)) != NULL)
+    m->taken++;
+done:
+  Py_DECREF(storage);
+  Py_XDECREF(nbytes);
+  Py_XDECREF(size);
+  Py_XDECREF(tsize);
+  Py_XDECREF(stride);
+  Py_XDECREF(offset);
+  Py_XDECREF(dtype);
+  Py_XDECREF(at);
+  Py_XDECREF(tnbytes);
+  Py_XDECREF(rg);
+  Py_XDECREF(args);
+  return out;
+}
+
+PyObject *pyusmipc_torch_reduce_tensor(PyObject *module, PyObject *tensor) {
+  (void)module;
+  if (configured() < 0)
+    return NULL;
+  PyObject *msg = depth > 0 && depth <= STACK_MAX ? stack[depth - 1] : NULL;
+  if (msg != NULL) {
+    PyObject *red = reduce_common((torch_message_t *)msg, tensor);
+    if (red != NULL || PyErr_Occurred())
+      return red;
+  }
+  return PyObject_CallFunctionObjArgs(cfg.fallback, tensor, NULL);
+}
