@@ -940,3 +940,27 @@ def test_the_c_step_refuses_what_is_not_its_own():
         _usmipc._torch_setup({})
     with pytest.raises(TypeError, match="a dict"):
         _usmipc._torch_setup([])
+
+
+def test_the_c_step_hands_received_memory_to_python(routed,
+                                                    nothing_received,
+                                                    monkeypatch):
+    """In a process that received a tensor and holds it, a message with
+    that tensor and one of its own: the C step takes its own tensor, and
+    the received one goes by _reduce_tensor, which hands it on (a _Forward
+    group) instead of exporting another process's memory as its own."""
+    from multiprocessing.reduction import ForkingPickler
+    torch, ut = routed
+    t = host_tensor(torch, 4)
+    t.copy_(torch.arange(4.0))
+    got = ForkingPickler.loads(ForkingPickler.dumps(t))  # received here
+    assert ut._received
+    own = host_tensor(torch, 3)
+    made = _messages_made(monkeypatch, ut)
+    data = ForkingPickler.dumps({"own": own, "fwd": got})
+    (m,) = made
+    assert m.taken == 1
+    kinds = sorted(type(g).__name__ for g in m.groups)
+    assert kinds == ["_Forward", "_Group"]
+    back = ForkingPickler.loads(data)
+    assert back["fwd"].tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -456,11 +456,30 @@ static int usmipc_host(PyObject *storage) {
   return usmipc_pointer_query(ptr, &info) == 0 && !info.is_foreign;
 }
 
+/* Whether this process received the storage (nbytes, on device index, -1
+ * the host): the key torch.py's _received files it under, (device index or
+ * None, data_ptr, nbytes), is there. 1, 0, or -1 with an exception. Such
+ * memory is handed on (torch.py's _origin decides, if it is still alive),
+ * never exported as this process's own. */
+static int received_here(long index, PyObject *storage, PyObject *nbytes) {
+  if (PyDict_Size(cfg.received) == 0)
+    return 0;
+  PyObject *where = index >= 0 ? PyLong_FromLong(index) : Py_NewRef(Py_None);
+  PyObject *ptr =
+      where ? PyObject_CallMethodObjArgs(storage, n_data_ptr, NULL) : NULL;
+  PyObject *key = ptr ? PyTuple_Pack(3, where, ptr, nbytes) : NULL;
+  Py_XDECREF(where);
+  Py_XDECREF(ptr);
+  if (key == NULL)
+    return -1;
+  int found = PyDict_Contains(cfg.received, key);
+  Py_DECREF(key);
+  return found;
+}
+
 /* The message's reduction of tensor: NULL without an exception when the
  * common case does not hold (torch.py's _reduce_tensor says what does). */
 static PyObject *reduce_common(torch_message_t *m, PyObject *t) {
-  if (PyDict_Size(cfg.received) > 0)
-    return NULL; /* maybe memory to hand on: torch.py's */
   int nested = attr_true(t, n_is_nested);
   if (nested != 0)
     return NULL;
@@ -499,6 +518,8 @@ static PyObject *reduce_common(torch_message_t *m, PyObject *t) {
   nbytes = PyObject_CallMethodObjArgs(storage, n_nbytes, NULL);
   if (nbytes == NULL || PyObject_IsTrue(nbytes) != 1)
     goto done; /* no bytes: torch.py's */
+  if (received_here(index, storage, nbytes) != 0)
+    goto done; /* maybe memory to hand on: torch.py's */
   size = PyObject_CallMethodObjArgs(t, n_size, NULL);
   tsize = size ? PySequence_Tuple(size) : NULL;
   stride = tsize ? PyObject_CallMethodObjArgs(t, n_stride, NULL) : NULL;
