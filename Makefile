@@ -103,8 +103,11 @@ test-asan:
 # instrumented; its runtime must come first). Leak checking is off:
 # CPython keeps its own objects at exit. The helper processes of
 # PYASAN_TESTS inherit all of it (test_mutation.py allocates every object
-# with malloc there, so that ASan sees each).
-PYASAN_TESTS ?= tests/python/test_mutation.py tests/python/test_bundles.py
+# with malloc there, so that ASan sees each). test_torch_reducers.py runs
+# usmipc.torch's C step (torch_reduce.c) under it (a minute; torch comes
+# with make distributed-deps).
+PYASAN_TESTS ?= tests/python/test_mutation.py tests/python/test_bundles.py \
+    tests/python/test_torch_reducers.py
 PY_ABS_PATH = $(if $(findstring /,$(PY)),$(abspath $(PY)),$(shell command -v $(PY)))
 test-python-asan: $(PY_SETUP) $(PY_TEST_SETUP)
 	cmake -S . -B $(BUILD)-pyasan -DUSMIPC_BUILD_PYTHON=ON -DUSMIPC_BUILD_TESTS=OFF \
