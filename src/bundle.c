@@ -320,13 +320,22 @@ static int segment_new(usmipc_bundle_t *b, const void *ptr, size_t extent,
   while (b->hash[at] != 0)
     at = (at + 1) & (b->hash_cap - 1);
   b->hash[at] = (uint32_t)b->nseg + 1;
-  /* Into the by-base order (insertion: segments are few). */
-  size_t pos = b->nseg;
-  while (pos > 0 && b->segs[b->by_base[pos - 1]].ref.base > ref.base) {
-    b->by_base[pos] = b->by_base[pos - 1];
-    pos--;
+  /* Into the by-base order: found by bisection, the rest moved up in one
+   * memmove. Allocations often come in descending address order (mmap
+   * places each new mapping below the last: host memory, pools), where a
+   * step-by-step insertion made a bundle of n allocations O(n^2) compares
+   * through segs (a twentieth of share() for 338 host tensors). */
+  size_t lo = 0, hi = b->nseg;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (b->segs[b->by_base[mid]].ref.base > ref.base)
+      hi = mid;
+    else
+      lo = mid + 1;
   }
-  b->by_base[pos] = (uint32_t)b->nseg;
+  memmove(b->by_base + lo + 1, b->by_base + lo,
+          (b->nseg - lo) * sizeof(*b->by_base));
+  b->by_base[lo] = (uint32_t)b->nseg;
   b->last_seg = b->nseg;
   *index = (uint32_t)b->nseg++;
   return 0;

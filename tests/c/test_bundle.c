@@ -918,6 +918,78 @@ TEST_IMPL(bundle_ten_thousand_arrays) {
   return 0;
 }
 
+/* Allocations in any address order: each array lands in its own
+ * allocation's segment, and arrays added again over them (interior ranges,
+ * another order) find those segments instead of adding new ones. The
+ * by-base order is kept by bisection and one memmove per new allocation
+ * (descending order, as mmap places each new mapping below the last, was
+ * quadratic step by step). */
+TEST_IMPL(bundle_allocation_order) {
+  usmipc_device_t *dev = test_device();
+  enum { N = 200, CHUNK = 4096 };
+  void *ptr[N];
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(usmipc_malloc(dev, USMIPC_MEM_DEVICE, CHUNK, &ptr[i]));
+  /* By address, ascending; then each order is a permutation of it. */
+  for (int i = 1; i < N; i++)
+    for (int j = i; j > 0 && (uintptr_t)ptr[j - 1] > (uintptr_t)ptr[j]; j--) {
+      void *t = ptr[j];
+      ptr[j] = ptr[j - 1];
+      ptr[j - 1] = t;
+    }
+  int order[3][N];
+  uint32_t x = 12345;
+  for (int i = 0; i < N; i++) {
+    order[0][i] = i;         /* ascending */
+    order[1][i] = N - 1 - i; /* descending */
+    order[2][i] = i;
+  }
+  for (int i = N - 1; i > 0; i--) { /* shuffled */
+    x = x * 1103515245u + 12345u;
+    int j = (int)(x % (uint32_t)(i + 1)), t = order[2][i];
+    order[2][i] = order[2][j];
+    order[2][j] = t;
+  }
+  for (int o = 0; o < 3; o++) {
+    usmipc_bundle_t *b;
+    ASSERT_OK(usmipc_bundle_create(&b));
+    ASSERT_OK(
+        usmipc_bundle_add_container(b, USMIPC_BUNDLE_LIST, 2 * N, NULL, 0));
+    int64_t whole[1] = {CHUNK}, part[1] = {CHUNK / 4};
+    usmipc_array_desc_t dw = {1, 8, 1, 1, whole, NULL},
+                        dp = {1, 8, 1, 1, part, NULL};
+    for (int i = 0; i < N; i++)
+      ASSERT_OK(usmipc_bundle_add_array(b, NULL, 0, ptr[order[o][i]], &dw));
+    /* Again, interior ranges, in the reverse of this order. */
+    for (int i = N - 1; i >= 0; i--)
+      ASSERT_OK(usmipc_bundle_add_array(
+          b, NULL, 0, (uint8_t *)ptr[order[o][i]] + CHUNK / 2, &dp));
+    ASSERT_OK(usmipc_bundle_finish(b));
+    size_t narr, nseg;
+    ASSERT_OK(usmipc_bundle_counts(b, &narr, &nseg));
+    ASSERT_EQ(narr, 2 * N);
+    ASSERT_EQ(nseg, N);
+    const void *data;
+    size_t len;
+    ASSERT_OK(usmipc_bundle_data(b, &data, &len));
+    usmipc_opened_bundle_t *ob;
+    ASSERT_OK(usmipc_bundle_open(data, len, dev, NULL, 0, &ob));
+    size_t n;
+    const usmipc_bundle_array_t *a = usmipc_opened_bundle_arrays(ob, &n);
+    ASSERT_EQ(n, 2 * N);
+    for (int i = 0; i < N; i++) {
+      ASSERT_PTR_EQ(a[i].ptr, ptr[order[o][i]]);
+      ASSERT_PTR_EQ(a[2 * N - 1 - i].ptr,
+                    (uint8_t *)ptr[order[o][i]] + CHUNK / 2);
+    }
+    ASSERT_OK(usmipc_bundle_close(ob));
+    usmipc_bundle_free(b);
+  }
+  for (int i = 0; i < N; i++)
+    ASSERT_OK(usmipc_free(ptr[i]));
+  return 0;
+}
+
 /* The descriptors of all allocations move in one exchange with the
  * exporter's broker (the socket transport, where each would otherwise take
  * a round trip of its own): 300 allocations, one bundle. */

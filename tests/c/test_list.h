@@ -155,6 +155,7 @@
   X(bundle_depth_one_limit)                                                    \
   X(bundle_key_utf8)                                                           \
   X(bundle_ten_thousand_arrays)                                                \
+  X(bundle_allocation_order)                                                   \
   X(bundle_one_exchange)                                                       \
   X(bundle_fork_from_thread)                                                   \
   X(bundle_release_cross_process)                                              \
