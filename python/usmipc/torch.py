@@ -987,6 +987,19 @@ def _open_lone(device, raw, cls, size, stride, offset, dtype_name,
                 f"not have: sender and receiver must run the same torch")
         _dtype_of_name[dtype_name] = dtype
     leaf = _open_group(device, raw)[0]
+    if (cls is _Tensor and not requires_grad and offset == 0
+            and leaf.dtype is dtype and leaf.shape == size
+            and leaf.stride() == stride):
+        # The common case, as _rebuild_tensor takes it, without a message's
+        # bookkeeping (one tensor: nothing in it to share a storage with):
+        # the sender's whole tensor is the leaf itself, unless this process
+        # still holds that storage, which the tensor is then made over.
+        storage, fresh = _storage_or_live(leaf, (device, raw, 0))
+        _counts["received_tensors"] += 1
+        if fresh:
+            return leaf
+        return _empty(0, dtype=dtype, device=storage.device).set_(
+            storage, offset, size, stride)
     stack = _tls.__dict__.setdefault("opened", [])
     stack.append(_Opened(((device, raw),), ((leaf,),)))
     try:

@@ -395,6 +395,20 @@ def test_a_storage_sent_twice_is_one_storage(routed):
     assert p.exitcode == 0
 
 
+def test_a_whole_tensor_sent_twice_is_one_storage(routed):
+    """The same whole tensor put twice (each a one-tensor message, loaded
+    by _open_lone's own path) while the receiver holds the first: the
+    second is a tensor over the first one's storage."""
+    torch, _ = routed
+    q, out, p = spawn_with_queues(_get_twice, 2)
+    t = host_tensor(torch, 8)
+    q.put(t)
+    q.put(t)
+    assert out.get(timeout=TIMEOUT) == (True, True, 1)
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+
 def _read_later(q, out, go):
     t = q.get(timeout=TIMEOUT)
     out.put("got")
