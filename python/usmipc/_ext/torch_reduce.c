@@ -192,10 +192,14 @@ static int select_group(torch_message_t *m, long index, PyObject *storage) {
     Py_DECREF(group);
   }
   Py_DECREF(key);
+  /* Held while its attributes are read: reading one may run code (a
+   * group's class is torch.py's) that changes the list. */
   PyObject *group = PyList_GetItem(m->groups, PyLong_AsSsize_t(g));
+  Py_XINCREF(group);
   PyObject *views = group ? PyObject_GetAttr(group, n_views) : NULL;
   PyObject *index_of = views ? PyObject_GetAttr(group, n_index_of) : NULL;
   PyObject *single = index_of ? PyObject_GetAttr(group, n_single) : NULL;
+  Py_XDECREF(group);
   if (single == NULL || !PyList_Check(views) || !PyDict_Check(index_of) ||
       !PyList_Check(single)) {
     if (single != NULL)
@@ -206,14 +210,16 @@ static int select_group(torch_message_t *m, long index, PyObject *storage) {
     Py_DECREF(g);
     return -1;
   }
-  Py_XDECREF(m->last_g);
-  Py_XDECREF(m->last_views);
-  Py_XDECREF(m->last_index_of);
-  Py_XDECREF(m->last_single);
+  /* The fields first, then the old references dropped: a release may run
+   * code, which must find the message whole. */
+  PyObject *old[4] = {m->last_g, m->last_views, m->last_index_of,
+                      m->last_single};
   m->last_g = g;
   m->last_views = views;
   m->last_index_of = index_of;
   m->last_single = single;
+  for (int k = 0; k < 4; k++)
+    Py_XDECREF(old[k]);
   m->last_index = index;
   return 0;
 }
@@ -398,23 +404,37 @@ PyObject *pyusmipc_torch_setup(PyObject *module, PyObject *config) {
       {&cfg.counts, "counts"},          {&cfg.rebuild, "rebuild"},
       {&cfg.fallback, "fallback"},      {&cfg.strided, "strided"},
       {&cfg.leaf_dtypes, "leaf_dtypes"}};
-  PyObject *got[sizeof(keys) / sizeof(keys[0])];
-  for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
+  enum { NKEYS = sizeof(keys) / sizeof(keys[0]) };
+  /* Each held as it is found: a lookup may run a key's __eq__, which may
+   * change the dict. */
+  PyObject *got[NKEYS] = {NULL};
+  PyObject *out = NULL;
+  for (size_t i = 0; i < NKEYS; i++) {
     got[i] = PyDict_GetItemString(config, keys[i].key);
-    if (got[i] == NULL)
-      return pyusmipc_value_error("_torch_setup: no %s", keys[i].key);
+    if (got[i] == NULL) {
+      pyusmipc_value_error("_torch_setup: no %s", keys[i].key);
+      goto done;
+    }
+    Py_INCREF(got[i]);
   }
-  if (!PyDict_Check(got[3]) || !PyDict_Check(got[4]) || !PyAnySet_Check(got[8]))
-    return pyusmipc_type_error("_torch_setup: received and counts are dicts, "
-                               "leaf_dtypes a set");
+  if (!PyDict_Check(got[3]) || !PyDict_Check(got[4]) ||
+      !PyAnySet_Check(got[8])) {
+    pyusmipc_type_error("_torch_setup: received and counts are dicts, "
+                        "leaf_dtypes a set");
+    goto done;
+  }
   if (make_names() < 0)
-    return NULL;
-  for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
+    goto done;
+  for (size_t i = 0; i < NKEYS; i++) { /* the references move to cfg */
     PyObject *old = *keys[i].at;
-    *keys[i].at = Py_NewRef(got[i]);
-    Py_XDECREF(old);
+    *keys[i].at = got[i];
+    got[i] = old;
   }
-  Py_RETURN_NONE;
+  out = Py_NewRef(Py_None);
+done:
+  for (size_t i = 0; i < NKEYS; i++)
+    Py_XDECREF(got[i]);
+  return out;
 }
 
 /* ---- the per-tensor step --------------------------------------------------
