@@ -398,11 +398,12 @@ def _whole_leaves(group: _Group) -> None:
             views[i] = t if type(t) is plain else t.detach()
 
 
-def _share_group(group: _Group, put_event):
+def _share_group(group: _Group, put_event, msg=None, k: int = -1):
     """One bundle of the group's storages and its bytes. The caller keeps
     the bundle (_memory._keep) once the whole message is made: the sender
-    holds it until every ticket of it came back."""
-    _whole_leaves(group)
+    holds it until every ticket of it came back. A group of message msg
+    (its index k) is made from what msg recorded of each storage when it
+    was pickled (the C step has read every tensor once already)."""
     stream = None
     if group.device.type == "cuda":
         index = group.device.index
@@ -410,7 +411,10 @@ def _share_group(group: _Group, put_event):
         if stream is None:
             # What share() would ask torch for, without a Stream object.
             stream = _raw_stream(index)
-    bundle = _usmipc.share(group.views, stream=stream, release=True)
+    bundle = msg.share(k, stream) if msg is not None else None
+    if bundle is None:
+        _whole_leaves(group)
+        bundle = _usmipc.share(group.views, stream=stream, release=True)
     _counts["bundles"] += 1
     return bundle, bundle.to_bytes()
 
@@ -784,7 +788,7 @@ def _dumps(cls, obj, protocol=None):
     try:
         for k, g in enumerate(msg.groups):
             if type(g) is _Group:
-                made[k] = _share_group(g, put_event)
+                made[k] = _share_group(g, put_event, msg, k)
     except _usmipc.Error as e:
         # Received memory has no torch path to fall back on (another
         # process's memory): then the refusal stands.

@@ -802,7 +802,9 @@ def test_a_refused_message_goes_by_torchs_path(routed, monkeypatch):
     def refuse(*args, **kwargs):
         raise usmipc.MemoryKindError("refused for the test")
 
-    monkeypatch.setattr(ut._usmipc, "share", refuse)
+    # Both ways a message's bundle is made: from the message's records
+    # (_TorchMessage.share) and from its storages (usmipc.share).
+    monkeypatch.setattr(ut, "_share_group", refuse)
     with pytest.warns(RuntimeWarning, match="travels by torch's own CUDA "
                       "IPC instead"):
         data = bytes(ForkingPickler.dumps({"a": t, "b": t[1:]}))
@@ -898,6 +900,70 @@ def test_the_c_step_takes_a_messages_tensors(routed, nothing_received,
     with pytest.raises(RuntimeError, match="requires_grad"):
         ForkingPickler.dumps({"ok": t, "bad": leaf * 2})
     assert made[-1].taken == 1  # "ok"; "bad" went to _reduce_tensor
+
+
+def _load_shapes_report(conn):
+    from multiprocessing.reduction import ForkingPickler
+    import usmipc.torch  # noqa: F401 (the receiver needs no install())
+    d = ForkingPickler.loads(conn.recv_bytes())
+    conn.send({k: (str(v.dtype), tuple(v.shape), v.stride(),
+                   v.storage_offset(), type(v).__name__, v.tolist())
+               for k, v in d.items()})
+    conn.recv()
+
+
+def test_a_messages_bundle_is_made_from_its_records(routed, nothing_received,
+                                                    monkeypatch):
+    """The bundle of a message is made from what the C step recorded of
+    each storage when it reduced the tensor (_TorchMessage.share), with no
+    second read of any tensor by usmipc.share: a storage one tensor covers
+    whole travels as that tensor (its dtype and shape: 0-d, size-1 dims,
+    a Parameter), any other as its bytes (two tensors over it, a dtype that
+    does not travel as itself, more dimensions than a bundle holds), and
+    the receiver gets every tensor as it was."""
+    from multiprocessing.reduction import ForkingPickler
+    torch, ut = routed
+    made = _messages_made(monkeypatch, ut)
+
+    def no_second_read(*args, **kwargs):
+        raise AssertionError("usmipc.share() read the message's tensors again")
+
+    monkeypatch.setattr(ut._usmipc, "share", no_second_read)
+    scalar = host_tensor(torch, 1).view(())
+    scalar.fill_(3.5)
+    cube = host_tensor(torch, 24).view(2, 1, 12)
+    cube.copy_(torch.arange(24.0).view(2, 1, 12))
+    p = torch.nn.Parameter(host_tensor(torch, 2).fill_(0.25))
+    t = host_tensor(torch, 8)
+    t.copy_(torch.arange(8.0))
+    u16 = host_tensor(torch, 3, torch.uint16)
+    u16.copy_(torch.tensor([1, 2, 65535], dtype=torch.int32).to(torch.uint16))
+    deep = host_tensor(torch, 1).view((1,) * 33).fill_(9.0)
+    msg = {"scalar": scalar, "cube": cube, "p": p, "t": t, "t2": t[2:6],
+           "u16": u16, "deep": deep}
+    data = ForkingPickler.dumps(msg)
+    assert [m.taken for m in made] == [7]
+    # The records, as the bundle carries them.
+    again = made[0].share(0)
+    leaves = usmipc.open_shared(again.to_bytes())
+    assert [(x.dtype, x.shape) for x in leaves] == [
+        ("float32", ()), ("float32", (2, 1, 12)), ("float32", (2,)),
+        ("uint8", (32,)), ("uint8", (6,)), ("uint8", (4,))]
+    assert leaves[1].strides == (48, 48, 4)
+    usmipc.close_shared(leaves)
+    del again
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_load_shapes_report, args=(child,))
+    proc.start()
+    parent.send_bytes(data.tobytes())
+    got = parent.recv()
+    parent.send("bye")
+    proc.join(TIMEOUT)
+    assert proc.exitcode == 0
+    for k, v in msg.items():
+        assert got[k] == (str(v.dtype), tuple(v.shape), v.stride(),
+                          v.storage_offset(), type(v).__name__, v.tolist()), k
 
 
 class _DumpsInside:

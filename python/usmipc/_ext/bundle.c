@@ -175,6 +175,56 @@ static int refuse_torch_cpu_memory(void *ptr, const char *what) {
   return -1;
 }
 
+/* The dtype a torch dtype object travels as; NULL with TypeError when none
+ * does. */
+const pyusmipc_dtype_t *pyusmipc_dtype_of_torch(PyObject *dtype) {
+  if (torch_dtypes == NULL && (torch_dtypes = PyDict_New()) == NULL)
+    return NULL;
+  /* Held: a lookup may run code (a key's __eq__) that releases it. */
+  Py_INCREF(dtype);
+  PyObject *idx = PyDict_GetItemWithError(torch_dtypes, dtype);
+  if (idx == NULL) {
+    if (PyErr_Occurred()) {
+      Py_DECREF(dtype);
+      return NULL;
+    }
+    PyObject *name = PyObject_Str(dtype);
+    long found = -1;
+    for (size_t i = 0; name != NULL && i < NDTYPES; i++)
+      if (PyUnicode_CompareWithASCIIString(name, DTYPES[i].torch) == 0)
+        found = (long)i;
+    if (name == NULL) {
+      Py_DECREF(dtype);
+      return NULL;
+    }
+    if (found < 0) {
+      pyusmipc_type_error("a tensor of dtype %U cannot travel in a bundle",
+                          name);
+      Py_DECREF(name);
+      Py_DECREF(dtype);
+      return NULL;
+    }
+    Py_DECREF(name);
+    PyObject *v = PyLong_FromLong(found);
+    if (v == NULL || PyDict_SetItem(torch_dtypes, dtype, v) < 0) {
+      Py_XDECREF(v);
+      Py_DECREF(dtype);
+      return NULL;
+    }
+    Py_DECREF(v);
+    idx = PyDict_GetItemWithError(torch_dtypes, dtype);
+  }
+  /* Read before dtype goes: releasing it may run a __del__. */
+  long at = idx != NULL ? PyLong_AsLong(idx) : -1;
+  Py_DECREF(dtype);
+  if (at < 0 || at >= (long)NDTYPES) {
+    if (!PyErr_Occurred())
+      pyusmipc_type_error("the tensor's dtype changed while it was read");
+    return NULL;
+  }
+  return &DTYPES[at];
+}
+
 static int leaf_torch(PyObject *obj, leaf_info_t *L, int dest) {
   if (torch_names() < 0)
     return -1;
@@ -188,51 +238,10 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L, int dest) {
   PyObject *dtype = PyObject_GetAttr(obj, name_dtype);
   if (dtype == NULL)
     return -1;
-  if (torch_dtypes == NULL && (torch_dtypes = PyDict_New()) == NULL) {
-    Py_DECREF(dtype);
-    return -1;
-  }
-  PyObject *idx = PyDict_GetItemWithError(torch_dtypes, dtype);
-  if (idx == NULL) {
-    if (PyErr_Occurred()) {
-      Py_DECREF(dtype);
-      return -1;
-    }
-    PyObject *name = PyObject_Str(dtype);
-    long found = -1;
-    for (size_t i = 0; name != NULL && i < NDTYPES; i++)
-      if (PyUnicode_CompareWithASCIIString(name, DTYPES[i].torch) == 0)
-        found = (long)i;
-    if (name == NULL) {
-      Py_DECREF(dtype);
-      return -1;
-    }
-    if (found < 0) {
-      pyusmipc_type_error("a tensor of dtype %U cannot travel in a bundle",
-                          name);
-      Py_DECREF(name);
-      Py_DECREF(dtype);
-      return -1;
-    }
-    Py_DECREF(name);
-    PyObject *v = PyLong_FromLong(found);
-    if (v == NULL || PyDict_SetItem(torch_dtypes, dtype, v) < 0) {
-      Py_XDECREF(v);
-      Py_DECREF(dtype);
-      return -1;
-    }
-    Py_DECREF(v);
-    idx = PyDict_GetItemWithError(torch_dtypes, dtype);
-  }
-  /* Read before dtype goes: releasing it may run a __del__. */
-  long at = idx != NULL ? PyLong_AsLong(idx) : -1;
+  const dtype_entry_t *dt = pyusmipc_dtype_of_torch(dtype);
   Py_DECREF(dtype);
-  if (at < 0 || at >= (long)NDTYPES) {
-    if (!PyErr_Occurred())
-      pyusmipc_type_error("the tensor's dtype changed while it was read");
+  if (dt == NULL)
     return -1;
-  }
-  const dtype_entry_t *dt = &DTYPES[at];
   L->desc.dtype_code = dt->code;
   L->desc.dtype_bits = dt->bits;
   L->desc.dtype_lanes = 1;
@@ -609,6 +618,43 @@ static void key_not_utf8(walk_t *w, PyObject *k) {
   PyErr_Restore(type, value, tb);
 }
 
+/* Adds leaf L (read) to the bundle under key; the bundle keeps L->keep,
+ * whose reference moves to it. 0, or -1 with an exception. */
+static int add_leaf(walk_t *w, const char *key, Py_ssize_t key_len,
+                    leaf_info_t *L) {
+  int rc = PyList_Append(w->keep, L->keep);
+  Py_DECREF(L->keep);
+  L->keep = NULL;
+  if (rc < 0)
+    return -1;
+  /* With the GIL held: a few loads for usmipc's memory, one driver query
+   * for another library's; releasing and taking the GIL per leaf cost
+   * more. (The first export of an allocation may wait longer: rare.) */
+  rc = usmipc_bundle_add_array(w->b, key, (size_t)key_len, L->ptr, &L->desc);
+  if (rc == USMIPC_EUNKNOWNPTR && L->cpu) {
+    /* Ordinary process memory (a NumPy array of its own): say what to
+     * do, as for a torch CPU tensor. */
+    pyusmipc_kind_error("an array in ordinary CPU memory (a NumPy array of "
+                        "its own, say), which is private to this process: "
+                        "only shareable memory can be shared; copy it into "
+                        "some with usmipc.memory.host_array(array), or "
+                        "allocate it there (np.from_dlpack(MemoryUSMDevice("
+                        "n, device='host:cpu')))");
+    return -1;
+  }
+  if (rc != 0)
+    return bundle_fail(w, rc);
+  int has_memory = 1;
+  for (int i = 0; i < L->desc.ndim; i++)
+    has_memory &= L->shape[i] != 0;
+  if (has_memory && w->first_ptr == NULL) {
+    w->first_ptr = L->ptr;
+    w->stream_of = L->stream_of;
+    w->mem = L->mem;
+  }
+  return 0;
+}
+
 static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
   if (++w->depth > 64) {
     pyusmipc_value_error("the tree is nested deeper than 64 levels");
@@ -702,37 +748,8 @@ static int walk(walk_t *w, PyObject *obj, const char *key, Py_ssize_t key_len) {
     return 0;
   }
   leaf_info_t L;
-  if (leaf_read(w->st, obj, &L, 0) < 0)
+  if (leaf_read(w->st, obj, &L, 0) < 0 || add_leaf(w, key, key_len, &L) < 0)
     return -1;
-  rc = PyList_Append(w->keep, L.keep);
-  Py_DECREF(L.keep);
-  if (rc < 0)
-    return -1;
-  /* With the GIL held: a few loads for usmipc's memory, one driver query
-   * for another library's; releasing and taking the GIL per leaf cost
-   * more. (The first export of an allocation may wait longer: rare.) */
-  rc = usmipc_bundle_add_array(w->b, key, (size_t)key_len, L.ptr, &L.desc);
-  if (rc == USMIPC_EUNKNOWNPTR && L.cpu) {
-    /* Ordinary process memory (a NumPy array of its own): say what to
-     * do, as for a torch CPU tensor. */
-    pyusmipc_kind_error("an array in ordinary CPU memory (a NumPy array of "
-                        "its own, say), which is private to this process: "
-                        "only shareable memory can be shared; copy it into "
-                        "some with usmipc.memory.host_array(array), or "
-                        "allocate it there (np.from_dlpack(MemoryUSMDevice("
-                        "n, device='host:cpu')))");
-    return -1;
-  }
-  if (rc != 0)
-    return bundle_fail(w, rc);
-  int has_memory = 1;
-  for (int i = 0; i < L.desc.ndim; i++)
-    has_memory &= L.shape[i] != 0;
-  if (has_memory && w->first_ptr == NULL) {
-    w->first_ptr = L.ptr;
-    w->stream_of = L.stream_of;
-    w->mem = L.mem;
-  }
   w->depth--;
   return 0;
 }
@@ -816,6 +833,84 @@ static PyObject *order_queue(pyusmipc_module_state_t *st, walk_t *w,
   return pyusmipc_default_queue(st, device);
 }
 
+/* A SharedBundle being made (share_end finishes it), with its walk's
+ * state in *w; NULL with an exception. */
+static Bundle *share_start(pyusmipc_module_state_t *st, int release,
+                           walk_t *w) {
+  Bundle *self = PyObject_GC_New(Bundle, (PyTypeObject *)st->SharedBundleType);
+  if (self == NULL)
+    return NULL;
+  self->bundle = NULL;
+  self->queue = self->device = self->bytes = NULL;
+  self->arrays = self->allocations = 0;
+  self->release = (char)release;
+  self->lock_ready = pthread_mutex_init(&self->order_lock, NULL) == 0;
+  self->keep = PyList_New(0);
+  PyObject_GC_Track(self);
+  if (!self->lock_ready) {
+    PyErr_SetString(PyExc_RuntimeError, "share(): could not initialize a "
+                                        "mutex");
+    Py_DECREF(self);
+    return NULL;
+  }
+  *w = (walk_t){.st = st, .keep = self->keep};
+  int rc;
+  if (self->keep == NULL || (w->path = PyList_New(0)) == NULL) {
+    Py_DECREF(self);
+    return NULL;
+  }
+  if ((rc = usmipc_bundle_create(&self->bundle)) != 0) {
+    pyusmipc_raise(st, rc);
+    Py_DECREF(w->path);
+    Py_DECREF(self);
+    return NULL;
+  }
+  w->b = self->bundle;
+  return self;
+}
+
+/* Finishes the bundle whose leaves w added and picks the queue its
+ * handoffs are ordered on; consumes self and w's path. */
+static PyObject *share_end(Bundle *self, walk_t *w, PyObject *stream,
+                           int ordered) {
+  pyusmipc_module_state_t *st = w->st;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = usmipc_bundle_finish(self->bundle);
+  Py_END_ALLOW_THREADS
+  if (rc != 0) {
+    pyusmipc_raise(st, rc);
+    goto fail;
+  }
+  size_t narr, nseg;
+  usmipc_bundle_counts(self->bundle, &narr, &nseg);
+  self->arrays = (Py_ssize_t)narr;
+  self->allocations = (Py_ssize_t)nseg;
+  if (w->first_ptr != NULL) {
+    /* The bundle knows its memory's device: asking the driver again about
+     * another library's pointer would be a second query of an allocation
+     * (issue 23: one per allocation per share). */
+    usmipc_device_t *dev = usmipc_bundle_device(self->bundle);
+    if (dev == NULL) {
+      pyusmipc_raise_msg(st, USMIPC_EINVAL,
+                         "share(): the bundle names no allocation although "
+                         "an array has memory");
+      goto fail;
+    }
+    if ((self->device = pyusmipc_device_object(st, dev)) == NULL)
+      goto fail;
+    self->queue = order_queue(st, w, stream, ordered, self->device);
+    if (self->queue == NULL && PyErr_Occurred())
+      goto fail;
+  } /* else nothing to order: no leaf has memory. */
+  Py_DECREF(w->path);
+  return (PyObject *)self;
+fail:
+  Py_DECREF(w->path);
+  Py_DECREF(self);
+  return NULL;
+}
+
 PyObject *pyusmipc_share(PyObject *module, PyObject *const *args,
                          Py_ssize_t nargs, PyObject *kwnames) {
   static const char *const names[] = {"obj", "stream", "ordered", "release"};
@@ -839,70 +934,52 @@ PyObject *pyusmipc_share(PyObject *module, PyObject *const *args,
     return NULL;
   }
   PyObject *stream = a[1] == Py_None ? NULL : a[1];
-  pyusmipc_module_state_t *st = PyModule_GetState(module);
-  Bundle *self = PyObject_GC_New(Bundle, (PyTypeObject *)st->SharedBundleType);
+  walk_t w;
+  Bundle *self = share_start(PyModule_GetState(module), release, &w);
   if (self == NULL)
     return NULL;
-  self->bundle = NULL;
-  self->queue = self->device = self->bytes = NULL;
-  self->arrays = self->allocations = 0;
-  self->release = (char)release;
-  self->lock_ready = pthread_mutex_init(&self->order_lock, NULL) == 0;
-  self->keep = PyList_New(0);
-  PyObject_GC_Track(self);
-  if (!self->lock_ready) {
-    PyErr_SetString(PyExc_RuntimeError, "share(): could not initialize a "
-                                        "mutex");
+  if (walk(&w, a[0], NULL, 0) < 0) {
+    prefix_path(w.path);
+    Py_DECREF(w.path);
     Py_DECREF(self);
     return NULL;
   }
-  walk_t w = {.st = st, .keep = self->keep};
-  int rc = 0;
-  if (self->keep == NULL || (w.path = PyList_New(0)) == NULL)
-    goto fail;
-  if ((rc = usmipc_bundle_create(&self->bundle)) != 0) {
-    pyusmipc_raise(st, rc);
-    goto fail;
+  return share_end(self, &w, stream, ordered);
+}
+
+PyObject *pyusmipc_share_read(pyusmipc_module_state_t *st, Py_ssize_t n,
+                              pyusmipc_leaf_source_t next, void *ctx,
+                              PyObject *stream) {
+  if (n > UINT32_MAX) {
+    pyusmipc_value_error("a container too large for a bundle");
+    return NULL;
   }
-  w.b = self->bundle;
-  if (walk(&w, a[0], NULL, 0) < 0) {
-    prefix_path(w.path);
-    goto fail;
-  }
-  Py_BEGIN_ALLOW_THREADS
-  rc = usmipc_bundle_finish(self->bundle);
-  Py_END_ALLOW_THREADS
+  walk_t w;
+  Bundle *self = share_start(st, 1, &w);
+  if (self == NULL)
+    return NULL;
+  int rc = usmipc_bundle_add_container(w.b, USMIPC_BUNDLE_LIST, (uint32_t)n,
+                                       NULL, 0);
   if (rc != 0) {
-    pyusmipc_raise(st, rc);
+    bundle_fail(&w, rc);
     goto fail;
   }
-  size_t narr, nseg;
-  usmipc_bundle_counts(self->bundle, &narr, &nseg);
-  self->arrays = (Py_ssize_t)narr;
-  self->allocations = (Py_ssize_t)nseg;
-  if (w.first_ptr != NULL) {
-    /* The bundle knows its memory's device: asking the driver again about
-     * another library's pointer would be a second query of an allocation
-     * (issue 23: one per allocation per share). */
-    usmipc_device_t *dev = usmipc_bundle_device(self->bundle);
-    if (dev == NULL) {
-      pyusmipc_raise_msg(st, USMIPC_EINVAL,
-                         "share(): the bundle names no allocation although "
-                         "an array has memory");
+  for (Py_ssize_t i = 0; i < n; i++) {
+    pyusmipc_array_t a;
+    if (next(ctx, i, &a) < 0)
       goto fail;
-    }
-    if ((self->device = pyusmipc_device_object(st, dev)) == NULL)
+    leaf_info_t L = {.ptr = a.ptr, .desc = a.desc, .keep = a.keep};
+    memcpy(L.shape, a.shape, sizeof(L.shape[0]) * (size_t)a.desc.ndim);
+    memcpy(L.strides, a.strides, sizeof(L.strides[0]) * (size_t)a.desc.ndim);
+    L.desc.shape = L.shape;
+    L.desc.strides = L.strides;
+    L.stream_of = a.keep; /* held by the bundle once added */
+    if (add_leaf(&w, NULL, 0, &L) < 0)
       goto fail;
-    self->queue = order_queue(st, &w, stream, ordered, self->device);
-    if (self->queue == NULL && PyErr_Occurred())
-      goto fail;
-  } else if (stream != NULL || ordered > 0) {
-    /* Nothing to order: no leaf has memory. */
   }
-  Py_DECREF(w.path);
-  return (PyObject *)self;
+  return share_end(self, &w, stream, -1);
 fail:
-  Py_XDECREF(w.path);
+  Py_DECREF(w.path);
   Py_DECREF(self);
   return NULL;
 }

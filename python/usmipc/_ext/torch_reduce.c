@@ -21,14 +21,24 @@
  *       no refusal, no hooks), else torch.py's _reduce_tensor, which says
  *       every other case.
  *
- * Calls util.c only, and the library's public usmipc_pointer_query(). */
+ * What the step reads of each storage (its pointer and bytes, and the
+ * dtype and shape of a tensor that covers it whole) is recorded beside the
+ * group, and .share(g, stream) makes the group's bundle from the records
+ * (bundle.c's pyusmipc_share_read) instead of share() reading every
+ * tensor again.
+ *
+ * Calls bundle.c and util.c, and the library's public
+ * usmipc_pointer_query(). */
 #include "torch_reduce.h"
 
 #include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <structmember.h>
 
+#include "bundle.h"
 #include "util.h"
 
 /* torch.py's objects (_torch_setup): strong references, for the life of
@@ -94,6 +104,27 @@ static int make_names(void) {
 /* ---- _TorchMessage --------------------------------------------------------
  */
 
+/* What the message read of one storage of a group, for its bundle: the
+ * pointer and bytes, and for a storage one tensor of the message covers
+ * whole (torch.py's _whole_leaves), that tensor's dtype and shape, with
+ * which it travels as itself. What the tensor was when it was pickled, as
+ * torch's own reduction takes it. */
+typedef struct leaf_rec {
+  void *ptr;
+  int64_t nbytes;
+  const pyusmipc_dtype_t *dt; /* NULL: the storage's bytes (uint8) */
+  size_t dims_at;             /* its shape: dims[dims_at .. + ndim] */
+  int ndim;
+} leaf_rec_t;
+
+/* The records of one group, in the order of its views. */
+typedef struct group_recs {
+  leaf_rec_t *recs;
+  size_t n, cap;
+  int64_t *dims;
+  size_t ndims, dims_cap;
+} group_recs_t;
+
 typedef struct torch_message {
   PyObject_HEAD PyObject *groups;
   PyObject *group_of;
@@ -105,6 +136,10 @@ typedef struct torch_message {
   Py_ssize_t taken; /* tensors the C step reduced (tests read it) */
   PyObject *last_g; /* int: its index in groups */
   PyObject *last_views, *last_index_of, *last_single;
+  Py_ssize_t last_gi; /* last_g's value */
+  /* By group index (a _Forward's stays empty); nrecs entries. */
+  group_recs_t *recs;
+  Py_ssize_t nrecs;
 } torch_message_t;
 
 static PyObject *message_new(PyTypeObject *type, PyObject *args,
@@ -158,7 +193,68 @@ static int message_traverse(PyObject *self, visitproc visit, void *arg) {
 static void message_dealloc(PyObject *self) {
   PyObject_GC_UnTrack(self);
   message_clear(self);
+  torch_message_t *m = (torch_message_t *)self;
+  for (Py_ssize_t g = 0; g < m->nrecs; g++) {
+    free(m->recs[g].recs);
+    free(m->recs[g].dims);
+  }
+  free(m->recs);
   pyusmipc_object_free(self);
+}
+
+/* Grows an array of *cap elements of size to hold need; 0 or -1 with
+ * MemoryError. */
+static int grow(void **p, size_t *cap, size_t need, size_t size) {
+  if (need <= *cap)
+    return 0;
+  size_t c = *cap ? *cap : 16;
+  while (c < need)
+    c *= 2;
+  void *q = c <= SIZE_MAX / size ? realloc(*p, c * size) : NULL;
+  if (q == NULL) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  *p = q;
+  *cap = c;
+  return 0;
+}
+
+/* Records the storage (ptr, nbytes) as the next leaf of group gi; with a
+ * whole tensor's dtype and size (else NULL): as that tensor. 0 or -1. */
+static int record(torch_message_t *m, Py_ssize_t gi, void *ptr, int64_t nbytes,
+                  PyObject *dtype, PyObject *size) {
+  if (gi >= m->nrecs) {
+    size_t cap = (size_t)m->nrecs;
+    if (grow((void **)&m->recs, &cap, (size_t)gi + 1, sizeof(group_recs_t)) < 0)
+      return -1;
+    memset(m->recs + m->nrecs, 0,
+           (cap - (size_t)m->nrecs) * sizeof(group_recs_t));
+    m->nrecs = (Py_ssize_t)cap;
+  }
+  group_recs_t *r = &m->recs[gi];
+  if (grow((void **)&r->recs, &r->cap, r->n + 1, sizeof(leaf_rec_t)) < 0)
+    return -1;
+  leaf_rec_t rec = {.ptr = ptr, .nbytes = nbytes};
+  if (dtype != NULL && PyTuple_Check(size) &&
+      PyTuple_Size(size) <= USMIPC_BUNDLE_MAX_NDIM) {
+    int nd = (int)PyTuple_Size(size);
+    if ((rec.dt = pyusmipc_dtype_of_torch(dtype)) == NULL ||
+        grow((void **)&r->dims, &r->dims_cap, r->ndims + (size_t)nd,
+             sizeof(int64_t)) < 0)
+      return -1;
+    for (int k = 0; k < nd; k++) {
+      int64_t d = PyLong_AsLongLong(PyTuple_GetItem(size, k));
+      if (d == -1 && PyErr_Occurred())
+        return -1;
+      r->dims[r->ndims + (size_t)k] = d;
+    }
+    rec.dims_at = r->ndims;
+    rec.ndim = nd;
+    r->ndims += (size_t)nd;
+  } /* else a shape past what travels: the storage's bytes, rebuilt over */
+  r->recs[r->n++] = rec;
+  return 0;
 }
 
 /* Makes the group of device index the message's last one: found, or made
@@ -218,6 +314,7 @@ static int select_group(torch_message_t *m, long index, PyObject *storage) {
   m->last_views = views;
   m->last_index_of = index_of;
   m->last_single = single;
+  m->last_gi = PyLong_AsSsize_t(g);
   for (int k = 0; k < 4; k++)
     Py_XDECREF(old[k]);
   m->last_index = index;
@@ -226,39 +323,57 @@ static int select_group(torch_message_t *m, long index, PyObject *storage) {
 
 /* (group, index) of the storage (nbytes, at data_ptr) on device index in
  * the message, added if new; tensor: the one tensor of the message over it
- * so far (Py_None: a second one, or the storage itself pickled). */
+ * so far (Py_None: a second one, or the storage itself pickled), with its
+ * dtype and size (a tuple) when not None. */
 static PyObject *add_own(torch_message_t *m, PyObject *storage,
-                         PyObject *nbytes, long index, PyObject *tensor) {
+                         PyObject *nbytes, long index, PyObject *tensor,
+                         PyObject *dtype, PyObject *size) {
   if (select_group(m, index, storage) < 0)
     return NULL;
   PyObject *ptr = PyObject_CallMethodObjArgs(storage, n_data_ptr, NULL);
   if (ptr == NULL)
     return NULL;
+  void *p = PyLong_AsVoidPtr(ptr);
+  int64_t nb = PyLong_AsLongLong(nbytes);
+  if (PyErr_Occurred()) {
+    Py_DECREF(ptr);
+    return NULL;
+  }
   PyObject *key = PyTuple_Pack(2, ptr, nbytes);
   Py_DECREF(ptr);
   if (key == NULL)
     return NULL;
-  PyObject *i = PyDict_GetItemWithError(m->last_index_of, key);
+  /* Held: code a lookup or an append runs may select another group. */
+  Py_ssize_t gi = m->last_gi;
+  PyObject *g = Py_NewRef(m->last_g), *views = Py_NewRef(m->last_views),
+           *index_of = Py_NewRef(m->last_index_of),
+           *single = Py_NewRef(m->last_single);
+  PyObject *i = PyDict_GetItemWithError(index_of, key);
   Py_XINCREF(i);
   int rc = 0;
   if (i == NULL && !PyErr_Occurred()) {
-    i = PyLong_FromSsize_t(PyList_Size(m->last_views));
-    rc = i == NULL || PyDict_SetItem(m->last_index_of, key, i) < 0 ||
-                 PyList_Append(m->last_views, storage) < 0 ||
-                 PyList_Append(m->last_single, tensor) < 0
+    int whole = tensor != Py_None;
+    i = PyLong_FromSsize_t(PyList_Size(views));
+    rc = i == NULL || PyDict_SetItem(index_of, key, i) < 0 ||
+                 record(m, gi, p, nb, whole ? dtype : NULL,
+                        whole ? size : NULL) < 0 ||
+                 PyList_Append(views, storage) < 0 ||
+                 PyList_Append(single, tensor) < 0
              ? -1
              : 0;
   } else if (i != NULL) {
-    rc =
-        PyList_SetItem(m->last_single, PyLong_AsSsize_t(i), Py_NewRef(Py_None));
+    Py_ssize_t at = PyLong_AsSsize_t(i);
+    rc = PyList_SetItem(single, at, Py_NewRef(Py_None));
+    if (rc == 0 && gi < m->nrecs && at >= 0 && (size_t)at < m->recs[gi].n)
+      m->recs[gi].recs[at].dt = NULL; /* two tensors: the bytes travel */
   }
   Py_DECREF(key);
-  if (i == NULL || rc < 0) {
-    Py_XDECREF(i);
-    return NULL;
-  }
-  PyObject *at = PyTuple_Pack(2, m->last_g, i);
-  Py_DECREF(i);
+  PyObject *at = i != NULL && rc == 0 ? PyTuple_Pack(2, g, i) : NULL;
+  Py_XDECREF(i);
+  Py_DECREF(g);
+  Py_DECREF(views);
+  Py_DECREF(index_of);
+  Py_DECREF(single);
   return at;
 }
 
@@ -310,13 +425,108 @@ static PyObject *message_add(PyObject *self, PyObject *args) {
   long index;
   if (storage_index(storage, &index) < 0)
     return NULL;
-  return add_own(m, storage, nbytes, index, tensor);
+  if (tensor == Py_None)
+    return add_own(m, storage, nbytes, index, tensor, NULL, NULL);
+  /* torch.py's path found the tensor whole: its dtype and size recorded. */
+  PyObject *dtype = PyObject_GetAttr(tensor, n_dtype);
+  PyObject *size =
+      dtype ? PyObject_CallMethodObjArgs(tensor, n_size, NULL) : NULL;
+  PyObject *tsize = size ? PySequence_Tuple(size) : NULL;
+  PyObject *at =
+      tsize ? add_own(m, storage, nbytes, index, tensor, dtype, tsize) : NULL;
+  Py_XDECREF(dtype);
+  Py_XDECREF(size);
+  Py_XDECREF(tsize);
+  return at;
+}
+
+/* Leaf i of a group's bundle, from its record (pyusmipc_share_read). */
+typedef struct share_ctx {
+  const group_recs_t *r;
+  PyObject *views;
+} share_ctx_t;
+
+static int leaf_of_record(void *ctx, Py_ssize_t i, pyusmipc_array_t *out) {
+  share_ctx_t *c = ctx;
+  const leaf_rec_t *rec = &c->r->recs[i];
+  out->ptr = rec->ptr;
+  if (rec->dt != NULL) {
+    out->desc = (usmipc_array_desc_t){.dtype_code = rec->dt->code,
+                                      .dtype_bits = rec->dt->bits,
+                                      .dtype_lanes = 1,
+                                      .ndim = rec->ndim};
+    int64_t step = 1; /* C-contiguous: the step found it so */
+    for (int k = rec->ndim - 1; k >= 0; k--) {
+      out->shape[k] = c->r->dims[rec->dims_at + (size_t)k];
+      out->strides[k] = step;
+      step *= out->shape[k] > 1 ? out->shape[k] : 1;
+    }
+  } else {
+    out->desc = (usmipc_array_desc_t){
+        .dtype_code = 1, .dtype_bits = 8, .dtype_lanes = 1, .ndim = 1};
+    out->shape[0] = rec->nbytes;
+    out->strides[0] = 1;
+  }
+  out->desc.shape = out->shape;
+  out->desc.strides = out->strides;
+  /* The storage keeps the memory the record points at. */
+  out->keep = PyList_GetItem(c->views, i);
+  if (out->keep == NULL)
+    return -1;
+  Py_INCREF(out->keep);
+  return 0;
+}
+
+/* share(g, stream=None): the bundle of group g made from what the step
+ * recorded, as usmipc.share(group.views, stream=stream, release=True)
+ * makes it after torch.py's _whole_leaves; None when the records do not
+ * match the group's views (storages added other than through the
+ * message: the caller shares the views themselves). */
+static PyObject *message_share(PyObject *self, PyObject *args) {
+  torch_message_t *m = (torch_message_t *)self;
+  Py_ssize_t g;
+  PyObject *stream = Py_None;
+  if (!PyArg_ParseTuple(args, "n|O:share", &g, &stream) || make_names() < 0)
+    return NULL;
+  if (g < 0 || g >= PyList_Size(m->groups))
+    return pyusmipc_value_error("_TorchMessage.share: no group %zd", g);
+  PyObject *group = Py_XNewRef(PyList_GetItem(m->groups, g));
+  PyObject *views = group ? PyObject_GetAttr(group, n_views) : NULL;
+  Py_XDECREF(group);
+  if (views == NULL)
+    return NULL;
+  /* A copy: the bundle's leaves are what the records say, whatever code
+   * the making runs does to the group's list. */
+  PyObject *held =
+      PyList_Check(views) ? PyList_GetSlice(views, 0, PY_SSIZE_T_MAX) : NULL;
+  Py_DECREF(views);
+  if (held == NULL) {
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_TypeError, "usmipc.torch: a malformed group");
+    return NULL;
+  }
+  if (g >= m->nrecs || m->recs[g].n != (size_t)PyList_Size(held)) {
+    Py_DECREF(held);
+    Py_RETURN_NONE;
+  }
+  /* No Python code runs while the leaves are added (the records cannot
+   * move under the callback); ordering on stream comes after them. */
+  share_ctx_t ctx = {&m->recs[g], held};
+  PyObject *bundle = pyusmipc_share_read(
+      PyType_GetModuleState(Py_TYPE(self)), PyList_Size(held), leaf_of_record,
+      &ctx, stream == Py_None ? NULL : stream);
+  Py_DECREF(held);
+  return bundle;
 }
 
 static PyMethodDef message_methods[] = {
     {"add", message_add, METH_VARARGS,
      "add(storage, nbytes, tensor=None) -> (group, index): the storage's "
      "place in the message, added if new."},
+    {"share", message_share, METH_VARARGS,
+     "share(g, stream=None) -> SharedBundle of group g from what the message "
+     "recorded of its storages (release tickets on), or None if the records "
+     "do not match the group's views."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -567,7 +777,7 @@ static PyObject *reduce_common(torch_message_t *m, PyObject *t) {
         goto done;
     }
   }
-  at = add_own(m, storage, nbytes, index, whole ? t : Py_None);
+  at = add_own(m, storage, nbytes, index, whole ? t : Py_None, dtype, tsize);
   if (at == NULL)
     goto done;
   if (count(cuda ? k_cuda_tensors : k_host_tensors) < 0 ||
