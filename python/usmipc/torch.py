@@ -767,7 +767,10 @@ def _dumps(cls, obj, protocol=None):
     routed = _torch_fn.get("reduce_tensor")
     if (cls is ForkingPickler and routed is not None and not _tls.bypass
             and ForkingPickler._extra_reducers.get(type(obj)) is routed):
-        out = _lone_message(obj, put_event, protocol)
+        # In C for its common case (torch_reduce.c), else in Python.
+        out = _usmipc._torch_lone(obj, put_event, protocol)
+        if out is None:
+            out = _lone_message(obj, put_event, protocol)
         if out is not None:
             return out
     plain = _plain_dumps
@@ -1180,7 +1183,13 @@ def install() -> None:
             "Group": _Group, "forward_add": _forward_add, "origin": _origin,
             "received": _received, "counts": _counts,
             "rebuild": _rebuild_tensor, "fallback": _reduce_tensor,
-            "strided": _strided, "leaf_dtypes": _leaf_dtype_set})
+            "strided": _strided, "leaf_dtypes": _leaf_dtype_set,
+            "Tensor": _Tensor,
+            "raw_stream": getattr(_torch()._C, "_cuda_getCurrentRawStream",
+                                  None),
+            "order_stream": _order_stream, "cuda_names": _cuda_names,
+            "cuda_name": _cuda_name, "dtype_names": _dtype_names,
+            "keep": _memory._keep, "refusal": _refusal})
         _torch_dumps = ForkingPickler.__dict__["dumps"]
         _set(ForkingPickler, "dumps", classmethod(_dumps))
         for cls in (queues.Queue, queues.JoinableQueue):

@@ -152,6 +152,62 @@ def test_cpu_tensors_keep_torchs_path(routed):
                                                   s.data_ptr())
 
 
+class _CallRecorder(pickle.Unpickler):
+    """Loads a lone message as the call it makes: ("_open_lone", *args)."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("usmipc.torch", "_open_lone"):
+            return lambda *args: ("_open_lone",) + args
+        return super().find_class(module, name)
+
+
+def test_the_c_lone_message_is_the_pythons(routed):
+    """The one-tensor message written in C (_usmipc._torch_lone, the pickle
+    opcodes written directly) is the call _lone_message's pickle makes:
+    _open_lone with the same arguments (the bundle bytes aside: a new
+    handoff each), for a whole tensor, a view with offset and stride, a
+    transposed one, a 0-d tensor, float16, and sizes past 32 bits (LONG1);
+    each loads to the tensor sent. What C declines is None: a Parameter, a
+    tensor requiring grad, protocol 2."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+    torch, ut = routed
+    t = host_tensor(torch, 12)
+    t.copy_(torch.arange(12.0))
+    h = host_tensor(torch, 5, torch.float16).fill_(1.5)
+    u = host_tensor(torch, 1, torch.uint8).fill_(7)
+    cases = {"whole": t, "view": t[3:9:2], "transposed": t.view(3, 4).t(),
+             "scalar": t[5:6].view(()), "half": h,
+             "past 32 bits": u.expand(2 ** 33)}
+    for what, x in cases.items():
+        py = ut._lone_message(x, None, None)  # names the dtype, too
+        c = ut._usmipc._torch_lone(x, None, None)
+        assert py is not None and c is not None, what
+        assert type(c) is memoryview, what
+        calls = [_CallRecorder(io.BytesIO(bytes(m))).load() for m in (py, c)]
+        assert type(calls[1][2]) is bytes, what
+        assert [k[:2] + k[3:] for k in calls] == [
+            ("_open_lone", "cpu", 0, tuple(x.shape), x.stride(),
+             x.storage_offset(), str(x.dtype)[6:], False)] * 2, what
+        for m in (py, c):
+            got = ForkingPickler.loads(m)
+            assert (got.dtype, got.shape, got.stride(),
+                    got.storage_offset()) == (x.dtype, x.shape, x.stride(),
+                                              x.storage_offset()), what
+            if x.numel() < 100:
+                assert got.tolist() == x.tolist(), what
+            else:
+                assert (got[0].item(), got[-1].item()) == (7, 7), what
+            del got
+    p = torch.nn.Parameter(host_tensor(torch, 2))
+    assert ut._usmipc._torch_lone(p, None, None) is None
+    g = host_tensor(torch, 2).requires_grad_()
+    assert ut._usmipc._torch_lone(g, None, None) is None
+    assert ut._usmipc._torch_lone(t, None, 2) is None
+    with pytest.raises(TypeError):
+        ut._usmipc._torch_lone(t, None)
+
+
 def test_non_leaf_requiring_grad_is_refused_as_torch_does(routed):
     torch, _ = routed
     from multiprocessing.reduction import ForkingPickler
@@ -335,8 +391,18 @@ def test_a_lone_tensor_pickles_as_torchs_pickling_of_it(routed,
             taken.append("message")
         return out
 
+    lone_c = ut._usmipc._torch_lone
+
+    def spy_c(obj, put_event, protocol):
+        out = lone_c(obj, put_event, protocol)
+        if out is not None:
+            taken.append("c")
+        return out
+
     monkeypatch.setattr(ut, "_lone_body", spy)
     monkeypatch.setattr(ut, "_lone_message", spy_message)
+    monkeypatch.setattr(ut._usmipc, "_torch_lone", spy_c)
+    ut._dtype_names.pop(torch.bfloat16, None)  # not sent yet, as it were
     p = torch.nn.Parameter(t[2:6])
     got = ForkingPickler.loads(ForkingPickler.dumps(p))
     assert type(got) is torch.nn.Parameter and got.requires_grad
@@ -344,16 +410,22 @@ def test_a_lone_tensor_pickles_as_torchs_pickling_of_it(routed,
     del got
     w = host_tensor(torch, 6, torch.bfloat16)
     w.copy_(torch.arange(6.0))
+    # The first tensor of a dtype goes by the Python, which names the dtype;
+    # the next by the C (a Parameter always by the Python).
+    for _ in range(2):
+        got = ForkingPickler.loads(ForkingPickler.dumps(w))
+        assert (got.dtype, got.shape, got.tolist()) == (
+            torch.bfloat16, (6,), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+        del got
     got = ForkingPickler.loads(ForkingPickler.dumps(w))
-    assert (got.dtype, got.shape, got.tolist()) == (
-        torch.bfloat16, (6,), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
-    assert taken == ["message", "message"]
+    assert taken == ["message", "message", "c", "c"]
+    del taken[:]
     # A tensor of memory this process received (this one, loaded here):
     # handed on by the general path, its reduction pickled directly.
     v = ForkingPickler.loads(ForkingPickler.dumps(got[1:6:2]))
     assert (v.tolist(), v.stride(), v.storage_offset()) == ([1.0, 3.0, 5.0],
                                                            (2,), 1)
-    assert taken == ["message", "message", "body"]
+    assert taken == ["body"]
     del taken[:]
     leaf = host_tensor(torch, 4).requires_grad_()
     with pytest.raises(RuntimeError, match="requires_grad"):

@@ -475,6 +475,7 @@ static PyMethodDef bundle_functions[] = {
     {"_torch_push", pyusmipc_torch_push, METH_O, NULL},
     {"_torch_pop", pyusmipc_torch_pop, METH_NOARGS, NULL},
     {"_torch_reduce_tensor", pyusmipc_torch_reduce_tensor, METH_O, NULL},
+    {"_torch_lone", PYUSMIPC_CMETHOD(pyusmipc_torch_lone), METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -54,6 +54,15 @@ static struct {
   PyObject *fallback;    /* _reduce_tensor */
   PyObject *strided;     /* torch.strided */
   PyObject *leaf_dtypes; /* frozenset: dtypes a whole tensor travels as */
+  /* The one-tensor message (_torch_lone): */
+  PyObject *tensor;       /* torch.Tensor */
+  PyObject *raw_stream;   /* torch._C._cuda_getCurrentRawStream, or None */
+  PyObject *order_stream; /* _order_stream(index, put_event) */
+  PyObject *cuda_names;   /* dict: index -> "cuda:<uuid>" */
+  PyObject *cuda_name;    /* _cuda_name(index), which fills it */
+  PyObject *dtype_names;  /* dict: torch dtype -> its name in torch */
+  PyObject *keep;         /* usmipc.memory._keep(bundle) */
+  PyObject *refusal;      /* _refusal(exception) */
 } cfg;
 
 /* Attribute and method names, made once (a lookup by C string makes a str
@@ -62,10 +71,11 @@ static PyObject *n_is_nested, *n_layout, *n_untyped_storage, *n_is_cuda,
     *n_is_cpu, *n_requires_grad, *n_is_leaf, *n_backward_hooks, *n_size,
     *n_stride, *n_storage_offset, *n_dtype, *n_nbytes, *n_is_contiguous,
     *n_get_device, *n_data_ptr, *n_device, *n_index, *n_views, *n_index_of,
-    *n_single, *k_cuda_tensors, *k_host_tensors, *k_routed_tensors;
+    *n_single, *k_cuda_tensors, *k_host_tensors, *k_routed_tensors, *k_bundles,
+    *k_messages;
 
 static int make_names(void) {
-  if (k_routed_tensors != NULL)
+  if (k_messages != NULL)
     return 0;
   struct {
     PyObject **at;
@@ -93,7 +103,9 @@ static int make_names(void) {
                {&n_single, "single"},
                {&k_cuda_tensors, "cuda_tensors"},
                {&k_host_tensors, "host_tensors"},
-               {&k_routed_tensors, "routed_tensors"}};
+               {&k_routed_tensors, "routed_tensors"},
+               {&k_bundles, "bundles"},
+               {&k_messages, "messages"}};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
     if (*names[i].at == NULL &&
         (*names[i].at = PyUnicode_InternFromString(names[i].s)) == NULL)
@@ -609,11 +621,15 @@ PyObject *pyusmipc_torch_setup(PyObject *module, PyObject *config) {
     PyObject **at;
     const char *key;
   } keys[] = {
-      {&cfg.group_type, "Group"},       {&cfg.forward_add, "forward_add"},
-      {&cfg.origin, "origin"},          {&cfg.received, "received"},
-      {&cfg.counts, "counts"},          {&cfg.rebuild, "rebuild"},
-      {&cfg.fallback, "fallback"},      {&cfg.strided, "strided"},
-      {&cfg.leaf_dtypes, "leaf_dtypes"}};
+      {&cfg.group_type, "Group"},        {&cfg.forward_add, "forward_add"},
+      {&cfg.origin, "origin"},           {&cfg.received, "received"},
+      {&cfg.counts, "counts"},           {&cfg.rebuild, "rebuild"},
+      {&cfg.fallback, "fallback"},       {&cfg.strided, "strided"},
+      {&cfg.leaf_dtypes, "leaf_dtypes"}, {&cfg.tensor, "Tensor"},
+      {&cfg.raw_stream, "raw_stream"},   {&cfg.order_stream, "order_stream"},
+      {&cfg.cuda_names, "cuda_names"},   {&cfg.cuda_name, "cuda_name"},
+      {&cfg.dtype_names, "dtype_names"}, {&cfg.keep, "keep"},
+      {&cfg.refusal, "refusal"}};
   enum { NKEYS = sizeof(keys) / sizeof(keys[0]) };
   /* Each held as it is found: a lookup may run a key's __eq__, which may
    * change the dict. */
@@ -628,9 +644,10 @@ PyObject *pyusmipc_torch_setup(PyObject *module, PyObject *config) {
     Py_INCREF(got[i]);
   }
   if (!PyDict_Check(got[3]) || !PyDict_Check(got[4]) ||
-      !PyAnySet_Check(got[8])) {
-    pyusmipc_type_error("_torch_setup: received and counts are dicts, "
-                        "leaf_dtypes a set");
+      !PyAnySet_Check(got[8]) || !PyDict_Check(got[12]) ||
+      !PyDict_Check(got[14])) {
+    pyusmipc_type_error("_torch_setup: received, counts, cuda_names and "
+                        "dtype_names are dicts, leaf_dtypes a set");
     goto done;
   }
   if (make_names() < 0)
@@ -813,4 +830,387 @@ PyObject *pyusmipc_torch_reduce_tensor(PyObject *module, PyObject *tensor) {
       return red;
   }
   return PyObject_CallFunctionObjArgs(cfg.fallback, tensor, NULL);
+}
+
+/* ---- the one-tensor message -----------------------------------------------
+ * ForkingPickler.dumps of one tensor, the repeated send of a weight-update
+ * loop: torch.py's _lone_message in C for its common case (a plain
+ * torch.Tensor, routed, with bytes, no grad, no hooks, not received here).
+ * Its Python took about 10 us a call on the 2-vCPU VM, a third of it the
+ * pickling of one small tuple through _Reduced (a global looked up and
+ * checked by the pickler); here the tensor is read once, the bundle made
+ * from what was read, and the pickle written directly: PROTO 4, the
+ * global usmipc.torch._open_lone, its arguments' tuple, REDUCE; strs,
+ * bytes, ints, tuples of ints and a bool, which any unpickler reads. */
+
+typedef struct pbuf {
+  char *p;
+  size_t n, cap;
+} pbuf_t;
+
+static int put(pbuf_t *b, const void *s, size_t n) {
+  if (grow((void **)&b->p, &b->cap, b->n + n, 1) < 0)
+    return -1;
+  memcpy(b->p + b->n, s, n);
+  b->n += n;
+  return 0;
+}
+
+static int put_op_u32(pbuf_t *b, char op, uint32_t v) {
+  unsigned char w[5] = {(unsigned char)op, (unsigned char)v,
+                        (unsigned char)(v >> 8), (unsigned char)(v >> 16),
+                        (unsigned char)(v >> 24)};
+  return put(b, w, 5);
+}
+
+/* An int: BININT (4 bytes) when it fits, else LONG1 of 8 bytes (two's
+ * complement, little-endian). */
+static int put_int(pbuf_t *b, long long v) {
+  if (v >= INT32_MIN && v <= INT32_MAX)
+    return put_op_u32(b, 'J', (uint32_t)(int32_t)v);
+  unsigned char w[10] = {0x8a, 8};
+  uint64_t u = (uint64_t)v;
+  for (int k = 0; k < 8; k++)
+    w[2 + k] = (unsigned char)(u >> (8 * k));
+  return put(b, w, 10);
+}
+
+/* A str (BINUNICODE) from its UTF-8, or bytes (BINBYTES). */
+static int put_text(pbuf_t *b, char op, const char *s, size_t n) {
+  if (n > UINT32_MAX) {
+    pyusmipc_value_error("usmipc.torch: a field too long to pickle");
+    return -1;
+  }
+  return put_op_u32(b, op, (uint32_t)n) < 0 ? -1 : put(b, s, n);
+}
+
+static int put_str(pbuf_t *b, PyObject *str) {
+  Py_ssize_t n;
+  const char *s = PyUnicode_AsUTF8AndSize(str, &n);
+  return s == NULL ? -1 : put_text(b, 'X', s, (size_t)n);
+}
+
+/* A tuple of the ints in dims: MARK, the ints, TUPLE. */
+static int put_dims(pbuf_t *b, const int64_t *dims, int n) {
+  if (put(b, "(", 1) < 0)
+    return -1;
+  for (int k = 0; k < n; k++)
+    if (put_int(b, dims[k]) < 0)
+      return -1;
+  return put(b, "t", 1);
+}
+
+/* The one leaf of a lone message's bundle. */
+typedef struct lone_leaf {
+  void *ptr;
+  int64_t nbytes;
+  const pyusmipc_dtype_t *dt; /* NULL: the storage's bytes */
+  int ndim;
+  const int64_t *shape;
+  PyObject *keep;
+} lone_leaf_t;
+
+static int leaf_of_lone(void *ctx, Py_ssize_t i, pyusmipc_array_t *out) {
+  (void)i;
+  const lone_leaf_t *l = ctx;
+  out->ptr = l->ptr;
+  if (l->dt != NULL) {
+    out->desc = (usmipc_array_desc_t){.dtype_code = l->dt->code,
+                                      .dtype_bits = l->dt->bits,
+                                      .dtype_lanes = 1,
+                                      .ndim = l->ndim};
+    int64_t step = 1;
+    for (int k = l->ndim - 1; k >= 0; k--) {
+      out->shape[k] = l->shape[k];
+      out->strides[k] = step;
+      step *= l->shape[k] > 1 ? l->shape[k] : 1;
+    }
+  } else {
+    out->desc = (usmipc_array_desc_t){
+        .dtype_code = 1, .dtype_bits = 8, .dtype_lanes = 1, .ndim = 1};
+    out->shape[0] = l->nbytes;
+    out->strides[0] = 1;
+  }
+  out->desc.shape = out->shape;
+  out->desc.strides = out->strides;
+  out->keep = Py_NewRef(l->keep);
+  return 0;
+}
+
+/* The ints of a tuple (a torch.Size, a stride) into dims; 1 if they fit
+ * (at most USMIPC_BUNDLE_MAX_NDIM), 0 if not, -1 with an exception. */
+static int read_dims(PyObject *tuple, int64_t *dims, int *n) {
+  if (!PyTuple_Check(tuple))
+    return 0;
+  Py_ssize_t len = PyTuple_Size(tuple);
+  if (len > USMIPC_BUNDLE_MAX_NDIM)
+    return 0;
+  for (Py_ssize_t k = 0; k < len; k++) {
+    dims[k] = PyLong_AsLongLong(PyTuple_GetItem(tuple, k));
+    if (dims[k] == -1 && PyErr_Occurred())
+      return -1;
+  }
+  *n = (int)len;
+  return 1;
+}
+
+/* A share() that usmipc.torch would send by torch's path instead (its
+ * _refusal): the exception dropped, 1; 0 with it kept; -1 on failure. */
+static int drop_refusal(void) {
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  PyObject *r =
+      value ? PyObject_CallFunctionObjArgs(cfg.refusal, value, NULL) : NULL;
+  int refused = r ? PyObject_IsTrue(r) : -1;
+  Py_XDECREF(r);
+  if (refused == 1) {
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return 1;
+  }
+  if (refused < 0) { /* the check's own failure wins */
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return -1;
+  }
+  PyErr_Restore(type, value, tb);
+  return 0;
+}
+
+/* _torch_lone(tensor, put_event, protocol): the pickle of the message of
+ * one tensor (a memoryview, as ForkingPickler.dumps returns), or None where
+ * torch.py's _lone_message must decide (another class, grad, hooks, no
+ * bytes, memory received or refused, a dtype not yet named, protocol < 4). */
+PyObject *pyusmipc_torch_lone(PyObject *module, PyObject *const *args,
+                              Py_ssize_t nargs) {
+  if (nargs != 3)
+    return pyusmipc_type_error("_torch_lone(tensor, put_event, protocol)");
+  if (configured() < 0)
+    return NULL;
+  PyObject *t = args[0], *put_event = args[1], *protocol = args[2];
+  if (protocol != Py_None) {
+    long proto = PyLong_AsLong(protocol);
+    if (proto == -1 && PyErr_Occurred())
+      return NULL;
+    if (proto >= 0 && proto < 4)
+      Py_RETURN_NONE;
+  }
+  if ((PyObject *)Py_TYPE(t) != cfg.tensor)
+    Py_RETURN_NONE;
+  int nested = attr_true(t, n_is_nested);
+  if (nested != 0)
+    return nested < 0 ? NULL : Py_NewRef(Py_None);
+  PyObject *layout = PyObject_GetAttr(t, n_layout);
+  if (layout == NULL)
+    return NULL;
+  Py_DECREF(layout); /* compared only */
+  if (layout != cfg.strided)
+    Py_RETURN_NONE;
+  int cuda = attr_true(t, n_is_cuda);
+  if (cuda < 0)
+    return NULL;
+  PyObject *storage = PyObject_CallMethodObjArgs(t, n_untyped_storage, NULL);
+  if (storage == NULL)
+    return NULL;
+  PyObject *out = NULL, *nbytes = NULL, *size = NULL, *stride = NULL,
+           *offset = NULL, *dtype = NULL, *tnbytes = NULL, *stream = NULL,
+           *dtype_name = NULL, *bundle = NULL, *raw = NULL, *kept = NULL,
+           *pickled = NULL;
+  pbuf_t b = {0};
+  int declined = 1;
+  long index = -1;
+  if (cuda) {
+    PyObject *i = PyObject_CallMethodObjArgs(t, n_get_device, NULL);
+    index = i ? PyLong_AsLong(i) : -1;
+    Py_XDECREF(i);
+    if (index < 0)
+      goto done;
+  } else {
+    int cpu = attr_true(t, n_is_cpu);
+    int ours = cpu == 1 ? usmipc_host(storage) : cpu;
+    if (ours != 1) {
+      declined = ours == 0;
+      goto done;
+    }
+  }
+  int grad = attr_true(t, n_requires_grad);
+  int hooks = grad == 0 ? attr_true(t, n_backward_hooks) : grad;
+  if (hooks != 0) {
+    declined = hooks > 0;
+    goto done;
+  }
+  nbytes = PyObject_CallMethodObjArgs(storage, n_nbytes, NULL);
+  int some = nbytes ? PyObject_IsTrue(nbytes) : -1;
+  int got = some == 1 ? received_here(index, storage, nbytes) : 0;
+  if (got == 1) { /* handed on if still alive (torch.py's _origin) */
+    PyObject *origin = PyObject_CallFunctionObjArgs(cfg.origin, storage, NULL);
+    got = origin == NULL ? -1 : origin != Py_None;
+    Py_XDECREF(origin);
+  }
+  if (some != 1 || got != 0) {
+    declined = some == 0 || got == 1;
+    goto done;
+  }
+  dtype = PyObject_GetAttr(t, n_dtype);
+  dtype_name = dtype ? PyDict_GetItemWithError(cfg.dtype_names, dtype) : NULL;
+  Py_XINCREF(dtype_name); /* held: code may change the dict */
+  if (dtype_name == NULL || !PyUnicode_Check(dtype_name)) {
+    declined = !PyErr_Occurred(); /* named by _lone_message the first time */
+    goto done;
+  }
+  PyObject *size_obj = PyObject_CallMethodObjArgs(t, n_size, NULL);
+  size = size_obj ? PySequence_Tuple(size_obj) : NULL;
+  Py_XDECREF(size_obj);
+  stride = size ? PyObject_CallMethodObjArgs(t, n_stride, NULL) : NULL;
+  offset =
+      stride ? PyObject_CallMethodObjArgs(t, n_storage_offset, NULL) : NULL;
+  if (offset == NULL) {
+    declined = 0;
+    goto done;
+  }
+  int64_t shape[USMIPC_BUNDLE_MAX_NDIM], strides[USMIPC_BUNDLE_MAX_NDIM];
+  int nd = 0, nds = 0;
+  int fits = read_dims(size, shape, &nd);
+  fits = fits == 1 ? read_dims(stride, strides, &nds) : fits;
+  long long off = PyLong_AsLongLong(offset);
+  if (fits != 1 || nd != nds || (off == -1 && PyErr_Occurred())) {
+    declined = fits == 0 || (fits == 1 && nd != nds);
+    goto done;
+  }
+  lone_leaf_t leaf = {.keep = storage};
+  leaf.nbytes = PyLong_AsLongLong(nbytes);
+  PyObject *p = PyObject_CallMethodObjArgs(storage, n_data_ptr, NULL);
+  leaf.ptr = p ? PyLong_AsVoidPtr(p) : NULL;
+  Py_XDECREF(p);
+  if (PyErr_Occurred()) {
+    declined = 0;
+    goto done;
+  }
+  if (off == 0) { /* whole: travels as itself (torch.py's _whole_leaves) */
+    tnbytes = PyObject_GetAttr(t, n_nbytes);
+    int same = tnbytes ? PyObject_RichCompareBool(tnbytes, nbytes, Py_EQ) : -1;
+    int whole = same == 1 ? PySet_Contains(cfg.leaf_dtypes, dtype) : same;
+    if (whole == 1) {
+      PyObject *c = PyObject_CallMethodObjArgs(t, n_is_contiguous, NULL);
+      whole = c ? PyObject_IsTrue(c) : -1;
+      Py_XDECREF(c);
+    }
+    if (whole == 1 && (leaf.dt = pyusmipc_dtype_of_torch(dtype)) != NULL) {
+      leaf.ndim = nd;
+      leaf.shape = shape;
+    }
+    if (whole < 0 || PyErr_Occurred()) {
+      declined = 0;
+      goto done;
+    }
+  }
+  PyObject *device_name;
+  if (cuda) {
+    if (put_event != Py_None) {
+      PyObject *i = PyLong_FromLong(index);
+      stream =
+          i ? PyObject_CallFunctionObjArgs(cfg.order_stream, i, put_event, NULL)
+            : NULL;
+      Py_XDECREF(i);
+      if (stream == NULL) {
+        declined = 0;
+        goto done;
+      }
+    }
+    if (stream == NULL || stream == Py_None) {
+      Py_XDECREF(stream);
+      stream = NULL;
+      if (cfg.raw_stream == Py_None)
+        goto done; /* no CUDA in this torch */
+      PyObject *i = PyLong_FromLong(index);
+      stream = i ? PyObject_CallFunctionObjArgs(cfg.raw_stream, i, NULL) : NULL;
+      Py_XDECREF(i);
+      if (stream == NULL) {
+        declined = 0;
+        goto done;
+      }
+    }
+    PyObject *i = PyLong_FromLong(index);
+    device_name = i ? PyDict_GetItemWithError(cfg.cuda_names, i) : NULL;
+    if (device_name != NULL) {
+      Py_INCREF(device_name);
+    } else if (i != NULL && !PyErr_Occurred()) {
+      device_name = PyObject_CallFunctionObjArgs(cfg.cuda_name, i, NULL);
+    }
+    Py_XDECREF(i);
+    if (device_name == NULL || !PyUnicode_Check(device_name)) {
+      Py_XDECREF(device_name);
+      declined = 0;
+      if (!PyErr_Occurred())
+        pyusmipc_type_error("usmipc.torch: a CUDA device's name is a str");
+      goto done;
+    }
+  } else {
+    device_name = PyUnicode_FromString("cpu");
+    if (device_name == NULL) {
+      declined = 0;
+      goto done;
+    }
+  }
+  /* The pickle, from here on: _open_lone(device_name, raw, 0, size,
+   * stride, offset, dtype_name, False). */
+  bundle = pyusmipc_share_read(PyModule_GetState(module), 1, leaf_of_lone,
+                               &leaf, stream);
+  if (bundle == NULL) {
+    Py_DECREF(device_name);
+    int r = drop_refusal(); /* then _lone_message says it, and warns */
+    declined = r == 1;
+    goto done;
+  }
+  raw = pyusmipc_bundle_to_bytes(bundle, NULL);
+  kept = raw ? PyObject_CallFunctionObjArgs(cfg.keep, bundle, NULL) : NULL;
+  char *rb;
+  Py_ssize_t rn;
+  if (kept == NULL || PyBytes_AsStringAndSize(raw, &rb, &rn) < 0) {
+    Py_DECREF(device_name);
+    declined = 0;
+    goto done;
+  }
+  static const char head[] = "\x80\x04"
+                             "cusmipc.torch\n_open_lone\n"
+                             "(";
+  int rc = put(&b, head, sizeof(head) - 1) < 0 ||
+                   put_str(&b, device_name) < 0 ||
+                   put_text(&b, 'B', rb, (size_t)rn) < 0 ||
+                   put_int(&b, 0) < 0 || put_dims(&b, shape, nd) < 0 ||
+                   put_dims(&b, strides, nd) < 0 || put_int(&b, off) < 0 ||
+                   put_str(&b, dtype_name) < 0 || put(&b, "\x89tR.", 4) < 0
+               ? -1
+               : 0;
+  Py_DECREF(device_name);
+  declined = 0;
+  if (rc < 0)
+    goto done;
+  if (count(cuda ? k_cuda_tensors : k_host_tensors) < 0 ||
+      count(k_routed_tensors) < 0 || count(k_bundles) < 0 ||
+      count(k_messages) < 0)
+    goto done;
+  pickled = PyBytes_FromStringAndSize(b.p, (Py_ssize_t)b.n);
+  out = pickled ? PyMemoryView_FromObject(pickled) : NULL;
+done:
+  free(b.p);
+  Py_DECREF(storage);
+  Py_XDECREF(nbytes);
+  Py_XDECREF(size);
+  Py_XDECREF(stride);
+  Py_XDECREF(offset);
+  Py_XDECREF(dtype);
+  Py_XDECREF(tnbytes);
+  Py_XDECREF(stream);
+  Py_XDECREF(dtype_name);
+  Py_XDECREF(bundle);
+  Py_XDECREF(raw);
+  Py_XDECREF(kept);
+  Py_XDECREF(pickled);
+  if (out == NULL && declined && !PyErr_Occurred())
+    Py_RETURN_NONE;
+  return out;
 }

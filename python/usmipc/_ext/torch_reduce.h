@@ -13,5 +13,9 @@ PyObject *pyusmipc_torch_setup(PyObject *module, PyObject *config);
 PyObject *pyusmipc_torch_push(PyObject *module, PyObject *msg);
 PyObject *pyusmipc_torch_pop(PyObject *module, PyObject *ignored);
 PyObject *pyusmipc_torch_reduce_tensor(PyObject *module, PyObject *tensor);
+/* _torch_lone(tensor, put_event, protocol): the pickle of a message of one
+ * tensor, or None where usmipc.torch's _lone_message decides. */
+PyObject *pyusmipc_torch_lone(PyObject *module, PyObject *const *args,
+                              Py_ssize_t nargs);
 
 #endif /* PYUSMIPC_TORCH_REDUCE_H */
