@@ -930,8 +930,16 @@ def _storage_or_live(leaf, origin):
     return storage, True
 
 
-def _open_group(device: str, raw: bytes):
-    stream = release = None
+# A device as messages name it -> (pid, stream getter or None): what
+# _open_group needs for it in this process, made once (the device's index
+# here, torch.cuda.init(), the getter of its current stream's handle). The
+# pid: a forked child makes it again, where torch.cuda.init() says what is
+# wrong with CUDA after a fork.
+_routes_in: dict = {}
+
+
+def _route_in(device: str):
+    getter = None
     if device.startswith("cuda:"):
         index = _local_index(device[5:])
         if index is None:
@@ -940,9 +948,20 @@ def _open_group(device: str, raw: bytes):
                 f"visible in this process (CUDA_VISIBLE_DEVICES="
                 f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): "
                 f"make it visible to receive its tensors")
-        _torch().cuda.init()  # a no-op once done (and a bad fork's error)
-        stream = _raw_stream(index)
-        release = _stream_getter(index)
+        _torch().cuda.init()  # a bad fork's error, else a no-op once done
+        getter = _stream_getter(index)
+    route = _routes_in[device] = (os.getpid(), getter)
+    return route
+
+
+def _open_group(device: str, raw: bytes):
+    route = _routes_in.get(device)
+    if route is None or route[0] != os.getpid():
+        route = _route_in(device)
+    release = route[1]
+    # The stream the open orders on: the device's current one now; the
+    # release ticket's, the current one when the receiver drops the tensor.
+    stream = release() if release is not None else None
     try:
         return _usmipc.open_shared(raw, stream=stream, to="torch",
                                    release_stream=release)
