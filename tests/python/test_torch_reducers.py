@@ -181,8 +181,14 @@ def test_the_c_lone_message_is_the_pythons(routed):
              "past 32 bits": u.expand(2 ** 33)}
     for what, x in cases.items():
         py = ut._lone_message(x, None, None)  # names the dtype, too
+        before = ut.stats()
         c = ut._usmipc._torch_lone(x, None, None)
+        after = ut.stats()
         assert py is not None and c is not None, what
+        assert {k: after[k] - before[k] for k in after
+                if after[k] != before[k]} == {
+            "host_tensors": 1, "routed_tensors": 1, "bundles": 1,
+            "messages": 1}, what
         assert type(c) is memoryview, what
         calls = [_CallRecorder(io.BytesIO(bytes(m))).load() for m in (py, c)]
         assert type(calls[1][2]) is bytes, what
