@@ -458,34 +458,45 @@ typedef struct share_ctx {
   PyObject *views;
 } share_ctx_t;
 
-static int leaf_of_record(void *ctx, Py_ssize_t i, pyusmipc_array_t *out) {
-  share_ctx_t *c = ctx;
-  const leaf_rec_t *rec = &c->r->recs[i];
-  out->ptr = rec->ptr;
-  if (rec->dt != NULL) {
-    out->desc = (usmipc_array_desc_t){.dtype_code = rec->dt->code,
-                                      .dtype_bits = rec->dt->bits,
+/* *out as a leaf of nbytes at ptr: a C-contiguous array of dtype dt and
+ * shape (ndim of them) when dt is not NULL (a tensor that covers its
+ * storage whole), else a 1-D uint8 array of the bytes; its keep, a new
+ * reference to keep. */
+static void fill_leaf(pyusmipc_array_t *out, void *ptr, int64_t nbytes,
+                      const pyusmipc_dtype_t *dt, int ndim,
+                      const int64_t *shape, PyObject *keep) {
+  out->ptr = ptr;
+  if (dt != NULL) {
+    out->desc = (usmipc_array_desc_t){.dtype_code = dt->code,
+                                      .dtype_bits = dt->bits,
                                       .dtype_lanes = 1,
-                                      .ndim = rec->ndim};
-    int64_t step = 1; /* C-contiguous: the step found it so */
-    for (int k = rec->ndim - 1; k >= 0; k--) {
-      out->shape[k] = c->r->dims[rec->dims_at + (size_t)k];
+                                      .ndim = ndim};
+    int64_t step = 1; /* the step found it contiguous */
+    for (int k = ndim - 1; k >= 0; k--) {
+      out->shape[k] = shape[k];
       out->strides[k] = step;
-      step *= out->shape[k] > 1 ? out->shape[k] : 1;
+      step *= shape[k] > 1 ? shape[k] : 1;
     }
   } else {
     out->desc = (usmipc_array_desc_t){
         .dtype_code = 1, .dtype_bits = 8, .dtype_lanes = 1, .ndim = 1};
-    out->shape[0] = rec->nbytes;
+    out->shape[0] = nbytes;
     out->strides[0] = 1;
   }
   out->desc.shape = out->shape;
   out->desc.strides = out->strides;
+  out->keep = Py_NewRef(keep);
+}
+
+static int leaf_of_record(void *ctx, Py_ssize_t i, pyusmipc_array_t *out) {
+  share_ctx_t *c = ctx;
+  const leaf_rec_t *rec = &c->r->recs[i];
   /* The storage keeps the memory the record points at. */
-  out->keep = PyList_GetItem(c->views, i);
-  if (out->keep == NULL)
+  PyObject *storage = PyList_GetItem(c->views, i);
+  if (storage == NULL)
     return -1;
-  Py_INCREF(out->keep);
+  fill_leaf(out, rec->ptr, rec->nbytes, rec->dt, rec->ndim,
+            rec->dt != NULL ? c->r->dims + rec->dims_at : NULL, storage);
   return 0;
 }
 
@@ -913,27 +924,7 @@ typedef struct lone_leaf {
 static int leaf_of_lone(void *ctx, Py_ssize_t i, pyusmipc_array_t *out) {
   (void)i;
   const lone_leaf_t *l = ctx;
-  out->ptr = l->ptr;
-  if (l->dt != NULL) {
-    out->desc = (usmipc_array_desc_t){.dtype_code = l->dt->code,
-                                      .dtype_bits = l->dt->bits,
-                                      .dtype_lanes = 1,
-                                      .ndim = l->ndim};
-    int64_t step = 1;
-    for (int k = l->ndim - 1; k >= 0; k--) {
-      out->shape[k] = l->shape[k];
-      out->strides[k] = step;
-      step *= l->shape[k] > 1 ? l->shape[k] : 1;
-    }
-  } else {
-    out->desc = (usmipc_array_desc_t){
-        .dtype_code = 1, .dtype_bits = 8, .dtype_lanes = 1, .ndim = 1};
-    out->shape[0] = l->nbytes;
-    out->strides[0] = 1;
-  }
-  out->desc.shape = out->shape;
-  out->desc.strides = out->strides;
-  out->keep = Py_NewRef(l->keep);
+  fill_leaf(out, l->ptr, l->nbytes, l->dt, l->ndim, l->shape, l->keep);
   return 0;
 }
 
