@@ -920,6 +920,21 @@ def _messages_made(monkeypatch, ut):
     return made
 
 
+def _report_of_child(target, data):
+    """What target(conn) reports of the message data in a spawned process,
+    which then exits cleanly."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child,))
+    proc.start()
+    parent.send_bytes(data.tobytes())
+    got = parent.recv()
+    parent.send("bye")
+    proc.join(TIMEOUT)
+    assert proc.exitcode == 0
+    return got
+
+
 def _load_dict_report(conn):
     from multiprocessing.reduction import ForkingPickler
     import usmipc.torch  # noqa: F401 (the receiver needs no install())
@@ -961,15 +976,7 @@ def test_the_c_step_takes_a_messages_tensors(routed, nothing_received,
     assert after["routed_tensors"] - before["routed_tensors"] == 4
     assert after["host_tensors"] - before["host_tensors"] == 4
     assert after["bundles"] - before["bundles"] == 1
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_load_dict_report, args=(child,))
-    proc.start()
-    parent.send_bytes(data.tobytes())
-    got = parent.recv()
-    parent.send("bye")
-    proc.join(TIMEOUT)
-    assert proc.exitcode == 0
+    got = _report_of_child(_load_dict_report, data)
     assert got == {"a": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
                    "b": [1.0, 3.0, 5.0], "c": [7.0, 8.0, 9.0],
                    "b_offset": 1, "b_stride": (2,), "one_storage": True,
@@ -1030,15 +1037,7 @@ def test_a_messages_bundle_is_made_from_its_records(routed, nothing_received,
     assert leaves[1].strides == (48, 48, 4)
     usmipc.close_shared(leaves)
     del again
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_load_shapes_report, args=(child,))
-    proc.start()
-    parent.send_bytes(data.tobytes())
-    got = parent.recv()
-    parent.send("bye")
-    proc.join(TIMEOUT)
-    assert proc.exitcode == 0
+    got = _report_of_child(_load_shapes_report, data)
     for k, v in msg.items():
         assert got[k] == (str(v.dtype), tuple(v.shape), v.stride(),
                           v.storage_offset(), type(v).__name__, v.tolist()), k

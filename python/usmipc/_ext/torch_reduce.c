@@ -735,37 +735,69 @@ static int received_here(long index, PyObject *storage, PyObject *nbytes) {
   return found;
 }
 
+/* The untyped storage of t if t is a strided tensor that is not nested
+ * (what usmipc.torch routes), with *cuda whether it is on a GPU: 1; 0 when
+ * it is not; -1 with an exception. */
+static int strided_storage(PyObject *t, int *cuda, PyObject **storage) {
+  int nested = attr_true(t, n_is_nested);
+  if (nested != 0)
+    return nested < 0 ? -1 : 0;
+  PyObject *layout = PyObject_GetAttr(t, n_layout);
+  if (layout == NULL)
+    return -1;
+  Py_DECREF(layout); /* torch.strided lives in torch: compared only */
+  if (layout != cfg.strided)
+    return 0;
+  if ((*cuda = attr_true(t, n_is_cuda)) < 0)
+    return -1;
+  *storage = PyObject_CallMethodObjArgs(t, n_untyped_storage, NULL);
+  return *storage == NULL ? -1 : 1;
+}
+
+/* Where t's memory is, if usmipc.torch sends it: *index its CUDA device's
+ * index, or -1 for usmipc's host memory (a CPU tensor of torch's own is
+ * torch's to send). 1, 0 (not routed), or -1 with an exception. */
+static int routed_index(PyObject *t, PyObject *storage, int cuda, long *index) {
+  *index = -1;
+  if (!cuda) {
+    int cpu = attr_true(t, n_is_cpu);
+    return cpu == 1 ? usmipc_host(storage) : cpu;
+  }
+  PyObject *i = PyObject_CallMethodObjArgs(t, n_get_device, NULL);
+  *index = i ? PyLong_AsLong(i) : -1;
+  Py_XDECREF(i);
+  return *index >= 0 ? 1 : PyErr_Occurred() ? -1 : 0;
+}
+
+/* Whether t (at offset 0 of its storage of nbytes, of dtype) covers the
+ * storage whole and may travel as itself (torch.py's _whole_leaves): all
+ * of its bytes, contiguous, of a dtype in leaf_dtypes. 1, 0, or -1. */
+static int covers_whole(PyObject *t, PyObject *nbytes, PyObject *dtype) {
+  PyObject *tnbytes = PyObject_GetAttr(t, n_nbytes);
+  int same = tnbytes ? PyObject_RichCompareBool(tnbytes, nbytes, Py_EQ) : -1;
+  Py_XDECREF(tnbytes);
+  int whole = same == 1 ? PySet_Contains(cfg.leaf_dtypes, dtype) : same;
+  if (whole == 1) {
+    PyObject *c = PyObject_CallMethodObjArgs(t, n_is_contiguous, NULL);
+    whole = c ? PyObject_IsTrue(c) : -1;
+    Py_XDECREF(c);
+  }
+  return whole;
+}
+
 /* The message's reduction of tensor: NULL without an exception when the
  * common case does not hold (torch.py's _reduce_tensor says what does). */
 static PyObject *reduce_common(torch_message_t *m, PyObject *t) {
-  int nested = attr_true(t, n_is_nested);
-  if (nested != 0)
-    return NULL;
-  PyObject *layout = PyObject_GetAttr(t, n_layout);
-  if (layout == NULL)
-    return NULL;
-  Py_DECREF(layout); /* torch.strided lives in torch: compared only */
-  if (layout != cfg.strided)
-    return NULL;
-  int cuda = attr_true(t, n_is_cuda);
-  if (cuda < 0)
-    return NULL;
-  PyObject *storage = PyObject_CallMethodObjArgs(t, n_untyped_storage, NULL);
-  if (storage == NULL)
+  int cuda = 0;
+  PyObject *storage = NULL;
+  if (strided_storage(t, &cuda, &storage) != 1)
     return NULL;
   PyObject *out = NULL, *nbytes = NULL, *size = NULL, *tsize = NULL,
            *stride = NULL, *offset = NULL, *dtype = NULL, *at = NULL,
-           *tnbytes = NULL, *rg = NULL, *args = NULL;
-  long index = -1;
-  if (cuda) {
-    PyObject *i = PyObject_CallMethodObjArgs(t, n_get_device, NULL);
-    index = i ? PyLong_AsLong(i) : -1;
-    Py_XDECREF(i);
-    if (index < 0)
-      goto done;
-  } else if (attr_true(t, n_is_cpu) != 1 || usmipc_host(storage) != 1) {
+           *rg = NULL, *args = NULL;
+  long index;
+  if (routed_index(t, storage, cuda, &index) != 1)
     goto done;
-  }
   rg = PyObject_GetAttr(t, n_requires_grad);
   int grad = rg ? PyObject_IsTrue(rg) : -1;
   if (grad < 0 || (grad && attr_true(t, n_is_leaf) != 1))
@@ -787,24 +819,12 @@ static PyObject *reduce_common(torch_message_t *m, PyObject *t) {
   if (dtype == NULL)
     goto done;
   /* Whole: may travel as itself (torch.py's _whole_leaves). */
-  int whole = 0;
   long off = PyLong_AsLong(offset);
   if (off == -1 && PyErr_Occurred())
     goto done;
-  if (off == 0) {
-    tnbytes = PyObject_GetAttr(t, n_nbytes);
-    int same = tnbytes ? PyObject_RichCompareBool(tnbytes, nbytes, Py_EQ) : -1;
-    int leaf = same == 1 ? PySet_Contains(cfg.leaf_dtypes, dtype) : same;
-    if (leaf < 0)
-      goto done;
-    if (leaf == 1) {
-      PyObject *c = PyObject_CallMethodObjArgs(t, n_is_contiguous, NULL);
-      whole = c ? PyObject_IsTrue(c) : -1;
-      Py_XDECREF(c);
-      if (whole < 0)
-        goto done;
-    }
-  }
+  int whole = off == 0 ? covers_whole(t, nbytes, dtype) : 0;
+  if (whole < 0)
+    goto done;
   at = add_own(m, storage, nbytes, index, whole ? t : Py_None, dtype, tsize);
   if (at == NULL)
     goto done;
@@ -824,7 +844,6 @@ done:
   Py_XDECREF(offset);
   Py_XDECREF(dtype);
   Py_XDECREF(at);
-  Py_XDECREF(tnbytes);
   Py_XDECREF(rg);
   Py_XDECREF(args);
   return out;
@@ -991,41 +1010,21 @@ PyObject *pyusmipc_torch_lone(PyObject *module, PyObject *const *args,
   }
   if ((PyObject *)Py_TYPE(t) != cfg.tensor)
     Py_RETURN_NONE;
-  int nested = attr_true(t, n_is_nested);
-  if (nested != 0)
-    return nested < 0 ? NULL : Py_NewRef(Py_None);
-  PyObject *layout = PyObject_GetAttr(t, n_layout);
-  if (layout == NULL)
-    return NULL;
-  Py_DECREF(layout); /* compared only */
-  if (layout != cfg.strided)
-    Py_RETURN_NONE;
-  int cuda = attr_true(t, n_is_cuda);
-  if (cuda < 0)
-    return NULL;
-  PyObject *storage = PyObject_CallMethodObjArgs(t, n_untyped_storage, NULL);
-  if (storage == NULL)
-    return NULL;
+  int cuda = 0;
+  PyObject *storage = NULL;
+  int routed = strided_storage(t, &cuda, &storage);
+  if (routed != 1)
+    return routed < 0 ? NULL : Py_NewRef(Py_None);
   PyObject *out = NULL, *nbytes = NULL, *size = NULL, *stride = NULL,
-           *offset = NULL, *dtype = NULL, *tnbytes = NULL, *stream = NULL,
-           *dtype_name = NULL, *bundle = NULL, *raw = NULL, *kept = NULL,
-           *pickled = NULL;
+           *offset = NULL, *dtype = NULL, *stream = NULL, *dtype_name = NULL,
+           *bundle = NULL, *raw = NULL, *kept = NULL, *pickled = NULL;
   pbuf_t b = {0};
   int declined = 1;
-  long index = -1;
-  if (cuda) {
-    PyObject *i = PyObject_CallMethodObjArgs(t, n_get_device, NULL);
-    index = i ? PyLong_AsLong(i) : -1;
-    Py_XDECREF(i);
-    if (index < 0)
-      goto done;
-  } else {
-    int cpu = attr_true(t, n_is_cpu);
-    int ours = cpu == 1 ? usmipc_host(storage) : cpu;
-    if (ours != 1) {
-      declined = ours == 0;
-      goto done;
-    }
+  long index;
+  int routed_here = routed_index(t, storage, cuda, &index);
+  if (routed_here != 1) {
+    declined = routed_here == 0;
+    goto done;
   }
   int grad = attr_true(t, n_requires_grad);
   int hooks = grad == 0 ? attr_true(t, n_backward_hooks) : grad;
@@ -1080,23 +1079,15 @@ PyObject *pyusmipc_torch_lone(PyObject *module, PyObject *const *args,
     declined = 0;
     goto done;
   }
-  if (off == 0) { /* whole: travels as itself (torch.py's _whole_leaves) */
-    tnbytes = PyObject_GetAttr(t, n_nbytes);
-    int same = tnbytes ? PyObject_RichCompareBool(tnbytes, nbytes, Py_EQ) : -1;
-    int whole = same == 1 ? PySet_Contains(cfg.leaf_dtypes, dtype) : same;
-    if (whole == 1) {
-      PyObject *c = PyObject_CallMethodObjArgs(t, n_is_contiguous, NULL);
-      whole = c ? PyObject_IsTrue(c) : -1;
-      Py_XDECREF(c);
-    }
-    if (whole == 1 && (leaf.dt = pyusmipc_dtype_of_torch(dtype)) != NULL) {
-      leaf.ndim = nd;
-      leaf.shape = shape;
-    }
-    if (whole < 0 || PyErr_Occurred()) {
-      declined = 0;
-      goto done;
-    }
+  /* Whole: travels as itself (torch.py's _whole_leaves). */
+  int whole = off == 0 ? covers_whole(t, nbytes, dtype) : 0;
+  if (whole == 1 && (leaf.dt = pyusmipc_dtype_of_torch(dtype)) != NULL) {
+    leaf.ndim = nd;
+    leaf.shape = shape;
+  }
+  if (whole < 0 || PyErr_Occurred()) {
+    declined = 0;
+    goto done;
   }
   PyObject *device_name;
   if (cuda) {
@@ -1194,7 +1185,6 @@ done:
   Py_XDECREF(stride);
   Py_XDECREF(offset);
   Py_XDECREF(dtype);
-  Py_XDECREF(tnbytes);
   Py_XDECREF(stream);
   Py_XDECREF(dtype_name);
   Py_XDECREF(bundle);
