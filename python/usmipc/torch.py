@@ -183,6 +183,13 @@ def _bind_torch() -> None:
     _Tensor, _empty = torch.Tensor, torch.empty
     _UntypedStorage = torch.UntypedStorage
     _strided = torch.strided
+    # The receiver's per-tensor step in C (torch_rebuild.c): these objects
+    # and the Python that takes every case it does not.
+    _usmipc._torch_rebuild_setup({
+        "tls": _tls, "received": _received, "counts": _counts,
+        "Tensor": _Tensor, "empty": _empty,
+        "UntypedStorage": _UntypedStorage, "slow": _rebuild_slow,
+        "prune": _prune_received, "prune_at": _RECEIVED_PRUNE})
 
 
 _uuid_of_index: dict = {}
@@ -907,27 +914,22 @@ def _storage_of(leaf, origin):
 
 
 def _storage_or_live(leaf, origin):
-    """(storage, fresh): the leaf's own storage (fresh) or the live one of
-    the same memory received before (not fresh), as _storage_of says."""
+    """(storage, fresh): the leaf's own storage (fresh), filed in _received
+    under (device index or None, data_ptr, nbytes) with origin, or the live
+    one of the same memory received before (not fresh), as _storage_of
+    says. In C (torch_rebuild.c), which _rebuild_tensor calls directly."""
     if _UntypedStorage is None:
         _bind_torch()
+    return _usmipc._torch_storage_or_live(leaf, origin)
+
+
+def _prune_received() -> None:
+    """Drops _received's entries of storages no longer alive (the C lookup
+    calls it when the dict reaches _RECEIVED_PRUNE)."""
     storages = _UntypedStorage
-    where = leaf.get_device()
-    key = (where if where >= 0 else None, leaf.data_ptr(), leaf.nbytes)
-    got = _received.get(key)
-    if got is not None:
-        if not storages._expired(got[0]):
-            _counts["reused_storages"] += 1
-            return storages._new_with_weak_ptr(got[0]), False
-        storages._free_weak_ref(got[0])
-    elif len(_received) >= _RECEIVED_PRUNE:
-        dead = [k for k, (ref, _) in _received.items()
-                if storages._expired(ref)]
-        for k in dead:
-            storages._free_weak_ref(_received.pop(k)[0])
-    storage = leaf.untyped_storage()
-    _received[key] = (storage._weak_ref(), origin)
-    return storage, True
+    dead = [k for k, (ref, _) in _received.items() if storages._expired(ref)]
+    for k in dead:
+        storages._free_weak_ref(_received.pop(k)[0])
 
 
 # A device as messages name it -> (pid, stream getter or None): what
@@ -1059,11 +1061,12 @@ def _current_opened() -> _Opened:
     return stack[-1]
 
 
-def _rebuild_tensor(at, cls, size, stride, offset, dtype, requires_grad):
+def _rebuild_slow(at, cls, size, stride, offset, dtype, requires_grad):
     """Rebuilds a tensor of a message (ForkingPickler.dumps); at is its
-    storage's (bundle, array) in the message. Runs once per tensor: the
-    common case (a plain tensor, its storage new in the message) in one
-    frame."""
+    storage's (bundle, array) in the message. Every case: _rebuild_tensor
+    (torch_rebuild.c) runs the common ones (a plain tensor, the sender's
+    whole tensor or a view of a storage made already) and calls this for
+    the rest."""
     if _empty is None:
         _bind_torch()
     stack = _tls.opened
@@ -1095,6 +1098,12 @@ def _rebuild_tensor(at, cls, size, stride, offset, dtype, requires_grad):
     _counts["received_tensors"] += 1
     return _empty(0, dtype=dtype, device=storage.device).set_(
         storage, offset, size, stride)
+
+
+# What messages name for each tensor: the common case in C, the rest by
+# _rebuild_slow (a builtin pickles by its own name, usmipc._usmipc's
+# _torch_rebuild; it binds torch itself at a receiver's first tensor).
+_rebuild_tensor = _usmipc._torch_rebuild
 
 
 def _rebuild_storage(at):

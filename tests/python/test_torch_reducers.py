@@ -1121,3 +1121,133 @@ def test_the_c_step_hands_received_memory_to_python(routed,
     assert kinds == ["_Forward", "_Group"]
     back = ForkingPickler.loads(data)
     assert back["fwd"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.fixture
+def slow_rebuilds(routed):
+    """The receiver's C step (torch_rebuild.c) set up with a spy as its
+    slow path: the list of `at`s it handed to torch.py's _rebuild_slow.
+    The real set-up is put back after."""
+    torch, ut = routed
+    ut._bind_torch()
+    handed = []
+
+    def spy(at, *rest):
+        handed.append(at)
+        return ut._rebuild_slow(at, *rest)
+
+    def setup(**over):
+        config = {"tls": ut._tls, "received": ut._received,
+                  "counts": ut._counts, "Tensor": torch.Tensor,
+                  "empty": torch.empty, "UntypedStorage": torch.UntypedStorage,
+                  "slow": spy, "prune": ut._prune_received,
+                  "prune_at": ut._RECEIVED_PRUNE}
+        config.update(over)
+        usmipc._usmipc._torch_rebuild_setup(config)
+
+    setup()
+    try:
+        yield handed, setup
+    finally:
+        ut._bind_torch()
+
+
+def test_the_receivers_c_step_rebuilds_as_torch_does(routed, nothing_received,
+                                                     slow_rebuilds):
+    """A message's tensors are rebuilt by the C step where they are plain
+    (the sender's whole tensor: the leaf itself; a view of a storage the
+    message made already: a tensor over it) and by _rebuild_slow otherwise
+    (a Parameter, requires_grad, a first view that is not the whole
+    storage), each as torch rebuilds it; a storage this process still
+    holds is the one storage both arrivals share."""
+    from multiprocessing.reduction import ForkingPickler
+    torch, ut = routed
+    handed, _ = slow_rebuilds
+    t = host_tensor(torch, 8)
+    t.copy_(torch.arange(8.0))
+    m = host_tensor(torch, 6).view(2, 3)
+    m.copy_(torch.arange(6.0).view(2, 3))
+    w = host_tensor(torch, 2)
+    w.copy_(torch.tensor([0.5, 1.5]))
+    r = host_tensor(torch, 2).requires_grad_()
+    msg = {"a": t, "b": t[1:7:2], "mt": m.t(), "m": m,
+           "p": torch.nn.Parameter(w), "r": r, "tied": t}
+    before = ut.stats()
+    got = ForkingPickler.loads(ForkingPickler.dumps(msg))
+    after = ut.stats()
+    assert got["a"].tolist() == t.tolist()
+    assert (got["b"].storage_offset(), got["b"].stride()) == (1, (2,))
+    assert got["b"].tolist() == [1.0, 3.0, 5.0]
+    assert got["b"].untyped_storage()._cdata == \
+        got["a"].untyped_storage()._cdata
+    assert got["mt"].stride() == (1, 3) and got["mt"].tolist() == \
+        m.t().tolist()
+    assert got["m"].tolist() == m.tolist()
+    assert got["m"].untyped_storage()._cdata == \
+        got["mt"].untyped_storage()._cdata
+    assert type(got["p"]) is torch.nn.Parameter and got["p"].requires_grad
+    assert got["p"].tolist() == [0.5, 1.5]
+    assert got["r"].requires_grad and got["tied"] is got["a"]
+    # t and m travel as their storages' bytes (two tensors of the message
+    # view each), so their first tensors (a, mt) went by the Python, which
+    # makes the storage, as did p and r; C made b and m over those storages.
+    assert handed == [(0, 0), (0, 1), (0, 2), (0, 3)], handed
+    assert after["received_tensors"] - before["received_tensors"] == 6
+    # Received again while held: the same storage, reused.
+    again = ForkingPickler.loads(ForkingPickler.dumps({"a": t, "m": m}))
+    assert again["a"].untyped_storage()._cdata == \
+        got["a"].untyped_storage()._cdata
+    assert again["m"].untyped_storage()._cdata == \
+        got["m"].untyped_storage()._cdata
+    assert ut.stats()["reused_storages"] - after["reused_storages"] == 2
+    # Dropped, then received: fresh, and filed once per memory.
+    del got, again
+    gc.collect()
+    fresh = ForkingPickler.loads(ForkingPickler.dumps(t))
+    assert fresh.tolist() == t.tolist()
+    key = (None, fresh.data_ptr(), fresh.untyped_storage().nbytes())
+    assert key in ut._received
+    assert not torch.UntypedStorage._expired(ut._received[key][0])
+
+
+def test_the_receivers_c_step_prunes_what_died(routed, nothing_received,
+                                               slow_rebuilds):
+    """_received is pruned of dead storages when it reaches prune_at, by
+    the C step calling _prune_received; the live entries stay."""
+    from multiprocessing.reduction import ForkingPickler
+    torch, ut = routed
+    _, setup = slow_rebuilds
+    pruned = []
+
+    def prune():
+        pruned.append(len(ut._received))
+        ut._prune_received()
+
+    setup(prune=prune, prune_at=3)
+    kept = host_tensor(torch, 4)
+    held = ForkingPickler.loads(ForkingPickler.dumps({"k": kept}))
+    for i in range(3):  # sizes apart: each its own key
+        x = ForkingPickler.loads(ForkingPickler.dumps({"x": host_tensor(
+            torch, 5 + i)}))
+        del x
+        gc.collect()
+    assert pruned and pruned[0] == 3, pruned
+    assert len(ut._received) < 3
+    live = (None, held["k"].data_ptr(), 16)
+    assert live in ut._received
+
+
+def test_the_receivers_c_step_refuses_bad_input(routed):
+    from usmipc import _usmipc
+    torch, ut = routed
+    with pytest.raises(ValueError, match="no tls"):
+        _usmipc._torch_rebuild_setup({})
+    with pytest.raises(TypeError, match="a dict"):
+        _usmipc._torch_rebuild_setup([])
+    with pytest.raises(TypeError, match="leaf, origin"):
+        _usmipc._torch_storage_or_live(1)
+    with pytest.raises(usmipc.Error, match="outside its message"):
+        ut._rebuild_tensor((0, 0), torch.Tensor, (1,), (1,), 0,
+                           torch.float32, False)
+    with pytest.raises(TypeError):
+        ut._rebuild_tensor((0, 0))

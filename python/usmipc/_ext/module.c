@@ -14,6 +14,7 @@
  *
  *   9  module.c         module init and module functions
  *   8  torch_reduce.c   usmipc.torch's per-tensor step (_TorchMessage)
+ *      torch_rebuild.c  usmipc.torch's per-tensor step on the receiver
  *   7  ipc_handle.c     IPCMemoryHandle
  *      shared_array.c   open_shared(), SharedArray (bundles, consumer's side)
  *      update.c         _CopyPlan (UpdatePlan's one call), _bundle_paths
@@ -36,6 +37,7 @@
 #include "memory_core.h"
 #include "queue.h"
 #include "shared_array.h"
+#include "torch_rebuild.h"
 #include "torch_reduce.h"
 #include "update.h"
 #include "util.h"
@@ -476,6 +478,11 @@ static PyMethodDef bundle_functions[] = {
     {"_torch_pop", pyusmipc_torch_pop, METH_NOARGS, NULL},
     {"_torch_reduce_tensor", pyusmipc_torch_reduce_tensor, METH_O, NULL},
     {"_torch_lone", PYUSMIPC_CMETHOD(pyusmipc_torch_lone), METH_FASTCALL, NULL},
+    {"_torch_rebuild_setup", pyusmipc_torch_rebuild_setup, METH_O, NULL},
+    {"_torch_rebuild", PYUSMIPC_CMETHOD(pyusmipc_torch_rebuild), METH_FASTCALL,
+     NULL},
+    {"_torch_storage_or_live", PYUSMIPC_CMETHOD(pyusmipc_torch_storage_or_live),
+     METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 
