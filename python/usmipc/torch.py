@@ -970,14 +970,22 @@ def _open_group(device: str, raw: bytes):
     except _usmipc.Error as e:
         if getattr(e, "name", "") != "USMIPC_EEXPORTERGONE":
             raise
-        said = type(e)(
-            f"{e}. usmipc.torch: the sender is gone before this message was "
-            f"loaded, and memory of PyTorch's default caching allocator "
-            f"ends with its process: keep the sender alive until its "
-            f"receivers have loaded what it sent, or allocate what must "
-            f"outlive it as fd memory (PYTORCH_CUDA_ALLOC_CONF="
-            f"expandable_segments:True, or usmipc.memory."
-            f"use_torch_allocator())")
+        if "has exited" in str(e):  # src/bundle.c's check_live: gone
+            said = type(e)(
+                f"{e}. usmipc.torch: the sender is gone before this message "
+                f"was loaded, and memory of PyTorch's default caching "
+                f"allocator ends with its process: keep the sender alive "
+                f"until its receivers have loaded what it sent, or allocate "
+                f"what must outlive it as fd memory (PYTORCH_CUDA_ALLOC_CONF="
+                f"expandable_segments:True, or usmipc.memory."
+                f"use_torch_allocator())")
+        else:  # alive, and it freed the message's bundle
+            said = type(e)(
+                f"{e}. usmipc.torch: the sender freed this message's tensors "
+                f"once its receiver had loaded and dropped them: a message "
+                f"of ForkingPickler.dumps is one handoff, loaded once; to "
+                f"send the tensors again, the sender dumps it again (cheap "
+                f"when they are the same tensors)")
         said.code, said.name = e.code, e.name
         said.native_code = getattr(e, "native_code", 0)
         raise said from e

@@ -731,6 +731,46 @@ def test_a_message_loaded_after_the_sender_exited_says_what_to_do(
     assert info.value.name == "USMIPC_EEXPORTERGONE"
 
 
+def _load_twice_report(conn):
+    """Loads the message, drops what it got, then loads the same bytes
+    until the sender has freed them (its ticket came back): reports the
+    second load's error."""
+    from multiprocessing.reduction import ForkingPickler
+    import usmipc.torch  # noqa: F401
+    data = conn.recv_bytes()
+    t = ForkingPickler.loads(data)
+    del t
+    gc.collect()
+    deadline = time.monotonic() + TIMEOUT
+    said = None
+    while said is None and time.monotonic() < deadline:
+        try:
+            again = ForkingPickler.loads(data)
+        except usmipc.Error as e:
+            said = (e.name, str(e))
+        else:
+            del again
+            gc.collect()
+            time.sleep(0.05)
+    conn.send(said)
+    conn.recv()
+
+
+@pytest.mark.parametrize("lone", [True, False])
+def test_a_message_loaded_again_after_its_release_says_so(routed, lone):
+    """A message is one handoff: once loaded and dropped, its sender frees
+    it, and loading the same bytes again fails saying that, not that the
+    sender is gone (it is alive)."""
+    from multiprocessing.reduction import ForkingPickler
+    torch, _ = routed
+    t = host_tensor(torch, 8)
+    data = ForkingPickler.dumps(t if lone else {"a": t, "b": t[2:4]})
+    name, text = _report_of_child(_load_twice_report, data)
+    assert name == "USMIPC_EEXPORTERGONE"
+    assert "the sender is gone" not in text, text
+    assert "loaded once" in text and "dumps it again" in text, text
+
+
 # ---- the switch: USMIPC_TORCH=1 through usmipc-torch.pth -------------------
 
 FAKE_TORCH = {
