@@ -95,12 +95,21 @@ void usmipc__bundles_fork_child(void) {
   pthread_mutex_unlock(&live_lock);
 }
 
+/* Grows *p (of *cap elements of elem bytes) to hold need, doubling. The
+ * callers' counts are bounded (USMIPC__BUNDLE_MAX_NODES and _MAX_ARRAYS,
+ * keys of at most 65535 bytes), so the size cannot wrap through the API;
+ * checked here all the same, so that a later caller cannot make it. */
 static int grow(void **p, size_t *cap, size_t need, size_t elem) {
   if (need <= *cap)
     return 0;
   size_t n = *cap ? *cap : 16;
-  while (n < need)
+  while (n < need && n <= SIZE_MAX / 2)
     n *= 2;
+  if (n < need || elem == 0 || n > SIZE_MAX / elem)
+    return usmipc__fail(USMIPC_ENOMEM,
+                        "a bundle of %zu items of %zu bytes "
+                        "is too large to build",
+                        need, elem);
   void *q = realloc(*p, n * elem);
   if (q == NULL)
     return usmipc__fail(USMIPC_ENOMEM, "out of memory building a bundle");
