@@ -26,14 +26,18 @@ Consumer, per leaf:
   a tensor made from a capsule.
 
     python3 tests/gpu/per_tensor_bench.py [--layout qwen|moe|small]
-        [--device cuda|host] [--reps 9] [--json OUT]
+        [--device cuda|host|host-one] [--reps 9] [--json OUT]
 
 --device host runs the same on usmipc host memory (each tensor a view of an
 allocation of its own), to check the harness where there is no GPU; its
-figures are not the comparison.
+figures are not the comparison. --device host-one makes every tensor a
+view of one host allocation: the producer's per-tensor cost without the
+per-allocation one (the export record's encoding and checksum, and on the
+GPU the driver query), which the caching allocator's layouts add.
 """
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -63,10 +67,22 @@ def sync(kind):
 
 def make_state(spec, kind):
     """(state dict, allocation count): caching-allocator tensors on the GPU;
-    on the host, each tensor a view of a usmipc host allocation."""
+    on the host, each tensor a view of a usmipc host allocation of its own
+    ("host"), or all of them views of one ("host-one": the per-tensor cost
+    alone, without the per-allocation one)."""
     import torch
     from bench_weights import caching_segments
     state, mems = {}, []
+    if kind == "host-one":
+        from usmipc.memory import MemoryUSMDevice
+        sizes = [math.prod(shape) for _, shape in spec]
+        mem = MemoryUSMDevice(2 * sum(sizes), device=usmipc_device(kind))
+        base = torch.from_dlpack(mem).view(torch.bfloat16)
+        at = 0
+        for (name, shape), n in zip(spec, sizes):
+            state[name] = base[at:at + n].view(shape).fill_(1.0)
+            at += n
+        return state, 1, [mem]
     for name, shape in spec:
         if kind == "cuda":
             t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
@@ -206,7 +222,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layout", choices=("qwen", "moe", "small"),
                     default="qwen")
-    ap.add_argument("--device", choices=("cuda", "host"), default="cuda")
+    ap.add_argument("--device", choices=("cuda", "host", "host-one"),
+                    default="cuda")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--json")
     a = ap.parse_args()
