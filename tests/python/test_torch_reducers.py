@@ -1280,8 +1280,14 @@ def test_the_receivers_c_step_prunes_what_died(routed, nothing_received,
 def test_the_receivers_c_step_refuses_bad_input(routed):
     from usmipc import _usmipc
     torch, ut = routed
-    with pytest.raises(ValueError, match="no tls"):
+    with pytest.raises(ValueError, match="_torch_rebuild_setup: no "):
         _usmipc._torch_rebuild_setup({})
+    with pytest.raises(ValueError, match="no tls"):
+        _usmipc._torch_rebuild_setup({"prune_at": 1})
+    with pytest.raises(ValueError, match="prune_at, a count > 0"):
+        _usmipc._torch_rebuild_setup({"prune_at": 0})
+    with pytest.raises(TypeError, match="received and counts are dicts"):
+        _usmipc._torch_rebuild_setup({"received": [], "prune_at": 1})
     with pytest.raises(TypeError, match="a dict"):
         _usmipc._torch_rebuild_setup([])
     with pytest.raises(TypeError, match="leaf, origin"):

@@ -47,99 +47,64 @@ static PyObject *n_opened, *n_storages, *n_leaves, *n_groups, *n_dtype,
     *k_reused_storages;
 
 static int make_names(void) {
-  if (k_reused_storages != NULL)
-    return 0;
-  struct {
-    PyObject **at;
-    const char *s;
-  } names[] = {{&n_opened, "opened"},
-               {&n_storages, "storages"},
-               {&n_leaves, "leaves"},
-               {&n_groups, "groups"},
-               {&n_dtype, "dtype"},
-               {&n_shape, "shape"},
-               {&n_stride, "stride"},
-               {&n_get_device, "get_device"},
-               {&n_data_ptr, "data_ptr"},
-               {&n_nbytes, "nbytes"},
-               {&n_untyped_storage, "untyped_storage"},
-               {&n_weak_ref, "_weak_ref"},
-               {&n_expired, "_expired"},
-               {&n_new_with_weak_ptr, "_new_with_weak_ptr"},
-               {&n_free_weak_ref, "_free_weak_ref"},
-               {&n_device, "device"},
-               {&n_set, "set_"},
-               {&k_received_tensors, "received_tensors"},
-               {&k_reused_storages, "reused_storages"}};
-  for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
-    if (*names[i].at == NULL &&
-        (*names[i].at = PyUnicode_InternFromString(names[i].s)) == NULL)
-      return -1;
-  return 0;
+  static const pyusmipc_named_t names[] = {
+      {&n_opened, "opened"},
+      {&n_storages, "storages"},
+      {&n_leaves, "leaves"},
+      {&n_groups, "groups"},
+      {&n_dtype, "dtype"},
+      {&n_shape, "shape"},
+      {&n_stride, "stride"},
+      {&n_get_device, "get_device"},
+      {&n_data_ptr, "data_ptr"},
+      {&n_nbytes, "nbytes"},
+      {&n_untyped_storage, "untyped_storage"},
+      {&n_weak_ref, "_weak_ref"},
+      {&n_expired, "_expired"},
+      {&n_new_with_weak_ptr, "_new_with_weak_ptr"},
+      {&n_free_weak_ref, "_free_weak_ref"},
+      {&n_device, "device"},
+      {&n_set, "set_"},
+      {&k_received_tensors, "received_tensors"},
+      {&k_reused_storages, "reused_storages"}};
+  return pyusmipc_intern_names(names, sizeof(names) / sizeof(names[0]));
 }
 
 PyObject *pyusmipc_torch_rebuild_setup(PyObject *module, PyObject *config) {
   (void)module;
+  static const pyusmipc_named_t keys[] = {
+      {&rb.tls, "tls"},       {&rb.received, "received"},
+      {&rb.counts, "counts"}, {&rb.tensor, "Tensor"},
+      {&rb.empty, "empty"},   {&rb.storages, "UntypedStorage"},
+      {&rb.slow, "slow"},     {&rb.prune, "prune"}};
+  const char *what = "_torch_rebuild_setup";
   if (!PyDict_Check(config))
-    return pyusmipc_type_error("_torch_rebuild_setup: a dict");
-  struct {
-    PyObject **at;
-    const char *key;
-  } keys[] = {{&rb.tls, "tls"},       {&rb.received, "received"},
-              {&rb.counts, "counts"}, {&rb.tensor, "Tensor"},
-              {&rb.empty, "empty"},   {&rb.storages, "UntypedStorage"},
-              {&rb.slow, "slow"},     {&rb.prune, "prune"}};
-  enum { NKEYS = sizeof(keys) / sizeof(keys[0]) };
-  PyObject *got[NKEYS] = {NULL};
-  PyObject *out = NULL;
-  /* Each held as it is found: a lookup may run a key's __eq__, which may
-   * change the dict. */
-  for (size_t i = 0; i < NKEYS; i++) {
-    got[i] = PyDict_GetItemString(config, keys[i].key);
-    if (got[i] == NULL) {
-      pyusmipc_value_error("_torch_rebuild_setup: no %s", keys[i].key);
-      goto done;
-    }
-    Py_INCREF(got[i]);
-  }
+    return pyusmipc_type_error("%s: a dict", what);
+  /* Checked before anything is taken (str keys: no code runs). */
+  PyObject *received = PyDict_GetItemString(config, "received");
+  PyObject *counts = PyDict_GetItemString(config, "counts");
   PyObject *at = PyDict_GetItemString(config, "prune_at");
-  Py_ssize_t prune_at = at != NULL ? PyLong_AsSsize_t(at) : -1;
+  if ((received != NULL && !PyDict_Check(received)) ||
+      (counts != NULL && !PyDict_Check(counts)))
+    return pyusmipc_type_error("%s: received and counts are dicts", what);
+  if (at == NULL)
+    return pyusmipc_value_error("%s: no prune_at", what);
+  Py_ssize_t prune_at = PyLong_AsSsize_t(at);
   if (prune_at < 1) {
     if (!PyErr_Occurred())
-      pyusmipc_value_error("_torch_rebuild_setup: prune_at, a count > 0");
-    goto done;
+      pyusmipc_value_error("%s: prune_at, a count > 0", what);
+    return NULL;
   }
-  if (!PyDict_Check(got[1]) || !PyDict_Check(got[2])) {
-    pyusmipc_type_error("_torch_rebuild_setup: received and counts are "
-                        "dicts");
-    goto done;
-  }
-  if (make_names() < 0)
-    goto done;
-  for (size_t i = 0; i < NKEYS; i++) { /* the references move to rb */
-    PyObject *old = *keys[i].at;
-    *keys[i].at = got[i];
-    got[i] = old;
-  }
+  if (make_names() < 0 ||
+      pyusmipc_take_config(config, keys, sizeof(keys) / sizeof(keys[0]), what) <
+          0)
+    return NULL;
   rb.prune_at = prune_at;
-  out = Py_NewRef(Py_None);
-done:
-  for (size_t i = 0; i < NKEYS; i++)
-    Py_XDECREF(got[i]);
-  return out;
+  Py_RETURN_NONE;
 }
 
 /* counts[key] += 1. */
-static int count(PyObject *key) {
-  PyObject *v = PyDict_GetItemWithError(rb.counts, key);
-  if (v == NULL)
-    return PyErr_Occurred() ? -1 : 0;
-  long n = PyLong_AsLong(v);
-  PyObject *nv = n == -1 && PyErr_Occurred() ? NULL : PyLong_FromLong(n + 1);
-  int rc = nv == NULL ? -1 : PyDict_SetItem(rb.counts, key, nv);
-  Py_XDECREF(nv);
-  return rc;
-}
+static int count(PyObject *key) { return pyusmipc_dict_count(rb.counts, key); }
 
 /* rb.storages.<name>(arg). */
 static PyObject *storages_call(PyObject *name, PyObject *arg) {

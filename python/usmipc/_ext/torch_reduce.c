@@ -75,42 +75,36 @@ static PyObject *n_is_nested, *n_layout, *n_untyped_storage, *n_is_cuda,
     *k_messages;
 
 static int make_names(void) {
-  if (k_messages != NULL)
+  if (k_messages != NULL) /* made: the last one is */
     return 0;
-  struct {
-    PyObject **at;
-    const char *s;
-  } names[] = {{&n_is_nested, "is_nested"},
-               {&n_layout, "layout"},
-               {&n_untyped_storage, "untyped_storage"},
-               {&n_is_cuda, "is_cuda"},
-               {&n_is_cpu, "is_cpu"},
-               {&n_requires_grad, "requires_grad"},
-               {&n_is_leaf, "is_leaf"},
-               {&n_backward_hooks, "_backward_hooks"},
-               {&n_size, "size"},
-               {&n_stride, "stride"},
-               {&n_storage_offset, "storage_offset"},
-               {&n_dtype, "dtype"},
-               {&n_nbytes, "nbytes"},
-               {&n_is_contiguous, "is_contiguous"},
-               {&n_get_device, "get_device"},
-               {&n_data_ptr, "data_ptr"},
-               {&n_device, "device"},
-               {&n_index, "index"},
-               {&n_views, "views"},
-               {&n_index_of, "index_of"},
-               {&n_single, "single"},
-               {&k_cuda_tensors, "cuda_tensors"},
-               {&k_host_tensors, "host_tensors"},
-               {&k_routed_tensors, "routed_tensors"},
-               {&k_bundles, "bundles"},
-               {&k_messages, "messages"}};
-  for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
-    if (*names[i].at == NULL &&
-        (*names[i].at = PyUnicode_InternFromString(names[i].s)) == NULL)
-      return -1;
-  return 0;
+  static const pyusmipc_named_t names[] = {
+      {&n_is_nested, "is_nested"},
+      {&n_layout, "layout"},
+      {&n_untyped_storage, "untyped_storage"},
+      {&n_is_cuda, "is_cuda"},
+      {&n_is_cpu, "is_cpu"},
+      {&n_requires_grad, "requires_grad"},
+      {&n_is_leaf, "is_leaf"},
+      {&n_backward_hooks, "_backward_hooks"},
+      {&n_size, "size"},
+      {&n_stride, "stride"},
+      {&n_storage_offset, "storage_offset"},
+      {&n_dtype, "dtype"},
+      {&n_nbytes, "nbytes"},
+      {&n_is_contiguous, "is_contiguous"},
+      {&n_get_device, "get_device"},
+      {&n_data_ptr, "data_ptr"},
+      {&n_device, "device"},
+      {&n_index, "index"},
+      {&n_views, "views"},
+      {&n_index_of, "index_of"},
+      {&n_single, "single"},
+      {&k_cuda_tensors, "cuda_tensors"},
+      {&k_host_tensors, "host_tensors"},
+      {&k_routed_tensors, "routed_tensors"},
+      {&k_bundles, "bundles"},
+      {&k_messages, "messages"}};
+  return pyusmipc_intern_names(names, sizeof(names) / sizeof(names[0]));
 }
 
 /* ---- _TorchMessage --------------------------------------------------------
@@ -626,12 +620,7 @@ PyObject *pyusmipc_torch_pop(PyObject *module, PyObject *Py_UNUSED(ignored)) {
 
 PyObject *pyusmipc_torch_setup(PyObject *module, PyObject *config) {
   (void)module;
-  if (!PyDict_Check(config))
-    return pyusmipc_type_error("_torch_setup: a dict");
-  struct {
-    PyObject **at;
-    const char *key;
-  } keys[] = {
+  static const pyusmipc_named_t keys[] = {
       {&cfg.group_type, "Group"},        {&cfg.forward_add, "forward_add"},
       {&cfg.origin, "origin"},           {&cfg.received, "received"},
       {&cfg.counts, "counts"},           {&cfg.rebuild, "rebuild"},
@@ -641,54 +630,35 @@ PyObject *pyusmipc_torch_setup(PyObject *module, PyObject *config) {
       {&cfg.cuda_names, "cuda_names"},   {&cfg.cuda_name, "cuda_name"},
       {&cfg.dtype_names, "dtype_names"}, {&cfg.keep, "keep"},
       {&cfg.refusal, "refusal"}};
-  enum { NKEYS = sizeof(keys) / sizeof(keys[0]) };
-  /* Each held as it is found: a lookup may run a key's __eq__, which may
-   * change the dict. */
-  PyObject *got[NKEYS] = {NULL};
-  PyObject *out = NULL;
-  for (size_t i = 0; i < NKEYS; i++) {
-    got[i] = PyDict_GetItemString(config, keys[i].key);
-    if (got[i] == NULL) {
-      pyusmipc_value_error("_torch_setup: no %s", keys[i].key);
-      goto done;
-    }
-    Py_INCREF(got[i]);
+  const char *what = "_torch_setup";
+  if (!PyDict_Check(config))
+    return pyusmipc_type_error("%s: a dict", what);
+  /* Checked before anything is taken (str keys: no code runs). */
+  const char *dicts[] = {"received", "counts", "cuda_names", "dtype_names"};
+  for (size_t i = 0; i < sizeof(dicts) / sizeof(dicts[0]); i++) {
+    PyObject *v = PyDict_GetItemString(config, dicts[i]);
+    if (v != NULL && !PyDict_Check(v))
+      return pyusmipc_type_error("%s: received, counts, cuda_names and "
+                                 "dtype_names are dicts, leaf_dtypes a set",
+                                 what);
   }
-  if (!PyDict_Check(got[3]) || !PyDict_Check(got[4]) ||
-      !PyAnySet_Check(got[8]) || !PyDict_Check(got[12]) ||
-      !PyDict_Check(got[14])) {
-    pyusmipc_type_error("_torch_setup: received, counts, cuda_names and "
-                        "dtype_names are dicts, leaf_dtypes a set");
-    goto done;
-  }
-  if (make_names() < 0)
-    goto done;
-  for (size_t i = 0; i < NKEYS; i++) { /* the references move to cfg */
-    PyObject *old = *keys[i].at;
-    *keys[i].at = got[i];
-    got[i] = old;
-  }
-  out = Py_NewRef(Py_None);
-done:
-  for (size_t i = 0; i < NKEYS; i++)
-    Py_XDECREF(got[i]);
-  return out;
+  PyObject *set = PyDict_GetItemString(config, "leaf_dtypes");
+  if (set != NULL && !PyAnySet_Check(set))
+    return pyusmipc_type_error("%s: received, counts, cuda_names and "
+                               "dtype_names are dicts, leaf_dtypes a set",
+                               what);
+  if (make_names() < 0 ||
+      pyusmipc_take_config(config, keys, sizeof(keys) / sizeof(keys[0]), what) <
+          0)
+    return NULL;
+  Py_RETURN_NONE;
 }
 
 /* ---- the per-tensor step --------------------------------------------------
  */
 
 /* counts[key] += 1. */
-static int count(PyObject *key) {
-  PyObject *v = PyDict_GetItemWithError(cfg.counts, key);
-  if (v == NULL)
-    return PyErr_Occurred() ? -1 : 0;
-  long n = PyLong_AsLong(v);
-  PyObject *nv = n == -1 && PyErr_Occurred() ? NULL : PyLong_FromLong(n + 1);
-  int rc = nv == NULL ? -1 : PyDict_SetItem(cfg.counts, key, nv);
-  Py_XDECREF(nv);
-  return rc;
-}
+static int count(PyObject *key) { return pyusmipc_dict_count(cfg.counts, key); }
 
 /* attr of obj, true or not: 1, 0, or -1 with an exception. */
 static int attr_true(PyObject *obj, PyObject *name) {

@@ -429,3 +429,57 @@ const char *pyusmipc_article(PyObject *name) {
              ? "an"
              : "a";
 }
+
+int pyusmipc_intern_names(const pyusmipc_named_t *names, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (*names[i].at == NULL &&
+        (*names[i].at = PyUnicode_InternFromString(names[i].name)) == NULL)
+      return -1;
+  return 0;
+}
+
+int pyusmipc_take_config(PyObject *config, const pyusmipc_named_t *keys,
+                         size_t n, const char *what) {
+  if (!PyDict_Check(config)) {
+    pyusmipc_type_error("%s: a dict", what);
+    return -1;
+  }
+  PyObject **got = PyMem_Calloc(n ? n : 1, sizeof(*got));
+  if (got == NULL) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  int rc = 0;
+  /* Each held as it is found: a lookup may run a key's __eq__, which may
+   * change the dict. */
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    got[i] = PyDict_GetItemString(config, keys[i].name);
+    if (got[i] == NULL) {
+      pyusmipc_value_error("%s: no %s", what, keys[i].name);
+      rc = -1;
+    } else {
+      Py_INCREF(got[i]);
+    }
+  }
+  for (size_t i = 0; i < n; i++) {
+    if (rc == 0) { /* the references move to *at; the old ones go */
+      PyObject *old = *keys[i].at;
+      *keys[i].at = got[i];
+      got[i] = old;
+    }
+    Py_XDECREF(got[i]);
+  }
+  PyMem_Free(got);
+  return rc;
+}
+
+int pyusmipc_dict_count(PyObject *counts, PyObject *key) {
+  PyObject *v = PyDict_GetItemWithError(counts, key);
+  if (v == NULL)
+    return PyErr_Occurred() ? -1 : 0;
+  long n = PyLong_AsLong(v);
+  PyObject *nv = n == -1 && PyErr_Occurred() ? NULL : PyLong_FromLong(n + 1);
+  int rc = nv == NULL ? -1 : PyDict_SetItem(counts, key, nv);
+  Py_XDECREF(nv);
+  return rc;
+}

@@ -174,6 +174,24 @@ int pyusmipc_parse_one_arg(const char *funcname, const char *name,
                            PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames, PyObject **out);
 
+/* Python objects a file of the extension keeps from a set-up call (the
+ * config dict usmipc.torch passes) or makes once (interned names). */
+typedef struct pyusmipc_named {
+  PyObject **at;
+  const char *name;
+} pyusmipc_named_t;
+/* Interns each name of names[0..n) not made yet into *at: 0, or -1 with
+ * an exception. */
+int pyusmipc_intern_names(const pyusmipc_named_t *names, size_t n);
+/* Sets *at of each of keys[0..n) to config[name] (a dict), the references
+ * moved in and the old ones dropped, only once all are found: 0, or -1
+ * with ValueError "<what>: no <name>" (nothing changed). */
+int pyusmipc_take_config(PyObject *config, const pyusmipc_named_t *keys,
+                         size_t n, const char *what);
+/* counts[key] += 1 where counts (a dict) holds an int under key; nothing
+ * where it holds none. 0, or -1 with an exception. */
+int pyusmipc_dict_count(PyObject *counts, PyObject *key);
+
 /* A method table's entry for a function of another signature than
  * PyCFunction (METH_FASTCALL, METH_KEYWORDS, METH_METHOD). */
 #define PYUSMIPC_CMETHOD(f) (PyCFunction)(void (*)(void))(f)
