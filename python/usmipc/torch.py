@@ -270,7 +270,7 @@ def _is_usmipc_host(ptr: int) -> bool:
 class _Group:
     """The storages of one message on one device: one bundle."""
 
-    __slots__ = ("device", "views", "index_of", "single")
+    __slots__ = ("device", "views", "index_of")
 
     def __init__(self, device):
         self.device = device  # torch.device
@@ -278,9 +278,6 @@ class _Group:
         # its bytes) and the bundle keeps them until its tickets are back.
         self.views: list = []
         self.index_of: dict = {}  # (data_ptr, nbytes) -> index
-        # Per storage, the one tensor of the message over it, or None (a
-        # second tensor or the storage itself pickled): _whole_leaves.
-        self.single: list = []
 
 
 class _Forward:
@@ -388,21 +385,15 @@ _LEAF_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "int8",
                      "int16", "int32", "int64", "uint8", "bool")
 
 
-def _whole_leaves(group: _Group) -> None:
-    """A storage that exactly one tensor of the message covers whole (a
-    state dict's parameter, as a rule) travels as that tensor: its leaf in
-    the receiver is the tensor itself, with its dtype and shape, and
-    _rebuild_tensor hands it out as it is instead of making a tensor over
-    the storage (torch.empty().set_(), 2.9 us on an H100) and keeping the
-    storage's bookkeeping. The memory, and so the export and the ticket,
-    are the same. group.single holds a tensor only where _reduce_tensor
-    found it whole: offset 0, contiguous, all of the storage's bytes, of a
-    dtype in _LEAF_DTYPE_NAMES."""
-    plain = _torch().Tensor
-    views = group.views
-    for i, t in enumerate(group.single):
-        if t is not None:
-            views[i] = t if type(t) is plain else t.detach()
+# Whole leaves: a storage that exactly one tensor of the message covers
+# whole (a state dict's parameter, as a rule) travels as that tensor: its
+# leaf in the receiver is the tensor itself, with its dtype and shape, and
+# _rebuild_tensor hands it out as it is instead of making a tensor over the
+# storage (torch.empty().set_(), 2.9 us on an H100) and keeping the
+# storage's bookkeeping. The memory, and so the export and the ticket, are
+# the same. The message records it (torch_reduce.c) where the tensor is
+# whole: offset 0, contiguous, all of the storage's bytes, of a dtype in
+# _LEAF_DTYPE_NAMES.
 
 
 def _share_group(group: _Group, put_event, msg=None, k: int = -1):
@@ -419,8 +410,7 @@ def _share_group(group: _Group, put_event, msg=None, k: int = -1):
             # What share() would ask torch for, without a Stream object.
             stream = _raw_stream(index)
     bundle = msg.share(k, stream) if msg is not None else None
-    if bundle is None:
-        _whole_leaves(group)
+    if bundle is None:  # the storages' bytes (no record says more)
         bundle = _usmipc.share(group.views, stream=stream, release=True)
     _counts["bundles"] += 1
     return bundle, bundle.to_bytes()
@@ -520,7 +510,7 @@ def _reduce_tensor(tensor):
     messages = _tls.messages
     if messages:
         # Whole: may travel as itself if it is the storage's only tensor in
-        # the message (_whole_leaves). Read here, where it costs least.
+        # the message (whole leaves). Read here, where it costs least.
         whole = (meta[3] == 0 and tensor.nbytes == nbytes
                  and meta[4] in _leaf_dtype_set
                  and tensor.is_contiguous())
@@ -725,7 +715,7 @@ def _lone_message(t, put_event, protocol):
     offset = t.storage_offset()
     if (offset == 0 and t.nbytes == nbytes and dtype in _leaf_dtype_set
             and t.is_contiguous()):
-        view = t if cls is _Tensor else t.detach()  # _whole_leaves
+        view = t if cls is _Tensor else t.detach()  # whole leaves
     else:
         view = storage
     if cuda:
@@ -887,7 +877,7 @@ _RECEIVED_PRUNE = 4096
 class _Opened:
     """A message's bundles, opened: their leaves are tensors, one per
     storage (a uint8 tensor of its bytes, or the one tensor the sender sent
-    whole: _whole_leaves)."""
+    whole: whole leaves)."""
 
     __slots__ = ("groups", "leaves", "storages")
 
@@ -1085,7 +1075,7 @@ def _rebuild_slow(at, cls, size, stride, offset, dtype, requires_grad):
         leaf = opened.leaves[g][i]
         if (leaf.dtype is dtype and offset == 0 and leaf.shape == size
                 and leaf.stride() == stride):
-            # The sender's tensor itself (_whole_leaves): handed out as it
+            # The sender's tensor itself (whole leaves): handed out as it
             # is, unless this process still holds that storage (then the
             # tensor is made over that storage, as torch does).
             name, raw = opened.groups[g]

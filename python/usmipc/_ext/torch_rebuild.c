@@ -276,7 +276,7 @@ static int attr_equals(PyObject *obj, PyObject *name, int call,
 }
 
 /* The leaf the message sent for at, if the tensor is that leaf whole
- * (torch.py's _whole_leaves: its dtype, offset 0, its shape and stride):
+ * (torch.py's whole leaves: its dtype, offset 0, its shape and stride):
  * a new reference; NULL with no exception when it is not; NULL with one on
  * failure (*failed set). */
 static PyObject *whole_leaf(PyObject *opened, PyObject *at, PyObject *size,

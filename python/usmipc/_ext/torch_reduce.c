@@ -71,7 +71,7 @@ static PyObject *n_is_nested, *n_layout, *n_untyped_storage, *n_is_cuda,
     *n_is_cpu, *n_requires_grad, *n_is_leaf, *n_backward_hooks, *n_size,
     *n_stride, *n_storage_offset, *n_dtype, *n_nbytes, *n_is_contiguous,
     *n_get_device, *n_data_ptr, *n_device, *n_index, *n_views, *n_index_of,
-    *n_single, *k_cuda_tensors, *k_host_tensors, *k_routed_tensors, *k_bundles,
+    *k_cuda_tensors, *k_host_tensors, *k_routed_tensors, *k_bundles,
     *k_messages;
 
 static int make_names(void) {
@@ -98,7 +98,6 @@ static int make_names(void) {
       {&n_index, "index"},
       {&n_views, "views"},
       {&n_index_of, "index_of"},
-      {&n_single, "single"},
       {&k_cuda_tensors, "cuda_tensors"},
       {&k_host_tensors, "host_tensors"},
       {&k_routed_tensors, "routed_tensors"},
@@ -112,7 +111,7 @@ static int make_names(void) {
 
 /* What the message read of one storage of a group, for its bundle: the
  * pointer and bytes, and for a storage one tensor of the message covers
- * whole (torch.py's _whole_leaves), that tensor's dtype and shape, with
+ * whole (torch.py's whole leaves), that tensor's dtype and shape, with
  * which it travels as itself. What the tensor was when it was pickled, as
  * torch's own reduction takes it. */
 typedef struct leaf_rec {
@@ -141,7 +140,7 @@ typedef struct torch_message {
   long last_index;
   Py_ssize_t taken; /* tensors the C step reduced (tests read it) */
   PyObject *last_g; /* int: its index in groups */
-  PyObject *last_views, *last_index_of, *last_single;
+  PyObject *last_views, *last_index_of;
   Py_ssize_t last_gi; /* last_g's value */
   /* By group index (a _Forward's stays empty); nrecs entries. */
   group_recs_t *recs;
@@ -178,7 +177,6 @@ static int message_clear(PyObject *self) {
   Py_CLEAR(m->last_g);
   Py_CLEAR(m->last_views);
   Py_CLEAR(m->last_index_of);
-  Py_CLEAR(m->last_single);
   return 0;
 }
 
@@ -192,7 +190,6 @@ static int message_traverse(PyObject *self, visitproc visit, void *arg) {
   Py_VISIT(m->last_g);
   Py_VISIT(m->last_views);
   Py_VISIT(m->last_index_of);
-  Py_VISIT(m->last_single);
   return 0;
 }
 
@@ -300,28 +297,23 @@ static int select_group(torch_message_t *m, long index, PyObject *storage) {
   Py_XINCREF(group);
   PyObject *views = group ? PyObject_GetAttr(group, n_views) : NULL;
   PyObject *index_of = views ? PyObject_GetAttr(group, n_index_of) : NULL;
-  PyObject *single = index_of ? PyObject_GetAttr(group, n_single) : NULL;
   Py_XDECREF(group);
-  if (single == NULL || !PyList_Check(views) || !PyDict_Check(index_of) ||
-      !PyList_Check(single)) {
-    if (single != NULL)
+  if (index_of == NULL || !PyList_Check(views) || !PyDict_Check(index_of)) {
+    if (index_of != NULL)
       PyErr_SetString(PyExc_TypeError, "usmipc.torch: a malformed group");
     Py_XDECREF(views);
     Py_XDECREF(index_of);
-    Py_XDECREF(single);
     Py_DECREF(g);
     return -1;
   }
   /* The fields first, then the old references dropped: a release may run
    * code, which must find the message whole. */
-  PyObject *old[4] = {m->last_g, m->last_views, m->last_index_of,
-                      m->last_single};
+  PyObject *old[3] = {m->last_g, m->last_views, m->last_index_of};
   m->last_g = g;
   m->last_views = views;
   m->last_index_of = index_of;
-  m->last_single = single;
   m->last_gi = PyLong_AsSsize_t(g);
-  for (int k = 0; k < 4; k++)
+  for (int k = 0; k < 3; k++)
     Py_XDECREF(old[k]);
   m->last_index = index;
   return 0;
@@ -352,8 +344,7 @@ static PyObject *add_own(torch_message_t *m, PyObject *storage,
   /* Held: code a lookup or an append runs may select another group. */
   Py_ssize_t gi = m->last_gi;
   PyObject *g = Py_NewRef(m->last_g), *views = Py_NewRef(m->last_views),
-           *index_of = Py_NewRef(m->last_index_of),
-           *single = Py_NewRef(m->last_single);
+           *index_of = Py_NewRef(m->last_index_of);
   PyObject *i = PyDict_GetItemWithError(index_of, key);
   Py_XINCREF(i);
   int rc = 0;
@@ -363,13 +354,12 @@ static PyObject *add_own(torch_message_t *m, PyObject *storage,
     rc = i == NULL || PyDict_SetItem(index_of, key, i) < 0 ||
                  record(m, gi, p, nb, whole ? dtype : NULL,
                         whole ? size : NULL) < 0 ||
-                 PyList_Append(views, storage) < 0 ||
-                 PyList_Append(single, tensor) < 0
+                 PyList_Append(views, storage) < 0
              ? -1
              : 0;
   } else if (i != NULL) {
     Py_ssize_t at = PyLong_AsSsize_t(i);
-    rc = PyList_SetItem(single, at, Py_NewRef(Py_None));
+    rc = PyErr_Occurred() ? -1 : 0;
     if (rc == 0 && gi < m->nrecs && at >= 0 && (size_t)at < m->recs[gi].n)
       m->recs[gi].recs[at].dt = NULL; /* two tensors: the bytes travel */
   }
@@ -379,7 +369,6 @@ static PyObject *add_own(torch_message_t *m, PyObject *storage,
   Py_DECREF(g);
   Py_DECREF(views);
   Py_DECREF(index_of);
-  Py_DECREF(single);
   return at;
 }
 
@@ -495,10 +484,10 @@ static int leaf_of_record(void *ctx, Py_ssize_t i, pyusmipc_array_t *out) {
 }
 
 /* share(g, stream=None): the bundle of group g made from what the step
- * recorded, as usmipc.share(group.views, stream=stream, release=True)
- * makes it after torch.py's _whole_leaves; None when the records do not
- * match the group's views (storages added other than through the
- * message: the caller shares the views themselves). */
+ * recorded (release tickets on): each storage's bytes, or the one tensor
+ * over it where that tensor is whole (torch.py's whole leaves); None when
+ * the records do not match the group's views (storages added other than
+ * through the message: the caller shares the views' bytes). */
 static PyObject *message_share(PyObject *self, PyObject *args) {
   torch_message_t *m = (torch_message_t *)self;
   Py_ssize_t g;
@@ -740,7 +729,7 @@ static int routed_index(PyObject *t, PyObject *storage, int cuda, long *index) {
 }
 
 /* Whether t (at offset 0 of its storage of nbytes, of dtype) covers the
- * storage whole and may travel as itself (torch.py's _whole_leaves): all
+ * storage whole and may travel as itself (torch.py's whole leaves): all
  * of its bytes, contiguous, of a dtype in leaf_dtypes. 1, 0, or -1. */
 static int covers_whole(PyObject *t, PyObject *nbytes, PyObject *dtype) {
   PyObject *tnbytes = PyObject_GetAttr(t, n_nbytes);
@@ -788,7 +777,7 @@ static PyObject *reduce_common(torch_message_t *m, PyObject *t) {
   dtype = offset ? PyObject_GetAttr(t, n_dtype) : NULL;
   if (dtype == NULL)
     goto done;
-  /* Whole: may travel as itself (torch.py's _whole_leaves). */
+  /* Whole: may travel as itself (torch.py's whole leaves). */
   long off = PyLong_AsLong(offset);
   if (off == -1 && PyErr_Occurred())
     goto done;
@@ -1049,7 +1038,7 @@ PyObject *pyusmipc_torch_lone(PyObject *module, PyObject *const *args,
     declined = 0;
     goto done;
   }
-  /* Whole: travels as itself (torch.py's _whole_leaves). */
+  /* Whole: travels as itself (torch.py's whole leaves). */
   int whole = off == 0 ? covers_whole(t, nbytes, dtype) : 0;
   if (whole == 1 && (leaf.dt = pyusmipc_dtype_of_torch(dtype)) != NULL) {
     leaf.ndim = nd;
