@@ -22,7 +22,12 @@ and a cache slow each other by that ratio whatever the work is
 the bundle's template.
 
   python3 tests/gpu/fanout_bench.py [--consumers 8] [--layout qwen|moe]
-      [--rounds 5] [--json out.json] [--no-raw]
+      [--rounds 5] [--json out.json] [--no-raw] [--unordered-too]
+
+--unordered-too repeats the usmipc fan-out with share(ordered=False): no
+event recorded, none waited on by the consumers' streams. If the
+unordered ratio is near cpu_ratio while the ordered one is not, the
+stream's wait on the producer's interprocess event is what spreads.
 """
 import argparse
 import json
@@ -173,11 +178,14 @@ def run_raw(n, spec, rounds):
     return out, len(handles)
 
 
-def run(n, spec, rounds):
+def run(n, spec, rounds, ordered=True):
     import usmipc
     pipes, procs, barrier = start(n, consumer)
     state = state_dict(spec)  # held here for the whole run
-    bundle = usmipc.share(state, release=True)
+    if not ordered:  # the work that made state is done before the bytes go
+        import torch
+        torch.cuda.synchronize()
+    bundle = usmipc.share(state, release=True, ordered=ordered)
     out = []
     for r in range(rounds):
         raw = bundle.to_bytes(consumers=n)  # one event, one ticket
@@ -205,6 +213,10 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--no-raw", action="store_true",
                     help="leave out the bare driver's fan-out")
+    ap.add_argument("--unordered-too", action="store_true",
+                    help="the warm fan-out again with share(ordered=False):"
+                    " no event for the consumers' streams to wait on, to "
+                    "see whether that wait is what spreads under N")
     a = ap.parse_args()
     spec = qwen_spec() if a.layout == "qwen" else moe_spec()
     lone = run(1, spec, a.rounds)
@@ -222,6 +234,13 @@ def main():
         res["slowest_templated_ms"] = statistics.median(many[2:])
         res["templated_ratio"] = (res["slowest_templated_ms"]
                                   / res["lone_templated_ms"])
+    if a.unordered_too:
+        u_lone = run(1, spec, a.rounds, ordered=False)
+        u_many = run(a.consumers, spec, a.rounds, ordered=False)
+        res["unordered_lone_warm_ms"] = statistics.median(u_lone[1:])
+        res["unordered_slowest_warm_ms"] = statistics.median(u_many[1:])
+        res["unordered_warm_ratio"] = (res["unordered_slowest_warm_ms"]
+                                       / res["unordered_lone_warm_ms"])
     cpu_lone = run_cpu(1, 2 * a.rounds)
     cpu_many = run_cpu(a.consumers, 2 * a.rounds)
     res["cpu_lone_ms"] = statistics.median(cpu_lone)
