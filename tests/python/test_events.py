@@ -373,7 +373,11 @@ sys.stdin.read()
 # Opens the event handle argv[1] with the IPC timeout argv[2]; one line:
 # "OPENED", "ERROR <name> <seconds>" or "KeyboardInterrupt <now> <seconds>".
 STALLED_EVENT_IMPORTER_SRC = r"""
-import sys, time
+import signal, sys, time
+# Ctrl-C must reach this child as KeyboardInterrupt even where the test
+# runner was started with SIGINT ignored (a background job of a shell
+# without job control: Python then installs no handler of its own).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import usmipc
 usmipc.set_ipc_timeout(float(sys.argv[2]))
 raw = bytes.fromhex(sys.argv[1])

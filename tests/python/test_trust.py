@@ -311,6 +311,10 @@ def stalled_exporter():
 # "alarm", SIGALRM arrives every 50 ms and a Python handler counts it.
 STALLED_IMPORTER_SRC = r"""
 import signal, sys, time
+# Ctrl-C must reach this child as KeyboardInterrupt even where the test
+# runner was started with SIGINT ignored (a background job of a shell
+# without job control: Python then installs no handler of its own).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import usmipc
 from usmipc.memory import IPCMemoryHandle
 
