@@ -1297,3 +1297,23 @@ def test_the_receivers_c_step_refuses_bad_input(routed):
                            torch.float32, False)
     with pytest.raises(TypeError):
         ut._rebuild_tensor((0, 0))
+
+
+def test_the_receivers_c_step_hands_a_malformed_message_to_python(routed):
+    """A message being loaded whose object lacks what C reads (no
+    .storages) goes to _rebuild_slow, which says what is wrong in its own
+    words (an AttributeError), with no exception left pending."""
+    torch, ut = routed
+    ut._bind_torch()
+
+    class Bare:
+        pass
+
+    stack = ut._tls.__dict__.setdefault("opened", [])
+    stack.append(Bare())
+    try:
+        with pytest.raises(AttributeError, match="storages"):
+            ut._rebuild_tensor((0, 0), torch.Tensor, (1,), (1,), 0,
+                               torch.float32, False)
+    finally:
+        stack.pop()

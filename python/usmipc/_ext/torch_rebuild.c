@@ -362,6 +362,7 @@ PyObject *pyusmipc_torch_rebuild(PyObject *module, PyObject *const *args,
   PyObject *storages = PyObject_GetAttr(opened, n_storages);
   PyObject *out = NULL, *storage = NULL;
   if (storages == NULL || !PyDict_Check(storages)) {
+    PyErr_Clear(); /* the slow path reads it again and says what is wrong */
     Py_XDECREF(storages);
     Py_DECREF(opened);
     return slow(args, nargs);
