@@ -233,10 +233,10 @@ void usmipc__foreign_payload_keep(uint64_t buffer_id, const void *base,
 size_t usmipc__foreign_payloads_count(void);
 /* Drops one owner of a foreign export; the last revokes it. */
 void usmipc__foreign_export_put(uint64_t foreign_id);
-/* Whether a live foreign export at base has this slot and token (a
- * same-process open of its handle). Lock held. */
-bool usmipc__foreign_export_current(const void *base, uint32_t slot,
-                                    const uint8_t token[16]);
+/* Whether a live foreign export of buffer_id at base has this slot and
+ * token (a same-process open of its handle). Lock held. */
+bool usmipc__foreign_export_current(uint64_t buffer_id, const void *base,
+                                    uint32_t slot, const uint8_t token[16]);
 
 /* ---- the import engine (import.c) ---------------------------------------- */
 

@@ -397,7 +397,8 @@ static int open_same_process(const usmipc__wire_t *w, void **ptr) {
     current = r->exported && r->export_slot == w->export_slot &&
               memcmp(r->token, w->token, 16) == 0;
   if (!current && r->origin == USMIPC__FOREIGN_ALIAS)
-    current = usmipc__foreign_export_current(base, w->export_slot, w->token);
+    current = usmipc__foreign_export_current(w->buffer_id, base, w->export_slot,
+                                             w->token);
   if (!current && w->export_slot != USMIPC__NO_SLOT) {
     if (r->origin == USMIPC__FOREIGN_ALIAS && r->alias_refs == 0) {
       usmipc__region_remove(r);

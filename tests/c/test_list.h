@@ -77,6 +77,7 @@
   X(handle_slots_out_of_range)                                                 \
   X(handle_table_indexes_bounded)                                              \
   X(export_foreign_payloads_kept)                                              \
+  X(export_foreign_registry)                                                   \
   X(mac_blake2s_vectors)                                                       \
   X(trust_fork_storm)                                                          \
   X(trust_squatter_after_exit)                                                 \
