@@ -11,12 +11,16 @@ query, no descriptor and no broker request in them.
     python3 tests/gpu/warm_open_strace.py [--layout qwen|moe|small]
         [--device cuda|host] [--rounds 20] [--out strace.txt]
 
-Prints the consumer's system calls per open (strace's summary divided by
-the rounds) and the counters that moved. Each round is a whole handoff on
-the consumer's side: the harness's pipe (the bytes in, "done" out: reads,
-a write, a poll), the open, and the release ticket's return, which is one
-round trip to the producer's broker a handoff (a sendto and a recvmsg;
-transport_exchanges 1), not one an allocation. strace must be on PATH
+Prints the consumer's system calls per round, and apart those of the open
+itself: each round is a whole handoff on the consumer's side, the
+harness's pipe (the bytes in, "done" out: reads, a write, a poll), the
+open, and the release ticket's return, which is one round trip to the
+producer's broker a handoff (a sendto and a recvmsg; transport_exchanges
+1), not one an allocation. The pipe's calls grow with the bytes (a read
+per 64 KiB: the MoE's bundle is several), so the open's count leaves out
+every call on the pipe's descriptor, and those of the consumer's other
+threads (a timer's futex waits, by the clock and not by the opens) (run 83 counted them: 7.0 calls a
+round for qwen, 10.1 for the MoE, of which reads 2.0 and 4.9). strace must be on PATH
 (carry a static one to a machine that lacks it).
 
 On the 2-vCPU VM (host memory, one allocation a tensor): small (10
@@ -43,7 +47,7 @@ def consumer(conn, kind):
         import torch
         torch.cuda.init()
         stream = torch.cuda.Stream()
-    conn.send(os.getpid())
+    conn.send((os.getpid(), conn.fileno()))
     before = None
     while True:
         msg = conn.recv()
@@ -82,20 +86,27 @@ def make_state(spec, kind):
     return state, mems
 
 
-def summary(path, rounds):
-    """strace -c's table, calls divided by rounds: [(calls per open,
-    name)]."""
-    rows = []
+def summary(path, rounds, pid, harness_fd):
+    """strace's lines counted by call, divided by rounds: (every call; the
+    opening thread's calls not on the harness's pipe; other threads'),
+    each [(calls per round, name)]."""
+    import collections
+    import re
+    call = re.compile(r"^(\d+)\s+([a-z_0-9]+)\((.*)")
+    on_pipe = re.compile(r"^%d[,)]|\{fd=%d," % (harness_fd, harness_fd))
+    every, opens, others = (collections.Counter() for _ in range(3))
     for line in open(path):
-        parts = line.split()
-        if len(parts) >= 5 and parts[0].replace(".", "").isdigit() \
-                and parts[-1] not in ("total",):
-            try:
-                calls = int(parts[3])
-            except ValueError:
-                continue
-            rows.append((calls / rounds, parts[-1]))
-    return sorted(rows, reverse=True)
+        m = call.match(line)
+        if m is None:  # "<... resumed>", "+++ exited", signals
+            continue
+        tid, name, args = int(m.group(1)), m.group(2), m.group(3)
+        every[name] += 1
+        if tid != pid:
+            others[name] += 1
+        elif not on_pipe.search(args):
+            opens[name] += 1
+    return tuple(sorted(((c / rounds, n) for n, c in counts.items()),
+                        reverse=True) for counts in (every, opens, others))
 
 
 def main():
@@ -123,7 +134,7 @@ def main():
     here, there = ctx.Pipe()
     proc = ctx.Process(target=consumer, args=(there, a.device))
     proc.start()
-    pid = here.recv()
+    pid, harness_fd = here.recv()
 
     def handoff():
         here.send(kept.to_bytes())
@@ -133,7 +144,7 @@ def main():
         handoff()
     here.send("mark")
     here.recv()
-    tracer = subprocess.Popen(["strace", "-c", "-f", "-o", a.out, "-p",
+    tracer = subprocess.Popen(["strace", "-f", "-qq", "-o", a.out, "-p",
                                str(pid)], stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # attached
     for _ in range(a.rounds):
@@ -144,11 +155,15 @@ def main():
     here.send(None)
     moved = here.recv()
     proc.join()
-    rows = summary(a.out, a.rounds)
-    total = sum(c for c, _ in rows)
-    print(f"{a.layout} ({len(state)} tensors), {a.device}: {total:.1f} "
-          f"system calls per warm open ({a.rounds} opens): " + ", ".join(
-              f"{name} {c:.1f}" for c, name in rows))
+    every, opens, others = summary(a.out, a.rounds, pid, harness_fd)
+    for what, rows in (("round, every thread and the harness's pipe", every),
+                       ("warm open, its thread without the pipe", opens),
+                       ("round in other threads (timers: not per open)",
+                        others)):
+        print(f"{a.layout} ({len(state)} tensors), {a.device}: "
+              f"{sum(c for c, _ in rows):.1f} system calls per {what}, "
+              f"{a.rounds} rounds: " + ", ".join(
+                  f"{name} {c:.1f}" for c, name in rows))
     print(f"counters moved in the {a.rounds} warm opens: {moved}")
 
 
