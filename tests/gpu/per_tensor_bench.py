@@ -26,7 +26,7 @@ Consumer, per leaf:
   a tensor made from a capsule.
 
     python3 tests/gpu/per_tensor_bench.py [--layout qwen|moe|small]
-        [--device cuda|host|host-one] [--reps 9] [--json OUT]
+        [--device cuda|cuda-one|host|host-one] [--reps 9] [--json OUT]
 
 --device host runs the same on usmipc host memory (each tensor a view of an
 allocation of its own), to check the harness where there is no GPU; its
@@ -34,6 +34,8 @@ figures are not the comparison. --device host-one makes every tensor a
 view of one host allocation: the producer's per-tensor cost without the
 per-allocation one (the export record's encoding and checksum, and on the
 GPU the driver query), which the caching allocator's layouts add.
+--device cuda-one does the same on the GPU (every tensor a view of one
+torch.empty): on the GPU's own machine, the per-tensor part alone.
 """
 import argparse
 import json
@@ -54,13 +56,17 @@ def med(xs):
     return statistics.median(xs)
 
 
+def gpu(kind):
+    return kind.startswith("cuda")
+
+
 def usmipc_device(kind):
     import usmipc
-    return usmipc.Device("cuda:gpu:0" if kind == "cuda" else "host:cpu")
+    return usmipc.Device("cuda:gpu:0" if gpu(kind) else "host:cpu")
 
 
 def sync(kind):
-    if kind == "cuda":
+    if gpu(kind):
         import torch
         torch.cuda.synchronize()
 
@@ -73,11 +79,15 @@ def make_state(spec, kind):
     import torch
     from bench_weights import caching_segments
     state, mems = {}, []
-    if kind == "host-one":
+    if kind in ("host-one", "cuda-one"):
         from usmipc.memory import MemoryUSMDevice
         sizes = [math.prod(shape) for _, shape in spec]
-        mem = MemoryUSMDevice(2 * sum(sizes), device=usmipc_device(kind))
-        base = torch.from_dlpack(mem).view(torch.bfloat16)
+        if kind == "cuda-one":
+            mem = base = torch.empty(sum(sizes), dtype=torch.bfloat16,
+                                     device="cuda")
+        else:
+            mem = MemoryUSMDevice(2 * sum(sizes), device=usmipc_device(kind))
+            base = torch.from_dlpack(mem).view(torch.bfloat16)
         at = 0
         for (name, shape), n in zip(spec, sizes):
             state[name] = base[at:at + n].view(shape).fill_(1.0)
@@ -126,6 +136,32 @@ def per_call_us(fn, reps, n):
     return med(xs) * 1e6 / n
 
 
+def driver_query_us(tensors, reps):
+    """The driver's own query of an allocation, which share() makes once
+    per allocation: usmipc's pointer query (one cuPointerGetAttributes of 7
+    attributes) over one pointer of each allocation, less the same Python
+    call on usmipc's own memory (a registry lookup, no driver call)."""
+    import usmipc
+    from usmipc import _usmipc
+    from usmipc.memory import MemoryUSMDevice
+    bases = sorted({_usmipc._pointer_query(t.data_ptr())["base"]
+                    for t in tensors})
+    own = MemoryUSMDevice(1 << 20, device=usmipc.Device("cuda:gpu:0"))
+    owns = [own._pointer] * len(bases)
+    query = _usmipc._pointer_query
+
+    def foreign():
+        for p in bases:
+            query(p)
+
+    def registry():
+        for p in owns:
+            query(p)
+    f = min(per_call_us(foreign, reps, len(bases)) for _ in range(2))
+    r = min(per_call_us(registry, reps, len(bases)) for _ in range(2))
+    return {"query_us": f, "query_own_us": r, "driver_query_us": f - r}
+
+
 def producer_side(state, allocations, blocks, reps, kind):
     import usmipc
     tensors = list(state.values())
@@ -136,7 +172,7 @@ def producer_side(state, allocations, blocks, reps, kind):
             t.is_cpu, t.dtype, t.shape, t.stride(), t.data_ptr()
 
     stream = None
-    if kind == "cuda":
+    if gpu(kind):
         import torch
         stream = torch.cuda.current_stream()
     kept = []
@@ -164,6 +200,8 @@ def producer_side(state, allocations, blocks, reps, kind):
         out.setdefault("share_blocks_us", []).append(
             per_call_us(share_blocks, reps, n))
         del kept[:]
+    if gpu(kind):
+        out.update(driver_query_us(tensors, reps))
     for k in ("attrs_us", "share_us", "share_blocks_us"):
         out[k] = min(out[k])
     out["share_above_attrs_us"] = out["share_us"] - out["attrs_us"]
@@ -173,7 +211,7 @@ def producer_side(state, allocations, blocks, reps, kind):
 def consumer(conn, kind, reps):
     import torch
     import usmipc
-    if kind == "cuda":
+    if gpu(kind):
         torch.cuda.init()
     dev = usmipc_device(kind)
     from_dlpack = torch._C._from_dlpack
@@ -222,7 +260,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layout", choices=("qwen", "moe", "small"),
                     default="qwen")
-    ap.add_argument("--device", choices=("cuda", "host", "host-one"),
+    ap.add_argument("--device",
+                    choices=("cuda", "cuda-one", "host", "host-one"),
                     default="cuda")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--json")
@@ -236,7 +275,7 @@ def main():
     pool, blocks = make_pool(spec, a.device)
     res = {"layout": a.layout, "device": a.device, "reps": a.reps,
            "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name(0) if a.device == "cuda"
+           "gpu": torch.cuda.get_device_name(0) if gpu(a.device)
            else None}
     res["producer"] = producer_side(state, allocations, blocks, a.reps,
                                     a.device)
@@ -247,12 +286,16 @@ def main():
           f" target <= 0.3), driver queries per share "
           f"{p['share_driver_queries']:.0f} (target <= allocations), exports "
           f"{p['share_driver_exports']:.0f}; share of pool blocks "
-          f"{p['share_blocks_us']:.3f} (target <= 0.3)")
+          f"{p['share_blocks_us']:.3f} (target <= 0.3)" + (
+              f"; the driver's query of an allocation "
+              f"{p['driver_query_us']:.3f} us ({p['query_us']:.3f} "
+              f"from Python less {p['query_own_us']:.3f} for usmipc's own)"
+              if "driver_query_us" in p else ""))
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     proc = ctx.Process(target=consumer, args=(there, a.device, a.reps))
     proc.start()
-    stream = torch.cuda.current_stream() if a.device == "cuda" else None
+    stream = torch.cuda.current_stream() if gpu(a.device) else None
     res["consumer"] = {}
     for label, leaves in (("caching", state), ("pool", blocks)):
         bundle = usmipc.share(leaves, stream=stream)
