@@ -98,7 +98,12 @@ int usmipc__export_allocation(const void *base, size_t nbytes,
                               const usmipc__allocation_ref_t *known,
                               usmipc_ipc_handle_t **handle,
                               usmipc__allocation_ref_t *ref) {
-  int rc = get_handle(base, nbytes, true, known, handle);
+  /* Another library's allocation, described a moment ago by
+   * usmipc__allocation_of (which looked in the registry first): exported
+   * as such without looking again. */
+  int rc = known != NULL && known->foreign
+               ? usmipc__export_foreign(base, nbytes, known, handle)
+               : get_handle(base, nbytes, true, known, handle);
   for (int again = 0; rc == 0; again++) {
     /* The handle says what it exports: its fixed fields (handle.c). */
     usmipc__wire_extent_t x;

@@ -889,6 +889,21 @@ int usmipc__handle_from_wire(const usmipc__wire_t *w,
   return 0;
 }
 
+int usmipc__handle_copy(const usmipc_ipc_handle_t *h,
+                        usmipc_ipc_handle_t **out) {
+  size_t room = (size_t)(h->base - h->data);
+  size_t bytes = sizeof(*h) + room + h->base_len;
+  usmipc_ipc_handle_t *c = malloc(bytes);
+  if (c == NULL)
+    return usmipc__fail(USMIPC_ENOMEM, "out of memory");
+  memcpy(c, h, bytes);
+  c->base = c->data + room;
+  c->release = NULL;
+  c->foreign_id = 0;
+  *out = c;
+  return 0;
+}
+
 int usmipc_ipc_handle_data(const usmipc_ipc_handle_t *handle, const void **data,
                            size_t *len) {
   if (handle == NULL || data == NULL || len == NULL)

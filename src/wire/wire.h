@@ -226,6 +226,10 @@ struct usmipc_ipc_handle {
 /* A handle holding the encoding of w, with room to reorder it. */
 int usmipc__handle_from_wire(const usmipc__wire_t *w,
                              usmipc_ipc_handle_t **handle);
+/* A copy of a handle as usmipc__handle_from_wire made it (its bytes not
+ * reordered since), holding no ticket and no foreign export. */
+int usmipc__handle_copy(const usmipc_ipc_handle_t *h,
+                        usmipc_ipc_handle_t **out);
 
 /* The largest standalone event handle (kind 128): a ring event's, which a
  * release request's body carries. */

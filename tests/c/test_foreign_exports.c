@@ -10,6 +10,8 @@
  * (tests/gpu/test_gpu_torch_reducers.py). */
 #include <pthread.h>
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "objects.h"
 #include "task.h"
@@ -124,17 +126,80 @@ TEST_IMPL(export_foreign_registry) {
     if (i % 3 != 0)
       ASSERT_MSG(current(second[i]) == 1,
                  "export %zu ended with another's last handle", i);
+  /* A part of an allocation is no copy of the whole's handle: it names its
+   * own offset and length, under the same export. */
+  {
+    usmipc__allocation_ref_t known = {
+        .buffer_id = 1000 + 4, .base = base_of(4), .size = ALLOC_BYTES,
+        .device = &nothing_device, .foreign = true,
+        .alloc = {.base = (void *)base_of(4), .size = ALLOC_BYTES,
+                  .kind = USMIPC_MEM_DEVICE, .fd = -1}};
+    usmipc_ipc_handle_t *part;
+    ASSERT(usmipc__export_foreign((const void *)(base_of(4) + 4096), 512,
+                                  &known, &part) == 0);
+    usmipc__wire_t w, whole;
+    const void *d;
+    size_t len;
+    ASSERT(usmipc_ipc_handle_data(part, &d, &len) == 0 &&
+           usmipc__wire_decode(d, len, &w) == 0);
+    ASSERT(usmipc_ipc_handle_data(second[4], &d, &len) == 0 &&
+           usmipc__wire_decode(d, len, &whole) == 0);
+    ASSERT_MSG(w.offset == 4096 && w.nbytes == 512 &&
+                   w.export_slot == whole.export_slot &&
+                   memcmp(w.token, whole.token, 16) == 0,
+               "a part: offset %llu nbytes %llu, slot %u (whole's %u)",
+               (unsigned long long)w.offset, (unsigned long long)w.nbytes,
+               w.export_slot, whole.export_slot);
+    usmipc_ipc_free_handle(part);
+  }
+  /* A fork child is another process: its export of the same allocation
+   * names the child (its pid and nonce), not a copy of the parent's. */
+  {
+    usmipc__wire_t parent;
+    const void *d;
+    size_t len;
+    ASSERT(usmipc_ipc_handle_data(second[5], &d, &len) == 0 &&
+           usmipc__wire_decode(d, len, &parent) == 0);
+    pid_t child = fork();
+    ASSERT(child >= 0);
+    if (child == 0) {
+      usmipc_ipc_handle_t *h;
+      usmipc__wire_t w;
+      int ok = export_one(5, &h) == 0 &&
+               usmipc_ipc_handle_data(h, &d, &len) == 0 &&
+               usmipc__wire_decode(d, len, &w) == 0 &&
+               w.pid == (uint32_t)getpid() && w.nonce != parent.nonce;
+      _exit(ok ? 0 : 1);
+    }
+    int status;
+    ASSERT(waitpid(child, &status, 0) == child);
+    ASSERT_MSG(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+               "the fork child's export named its parent (status %d)", status);
+  }
   /* A revoke by range (a pointer inside allocation 1) ends that export
    * alone; its handle's release then finds nothing to release. */
   ASSERT(usmipc_ipc_revoke((const void *)(base_of(1) + 100)) == 0);
   ASSERT_MSG(current(second[1]) == 0, "revoked export 1 still current");
   ASSERT_MSG(current(second[2]) == 1, "export 2 ended with 1's revoke");
+  uint8_t old2[512];
+  const void *d2;
+  size_t len2;
+  ASSERT(usmipc_ipc_handle_data(second[2], &d2, &len2) == 0 &&
+         len2 <= sizeof(old2));
+  memcpy(old2, d2, len2);
   for (size_t i = 0; i < N_ALLOCS; i++)
     usmipc_ipc_free_handle(second[i]);
-  /* All gone: a new export of allocation 2 is a new one (another token). */
+  /* All gone: a new export of allocation 2 is a new one (another token),
+   * no copy of the ended export's handle. */
   usmipc_ipc_handle_t *again;
   ASSERT(export_one(2, &again) == 0);
   ASSERT(current(again) == 1);
+  usmipc__wire_t was, now;
+  ASSERT(usmipc__wire_decode(old2, len2, &was) == 0);
+  ASSERT(usmipc_ipc_handle_data(again, &d2, &len2) == 0 &&
+         usmipc__wire_decode(d2, len2, &now) == 0);
+  ASSERT_MSG(memcmp(was.token, now.token, 16) != 0,
+             "the new export reuses the ended one's token");
   usmipc_ipc_free_handle(again);
   return 0;
 }
