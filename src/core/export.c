@@ -51,8 +51,8 @@ typedef struct foreign_export {
   unsigned owners;
   /* The handle of the whole allocation, kept from its first whole export
    * (what a bundle asks for at every share()): a later whole export copies
-   * it rather than filling and encoding the same bytes again (about a third
-   * of usmipc's own time an allocation). It names this process (whole_nonce:
+   * it rather than filling and encoding the same bytes again (a fifth of
+   * usmipc's own time an allocation, in C). It names this process (whole_nonce:
    * a fork child draws another) and whether importers may reach the broker
    * through the socket directory then (whole_socket_dir). */
   usmipc_ipc_handle_t *whole;
