@@ -349,7 +349,7 @@ static void foreign_release(foreign_export_t *e, bool slotted) {
     close(e->fds[i]);
   free(e->fds);
   free(e->chunks_rec);
-  usmipc_ipc_free_handle(e->whole);
+  free(e->whole); /* a copy holding no ticket and no export: plain memory */
   free(e);
 }
 
@@ -481,7 +481,7 @@ int usmipc__export_foreign(const void *ptr, size_t nbytes,
     if (rc == 0 && whole) {
       usmipc_ipc_handle_t *keep = NULL;
       if (usmipc__handle_copy(*handle, &keep) == 0) {
-        usmipc_ipc_free_handle(e->whole);
+        free(e->whole); /* as in foreign_release */
         e->whole = keep;
         e->whole_nonce = nonce;
         e->whole_socket_dir = socket_dir;
