@@ -80,8 +80,10 @@ typedef struct leaf_info {
   PyObject *stream_of; /* the leaf whose current stream orders the bundle
                           (torch, CuPy), or NULL; borrowed */
   pyusmipc_memory_object_t *mem; /* usmipc memory, borrowed, or NULL */
-  int cpu; /* the array says it is CPU memory (DLPack, torch) */
+  int cpu; /* the array says it is CPU memory (DLPack, a storage), or
+              LEAF_CPU_ASK: a torch tensor, asked only if refused */
 } leaf_info_t;
+#define LEAF_CPU_ASK (-1)
 
 /* A dict of torch dtype objects -> index into DTYPES, filled on first use
  * (dtype objects are singletons, so this is a pointer lookup). */
@@ -225,15 +227,14 @@ const pyusmipc_dtype_t *pyusmipc_dtype_of_torch(PyObject *dtype) {
   return &DTYPES[at];
 }
 
+/* is_cpu is not read here: a CPU tensor's memory is refused by the bundle
+ * itself unless it is usmipc's (no segment holds it), and only then does
+ * add_leaf ask is_cpu, to say it in torch's terms. One call into torch a
+ * tensor fewer (and, for a CPU tensor over usmipc host memory, no second
+ * registry look): share() is paid per tensor beside torch's own reads. */
 static int leaf_torch(PyObject *obj, leaf_info_t *L, int dest) {
+  (void)dest;
   if (torch_names() < 0)
-    return -1;
-  PyObject *is_cpu = PyObject_GetAttr(obj, name_is_cpu);
-  if (is_cpu == NULL)
-    return -1;
-  int cpu = PyObject_IsTrue(is_cpu);
-  Py_DECREF(is_cpu);
-  if (cpu < 0)
     return -1;
   PyObject *dtype = PyObject_GetAttr(obj, name_dtype);
   if (dtype == NULL)
@@ -256,18 +257,25 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L, int dest) {
     L->ptr = PyLong_AsVoidPtr(ptr);
     rc = PyErr_Occurred() ? -1 : 0;
   }
-  int empty = 0;
-  for (int i = 0; rc == 0 && i < nd; i++)
-    empty |= L->shape[i] == 0;
-  if (rc == 0 && cpu && !empty && !dest)
-    rc = refuse_torch_cpu_memory(L->ptr, "tensor");
   Py_XDECREF(shape);
   Py_XDECREF(stride);
   Py_XDECREF(ptr);
   L->desc.ndim = nd;
   L->stream_of = obj;
-  L->cpu = cpu;
+  L->cpu = LEAF_CPU_ASK;
   return rc;
+}
+
+/* A torch tensor whose memory the bundle refused: if it is a CPU tensor of
+ * torch's own memory, the refusal in those terms (-1); 0 when it is not,
+ * and the bundle's own error stands. */
+static int torch_cpu_refusal(PyObject *tensor, void *ptr) {
+  PyObject *is_cpu = PyObject_GetAttr(tensor, name_is_cpu);
+  int cpu = is_cpu != NULL ? PyObject_IsTrue(is_cpu) : -1;
+  Py_XDECREF(is_cpu);
+  if (cpu < 0)
+    return -1;
+  return cpu ? refuse_torch_cpu_memory(ptr, "tensor") : 0;
 }
 
 /* A torch storage (UntypedStorage; usmipc.torch sends whole storages): a
@@ -631,7 +639,23 @@ static int add_leaf(walk_t *w, const char *key, Py_ssize_t key_len,
    * for another library's; releasing and taking the GIL per leaf cost
    * more. (The first export of an allocation may wait longer: rare.) */
   rc = usmipc_bundle_add_array(w->b, key, (size_t)key_len, L->ptr, &L->desc);
-  if (rc == USMIPC_EUNKNOWNPTR && L->cpu) {
+  if (rc != 0 && L->cpu == LEAF_CPU_ASK) {
+    /* The bundle's error, raised first (the question runs torch's code and
+     * may make usmipc calls), stands unless the tensor is a CPU tensor of
+     * torch's own memory, which is said in those terms. */
+    bundle_fail(w, rc);
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (torch_cpu_refusal(L->stream_of, L->ptr) < 0) {
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(tb);
+    } else {
+      PyErr_Restore(type, value, tb);
+    }
+    return -1;
+  }
+  if (rc == USMIPC_EUNKNOWNPTR && L->cpu == 1) {
     /* Ordinary process memory (a NumPy array of its own): say what to
      * do, as for a torch CPU tensor. */
     pyusmipc_kind_error("an array in ordinary CPU memory (a NumPy array of "
