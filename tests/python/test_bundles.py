@@ -358,7 +358,26 @@ def test_cpu_tensor_of_usmipc_memory_shares():
     tree["t"][3, 3] = -7  # the same memory, not a copy
     assert t[3, 3].item() == -7
     with pytest.raises(TypeError, match="torch's own memory.*host:cpu"):
-        usmipc.share(torch.zeros(16))
+        usmipc.share({"ok": t, "bad": torch.zeros(16)})
+
+
+def test_cpu_tensor_of_usmipc_memory_keeps_the_bundles_error():
+    """share() asks a torch tensor whether it is a CPU tensor only when the
+    bundle refused its memory, to say so in torch's terms; a CPU tensor of
+    usmipc memory refused for another reason (here: host-kind memory, which
+    never travels) gets the bundle's own error, which names the kind, with
+    the path to it; not torch's "own memory" one, which would be wrong."""
+    torch = pytest.importorskip("torch")
+    from usmipc.memory import MemoryUSMHost
+    dev = MemoryUSMDevice(4096, device=usmipc.Device(HOST))
+    host = MemoryUSMHost(4096, device=usmipc.Device(HOST))
+    ok = torch.from_dlpack(dev).view(torch.int32)
+    pinned_kind = torch.from_dlpack(host).view(torch.int32)
+    assert pinned_kind.is_cpu
+    with pytest.raises(usmipc.MemoryKindError) as e:
+        usmipc.share({"ok": ok, "host": pinned_kind})
+    assert "own memory" not in str(e.value), str(e.value)
+    assert "host memory" in str(e.value) and "['host']" in str(e.value)
 
 
 class _Interface:

@@ -163,17 +163,22 @@ static int torch_names(void) {
 
 /* A CPU tensor or storage shares only over usmipc's own memory (a view
  * of host:cpu device memory, as torch.distributed's gloo ranks use):
- * torch's own CPU allocations are private to the process. 0, or -1 with
- * MemoryKindError naming what (a "tensor", a "storage"). */
-static int refuse_torch_cpu_memory(void *ptr, const char *what) {
-  usmipc_pointer_info_t info;
-  if (usmipc_pointer_query(ptr, &info) == 0 && info.kind == USMIPC_MEM_DEVICE)
-    return 0;
+ * torch's own CPU allocations are private to the process. */
+static void torch_own_memory_error(const char *what) {
   pyusmipc_kind_error("a CPU %s of torch's own memory: only device memory "
                       "can be shared (move it to the GPU, or make it a view "
                       "of usmipc memory: torch.from_dlpack("
                       "MemoryUSMDevice(n, device='host:cpu')))",
                       what);
+}
+
+/* 0 when ptr is usmipc device memory, else -1 with MemoryKindError naming
+ * what (a "tensor", a "storage"). */
+static int refuse_torch_cpu_memory(void *ptr, const char *what) {
+  usmipc_pointer_info_t info;
+  if (usmipc_pointer_query(ptr, &info) == 0 && info.kind == USMIPC_MEM_DEVICE)
+    return 0;
+  torch_own_memory_error(what);
   return -1;
 }
 
@@ -266,16 +271,21 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L, int dest) {
   return rc;
 }
 
-/* A torch tensor whose memory the bundle refused: if it is a CPU tensor of
- * torch's own memory, the refusal in those terms (-1); 0 when it is not,
- * and the bundle's own error stands. */
+/* A torch tensor whose memory the bundle refused: if it is a CPU tensor
+ * of memory usmipc does not own (torch's allocator, pinned or not), the
+ * refusal in those terms (-1); 0 otherwise, and the bundle's own error
+ * stands (usmipc memory of the host kind, say, which it names). */
 static int torch_cpu_refusal(PyObject *tensor, void *ptr) {
   PyObject *is_cpu = PyObject_GetAttr(tensor, name_is_cpu);
   int cpu = is_cpu != NULL ? PyObject_IsTrue(is_cpu) : -1;
   Py_XDECREF(is_cpu);
-  if (cpu < 0)
-    return -1;
-  return cpu ? refuse_torch_cpu_memory(ptr, "tensor") : 0;
+  if (cpu <= 0)
+    return cpu;
+  usmipc_pointer_info_t info;
+  if (usmipc_pointer_query(ptr, &info) == 0 && !info.is_foreign)
+    return 0;
+  torch_own_memory_error("tensor");
+  return -1;
 }
 
 /* A torch storage (UntypedStorage; usmipc.torch sends whole storages): a
