@@ -166,9 +166,14 @@ ptx-check:
 #   LD_LIBRARY_PATH=build/fakecuda perf record -g .venv/bin/python ...
 # Not a backend and not tested by it; needs cuda.h (CUDA_INC).
 CUDA_INC ?= /usr/local/cuda/include
-fakecuda:
+# share_foreign (bench/fakecuda/share_foreign.c): usmipc's own C time to
+# share another library's allocations, linked to it and to the library.
+fakecuda: build
 	mkdir -p $(BUILD)/fakecuda
 	$(CC) -shared -fPIC -O2 -Wall -I$(CUDA_INC) bench/fakecuda/fakecuda.c -o $(BUILD)/fakecuda/libcuda.so.1
+	$(CC) -O2 -Wall -Wextra -Iinclude -I$(CUDA_INC) bench/fakecuda/share_foreign.c \
+	    -o $(BUILD)/fakecuda/share_foreign -L$(BUILD)/fakecuda -l:libcuda.so.1 \
+	    -L$(BUILD) -lusmipc
 
 # The C tests under ThreadSanitizer. Forking tests run with die_after_fork=0
 # (a fork child of a threaded process is what they test); the suppressions
