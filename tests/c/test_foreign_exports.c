@@ -47,7 +47,9 @@ static uintptr_t base_of(size_t i) {
   return (uintptr_t)0x7e0000000000ull + i * ALLOC_BYTES;
 }
 
-static int export_one(size_t i, usmipc_ipc_handle_t **h) {
+/* Exports nbytes at offset of allocation i (0: to its end). */
+static int export_part(size_t i, size_t offset, size_t nbytes,
+                       usmipc_ipc_handle_t **h) {
   usmipc__allocation_ref_t known = {
       .buffer_id = 1000 + i,
       .base = base_of(i),
@@ -58,7 +60,12 @@ static int export_one(size_t i, usmipc_ipc_handle_t **h) {
                 .size = ALLOC_BYTES,
                 .kind = USMIPC_MEM_DEVICE,
                 .fd = -1}};
-  return usmipc__export_foreign((const void *)base_of(i), 0, &known, h);
+  return usmipc__export_foreign((const void *)(base_of(i) + offset), nbytes,
+                                &known, h);
+}
+
+static int export_one(size_t i, usmipc_ipc_handle_t **h) {
+  return export_part(i, 0, 0, h);
 }
 
 static int current(const usmipc_ipc_handle_t *h) {
@@ -129,14 +136,8 @@ TEST_IMPL(export_foreign_registry) {
   /* A part of an allocation is no copy of the whole's handle: it names its
    * own offset and length, under the same export. */
   {
-    usmipc__allocation_ref_t known = {
-        .buffer_id = 1000 + 4, .base = base_of(4), .size = ALLOC_BYTES,
-        .device = &nothing_device, .foreign = true,
-        .alloc = {.base = (void *)base_of(4), .size = ALLOC_BYTES,
-                  .kind = USMIPC_MEM_DEVICE, .fd = -1}};
     usmipc_ipc_handle_t *part;
-    ASSERT(usmipc__export_foreign((const void *)(base_of(4) + 4096), 512,
-                                  &known, &part) == 0);
+    ASSERT(export_part(4, 4096, 512, &part) == 0);
     usmipc__wire_t w, whole;
     const void *d;
     size_t len;

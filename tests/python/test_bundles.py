@@ -378,6 +378,13 @@ def test_cpu_tensor_of_usmipc_memory_keeps_the_bundles_error():
         usmipc.share({"ok": ok, "host": pinned_kind})
     assert "own memory" not in str(e.value), str(e.value)
     assert "host memory" in str(e.value) and "['host']" in str(e.value)
+    # A storage (what usmipc.torch sends) of that memory: the same.
+    with pytest.raises(usmipc.MemoryKindError) as e:
+        usmipc.share({"s": pinned_kind.untyped_storage()})
+    assert "own memory" not in str(e.value), str(e.value)
+    assert "host memory" in str(e.value) and "['s']" in str(e.value)
+    with pytest.raises(TypeError, match="CPU storage of torch's own memory"):
+        usmipc.share({"s": torch.zeros(4).untyped_storage()})
 
 
 class _Interface:

@@ -163,22 +163,19 @@ static int torch_names(void) {
 
 /* A CPU tensor or storage shares only over usmipc's own memory (a view
  * of host:cpu device memory, as torch.distributed's gloo ranks use):
- * torch's own CPU allocations are private to the process. */
-static void torch_own_memory_error(const char *what) {
+ * torch's own CPU allocations, pinned or not, are private to the process.
+ * 0 when ptr is memory usmipc owns (of any kind: the bundle refuses a kind
+ * that cannot travel, and names it), else -1 with MemoryKindError naming
+ * what (a "tensor", a "storage"). */
+static int refuse_torch_cpu_memory(void *ptr, const char *what) {
+  usmipc_pointer_info_t info;
+  if (usmipc_pointer_query(ptr, &info) == 0 && !info.is_foreign)
+    return 0;
   pyusmipc_kind_error("a CPU %s of torch's own memory: only device memory "
                       "can be shared (move it to the GPU, or make it a view "
                       "of usmipc memory: torch.from_dlpack("
                       "MemoryUSMDevice(n, device='host:cpu')))",
                       what);
-}
-
-/* 0 when ptr is usmipc device memory, else -1 with MemoryKindError naming
- * what (a "tensor", a "storage"). */
-static int refuse_torch_cpu_memory(void *ptr, const char *what) {
-  usmipc_pointer_info_t info;
-  if (usmipc_pointer_query(ptr, &info) == 0 && info.kind == USMIPC_MEM_DEVICE)
-    return 0;
-  torch_own_memory_error(what);
   return -1;
 }
 
@@ -237,8 +234,7 @@ const pyusmipc_dtype_t *pyusmipc_dtype_of_torch(PyObject *dtype) {
  * add_leaf ask is_cpu, to say it in torch's terms. One call into torch a
  * tensor fewer (and, for a CPU tensor over usmipc host memory, no second
  * registry look): share() is paid per tensor beside torch's own reads. */
-static int leaf_torch(PyObject *obj, leaf_info_t *L, int dest) {
-  (void)dest;
+static int leaf_torch(PyObject *obj, leaf_info_t *L) {
   if (torch_names() < 0)
     return -1;
   PyObject *dtype = PyObject_GetAttr(obj, name_dtype);
@@ -272,20 +268,13 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L, int dest) {
 }
 
 /* A torch tensor whose memory the bundle refused: if it is a CPU tensor
- * of memory usmipc does not own (torch's allocator, pinned or not), the
- * refusal in those terms (-1); 0 otherwise, and the bundle's own error
- * stands (usmipc memory of the host kind, say, which it names). */
+ * of memory usmipc does not own, the refusal in torch's terms (-1); 0
+ * otherwise, and the bundle's own error stands. */
 static int torch_cpu_refusal(PyObject *tensor, void *ptr) {
   PyObject *is_cpu = PyObject_GetAttr(tensor, name_is_cpu);
   int cpu = is_cpu != NULL ? PyObject_IsTrue(is_cpu) : -1;
   Py_XDECREF(is_cpu);
-  if (cpu <= 0)
-    return cpu;
-  usmipc_pointer_info_t info;
-  if (usmipc_pointer_query(ptr, &info) == 0 && !info.is_foreign)
-    return 0;
-  torch_own_memory_error("tensor");
-  return -1;
+  return cpu <= 0 ? cpu : refuse_torch_cpu_memory(ptr, "tensor");
 }
 
 /* A torch storage (UntypedStorage; usmipc.torch sends whole storages): a
@@ -508,7 +497,7 @@ static int leaf_read(pyusmipc_module_state_t *st, PyObject *obj, leaf_info_t *L,
   } else if ((kind = leaf_kind(obj)) < 0) {
     return -1;
   } else if (kind == LEAF_TORCH) {
-    if (leaf_torch(obj, L, dest) < 0)
+    if (leaf_torch(obj, L) < 0)
       return -1;
   } else if (kind == LEAF_TORCH_STORAGE) {
     if (leaf_torch_storage(obj, L, dest) < 0)
