@@ -387,6 +387,50 @@ def test_cpu_tensor_of_usmipc_memory_keeps_the_bundles_error():
         usmipc.share({"s": torch.zeros(4).untyped_storage()})
 
 
+def test_leaves_of_alternating_kinds_and_dtypes():
+    """share() remembers the last leaf type and torch dtype it read (a
+    pointer compare instead of a dict lookup); leaves that alternate
+    between torch tensors of four dtypes, a tensor subclass, usmipc memory
+    and NumPy arrays each arrive as themselves."""
+    torch = pytest.importorskip("torch")
+    mem = MemoryUSMDevice(1 << 16, device=usmipc.Device(HOST))
+    raw = torch.from_dlpack(mem)
+    raw.copy_(torch.arange(1 << 16, dtype=torch.int64).to(torch.uint8))
+    dtypes = [torch.int32, torch.float64, torch.bfloat16, torch.uint8]
+
+    class Param(torch.Tensor):  # a framework's own tensor class
+        pass
+
+    tree, want = {}, {}
+    for i in range(64):
+        at = 512 * i
+        if i % 7 == 6:
+            tree[f"m{i}"] = m = MemoryUSMDevice(64,
+                                                 device=usmipc.Device(HOST))
+            np.from_dlpack(m)[:] = i
+            want[f"m{i}"] = ("u1", [i] * 64)
+        elif i % 7 == 5:
+            a = np.from_dlpack(mem)[at:at + 8].view(np.int16)
+            tree[f"n{i}"] = a
+            want[f"n{i}"] = ("i2", a.tolist())
+        else:
+            dt = dtypes[i % len(dtypes)]
+            t = raw[at:at + 64].view(dt)[:4]
+            if i % 3 == 0:
+                t = t.as_subclass(Param)
+            tree[f"t{i}"] = t
+            want[f"t{i}"] = (dt, torch.Tensor(t).tolist())
+    bundle = usmipc.share(tree)
+    got = usmipc.open_shared(bundle.to_bytes())
+    for k, (dt, values) in want.items():
+        if isinstance(dt, str):
+            a = np.from_dlpack(got[k])
+            assert a.dtype == np.dtype(dt) and a.tolist() == values, k
+        else:
+            t = torch.from_dlpack(got[k])
+            assert t.dtype == dt and t.tolist() == values, k
+
+
 class _Interface:
     """A leaf described by __cuda_array_interface__ over host memory."""
 

@@ -208,6 +208,79 @@ def test_leaf_type_changes_while_its_kind_is_found():
     """)
 
 
+# ---- share(): a torch tensor's layout, from torch's C code --------------------
+
+def test_torch_tensor_that_rebinds_its_readers_shares_its_own_bytes():
+    # share() reads a torch tensor's dtype, shape, stride() and data_ptr()
+    # through torch._C.TensorBase's own readers, and any TensorBase is a
+    # torch tensor to it. Before: a subclass defined outside a torch module
+    # was read through __cuda_array_interface__ (refused on the CPU), and a
+    # tensor given a data_ptr attribute of its own was read by that name,
+    # sharing other bytes than the tensor's (silently: both lie inside one
+    # allocation).
+    pytest.importorskip("torch")
+    run_case("""
+        import torch
+        from usmipc.memory import MemoryUSMDevice
+        mem = MemoryUSMDevice(4096, device=usmipc.Device("host:cpu"))
+        base = torch.from_dlpack(mem).view(torch.int32)
+        base.copy_(torch.arange(1024, dtype=torch.int32))
+        class Lying(torch.Tensor):
+            def data_ptr(self):
+                return super().data_ptr() + 8
+            def stride(self, *args):
+                return (1, 1)
+        t = base[16:32].view(4, 4).as_subclass(Lying)
+        u = base[100:104]
+        u.data_ptr = lambda: base.data_ptr()
+        b = usmipc.share({"t": t, "u": u}, ordered=False)
+        tree = usmipc.open_shared(b.to_bytes(), to="torch")
+        assert tree["t"].tolist() == base[16:32].view(4, 4).tolist(), tree
+        assert tree["u"].tolist() == [100, 101, 102, 103], tree
+        print("OK")
+    """)
+
+
+def test_torch_lookalike_before_torch_is_imported():
+    # An object of a type in a "torch." module (read by name: it is no
+    # TensorBase) shared before torch is imported: share() imports nothing
+    # for it, and a real tensor shared after torch's import is still read
+    # through torch's own readers (the search is made again).
+    pytest.importorskip("torch")
+    run_case("""
+        from usmipc.memory import MemoryUSMDevice
+        mem = MemoryUSMDevice(4096, device=usmipc.Device("host:cpu"))
+        words = np.from_dlpack(mem).view(np.int32)
+        words[:] = np.arange(1024)
+        class DType:
+            def __str__(self):
+                return "torch.int32"
+        class Fake:
+            __module__ = "torch.fake"
+            dtype = DType()
+            shape = (4,)
+            def stride(self):
+                return (1,)
+            def data_ptr(self):
+                return int(words.ctypes.data) + 32
+        b = usmipc.share({"f": Fake()}, ordered=False)
+        assert "torch" not in sys.modules
+        got = usmipc.open_shared(b.to_bytes())["f"]
+        assert np.from_dlpack(got).tolist() == [8, 9, 10, 11]
+        import torch
+        base = torch.from_dlpack(mem).view(torch.int32)
+        class Lying(torch.Tensor):
+            def data_ptr(self):
+                return 0
+        t = base[40:44].as_subclass(Lying)
+        b = usmipc.share({"f": Fake(), "t": t}, ordered=False)
+        tree = usmipc.open_shared(b.to_bytes(), to="torch")
+        assert tree["t"].tolist() == [40, 41, 42, 43], tree
+        assert tree["f"].tolist() == [8, 9, 10, 11], tree
+        print("OK")
+    """)
+
+
 # ---- SharedArray: Python code between the open check and the export --------
 
 def test_dlpack_argument_closes_the_array():

@@ -181,7 +181,15 @@ static int refuse_torch_cpu_memory(void *ptr, const char *what) {
 
 /* The dtype a torch dtype object travels as; NULL with TypeError when none
  * does. */
+/* The dtype object found last and its entry: a model's tensors share one
+ * or two dtypes, and comparing a pointer costs less than a dict lookup.
+ * The object is held, so its address is not another's later. */
+static PyObject *last_dtype;
+static const dtype_entry_t *last_dtype_entry;
+
 const pyusmipc_dtype_t *pyusmipc_dtype_of_torch(PyObject *dtype) {
+  if (dtype == last_dtype)
+    return last_dtype_entry;
   if (torch_dtypes == NULL && (torch_dtypes = PyDict_New()) == NULL)
     return NULL;
   /* Held: a lookup may run code (a key's __eq__) that releases it. */
@@ -220,13 +228,112 @@ const pyusmipc_dtype_t *pyusmipc_dtype_of_torch(PyObject *dtype) {
   }
   /* Read before dtype goes: releasing it may run a __del__. */
   long at = idx != NULL ? PyLong_AsLong(idx) : -1;
-  Py_DECREF(dtype);
   if (at < 0 || at >= (long)NDTYPES) {
+    Py_DECREF(dtype);
     if (!PyErr_Occurred())
       pyusmipc_type_error("the tensor's dtype changed while it was read");
     return NULL;
   }
+  PyObject *old = last_dtype; /* the reference taken above moves here */
+  last_dtype = dtype;
+  last_dtype_entry = &DTYPES[at];
+  Py_XDECREF(old);
   return &DTYPES[at];
+}
+
+/* torch's own C readers of a tensor, those of torch._C.TensorBase (the
+ * class every tensor type derives from), called directly: reading them by
+ * name through the tensor (PyObject_GetAttr, PyObject_CallMethodObjArgs)
+ * looked each up in the type and built an argument array for each method,
+ * about a tenth of share()'s cost a tensor (the stable ABI of 3.11 has no
+ * vectorcall to a descriptor). dtype and shape are TensorBase's getset
+ * descriptors, run through their type's descr_get; stride() and data_ptr()
+ * are the C functions behind TensorBase's method descriptors, with the
+ * calling convention their flags say (checked once). What share() reads is
+ * then the tensor's own layout as torch's C code knows it, also where a
+ * subclass or the instance rebinds `stride` or `data_ptr` in Python: the
+ * truth about the memory, which is what travels (torch's
+ * __torch_function__ overrides still run: the C functions dispatch to
+ * them). If torch changes their kind, tensors are read by name as before
+ * (tensor_readers stays 0). */
+static PyObject *tensor_base;         /* torch._C.TensorBase, once found */
+static int tensor_readers;            /* the readers below were found */
+static PyObject *tb_dtype, *tb_shape; /* getset descriptors */
+static descrgetfunc getset_get;
+static PyCFunctionWithKeywords tb_stride; /* METH_VARARGS|KEYWORDS */
+static PyCFunction tb_data_ptr;           /* METH_NOARGS */
+static PyObject *no_args;                 /* () */
+
+/* The C function and flags of method descriptor d of TensorBase, bound to
+ * tensor (a TensorBase): NULL when it is not a C function. */
+static void *tensor_base_method(PyObject *d, PyObject *tensor, int *flags) {
+  descrgetfunc get =
+      (descrgetfunc)PyType_GetSlot(&PyMethodDescr_Type, Py_tp_descr_get);
+  PyObject *bound = get != NULL && Py_IS_TYPE(d, &PyMethodDescr_Type)
+                        ? get(d, tensor, (PyObject *)Py_TYPE(tensor))
+                        : NULL;
+  void *fn = NULL;
+  if (bound != NULL && PyCFunction_Check(bound)) {
+    fn = (void *)PyCFunction_GetFunction(bound);
+    *flags = PyCFunction_GetFlags(bound);
+  }
+  Py_XDECREF(bound);
+  return fn;
+}
+
+/* Finds TensorBase's readers, the first time a tensor is read. Nothing is
+ * imported: a real tensor means torch._C is in sys.modules; an object that
+ * only says it is torch's (its type's module) while torch is not imported,
+ * or is not a TensorBase, is read by name, and the search is made again
+ * with the next one. tensor: the leaf, to bind the methods to. */
+static int torch_tensor_base(PyObject *tensor) {
+  if (tensor_base != NULL)
+    return 0;
+  if (torch_names() < 0)
+    return -1;
+  PyObject *name = PyUnicode_FromString("torch._C");
+  if (name == NULL)
+    return -1;
+  PyObject *c = PyImport_GetModule(name); /* new reference, or NULL */
+  Py_DECREF(name);
+  PyObject *base = c != NULL ? PyObject_GetAttrString(c, "TensorBase") : NULL;
+  Py_XDECREF(c);
+  if (base == NULL || !PyType_Check(base) ||
+      !PyObject_TypeCheck(tensor, (PyTypeObject *)base)) {
+    PyErr_Clear();
+    Py_XDECREF(base);
+    return 0;
+  }
+  PyObject *d[4] = {NULL, NULL, NULL, NULL};
+  PyObject *names[4] = {name_dtype, name_shape, name_stride, name_data_ptr};
+  int ok = 1;
+  for (int i = 0; ok && i < 4; i++)
+    ok = (d[i] = PyObject_GetAttr(base, names[i])) != NULL &&
+         (i >= 2 || Py_IS_TYPE(d[i], &PyGetSetDescr_Type));
+  int f_stride = 0, f_ptr = 0;
+  void *stride = ok ? tensor_base_method(d[2], tensor, &f_stride) : NULL;
+  void *data_ptr = ok ? tensor_base_method(d[3], tensor, &f_ptr) : NULL;
+  getset_get =
+      (descrgetfunc)PyType_GetSlot(&PyGetSetDescr_Type, Py_tp_descr_get);
+  ok = ok && stride != NULL && f_stride == (METH_VARARGS | METH_KEYWORDS) &&
+       data_ptr != NULL && f_ptr == METH_NOARGS && getset_get != NULL &&
+       (no_args != NULL || (no_args = PyTuple_New(0)) != NULL);
+  PyErr_Clear();
+  Py_XDECREF(d[2]);
+  Py_XDECREF(d[3]);
+  /* Kept for the process's life, as torch keeps TensorBase. */
+  tensor_base = base;
+  if (!ok) {
+    Py_XDECREF(d[0]);
+    Py_XDECREF(d[1]);
+    return 0;
+  }
+  tb_dtype = d[0];
+  tb_shape = d[1];
+  tb_stride = (PyCFunctionWithKeywords)stride;
+  tb_data_ptr = (PyCFunction)data_ptr;
+  tensor_readers = 1;
+  return 0;
 }
 
 /* is_cpu is not read here: a CPU tensor's memory is refused by the bundle
@@ -235,9 +342,13 @@ const pyusmipc_dtype_t *pyusmipc_dtype_of_torch(PyObject *dtype) {
  * tensor fewer (and, for a CPU tensor over usmipc host memory, no second
  * registry look): share() is paid per tensor beside torch's own reads. */
 static int leaf_torch(PyObject *obj, leaf_info_t *L) {
-  if (torch_names() < 0)
+  if (torch_tensor_base(obj) < 0)
     return -1;
-  PyObject *dtype = PyObject_GetAttr(obj, name_dtype);
+  int direct =
+      tensor_readers && PyObject_TypeCheck(obj, (PyTypeObject *)tensor_base);
+  PyObject *type = (PyObject *)Py_TYPE(obj);
+  PyObject *dtype = direct ? getset_get(tb_dtype, obj, type)
+                           : PyObject_GetAttr(obj, name_dtype);
   if (dtype == NULL)
     return -1;
   const dtype_entry_t *dt = pyusmipc_dtype_of_torch(dtype);
@@ -247,11 +358,20 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
   L->desc.dtype_code = dt->code;
   L->desc.dtype_bits = dt->bits;
   L->desc.dtype_lanes = 1;
-  PyObject *shape = PyObject_GetAttr(obj, name_shape);
-  PyObject *stride =
-      shape ? PyObject_CallMethodObjArgs(obj, name_stride, NULL) : NULL;
-  PyObject *ptr =
-      stride ? PyObject_CallMethodObjArgs(obj, name_data_ptr, NULL) : NULL;
+  PyObject *shape, *stride = NULL, *ptr = NULL;
+  if (direct) {
+    shape = getset_get(tb_shape, obj, type);
+    if (shape != NULL)
+      stride = tb_stride(obj, no_args, NULL);
+    if (stride != NULL)
+      ptr = tb_data_ptr(obj, NULL);
+  } else {
+    shape = PyObject_GetAttr(obj, name_shape);
+    if (shape != NULL)
+      stride = PyObject_CallMethodObjArgs(obj, name_stride, NULL);
+    if (stride != NULL)
+      ptr = PyObject_CallMethodObjArgs(obj, name_data_ptr, NULL);
+  }
   int nd = -1, rc = -1;
   if (ptr != NULL && fill_int_tuple(shape, L->shape, &nd, "the tensor") == 0 &&
       fill_int_tuple(stride, L->strides, &nd, "the tensor") == 0) {
@@ -445,20 +565,43 @@ static int leaf_dlpack(PyObject *obj, leaf_info_t *L, int *found) {
 enum { LEAF_TORCH = 1, LEAF_CAI = 2, LEAF_DLPACK = 3, LEAF_TORCH_STORAGE = 4 };
 static PyObject *leaf_kinds; /* type -> kind */
 
+/* The type found last and its kind: a tree's leaves are of one type as a
+ * rule. The type is held, so its address is not another's later. */
+static PyObject *last_leaf_type;
+static int last_leaf_kind;
+
 static int leaf_kind(PyObject *obj) {
+  if ((PyObject *)Py_TYPE(obj) == last_leaf_type)
+    return last_leaf_kind;
   if (leaf_kinds == NULL && (leaf_kinds = PyDict_New()) == NULL)
     return -1;
   PyObject *k = PyDict_GetItemWithError(leaf_kinds, (PyObject *)Py_TYPE(obj));
-  if (k != NULL)
-    return (int)PyLong_AsLong(k);
+  if (k != NULL) {
+    int kind = (int)PyLong_AsLong(k);
+    PyObject *old = last_leaf_type;
+    last_leaf_type = Py_NewRef((PyObject *)Py_TYPE(obj));
+    last_leaf_kind = kind;
+    Py_XDECREF(old);
+    return kind;
+  }
   if (PyErr_Occurred())
     return -1;
   /* The type is held: the attribute reads below run the caller's code,
    * which may give obj another class and collect this one. */
   PyObject *type = Py_NewRef((PyObject *)Py_TYPE(obj));
   int kind;
-  if (pyusmipc_type_module_is(obj, "torch") &&
-      PyObject_HasAttrString(obj, "data_ptr"))
+  /* Any tensor, of a subclass defined anywhere (a framework's parameter
+   * class), is read as torch's; a type of a "torch" module that is none
+   * (a storage) is told by its methods. */
+  if (torch_tensor_base(obj) < 0) {
+    Py_DECREF(type);
+    return -1;
+  }
+  if (tensor_base != NULL &&
+      PyObject_TypeCheck(obj, (PyTypeObject *)tensor_base))
+    kind = LEAF_TORCH;
+  else if (pyusmipc_type_module_is(obj, "torch") &&
+           PyObject_HasAttrString(obj, "data_ptr"))
     kind =
         PyObject_HasAttrString(obj, "stride") ? LEAF_TORCH : LEAF_TORCH_STORAGE;
   else if (PyObject_HasAttrString(type, "__cuda_array_interface__"))
