@@ -110,6 +110,7 @@ _counts = dict.fromkeys(_COUNTERS, 0)
 def stats() -> dict:
     """What the reducers did in this process (counts since install or
     ``reset_stats()``), with ``usmipc.stats()`` under ``"usmipc"``."""
+    _usmipc._torch_fold_counts()  # what the C steps counted since
     out: dict[str, Any] = dict(_counts)
     out["usmipc"] = _usmipc.stats()
     return out
@@ -117,6 +118,7 @@ def stats() -> dict:
 
 def reset_stats() -> None:
     """Sets the counters of ``stats()`` to zero (not usmipc.stats())."""
+    _usmipc._torch_fold_counts()
     for k in _counts:
         _counts[k] = 0
 

@@ -1027,6 +1027,28 @@ def test_the_c_step_takes_a_messages_tensors(routed, nothing_received,
     assert made[-1].taken == 1  # "ok"; "bad" went to _reduce_tensor
 
 
+def test_counts_of_the_c_steps_are_folded_where_stats_are_read(routed):
+    """The C steps count into their own counters, which stats() and
+    reset_stats() add to the counts dict first: stats() right after a dumps
+    shows its tensors; reset_stats() drops them (none show up later), as it
+    drops the Python side's counts."""
+    from multiprocessing.reduction import ForkingPickler
+    torch, ut = routed
+    ts = {f"t{i}": host_tensor(torch, 4) for i in range(5)}
+    ForkingPickler.dumps(ts)
+    got = ut.stats()
+    assert (got["host_tensors"], got["routed_tensors"], got["bundles"],
+            got["messages"]) == (5, 5, 1, 1), got
+    ForkingPickler.dumps(ts)
+    ut.reset_stats()
+    got = ut.stats()
+    assert all(v == 0 for k, v in got.items() if k != "usmipc"), got
+    ForkingPickler.dumps(ts["t0"])  # the one-tensor message, counted in C
+    got = ut.stats()
+    assert (got["host_tensors"], got["routed_tensors"], got["messages"]) == \
+        (1, 1, 1), got
+
+
 def _load_shapes_report(conn):
     from multiprocessing.reduction import ForkingPickler
     import usmipc.torch  # noqa: F401 (the receiver needs no install())

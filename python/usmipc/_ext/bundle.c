@@ -25,6 +25,7 @@
  * returns it (shared_array.c), and the producer's
  * SharedBundle.wait_released(stream) waits for all of them. */
 #include "bundle.h"
+#include "torch_readers.h"
 
 #include <pthread.h>
 #include <stdint.h>
@@ -133,34 +134,6 @@ static int contiguous_strides(const int64_t *shape, int64_t *strides, int nd) {
   return 0;
 }
 
-/* The names share() reads of every torch tensor, made once: a lookup by C
- * string makes and hashes a str object each time, which was a fifth of a
- * tensor's cost beyond torch's own. Interned, never freed (as CPython's
- * own identifiers). */
-static PyObject *name_is_cpu, *name_dtype, *name_shape, *name_stride,
-    *name_data_ptr;
-
-static int torch_names(void) {
-  if (name_data_ptr != NULL)
-    return 0;
-  PyObject *n[5] = {
-      PyUnicode_InternFromString("is_cpu"), PyUnicode_InternFromString("dtype"),
-      PyUnicode_InternFromString("shape"), PyUnicode_InternFromString("stride"),
-      PyUnicode_InternFromString("data_ptr")};
-  for (int i = 0; i < 5; i++)
-    if (n[i] == NULL) {
-      for (int j = 0; j < 5; j++)
-        Py_XDECREF(n[j]);
-      return -1;
-    }
-  name_is_cpu = n[0];
-  name_dtype = n[1];
-  name_shape = n[2];
-  name_stride = n[3];
-  name_data_ptr = n[4];
-  return 0;
-}
-
 /* A CPU tensor or storage shares only over usmipc's own memory (a view
  * of host:cpu device memory, as torch.distributed's gloo ranks use):
  * torch's own CPU allocations, pinned or not, are private to the process.
@@ -241,114 +214,14 @@ const pyusmipc_dtype_t *pyusmipc_dtype_of_torch(PyObject *dtype) {
   return &DTYPES[at];
 }
 
-/* torch's own C readers of a tensor, those of torch._C.TensorBase (the
- * class every tensor type derives from), called directly: reading them by
- * name through the tensor (PyObject_GetAttr, PyObject_CallMethodObjArgs)
- * looked each up in the type and built an argument array for each method,
- * about a tenth of share()'s cost a tensor (the stable ABI of 3.11 has no
- * vectorcall to a descriptor). dtype and shape are TensorBase's getset
- * descriptors, run through their type's descr_get; stride() and data_ptr()
- * are the C functions behind TensorBase's method descriptors, with the
- * calling convention their flags say (checked once). What share() reads is
- * then the tensor's own layout as torch's C code knows it, also where a
- * subclass or the instance rebinds `stride` or `data_ptr` in Python: the
- * truth about the memory, which is what travels (torch's
- * __torch_function__ overrides still run: the C functions dispatch to
- * them). If torch changes their kind, tensors are read by name as before
- * (tensor_readers stays 0). */
-static PyObject *tensor_base;         /* torch._C.TensorBase, once found */
-static int tensor_readers;            /* the readers below were found */
-static PyObject *tb_dtype, *tb_shape; /* getset descriptors */
-static descrgetfunc getset_get;
-static PyCFunctionWithKeywords tb_stride; /* METH_VARARGS|KEYWORDS */
-static PyCFunction tb_data_ptr;           /* METH_NOARGS */
-static PyObject *no_args;                 /* () */
-
-/* The C function and flags of method descriptor d of TensorBase, bound to
- * tensor (a TensorBase): NULL when it is not a C function. */
-static void *tensor_base_method(PyObject *d, PyObject *tensor, int *flags) {
-  descrgetfunc get =
-      (descrgetfunc)PyType_GetSlot(&PyMethodDescr_Type, Py_tp_descr_get);
-  PyObject *bound = get != NULL && Py_IS_TYPE(d, &PyMethodDescr_Type)
-                        ? get(d, tensor, (PyObject *)Py_TYPE(tensor))
-                        : NULL;
-  void *fn = NULL;
-  if (bound != NULL && PyCFunction_Check(bound)) {
-    fn = (void *)PyCFunction_GetFunction(bound);
-    *flags = PyCFunction_GetFlags(bound);
-  }
-  Py_XDECREF(bound);
-  return fn;
-}
-
-/* Finds TensorBase's readers, the first time a tensor is read. Nothing is
- * imported: a real tensor means torch._C is in sys.modules; an object that
- * only says it is torch's (its type's module) while torch is not imported,
- * or is not a TensorBase, is read by name, and the search is made again
- * with the next one. tensor: the leaf, to bind the methods to. */
-static int torch_tensor_base(PyObject *tensor) {
-  if (tensor_base != NULL)
-    return 0;
-  if (torch_names() < 0)
-    return -1;
-  PyObject *name = PyUnicode_FromString("torch._C");
-  if (name == NULL)
-    return -1;
-  PyObject *c = PyImport_GetModule(name); /* new reference, or NULL */
-  Py_DECREF(name);
-  PyObject *base = c != NULL ? PyObject_GetAttrString(c, "TensorBase") : NULL;
-  Py_XDECREF(c);
-  if (base == NULL || !PyType_Check(base) ||
-      !PyObject_TypeCheck(tensor, (PyTypeObject *)base)) {
-    PyErr_Clear();
-    Py_XDECREF(base);
-    return 0;
-  }
-  PyObject *d[4] = {NULL, NULL, NULL, NULL};
-  PyObject *names[4] = {name_dtype, name_shape, name_stride, name_data_ptr};
-  int ok = 1;
-  for (int i = 0; ok && i < 4; i++)
-    ok = (d[i] = PyObject_GetAttr(base, names[i])) != NULL &&
-         (i >= 2 || Py_IS_TYPE(d[i], &PyGetSetDescr_Type));
-  int f_stride = 0, f_ptr = 0;
-  void *stride = ok ? tensor_base_method(d[2], tensor, &f_stride) : NULL;
-  void *data_ptr = ok ? tensor_base_method(d[3], tensor, &f_ptr) : NULL;
-  getset_get =
-      (descrgetfunc)PyType_GetSlot(&PyGetSetDescr_Type, Py_tp_descr_get);
-  ok = ok && stride != NULL && f_stride == (METH_VARARGS | METH_KEYWORDS) &&
-       data_ptr != NULL && f_ptr == METH_NOARGS && getset_get != NULL &&
-       (no_args != NULL || (no_args = PyTuple_New(0)) != NULL);
-  PyErr_Clear();
-  Py_XDECREF(d[2]);
-  Py_XDECREF(d[3]);
-  /* Kept for the process's life, as torch keeps TensorBase. */
-  tensor_base = base;
-  if (!ok) {
-    Py_XDECREF(d[0]);
-    Py_XDECREF(d[1]);
-    return 0;
-  }
-  tb_dtype = d[0];
-  tb_shape = d[1];
-  tb_stride = (PyCFunctionWithKeywords)stride;
-  tb_data_ptr = (PyCFunction)data_ptr;
-  tensor_readers = 1;
-  return 0;
-}
-
 /* is_cpu is not read here: a CPU tensor's memory is refused by the bundle
  * itself unless it is usmipc's (no segment holds it), and only then does
  * add_leaf ask is_cpu, to say it in torch's terms. One call into torch a
  * tensor fewer (and, for a CPU tensor over usmipc host memory, no second
- * registry look): share() is paid per tensor beside torch's own reads. */
+ * registry look): share() is paid per tensor beside torch's own reads.
+ * The rest are read through torch's own C readers (torch_readers.c). */
 static int leaf_torch(PyObject *obj, leaf_info_t *L) {
-  if (torch_tensor_base(obj) < 0)
-    return -1;
-  int direct =
-      tensor_readers && PyObject_TypeCheck(obj, (PyTypeObject *)tensor_base);
-  PyObject *type = (PyObject *)Py_TYPE(obj);
-  PyObject *dtype = direct ? getset_get(tb_dtype, obj, type)
-                           : PyObject_GetAttr(obj, name_dtype);
+  PyObject *dtype = pyusmipc_torch_read(obj, PYUSMIPC_T_DTYPE);
   if (dtype == NULL)
     return -1;
   const dtype_entry_t *dt = pyusmipc_dtype_of_torch(dtype);
@@ -358,20 +231,9 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
   L->desc.dtype_code = dt->code;
   L->desc.dtype_bits = dt->bits;
   L->desc.dtype_lanes = 1;
-  PyObject *shape, *stride = NULL, *ptr = NULL;
-  if (direct) {
-    shape = getset_get(tb_shape, obj, type);
-    if (shape != NULL)
-      stride = tb_stride(obj, no_args, NULL);
-    if (stride != NULL)
-      ptr = tb_data_ptr(obj, NULL);
-  } else {
-    shape = PyObject_GetAttr(obj, name_shape);
-    if (shape != NULL)
-      stride = PyObject_CallMethodObjArgs(obj, name_stride, NULL);
-    if (stride != NULL)
-      ptr = PyObject_CallMethodObjArgs(obj, name_data_ptr, NULL);
-  }
+  PyObject *shape = pyusmipc_torch_read(obj, PYUSMIPC_T_SHAPE);
+  PyObject *stride = shape ? pyusmipc_torch_read(obj, PYUSMIPC_T_STRIDE) : NULL;
+  PyObject *ptr = stride ? pyusmipc_torch_read(obj, PYUSMIPC_T_DATA_PTR) : NULL;
   int nd = -1, rc = -1;
   if (ptr != NULL && fill_int_tuple(shape, L->shape, &nd, "the tensor") == 0 &&
       fill_int_tuple(stride, L->strides, &nd, "the tensor") == 0) {
@@ -391,32 +253,26 @@ static int leaf_torch(PyObject *obj, leaf_info_t *L) {
  * of memory usmipc does not own, the refusal in torch's terms (-1); 0
  * otherwise, and the bundle's own error stands. */
 static int torch_cpu_refusal(PyObject *tensor, void *ptr) {
-  PyObject *is_cpu = PyObject_GetAttr(tensor, name_is_cpu);
-  int cpu = is_cpu != NULL ? PyObject_IsTrue(is_cpu) : -1;
-  Py_XDECREF(is_cpu);
+  int cpu = pyusmipc_torch_true(tensor, PYUSMIPC_T_IS_CPU);
   return cpu <= 0 ? cpu : refuse_torch_cpu_memory(ptr, "tensor");
 }
 
 /* A torch storage (UntypedStorage; usmipc.torch sends whole storages): a
  * 1-D uint8 array of its bytes, read through data_ptr(), nbytes() and
  * is_cuda, and refused as a CPU tensor is when it is torch's own memory. */
-static PyObject *name_nbytes, *name_is_cuda;
+static PyObject *name_is_cuda; /* a Python property of UntypedStorage */
 
 static int leaf_torch_storage(PyObject *obj, leaf_info_t *L, int dest) {
   if (name_is_cuda == NULL &&
-      ((name_nbytes = PyUnicode_InternFromString("nbytes")) == NULL ||
-       (name_is_cuda = PyUnicode_InternFromString("is_cuda")) == NULL))
-    return -1;
-  if (torch_names() < 0)
+      (name_is_cuda = PyUnicode_InternFromString("is_cuda")) == NULL)
     return -1;
   PyObject *is_cuda = PyObject_GetAttr(obj, name_is_cuda);
   int cuda = is_cuda ? PyObject_IsTrue(is_cuda) : -1;
   Py_XDECREF(is_cuda);
   if (cuda < 0)
     return -1;
-  PyObject *n = PyObject_CallMethodObjArgs(obj, name_nbytes, NULL);
-  PyObject *ptr =
-      n ? PyObject_CallMethodObjArgs(obj, name_data_ptr, NULL) : NULL;
+  PyObject *n = pyusmipc_torch_read(obj, PYUSMIPC_S_NBYTES);
+  PyObject *ptr = n ? pyusmipc_torch_read(obj, PYUSMIPC_S_DATA_PTR) : NULL;
   int rc = -1;
   if (ptr != NULL) {
     L->shape[0] = PyLong_AsLongLong(n);
@@ -593,12 +449,12 @@ static int leaf_kind(PyObject *obj) {
   /* Any tensor, of a subclass defined anywhere (a framework's parameter
    * class), is read as torch's; a type of a "torch" module that is none
    * (a storage) is told by its methods. */
-  if (torch_tensor_base(obj) < 0) {
+  int tensor = pyusmipc_torch_is_tensor(obj);
+  if (tensor < 0) {
     Py_DECREF(type);
     return -1;
   }
-  if (tensor_base != NULL &&
-      PyObject_TypeCheck(obj, (PyTypeObject *)tensor_base))
+  if (tensor)
     kind = LEAF_TORCH;
   else if (pyusmipc_type_module_is(obj, "torch") &&
            PyObject_HasAttrString(obj, "data_ptr"))

@@ -316,6 +316,18 @@ static PyObject *last_error(PyObject *module, PyObject *Py_UNUSED(ignored)) {
       usmipc_last_error(), (Py_ssize_t)strlen(usmipc_last_error()), "replace");
 }
 
+/* _torch_fold_counts(): the stats() counts usmipc.torch's C steps made
+ * since the last call, added to its counts dict (stats() and
+ * reset_stats() call it first). */
+static PyObject *torch_fold_counts(PyObject *module, PyObject *ignored) {
+  (void)module;
+  (void)ignored;
+  if (pyusmipc_torch_reduce_fold_counts() < 0 ||
+      pyusmipc_torch_rebuild_fold_counts() < 0)
+    return NULL;
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"get_devices", get_devices, METH_NOARGS,
      "get_devices() -> list of Device\n\n"
@@ -477,6 +489,7 @@ static PyMethodDef bundle_functions[] = {
     {"_torch_push", pyusmipc_torch_push, METH_O, NULL},
     {"_torch_pop", pyusmipc_torch_pop, METH_NOARGS, NULL},
     {"_torch_reduce_tensor", pyusmipc_torch_reduce_tensor, METH_O, NULL},
+    {"_torch_fold_counts", torch_fold_counts, METH_NOARGS, NULL},
     {"_torch_lone", PYUSMIPC_CMETHOD(pyusmipc_torch_lone), METH_FASTCALL, NULL},
     {"_torch_rebuild_setup", pyusmipc_torch_rebuild_setup, METH_O, NULL},
     {"_torch_rebuild", PYUSMIPC_CMETHOD(pyusmipc_torch_rebuild), METH_FASTCALL,

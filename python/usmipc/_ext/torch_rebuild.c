@@ -95,7 +95,8 @@ PyObject *pyusmipc_torch_rebuild_setup(PyObject *module, PyObject *config) {
       pyusmipc_value_error("%s: prune_at, a count > 0", what);
     return NULL;
   }
-  if (make_names() < 0 ||
+  /* Counts made under the dict being replaced go to it, not the new. */
+  if (pyusmipc_torch_rebuild_fold_counts() < 0 || make_names() < 0 ||
       pyusmipc_take_config(config, keys, sizeof(keys) / sizeof(keys[0]), what) <
           0)
     return NULL;
@@ -103,8 +104,30 @@ PyObject *pyusmipc_torch_rebuild_setup(PyObject *module, PyObject *config) {
   Py_RETURN_NONE;
 }
 
-/* counts[key] += 1. */
-static int count(PyObject *key) { return pyusmipc_dict_count(rb.counts, key); }
+/* stats() counters, counted here and added to the counts dict when
+ * usmipc.torch reads it (pyusmipc_torch_rebuild_fold_counts), as
+ * torch_reduce.c's. */
+enum { C_RECEIVED_TENSORS, C_REUSED_STORAGES };
+static Py_ssize_t pending[2];
+static PyObject **const pending_key[2] = {&k_received_tensors,
+                                          &k_reused_storages};
+
+static int count(int which) {
+  pending[which]++;
+  return 0;
+}
+
+int pyusmipc_torch_rebuild_fold_counts(void) {
+  for (int i = 0; i < 2; i++) {
+    if (pending[i] == 0 || rb.counts == NULL || *pending_key[i] == NULL)
+      continue;
+    Py_ssize_t n = pending[i];
+    pending[i] = 0;
+    if (pyusmipc_dict_add(rb.counts, *pending_key[i], n) < 0)
+      return -1;
+  }
+  return 0;
+}
 
 /* rb.storages.<name>(arg). */
 static PyObject *storages_call(PyObject *name, PyObject *arg) {
@@ -163,7 +186,7 @@ static PyObject *storage_or_live(PyObject *leaf, PyObject *origin, int *fresh) {
       PyObject *live = storages_call(n_new_with_weak_ptr, ref);
       Py_DECREF(got);
       Py_DECREF(key);
-      if (live == NULL || count(k_reused_storages) < 0) {
+      if (live == NULL || count(C_REUSED_STORAGES) < 0) {
         Py_XDECREF(live);
         return NULL;
       }
@@ -405,7 +428,7 @@ PyObject *pyusmipc_torch_rebuild(PyObject *module, PyObject *const *args,
       goto done;
     }
     if (fresh) {
-      if (count(k_received_tensors) == 0)
+      if (count(C_RECEIVED_TENSORS) == 0)
         out = leaf;
       else
         Py_DECREF(leaf);
@@ -413,7 +436,7 @@ PyObject *pyusmipc_torch_rebuild(PyObject *module, PyObject *const *args,
     }
     Py_DECREF(leaf);
   }
-  if (count(k_received_tensors) == 0)
+  if (count(C_RECEIVED_TENSORS) == 0)
     out = tensor_over(storage, offset, size, stride, dtype);
 done:
   Py_XDECREF(storage);

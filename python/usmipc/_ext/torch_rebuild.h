@@ -15,4 +15,8 @@ PyObject *pyusmipc_torch_storage_or_live(PyObject *module,
                                          PyObject *const *args,
                                          Py_ssize_t nargs);
 
+/* Adds the stats() counts made here since the last call to the counts
+ * dict of _torch_rebuild_setup: 0, or -1 with an exception. */
+int pyusmipc_torch_rebuild_fold_counts(void);
+
 #endif /* PYUSMIPC_TORCH_REBUILD_H */

@@ -30,6 +30,7 @@
  * Calls bundle.c and util.c, and the library's public
  * usmipc_pointer_query(). */
 #include "torch_reduce.h"
+#include "torch_readers.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -65,12 +66,9 @@ static struct {
   PyObject *refusal;      /* _refusal(exception) */
 } cfg;
 
-/* Attribute and method names, made once (a lookup by C string makes a str
- * each time). */
-static PyObject *n_is_nested, *n_layout, *n_untyped_storage, *n_is_cuda,
-    *n_is_cpu, *n_requires_grad, *n_is_leaf, *n_backward_hooks, *n_size,
-    *n_stride, *n_storage_offset, *n_dtype, *n_nbytes, *n_is_contiguous,
-    *n_get_device, *n_data_ptr, *n_device, *n_index, *n_views, *n_index_of,
+/* Attribute names, made once (a lookup by C string makes a str each
+ * time); a tensor's and a storage's own readers are torch_readers.c's. */
+static PyObject *n_is_cuda, *n_device, *n_index, *n_views, *n_index_of,
     *k_cuda_tensors, *k_host_tensors, *k_routed_tensors, *k_bundles,
     *k_messages;
 
@@ -78,22 +76,7 @@ static int make_names(void) {
   if (k_messages != NULL) /* made: the last one is */
     return 0;
   static const pyusmipc_named_t names[] = {
-      {&n_is_nested, "is_nested"},
-      {&n_layout, "layout"},
-      {&n_untyped_storage, "untyped_storage"},
       {&n_is_cuda, "is_cuda"},
-      {&n_is_cpu, "is_cpu"},
-      {&n_requires_grad, "requires_grad"},
-      {&n_is_leaf, "is_leaf"},
-      {&n_backward_hooks, "_backward_hooks"},
-      {&n_size, "size"},
-      {&n_stride, "stride"},
-      {&n_storage_offset, "storage_offset"},
-      {&n_dtype, "dtype"},
-      {&n_nbytes, "nbytes"},
-      {&n_is_contiguous, "is_contiguous"},
-      {&n_get_device, "get_device"},
-      {&n_data_ptr, "data_ptr"},
       {&n_device, "device"},
       {&n_index, "index"},
       {&n_views, "views"},
@@ -328,7 +311,7 @@ static PyObject *add_own(torch_message_t *m, PyObject *storage,
                          PyObject *dtype, PyObject *size) {
   if (select_group(m, index, storage) < 0)
     return NULL;
-  PyObject *ptr = PyObject_CallMethodObjArgs(storage, n_data_ptr, NULL);
+  PyObject *ptr = pyusmipc_torch_read(storage, PYUSMIPC_S_DATA_PTR);
   if (ptr == NULL)
     return NULL;
   void *p = PyLong_AsVoidPtr(ptr);
@@ -423,9 +406,8 @@ static PyObject *message_add(PyObject *self, PyObject *args) {
   if (tensor == Py_None)
     return add_own(m, storage, nbytes, index, tensor, NULL, NULL);
   /* torch.py's path found the tensor whole: its dtype and size recorded. */
-  PyObject *dtype = PyObject_GetAttr(tensor, n_dtype);
-  PyObject *size =
-      dtype ? PyObject_CallMethodObjArgs(tensor, n_size, NULL) : NULL;
+  PyObject *dtype = pyusmipc_torch_read(tensor, PYUSMIPC_T_DTYPE);
+  PyObject *size = dtype ? pyusmipc_torch_read(tensor, PYUSMIPC_T_SIZE) : NULL;
   PyObject *tsize = size ? PySequence_Tuple(size) : NULL;
   PyObject *at =
       tsize ? add_own(m, storage, nbytes, index, tensor, dtype, tsize) : NULL;
@@ -636,7 +618,8 @@ PyObject *pyusmipc_torch_setup(PyObject *module, PyObject *config) {
     return pyusmipc_type_error("%s: received, counts, cuda_names and "
                                "dtype_names are dicts, leaf_dtypes a set",
                                what);
-  if (make_names() < 0 ||
+  /* Counts made under the dict being replaced go to it, not the new. */
+  if (pyusmipc_torch_reduce_fold_counts() < 0 || make_names() < 0 ||
       pyusmipc_take_config(config, keys, sizeof(keys) / sizeof(keys[0]), what) <
           0)
     return NULL;
@@ -646,23 +629,42 @@ PyObject *pyusmipc_torch_setup(PyObject *module, PyObject *config) {
 /* ---- the per-tensor step --------------------------------------------------
  */
 
-/* counts[key] += 1. */
-static int count(PyObject *key) { return pyusmipc_dict_count(cfg.counts, key); }
+/* stats() counters, counted here and added to the counts dict when
+ * usmipc.torch reads it (pyusmipc_torch_reduce_fold_counts): a dict update
+ * per count was a twentieth of a tensor's cost in dumps. */
+enum {
+  C_CUDA_TENSORS,
+  C_HOST_TENSORS,
+  C_ROUTED_TENSORS,
+  C_BUNDLES,
+  C_MESSAGES
+};
+static Py_ssize_t pending[5];
+static PyObject **const pending_key[5] = {&k_cuda_tensors, &k_host_tensors,
+                                          &k_routed_tensors, &k_bundles,
+                                          &k_messages};
 
-/* attr of obj, true or not: 1, 0, or -1 with an exception. */
-static int attr_true(PyObject *obj, PyObject *name) {
-  PyObject *v = PyObject_GetAttr(obj, name);
-  if (v == NULL)
-    return -1;
-  int t = PyObject_IsTrue(v);
-  Py_DECREF(v);
-  return t;
+static int count(int which) {
+  pending[which]++;
+  return 0;
+}
+
+int pyusmipc_torch_reduce_fold_counts(void) {
+  for (int i = 0; i < 5; i++) {
+    if (pending[i] == 0 || cfg.counts == NULL || *pending_key[i] == NULL)
+      continue;
+    Py_ssize_t n = pending[i];
+    pending[i] = 0;
+    if (pyusmipc_dict_add(cfg.counts, *pending_key[i], n) < 0)
+      return -1;
+  }
+  return 0;
 }
 
 /* Whether host memory at ptr is usmipc's to send (torch.py's
  * _is_usmipc_host): usmipc memory not registered from elsewhere. */
 static int usmipc_host(PyObject *storage) {
-  PyObject *p = PyObject_CallMethodObjArgs(storage, n_data_ptr, NULL);
+  PyObject *p = pyusmipc_torch_read(storage, PYUSMIPC_S_DATA_PTR);
   if (p == NULL)
     return -1;
   void *ptr = PyLong_AsVoidPtr(p);
@@ -683,7 +685,7 @@ static int received_here(long index, PyObject *storage, PyObject *nbytes) {
     return 0;
   PyObject *where = index >= 0 ? PyLong_FromLong(index) : Py_NewRef(Py_None);
   PyObject *ptr =
-      where ? PyObject_CallMethodObjArgs(storage, n_data_ptr, NULL) : NULL;
+      where ? pyusmipc_torch_read(storage, PYUSMIPC_S_DATA_PTR) : NULL;
   PyObject *key = ptr ? PyTuple_Pack(3, where, ptr, nbytes) : NULL;
   Py_XDECREF(where);
   Py_XDECREF(ptr);
@@ -698,18 +700,18 @@ static int received_here(long index, PyObject *storage, PyObject *nbytes) {
  * (what usmipc.torch routes), with *cuda whether it is on a GPU: 1; 0 when
  * it is not; -1 with an exception. */
 static int strided_storage(PyObject *t, int *cuda, PyObject **storage) {
-  int nested = attr_true(t, n_is_nested);
+  int nested = pyusmipc_torch_true(t, PYUSMIPC_T_IS_NESTED);
   if (nested != 0)
     return nested < 0 ? -1 : 0;
-  PyObject *layout = PyObject_GetAttr(t, n_layout);
+  PyObject *layout = pyusmipc_torch_read(t, PYUSMIPC_T_LAYOUT);
   if (layout == NULL)
     return -1;
   Py_DECREF(layout); /* torch.strided lives in torch: compared only */
   if (layout != cfg.strided)
     return 0;
-  if ((*cuda = attr_true(t, n_is_cuda)) < 0)
+  if ((*cuda = pyusmipc_torch_true(t, PYUSMIPC_T_IS_CUDA)) < 0)
     return -1;
-  *storage = PyObject_CallMethodObjArgs(t, n_untyped_storage, NULL);
+  *storage = pyusmipc_torch_read(t, PYUSMIPC_T_UNTYPED_STORAGE);
   return *storage == NULL ? -1 : 1;
 }
 
@@ -719,10 +721,10 @@ static int strided_storage(PyObject *t, int *cuda, PyObject **storage) {
 static int routed_index(PyObject *t, PyObject *storage, int cuda, long *index) {
   *index = -1;
   if (!cuda) {
-    int cpu = attr_true(t, n_is_cpu);
+    int cpu = pyusmipc_torch_true(t, PYUSMIPC_T_IS_CPU);
     return cpu == 1 ? usmipc_host(storage) : cpu;
   }
-  PyObject *i = PyObject_CallMethodObjArgs(t, n_get_device, NULL);
+  PyObject *i = pyusmipc_torch_read(t, PYUSMIPC_T_GET_DEVICE);
   *index = i ? PyLong_AsLong(i) : -1;
   Py_XDECREF(i);
   return *index >= 0 ? 1 : PyErr_Occurred() ? -1 : 0;
@@ -732,12 +734,12 @@ static int routed_index(PyObject *t, PyObject *storage, int cuda, long *index) {
  * storage whole and may travel as itself (torch.py's whole leaves): all
  * of its bytes, contiguous, of a dtype in leaf_dtypes. 1, 0, or -1. */
 static int covers_whole(PyObject *t, PyObject *nbytes, PyObject *dtype) {
-  PyObject *tnbytes = PyObject_GetAttr(t, n_nbytes);
+  PyObject *tnbytes = pyusmipc_torch_read(t, PYUSMIPC_T_NBYTES);
   int same = tnbytes ? PyObject_RichCompareBool(tnbytes, nbytes, Py_EQ) : -1;
   Py_XDECREF(tnbytes);
   int whole = same == 1 ? PySet_Contains(cfg.leaf_dtypes, dtype) : same;
   if (whole == 1) {
-    PyObject *c = PyObject_CallMethodObjArgs(t, n_is_contiguous, NULL);
+    PyObject *c = pyusmipc_torch_read(t, PYUSMIPC_T_IS_CONTIGUOUS);
     whole = c ? PyObject_IsTrue(c) : -1;
     Py_XDECREF(c);
   }
@@ -757,24 +759,23 @@ static PyObject *reduce_common(torch_message_t *m, PyObject *t) {
   long index;
   if (routed_index(t, storage, cuda, &index) != 1)
     goto done;
-  rg = PyObject_GetAttr(t, n_requires_grad);
+  rg = pyusmipc_torch_read(t, PYUSMIPC_T_REQUIRES_GRAD);
   int grad = rg ? PyObject_IsTrue(rg) : -1;
-  if (grad < 0 || (grad && attr_true(t, n_is_leaf) != 1))
+  if (grad < 0 || (grad && pyusmipc_torch_true(t, PYUSMIPC_T_IS_LEAF) != 1))
     goto done; /* the refusal: torch.py's */
-  int hooks = attr_true(t, n_backward_hooks);
+  int hooks = pyusmipc_torch_true(t, PYUSMIPC_T_BACKWARD_HOOKS);
   if (hooks != 0)
     goto done; /* torch.py warns */
-  nbytes = PyObject_CallMethodObjArgs(storage, n_nbytes, NULL);
+  nbytes = pyusmipc_torch_read(storage, PYUSMIPC_S_NBYTES);
   if (nbytes == NULL || PyObject_IsTrue(nbytes) != 1)
     goto done; /* no bytes: torch.py's */
   if (received_here(index, storage, nbytes) != 0)
     goto done; /* maybe memory to hand on: torch.py's */
-  size = PyObject_CallMethodObjArgs(t, n_size, NULL);
+  size = pyusmipc_torch_read(t, PYUSMIPC_T_SIZE);
   tsize = size ? PySequence_Tuple(size) : NULL;
-  stride = tsize ? PyObject_CallMethodObjArgs(t, n_stride, NULL) : NULL;
-  offset =
-      stride ? PyObject_CallMethodObjArgs(t, n_storage_offset, NULL) : NULL;
-  dtype = offset ? PyObject_GetAttr(t, n_dtype) : NULL;
+  stride = tsize ? pyusmipc_torch_read(t, PYUSMIPC_T_STRIDE) : NULL;
+  offset = stride ? pyusmipc_torch_read(t, PYUSMIPC_T_STORAGE_OFFSET) : NULL;
+  dtype = offset ? pyusmipc_torch_read(t, PYUSMIPC_T_DTYPE) : NULL;
   if (dtype == NULL)
     goto done;
   /* Whole: may travel as itself (torch.py's whole leaves). */
@@ -787,8 +788,8 @@ static PyObject *reduce_common(torch_message_t *m, PyObject *t) {
   at = add_own(m, storage, nbytes, index, whole ? t : Py_None, dtype, tsize);
   if (at == NULL)
     goto done;
-  if (count(cuda ? k_cuda_tensors : k_host_tensors) < 0 ||
-      count(k_routed_tensors) < 0)
+  if (count(cuda ? C_CUDA_TENSORS : C_HOST_TENSORS) < 0 ||
+      count(C_ROUTED_TENSORS) < 0)
     goto done;
   args = PyTuple_Pack(7, at, (PyObject *)Py_TYPE(t), tsize, stride, offset,
                       dtype, grad ? Py_True : Py_False);
@@ -985,13 +986,14 @@ PyObject *pyusmipc_torch_lone(PyObject *module, PyObject *const *args,
     declined = routed_here == 0;
     goto done;
   }
-  int grad = attr_true(t, n_requires_grad);
-  int hooks = grad == 0 ? attr_true(t, n_backward_hooks) : grad;
+  int grad = pyusmipc_torch_true(t, PYUSMIPC_T_REQUIRES_GRAD);
+  int hooks =
+      grad == 0 ? pyusmipc_torch_true(t, PYUSMIPC_T_BACKWARD_HOOKS) : grad;
   if (hooks != 0) {
     declined = hooks > 0;
     goto done;
   }
-  nbytes = PyObject_CallMethodObjArgs(storage, n_nbytes, NULL);
+  nbytes = pyusmipc_torch_read(storage, PYUSMIPC_S_NBYTES);
   int some = nbytes ? PyObject_IsTrue(nbytes) : -1;
   int got = some == 1 ? received_here(index, storage, nbytes) : 0;
   if (got == 1) { /* handed on if still alive (torch.py's _origin) */
@@ -1003,19 +1005,18 @@ PyObject *pyusmipc_torch_lone(PyObject *module, PyObject *const *args,
     declined = some == 0 || got == 1;
     goto done;
   }
-  dtype = PyObject_GetAttr(t, n_dtype);
+  dtype = pyusmipc_torch_read(t, PYUSMIPC_T_DTYPE);
   dtype_name = dtype ? PyDict_GetItemWithError(cfg.dtype_names, dtype) : NULL;
   Py_XINCREF(dtype_name); /* held: code may change the dict */
   if (dtype_name == NULL || !PyUnicode_Check(dtype_name)) {
     declined = !PyErr_Occurred(); /* named by _lone_message the first time */
     goto done;
   }
-  PyObject *size_obj = PyObject_CallMethodObjArgs(t, n_size, NULL);
+  PyObject *size_obj = pyusmipc_torch_read(t, PYUSMIPC_T_SIZE);
   size = size_obj ? PySequence_Tuple(size_obj) : NULL;
   Py_XDECREF(size_obj);
-  stride = size ? PyObject_CallMethodObjArgs(t, n_stride, NULL) : NULL;
-  offset =
-      stride ? PyObject_CallMethodObjArgs(t, n_storage_offset, NULL) : NULL;
+  stride = size ? pyusmipc_torch_read(t, PYUSMIPC_T_STRIDE) : NULL;
+  offset = stride ? pyusmipc_torch_read(t, PYUSMIPC_T_STORAGE_OFFSET) : NULL;
   if (offset == NULL) {
     declined = 0;
     goto done;
@@ -1031,7 +1032,7 @@ PyObject *pyusmipc_torch_lone(PyObject *module, PyObject *const *args,
   }
   lone_leaf_t leaf = {.keep = storage};
   leaf.nbytes = PyLong_AsLongLong(nbytes);
-  PyObject *p = PyObject_CallMethodObjArgs(storage, n_data_ptr, NULL);
+  PyObject *p = pyusmipc_torch_read(storage, PYUSMIPC_S_DATA_PTR);
   leaf.ptr = p ? PyLong_AsVoidPtr(p) : NULL;
   Py_XDECREF(p);
   if (PyErr_Occurred()) {
@@ -1130,9 +1131,9 @@ PyObject *pyusmipc_torch_lone(PyObject *module, PyObject *const *args,
   declined = 0;
   if (rc < 0)
     goto done;
-  if (count(cuda ? k_cuda_tensors : k_host_tensors) < 0 ||
-      count(k_routed_tensors) < 0 || count(k_bundles) < 0 ||
-      count(k_messages) < 0)
+  if (count(cuda ? C_CUDA_TENSORS : C_HOST_TENSORS) < 0 ||
+      count(C_ROUTED_TENSORS) < 0 || count(C_BUNDLES) < 0 ||
+      count(C_MESSAGES) < 0)
     goto done;
   pickled = PyBytes_FromStringAndSize(b.p, (Py_ssize_t)b.n);
   out = pickled ? PyMemoryView_FromObject(pickled) : NULL;

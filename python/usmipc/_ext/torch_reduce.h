@@ -18,4 +18,8 @@ PyObject *pyusmipc_torch_reduce_tensor(PyObject *module, PyObject *tensor);
 PyObject *pyusmipc_torch_lone(PyObject *module, PyObject *const *args,
                               Py_ssize_t nargs);
 
+/* Adds the stats() counts made here since the last call to the counts
+ * dict of _torch_setup: 0, or -1 with an exception. */
+int pyusmipc_torch_reduce_fold_counts(void);
+
 #endif /* PYUSMIPC_TORCH_REDUCE_H */

@@ -473,12 +473,13 @@ int pyusmipc_take_config(PyObject *config, const pyusmipc_named_t *keys,
   return rc;
 }
 
-int pyusmipc_dict_count(PyObject *counts, PyObject *key) {
+int pyusmipc_dict_add(PyObject *counts, PyObject *key, Py_ssize_t n) {
   PyObject *v = PyDict_GetItemWithError(counts, key);
   if (v == NULL)
     return PyErr_Occurred() ? -1 : 0;
-  long n = PyLong_AsLong(v);
-  PyObject *nv = n == -1 && PyErr_Occurred() ? NULL : PyLong_FromLong(n + 1);
+  Py_ssize_t was = PyLong_AsSsize_t(v);
+  PyObject *nv =
+      was == -1 && PyErr_Occurred() ? NULL : PyLong_FromSsize_t(was + n);
   int rc = nv == NULL ? -1 : PyDict_SetItem(counts, key, nv);
   Py_XDECREF(nv);
   return rc;

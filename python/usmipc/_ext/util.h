@@ -188,9 +188,9 @@ int pyusmipc_intern_names(const pyusmipc_named_t *names, size_t n);
  * with ValueError "<what>: no <name>" (nothing changed). */
 int pyusmipc_take_config(PyObject *config, const pyusmipc_named_t *keys,
                          size_t n, const char *what);
-/* counts[key] += 1 where counts (a dict) holds an int under key; nothing
+/* counts[key] += n where counts (a dict) holds an int under key; nothing
  * where it holds none. 0, or -1 with an exception. */
-int pyusmipc_dict_count(PyObject *counts, PyObject *key);
+int pyusmipc_dict_add(PyObject *counts, PyObject *key, Py_ssize_t n);
 
 /* A method table's entry for a function of another signature than
  * PyCFunction (METH_FASTCALL, METH_KEYWORDS, METH_METHOD). */
