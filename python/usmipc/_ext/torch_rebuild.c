@@ -21,6 +21,7 @@
  *
  * Calls util.c only. */
 #include "torch_rebuild.h"
+#include "torch_readers.h"
 
 #include "util.h"
 
@@ -41,10 +42,8 @@ static struct {
 
 /* Names, made once. */
 static PyObject *n_opened, *n_storages, *n_leaves, *n_groups, *n_dtype,
-    *n_shape, *n_stride, *n_get_device, *n_data_ptr, *n_nbytes,
-    *n_untyped_storage, *n_weak_ref, *n_expired, *n_new_with_weak_ptr,
-    *n_free_weak_ref, *n_device, *n_set, *k_received_tensors,
-    *k_reused_storages;
+    *n_weak_ref, *n_expired, *n_new_with_weak_ptr, *n_free_weak_ref, *n_device,
+    *n_set, *k_received_tensors, *k_reused_storages;
 
 static int make_names(void) {
   static const pyusmipc_named_t names[] = {
@@ -53,12 +52,6 @@ static int make_names(void) {
       {&n_leaves, "leaves"},
       {&n_groups, "groups"},
       {&n_dtype, "dtype"},
-      {&n_shape, "shape"},
-      {&n_stride, "stride"},
-      {&n_get_device, "get_device"},
-      {&n_data_ptr, "data_ptr"},
-      {&n_nbytes, "nbytes"},
-      {&n_untyped_storage, "untyped_storage"},
       {&n_weak_ref, "_weak_ref"},
       {&n_expired, "_expired"},
       {&n_new_with_weak_ptr, "_new_with_weak_ptr"},
@@ -138,7 +131,7 @@ static PyObject *storages_call(PyObject *name, PyObject *arg) {
  * None for the host, data_ptr, nbytes), as the sender's received_here in
  * torch_reduce.c looks it up. */
 static PyObject *received_key(PyObject *leaf) {
-  PyObject *dev = PyObject_CallMethodObjArgs(leaf, n_get_device, NULL);
+  PyObject *dev = pyusmipc_torch_read(leaf, PYUSMIPC_T_GET_DEVICE);
   if (dev == NULL)
     return NULL;
   long where = PyLong_AsLong(dev);
@@ -150,8 +143,8 @@ static PyObject *received_key(PyObject *leaf) {
     Py_DECREF(dev);
     dev = Py_NewRef(Py_None);
   }
-  PyObject *ptr = PyObject_CallMethodObjArgs(leaf, n_data_ptr, NULL);
-  PyObject *nbytes = ptr ? PyObject_GetAttr(leaf, n_nbytes) : NULL;
+  PyObject *ptr = pyusmipc_torch_read(leaf, PYUSMIPC_T_DATA_PTR);
+  PyObject *nbytes = ptr ? pyusmipc_torch_read(leaf, PYUSMIPC_T_NBYTES) : NULL;
   PyObject *key = nbytes ? PyTuple_Pack(3, dev, ptr, nbytes) : NULL;
   Py_DECREF(dev);
   Py_XDECREF(ptr);
@@ -208,7 +201,7 @@ static PyObject *storage_or_live(PyObject *leaf, PyObject *origin, int *fresh) {
       goto fail;
     Py_DECREF(r);
   }
-  PyObject *storage = PyObject_CallMethodObjArgs(leaf, n_untyped_storage, NULL);
+  PyObject *storage = pyusmipc_torch_read(leaf, PYUSMIPC_T_UNTYPED_STORAGE);
   if (storage == NULL)
     goto fail;
   PyObject *ref = PyObject_CallMethodObjArgs(storage, n_weak_ref, NULL);
@@ -286,11 +279,10 @@ static PyObject *item_at(PyObject *seq, PyObject *i) {
   return PySequence_GetItem(seq, k);
 }
 
-/* 1 if attr of obj equals want (==), 0 if not, -1 with an exception. */
-static int attr_equals(PyObject *obj, PyObject *name, int call,
-                       PyObject *want) {
-  PyObject *v = call ? PyObject_CallMethodObjArgs(obj, name, NULL)
-                     : PyObject_GetAttr(obj, name);
+/* 1 if reader r of tensor t equals want (==), 0 if not, -1 with an
+ * exception. */
+static int read_equals(PyObject *t, pyusmipc_torch_reader_t r, PyObject *want) {
+  PyObject *v = pyusmipc_torch_read(t, r);
   if (v == NULL)
     return -1;
   int eq = PyObject_RichCompareBool(v, want, Py_EQ);
@@ -312,13 +304,13 @@ static PyObject *whole_leaf(PyObject *opened, PyObject *at, PyObject *size,
   Py_XDECREF(row);
   if (leaf == NULL)
     return NULL;
-  PyObject *dt = PyObject_GetAttr(leaf, n_dtype);
+  PyObject *dt = pyusmipc_torch_read(leaf, PYUSMIPC_T_DTYPE);
   if (dt == NULL)
     goto fail;
   Py_DECREF(dt); /* a torch dtype lives in torch: compared only */
-  int same = dt == dtype ? attr_equals(leaf, n_shape, 0, size) : 0;
+  int same = dt == dtype ? read_equals(leaf, PYUSMIPC_T_SHAPE, size) : 0;
   if (same > 0)
-    same = attr_equals(leaf, n_stride, 1, stride);
+    same = read_equals(leaf, PYUSMIPC_T_STRIDE, stride);
   if (same < 0)
     goto fail;
   *failed = 0;
