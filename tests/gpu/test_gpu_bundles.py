@@ -322,6 +322,35 @@ def test_torch_state_dict_read_by_torch_and_cupy(consumer):
     del b
 
 
+def test_tensor_subclasses_read_by_torchs_readers(consumer):
+    """A torch.Tensor subclass of the program's own (a framework's
+    parameter class) is read through torch's C readers like a tensor, and
+    one that rebinds data_ptr() in Python still sends its own bytes; the
+    consumer reads each, and no per-leaf driver query is made for them
+    (views of one allocation)."""
+    class Param(torch.Tensor):
+        pass
+
+    class Lying(torch.Tensor):
+        def data_ptr(self):
+            return super().data_ptr() + 256
+
+    base = torch.arange(4096, dtype=torch.float32, device="cuda")
+    sd = {"param": base[:1024].view(32, 32).as_subclass(Param),
+          "lying": base[1024:2048].as_subclass(Lying)}
+    torch.cuda.synchronize()
+    plain = {(k,): t.as_subclass(torch.Tensor) for k, t in sd.items()}
+    want = {path: torch_host(t) for path, t in plain.items()}
+    before = usmipc.stats()
+    b = usmipc.share(sd, stream=torch.cuda.current_stream())
+    queries = usmipc.stats()["driver_queries"] - before["driver_queries"]
+    assert queries <= 1, queries  # one allocation
+    got = consumer.open(b.to_bytes(), cupy=True)
+    for path, t in plain.items():
+        check_torch_leaf(path, t, got["leaves"][path], True, want[path])
+    del b
+
+
 # ---- (ii) CuPy arrays, read by torch ----------------------------------------
 
 def test_cupy_arrays_read_by_torch(consumer):
