@@ -111,15 +111,7 @@ static int count(int which) {
 }
 
 int pyusmipc_torch_rebuild_fold_counts(void) {
-  for (int i = 0; i < 2; i++) {
-    if (pending[i] == 0 || rb.counts == NULL || *pending_key[i] == NULL)
-      continue;
-    Py_ssize_t n = pending[i];
-    pending[i] = 0;
-    if (pyusmipc_dict_add(rb.counts, *pending_key[i], n) < 0)
-      return -1;
-  }
-  return 0;
+  return pyusmipc_fold_counts(rb.counts, pending, pending_key, 2);
 }
 
 /* rb.storages.<name>(arg). */

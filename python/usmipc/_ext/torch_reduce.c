@@ -650,15 +650,7 @@ static int count(int which) {
 }
 
 int pyusmipc_torch_reduce_fold_counts(void) {
-  for (int i = 0; i < 5; i++) {
-    if (pending[i] == 0 || cfg.counts == NULL || *pending_key[i] == NULL)
-      continue;
-    Py_ssize_t n = pending[i];
-    pending[i] = 0;
-    if (pyusmipc_dict_add(cfg.counts, *pending_key[i], n) < 0)
-      return -1;
-  }
-  return 0;
+  return pyusmipc_fold_counts(cfg.counts, pending, pending_key, 5);
 }
 
 /* Whether host memory at ptr is usmipc's to send (torch.py's

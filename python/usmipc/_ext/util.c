@@ -484,3 +484,16 @@ int pyusmipc_dict_add(PyObject *counts, PyObject *key, Py_ssize_t n) {
   Py_XDECREF(nv);
   return rc;
 }
+
+int pyusmipc_fold_counts(PyObject *counts, Py_ssize_t *pending,
+                         PyObject **const *keys, int n) {
+  for (int i = 0; i < n; i++) {
+    if (pending[i] == 0 || counts == NULL || *keys[i] == NULL)
+      continue;
+    Py_ssize_t add = pending[i];
+    pending[i] = 0;
+    if (pyusmipc_dict_add(counts, *keys[i], add) < 0)
+      return -1;
+  }
+  return 0;
+}

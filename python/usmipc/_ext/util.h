@@ -191,6 +191,11 @@ int pyusmipc_take_config(PyObject *config, const pyusmipc_named_t *keys,
 /* counts[key] += n where counts (a dict) holds an int under key; nothing
  * where it holds none. 0, or -1 with an exception. */
 int pyusmipc_dict_add(PyObject *counts, PyObject *key, Py_ssize_t n);
+/* Counters kept in C and added to a dict when it is read: counts[*keys[i]]
+ * += pending[i] for i < n, each pending[i] set to 0 (a counter whose key or
+ * dict is not there yet waits). 0, or -1 with an exception. */
+int pyusmipc_fold_counts(PyObject *counts, Py_ssize_t *pending,
+                         PyObject **const *keys, int n);
 
 /* A method table's entry for a function of another signature than
  * PyCFunction (METH_FASTCALL, METH_KEYWORDS, METH_METHOD). */
