@@ -152,14 +152,14 @@ static int refuse_torch_cpu_memory(void *ptr, const char *what) {
   return -1;
 }
 
-/* The dtype a torch dtype object travels as; NULL with TypeError when none
- * does. */
 /* The dtype object found last and its entry: a model's tensors share one
  * or two dtypes, and comparing a pointer costs less than a dict lookup.
  * The object is held, so its address is not another's later. */
 static PyObject *last_dtype;
 static const dtype_entry_t *last_dtype_entry;
 
+/* The dtype a torch dtype object travels as; NULL with TypeError when none
+ * does. */
 const pyusmipc_dtype_t *pyusmipc_dtype_of_torch(PyObject *dtype) {
   if (dtype == last_dtype)
     return last_dtype_entry;
