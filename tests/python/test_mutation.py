@@ -281,6 +281,49 @@ def test_torch_lookalike_before_torch_is_imported():
     """)
 
 
+def test_torch_readers_of_another_kind_are_read_by_name():
+    # A torch whose TensorBase readers are not the C descriptors usmipc
+    # expects (here a stand-in torch._C whose TensorBase is a Python class:
+    # properties and functions) is read by name, reader by reader, and its
+    # tensors still share: the direct path is only taken where it was
+    # checked to apply.
+    run_case("""
+        import types
+        from usmipc.memory import MemoryUSMDevice
+        mem = MemoryUSMDevice(4096, device=usmipc.Device("host:cpu"))
+        words = np.from_dlpack(mem).view(np.int32)
+        words[:] = np.arange(1024)
+        class DType:
+            def __str__(self):
+                return "torch.int32"
+        class TensorBase:
+            def __init__(self, at, n):
+                self.at, self.n = at, n
+            @property
+            def dtype(self):
+                return DType()
+            @property
+            def shape(self):
+                return (self.n,)
+            def stride(self):
+                return (1,)
+            def data_ptr(self):
+                return int(words.ctypes.data) + 4 * self.at
+        torch = types.ModuleType("torch")
+        torch._C = types.ModuleType("torch._C")
+        torch._C.TensorBase = TensorBase
+        sys.modules["torch"], sys.modules["torch._C"] = torch, torch._C
+        class Tensor(TensorBase):
+            pass
+        b = usmipc.share({"a": Tensor(16, 4), "b": TensorBase(100, 3)},
+                         ordered=False)
+        got = usmipc.open_shared(b.to_bytes())
+        assert np.from_dlpack(got["a"]).tolist() == [16, 17, 18, 19]
+        assert np.from_dlpack(got["b"]).tolist() == [100, 101, 102]
+        print("OK")
+    """)
+
+
 # ---- SharedArray: Python code between the open check and the export --------
 
 def test_dlpack_argument_closes_the_array():
