@@ -3,17 +3,18 @@
  * library's bundles (src/bundle.c, docs/bundles.md). The consumer's side,
  * usmipc.open_shared(bytes) -> the same tree of SharedArray leaves, is
  * shared_array.c, one floor up. Calls interop.c, memory_core.c, queue.c,
- * device.c and util.c (module.c lists the floors). Its length serves that
- * one concern: reading every kind of leaf share() takes, and the
+ * device.c, torch_readers.c and util.c (module.c lists the floors). Its length
+ * serves that one concern: reading every kind of leaf share() takes, and the
  * SharedBundle it returns.
  *
  * share() walks dicts (str keys), lists and tuples; a leaf is usmipc memory
- * (a 1-D uint8 array of its bytes), a torch tensor (read through its methods:
- * data_ptr, shape, stride, dtype; no DLPack round trip, which costs
- * microseconds per tensor), an object with __cuda_array_interface__ (CuPy,
- * Numba) or with __dlpack__ (NumPy over usmipc host memory, JAX, ...). The
- * SharedBundle keeps every leaf alive: its memory is promised to consumers
- * as long as the bundle lives (freeing it makes its bytes refused).
+ * (a 1-D uint8 array of its bytes), a torch tensor (data_ptr, shape,
+ * stride, dtype read through torch's own C readers, torch_readers.c; no
+ * DLPack round trip, which costs microseconds per tensor), an object with
+ * __cuda_array_interface__ (CuPy, Numba) or with __dlpack__ (NumPy over usmipc
+ * host memory, JAX, ...). The SharedBundle keeps every leaf alive: its memory
+ * is promised to consumers as long as the bundle lives (freeing it makes its
+ * bytes refused).
  *
  * Ordering follows IPCMemoryHandle: by default each to_bytes() records an
  * event on the producer's stream (stream=, or the current stream of the
@@ -260,15 +261,8 @@ static int torch_cpu_refusal(PyObject *tensor, void *ptr) {
 /* A torch storage (UntypedStorage; usmipc.torch sends whole storages): a
  * 1-D uint8 array of its bytes, read through data_ptr(), nbytes() and
  * is_cuda, and refused as a CPU tensor is when it is torch's own memory. */
-static PyObject *name_is_cuda; /* a Python property of UntypedStorage */
-
 static int leaf_torch_storage(PyObject *obj, leaf_info_t *L, int dest) {
-  if (name_is_cuda == NULL &&
-      (name_is_cuda = PyUnicode_InternFromString("is_cuda")) == NULL)
-    return -1;
-  PyObject *is_cuda = PyObject_GetAttr(obj, name_is_cuda);
-  int cuda = is_cuda ? PyObject_IsTrue(is_cuda) : -1;
-  Py_XDECREF(is_cuda);
+  int cuda = pyusmipc_torch_true(obj, PYUSMIPC_S_IS_CUDA);
   if (cuda < 0)
     return -1;
   PyObject *n = pyusmipc_torch_read(obj, PYUSMIPC_S_NBYTES);

@@ -27,6 +27,7 @@
  *   2  device.c         Device, the per-device cache
  *      handle_bytes.c   handle bytes both handle types take and show
  *   1  util.c           state lookup, errors, argument parsing
+ *      torch_readers.c  torch's own C readers of a tensor and a storage
  *      dlpack.h         the DLPack structures
  */
 #include "bundle.h"

@@ -49,7 +49,14 @@ static reader_t readers[PYUSMIPC_TORCH_NREADERS] = {
     [PYUSMIPC_T_IS_CONTIGUOUS] = {.name = "is_contiguous"},
     [PYUSMIPC_S_DATA_PTR] = {.name = "data_ptr", .storage = 1},
     [PYUSMIPC_S_NBYTES] = {.name = "nbytes", .storage = 1},
+    [PYUSMIPC_S_IS_CUDA] = {.name = "is_cuda", .storage = 1},
 };
+
+/* Whether reader r is a method (called without arguments), not an
+ * attribute. */
+static int is_method(int r) {
+  return r >= PYUSMIPC_T_STRIDE && r != PYUSMIPC_S_IS_CUDA;
+}
 
 /* torch._C.TensorBase and StorageBase, once found; kept for the process's
  * life, as torch keeps them. */
@@ -122,7 +129,7 @@ static int find_base(int which, PyObject *obj) {
   }
   for (int r = 0; r < PYUSMIPC_TORCH_NREADERS; r++)
     if (readers[r].storage == which)
-      find_reader(&readers[r], r >= PYUSMIPC_T_STRIDE, base, obj);
+      find_reader(&readers[r], is_method(r), base, obj);
   bases[which] = base;
   return 0;
 }
@@ -170,8 +177,8 @@ PyObject *pyusmipc_torch_read(PyObject *t, pyusmipc_torch_reader_t r) {
   }
   if (x->str == NULL && names_ready() < 0)
     return NULL;
-  return r >= PYUSMIPC_T_STRIDE ? PyObject_CallMethodObjArgs(t, x->str, NULL)
-                                : PyObject_GetAttr(t, x->str);
+  return is_method(r) ? PyObject_CallMethodObjArgs(t, x->str, NULL)
+                      : PyObject_GetAttr(t, x->str);
 }
 
 int pyusmipc_torch_true(PyObject *t, pyusmipc_torch_reader_t r) {

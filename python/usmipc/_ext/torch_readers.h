@@ -26,9 +26,11 @@ typedef enum {
   PYUSMIPC_T_GET_DEVICE,
   PYUSMIPC_T_STORAGE_OFFSET,
   PYUSMIPC_T_IS_CONTIGUOUS,
-  /* of a storage (torch._C.StorageBase): methods */
+  /* of a storage (torch._C.StorageBase): methods, then is_cuda (a Python
+   * property of torch's storage classes: read by name) */
   PYUSMIPC_S_DATA_PTR,
   PYUSMIPC_S_NBYTES,
+  PYUSMIPC_S_IS_CUDA,
   PYUSMIPC_TORCH_NREADERS
 } pyusmipc_torch_reader_t;
 

@@ -19,7 +19,7 @@
  *   _torch_storage_or_live(leaf, origin) -> (storage, fresh): torch.py's
  *       _storage_or_live, one implementation for both languages.
  *
- * Calls util.c only. */
+ * Calls torch_readers.c and util.c only. */
 #include "torch_rebuild.h"
 #include "torch_readers.h"
 

@@ -27,7 +27,7 @@
  * (bundle.c's pyusmipc_share_read) instead of share() reading every
  * tensor again.
  *
- * Calls bundle.c and util.c, and the library's public
+ * Calls bundle.c, torch_readers.c and util.c, and the library's public
  * usmipc_pointer_query(). */
 #include "torch_reduce.h"
 #include "torch_readers.h"
@@ -68,15 +68,13 @@ static struct {
 
 /* Attribute names, made once (a lookup by C string makes a str each
  * time); a tensor's and a storage's own readers are torch_readers.c's. */
-static PyObject *n_is_cuda, *n_device, *n_index, *n_views, *n_index_of,
-    *k_cuda_tensors, *k_host_tensors, *k_routed_tensors, *k_bundles,
-    *k_messages;
+static PyObject *n_device, *n_index, *n_views, *n_index_of, *k_cuda_tensors,
+    *k_host_tensors, *k_routed_tensors, *k_bundles, *k_messages;
 
 static int make_names(void) {
   if (k_messages != NULL) /* made: the last one is */
     return 0;
   static const pyusmipc_named_t names[] = {
-      {&n_is_cuda, "is_cuda"},
       {&n_device, "device"},
       {&n_index, "index"},
       {&n_views, "views"},
@@ -357,9 +355,7 @@ static PyObject *add_own(torch_message_t *m, PyObject *storage,
 
 /* A storage's device index: its CUDA index, -1 on the host. */
 static int storage_index(PyObject *storage, long *index) {
-  PyObject *cuda = PyObject_GetAttr(storage, n_is_cuda);
-  int is_cuda = cuda ? PyObject_IsTrue(cuda) : -1;
-  Py_XDECREF(cuda);
+  int is_cuda = pyusmipc_torch_true(storage, PYUSMIPC_S_IS_CUDA);
   if (is_cuda <= 0) {
     *index = -1;
     return is_cuda;
